@@ -1,0 +1,29 @@
+# `make run`  : create the environment if needed, then run the main job.
+# `make test` : create the environment if needed, then run the test suite.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+# GPU machines bring their own torch; CPU machines get the pinned CPU build.
+HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+
+.PHONY: run test env clean
+
+env: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+ifneq ($(HAS_CUDA),1)
+	$(PY) -m pip install -q torch==2.13.0
+endif
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+run: env
+	$(PY) -m replayssm.cli run
+
+test: env
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV)

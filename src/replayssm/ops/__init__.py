@@ -1,0 +1,45 @@
+"""GDN operators: one op per module, each with its plain-PyTorch reference.
+
+Public functions dispatch on ``backend`` (``"auto"``: Triton for CUDA tensors, the
+reference elsewhere). The ``*_reference`` functions are float64-capable and run anywhere;
+the tests use them as the oracle.
+"""
+
+from .chunked import gdn_chunked_window, gdn_chunked_window_reference
+from .conv import (
+    causal_conv_commit,
+    causal_conv_commit_reference,
+    causal_conv_verify,
+    causal_conv_verify_reference,
+)
+from .cursors import advance_cursors, advance_cursors_reference, reset_cursors, reset_cursors_reference
+from .fold import gdn_fold, gdn_fold_reference
+from .gates import expand_heads, gdn_gates, l2_normalize
+from .records import RawRecords
+from .recurrent import gdn_recurrence, gdn_recurrence_reference, readout, state_update
+from .snapshot import snapshot_commit, snapshot_commit_reference
+
+__all__ = [
+    "RawRecords",
+    "advance_cursors",
+    "advance_cursors_reference",
+    "causal_conv_commit",
+    "causal_conv_commit_reference",
+    "causal_conv_verify",
+    "causal_conv_verify_reference",
+    "expand_heads",
+    "gdn_chunked_window",
+    "gdn_chunked_window_reference",
+    "gdn_fold",
+    "gdn_fold_reference",
+    "gdn_gates",
+    "gdn_recurrence",
+    "gdn_recurrence_reference",
+    "l2_normalize",
+    "readout",
+    "reset_cursors",
+    "reset_cursors_reference",
+    "snapshot_commit",
+    "snapshot_commit_reference",
+    "state_update",
+]

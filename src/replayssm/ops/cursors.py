@@ -1,0 +1,86 @@
+"""Ring cursors of the ``circular`` strategy (DESIGN.md section 3).
+
+Per request: ``write_pos`` (committed records since the checkpoint), ``cache_base``
+(physical ring position of record 0) and ``is_flush``. At commit, with ``n`` accepted
+tokens (bonus included) and window ``T``:
+
+    if is_flush:  cache_base = (cache_base + write_pos) & (L - 1);  write_pos = n
+    else:         write_pos = write_pos + n
+    is_flush = write_pos + 2 T > L
+
+``is_flush`` is raised one window early, so a window never overwrites history: after a
+non-flush commit ``write_pos + T <= L``. A flush row folds its history into the
+checkpoint at its next verify. Rolling back rejected tokens is simply not counting them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _checks
+from .dispatch import pick, register
+
+
+def check_cursor_args(write_pos, cache_base, is_flush, slots, accepted=None):
+    _checks.tensor("write_pos", write_pos, ndim=1, dtypes=(torch.int32, torch.int64))
+    ns = write_pos.shape[0]
+    for name, x in (("cache_base", cache_base), ("is_flush", is_flush)):
+        _checks.tensor(name, x, ndim=1, dtypes=(torch.int32, torch.int64))
+        _checks.shape(name, x, [ns])
+    _checks.tensor("slots", slots, ndim=1, dtypes=_checks.INDEX_DTYPES)
+    if accepted is not None:
+        _checks.tensor("accepted", accepted, ndim=1, dtypes=_checks.INDEX_DTYPES)
+        _checks.shape("accepted", accepted, [slots.shape[0]])
+    _checks.same_device(write_pos, cache_base=cache_base, is_flush=is_flush, slots=slots, accepted=accepted)
+    return ns
+
+
+@register("advance_cursors", "reference")
+def advance_cursors_reference(
+    write_pos: torch.Tensor,
+    cache_base: torch.Tensor,
+    is_flush: torch.Tensor,
+    slots: torch.Tensor,
+    accepted: torch.Tensor,
+    window: int,
+    ring_len: int,
+) -> None:
+    """Commit ``accepted[i]`` tokens for every row ``i`` with ``slots[i] >= 0``, in place.
+
+    Args:
+        write_pos, cache_base, is_flush: ``[num_slots]`` int32 cursors.
+        slots: ``[B]`` slot per row, ``-1`` rows are ignored; live slots are unique.
+        accepted: ``[B]`` accepted tokens per row, ``1 <= n <= window`` (not checked
+            here: the strategy validates it once per step).
+        window: ``T``, the largest window.
+        ring_len: ``L``, a power of two with ``L >= 2 T``.
+    """
+    check_cursor_args(write_pos, cache_base, is_flush, slots, accepted)
+    live = slots >= 0
+    s = slots[live].long()
+    n = accepted[live].to(write_pos.dtype)
+    wp, base, flush = write_pos[s], cache_base[s], is_flush[s] != 0
+    new_base = torch.where(flush, (base + wp) & (ring_len - 1), base)
+    new_wp = torch.where(flush, n, wp + n)
+    write_pos[s] = new_wp
+    cache_base[s] = new_base
+    is_flush[s] = (new_wp + 2 * window > ring_len).to(is_flush.dtype)
+
+
+@register("reset_cursors", "reference")
+def reset_cursors_reference(write_pos, cache_base, is_flush, slots) -> None:
+    """Empty the history of every slot in ``slots`` (``-1`` ignored): all cursors to 0."""
+    check_cursor_args(write_pos, cache_base, is_flush, slots)
+    s = slots[slots >= 0].long()
+    for x in (write_pos, cache_base, is_flush):
+        x[s] = 0
+
+
+def advance_cursors(*args, backend: str = "auto", **kwargs) -> None:
+    """Dispatching front of :func:`advance_cursors_reference` (same arguments)."""
+    return pick("advance_cursors", backend, args[0] if args else kwargs["write_pos"])(*args, **kwargs)
+
+
+def reset_cursors(*args, backend: str = "auto", **kwargs) -> None:
+    """Dispatching front of :func:`reset_cursors_reference` (same arguments)."""
+    return pick("reset_cursors", backend, args[0] if args else kwargs["write_pos"])(*args, **kwargs)

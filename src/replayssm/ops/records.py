@@ -1,0 +1,98 @@
+"""Raw per-token records, the packed-batch descriptor checks, and ring indexing.
+
+A raw record is what the closed-loop fold needs to replay one token through the exact
+recurrence: the pre-normalisation key per key head and the value in the activation dtype
+(stored as given, so the copy is lossless), plus the float32 gates ``g`` and ``beta``.
+
+Ring buffers are per layer ``[num_slots, R, ...]``: record ``i`` of a request whose ring
+starts at physical position ``base`` lives at ``(base + i) % R``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from . import _checks
+
+
+class RawRecords(NamedTuple):
+    """Ring buffers of raw records for one layer.
+
+    Attributes:
+        k: ``[num_slots, R, H, K]`` pre-normalisation keys, activation dtype.
+        v: ``[num_slots, R, HV, V]`` values, activation dtype.
+        g: ``[num_slots, R, HV]`` float32 log decays.
+        beta: ``[num_slots, R, HV]`` float32 write strengths.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+
+    @property
+    def ring_len(self) -> int:
+        return self.k.shape[1]
+
+    def check(self, name: str, num_slots: int, num_heads: int, head_k: int, num_value_heads: int, head_v: int):
+        """Validate the four buffers against the layer's shape (metadata only)."""
+        r = self.k.shape[1] if isinstance(self.k, torch.Tensor) and self.k.dim() == 4 else None
+        _checks.tensor(f"{name}.k", self.k, ndim=4, dtypes=_checks.FLOAT_DTYPES)
+        _checks.shape(f"{name}.k", self.k, [num_slots, r, num_heads, head_k])
+        _checks.tensor(f"{name}.v", self.v, ndim=4, dtypes=_checks.FLOAT_DTYPES)
+        _checks.shape(f"{name}.v", self.v, [num_slots, r, num_value_heads, head_v])
+        for field in ("g", "beta"):
+            x = getattr(self, field)
+            _checks.tensor(f"{name}.{field}", x, ndim=3, dtypes=(torch.float32, torch.float64))
+            _checks.shape(f"{name}.{field}", x, [num_slots, r, num_value_heads])
+        _checks.same_device(self.k, **{f"{name}.{f}": getattr(self, f) for f in ("v", "g", "beta")})
+
+    def write(self, slot: int, pos: int, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor):
+        """Store one token's raw record at physical ring position ``pos`` of ``slot``."""
+        self.k[slot, pos] = k
+        self.v[slot, pos] = v
+        self.g[slot, pos] = g
+        self.beta[slot, pos] = beta
+
+
+def check_varlen(
+    cu_seqlens: torch.Tensor, slots: torch.Tensor, num_tokens: int, num_slots: int, max_len: int | None = None
+) -> tuple[list[int], list[int]]:
+    """Validate a packed batch and return ``(cu_seqlens, slots)`` as Python lists.
+
+    Args:
+        cu_seqlens: ``[B + 1]`` int32/int64, ``cu_seqlens[0] == 0``, non-decreasing,
+            ``cu_seqlens[-1] == num_tokens``.
+        slots: ``[B]`` int32/int64 slot of each request in the pool, ``-1`` for padding.
+        num_tokens: ``N``, the packed token count.
+        num_slots: the pool size; valid slots are ``0 <= slot < num_slots``.
+        max_len: if given, every window must have ``1 <= length <= max_len``.
+
+    This reads the tensors' values, so it synchronises with the device; the reference ops
+    loop on the host anyway. Fast paths validate values once when a batch is built.
+    """
+    _checks.tensor("cu_seqlens", cu_seqlens, ndim=1, dtypes=_checks.INDEX_DTYPES)
+    _checks.tensor("slots", slots, ndim=1, dtypes=_checks.INDEX_DTYPES)
+    if cu_seqlens.numel() != slots.numel() + 1:
+        raise ValueError(
+            f"cu_seqlens must have len(slots) + 1 = {slots.numel() + 1} entries, got {cu_seqlens.numel()}"
+        )
+    cu = cu_seqlens.tolist()
+    sl = slots.tolist()
+    if cu[0] != 0 or cu[-1] != num_tokens:
+        raise ValueError(f"cu_seqlens must start at 0 and end at the token count {num_tokens}, got {cu}")
+    for i in range(len(sl)):
+        n = cu[i + 1] - cu[i]
+        if n < 0:
+            raise ValueError(f"cu_seqlens must be non-decreasing, got {cu}")
+        if max_len is not None and not 1 <= n <= max_len:
+            raise ValueError(f"window {i} has {n} tokens, expected 1..{max_len}")
+    for i, s in enumerate(sl):
+        if not -1 <= s < num_slots:
+            raise ValueError(f"slots[{i}] = {s} is outside [-1, {num_slots})")
+    live = [s for s in sl if s >= 0]
+    if len(set(live)) != len(live):
+        raise ValueError(f"slots must be unique (apart from -1 padding), got {sl}")
+    return cu, sl
