@@ -1,0 +1,108 @@
+"""Shared ``@triton.jit`` helpers of the GDN kernels (DESIGN.md section 1).
+
+Every Triton kernel that advances a GDN state builds it from these helpers, in the
+reference operation order of :mod:`replayssm.ops.gates` and
+:func:`replayssm.ops.recurrent.state_update`:
+
+    g    = -exp(A_log) * softplus(a + dt_bias)          (:func:`gdn_gates`)
+    beta = 1 / (1 + exp(-b))
+    k^   = k / sqrt(sum(k*k) + eps)                     (:func:`l2norm`)
+    S'   = exp(g) * S                                   (:func:`gdn_state_step`)
+    u    = beta * (v - S' k^)
+    S    = S' + u k^T
+
+Exactness rule. On one device, every exact path (recurrent verify with snapshots or
+``update_state``, the fold kernel, the circular flush) must reach the same fp32 state
+bit for bit. They do when they all call :func:`l2norm` and :func:`gdn_state_step` on
+full-``K`` tiles: the state tile is ``[BV, BK]`` with ``BK = next_power_of_2(K)`` (the
+whole key axis in one block, so the ``S' k^`` reduction has one shape everywhere) and
+``V`` split in rows. Rows are independent, so ``BV`` may differ between kernels; ``BK``
+must not. Triton lays a reduction out from the tile shape and ``num_warps``; keep
+``BV >= num_warps`` and use :data:`EXACT_NUM_WARPS` so that a row of the tile never
+spans warps and the ``K`` reduction runs in the same order in every kernel.
+
+Precision: divisions and square roots use the IEEE-rounded ``div_rn`` / ``sqrt_rn``
+(Triton's plain ``/`` and ``sqrt`` are approximate on NVIDIA GPUs); ``exp`` and ``log``
+are Triton's fast versions, a few ulp from ``torch``'s. So the kernels agree with the
+reference to fp32 rounding, not bit for bit, while agreeing with each other exactly.
+
+The module imports without Triton (``triton`` is then ``None`` and no helper exists).
+"""
+
+from __future__ import annotations
+
+import os
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the reference backend works without Triton
+    triton = None
+    tl = None
+
+#: Whether the kernels were defined for the Triton interpreter (``TRITON_INTERPRET=1``
+#: at import time). ``triton.jit`` reads the variable when a kernel is defined, so
+#: setting it later has no effect on kernels already imported.
+INTERPRETER = triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
+
+#: ``num_warps`` of every kernel that advances a state exactly (see the module notes).
+EXACT_NUM_WARPS = 4
+
+#: ``eps`` of the key/query normalisation, as in :data:`replayssm.ops.gates.NORM_EPS`.
+NORM_EPS = 1e-6
+
+#: ``softplus(x) = x`` above this, as in :data:`replayssm.ops.gates.SOFTPLUS_THRESHOLD`.
+SOFTPLUS_THRESHOLD = 20.0
+
+
+if triton is not None:
+    # Module globals reach jitted code only as constexpr.
+    _SOFTPLUS_THRESHOLD = tl.constexpr(SOFTPLUS_THRESHOLD)
+
+    @triton.jit
+    def gdn_gates(a, b, A_log, dt_bias):
+        """Decay ``g`` and write strength ``beta`` (fp32) from raw gates.
+
+        ``a``, ``b`` are loaded values (scalars or blocks, any float dtype) and
+        ``A_log``, ``dt_bias`` the head's parameters, broadcastable to them.
+        ``softplus(x) = log1p(exp(x))`` below the threshold; ``log1p`` is evaluated as
+        ``log(1 + e) * e / ((1 + e) - 1)``, which keeps full relative accuracy where
+        ``1 + e`` rounds (Triton has no ``log1p``).
+        """
+        x = a.to(tl.float32) + dt_bias.to(tl.float32)
+        # Clamp before exp: the branch above the threshold is discarded, but exp(x)
+        # would overflow to inf and the discarded lane would compute inf * 0.
+        e = tl.exp(tl.minimum(x, _SOFTPLUS_THRESHOLD))
+        one_plus = 1.0 + e
+        d = one_plus - 1.0
+        # Where 1 + e rounds to 1, log1p(e) = e to fp32 precision; the guard also keeps
+        # the discarded lane away from 0 / 0.
+        d_safe = tl.where(d == 0.0, 1.0, d)
+        log1p_e = tl.where(d == 0.0, e, tl.log(one_plus) * tl.div_rn(e, d_safe))
+        softplus = tl.where(x > _SOFTPLUS_THRESHOLD, x, log1p_e)
+        g = -tl.exp(A_log.to(tl.float32)) * softplus
+        beta = tl.div_rn(tl.full(b.shape, 1.0, tl.float32), 1.0 + tl.exp(-b.to(tl.float32)))
+        return g, beta
+
+    @triton.jit
+    def l2norm(x, eps):
+        """``x / sqrt(sum(x*x) + eps)`` over the last axis of a ``[BK]`` or ``[N, BK]`` block.
+
+        Masked lanes must be loaded as zero; they stay zero. Returns fp32.
+        """
+        x = x.to(tl.float32)
+        ss = tl.sum(x * x, axis=len(x.shape) - 1, keep_dims=True)
+        return tl.div_rn(x, tl.sqrt_rn(ss + eps))
+
+    @triton.jit
+    def gdn_state_step(S, k_hat, v, g, beta):
+        """One exact GDN step of a ``[BV, BK]`` fp32 state tile (rows: values, cols: keys).
+
+        ``k_hat`` is the normalised key ``[BK]`` (full ``K``, masked lanes zero), ``v``
+        the ``[BV]`` fp32 values of the tile's rows, ``g`` and ``beta`` fp32 scalars.
+        Returns the new tile.
+        """
+        S = tl.exp(g) * S
+        u = beta * (v - tl.sum(S * k_hat[None, :], 1))
+        S = S + u[:, None] * k_hat[None, :]
+        return S
