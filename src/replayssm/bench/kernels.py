@@ -1,0 +1,604 @@
+"""``replayssm bench kernels``: one captured step per strategy against the one-read floor.
+
+A step is what a speculative decode step asks of the GDN state: for every layer of the
+graph, ``verify`` of a full window per request (optionally preceded by the causal conv),
+then one ``commit`` of ``--accept`` tokens per request for all layers. The whole step is
+captured in one CUDA graph and replayed; the reported time is per layer-step (step time
+divided by ``--layers``). Next to it: the floor of DESIGN.md section 4 (one read of the
+layer's states at the measured copy bandwidth), the ratio to that floor, the bandwidth
+achieved on the bytes the strategy has to move (:func:`replayssm.bench.common.step_bytes`)
+and the committed tokens per microsecond per layer.
+
+Two reference steps are timed the same way: ``plain_decode`` (one token per request,
+the recurrence updating the state in place) and ``snapshot_verify`` (the ``snapshot``
+strategy's verify alone: the plain recurrence writing a snapshot per window position).
+
+Without CUDA the command runs a tiny shape eagerly with the reference ops: a smoke run
+that exercises the code path; it makes no floor claims (``floor_us`` is null).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import platform
+import sys
+import traceback
+import zlib
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from . import common
+from .common import StepShape, Timing
+
+STRATEGY_NAMES = ("snapshot", "fold", "circular")
+BASELINE_NAMES = ("plain_decode", "snapshot_verify")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+# Qwen3.5-35B-A3B GDN layers at TP1 (DESIGN.md section 6) on CUDA; a tiny shape for the
+# CPU smoke run, where the reference ops loop on the host.
+CUDA_DEFAULTS = dict(heads=16, value_heads=32, head_k_dim=128, head_v_dim=128, layers=8, batches=(1, 16, 64, 256), repeats=30, act_dtype="bfloat16")
+CPU_DEFAULTS = dict(heads=2, value_heads=4, head_k_dim=16, head_v_dim=16, layers=2, batches=(1, 2), repeats=3, act_dtype="float32")
+
+
+# ---------------------------------------------------------------------- arguments
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    if len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"duplicate values in {text!r}")
+    return values
+
+
+def _name_list(allowed: tuple[str, ...], *, allow_empty: bool):
+    def parse(text: str) -> list[str]:
+        if allow_empty and text.strip().lower() in ("", "none"):
+            return []
+        names = [x.strip() for x in text.split(",") if x.strip()]
+        bad = [n for n in names if n not in allowed]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {','.join(allowed)}, got {text!r}")
+        if len(set(names)) != len(names):
+            raise argparse.ArgumentTypeError(f"duplicate names in {text!r}")
+        return names
+
+    return parse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("what to time")
+    g.add_argument("--batches", type=_int_list, default=None,
+                   help="requests per step, comma-separated (default 1,16,64,256 on CUDA; 1,2 in the CPU smoke run)")
+    g.add_argument("--strategies", type=_name_list(STRATEGY_NAMES, allow_empty=False), default=list(STRATEGY_NAMES),
+                   help="strategies to time (default snapshot,fold,circular)")
+    g.add_argument("--baselines", type=_name_list(BASELINE_NAMES, allow_empty=True), default=list(BASELINE_NAMES),
+                   help="reference steps to time, or 'none' (default plain_decode,snapshot_verify)")
+    g.add_argument("--layers", type=int, default=None,
+                   help="GDN layers per captured step (default 8 on CUDA, 2 on the CPU); small batches "
+                        "additionally rotate among independent copies so that the states exceed L2")
+    g.add_argument("--window", type=int, default=4, help="T, tokens verified per request (default 4)")
+    g.add_argument("--accept", type=int, default=3, help="n, tokens committed per request, bonus included (default 3)")
+    g.add_argument("--ring-len", default="auto",
+                   help="L for circular: a power of two >= 2T, or 'auto' for the length that moves the fewest "
+                        "bytes per layer-step in the byte model (32 at the default shape)")
+    g.add_argument("--conv", action="store_true", help="include the causal conv's verify and commit in the step")
+    s = parser.add_argument_group("shapes and dtypes")
+    s.add_argument("--heads", type=int, default=None, help="H, key heads (default 16 on CUDA)")
+    s.add_argument("--value-heads", type=int, default=None, help="HV, value heads (default 32 on CUDA)")
+    s.add_argument("--head-k-dim", type=int, default=None, help="K (default 128 on CUDA)")
+    s.add_argument("--head-v-dim", type=int, default=None, help="V (default 128 on CUDA)")
+    s.add_argument("--state-dtype", choices=("float32", "bfloat16"), default="float32", help="state dtype (default float32)")
+    s.add_argument("--act-dtype", choices=("bfloat16", "float16", "float32"), default=None,
+                   help="activation dtype (default bfloat16 on CUDA, float32 on the CPU)")
+    r = parser.add_argument_group("how to run")
+    r.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default cuda when available)")
+    r.add_argument("--backend", choices=("auto", "reference", "triton"), default="auto",
+                   help="ops backend (default auto: Triton on CUDA, the reference on the CPU)")
+    r.add_argument("--no-graph", action="store_true", help="time eager steps with the wall clock instead of CUDA graphs")
+    r.add_argument("--repeats", type=int, default=None, help="timed blocks per configuration (default 30 on CUDA, 3 on the CPU)")
+    r.add_argument("--seed", type=int, default=0, help="seed of the random states and inputs")
+    r.add_argument("--json", type=Path, default=None, help="write the rows as JSON to this path")
+    r.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+
+
+# ---------------------------------------------------------------------- configuration
+@dataclass(frozen=True)
+class BenchConfig:
+    """The resolved, validated options of one run."""
+
+    device: torch.device
+    backend: str
+    graph: bool
+    heads: int
+    value_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    layers: int
+    batches: tuple[int, ...]
+    strategies: tuple[str, ...]
+    baselines: tuple[str, ...]
+    window: int
+    accept: int
+    ring_len: int
+    ring_len_source: str
+    state_dtype: torch.dtype
+    act_dtype: torch.dtype
+    conv: bool
+    repeats: int
+    seed: int
+
+    @property
+    def smoke(self) -> bool:
+        """No CUDA device: the run proves the code path and claims no floor."""
+        return self.device.type != "cuda"
+
+    def gdn_shape(self):
+        from ..state import GDNShape
+
+        return GDNShape(self.heads, self.value_heads, self.head_k_dim, self.head_v_dim)
+
+    def step_shape(self, batch: int, *, conv: bool | None = None) -> StepShape:
+        conv = self.conv if conv is None else conv
+        return StepShape(
+            batch=batch, num_heads=self.heads, num_value_heads=self.value_heads, head_k_dim=self.head_k_dim,
+            head_v_dim=self.head_v_dim, window=self.window, accept=self.accept,
+            state_elem=torch.empty((), dtype=self.state_dtype).element_size(),
+            act_elem=torch.empty((), dtype=self.act_dtype).element_size(),
+            ring_len=self.ring_len, conv_dim=self.gdn_shape().conv_dim if conv else 0,
+        )
+
+
+def _positive(name: str, value) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def resolve_config(args: argparse.Namespace) -> BenchConfig:
+    """Turn parsed arguments into a :class:`BenchConfig`, applying the device-dependent
+    defaults; raises ``ValueError`` naming the offending option."""
+    from ..ops.dispatch import resolve
+
+    if args.device is None:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        try:
+            device = torch.device(args.device)
+        except RuntimeError as e:
+            raise ValueError(f"--device: {e}") from None
+        if device.type not in ("cuda", "cpu"):
+            raise ValueError(f"--device must be cuda, cuda:N or cpu, got {args.device!r}")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"--device {args.device}: no CUDA device is available")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    d = CUDA_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS
+
+    def pick(name):
+        value = getattr(args, name)
+        return d[name] if value is None else value
+
+    heads = _positive("--heads", pick("heads"))
+    value_heads = _positive("--value-heads", pick("value_heads"))
+    if value_heads % heads:
+        raise ValueError(f"--value-heads ({value_heads}) must be a multiple of --heads ({heads})")
+    head_k_dim = _positive("--head-k-dim", pick("head_k_dim"))
+    head_v_dim = _positive("--head-v-dim", pick("head_v_dim"))
+    layers = _positive("--layers", pick("layers"))
+    batches = tuple(_positive("--batches", b) for b in pick("batches"))
+    window = _positive("--window", args.window)
+    accept = _positive("--accept", args.accept)
+    if accept > window:
+        raise ValueError(f"--accept must be in [1, --window = {window}], got {accept}")
+    repeats = _positive("--repeats", pick("repeats"))
+    strategies = tuple(args.strategies)
+    baselines = tuple(args.baselines)
+    if not strategies and not baselines:
+        raise ValueError("--strategies and --baselines select nothing to time")
+    state_dtype = DTYPES[args.state_dtype]
+    act_dtype = DTYPES[pick("act_dtype")]
+    graph = device.type == "cuda" and not args.no_graph
+    backend = args.backend
+    if graph and resolve(backend, device) != "triton":
+        raise ValueError("--backend reference cannot be captured in a CUDA graph (its ops read values on the host); add --no-graph")
+
+    probe = StepShape(batch=1, num_heads=heads, num_value_heads=value_heads, head_k_dim=head_k_dim, head_v_dim=head_v_dim,
+                      window=window, accept=accept, state_elem=torch.empty((), dtype=state_dtype).element_size(),
+                      act_elem=torch.empty((), dtype=act_dtype).element_size())
+    if str(args.ring_len).strip().lower() == "auto":
+        ring_len, ring_len_source = common.best_ring_len(probe), "auto: fewest bytes per layer-step in the byte model"
+    else:
+        try:
+            ring_len = int(args.ring_len)
+        except ValueError:
+            raise ValueError(f"--ring-len must be 'auto' or an integer, got {args.ring_len!r}") from None
+        if ring_len < 2 * window or ring_len & (ring_len - 1):
+            raise ValueError(f"--ring-len must be a power of two >= 2 * --window = {2 * window}, got {ring_len}")
+        ring_len_source = "given"
+    return BenchConfig(
+        device=device, backend=backend, graph=graph, heads=heads, value_heads=value_heads, head_k_dim=head_k_dim,
+        head_v_dim=head_v_dim, layers=layers, batches=batches, strategies=strategies, baselines=baselines,
+        window=window, accept=accept, ring_len=ring_len, ring_len_source=ring_len_source, state_dtype=state_dtype,
+        act_dtype=act_dtype, conv=bool(args.conv), repeats=repeats, seed=int(args.seed),
+    )
+
+
+# ---------------------------------------------------------------------- steps
+def _randn(gen, device, dtype, *shape, scale: float = 1.0) -> torch.Tensor:
+    x = torch.randn(*shape, generator=gen, device=device, dtype=torch.float32)
+    return (x * scale).to(dtype)
+
+
+def _random_gates(gen, device, layers: int, hv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``A_log`` in [-3, -0.3] and ``dt_bias`` ~ N(0, 0.5^2) per layer: decays in the
+    range trained models use, so states neither vanish nor blow up over many replays."""
+    A_log = torch.rand(layers, hv, generator=gen, device=device) * 2.7 - 3.0
+    dt_bias = torch.randn(layers, hv, generator=gen, device=device) * 0.5
+    return A_log, dt_bias
+
+
+class _LayerInputs:
+    """Fresh random post-conv inputs of every layer for ``tokens`` packed tokens."""
+
+    def __init__(self, cfg: BenchConfig, tokens: int, gen, *, conv: bool):
+        dev, dt, L = cfg.device, cfg.act_dtype, cfg.layers
+        h, hv, kd, vd = cfg.heads, cfg.value_heads, cfg.head_k_dim, cfg.head_v_dim
+        if conv:  # pre-conv channels q|k|v, split after the conv
+            self.x = [_randn(gen, dev, dt, tokens, 2 * h * kd + hv * vd) for _ in range(L)]
+        else:
+            self.q = [_randn(gen, dev, dt, tokens, h, kd) for _ in range(L)]
+            self.k = [_randn(gen, dev, dt, tokens, h, kd) for _ in range(L)]
+            self.v = [_randn(gen, dev, dt, tokens, hv, vd) for _ in range(L)]
+        self.a = [_randn(gen, dev, dt, tokens, hv) for _ in range(L)]
+        self.b = [_randn(gen, dev, dt, tokens, hv, scale=2.0) for _ in range(L)]
+
+
+class StrategyStep:
+    """One copy of a strategy's step: its own :class:`StatePool`, random checkpoints and
+    inputs, ``batch`` live requests with full windows and ``accept`` tokens committed.
+
+    :meth:`step` is what gets captured: every layer's verify (and conv, if enabled),
+    then one commit. Only the public API is used, so whatever ops the pool's backend
+    dispatches to are what is timed.
+    """
+
+    kind = "strategy"
+
+    def __init__(self, cfg: BenchConfig, name: str, batch: int, gen: torch.Generator):
+        from ..state import StatePool
+
+        self.cfg, self.name, self.gen = cfg, name, gen
+        shape = cfg.gdn_shape()
+        self.pool = StatePool(
+            shape, cfg.layers, batch, strategy=name, window=cfg.window, ring_len=cfg.ring_len,
+            state_dtype=cfg.state_dtype, act_dtype=cfg.act_dtype, device=cfg.device, backend=cfg.backend,
+        )
+        A_log, dt_bias = _random_gates(gen, cfg.device, cfg.layers, shape.num_value_heads)
+        for layer in range(cfg.layers):
+            self.pool.set_layer_params(
+                layer, A_log=A_log[layer], dt_bias=dt_bias[layer],
+                conv_weight=_randn(gen, cfg.device, torch.float32, shape.conv_dim, shape.conv_kernel, scale=0.5),
+                conv_bias=_randn(gen, cfg.device, torch.float32, shape.conv_dim, scale=0.1),
+            )
+        slots = [self.pool.alloc() for _ in range(batch)]
+        # Random committed states (alloc zeroed them): the empty ring makes the
+        # checkpoint the whole committed state for every strategy.
+        self.pool.buffers["checkpoints"].normal_(0.0, 0.1, generator=gen)
+        self.pool.buffers["conv_state"].copy_(torch.randn(self.pool.buffers["conv_state"].shape, generator=gen, device=cfg.device))
+        self.batch = self.pool.batch(slots, cfg.window)
+        self.inputs = _LayerInputs(cfg, batch * cfg.window, gen, conv=cfg.conv)
+        self.accepted = torch.full((batch,), cfg.accept, dtype=torch.int32, device=cfg.device)
+        self.outputs: list[torch.Tensor | None] = [None] * cfg.layers
+
+    def _split(self, y: torch.Tensor):
+        c = self.cfg
+        n, hk = y.shape[0], c.heads * c.head_k_dim
+        q = y[:, :hk].reshape(n, c.heads, c.head_k_dim).contiguous()
+        k = y[:, hk:2 * hk].reshape(n, c.heads, c.head_k_dim).contiguous()
+        v = y[:, 2 * hk:].reshape(n, c.value_heads, c.head_v_dim).contiguous()
+        return q, k, v
+
+    def step(self, accepted: torch.Tensor | None = None) -> None:
+        s, x = self.pool.strategy, self.inputs
+        for layer in range(self.cfg.layers):
+            if self.cfg.conv:
+                q, k, v = self._split(s.conv_verify(layer, x.x[layer], self.batch))
+            else:
+                q, k, v = x.q[layer], x.k[layer], x.v[layer]
+            self.outputs[layer] = s.verify(layer, q, k, v, x.a[layer], x.b[layer], self.batch)
+        s.commit(self.batch, self.accepted if accepted is None else accepted)
+
+    def prepare(self) -> None:
+        """Eager steps with random accepted counts before timing, so that requests sit
+        at different phases of the cursor cycle (``circular``) as they do in serving;
+        they also compile the kernels for every accepted count."""
+        steps = max(4, self.cfg.ring_len // 2) if self.name == "circular" else 2
+        for _ in range(steps):
+            acc = torch.randint(1, self.cfg.window + 1, self.accepted.shape, generator=self.gen, device=self.cfg.device, dtype=torch.int32)
+            self.step(acc)
+
+
+class RecurrenceStep:
+    """A reference step built on the plain recurrence op, every layer of the graph.
+
+    ``plain_decode``: one token per request, the state updated in place (what plain
+    decoding costs per token). ``snapshot_verify``: a full window per request from the
+    state, writing the state after every position to a ``[T, HV, V, K]`` scratch per
+    request (the ``snapshot`` strategy's verify, without its commit).
+    """
+
+    kind = "baseline"
+
+    def __init__(self, cfg: BenchConfig, name: str, batch: int, gen: torch.Generator):
+        if name not in BASELINE_NAMES:
+            raise ValueError(f"name must be one of {BASELINE_NAMES}, got {name!r}")
+        self.cfg, self.name = cfg, name
+        dev, L, hv, vd, kd = cfg.device, cfg.layers, cfg.value_heads, cfg.head_v_dim, cfg.head_k_dim
+        per_request = 1 if name == "plain_decode" else cfg.window
+        self.state = torch.empty(L, batch, hv, vd, kd, dtype=cfg.state_dtype, device=dev).normal_(0.0, 0.1, generator=gen)
+        self.snapshots = (
+            torch.empty(L, batch, cfg.window, hv, vd, kd, dtype=cfg.state_dtype, device=dev) if name == "snapshot_verify" else None
+        )
+        self.A_log, self.dt_bias = _random_gates(gen, dev, L, hv)
+        self.slots = torch.arange(batch, dtype=torch.int32, device=dev)
+        self.cu_seqlens = torch.arange(0, batch * per_request + 1, per_request, dtype=torch.int32, device=dev)
+        self.inputs = _LayerInputs(cfg, batch * per_request, gen, conv=False)
+        self.outputs: list[torch.Tensor | None] = [None] * L
+
+    def step(self) -> None:
+        from ..ops import gdn_recurrence
+
+        x = self.inputs
+        for layer in range(self.cfg.layers):
+            self.outputs[layer] = gdn_recurrence(
+                x.q[layer], x.k[layer], x.v[layer], x.a[layer], x.b[layer], self.A_log[layer], self.dt_bias[layer],
+                self.state[layer], self.slots, self.cu_seqlens,
+                snapshots=None if self.snapshots is None else self.snapshots[layer],
+                update_state=self.name == "plain_decode", backend=self.cfg.backend,
+            )
+
+    def prepare(self) -> None:
+        self.step()
+
+
+# ---------------------------------------------------------------------- measuring
+def _generator(cfg: BenchConfig, *key) -> torch.Generator:
+    gen = torch.Generator(device=cfg.device)
+    gen.manual_seed(cfg.seed * 1_000_003 + zlib.crc32(repr(key).encode()))
+    return gen
+
+
+def measure(cfg: BenchConfig, name: str, batch: int, *, copy_bw: float | None, l2_bytes: int | None,
+            progress: common.Progress | None = None) -> dict:
+    """Time one (strategy or baseline, batch) configuration and return its JSON row."""
+    is_strategy = name in STRATEGY_NAMES
+    if not is_strategy and name not in BASELINE_NAMES:
+        raise ValueError(f"name must be one of {STRATEGY_NAMES + BASELINE_NAMES}, got {name!r}")
+    shape = cfg.step_shape(batch, conv=cfg.conv and is_strategy)
+    nbytes = common.step_bytes(name, shape)
+    cycle = common.cursor_cycle(cfg.window, cfg.ring_len, cfg.accept).steps if name == "circular" else 1
+    copies = 1
+    if cfg.graph and l2_bytes:
+        copies = common.rotation_copies(shape.state_bytes * cfg.layers, l2_bytes)
+    cls = StrategyStep if is_strategy else RecurrenceStep
+    runners = [cls(cfg, name, batch, _generator(cfg, name, batch, i)) for i in range(copies)]
+    graphs = []
+    try:
+        for r in runners:
+            r.prepare()
+        if cfg.graph:
+            if progress:
+                progress.note(f"capturing {copies} graph(s) of {cfg.layers} layers")
+            graphs = [common.capture_graph(r.step) for r in runners]
+            probe = common.time_graphs(graphs, steps_per_block=cycle, blocks=1, warmup_blocks=1)
+            spb = common.plan_steps_per_block(probe.us_per_step, cycle, copies)
+            timing = common.time_graphs(graphs, steps_per_block=spb, blocks=cfg.repeats)
+        else:
+            timing = common.time_eager([r.step for r in runners], steps_per_block=cycle, blocks=cfg.repeats)
+    finally:
+        del graphs, runners
+        gc.collect()
+        if cfg.device.type == "cuda":
+            torch.cuda.empty_cache()
+    return make_row(cfg, name, batch, timing, nbytes, shape, copy_bw, cycle)
+
+
+def make_row(cfg: BenchConfig, name: str, batch: int, timing: Timing, nbytes: common.StepBytes, shape: StepShape,
+             copy_bw: float | None, cycle: int) -> dict:
+    """The JSON row of one configuration (see the module docstring for the fields)."""
+    from ..strategies import STRATEGIES
+
+    us = timing.us_per_step / cfg.layers
+    floor_us = None if copy_bw is None else shape.state_bytes / copy_bw * 1e6
+    committed = cfg.accept if name in STRATEGY_NAMES else (1 if name == "plain_decode" else None)
+    return {
+        "strategy": name,
+        "kind": "strategy" if name in STRATEGY_NAMES else "baseline",
+        "batch": batch,
+        "layers": cfg.layers,
+        "window": 1 if name == "plain_decode" else cfg.window,
+        "accepted_per_request": committed,
+        "ring_len": cfg.ring_len if name == "circular" else None,
+        "cursor_cycle_steps": cycle if name == "circular" else None,
+        "exact_outputs": STRATEGIES[name].exact_outputs if name in STRATEGY_NAMES else True,
+        "us_per_step": timing.us_per_step,
+        "us_per_layer_step": us,
+        "floor_us": floor_us,
+        "floor_ratio": None if floor_us is None else us / floor_us,
+        "achieved_GBps": nbytes.total / (us * 1e-6) / 1e9,
+        "committed_tokens_per_us_per_layer": None if committed is None else batch * committed / us,
+        "state_bytes_per_layer": shape.state_bytes,
+        "bytes_per_layer_step": nbytes.as_dict(),
+        "timing": timing.summary(),
+    }
+
+
+def evaluate_targets(rows: list[dict]) -> list[dict]:
+    """Issue 3's targets, for the batches present in ``rows``.
+
+    - best strategy at batch >= 64: at most 1.5x the floor; at 16 <= batch < 64: 2x;
+    - best strategy at batch 1: no slower than ``snapshot``;
+    - every strategy, every batch: no slower than ``snapshot``;
+    - ``snapshot`` no slower than ``snapshot_verify`` (the plain verify writing snapshots).
+    """
+    out = []
+    by = {(r["strategy"], r["batch"]): r for r in rows}
+
+    def add(batch, target, value, limit, unit):
+        out.append({"batch": batch, "target": target, "value": value, "limit": limit, "unit": unit, "passed": value <= limit})
+
+    for batch in sorted({r["batch"] for r in rows}):
+        strat = [r for r in rows if r["kind"] == "strategy" and r["batch"] == batch]
+        if not strat:
+            continue
+        best = min(strat, key=lambda r: r["us_per_layer_step"])
+        limit = 1.5 if batch >= 64 else 2.0 if batch >= 16 else None
+        if limit is not None and best["floor_ratio"] is not None:
+            add(batch, f"best strategy ({best['strategy']}) / one-read floor", best["floor_ratio"], limit, "x")
+        snap = by.get(("snapshot", batch))
+        if snap is None:
+            continue
+        if batch == 1:
+            add(batch, f"best strategy ({best['strategy']}) vs snapshot", best["us_per_layer_step"], snap["us_per_layer_step"], "us")
+        for r in strat:
+            if r["strategy"] != "snapshot":
+                add(batch, f"{r['strategy']} vs snapshot", r["us_per_layer_step"], snap["us_per_layer_step"], "us")
+        sv = by.get(("snapshot_verify", batch))
+        if sv is not None:
+            add(batch, "snapshot vs snapshot_verify (plain verify writing snapshots)", snap["us_per_layer_step"], sv["us_per_layer_step"], "us")
+    return out
+
+
+# ---------------------------------------------------------------------- output
+def _fmt(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def format_table(rows: list[dict]) -> str:
+    head = f"{'strategy':<16} {'batch':>5} {'us/layer-step':>13} {'floor_us':>9} {'ratio':>6} {'GB/s':>8} {'tok/us/layer':>12} {'MB/layer-step':>13}"
+    lines = [head, "-" * len(head)]
+    order = {n: i for i, n in enumerate(STRATEGY_NAMES + BASELINE_NAMES)}
+    for r in sorted(rows, key=lambda r: (r["batch"], order[r["strategy"]])):
+        lines.append(
+            f"{r['strategy']:<16} {r['batch']:>5} {r['us_per_layer_step']:>13.2f} {_fmt(r['floor_us'], '9.2f'):>9} "
+            f"{_fmt(r['floor_ratio'], '6.2f'):>6} {r['achieved_GBps']:>8.4g} "
+            f"{_fmt(r['committed_tokens_per_us_per_layer'], '12.3f'):>12} {r['bytes_per_layer_step']['total'] / 1e6:>13.2f}"
+        )
+    return "\n".join(lines)
+
+
+def _versions() -> dict:
+    out = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
+    try:
+        import triton
+
+        out["triton"] = triton.__version__
+    except ImportError:
+        out["triton"] = None
+    from .. import __version__
+
+    out["replayssm"] = __version__
+    return out
+
+
+BYTE_MODEL = (
+    "bytes per layer-step, whole batch: states (snapshot: 2 Sb read + (T+1) Sb written; fold: 2 Sb read + Sb "
+    "written; circular: Sb read + Sb written per flush, averaged over the cursor cycle), raw-record ring traffic "
+    "(k, v in the activation dtype, fp32 g, beta; circular also fp32 u and the history's k, g, u read by the "
+    "closed form), activations (q, k, v, a, b read, o written; the conv when enabled). Not counted: cursors, "
+    "slot tables, gate parameters, conv taps. A flush is counted fused with the verify's read (its minimum)."
+)
+
+
+def main(args: argparse.Namespace) -> int:
+    cfg = resolve_config(args)
+    out = sys.stdout
+    copy_bw = l2 = None
+    device_info = {"type": cfg.device.type, "name": platform.processor() or platform.machine()}
+    if cfg.device.type == "cuda":
+        props = torch.cuda.get_device_properties(cfg.device)
+        device_info = {"type": "cuda", "name": props.name, "capability": f"{props.major}.{props.minor}",
+                       "memory_bytes": props.total_memory}
+        l2 = common.l2_cache_bytes(cfg.device)
+        copy_bw = common.copy_bandwidth(cfg.device)
+        device_info.update(l2_bytes=l2, copy_GBps=copy_bw / 1e9)
+    from ..ops.dispatch import resolve
+
+    backend = resolve(cfg.backend, cfg.device)
+    names = list(cfg.strategies) + list(cfg.baselines)
+    print(f"replayssm bench kernels on {device_info['name']} ({cfg.device}), backend {backend}, "
+          f"{'CUDA graphs' if cfg.graph else 'eager steps'}", file=out)
+    print(f"shape H={cfg.heads} HV={cfg.value_heads} K={cfg.head_k_dim} V={cfg.head_v_dim}, window T={cfg.window}, "
+          f"accepted n={cfg.accept}, {cfg.layers} layers per step, state {str(cfg.state_dtype)[6:]}, "
+          f"activations {str(cfg.act_dtype)[6:]}, conv {'on' if cfg.conv else 'off'}", file=out)
+    print(f"circular ring_len L={cfg.ring_len} ({cfg.ring_len_source}; cursor cycle "
+          f"{common.cursor_cycle(cfg.window, cfg.ring_len, cfg.accept).steps} steps)", file=out)
+    if cfg.smoke:
+        print("SMOKE RUN: no CUDA device; tiny shape, reference ops, wall-clock timing of eager steps. "
+              "These numbers are not measurements and no floor is claimed.", file=out)
+    else:
+        print(f"measured copy bandwidth {copy_bw / 1e12:.3f} TB/s (read + write), L2 {l2 / 2**20:.0f} MiB; "
+              f"floor = one read of a layer's states at that bandwidth", file=out)
+    out.flush()
+
+    progress = common.Progress(len(names) * len(cfg.batches), enabled=not args.quiet)
+    rows, errors = [], []
+    for batch in cfg.batches:
+        for name in names:
+            label = f"{name} batch {batch}"
+            progress.start(label)
+            try:
+                row = measure(cfg, name, batch, copy_bw=copy_bw, l2_bytes=l2, progress=progress)
+            except Exception as e:  # keep going: one broken configuration must not hide the others
+                errors.append({"strategy": name, "batch": batch, "error": f"{type(e).__name__}: {e}"})
+                progress.finish(f"{label}: FAILED {type(e).__name__}: {e}")
+                traceback.print_exc(file=sys.stderr)
+                continue
+            rows.append(row)
+            ratio = "" if row["floor_ratio"] is None else f", {row['floor_ratio']:.2f}x floor"
+            progress.finish(f"{label}: {row['us_per_layer_step']:.2f} us/layer-step{ratio}")
+
+    print(file=out)
+    print(format_table(rows), file=out)
+    targets = [] if cfg.smoke else evaluate_targets(rows)
+    if targets:
+        print("\ntargets (issue 3):", file=out)
+        for t in targets:
+            print(f"  [{'PASS' if t['passed'] else 'FAIL'}] batch {t['batch']:>4}: {t['target']}: "
+                  f"{t['value']:.3f} {t['unit']} (limit {t['limit']:.3f})", file=out)
+    if errors:
+        print(f"\n{len(errors)} configuration(s) failed:", file=out)
+        for e in errors:
+            print(f"  {e['strategy']} batch {e['batch']}: {e['error']}", file=out)
+
+    if args.json is not None:
+        payload = {
+            "benchmark": "kernels",
+            "schema": 1,
+            "smoke": cfg.smoke,
+            "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "versions": _versions(),
+            "device": device_info,
+            "config": {
+                "backend": backend, "cuda_graph": cfg.graph, "heads": cfg.heads, "value_heads": cfg.value_heads,
+                "head_k_dim": cfg.head_k_dim, "head_v_dim": cfg.head_v_dim, "layers_per_step": cfg.layers,
+                "batches": list(cfg.batches), "window": cfg.window, "accepted_per_request": cfg.accept,
+                "ring_len": cfg.ring_len, "ring_len_source": cfg.ring_len_source,
+                "state_dtype": str(cfg.state_dtype)[6:], "act_dtype": str(cfg.act_dtype)[6:], "conv": cfg.conv,
+                "repeats": cfg.repeats, "seed": cfg.seed, "l2_rotation_factor": common.L2_ROTATION_FACTOR,
+            },
+            "byte_model": BYTE_MODEL,
+            "rows": rows,
+            "targets": targets,
+            "errors": errors,
+        }
+        path = common.write_json(args.json, payload)
+        print(f"\nwrote {path}", file=out)
+    return 1 if errors else 0

@@ -1,0 +1,400 @@
+"""``replayssm bench kernels``: the CPU smoke run end to end, and the pieces it is built
+from (byte model, cursor cycle, timing helpers, targets, the steps it times)."""
+
+import json
+import math
+import random
+
+import pytest
+import torch
+
+from replayssm import cli
+from replayssm.bench import common, kernels
+from replayssm.ops import advance_cursors_reference, gdn_recurrence_reference
+
+ALL = kernels.STRATEGY_NAMES + kernels.BASELINE_NAMES
+ROW_FIELDS = (
+    "strategy", "kind", "batch", "layers", "us_per_step", "us_per_layer_step", "floor_us", "floor_ratio",
+    "achieved_GBps", "committed_tokens_per_us_per_layer", "state_bytes_per_layer", "bytes_per_layer_step", "timing",
+)
+
+
+@pytest.fixture(autouse=True)
+def _seed_random(_seed):
+    """Python's ``random`` follows the per-test torch seed, so failures reproduce."""
+    random.seed(torch.initial_seed())
+
+
+def parse(*argv):
+    return cli.build_parser().parse_args(["bench", "kernels", *argv])
+
+
+def tiny_args(*extra):
+    return parse("--device", "cpu", "--layers", "2", "--ring-len", "16", "--repeats", "1", "--quiet", *extra)
+
+
+# ---------------------------------------------------------------------- the command
+def test_cpu_smoke_run_writes_one_row_per_strategy_and_batch(tmp_path, capsys):
+    path = tmp_path / "out" / "kernels.json"
+    rc = cli.main(["bench", "kernels", "--device", "cpu", "--batches", "1,3", "--layers", "2", "--ring-len", "16",
+                   "--repeats", "1", "--quiet", "--json", str(path)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "SMOKE RUN" in printed
+    data = json.loads(path.read_text())
+    assert data["smoke"] is True and data["errors"] == [] and data["targets"] == []
+    assert data["config"]["backend"] == "reference" and data["config"]["cuda_graph"] is False
+    rows = data["rows"]
+    keys = [(r["strategy"], r["batch"]) for r in rows]
+    assert sorted(keys) == sorted((n, b) for n in ALL for b in (1, 3))
+    cfg = kernels.resolve_config(tiny_args("--batches", "1,3"))
+    for r in rows:
+        for f in ROW_FIELDS:
+            assert f in r, f"row {r['strategy']}/{r['batch']} lacks {f}"
+        assert r["floor_us"] is None and r["floor_ratio"] is None  # no floor claims without CUDA
+        assert r["us_per_layer_step"] > 0 and r["us_per_step"] > 0 and r["achieved_GBps"] > 0
+        assert math.isclose(r["us_per_step"], r["us_per_layer_step"] * r["layers"], rel_tol=1e-9)
+        assert r["timing"]["method"] == "eager-wallclock" and r["timing"]["blocks"] == 1
+        # the bytes in the row are the byte model's for this shape
+        expected = common.step_bytes(r["strategy"], cfg.step_shape(r["batch"]))
+        assert r["bytes_per_layer_step"]["total"] == pytest.approx(expected.total)
+        assert r["achieved_GBps"] == pytest.approx(expected.total / (r["us_per_layer_step"] * 1e-6) / 1e9)
+        if r["kind"] == "strategy":
+            assert r["committed_tokens_per_us_per_layer"] == pytest.approx(r["batch"] * 3 / r["us_per_layer_step"])
+        elif r["strategy"] == "plain_decode":
+            assert r["committed_tokens_per_us_per_layer"] == pytest.approx(r["batch"] / r["us_per_layer_step"])
+        else:
+            assert r["committed_tokens_per_us_per_layer"] is None
+    circ = [r for r in rows if r["strategy"] == "circular"]
+    assert all(r["ring_len"] == 16 and r["timing"]["steps_per_block"] == 3 for r in circ)  # a whole cursor cycle
+    for name in ALL:
+        assert name in printed
+
+
+def test_subset_and_no_baselines(tmp_path):
+    path = tmp_path / "k.json"
+    rc = kernels.main(tiny_args("--batches", "2", "--strategies", "fold", "--baselines", "none", "--json", str(path)))
+    assert rc == 0
+    rows = json.loads(path.read_text())["rows"]
+    assert [(r["strategy"], r["batch"]) for r in rows] == [("fold", 2)]
+
+
+def test_conv_in_the_step_counts_its_bytes(tmp_path):
+    path = tmp_path / "k.json"
+    rc = kernels.main(tiny_args("--batches", "1", "--strategies", "snapshot", "--baselines", "none", "--conv", "--json", str(path)))
+    assert rc == 0
+    row = json.loads(path.read_text())["rows"][0]
+    cfg = kernels.resolve_config(tiny_args("--conv"))
+    with_conv = common.step_bytes("snapshot", cfg.step_shape(1)).total
+    without = common.step_bytes("snapshot", cfg.step_shape(1, conv=False)).total
+    assert with_conv > without
+    assert row["bytes_per_layer_step"]["total"] == pytest.approx(with_conv)
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (("--accept", "5"), "--accept"),
+        (("--ring-len", "24"), "--ring-len"),
+        (("--ring-len", "4"), "--ring-len"),
+        (("--ring-len", "big"), "--ring-len"),
+        (("--heads", "3", "--value-heads", "4"), "--value-heads"),
+        (("--layers", "0"), "--layers"),
+        (("--repeats", "0"), "--repeats"),
+        (("--strategies", "fold", "--baselines", "none", "--window", "0"), "--window"),
+    ],
+)
+def test_bad_options_raise_naming_the_option(argv, match):
+    with pytest.raises(ValueError, match=match):
+        kernels.resolve_config(tiny_args(*argv))
+
+
+@pytest.mark.parametrize("argv", [("--batches", "1,x"), ("--batches", "0"), ("--batches", "2,2"), ("--strategies", "ring"), ("--baselines", "fold")])
+def test_unparseable_lists_are_rejected_by_the_parser(argv, capsys):
+    with pytest.raises(SystemExit):
+        parse(*argv)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a CUDA device")
+def test_cuda_device_without_cuda_is_an_error():
+    with pytest.raises(ValueError, match="--device"):
+        kernels.resolve_config(parse("--device", "cuda"))
+
+
+# ---------------------------------------------------------------------- the timed steps
+def _cfg(name_batches=(2,), **over):
+    args = tiny_args("--batches", ",".join(map(str, name_batches)))
+    for k, v in over.items():
+        setattr(args, k, v)
+    return kernels.resolve_config(args)
+
+
+@pytest.mark.parametrize("strategy", kernels.STRATEGY_NAMES)
+def test_strategy_step_verifies_every_layer_and_commits_accept_tokens(strategy):
+    """The timed step is the real thing: after it, every layer's committed state is the
+    recurrence's over the first ``accept`` tokens of each window."""
+    cfg = _cfg(accept=random.randint(1, 4))
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    st = kernels.StrategyStep(cfg, strategy, 3, gen)
+    slots = st.batch.slots.tolist()
+    before = st.pool.buffers["checkpoints"].clone()
+    assert before.abs().min() > 0  # random states, not zeros
+    st.step()
+    n, T = cfg.accept, cfg.window
+    keep = torch.cat([torch.arange(i * T, i * T + n) for i in range(len(slots))])
+    cu = torch.arange(0, len(slots) * n + 1, n, dtype=torch.int32)
+    x = st.inputs
+    for layer in range(cfg.layers):
+        ref = before[layer].clone()
+        p = st.pool.layer_params(layer)
+        gdn_recurrence_reference(
+            x.q[layer][keep], x.k[layer][keep], x.v[layer][keep], x.a[layer][keep], x.b[layer][keep],
+            p["A_log"], p["dt_bias"], ref, torch.tensor(slots, dtype=torch.int32), cu, update_state=True,
+        )
+        got = st.pool.strategy.committed_state(layer, slots)
+        assert torch.equal(got, ref[slots]), f"{strategy} layer {layer}: max err {(got - ref[slots]).abs().max()}"
+        assert st.outputs[layer].shape == (len(slots) * T, cfg.value_heads, cfg.head_v_dim)
+        assert st.outputs[layer].abs().sum() > 0
+
+
+def test_circular_prepare_staggers_the_cursor_phases():
+    cfg = _cfg(accept=3)
+    st = kernels.StrategyStep(cfg, "circular", 16, torch.Generator().manual_seed(random.randrange(2**31)))
+    st.prepare()
+    wp = st.pool.buffers["write_pos"].tolist()
+    assert len(set(wp)) > 1, f"all requests at the same phase: {wp}"
+
+
+@pytest.mark.parametrize("name", kernels.BASELINE_NAMES)
+def test_recurrence_baselines(name):
+    cfg = _cfg()
+    st = kernels.RecurrenceStep(cfg, name, 3, torch.Generator().manual_seed(random.randrange(2**31)))
+    before = st.state.clone()
+    st.step()
+    T = 1 if name == "plain_decode" else cfg.window
+    x = st.inputs
+    for layer in range(cfg.layers):
+        ref = before[layer].clone()
+        snaps = torch.empty_like(st.snapshots[layer]) if st.snapshots is not None else None
+        o = gdn_recurrence_reference(
+            x.q[layer], x.k[layer], x.v[layer], x.a[layer], x.b[layer], st.A_log[layer], st.dt_bias[layer], ref,
+            st.slots, st.cu_seqlens, snapshots=snaps, update_state=name == "plain_decode",
+        )
+        assert x.q[layer].shape[0] == 3 * T
+        assert torch.equal(o, st.outputs[layer])
+        assert torch.equal(st.state[layer], ref)
+        if name == "plain_decode":
+            assert not torch.equal(st.state[layer], before[layer])  # the decode step advanced the state
+        else:
+            assert torch.equal(st.state[layer], before[layer])  # verify alone leaves it
+            assert torch.equal(st.snapshots[layer], snaps)
+
+
+# ---------------------------------------------------------------------- byte model
+def _shape(**over):
+    base = dict(
+        batch=random.randint(1, 64), num_heads=2, num_value_heads=4 * random.randint(1, 4), head_k_dim=random.choice([16, 64, 128]),
+        head_v_dim=random.choice([16, 64, 128]), window=4, accept=random.randint(1, 4), state_elem=4, act_elem=2, ring_len=32,
+    )
+    base.update(over)
+    return common.StepShape(**base)
+
+
+def test_state_traffic_matches_design_section_4():
+    s = _shape()
+    sb, t = s.state_bytes, s.window
+    assert sb == s.batch * s.num_value_heads * s.head_v_dim * s.head_k_dim * 4
+    snap, fold, circ = (common.step_bytes(k, s) for k in ("snapshot", "fold", "circular"))
+    assert snap.state_read == 2 * sb and snap.state_write == (t + 1) * sb  # 1 read + T writes + 1 read + 1 write
+    assert fold.state_read == 2 * sb and fold.state_write == sb  # 1 read + 1 read + 1 write
+    cyc = common.cursor_cycle(t, s.ring_len, s.accept)
+    assert circ.state_read == sb and circ.state_write == pytest.approx(sb / cyc.steps)  # 1 read + a flush share
+    pd, sv = common.step_bytes("plain_decode", s), common.step_bytes("snapshot_verify", s)
+    assert pd.state == 2 * sb and sv.state == (t + 1) * sb
+    # records: fold writes T and replays n raw records per request
+    assert fold.records_write == s.batch * t * s.raw_record_bytes
+    assert fold.records_read == s.batch * s.accept * s.raw_record_bytes
+    # activations scale with tokens: T per request for a window, 1 for plain decoding
+    assert snap.activations == pytest.approx(t * pd.activations)
+    for k in common.STEP_KINDS:
+        b = common.step_bytes(k, s)
+        assert b.total == pytest.approx(b.state + b.records_read + b.records_write + b.activations)
+        assert b.as_dict()["total"] == b.total
+
+
+def test_bytes_scale_linearly_with_batch():
+    s1 = _shape(batch=1)
+    sb = _shape(batch=37, **{f: getattr(s1, f) for f in ("num_value_heads", "head_k_dim", "head_v_dim", "accept")})
+    for k in common.STEP_KINDS:
+        assert common.step_bytes(k, sb).total == pytest.approx(37 * common.step_bytes(k, s1).total)
+
+
+def test_step_bytes_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="kind"):
+        common.step_bytes("ring", _shape())
+    with pytest.raises(TypeError, match="shape"):
+        common.step_bytes("fold", {"batch": 1})
+    with pytest.raises(ValueError, match="ring_len"):
+        common.step_bytes("circular", _shape(ring_len=0))
+
+
+@pytest.mark.parametrize("window, ring_len", [(1, 2), (2, 8), (3, 8), (4, 16), (4, 32), (4, 64), (8, 16), (8, 128)])
+def test_cursor_cycle_matches_the_cursor_op(window, ring_len):
+    """The simulated cycle equals what the real cursor op does over many commits."""
+    for accept in range(1, window + 1):
+        cyc = common.cursor_cycle(window, ring_len, accept)
+        wp, base, flush = (torch.zeros(1, dtype=torch.int32) for _ in range(3))
+        slots = torch.zeros(1, dtype=torch.int32)
+        acc = torch.full((1,), accept, dtype=torch.int32)
+        trace = []
+        for _ in range(4 * ring_len + 10 * cyc.steps):
+            f, w = bool(flush[0]), int(wp[0])
+            assert w + window <= ring_len  # a window always fits after the history
+            trace.append((0 if f else w, w if f else 0, f))
+            advance_cursors_reference(wp, base, flush, slots, acc, window, ring_len)
+        tail = trace[-10 * cyc.steps:]
+        assert cyc.mean_history == pytest.approx(sum(t[0] for t in tail) / len(tail))
+        assert cyc.mean_folded == pytest.approx(sum(t[1] for t in tail) / len(tail))
+        assert cyc.flushes_per_step == pytest.approx(sum(t[2] for t in tail) / len(tail))
+        assert cyc.flushes_per_step == pytest.approx(1 / cyc.steps)
+        assert cyc.mean_folded == pytest.approx(accept)  # every committed record is folded exactly once
+
+
+def test_cursor_cycle_rejects_illegal_rings():
+    with pytest.raises(ValueError, match="ring_len"):
+        common.cursor_cycle(4, 24, 3)
+    with pytest.raises(ValueError, match="ring_len"):
+        common.cursor_cycle(4, 4, 3)
+    with pytest.raises(ValueError, match="accept"):
+        common.cursor_cycle(4, 16, 5)
+
+
+def test_best_ring_len_is_the_byte_minimum():
+    s = _shape(ring_len=0)
+    best = common.best_ring_len(s, max_len=256)
+    legal = [L for L in (8, 16, 32, 64, 128, 256)]
+    totals = {L: common.step_bytes("circular", common.StepShape(**{**s.__dict__, "ring_len": L})).total for L in legal}
+    assert best in legal and totals[best] == min(totals.values())
+    # at the Qwen3.5 shape the model prefers a ring longer than the minimum 2T
+    qwen = common.StepShape(1, 16, 32, 128, 128, 4, 3, 4, 2)
+    assert common.best_ring_len(qwen) > 8
+
+
+# ---------------------------------------------------------------------- helpers
+def test_rotation_copies_exceed_l2():
+    l2 = random.randint(1 << 20, 64 << 20)
+    per = random.randint(1 << 16, 32 << 20)
+    n = common.rotation_copies(per, l2, max_copies=10_000)
+    assert n * per >= common.L2_ROTATION_FACTOR * l2 and (n - 1) * per < common.L2_ROTATION_FACTOR * l2 or n == 1
+    assert common.rotation_copies(10 * l2, l2) == 1
+    assert common.rotation_copies(1, l2, max_copies=7) == 7
+    with pytest.raises(ValueError, match="bytes_per_copy"):
+        common.rotation_copies(0, l2)
+
+
+def test_plan_steps_per_block_is_whole_cycles():
+    cycle = random.randint(1, 20)
+    spb = common.plan_steps_per_block(random.uniform(1, 500), cycle, random.randint(1, 8), target_block_us=3000)
+    assert spb % cycle == 0 and spb >= cycle
+    assert common.plan_steps_per_block(10.0, 3, 1, target_block_us=1000) == 102
+    with pytest.raises(ValueError, match="est_us_per_step"):
+        common.plan_steps_per_block(0.0, 3, 1)
+
+
+def test_time_eager_runs_every_step_of_every_block():
+    calls = [0, 0]
+
+    def s0():
+        calls[0] += 1
+
+    def s1():
+        calls[1] += 1
+
+    spb, blocks, warm = random.randint(1, 4), random.randint(1, 4), random.randint(0, 2)
+    t = common.time_eager([s0, s1], steps_per_block=spb, blocks=blocks, warmup_blocks=warm)
+    assert calls == [spb * (blocks + warm)] * 2
+    assert len(t.samples_us) == blocks and t.us_per_step > 0 and t.copies == 2
+    assert t.summary()["blocks"] == blocks
+    with pytest.raises(ValueError, match="blocks"):
+        common.time_eager([s0], steps_per_block=1, blocks=0)
+    with pytest.raises(ValueError, match="steps"):
+        common.time_eager([], steps_per_block=1, blocks=1)
+
+
+def test_copy_bandwidth_and_l2_need_cuda():
+    with pytest.raises(ValueError, match="CUDA"):
+        common.copy_bandwidth("cpu")
+    with pytest.raises(ValueError, match="CUDA"):
+        common.l2_cache_bytes("cpu")
+
+
+def test_write_json_is_whole_and_strict(tmp_path):
+    payload = {"rows": [{"x": random.random()}]}
+    p = common.write_json(tmp_path / "a" / "b.json", payload)
+    assert json.loads(p.read_text()) == payload
+    assert not list(p.parent.glob("*.tmp"))
+    with pytest.raises(ValueError):
+        common.write_json(tmp_path / "nan.json", {"x": float("nan")})
+    with pytest.raises(TypeError, match="payload"):
+        common.write_json(tmp_path / "l.json", [1])
+
+
+def test_progress_lines(capsys):
+    import io
+
+    buf = io.StringIO()
+    p = common.Progress(2, stream=buf)
+    p.start("fold batch 1")
+    p.finish("fold batch 1: 3 us")
+    p.note("capturing")
+    lines = buf.getvalue().splitlines()
+    assert lines[0] == "[1/2] fold batch 1 ..." and lines[1].startswith("[1/2] fold batch 1: 3 us")
+    assert lines[2] == "  capturing"
+    quiet = io.StringIO()
+    common.Progress(1, stream=quiet, enabled=False).start("x")
+    assert quiet.getvalue() == ""
+
+
+# ---------------------------------------------------------------------- targets
+def _row(name, batch, us, floor):
+    return {"strategy": name, "kind": "strategy" if name in kernels.STRATEGY_NAMES else "baseline", "batch": batch,
+            "us_per_layer_step": us, "floor_ratio": us / floor}
+
+
+def test_targets_follow_the_issue():
+    floor = random.uniform(1, 100)
+    rows = []
+    times = {}
+    for batch in (1, 16, 64, 256):
+        for name in ALL:
+            times[name, batch] = random.uniform(0.5, 8) * floor
+            rows.append(_row(name, batch, times[name, batch], floor))
+    targets = kernels.evaluate_targets(rows)
+    for t in targets:
+        assert t["passed"] == (t["value"] <= t["limit"])
+    for batch in (1, 16, 64, 256):
+        best = min(kernels.STRATEGY_NAMES, key=lambda n: times[n, batch])
+        mine = [t for t in targets if t["batch"] == batch]
+        ratio = [t for t in mine if "floor" in t["target"]]
+        if batch == 1:
+            assert not ratio
+            vs = [t for t in mine if t["target"].startswith("best")]
+            assert vs[0]["value"] == times[best, 1] and vs[0]["limit"] == times["snapshot", 1]
+        else:
+            assert len(ratio) == 1 and ratio[0]["limit"] == (1.5 if batch >= 64 else 2.0)
+            assert ratio[0]["value"] == pytest.approx(times[best, batch] / floor)
+        others = [t for t in mine if t["target"].endswith(" vs snapshot") and not t["target"].startswith("best")]
+        assert {t["target"].split()[0] for t in others} == {"fold", "circular"}
+        sv = [t for t in mine if "snapshot_verify" in t["target"]]
+        assert len(sv) == 1 and sv[0]["passed"] == (times["snapshot", batch] <= times["snapshot_verify", batch])
+
+
+def test_table_lists_every_row():
+    rows = json.loads(json.dumps([
+        {**_row(n, b, random.uniform(1, 9), 2.0), "floor_us": 2.0, "achieved_GBps": random.uniform(1, 4000),
+         "committed_tokens_per_us_per_layer": None, "bytes_per_layer_step": {"total": random.uniform(1e3, 1e9)}}
+        for n in ALL for b in (1, 64)
+    ]))
+    table = kernels.format_table(rows).splitlines()
+    assert len(table) == 2 + len(rows)
+    assert table[2].split()[:2] == ["snapshot", "1"] and table[-1].split()[:2] == ["snapshot_verify", "64"]
