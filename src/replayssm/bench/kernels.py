@@ -13,8 +13,23 @@ Two reference steps are timed the same way: ``plain_decode`` (one token per requ
 the recurrence updating the state in place) and ``snapshot_verify`` (the ``snapshot``
 strategy's verify alone: the plain recurrence writing a snapshot per window position).
 
+Small batches would find their states in L2 on the next replay (a Qwen3.5 layer holds
+2 MiB per request), so there the step is built several times over independent pools
+and the copies are replayed round-robin until their states exceed three times the L2
+cache. ``circular``'s requests are first put at different phases of the cursor cycle
+(eager steps with random accepted counts), and every timed block covers whole cycles, so
+its flushes are timed at their natural rate.
+
 Without CUDA the command runs a tiny shape eagerly with the reference ops: a smoke run
 that exercises the code path; it makes no floor claims (``floor_us`` is null).
+
+JSON rows (one per strategy or reference step and batch): ``strategy``, ``kind``
+(``strategy``/``baseline``), ``batch``, ``layers``, ``window``, ``accepted_per_request``,
+``ring_len``, ``cursor_cycle_steps``, ``exact_outputs``, ``us_per_step`` (all layers),
+``us_per_layer_step``, ``floor_us``, ``floor_ratio``, ``achieved_GBps`` (bytes of the model
+per layer-step / time), ``committed_tokens_per_us_per_layer``, ``state_bytes_per_layer``
+(``Sb``), ``bytes_per_layer_step`` (by kind, with ``total``) and ``timing`` (method,
+median/min/max, blocks, steps per block, rotated copies).
 """
 
 from __future__ import annotations
@@ -412,7 +427,7 @@ def measure(cfg: BenchConfig, name: str, batch: int, *, copy_bw: float | None, l
 
 def make_row(cfg: BenchConfig, name: str, batch: int, timing: Timing, nbytes: common.StepBytes, shape: StepShape,
              copy_bw: float | None, cycle: int) -> dict:
-    """The JSON row of one configuration (see the module docstring for the fields)."""
+    """The JSON row of one configuration (fields: see the module docstring)."""
     from ..strategies import STRATEGIES
 
     us = timing.us_per_step / cfg.layers
