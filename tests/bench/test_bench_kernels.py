@@ -1,5 +1,5 @@
 """``replayssm bench kernels``: the CPU smoke run end to end, and the pieces it is built
-from (byte model, cursor cycle, timing helpers, targets, the steps it times)."""
+from (byte model, cursor cycle, timing, targets, the steps it times)."""
 
 import json
 import math
@@ -280,7 +280,7 @@ def test_best_ring_len_is_the_byte_minimum():
     assert common.best_ring_len(qwen) > 8
 
 
-# ---------------------------------------------------------------------- helpers
+# ---------------------------------------------------------------------- rotation, timing, output
 def test_rotation_copies_exceed_l2():
     l2 = random.randint(1 << 20, 64 << 20)
     per = random.randint(1 << 16, 32 << 20)
