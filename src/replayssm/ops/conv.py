@@ -19,6 +19,7 @@ import torch
 from . import _checks
 from .dispatch import pick, register
 from .records import check_varlen
+from .recurrent import check_index_pair, check_inner_contiguous, check_max_len, window_bound
 
 
 def check_conv_args(x, conv_state, weight, bias):
@@ -49,6 +50,7 @@ def causal_conv_verify_reference(
     *,
     window_buf: torch.Tensor | None = None,
     update_state: bool = False,
+    max_len: int | None = None,
 ) -> torch.Tensor:
     """Causal depthwise conv + SiLU over a packed batch of windows.
 
@@ -61,6 +63,9 @@ def causal_conv_verify_reference(
         window_buf: optional ``[num_slots, T, C]``; window ``i``'s inputs are kept in
             ``window_buf[slots[i], :len]`` for :func:`causal_conv_commit`.
         update_state: advance ``conv_state`` over the whole window (decode / prefill).
+        max_len: optional bound on every window's length. The Triton backend needs a
+            bound from ``window_buf`` or ``max_len`` (it never reads ``cu_seqlens`` on
+            the host); the reference checks the windows against it.
 
     Returns:
         ``y``: ``[N, C]`` in the dtype of ``x``. Computed in float32 (float64 for
@@ -68,11 +73,12 @@ def causal_conv_verify_reference(
     """
     n, c, w = check_conv_args(x, conv_state, weight, bias)
     ns = conv_state.shape[0]
-    max_len = None
+    max_len = check_max_len(max_len)
     if window_buf is not None:
         _checks.tensor("window_buf", window_buf, ndim=3, dtypes=_checks.FLOAT_DTYPES)
         _checks.shape("window_buf", window_buf, [ns, None, c])
-        max_len = window_buf.shape[1]
+        _checks.same_device(x, window_buf=window_buf)
+        max_len = window_buf.shape[1] if max_len is None else min(max_len, window_buf.shape[1])
     cu, sl = check_varlen(cu_seqlens, slots, n, ns, max_len)
     dtype = _checks.compute_dtype(x, weight)
     wt = weight.to(dtype)
@@ -95,6 +101,20 @@ def causal_conv_verify_reference(
     return y
 
 
+def check_conv_commit_args(conv_state, window_buf, slots, accepted):
+    """Validate :func:`causal_conv_commit`'s arguments (metadata only); return the
+    conv state's shape ``(layers, num_slots, C, W - 1)``."""
+    _checks.tensor("conv_state", conv_state, ndim=4, dtypes=_checks.FLOAT_DTYPES)
+    nl, ns, c, w1 = conv_state.shape
+    _checks.tensor("window_buf", window_buf, ndim=4, dtypes=_checks.FLOAT_DTYPES)
+    _checks.shape("window_buf", window_buf, [nl, ns, None, c])
+    _checks.tensor("slots", slots, ndim=1, dtypes=_checks.INDEX_DTYPES)
+    _checks.tensor("accepted", accepted, ndim=1, dtypes=_checks.INDEX_DTYPES)
+    _checks.shape("accepted", accepted, [slots.shape[0]])
+    _checks.same_device(conv_state, window_buf=window_buf, slots=slots, accepted=accepted)
+    return nl, ns, c, w1
+
+
 @register("conv_commit", "reference")
 def causal_conv_commit_reference(
     conv_state: torch.Tensor, window_buf: torch.Tensor, slots: torch.Tensor, accepted: torch.Tensor
@@ -107,14 +127,7 @@ def causal_conv_commit_reference(
         slots: ``[B]`` slot per row, ``-1`` ignored.
         accepted: ``[B]``, ``1 <= n <= T`` for live rows (validated by the caller).
     """
-    _checks.tensor("conv_state", conv_state, ndim=4, dtypes=_checks.FLOAT_DTYPES)
-    nl, ns, c, w1 = conv_state.shape
-    _checks.tensor("window_buf", window_buf, ndim=4, dtypes=_checks.FLOAT_DTYPES)
-    _checks.shape("window_buf", window_buf, [nl, ns, None, c])
-    _checks.tensor("slots", slots, ndim=1, dtypes=_checks.INDEX_DTYPES)
-    _checks.tensor("accepted", accepted, ndim=1, dtypes=_checks.INDEX_DTYPES)
-    _checks.shape("accepted", accepted, [slots.shape[0]])
-    _checks.same_device(conv_state, window_buf=window_buf, slots=slots, accepted=accepted)
+    nl, ns, c, w1 = check_conv_commit_args(conv_state, window_buf, slots, accepted)
     for s, n in zip(slots.tolist(), accepted.tolist()):
         if s < 0:
             continue
@@ -130,3 +143,183 @@ def causal_conv_verify(*args, backend: str = "auto", **kwargs) -> torch.Tensor:
 def causal_conv_commit(*args, backend: str = "auto", **kwargs) -> None:
     """Dispatching front of :func:`causal_conv_commit_reference` (same arguments)."""
     return pick("conv_commit", backend, args[0] if args else kwargs["conv_state"])(*args, **kwargs)
+
+
+# ---------------------------------------------------------------------------- Triton
+# Verify: one program per (channel block, window); each token's W taps come from the
+# packed inputs or, before the window, from the conv state. Commit: one launch for all
+# layers, one program per (channel block, row, layer). A program owns its channels of
+# one slot's history, and reads all of it before a barrier and the writes.
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the reference backend works without Triton
+    triton = None
+
+CONV_BLOCK = 256
+CONV_DTYPES_TRITON = (torch.float16, torch.bfloat16, torch.float32)
+
+if triton is not None:
+    from .triton_common import mask_and as _tl_mask_and
+
+    @triton.jit
+    def _shift_history(state_at, src_at, stride_src, n, mask_c, W: tl.constexpr, WP: tl.constexpr):
+        """Shift ``n`` inputs (``src_at + t * stride_src``, ``t < n``) into histories of
+        ``W - 1`` entries (``state_at + p``). New entry ``p`` is input ``n - (W - 1) + p``
+        when that is ``>= 0``, else old entry ``p + n``. Everything is loaded before
+        anything is stored, with a barrier in between, so no thread can overwrite an
+        entry that another thread has yet to read."""
+        p = tl.arange(0, WP)
+        in_hist = p < W - 1
+        t = n - (W - 1) + p
+        from_src = in_hist & (t >= 0)
+        m = mask_c[:, None]
+        xv = tl.load(src_at[:, None] + t[None, :] * stride_src, mask=m & from_src[None, :], other=0.0)
+        sv = tl.load(state_at[:, None] + (p + n)[None, :], mask=m & (in_hist & (t < 0))[None, :], other=0.0)
+        new = tl.where(from_src[None, :], xv.to(state_at.dtype.element_ty), sv)
+        tl.debug_barrier()
+        tl.store(state_at[:, None] + p[None, :], new, mask=m & in_hist[None, :])
+
+    @triton.jit
+    def _conv_verify_kernel(
+        x_ptr, state_ptr, w_ptr, bias_ptr, slots_ptr, cu_ptr, y_ptr, wbuf_ptr,
+        stride_x_tok, C,
+        W: tl.constexpr, WP: tl.constexpr, T: tl.constexpr, TB: tl.constexpr, BC: tl.constexpr,
+        HAS_BIAS: tl.constexpr, HAS_WBUF: tl.constexpr, UPDATE_STATE: tl.constexpr,
+    ):
+        i_c = tl.program_id(0)
+        i_b = tl.program_id(1)
+        slot = tl.load(slots_ptr + i_b).to(tl.int64)
+        bos = tl.load(cu_ptr + i_b).to(tl.int64)
+        length = tl.load(cu_ptr + i_b + 1).to(tl.int64) - bos
+        offs_c = i_c * BC + tl.arange(0, BC)
+        mask_c = offs_c < C
+        y_row = y_ptr + bos * C + offs_c  # y is a fresh contiguous [N, C]
+        if slot < 0:
+            for i in range(0, T):
+                tl.store(y_row + i * C, tl.full([BC], 0, y_ptr.dtype.element_ty), mask=_tl_mask_and(mask_c, i < length))
+            return
+
+        state_at = state_ptr + (slot * C + offs_c) * (W - 1)  # [BC] rows of W - 1 inputs, oldest first
+        x_at = x_ptr + bos * stride_x_tok + offs_c
+        for i in range(0, T):
+            valid = i < length
+            if HAS_BIAS:
+                acc = tl.load(bias_ptr + offs_c, mask=mask_c, other=0.0).to(tl.float32)
+            else:
+                acc = tl.full([BC], 0.0, tl.float32)
+            # Taps in the reference order: acc = bias + w_0 x_{i-W+1} + ... + w_{W-1} x_i.
+            for j in tl.static_range(W):
+                t = i - (W - 1) + j  # window position of tap j; < 0 reads the conv state
+                xv = tl.load(x_at + t * stride_x_tok, mask=_tl_mask_and(mask_c, valid & (t >= 0)), other=0.0)
+                sv = tl.load(state_at + (W - 1 + t), mask=_tl_mask_and(mask_c, valid & (t < 0)), other=0.0)
+                w = tl.load(w_ptr + offs_c * W + j, mask=mask_c, other=0.0).to(tl.float32)
+                acc = acc + w * tl.where(t >= 0, xv.to(tl.float32), sv.to(tl.float32))
+            y = tl.div_rn(acc, 1.0 + tl.exp(-acc))  # SiLU
+            tl.store(y_row + i * C, y.to(y_ptr.dtype.element_ty), mask=_tl_mask_and(mask_c, valid))
+            if HAS_WBUF:
+                xi = tl.load(x_at + i * stride_x_tok, mask=_tl_mask_and(mask_c, valid), other=0.0)
+                tl.store(wbuf_ptr + (slot * TB + i) * C + offs_c, xi.to(wbuf_ptr.dtype.element_ty),
+                         mask=_tl_mask_and(mask_c, valid))
+        if UPDATE_STATE:
+            # The loop above read the old history; Triton may give those loads and the
+            # stores below different thread layouts, so every thread must be done
+            # reading before any thread overwrites.
+            tl.debug_barrier()
+            _shift_history(state_at, x_at, stride_x_tok, length, mask_c, W, WP)
+
+    @triton.jit
+    def _conv_commit_kernel(
+        state_ptr, wbuf_ptr, slots_ptr, acc_ptr, num_slots, C,
+        W: tl.constexpr, WP: tl.constexpr, TB: tl.constexpr, BC: tl.constexpr,
+    ):
+        i_c = tl.program_id(0)
+        i_b = tl.program_id(1)
+        i_l = tl.program_id(2)
+        slot = tl.load(slots_ptr + i_b).to(tl.int64)
+        if slot < 0:
+            return
+        # Like the reference, n beyond the buffer shifts in the whole buffer.
+        n = tl.minimum(tl.maximum(tl.load(acc_ptr + i_b).to(tl.int64), 0), TB)
+        ls = i_l * num_slots + slot
+        offs_c = i_c * BC + tl.arange(0, BC)
+        mask_c = offs_c < C
+        state_at = state_ptr + (ls * C + offs_c) * (W - 1)
+        wbuf_at = wbuf_ptr + ls * TB * C + offs_c
+        _shift_history(state_at, wbuf_at, C, n, mask_c, W, WP)
+
+
+@register("conv_verify", "triton")
+def causal_conv_verify_triton(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    slots: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    window_buf: torch.Tensor | None = None,
+    update_state: bool = False,
+    max_len: int | None = None,
+) -> torch.Tensor:
+    """Triton version of :func:`causal_conv_verify_reference` (same arguments and results).
+
+    Differences: no float64; ``conv_state``, ``weight``, ``bias`` and ``window_buf``
+    contiguous, ``x`` contiguous along channels; ``slots`` / ``cu_seqlens`` values are
+    not read on the host: windows must be ``1..T`` tokens (``T`` from ``window_buf`` or
+    ``max_len``) and live slots unique and in range.
+    """
+    n, c, w = check_conv_args(x, conv_state, weight, bias)
+    ns = conv_state.shape[0]
+    for name, t in (("x", x), ("conv_state", conv_state), ("weight", weight), ("bias", bias), ("window_buf", window_buf)):
+        if t is not None:
+            _checks.tensor(name, t, dtypes=CONV_DTYPES_TRITON)
+    check_inner_contiguous(x=x)
+    _checks.contiguous(conv_state=conv_state, weight=weight, bias=bias, window_buf=window_buf)
+    check_index_pair(slots, cu_seqlens)
+    _checks.same_device(x, slots=slots, cu_seqlens=cu_seqlens)
+    max_len = check_max_len(max_len)
+    buf_len = None
+    if window_buf is not None:
+        _checks.tensor("window_buf", window_buf, ndim=3)
+        _checks.shape("window_buf", window_buf, [ns, None, c])
+        _checks.same_device(x, window_buf=window_buf)
+        buf_len = window_buf.shape[1]
+    y = torch.empty(n, c, dtype=x.dtype, device=x.device)
+    batch = slots.shape[0]
+    if batch == 0 or c == 0:
+        return y
+    t = window_bound(max_len, buf_len)
+    bc = min(CONV_BLOCK, triton.next_power_of_2(c))
+    _conv_verify_kernel[(triton.cdiv(c, bc), batch)](
+        x, conv_state, weight, bias if bias is not None else weight, slots, cu_seqlens, y,
+        window_buf if window_buf is not None else y,
+        x.stride(0), c,
+        W=w, WP=triton.next_power_of_2(w - 1), T=t, TB=buf_len or 1, BC=bc,
+        HAS_BIAS=bias is not None, HAS_WBUF=window_buf is not None, UPDATE_STATE=bool(update_state),
+        num_warps=4,
+    )
+    return y
+
+
+@register("conv_commit", "triton")
+def causal_conv_commit_triton(
+    conv_state: torch.Tensor, window_buf: torch.Tensor, slots: torch.Tensor, accepted: torch.Tensor
+) -> None:
+    """Triton version of :func:`causal_conv_commit_reference` (same arguments), one launch.
+
+    Contiguous buffers; ``slots`` / ``accepted`` values are not read on the host.
+    """
+    nl, ns, c, w1 = check_conv_commit_args(conv_state, window_buf, slots, accepted)
+    _checks.tensor("conv_state", conv_state, dtypes=CONV_DTYPES_TRITON)
+    _checks.tensor("window_buf", window_buf, dtypes=CONV_DTYPES_TRITON)
+    _checks.contiguous(conv_state=conv_state, window_buf=window_buf, slots=slots, accepted=accepted)
+    batch = slots.shape[0]
+    if batch == 0 or nl == 0 or c == 0 or w1 == 0:
+        return
+    bc = min(CONV_BLOCK, triton.next_power_of_2(c))
+    _conv_commit_kernel[(triton.cdiv(c, bc), batch, nl)](
+        conv_state, window_buf, slots, accepted, ns, c,
+        W=w1 + 1, WP=triton.next_power_of_2(w1), TB=window_buf.shape[2], BC=bc, num_warps=4,
+    )

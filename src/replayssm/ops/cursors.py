@@ -84,3 +84,91 @@ def advance_cursors(*args, backend: str = "auto", **kwargs) -> None:
 def reset_cursors(*args, backend: str = "auto", **kwargs) -> None:
     """Dispatching front of :func:`reset_cursors_reference` (same arguments)."""
     return pick("reset_cursors", backend, args[0] if args else kwargs["write_pos"])(*args, **kwargs)
+
+
+# ---------------------------------------------------------------------------- Triton
+# Elementwise over the batch rows; one launch, no host synchronisation.
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the reference backend works without Triton
+    triton = None
+
+CURSOR_BLOCK = 128
+
+if triton is not None:
+
+    @triton.jit
+    def _advance_cursors_kernel(
+        wp_ptr, base_ptr, flush_ptr, slots_ptr, acc_ptr, batch, window, ring_len, BLOCK: tl.constexpr
+    ):
+        rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        slot = tl.load(slots_ptr + rows, mask=rows < batch, other=-1).to(tl.int64)
+        live = slot >= 0
+        at = tl.where(live, slot, 0)
+        n = tl.load(acc_ptr + rows, mask=live, other=0).to(wp_ptr.dtype.element_ty)
+        wp = tl.load(wp_ptr + at, mask=live, other=0)
+        base = tl.load(base_ptr + at, mask=live, other=0)
+        flush = tl.load(flush_ptr + at, mask=live, other=0) != 0
+        new_base = tl.where(flush, (base + wp) & (ring_len - 1), base)
+        new_wp = tl.where(flush, n, wp + n)
+        tl.store(wp_ptr + at, new_wp, mask=live)
+        tl.store(base_ptr + at, new_base.to(base_ptr.dtype.element_ty), mask=live)
+        tl.store(flush_ptr + at, (new_wp + 2 * window > ring_len).to(flush_ptr.dtype.element_ty), mask=live)
+
+    @triton.jit
+    def _reset_cursors_kernel(wp_ptr, base_ptr, flush_ptr, slots_ptr, batch, BLOCK: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        slot = tl.load(slots_ptr + rows, mask=rows < batch, other=-1).to(tl.int64)
+        live = slot >= 0
+        at = tl.where(live, slot, 0)
+        tl.store(wp_ptr + at, tl.full([BLOCK], 0, wp_ptr.dtype.element_ty), mask=live)
+        tl.store(base_ptr + at, tl.full([BLOCK], 0, base_ptr.dtype.element_ty), mask=live)
+        tl.store(flush_ptr + at, tl.full([BLOCK], 0, flush_ptr.dtype.element_ty), mask=live)
+
+
+def _check_cursor_launch(write_pos, cache_base, is_flush, slots, accepted=None):
+    _checks.contiguous(write_pos=write_pos, cache_base=cache_base, is_flush=is_flush, slots=slots, accepted=accepted)
+
+
+@register("advance_cursors", "triton")
+def advance_cursors_triton(
+    write_pos: torch.Tensor,
+    cache_base: torch.Tensor,
+    is_flush: torch.Tensor,
+    slots: torch.Tensor,
+    accepted: torch.Tensor,
+    window: int,
+    ring_len: int,
+) -> None:
+    """Triton version of :func:`advance_cursors_reference` (same arguments and results).
+
+    Cursors and indices must be contiguous; live slots must be unique (one program
+    row per slot, as :meth:`~replayssm.state.StatePool.batch` guarantees).
+    """
+    check_cursor_args(write_pos, cache_base, is_flush, slots, accepted)
+    _check_cursor_launch(write_pos, cache_base, is_flush, slots, accepted)
+    for name, value in (("window", window), ("ring_len", ring_len)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    _checks.power_of_two("ring_len", ring_len)
+    batch = slots.shape[0]
+    if batch == 0:
+        return
+    _advance_cursors_kernel[(triton.cdiv(batch, CURSOR_BLOCK),)](
+        write_pos, cache_base, is_flush, slots, accepted, batch, window, ring_len, BLOCK=CURSOR_BLOCK, num_warps=4
+    )
+
+
+@register("reset_cursors", "triton")
+def reset_cursors_triton(write_pos, cache_base, is_flush, slots) -> None:
+    """Triton version of :func:`reset_cursors_reference` (same arguments and results)."""
+    check_cursor_args(write_pos, cache_base, is_flush, slots)
+    _check_cursor_launch(write_pos, cache_base, is_flush, slots)
+    batch = slots.shape[0]
+    if batch == 0:
+        return
+    _reset_cursors_kernel[(triton.cdiv(batch, CURSOR_BLOCK),)](
+        write_pos, cache_base, is_flush, slots, batch, BLOCK=CURSOR_BLOCK, num_warps=4
+    )

@@ -1,24 +1,23 @@
 """Backend selection for the ops.
 
-Each op registers a ``"reference"`` implementation (plain PyTorch) and, where it has one,
-a ``"triton"`` implementation. ``backend="auto"`` picks Triton for CUDA tensors and the
-reference elsewhere; asking for Triton explicitly also works on the CPU when the Triton
-interpreter is enabled (``TRITON_INTERPRET=1`` before the kernels are imported). There is
+Each op registers a ``"reference"`` implementation (plain PyTorch) and, next to it in
+the same module, a ``"triton"`` implementation. ``backend="auto"`` picks Triton for
+CUDA tensors and the reference elsewhere. Asking for Triton explicitly also works on
+the CPU when the Triton interpreter was enabled (``TRITON_INTERPRET=1`` before
+``replayssm`` is imported: ``triton.jit`` reads it when a kernel is defined). There is
 no silent fallback: an explicit backend that is unavailable raises.
 """
 
 from __future__ import annotations
 
-import importlib
-import os
 from typing import Callable
 
 import torch
 
+from . import triton_common
+
 BACKENDS = ("auto", "reference", "triton")
 _REGISTRY: dict[tuple[str, str], Callable] = {}
-# Modules whose import registers the Triton implementations.
-_TRITON_MODULES = ("replayssm.ops.triton_kernels",)
 
 
 def register(op: str, backend: str):
@@ -30,20 +29,7 @@ def register(op: str, backend: str):
 
 
 def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _load_triton():
-    for name in _TRITON_MODULES:
-        try:
-            importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name != name:
-                raise
+    return triton_common.triton is not None
 
 
 def resolve(backend: str, device: torch.device) -> str:
@@ -57,13 +43,17 @@ def resolve(backend: str, device: torch.device) -> str:
 
 def pick(op: str, backend: str, like: torch.Tensor) -> Callable:
     """The implementation of ``op`` for ``backend`` and tensors like ``like``."""
+    if not isinstance(like, torch.Tensor):
+        raise TypeError(f"the first tensor argument of {op!r} must be a torch.Tensor, got {type(like).__name__}")
     concrete = resolve(backend, like.device)
     if concrete == "triton":
-        if like.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        if not triton_available():
+            raise RuntimeError(f"backend='triton' for {op!r} needs the triton package (pip install triton)")
+        if like.device.type != "cuda" and not triton_common.INTERPRETER:
             raise ValueError(
-                f"backend='triton' on {like.device} tensors needs TRITON_INTERPRET=1 set before import"
+                f"backend='triton' on {like.device} tensors needs the Triton interpreter: set "
+                "TRITON_INTERPRET=1 before importing replayssm"
             )
-        _load_triton()
     fn = _REGISTRY.get((op, concrete))
     if fn is None:
         raise NotImplementedError(f"op {op!r} has no {concrete!r} implementation")

@@ -22,7 +22,7 @@ import torch
 from . import _checks
 from .dispatch import pick, register
 from .gates import expand_heads, l2_normalize
-from .recurrent import state_update
+from .recurrent import STATE_DTYPES_TRITON, pick_block_v, state_update
 
 
 def check_fold_args(checkpoints, ring_k, ring_v, ring_g, ring_beta, slots, start, count):
@@ -109,3 +109,121 @@ def gdn_fold_reference(
 def gdn_fold(*args, backend: str = "auto", **kwargs) -> None:
     """Dispatching front of :func:`gdn_fold_reference` (same arguments)."""
     return pick("fold", backend, args[0] if args else kwargs["checkpoints"])(*args, **kwargs)
+
+
+# ---------------------------------------------------------------------------- Triton
+# One launch for all layers: one program per (V block, row, layer x value head). It
+# reads its [BV, K] checkpoint slice once, replays the row's records through the same
+# exact step as the recurrence kernel (same helpers, same full-K tile, same num_warps)
+# and writes the slice back once.
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the reference backend works without Triton
+    triton = None
+
+if triton is not None:
+    from .triton_common import EXACT_NUM_WARPS, NORM_EPS, device_fn as _tl_device_fn, gdn_state_step as _tl_state_step
+    from .triton_common import l2norm as _tl_l2norm, mask_and as _tl_mask_and
+
+    @_tl_device_fn
+    def _load_record(rk_ptr, rv_ptr, rg_ptr, rb_ptr, rec, valid, mask_k, mask_v, i_h, i_hv, offs_k, offs_v,
+                     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
+        """Raw record ``rec`` (flat ``layer/slot/position`` index) for one value head;
+        zeros where ``valid`` (scalar) and the block masks (already including it) are off."""
+        k = tl.load(rk_ptr + (rec * H + i_h) * K + offs_k, mask=mask_k, other=0.0)
+        v = tl.load(rv_ptr + (rec * HV + i_hv) * V + offs_v, mask=mask_v, other=0.0)
+        g = tl.load(rg_ptr + rec * HV + i_hv, mask=valid, other=0.0)
+        beta = tl.load(rb_ptr + rec * HV + i_hv, mask=valid, other=0.0)
+        return k, v, g, beta
+
+    @triton.jit
+    def _fold_kernel(
+        ckpt_ptr, rk_ptr, rv_ptr, rg_ptr, rb_ptr, slots_ptr, start_ptr, count_ptr,
+        num_slots, eps,
+        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+        BK: tl.constexpr, BV: tl.constexpr, R: tl.constexpr,
+    ):
+        i_v = tl.program_id(0)
+        i_b = tl.program_id(1)
+        i_lhv = tl.program_id(2)
+        i_l = i_lhv // HV
+        i_hv = i_lhv % HV
+        i_h = i_hv // (HV // H)
+        slot = tl.load(slots_ptr + i_b).to(tl.int64)
+        if slot < 0:
+            return
+        start = tl.load(start_ptr + i_b).to(tl.int64)
+        count = tl.load(count_ptr + i_b).to(tl.int64)
+        ls = i_l * num_slots + slot  # int64: [layers, slots] flattened
+
+        offs_k = tl.arange(0, BK)
+        offs_v = i_v * BV + tl.arange(0, BV)
+        mask_k = offs_k < K
+        mask_v = offs_v < V
+        tile = offs_v[:, None] * K + offs_k[None, :]
+        mask_s = mask_v[:, None] & mask_k[None, :]
+        ckpt_at = ckpt_ptr + (ls * HV + i_hv) * (V * K)
+        S = tl.load(ckpt_at + tile, mask=mask_s, other=0.0).to(tl.float32)
+
+        # Same hand pipelining as the recurrence: record c + 1 loads during step c.
+        valid_n = 0 < count
+        k_n, v_n, g_n, b_n = _load_record(
+            rk_ptr, rv_ptr, rg_ptr, rb_ptr, ls * R + start % R, valid_n,
+            _tl_mask_and(mask_k, valid_n), _tl_mask_and(mask_v, valid_n), i_h, i_hv, offs_k, offs_v, H, HV, K, V,
+        )
+        for c in range(0, R):
+            valid = valid_n
+            k, v, g, beta = k_n, v_n, g_n, b_n
+            valid_n = c + 1 < count
+            k_n, v_n, g_n, b_n = _load_record(
+                rk_ptr, rv_ptr, rg_ptr, rb_ptr, ls * R + (start + c + 1) % R, valid_n,
+                _tl_mask_and(mask_k, valid_n), _tl_mask_and(mask_v, valid_n), i_h, i_hv, offs_k, offs_v, H, HV, K, V,
+            )
+            k_hat = _tl_l2norm(k, eps)
+            S = tl.where(valid, _tl_state_step(S, k_hat, v.to(tl.float32), g, beta), S)
+        tl.store(ckpt_at + tile, S.to(ckpt_ptr.dtype.element_ty), mask=_tl_mask_and(mask_s, count > 0))
+
+
+@register("fold", "triton")
+def gdn_fold_triton(
+    checkpoints: torch.Tensor,
+    ring_k: torch.Tensor,
+    ring_v: torch.Tensor,
+    ring_g: torch.Tensor,
+    ring_beta: torch.Tensor,
+    slots: torch.Tensor,
+    start: torch.Tensor,
+    count: torch.Tensor,
+) -> None:
+    """Triton version of :func:`gdn_fold_reference` (same arguments), one launch.
+
+    Differences: float32/bfloat16 checkpoints only, float32 gates, contiguous buffers;
+    ``slots`` / ``start`` / ``count`` values are not read on the host (no device
+    synchronisation): live slots must be unique and in range, ``start >= 0``; a count
+    above ``R`` folds ``R`` records.
+    """
+    nl, ns, r = check_fold_args(checkpoints, ring_k, ring_v, ring_g, ring_beta, slots, start, count)
+    _checks.tensor("checkpoints", checkpoints, dtypes=STATE_DTYPES_TRITON)
+    _checks.tensor("ring_k", ring_k, dtypes=(torch.float16, torch.bfloat16, torch.float32))
+    _checks.tensor("ring_v", ring_v, dtypes=(torch.float16, torch.bfloat16, torch.float32))
+    for name, x in (("ring_g", ring_g), ("ring_beta", ring_beta)):
+        _checks.tensor(name, x, dtypes=(torch.float32,))
+    _checks.contiguous(
+        checkpoints=checkpoints, ring_k=ring_k, ring_v=ring_v, ring_g=ring_g, ring_beta=ring_beta,
+        slots=slots, start=start, count=count,
+    )
+    _, _, hv, vd, kd = checkpoints.shape
+    h = ring_k.shape[3]
+    batch = slots.shape[0]
+    if batch == 0 or nl == 0 or r == 0:
+        return
+    bv = pick_block_v(vd, batch * nl * hv, checkpoints.device)
+    grid = (triton.cdiv(vd, bv), batch, nl * hv)
+    _fold_kernel[grid](
+        checkpoints, ring_k, ring_v, ring_g, ring_beta, slots, start, count,
+        ns, NORM_EPS,
+        H=h, HV=hv, K=kd, V=vd, BK=triton.next_power_of_2(kd), BV=bv, R=r,
+        num_warps=EXACT_NUM_WARPS,
+    )

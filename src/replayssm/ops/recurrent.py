@@ -45,6 +45,13 @@ def readout(S: torch.Tensor, q_hat: torch.Tensor) -> torch.Tensor:
     return (S * q_hat[..., None, :]).sum(-1)
 
 
+def check_max_len(max_len) -> int | None:
+    """Validate the optional ``max_len`` keyword (``None`` or an int >= 1)."""
+    if max_len is not None and (not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 1):
+        raise ValueError(f"max_len must be None or an int >= 1, got {max_len!r}")
+    return max_len
+
+
 def check_layer_inputs(q, k, v, a, b, A_log, dt_bias) -> tuple[int, int, int, int, int]:
     """Validate one layer's packed inputs; return ``(N, H, K, HV, V)``."""
     _checks.tensor("q", q, ndim=3, dtypes=_checks.FLOAT_DTYPES)
@@ -95,6 +102,7 @@ def gdn_recurrence_reference(
     snapshots: torch.Tensor | None = None,
     records: RawRecords | None = None,
     update_state: bool = False,
+    max_len: int | None = None,
 ) -> torch.Tensor:
     """Run the exact recurrence over every window of a packed batch.
 
@@ -114,6 +122,9 @@ def gdn_recurrence_reference(
             ``[slots[i], j]``. A side channel: it never changes the outputs.
         update_state: write the final state of each window back to ``state`` (plain
             decoding and prefill).
+        max_len: optional bound on every window's length. The Triton backend needs a
+            bound from ``snapshots``, ``records`` or ``max_len`` (it never reads
+            ``cu_seqlens`` on the host); the reference checks the windows against it.
 
     Returns:
         ``o``: ``[N, HV, V]`` in the dtype of ``v``.
@@ -126,12 +137,12 @@ def gdn_recurrence_reference(
     num_slots = state.shape[0]
     _checks.shape("state", state, [num_slots, hv, vd, kd])
     _checks.same_device(q, state=state, slots=slots, cu_seqlens=cu_seqlens)
-    max_len = None
+    max_len = check_max_len(max_len)
     if snapshots is not None:
         _checks.tensor("snapshots", snapshots, ndim=5, dtypes=(torch.float32, torch.bfloat16, torch.float64))
         _checks.shape("snapshots", snapshots, [num_slots, None, hv, vd, kd])
         _checks.same_device(q, snapshots=snapshots)
-        max_len = snapshots.shape[1]
+        max_len = snapshots.shape[1] if max_len is None else min(max_len, snapshots.shape[1])
     if records is not None:
         records.check("records", num_slots, h, kd, hv, vd)
         _checks.same_device(q, records=records.k)
@@ -169,3 +180,254 @@ def gdn_recurrence(*args, backend: str = "auto", **kwargs) -> torch.Tensor:
     """
     impl = pick("recurrence", backend, args[0] if args else kwargs["q"])
     return impl(*args, **kwargs)
+
+
+# ---------------------------------------------------------------------------- Triton
+# One program per (V block, window, value head): it loads its [BV, K] slice of the start
+# state once, runs the window's tokens through the exact step in registers and writes
+# only what the caller asked for (outputs always; snapshots, raw records, final state
+# optionally). Reads each state element once; the snapshot path adds T writes.
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the reference backend works without Triton
+    triton = None
+
+STATE_DTYPES_TRITON = (torch.float32, torch.bfloat16)
+ACT_DTYPES_TRITON = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def window_bound(max_len: int | None, *shape_bounds: int | None) -> int:
+    """The loop bound ``T`` of a window kernel: the smallest given bound.
+
+    Kernels loop over ``range(T)`` with ``T`` a compile-time constant, masked by each
+    row's length. Bounds above 16 (prefill) are rounded up to a power of two so that
+    prompts of different lengths share a few compiled variants.
+    """
+    bounds = [b for b in (max_len, *shape_bounds) if b is not None]
+    if not bounds:
+        raise ValueError(
+            "the Triton backend needs a bound on the window length: pass max_len= (or snapshots / records)"
+        )
+    t = min(bounds)
+    return t if t <= 16 else triton.next_power_of_2(t)
+
+
+def pick_block_v(vd: int, rows: int, device: torch.device) -> int:
+    """Rows ``BV`` of a state tile: 32, halved (down to 8) while a CUDA device would
+    get fewer than two programs per SM. Any ``BV >= EXACT_NUM_WARPS`` gives the same
+    numbers (rows are independent); small batches just get more parallelism. Under
+    the interpreter: 16, so that small test heads still span several blocks."""
+    full = triton.next_power_of_2(vd)
+    if device.type != "cuda":
+        return min(16, full)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    bv = min(32, full)
+    while bv > 8 and rows * triton.cdiv(vd, bv) < 2 * sms:
+        bv //= 2
+    return bv
+
+
+def check_index_pair(slots: torch.Tensor, cu_seqlens: torch.Tensor):
+    """Metadata checks of ``slots`` / ``cu_seqlens`` (values are the caller's contract)."""
+    _checks.tensor("slots", slots, ndim=1, dtypes=_checks.INDEX_DTYPES)
+    _checks.tensor("cu_seqlens", cu_seqlens, ndim=1, dtypes=_checks.INDEX_DTYPES)
+    if cu_seqlens.numel() != slots.numel() + 1:
+        raise ValueError(
+            f"cu_seqlens must have len(slots) + 1 = {slots.numel() + 1} entries, got {cu_seqlens.numel()}"
+        )
+    _checks.contiguous(slots=slots, cu_seqlens=cu_seqlens)
+
+
+def check_inner_contiguous(**named: torch.Tensor):
+    """Activations may be strided views (e.g. splits of the conv output) as long as
+    their last axis is contiguous."""
+    for name, x in named.items():
+        if x.dim() and x.shape[-1] > 1 and x.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous along its last axis, got strides {tuple(x.stride())}")
+
+
+if triton is not None:
+    from .triton_common import EXACT_NUM_WARPS, NORM_EPS, device_fn as _tl_device_fn, gdn_gates as _tl_gdn_gates
+    from .triton_common import gdn_state_step as _tl_state_step, l2norm as _tl_l2norm, mask_and as _tl_mask_and
+    from .triton_common import row_sum as _tl_row_sum
+
+    @_tl_device_fn
+    def _load_token(
+        q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, tok, valid, mask_k, mask_v, i_h, i_hv, offs_k, offs_v,
+        stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, stride_a_tok, stride_b_tok,
+    ):
+        """Raw inputs of token ``tok`` for one (key head, value head, V block); zeros
+        where ``valid`` (scalar) and the block masks (already including ``valid``) are off."""
+        q = tl.load(q_ptr + tok * stride_q_tok + i_h * stride_q_head + offs_k, mask=mask_k, other=0.0)
+        k = tl.load(k_ptr + tok * stride_k_tok + i_h * stride_k_head + offs_k, mask=mask_k, other=0.0)
+        v = tl.load(v_ptr + tok * stride_v_tok + i_hv * stride_v_head + offs_v, mask=mask_v, other=0.0)
+        a = tl.load(a_ptr + tok * stride_a_tok + i_hv, mask=valid, other=0.0)
+        b = tl.load(b_ptr + tok * stride_b_tok + i_hv, mask=valid, other=0.0)
+        return q, k, v, a, b
+
+    @triton.jit
+    def _recurrence_kernel(
+        q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr,
+        state_ptr, slots_ptr, cu_ptr, o_ptr,
+        snap_ptr, rec_k_ptr, rec_v_ptr, rec_g_ptr, rec_beta_ptr,
+        stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+        stride_a_tok, stride_b_tok,
+        scale, eps,
+        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+        BK: tl.constexpr, BV: tl.constexpr, T: tl.constexpr,
+        SNAP_LEN: tl.constexpr, RING_LEN: tl.constexpr,
+        HAS_SNAPSHOTS: tl.constexpr, HAS_RECORDS: tl.constexpr, UPDATE_STATE: tl.constexpr,
+    ):
+        i_v = tl.program_id(0)
+        i_b = tl.program_id(1)
+        i_hv = tl.program_id(2)
+        i_h = i_hv // (HV // H)
+        # int64 offsets: snapshot and pool buffers pass 2**31 elements at real sizes.
+        slot = tl.load(slots_ptr + i_b).to(tl.int64)
+        bos = tl.load(cu_ptr + i_b).to(tl.int64)
+        length = tl.load(cu_ptr + i_b + 1).to(tl.int64) - bos
+
+        offs_k = tl.arange(0, BK)
+        offs_v = i_v * BV + tl.arange(0, BV)
+        mask_k = offs_k < K
+        mask_v = offs_v < V
+        o_row = o_ptr + (bos * HV + i_hv) * V + offs_v  # o is a fresh contiguous [N, HV, V]
+
+        if slot < 0:
+            # Padding row: zero outputs, nothing else.
+            for i in range(0, T):
+                tl.store(o_row + i * HV * V, tl.full([BV], 0, o_ptr.dtype.element_ty), mask=_tl_mask_and(mask_v, i < length))
+            return
+
+        A_log = tl.load(A_log_ptr + i_hv)
+        dt_bias = tl.load(dt_bias_ptr + i_hv)
+        tile = offs_v[:, None] * K + offs_k[None, :]
+        mask_s = mask_v[:, None] & mask_k[None, :]
+        state_at = state_ptr + (slot * HV + i_hv) * (V * K)
+        S = tl.load(state_at + tile, mask=mask_s, other=0.0).to(tl.float32)
+        if HAS_RECORDS:
+            # Raw k once per key head: by the group's first value head, first V block.
+            mask_k_writer = _tl_mask_and(mask_k, (i_hv % (HV // H) == 0) & (i_v == 0))
+
+        # Software pipelining by hand: the next token's loads are issued before this
+        # token's step, so their latency hides behind the arithmetic. Masks that fold
+        # in the token's validity are built once per token and carried along.
+        valid_n = 0 < length
+        mk_n = _tl_mask_and(mask_k, valid_n)
+        mv_n = _tl_mask_and(mask_v, valid_n)
+        q_n, k_n, v_n, a_n, b_n = _load_token(
+            q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, bos, valid_n, mk_n, mv_n, i_h, i_hv, offs_k, offs_v,
+            stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, stride_a_tok, stride_b_tok,
+        )
+        for i in range(0, T):
+            valid, mk, mv = valid_n, mk_n, mv_n
+            q, k, v, a, b = q_n, k_n, v_n, a_n, b_n
+            valid_n = i + 1 < length
+            mk_n = _tl_mask_and(mask_k, valid_n)
+            mv_n = _tl_mask_and(mask_v, valid_n)
+            q_n, k_n, v_n, a_n, b_n = _load_token(
+                q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, bos + i + 1, valid_n, mk_n, mv_n, i_h, i_hv, offs_k, offs_v,
+                stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+                stride_a_tok, stride_b_tok,
+            )
+            g, beta = _tl_gdn_gates(a, b, A_log, dt_bias)
+            k_hat = _tl_l2norm(k, eps)
+            q_hat = _tl_l2norm(q, eps) * scale
+            # Positions past the row's end keep the state (their outputs are not stored).
+            S = tl.where(valid, _tl_state_step(S, k_hat, v.to(tl.float32), g, beta), S)
+            o = _tl_row_sum(S * q_hat[None, :], 1)
+            tl.store(o_row + i * HV * V, o.to(o_ptr.dtype.element_ty), mask=mv)
+            if HAS_SNAPSHOTS:
+                snap_at = snap_ptr + ((slot * SNAP_LEN + i) * HV + i_hv) * (V * K)
+                tl.store(snap_at + tile, S.to(snap_ptr.dtype.element_ty), mask=mv[:, None] & mask_k[None, :])
+            if HAS_RECORDS:
+                # Side channel only: stores, no change to the arithmetic above.
+                rec = slot * RING_LEN + i
+                tl.store(rec_k_ptr + (rec * H + i_h) * K + offs_k, k.to(rec_k_ptr.dtype.element_ty),
+                         mask=mk & mask_k_writer)
+                tl.store(rec_v_ptr + (rec * HV + i_hv) * V + offs_v, v.to(rec_v_ptr.dtype.element_ty), mask=mv)
+                tl.store(rec_g_ptr + rec * HV + i_hv, g, mask=valid & (i_v == 0))
+                tl.store(rec_beta_ptr + rec * HV + i_hv, beta, mask=valid & (i_v == 0))
+        if UPDATE_STATE:
+            tl.store(state_at + tile, S.to(state_ptr.dtype.element_ty), mask=mask_s)
+
+
+@register("recurrence", "triton")
+def gdn_recurrence_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+    slots: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    snapshots: torch.Tensor | None = None,
+    records: RawRecords | None = None,
+    update_state: bool = False,
+    max_len: int | None = None,
+) -> torch.Tensor:
+    """Triton version of :func:`gdn_recurrence_reference` (same arguments and results).
+
+    Differences: float64 is not supported (the reference is the float64 oracle); the
+    state and snapshots must be contiguous and the activations contiguous along their
+    last axis; ``slots`` / ``cu_seqlens`` values are not read on the host (no device
+    synchronisation, CUDA-graph capturable): windows must be ``1..T`` tokens with ``T``
+    the bound from ``snapshots``, ``records`` or ``max_len``, and live slots unique and
+    in range, as :meth:`~replayssm.state.StatePool.batch` guarantees. ``records.g`` and
+    ``records.beta`` must be float32.
+    """
+    n, h, kd, hv, vd = check_layer_inputs(q, k, v, a, b, A_log, dt_bias)
+    for name, x in (("q", q), ("k", k), ("v", v), ("a", a), ("b", b)):
+        _checks.tensor(name, x, dtypes=ACT_DTYPES_TRITON)
+    check_inner_contiguous(q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias)
+    _checks.tensor("state", state, ndim=4, dtypes=STATE_DTYPES_TRITON)
+    num_slots = state.shape[0]
+    _checks.shape("state", state, [num_slots, hv, vd, kd])
+    _checks.contiguous(state=state)
+    check_index_pair(slots, cu_seqlens)
+    _checks.same_device(q, state=state, slots=slots, cu_seqlens=cu_seqlens)
+    max_len = check_max_len(max_len)
+    snap_len = ring_len = None
+    if snapshots is not None:
+        _checks.tensor("snapshots", snapshots, ndim=5, dtypes=STATE_DTYPES_TRITON)
+        _checks.shape("snapshots", snapshots, [num_slots, None, hv, vd, kd])
+        _checks.contiguous(snapshots=snapshots)
+        _checks.same_device(q, snapshots=snapshots)
+        snap_len = snapshots.shape[1]
+    if records is not None:
+        if not isinstance(records, RawRecords):
+            raise TypeError(f"records must be RawRecords, got {type(records).__name__}")
+        records.check("records", num_slots, h, kd, hv, vd)
+        for field in ("g", "beta"):
+            _checks.tensor(f"records.{field}", getattr(records, field), dtypes=(torch.float32,))
+        _checks.contiguous(**{f"records.{f}": getattr(records, f) for f in records._fields})
+        _checks.same_device(q, records=records.k)
+        ring_len = records.ring_len
+    o = torch.empty(n, hv, vd, dtype=v.dtype, device=v.device)
+    batch = slots.shape[0]
+    if batch == 0:
+        return o
+    t = window_bound(max_len, snap_len, ring_len)
+    bk = triton.next_power_of_2(kd)
+    bv = pick_block_v(vd, batch * hv, q.device)
+    dummy = o  # stands in for absent optional buffers; never dereferenced
+    rec = records if records is not None else RawRecords(dummy, dummy, dummy, dummy)
+    grid = (triton.cdiv(vd, bv), batch, hv)
+    _recurrence_kernel[grid](
+        q, k, v, a, b, A_log, dt_bias,
+        state, slots, cu_seqlens, o,
+        snapshots if snapshots is not None else dummy, rec.k, rec.v, rec.g, rec.beta,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
+        kd**-0.5, NORM_EPS,
+        H=h, HV=hv, K=kd, V=vd, BK=bk, BV=bv, T=t,
+        SNAP_LEN=snap_len or 1, RING_LEN=ring_len or 1,
+        HAS_SNAPSHOTS=snapshots is not None, HAS_RECORDS=records is not None, UPDATE_STATE=bool(update_state),
+        num_warps=EXACT_NUM_WARPS,
+    )
+    return o

@@ -49,3 +49,63 @@ def snapshot_commit_reference(
 def snapshot_commit(*args, backend: str = "auto", **kwargs) -> None:
     """Dispatching front of :func:`snapshot_commit_reference` (same arguments)."""
     return pick("snapshot_commit", backend, args[0] if args else kwargs["checkpoints"])(*args, **kwargs)
+
+
+# ---------------------------------------------------------------------------- Triton
+# A plain copy, all layers in one launch: one program per (block of a state, row, layer).
+# Reads and writes each committed state element once.
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the reference backend works without Triton
+    triton = None
+
+COPY_BLOCK = 2048
+
+if triton is not None:
+
+    @triton.jit
+    def _snapshot_commit_kernel(
+        ckpt_ptr, snap_ptr, slots_ptr, acc_ptr, num_slots,
+        NUMEL: tl.constexpr, TS: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        i_x = tl.program_id(0)
+        i_b = tl.program_id(1)
+        i_l = tl.program_id(2)
+        slot = tl.load(slots_ptr + i_b).to(tl.int64)
+        if slot < 0:
+            return
+        # 1 <= n <= T is the caller's contract; clamp so a bad value cannot address
+        # outside this slot's snapshots.
+        n = tl.minimum(tl.maximum(tl.load(acc_ptr + i_b).to(tl.int64), 1), TS)
+        ls = i_l * num_slots + slot
+        offs = i_x * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < NUMEL
+        x = tl.load(snap_ptr + (ls * TS + n - 1) * NUMEL + offs, mask=mask)
+        tl.store(ckpt_ptr + ls * NUMEL + offs, x, mask=mask)
+
+
+@register("snapshot_commit", "triton")
+def snapshot_commit_triton(
+    checkpoints: torch.Tensor, snapshots: torch.Tensor, slots: torch.Tensor, accepted: torch.Tensor
+) -> None:
+    """Triton version of :func:`snapshot_commit_reference` (same arguments), one launch.
+
+    Differences: float32/bfloat16, contiguous buffers; ``slots`` / ``accepted`` values
+    are not read on the host (no device synchronisation); ``accepted`` is clamped to
+    ``[1, T]``.
+    """
+    check_snapshot_args(checkpoints, snapshots, slots, accepted)
+    _checks.tensor("checkpoints", checkpoints, dtypes=(torch.float32, torch.bfloat16))
+    _checks.contiguous(checkpoints=checkpoints, snapshots=snapshots, slots=slots, accepted=accepted)
+    nl, ns = checkpoints.shape[:2]
+    numel = checkpoints[0, 0].numel()
+    batch = slots.shape[0]
+    if batch == 0 or nl == 0 or numel == 0:
+        return
+    block = min(COPY_BLOCK, triton.next_power_of_2(numel))
+    grid = (triton.cdiv(numel, block), batch, nl)
+    _snapshot_commit_kernel[grid](
+        checkpoints, snapshots, slots, accepted, ns, NUMEL=numel, TS=snapshots.shape[2], BLOCK=block, num_warps=4
+    )

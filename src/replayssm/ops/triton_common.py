@@ -55,11 +55,39 @@ NORM_EPS = 1e-6
 SOFTPLUS_THRESHOLD = 20.0
 
 
+
+
+def device_fn(fn):
+    """``triton.jit`` for device helpers (functions that kernels call).
+
+    Under the interpreter the helper stays a plain Python function: the interpreter
+    patches ``triton.language`` once per kernel launch, but re-patches it at every call
+    of a jitted helper (milliseconds each), which made the per-token helpers dominate
+    CPU test time. The operations, and so the numbers, are the same either way. Only
+    straight-line helpers qualify (no loops or branches on tensors).
+    """
+    return fn if INTERPRETER else triton.jit(fn)
+
+
 if triton is not None:
     # Module globals reach jitted code only as constexpr.
     _SOFTPLUS_THRESHOLD = tl.constexpr(SOFTPLUS_THRESHOLD)
 
-    @triton.jit
+    if INTERPRETER:
+
+        def row_sum(x, axis, keep_dims=False):
+            """``tl.sum`` of an fp32 block (interpreter form: the reduction itself,
+            without the jitted ``tl.sum`` wrapper and its per-call patching cost)."""
+            return tl.reduce(x, axis, tl.standard._sum_combine, keep_dims=keep_dims)
+
+    else:
+
+        @triton.jit
+        def row_sum(x, axis: tl.constexpr, keep_dims: tl.constexpr = False):
+            """``tl.sum`` of an fp32 block along ``axis``."""
+            return tl.sum(x, axis, keep_dims=keep_dims)
+
+    @device_fn
     def gdn_gates(a, b, A_log, dt_bias):
         """Decay ``g`` and write strength ``beta`` (fp32) from raw gates.
 
@@ -84,17 +112,17 @@ if triton is not None:
         beta = tl.div_rn(tl.full(b.shape, 1.0, tl.float32), 1.0 + tl.exp(-b.to(tl.float32)))
         return g, beta
 
-    @triton.jit
+    @device_fn
     def l2norm(x, eps):
         """``x / sqrt(sum(x*x) + eps)`` over the last axis of a ``[BK]`` or ``[N, BK]`` block.
 
         Masked lanes must be loaded as zero; they stay zero. Returns fp32.
         """
         x = x.to(tl.float32)
-        ss = tl.sum(x * x, axis=len(x.shape) - 1, keep_dims=True)
+        ss = row_sum(x * x, len(x.shape) - 1, keep_dims=True)
         return tl.div_rn(x, tl.sqrt_rn(ss + eps))
 
-    @triton.jit
+    @device_fn
     def gdn_state_step(S, k_hat, v, g, beta):
         """One exact GDN step of a ``[BV, BK]`` fp32 state tile (rows: values, cols: keys).
 
@@ -103,6 +131,15 @@ if triton is not None:
         Returns the new tile.
         """
         S = tl.exp(g) * S
-        u = beta * (v - tl.sum(S * k_hat[None, :], 1))
+        u = beta * (v - row_sum(S * k_hat[None, :], 1))
         S = S + u[:, None] * k_hat[None, :]
         return S
+
+    @device_fn
+    def mask_and(mask, flag):
+        """``mask & flag`` for a block ``mask`` and a scalar boolean tensor ``flag``.
+
+        Spelled as a block comparison because the Triton interpreter turns a broadcast
+        scalar boolean into integers, which loads and stores then reject as masks.
+        """
+        return mask & (tl.full(mask.shape, 0, tl.int32) + flag.to(tl.int32) != 0)

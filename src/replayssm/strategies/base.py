@@ -108,7 +108,7 @@ class Strategy:
         p = self.pool.layer_params(layer)
         return causal_conv_verify(
             x, self.buffers["conv_state"][layer], p["conv_weight"], p["conv_bias"], batch.slots, batch.cu_seqlens,
-            update_state=True, backend=self.pool.backend,
+            update_state=True, max_len=batch.max_len or None, backend=self.pool.backend,
         )
 
     # ------------------------------------------------------------------ state
@@ -181,7 +181,7 @@ class Strategy:
         A_log, dt_bias = self._gates(layer)
         return gdn_recurrence(
             q, k, v, a, b, A_log, dt_bias, self.buffers["checkpoints"][layer], batch.slots, batch.cu_seqlens,
-            update_state=True, backend=self.pool.backend,
+            update_state=True, max_len=batch.max_len or None, backend=self.pool.backend,
         )
 
     def _check_prefill_rows(self, batch: Batch) -> None:
