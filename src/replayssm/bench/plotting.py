@@ -1,0 +1,137 @@
+"""PNG plots of the tools' JSON results (matplotlib, Agg backend, no display needed).
+
+matplotlib is optional: ``pip install 'replayssm[plot]'``. Each function takes the
+result dict a tool returns (or loads from its ``--json`` file) and writes one PNG.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+# Fixed colours per variant so that plots of different runs read the same way.
+COLORS = {
+    "snapshot": "#1f77b4",
+    "fold": "#2ca02c",
+    "circular": "#ff7f0e",
+    "plain": "#000000",
+    "open-loop": "#d62728",
+}
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise RuntimeError("plots need matplotlib: pip install 'replayssm[plot]'") from None
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: str | os.PathLike) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
+
+
+def plot_drift(result: dict, path: str | os.PathLike) -> Path:
+    """Committed-state error (all heads, solid; worst head, dotted) and output error
+    against committed tokens, one colour per variant, log scale."""
+    plt = _pyplot()
+    variants = result["variants"]
+    fig, (ax_s, ax_o) = plt.subplots(1, 2, figsize=(13, 4.8), constrained_layout=True)
+    for name, v in variants.items():
+        s = v["samples"]
+        color = COLORS.get(name)
+        label = f"{name} ({v['result']})"
+        # Bit-identical curves would hide each other; the legend says which coincide.
+        if v.get("bitwise_equal_to_plain") and name != "plain":
+            label += ", = plain"
+        style = "--" if name == "plain" else "-"
+        ax_s.plot(s["tokens"], _positive(s["state"]), style, color=color, label=label, lw=1.4)
+        ax_s.plot(s["tokens"], _positive(s["state_worst_head"]), ":", color=color, lw=1.0)
+        ax_o.plot(s["tokens"], _positive(s["output"]), style, color=color, label=name, lw=1.4)
+    sh, c = result["shape"], result["config"]
+    title = (
+        f"H={sh['H']} HV={sh['HV']} K={sh['K']} V={sh['V']}, T={c['window']}, L={c['ring_len']}, "
+        f"{c['act_dtype']} act, {c['state_dtype']} state, {result['environment']['device']}"
+    )
+    ax_s.set_title("committed state: ||S - S64|| / ||S64||  (dotted: worst head)")
+    ax_o.set_title("outputs of accepted positions: ||o - o64|| / ||o64||")
+    for ax in (ax_s, ax_o):
+        ax.set_yscale("log")
+        ax.set_xlabel("committed tokens per request")
+        ax.grid(True, which="both", alpha=0.3)
+    ax_s.set_ylabel("relative error vs float64")
+    ax_s.legend(fontsize=8, loc="best")
+    fig.suptitle(f"replayssm drift: {title}", fontsize=10)
+    return _save(fig, path)
+
+
+def _positive(values):
+    # log axes cannot show 0 (a bit-exact float64 run) or None (non-finite in JSON)
+    return [v if (v is not None and v > 0) else float("nan") for v in values]
+
+
+def plot_memory(result: dict, path: str | os.PathLike) -> Path:
+    """Maximum concurrent requests per strategy, one group of bars per model and context."""
+    plt = _pyplot()
+    rows = result["rows"]
+    groups = []
+    for r in rows:
+        key = (r["model"], r["context"])
+        if key not in groups:
+            groups.append(key)
+    names = []
+    for r in rows:
+        if r["strategy"] not in names:
+            names.append(r["strategy"])
+    width = 0.8 / max(1, len(names))
+    fig, ax = plt.subplots(figsize=(max(7.0, 2.8 * len(groups)), 4.8), constrained_layout=True)
+    for i, name in enumerate(names):
+        xs, ys = [], []
+        for gi, key in enumerate(groups):
+            r = next((r for r in rows if (r["model"], r["context"]) == key and r["strategy"] == name), None)
+            if r is not None:
+                xs.append(gi + (i - (len(names) - 1) / 2) * width)
+                ys.append(r["max_requests"])
+        bars = ax.bar(xs, ys, width=width, color=COLORS.get(name, None), label=name)
+        ax.bar_label(bars, fontsize=7)
+    ax.set_xticks(range(len(groups)))
+    tps = {(r["model"], r["context"]): r["tp"] for r in rows}
+    ax.set_xticklabels([f"{m} (TP{tps[(m, ctx)]})\n{ctx} tok context" for m, ctx in groups], fontsize=8)
+    ax.set_ylabel("max concurrent requests")
+    budget = result["config"]
+    ax.set_title(
+        f"requests per GPU that fit: GDN state + KV cache per request, T={budget['window']}, L={budget['ring_len']}",
+        fontsize=10,
+    )
+    ax.legend(fontsize=8)
+    ax.grid(True, axis="y", alpha=0.3)
+    return _save(fig, path)
+
+
+def plot_e2e(result: dict, path: str | os.PathLike) -> Path:
+    """Tokens per second against batch size, one line per mode."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5), constrained_layout=True)
+    modes = []
+    for r in result["rows"]:
+        if r["mode"] not in modes:
+            modes.append(r["mode"])
+    for mode in modes:
+        rs = sorted((r for r in result["rows"] if r["mode"] == mode), key=lambda r: r["batch"])
+        ax.plot([r["batch"] for r in rs], [r["tokens_per_s"] for r in rs], "o-", color=COLORS.get(mode), label=mode)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("generated tokens per second")
+    ax.set_title(f"replayssm bench e2e: {result['config'].get('model', '')}", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)

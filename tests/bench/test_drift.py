@@ -1,0 +1,269 @@
+"""``replayssm drift``: a short CPU run of the command end to end (JSON, plot, verdicts),
+the oracle and the control it relies on, and the judging rules on synthetic series."""
+
+import json
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from replayssm import cli
+from replayssm.bench import drift
+from replayssm.ops import gdn_recurrence_reference
+from replayssm.ops.gates import expand_heads, gdn_gates, l2_normalize
+from replayssm.strategies.fold import FoldStrategy
+
+# A few hundred tokens of the tiny shape: a minute of CPU at most. Memories are kept
+# short (decay 0.05..0.5 per token) so that the fp32 recurrence's own error has
+# settled within the run's first 5%.
+CLI_RUN = ["--device", "cpu", "--shape", "tiny", "--tokens", "160", "--every", "8", "--requests", "2",
+           "--decay-range", "0.05,0.5", "--quiet"]
+
+
+@pytest.fixture(autouse=True)
+def _seed_random(_seed):
+    random.seed(torch.initial_seed())
+
+
+@pytest.fixture(scope="module")
+def cli_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("drift")
+    seed = random.Random().randint(0, 2**31 - 1)
+    js, png = out / "sub" / "drift.json", out / "drift.png"
+    rc = cli.main(["drift", *CLI_RUN, "--seed", str(seed), "--json", str(js), "--plot", str(png)])
+    return rc, json.loads(js.read_text()), png, seed
+
+
+# ---------------------------------------------------------------------- the command
+def test_cli_run_passes_the_exact_strategies_and_detects_the_control(cli_run):
+    rc, data, _, seed = cli_run
+    assert rc == 0 == data["exit_code"], f"seed {seed}: {data['failed']}"
+    assert data["failed"] == [] and data["control_required"] and data["control_detected"]
+    v = data["variants"]
+    assert set(v) == {"snapshot", "fold", "circular", "open-loop", "plain"}
+    for name in ("snapshot", "fold", "circular"):
+        assert v[name]["result"] == "pass" and v[name]["claims_exact_state"] is True
+        # on one device the exact strategies commit the fp32 recurrence's state, bit for bit
+        assert v[name]["bitwise_equal_to_plain"], name
+        assert max(v[name]["samples"]["state"]) < 1e-5
+        assert max(v[name]["samples"]["output"]) < 1e-2  # bf16 outputs: rounding ~ 2e-3
+        assert v[name]["verdict"]["state"]["excess_over_plain"] == pytest.approx(1.0)
+    ctl = v["open-loop"]
+    assert ctl["result"] == "detected" and ctl["claims_exact_state"] is False
+    assert not ctl["bitwise_equal_to_plain"]
+    # folding bf16-rounded deltas puts the state at bf16 accuracy, far above fp32's
+    assert ctl["verdict"]["state"]["departs"]
+    assert ctl["verdict"]["state"]["excess_over_plain"] > 100
+    assert v["plain"]["result"] == "reference"
+
+
+def test_cli_run_records_every_sample(cli_run):
+    _, data, _, _ = cli_run
+    cfg = data["config"]
+    assert cfg["tokens"] == 160 and cfg["every"] == 8 and cfg["act_dtype"] == "bf16" and cfg["shape"] == "tiny"
+    assert data["shape"] == {"H": 2, "HV": 4, "K": 16, "V": 16}
+    assert data["tokens_per_request"] >= 160 and data["steps"] > 160 // 4
+    for name, v in data["variants"].items():
+        s = v["samples"]
+        n = len(s["tokens"])
+        assert n >= 160 // 8 - 1
+        assert all(len(s[k]) == n for k in ("state", "state_worst_head", "output", "equal_to_plain"))
+        assert all(b > a for a, b in zip(s["tokens"], s["tokens"][1:]))
+        assert s["tokens"][-1] >= 160
+        assert all(0 < e < 1 for e in s["state"] + s["output"])
+        assert all(w >= t for w, t in zip(s["state_worst_head"], s["state"]))  # the worst head bounds the mean
+        for series in drift.SERIES:
+            a = v["assessment"][series]
+            assert a["early"] > 0 and a["late"] > 0 and a["finite"]
+    lo, hi = cfg["decay_range"]
+    decay = data["gates"]["mean_decay_per_head"]
+    assert len(decay) == 4 and all(0.6 * lo < d < 1.6 * hi for d in decay)
+    assert decay == sorted(decay)  # spread over the heads in order
+
+
+def test_cli_run_writes_a_plot(cli_run):
+    _, _, png, _ = cli_run
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_strategy_that_leaves_the_recurrence_fails(monkeypatch, tmp_path, capsys):
+    """Teeth: a fold that rounds the checkpoint through bf16 at every commit is caught."""
+    original = FoldStrategy._commit_states
+
+    def sloppy(self, batch, accepted):
+        original(self, batch, accepted)
+        ck = self.buffers["checkpoints"]
+        ck.copy_(ck.to(torch.bfloat16).to(ck.dtype))
+
+    monkeypatch.setattr(FoldStrategy, "_commit_states", sloppy)
+    js = tmp_path / "d.json"
+    rc = cli.main(["drift", "--device", "cpu", "--shape", "tiny", "--tokens", "80", "--every", "4", "--requests", "2",
+                   "--act-dtype", "fp32", "--strategies", "fold", "--no-control", "--decay-range", "0.05,0.5",
+                   "--seed", str(random.randint(0, 10**6)), "--quiet", "--json", str(js)])
+    assert rc == 1
+    data = json.loads(js.read_text())
+    assert data["failed"] == ["fold"] and data["control_detected"] is None and not data["control_required"]
+    assert data["variants"]["fold"]["verdict"]["state"]["departs"]
+    assert "FAIL: fold" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--tokens", "50", "--every", "10"], "at least 10 samples"),
+    (["--ring-len", "12"], "ring_len"),
+    (["--decay-range", "0.5,0.1"], "decay_range"),
+    (["--key-correlation", "1.0"], "key_correlation"),
+    (["--requests", "0"], "requests"),
+    (["--strategies", "none", "--no-control"], "nothing to run"),
+    (["--excess-factor", "1"], "excess_factor"),
+])
+def test_cli_rejects_bad_settings(argv, message, capsys):
+    assert cli.main(["drift", "--device", "cpu", "--quiet", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_defaults_are_the_issue_s():
+    args = cli.build_parser().parse_args(["drift"])
+    cfg = drift.config_from_args(args)
+    assert cfg.tokens == 32768 and cfg.every == 256 and cfg.act_dtype == "bf16" and cfg.state_dtype == "fp32"
+    assert cfg.strategies == drift.STRATEGY_NAMES and cfg.control
+    assert cfg.shape == ("qwen3.5" if torch.cuda.is_available() else "tiny")
+    assert drift.SHAPES["qwen3.5"].num_value_heads == 32 and drift.SHAPES["qwen3.5"].head_k_dim == 128
+    assert drift.DriftConfig(act_dtype="fp32").control_required is False
+    assert drift.DriftConfig(act_dtype="bf16").control_required is True
+
+
+# ---------------------------------------------------------------------- building blocks
+def test_gate_params_spread_the_mean_decay():
+    hv = random.randint(3, 9)
+    lo, hi = 10 ** random.uniform(-3, -2), 10 ** random.uniform(-1, 0)
+    A_log, dt_bias = drift.gate_params(hv, (lo, hi))
+    a = torch.randn(200_000, hv, dtype=torch.float64) * drift.A_SCALE
+    g, _ = gdn_gates(a, torch.zeros_like(a), A_log.double(), dt_bias.double())
+    measured = (-g).mean(0)
+    target = torch.logspace(math.log10(lo), math.log10(hi), hv, dtype=torch.float64)
+    torch.testing.assert_close(measured, target, rtol=0.02, atol=0)
+
+
+def test_oracle_is_the_float64_reference_recurrence():
+    shape = drift.SHAPES["tiny"]
+    B, T = random.randint(1, 3), random.randint(1, 4)
+    A_log, dt_bias = drift.gate_params(shape.num_value_heads, (0.01, 0.5))
+    oracle = drift.Oracle64(shape, B, A_log, dt_bias, "cpu")
+    stream = drift.InputStream(shape, B, T, torch.float32, "cpu", random.randint(0, 10**6), 0.5)
+    ref = torch.zeros_like(oracle.S)
+    slots = torch.arange(B, dtype=torch.int32)
+    for _ in range(5):
+        x = stream.window_inputs()
+        accepted = torch.randint(1, T + 1, (B,), dtype=torch.int32)
+        o = oracle.advance(x, accepted, int(accepted.max()))
+        keep = torch.arange(T)[None] < accepted[:, None]
+        cu = torch.tensor([0] + accepted.cumsum(0).tolist(), dtype=torch.int32)
+        o_ref = gdn_recurrence_reference(
+            *(x[k][keep].double() for k in ("q", "k", "v", "a", "b")), A_log.double(), dt_bias.double(), ref, slots, cu,
+            update_state=True,
+        )
+        torch.testing.assert_close(o[keep], o_ref, rtol=1e-12, atol=1e-14)
+        assert torch.all(o[~keep] == 0)
+        torch.testing.assert_close(oracle.S, ref, rtol=1e-12, atol=1e-14)
+        stream.accept(x["k"], accepted)
+    assert ref.abs().max() > 0.1  # a non-trivial state
+
+
+def test_input_stream_chains_keys_from_the_last_accepted_one():
+    shape = drift.SHAPES["small"]
+    rho = random.uniform(0.3, 0.9)
+    stream = drift.InputStream(shape, 2, 4, torch.float32, "cpu", random.randint(0, 10**6), rho)
+    pairs = []
+    for _ in range(200):
+        last = stream.last_k.clone()
+        x = stream.window_inputs()
+        pairs.append((last, x["k"][:, 0]))
+        pairs += [(x["k"][:, j - 1], x["k"][:, j]) for j in range(1, 4)]
+        accepted = torch.randint(1, 5, (2,), dtype=torch.int32)
+        stream.accept(x["k"], accepted)
+        for i in range(2):
+            assert torch.equal(stream.last_k[i], x["k"][i, int(accepted[i]) - 1])
+    prev = torch.cat([p.flatten() for p, _ in pairs])
+    nxt = torch.cat([n.flatten() for _, n in pairs])
+    assert float(torch.corrcoef(torch.stack([prev, nxt]))[0, 1]) == pytest.approx(rho, abs=0.02)
+    assert float(nxt.std()) == pytest.approx(1.0, abs=0.03)
+
+
+def test_open_loop_fold_is_the_recurrence_with_given_deltas():
+    """S <- exp(G) S + sum_c exp(G - G_c) u_c k^_c^T is the recurrence S <- exp(g) S + u k^T
+    applied record by record (the control's fold, in float64)."""
+    h, hv, kd, vd, c = 2, 4, 8, 6, random.randint(1, 6)
+    S = torch.randn(hv, vd, kd, dtype=torch.float64)
+    u = torch.randn(c, hv, vd, dtype=torch.float64)
+    k = torch.randn(c, h, kd, dtype=torch.float64)
+    g = -torch.rand(c, hv, dtype=torch.float64)
+    folded = drift.OpenLoopControl._fold(None, S, u, k, g)
+    k_hat = expand_heads(l2_normalize(k), hv)
+    ref = S.clone()
+    for i in range(c):
+        ref = torch.exp(g[i])[:, None, None] * ref + u[i][:, :, None] * k_hat[i][:, None, :]
+    torch.testing.assert_close(folded, ref, rtol=1e-12, atol=1e-12)
+    assert torch.equal(drift.OpenLoopControl._fold(None, S, u[:0], k[:0], g[:0]), S)
+
+
+# ---------------------------------------------------------------------- judging
+def series(n, fn, noise=0.1):
+    t = np.linspace(1000, 32768, n)
+    rng = np.random.default_rng(random.randint(0, 10**6))
+    return t, fn(t) * np.exp(noise * rng.standard_normal(n))
+
+
+def test_assess_flat_noise_does_not_grow():
+    t, e = series(128, lambda t: 2e-7 + 0 * t)
+    a = drift.assess(t, e)
+    assert not a["grows"] and abs(a["slope"]) < 0.1 and 0.7 < a["growth"] < 1.4 and a["finite"]
+
+
+def test_assess_random_walk_grows():
+    t, e = series(128, lambda t: 1e-7 * np.sqrt(t))
+    a = drift.assess(t, e)
+    assert a["grows"] and a["slope"] == pytest.approx(0.5, abs=0.1) and a["growth"] > 2
+
+
+def test_assess_linear_growth_grows_and_nonfinite_fails():
+    t, e = series(64, lambda t: 1e-9 * t)
+    a = drift.assess(t, e)
+    assert a["grows"] and a["slope"] == pytest.approx(1.0, abs=0.1)
+    e[-3] = np.inf
+    a = drift.assess(t, e)
+    assert a["grows"] and not a["finite"]
+
+
+def test_assess_zero_errors_do_not_grow():
+    t = np.arange(1, 41) * 10
+    a = drift.assess(t, np.zeros(40))
+    assert not a["grows"] and a["growth"] == 1.0
+
+
+def test_assess_rejects_bad_series():
+    with pytest.raises(ValueError, match="equal length"):
+        drift.assess([1, 2, 3], [1.0, 2.0])
+    with pytest.raises(ValueError, match="at least 4 samples"):
+        drift.assess([10, 20, 30], [1.0, 1.0, 1.0])
+    with pytest.raises(ValueError, match="non-negative"):
+        drift.assess(list(range(1, 21)), [-1.0] * 20)
+
+
+def test_verdict_flags_departure_and_drift_beyond_plain():
+    t, flat = series(64, lambda t: 1e-7 + 0 * t)
+    _, walk = series(64, lambda t: 1e-9 * np.sqrt(t))
+    a_flat, a_walk = drift.assess(t, flat), drift.assess(t, walk)
+    high = drift.assess(t, flat * 50)
+    plain = {s: a_flat for s in drift.SERIES}
+    v = drift.verdict({s: a_flat for s in drift.SERIES}, plain, 4.0)
+    assert not v["flagged"] and v["state"]["excess_over_plain"] == pytest.approx(1.0)
+    v = drift.verdict({**plain, "state": high}, plain, 4.0)
+    assert v["flagged"] and v["state"]["departs"] and not v["state"]["drifts"]
+    v = drift.verdict({**plain, "output": a_walk}, plain, 1e9)
+    assert v["flagged"] and v["output"]["drifts"] and not v["output"]["departs"]
+    # growth that the fp32 recurrence shows too is the recurrence's, not the strategy's
+    plain_walk = {s: a_walk for s in drift.SERIES}
+    v = drift.verdict({s: a_walk for s in drift.SERIES}, plain_walk, 4.0)
+    assert not v["flagged"]
