@@ -727,6 +727,10 @@ def _fmt(x: float | None) -> str:
     return f"{x:.2e}" if (x != 0 and (abs(x) < 1e-2 or abs(x) >= 1e4)) else f"{x:.2f}"
 
 
+def _slope(x: float | None) -> str:
+    return "-" if x is None else ("inf" if math.isinf(x) else f"{x:+.2f}")
+
+
 def print_report(result: dict, file=None) -> None:
     file = file or sys.stdout
     c, sh = result["config"], result["shape"]
@@ -749,7 +753,7 @@ def print_report(result: dict, file=None) -> None:
         vd = v.get("verdict")
         print(
             f"{name:<10} {_fmt(a['state']['early']):>11} {_fmt(a['state']['late']):>11} {_fmt(a['state']['growth']):>7} "
-            f"{_fmt(a['state']['slope']):>6} {_fmt(vd['state']['excess_over_plain']) if vd else '1.00':>8} "
+            f"{_slope(a['state']['slope']):>6} {_fmt(vd['state']['excess_over_plain']) if vd else '1.00':>8} "
             f"{_fmt(a['state_worst_head']['late']):>11} {_fmt(a['output']['late']):>9} "
             f"{'yes' if v['bitwise_equal_to_plain'] else 'no':>7}  {v['result']}",
             file=file,
