@@ -267,3 +267,23 @@ def test_verdict_flags_departure_and_drift_beyond_plain():
     plain_walk = {s: a_walk for s in drift.SERIES}
     v = drift.verdict({s: a_walk for s in drift.SERIES}, plain_walk, 4.0)
     assert not v["flagged"]
+
+
+# ---------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+def test_gpu_short_run_at_qwen_shape(tmp_path):
+    """On CUDA (Triton backend), a Qwen3.5 layer for 4096 tokens: the exact strategies
+    equal the fp32 recurrence bit for bit and pass, the control is detected, and the
+    run is fast enough that the full 32768-token run fits in a few minutes."""
+    js = tmp_path / "drift.json"
+    rc = cli.main(["drift", "--tokens", "4096", "--every", "64", "--quiet", "--seed", str(random.randint(0, 10**6)),
+                   "--json", str(js)])
+    data = json.loads(js.read_text())
+    assert data["environment"]["backend"] == "triton" and data["shape"] == {"H": 16, "HV": 32, "K": 128, "V": 128}
+    assert rc == 0 and data["failed"] == [] and data["control_detected"]
+    for name in ("snapshot", "fold", "circular"):
+        v = data["variants"][name]
+        assert v["bitwise_equal_to_plain"] and v["result"] == "pass", name
+        assert max(v["samples"]["state"]) < 1e-5
+    # 4096 tokens are an eighth of the full run: keep the full run under ~4 minutes
+    assert data["elapsed_s"] < 30, f"{data['elapsed_s']:.1f} s for 4096 tokens"
