@@ -11,6 +11,9 @@ This file holds the reference (plain PyTorch, any float dtype incl. float64, CPU
 GPU). ``state_update`` and ``readout`` are the single definition of the step's operation
 order: every exact path of the reference (verify, snapshot commit, fold replay, flush)
 goes through them on ``[HV, V, K]`` tensors, so their results agree bit for bit.
+
+It also holds the Triton kernel (fp32/bf16, end of the file), built from the helpers of
+:mod:`replayssm.ops.triton_common` that every exact Triton path shares.
 """
 
 from __future__ import annotations

@@ -1,0 +1,441 @@
+"""Triton kernels against their references (DESIGN.md sections 1, 3 and 5).
+
+Without a GPU these run under the Triton interpreter (tests/conftest.py sets
+``TRITON_INTERPRET=1``) in fp32 at small shapes; on a CUDA machine the same tests run
+the compiled kernels on the GPU.
+
+Tolerance. Kernels and reference compute in fp32 in the same operation order, but not
+bit for bit: the reductions over ``K`` (``S k^``, ``S q^``, the norms) are summed in a
+different order, and Triton's ``exp`` / ``log`` (and our ``log1p`` via ``log``) differ
+from torch's by a few ulp. At these shapes that is ~1e-7 per step on O(1) values, so
+``rtol = atol = 1e-5`` leaves room for a few steps while a real bug (a wrong gate, head,
+slot or position) is off by O(0.1). Copies (raw records ``k``/``v``, snapshot commit,
+cursors, conv state and window buffer) must be exactly equal.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from replayssm.ops import (  # noqa: E402
+    RawRecords,
+    advance_cursors,
+    causal_conv_commit,
+    causal_conv_verify,
+    gdn_fold,
+    gdn_recurrence,
+    reset_cursors,
+    snapshot_commit,
+    triton_common,
+)
+from replayssm.ops import conv as conv_ops  # noqa: E402
+from replayssm.ops import cursors as cursor_ops  # noqa: E402
+from replayssm.ops import dispatch  # noqa: E402
+from replayssm.ops import fold as fold_ops  # noqa: E402
+from replayssm.ops import recurrent as rec_ops  # noqa: E402
+from replayssm.ops import snapshot as snap_ops  # noqa: E402
+from replayssm.state import GDNShape, StatePool  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+if DEVICE.type == "cpu" and not triton_common.INTERPRETER:
+    pytest.skip("CPU run without TRITON_INTERPRET=1 at import time", allow_module_level=True)
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+NAN = float("nan")
+
+
+# ---------------------------------------------------------------------------- inputs
+def rand_layer(n, h, hv, kd, vd):
+    """Random post-conv inputs of ``n`` tokens; a few ``a`` entries sit above the
+    softplus threshold so both branches of the gate run."""
+    a = torch.randn(n, hv, device=DEVICE)
+    a[torch.rand(n, hv, device=DEVICE) < 0.1] += 25.0
+    return dict(
+        q=torch.randn(n, h, kd, device=DEVICE),
+        k=torch.randn(n, h, kd, device=DEVICE),
+        v=torch.randn(n, hv, vd, device=DEVICE),
+        a=a,
+        b=torch.randn(n, hv, device=DEVICE) * 2,
+        A_log=torch.empty(hv, device=DEVICE).uniform_(-3, -0.3),
+        dt_bias=torch.randn(hv, device=DEVICE) * 0.5,
+    )
+
+
+def args(x):
+    return x["q"], x["k"], x["v"], x["a"], x["b"], x["A_log"], x["dt_bias"]
+
+
+def rand_batch(rows, t_max, num_slots, *, pad_row=True):
+    """Random windows of 1..t_max tokens on distinct random slots; with ``pad_row`` one
+    row (not the first) is padding (slot -1, still carrying tokens)."""
+    lengths = torch.randint(1, t_max + 1, (rows,)).tolist()
+    slots = torch.randperm(num_slots)[:rows].tolist()
+    if pad_row and rows > 1:
+        slots[torch.randint(1, rows, ()).item()] = -1
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return (
+        torch.tensor(slots, dtype=torch.int32, device=DEVICE),
+        torch.tensor(cu, dtype=torch.int32, device=DEVICE),
+        lengths,
+    )
+
+
+def nan_records(num_slots, ring, h, kd, hv, vd):
+    full = lambda *s: torch.full(s, NAN, device=DEVICE)  # noqa: E731
+    return RawRecords(full(num_slots, ring, h, kd), full(num_slots, ring, hv, vd), full(num_slots, ring, hv), full(num_slots, ring, hv))
+
+
+def clone_records(r):
+    return RawRecords(*(x.clone() for x in r))
+
+
+def assert_close_nan(actual, expected, **tol):
+    """Same NaN pattern (written vs never written) and close values elsewhere."""
+    assert torch.equal(actual.isnan(), expected.isnan())
+    torch.testing.assert_close(actual.nan_to_num(0.0), expected.nan_to_num(0.0), **tol)
+
+
+def untouched(slots, num_slots):
+    live = set(slots.tolist())
+    return [s for s in range(num_slots) if s not in live]
+
+
+def padding_tokens(slots, cu):
+    out = []
+    for i, s in enumerate(slots.tolist()):
+        if s < 0:
+            out += list(range(cu[i].item(), cu[i + 1].item()))
+    return out
+
+
+# (H, HV // H, K, V, T): GQA ratios 1, 2, 4; K and V that are not powers of two (masked
+# lanes); V spanning two V blocks of the interpreter's BV = 16.
+CONFIGS = [(1, 1, 16, 16, 1), (2, 2, 24, 24, 4), (1, 4, 32, 32, 6), (2, 1, 16, 8, 3)]
+
+
+# ---------------------------------------------------------------------------- recurrence
+@pytest.mark.parametrize("h,group,kd,vd,t", CONFIGS)
+def test_recurrence_snapshots_and_update_match_reference(h, group, kd, vd, t):
+    hv, ns, rows = h * group, 5, 4
+    slots, cu, lengths = rand_batch(rows, t, ns)
+    x = rand_layer(sum(lengths), h, hv, kd, vd)
+    state0 = torch.randn(ns, hv, vd, kd, device=DEVICE)
+    snaps0 = torch.full((ns, t, hv, vd, kd), NAN, device=DEVICE)
+
+    st_r, sn_r = state0.clone(), snaps0.clone()
+    o_r = gdn_recurrence(*args(x), st_r, slots, cu, snapshots=sn_r, update_state=True, backend="reference")
+    st_t, sn_t = state0.clone(), snaps0.clone()
+    o_t = gdn_recurrence(*args(x), st_t, slots, cu, snapshots=sn_t, update_state=True, backend="triton")
+
+    torch.testing.assert_close(o_t, o_r, **TOL)
+    torch.testing.assert_close(st_t, st_r, **TOL)
+    assert_close_nan(sn_t, sn_r, **TOL)
+    pad = padding_tokens(slots, cu)
+    assert pad and torch.equal(o_t[pad], torch.zeros_like(o_t[pad]))
+    for s in untouched(slots, ns):
+        assert torch.equal(st_t[s], state0[s])
+        assert sn_t[s].isnan().all()
+
+
+@pytest.mark.parametrize("h,group,kd,vd,t", CONFIGS[1:3])
+def test_recurrence_records_match_reference_and_leave_outputs_bit_identical(h, group, kd, vd, t):
+    hv, ns, rows = h * group, 5, 3
+    slots, cu, lengths = rand_batch(rows, t, ns)
+    x = rand_layer(sum(lengths), h, hv, kd, vd)
+    state = torch.randn(ns, hv, vd, kd, device=DEVICE)
+    state0 = state.clone()
+    rec0 = nan_records(ns, t + 1, h, kd, hv, vd)
+
+    rec_r = clone_records(rec0)
+    gdn_recurrence(*args(x), state, slots, cu, records=rec_r, backend="reference")
+    rec_t = clone_records(rec0)
+    o_side = gdn_recurrence(*args(x), state, slots, cu, records=rec_t, backend="triton")
+    o_plain = gdn_recurrence(*args(x), state, slots, cu, max_len=t, backend="triton")
+
+    assert torch.equal(o_side, o_plain), "the record side channel changed the outputs"
+    assert torch.equal(state, state0), "verify without update_state wrote the state"
+    # Raw k (per key head) and v are copies; g and beta are recomputed gates.
+    assert torch.equal(rec_t.k.isnan(), rec_r.k.isnan()) and torch.equal(rec_t.k.nan_to_num(0), rec_r.k.nan_to_num(0))
+    assert torch.equal(rec_t.v.isnan(), rec_r.v.isnan()) and torch.equal(rec_t.v.nan_to_num(0), rec_r.v.nan_to_num(0))
+    assert_close_nan(rec_t.g, rec_r.g, rtol=1e-6, atol=1e-7)
+    assert_close_nan(rec_t.beta, rec_r.beta, rtol=1e-6, atol=1e-7)
+    for s in untouched(slots, ns):
+        assert all(getattr(rec_t, f)[s].isnan().all() for f in rec_t._fields)
+
+
+def test_recurrence_strided_inputs_and_long_prefill_bound():
+    """q/k/v as views into one packed projection (the layer's real layout), and a
+    bound above 16 that the launcher rounds up to a power of two."""
+    h, hv, kd, vd, ns = 1, 2, 16, 16, 3
+    slots = torch.tensor([2, 0], dtype=torch.int32, device=DEVICE)
+    lengths = [19, 7]
+    cu = torch.tensor([0, 19, 26], dtype=torch.int32, device=DEVICE)
+    n = sum(lengths)
+    proj = torch.randn(n, 2 * h * kd + hv * vd, device=DEVICE)
+    q = proj[:, : h * kd].view(n, h, kd)
+    k = proj[:, h * kd : 2 * h * kd].view(n, h, kd)
+    v = proj[:, 2 * h * kd :].view(n, hv, vd)
+    x = rand_layer(n, h, hv, kd, vd)
+    x.update(q=q, k=k, v=v)
+    state0 = torch.randn(ns, hv, vd, kd, device=DEVICE)
+    st_r, st_t = state0.clone(), state0.clone()
+    o_r = gdn_recurrence(*args(x), st_r, slots, cu, update_state=True, max_len=19, backend="reference")
+    o_t = gdn_recurrence(*args(x), st_t, slots, cu, update_state=True, max_len=19, backend="triton")
+    torch.testing.assert_close(o_t, o_r, **TOL)
+    torch.testing.assert_close(st_t, st_r, **TOL)
+    assert torch.equal(st_t[1], state0[1])
+
+
+# ---------------------------------------------------------------------------- fold
+@pytest.mark.parametrize("h,group,kd,vd", [(1, 2, 16, 24), (2, 1, 24, 16)])
+def test_fold_matches_reference(h, group, kd, vd):
+    hv, nl, ns, r = h * group, 2, 6, 5
+    ckpt0 = torch.randn(nl, ns, hv, vd, kd, device=DEVICE)
+    ring_k = torch.randn(nl, ns, r, h, kd, device=DEVICE)
+    ring_v = torch.randn(nl, ns, r, hv, vd, device=DEVICE)
+    ring_g = -torch.rand(nl, ns, r, hv, device=DEVICE) * 2
+    ring_beta = torch.rand(nl, ns, r, hv, device=DEVICE)
+    # Rows: wrap-around, full ring, padding, zero records, one record.
+    slots = torch.tensor([4, 0, -1, 2, 5], dtype=torch.int32, device=DEVICE)
+    start = torch.tensor([3, 0, 1, 2, 4], dtype=torch.int32, device=DEVICE)
+    count = torch.tensor([4, 5, 3, 0, 1], dtype=torch.int32, device=DEVICE)
+    ring = (ring_k, ring_v, ring_g, ring_beta)
+    c_r, c_t = ckpt0.clone(), ckpt0.clone()
+    gdn_fold(c_r, *ring, slots, start, count, backend="reference")
+    gdn_fold(c_t, *ring, slots, start, count, backend="triton")
+    torch.testing.assert_close(c_t, c_r, **TOL)
+    for s in (1, 2, 3):  # untouched, zero-count and padding-only slots
+        assert torch.equal(c_t[:, s], ckpt0[:, s])
+    assert not torch.equal(c_t[:, 4], ckpt0[:, 4])
+
+
+def test_fold_never_reads_poisoned_entries_outside_the_count():
+    """Unused ring entries hold NaN: a fold of the first n records must not touch them."""
+    h, hv, kd, vd, nl, ns, r = 1, 2, 16, 16, 1, 3, 4
+    ckpt = torch.randn(nl, ns, hv, vd, kd, device=DEVICE)
+    ring_k = torch.full((nl, ns, r, h, kd), NAN, device=DEVICE)
+    ring_v = torch.full((nl, ns, r, hv, vd), NAN, device=DEVICE)
+    ring_g = torch.full((nl, ns, r, hv), NAN, device=DEVICE)
+    ring_beta = torch.full((nl, ns, r, hv), NAN, device=DEVICE)
+    ring_k[:, 1, :2] = torch.randn(nl, 2, h, kd, device=DEVICE)
+    ring_v[:, 1, :2] = torch.randn(nl, 2, hv, vd, device=DEVICE)
+    ring_g[:, 1, :2] = -torch.rand(nl, 2, hv, device=DEVICE)
+    ring_beta[:, 1, :2] = torch.rand(nl, 2, hv, device=DEVICE)
+    slots = torch.tensor([1], dtype=torch.int32, device=DEVICE)
+    gdn_fold(ckpt, ring_k, ring_v, ring_g, ring_beta, slots, torch.zeros_like(slots), torch.full_like(slots, 2), backend="triton")
+    assert torch.isfinite(ckpt).all()
+
+
+# ---------------------------------------------------------------------------- exactness
+@pytest.mark.parametrize("h,group,kd,vd,t", [(2, 2, 16, 24, 4), (1, 1, 32, 16, 3)])
+def test_exact_paths_agree_bit_for_bit(h, group, kd, vd, t):
+    """recurrence(update_state) on the accepted tokens == fold replay of the records ==
+    snapshot commit, all through the Triton kernels (DESIGN.md section 3)."""
+    hv, ns, rows = h * group, 5, 3
+    slots, cu, lengths = rand_batch(rows, t, ns)
+    x = rand_layer(sum(lengths), h, hv, kd, vd)
+    accepted = [int(torch.randint(1, n + 1, ())) for n in lengths]
+    acc = torch.tensor(accepted, dtype=torch.int32, device=DEVICE)
+    state0 = torch.randn(ns, hv, vd, kd, device=DEVICE)
+
+    # 1. plain recurrence over the accepted prefix of every window
+    keep = torch.cat([torch.arange(cu[i].item(), cu[i].item() + accepted[i]) for i in range(rows)]).to(DEVICE)
+    cu_acc = torch.tensor([0] + torch.tensor(accepted).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    direct = state0.clone()
+    gdn_recurrence(*(y[keep] for y in args(x)[:5]), x["A_log"], x["dt_bias"], direct, slots, cu_acc,
+                   update_state=True, max_len=t, backend="triton")
+    # 2. verify with the record side channel, then fold the accepted records
+    folded = state0.clone()
+    rec = nan_records(ns, t, h, kd, hv, vd)
+    gdn_recurrence(*args(x), folded, slots, cu, records=rec, backend="triton")
+    gdn_fold(folded[None], rec.k[None], rec.v[None], rec.g[None], rec.beta[None], slots, torch.zeros_like(acc), acc,
+             backend="triton")
+    # 3. verify with snapshots, then copy the accepted one
+    snap = state0.clone()
+    snaps = torch.full((ns, t, hv, vd, kd), NAN, device=DEVICE)
+    gdn_recurrence(*args(x), snap, slots, cu, snapshots=snaps, backend="triton")
+    snapshot_commit(snap[None], snaps[None], slots, acc, backend="triton")
+
+    assert not torch.equal(direct, state0)
+    assert torch.equal(folded, direct)
+    assert torch.equal(snap, direct)
+
+
+# ---------------------------------------------------------------------------- commits, cursors
+def test_snapshot_commit_is_the_reference_copy():
+    nl, ns, t, hv, vd, kd = 2, 6, 4, 2, 8, 16
+    ckpt0 = torch.randn(nl, ns, hv, vd, kd, device=DEVICE)
+    snaps = torch.randn(nl, ns, t, hv, vd, kd, device=DEVICE)
+    slots = torch.tensor([5, -1, 0, 3], dtype=torch.int32, device=DEVICE)
+    acc = torch.tensor([4, 2, 1, 3], dtype=torch.int32, device=DEVICE)
+    c_r, c_t = ckpt0.clone(), ckpt0.clone()
+    snapshot_commit(c_r, snaps, slots, acc, backend="reference")
+    snapshot_commit(c_t, snaps, slots, acc, backend="triton")
+    assert torch.equal(c_t, c_r)
+    for s in (1, 2, 4):
+        assert torch.equal(c_t[:, s], ckpt0[:, s])
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_cursors_match_reference_over_many_commits(dtype):
+    ns, window, ring_len = 7, 3, 8
+    cur_r = [torch.zeros(ns, dtype=dtype, device=DEVICE) for _ in range(3)]
+    cur_t = [c.clone() for c in cur_r]
+    for step in range(12):
+        slots, _, _ = rand_batch(4, 1, ns)
+        acc = torch.randint(1, window + 1, (4,), dtype=torch.int32, device=DEVICE)
+        advance_cursors(*cur_r, slots, acc, window, ring_len, backend="reference")
+        advance_cursors(*cur_t, slots, acc, window, ring_len, backend="triton")
+        assert all(torch.equal(a, b) for a, b in zip(cur_t, cur_r)), f"step {step}"
+        if step % 4 == 3:
+            reset = torch.tensor([int(torch.randint(ns, ())), -1], dtype=torch.int32, device=DEVICE)
+            reset_cursors(*cur_r, reset, backend="reference")
+            reset_cursors(*cur_t, reset, backend="triton")
+            assert all(torch.equal(a, b) for a, b in zip(cur_t, cur_r))
+    assert cur_t[2].any(), "no flush happened: the test would not cover the flush branch"
+    assert cur_t[1].any(), "no cache_base moved"
+
+
+# ---------------------------------------------------------------------------- conv
+@pytest.mark.parametrize("c,w,t,with_bias", [(40, 4, 4, True), (24, 2, 3, False), (300, 4, 2, True)])
+def test_conv_verify_matches_reference(c, w, t, with_bias):
+    ns, rows = 5, 4
+    slots, cu, lengths = rand_batch(rows, t, ns)
+    x = torch.randn(sum(lengths), c, device=DEVICE)
+    weight = torch.randn(c, w, device=DEVICE)
+    bias = torch.randn(c, device=DEVICE) if with_bias else None
+    state0 = torch.randn(ns, c, w - 1, device=DEVICE)
+    buf0 = torch.full((ns, t, c), NAN, device=DEVICE)
+    s_r, b_r = state0.clone(), buf0.clone()
+    y_r = causal_conv_verify(x, s_r, weight, bias, slots, cu, window_buf=b_r, backend="reference")
+    s_t, b_t = state0.clone(), buf0.clone()
+    y_t = causal_conv_verify(x, s_t, weight, bias, slots, cu, window_buf=b_t, backend="triton")
+    torch.testing.assert_close(y_t, y_r, **TOL)
+    assert torch.equal(s_t, state0), "verify advanced the conv state"
+    assert torch.equal(b_t.isnan(), b_r.isnan()) and torch.equal(b_t.nan_to_num(0), b_r.nan_to_num(0))
+    pad = padding_tokens(slots, cu)
+    assert torch.equal(y_t[pad], torch.zeros_like(y_t[pad]))
+
+    # Decode / prefill form: the state advances over the whole window.
+    s_r, s_t = state0.clone(), state0.clone()
+    y_r = causal_conv_verify(x, s_r, weight, bias, slots, cu, update_state=True, max_len=t, backend="reference")
+    y_t = causal_conv_verify(x, s_t, weight, bias, slots, cu, update_state=True, max_len=t, backend="triton")
+    torch.testing.assert_close(y_t, y_r, **TOL)
+    assert torch.equal(s_t, s_r)
+    for s in untouched(slots, ns):
+        assert torch.equal(s_t[s], state0[s])
+
+
+def test_conv_commit_is_the_reference_shift():
+    nl, ns, c, w, t = 2, 6, 24, 4, 5
+    state0 = torch.randn(nl, ns, c, w - 1, device=DEVICE)
+    buf = torch.randn(nl, ns, t, c, device=DEVICE)
+    # n below, equal to and above W - 1; a padding row.
+    slots = torch.tensor([0, 3, -1, 5, 2], dtype=torch.int32, device=DEVICE)
+    acc = torch.tensor([1, 3, 2, 5, 2], dtype=torch.int32, device=DEVICE)
+    s_r, s_t = state0.clone(), state0.clone()
+    causal_conv_commit(s_r, buf, slots, acc, backend="reference")
+    causal_conv_commit(s_t, buf, slots, acc, backend="triton")
+    assert torch.equal(s_t, s_r)
+    for s in (1, 4):
+        assert torch.equal(s_t[:, s], state0[:, s])
+
+
+# ---------------------------------------------------------------------------- validation
+def test_launchers_reject_bad_arguments_before_touching_state():
+    h, hv, kd, vd, ns = 1, 2, 16, 16, 3
+    x = rand_layer(4, h, hv, kd, vd)
+    slots = torch.tensor([0, 1], dtype=torch.int32, device=DEVICE)
+    cu = torch.tensor([0, 2, 4], dtype=torch.int32, device=DEVICE)
+    state = torch.randn(ns, hv, vd, kd, device=DEVICE)
+    state0 = state.clone()
+    with pytest.raises(ValueError, match="max_len"):
+        gdn_recurrence(*args(x), state, slots, cu, update_state=True, backend="triton")
+    with pytest.raises(TypeError, match="state"):
+        gdn_recurrence(*args(x), state.double(), slots, cu, max_len=2, backend="triton")
+    with pytest.raises(ValueError, match="state must be contiguous"):
+        gdn_recurrence(*args(x), state.transpose(2, 3), slots, cu, max_len=2, backend="triton")
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        gdn_recurrence(*args(x), state, slots, cu[:2], max_len=2, backend="triton")
+    with pytest.raises(ValueError, match="max_len"):
+        gdn_recurrence(*args(x), state, slots, cu, max_len=0, backend="triton")
+    rec = nan_records(ns, 2, h, kd, hv, vd)
+    with pytest.raises(TypeError, match="records.g"):
+        gdn_recurrence(*args(x), state, slots, cu, records=rec._replace(g=rec.g.double()), backend="triton")
+    with pytest.raises(ValueError, match="window_buf|max_len"):
+        causal_conv_verify(torch.randn(4, 8, device=DEVICE), torch.zeros(ns, 8, 3, device=DEVICE),
+                           torch.randn(8, 4, device=DEVICE), None, slots, cu, backend="triton")
+    with pytest.raises(TypeError, match="ring_g"):
+        gdn_fold(state[None], torch.zeros(1, ns, 2, h, kd, device=DEVICE), torch.zeros(1, ns, 2, hv, vd, device=DEVICE),
+                 torch.zeros(1, ns, 2, hv, device=DEVICE, dtype=torch.float64), torch.zeros(1, ns, 2, hv, device=DEVICE),
+                 slots, slots, slots, backend="triton")
+    assert torch.equal(state, state0)
+
+
+def test_dispatch_picks_and_refuses_backends(monkeypatch):
+    cpu = torch.zeros(1)
+    assert dispatch.pick("recurrence", "auto", cpu) is rec_ops.gdn_recurrence_reference
+    assert dispatch.pick("fold", "reference", cpu) is fold_ops.gdn_fold_reference
+    assert dispatch.pick("snapshot_commit", "triton", cpu) is snap_ops.snapshot_commit_triton
+    for op, fn in [("advance_cursors", cursor_ops.advance_cursors_triton), ("conv_commit", conv_ops.causal_conv_commit_triton)]:
+        assert dispatch.pick(op, "triton", cpu) is fn
+    with pytest.raises(ValueError, match="backend must be one of"):
+        dispatch.pick("fold", "cuda", cpu)
+    monkeypatch.setattr(triton_common, "INTERPRETER", False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        dispatch.pick("fold", "triton", cpu)
+
+
+# ---------------------------------------------------------------------------- lifecycle
+@pytest.mark.parametrize("strategy", ["snapshot", "fold"])
+def test_lifecycle_256_steps_triton_pool_tracks_reference_pool(strategy):
+    """256 verify -> random accept -> commit steps (after a prefill) on a Triton pool
+    and a reference pool fed the same tokens: outputs and committed states agree to
+    fp32 rounding at every step, and the difference does not grow."""
+    shape = GDNShape(num_heads=1, num_value_heads=1, head_k_dim=16, head_v_dim=8)
+    window, steps = 3, 256
+    pools = {
+        be: StatePool(shape, 1, 3, strategy=strategy, window=window, backend=be, device=DEVICE)
+        for be in ("reference", "triton")
+    }
+    params = dict(
+        A_log=torch.empty(1).uniform_(-2, -0.5), dt_bias=torch.randn(1) * 0.5,
+        conv_weight=torch.randn(shape.conv_dim, shape.conv_kernel),
+    )
+    for pool in pools.values():
+        pool.set_layer_params(0, **params)
+        slots = [pool.alloc(), pool.alloc(), pool.alloc()]
+    live = slots[:2]  # slots[2] stays allocated and untouched
+
+    def feed(n):
+        return rand_layer(n, 1, 1, shape.head_k_dim, shape.head_v_dim)
+
+    prompt = feed(9)
+    for pool in pools.values():
+        b = pool.batch(live, [5, 4], prefill=True)
+        pool.strategy.prefill(0, *args(prompt)[:5], b)
+    errors = []
+    for step in range(steps):
+        lengths = torch.randint(1, window + 1, (2,)).tolist()
+        x = feed(sum(lengths))
+        outs, batches = {}, {}
+        for be, pool in pools.items():
+            batches[be] = pool.batch(live, lengths)
+            outs[be] = pool.strategy.verify(0, *args(x)[:5], batches[be])
+        torch.testing.assert_close(outs["triton"], outs["reference"], **TOL, msg=f"outputs, step {step}")
+        accepted = [int(torch.randint(1, n + 1, ())) for n in lengths]
+        for be, pool in pools.items():
+            pool.strategy.commit(batches[be], accepted)
+        s_r = pools["reference"].strategy.committed_state(0, live)
+        s_t = pools["triton"].strategy.committed_state(0, live)
+        torch.testing.assert_close(s_t, s_r, **TOL, msg=f"committed state, step {step}")
+        errors.append((s_t - s_r).abs().max().item())
+    quarter = steps // 4
+    assert max(errors[-quarter:]) <= 10 * max(errors[:quarter]) + 1e-6, "Triton vs reference error grows"
+    ckpt = pools["triton"].buffers["checkpoints"]
+    assert torch.equal(ckpt[:, slots[2]], torch.zeros_like(ckpt[:, slots[2]])), "untouched slot changed"
