@@ -61,6 +61,7 @@ class ProgressBar:
         self.count = 0
         self._t0 = time.perf_counter()
         self._last_draw = -float("inf")
+        self._drawn = -1  # count shown by the last line written
         self._closed = False
         isatty = getattr(self.stream, "isatty", None)
         self._tty = bool(isatty and isatty())
@@ -77,7 +78,7 @@ class ProgressBar:
     def set(self, count: int) -> None:
         self.count = max(0, min(int(count), self.total))
         now = time.perf_counter()
-        if now - self._last_draw >= self._interval:
+        if self.count != self._drawn and now - self._last_draw >= self._interval:
             self._draw(now)
 
     def _line(self, now: float) -> str:
@@ -96,6 +97,9 @@ class ProgressBar:
         self._last_draw = now
         if not self.enabled:
             return
+        if final and not self._tty and self._drawn == self.count:
+            return  # the log already has this line
+        self._drawn = self.count
         line = self._line(now)
         if self._tty:
             self.stream.write("\r\x1b[2K" + line + ("\n" if final else ""))
