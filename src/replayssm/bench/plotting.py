@@ -129,9 +129,16 @@ def plot_e2e(result: dict, path: str | os.PathLike) -> Path:
         rs = sorted((r for r in result["rows"] if r["mode"] == mode), key=lambda r: r["batch"])
         ax.plot([r["batch"] for r in rs], [r["tokens_per_s"] for r in rs], "o-", color=COLORS.get(mode), label=mode)
     ax.set_xscale("log", base=2)
+    batches = sorted({r["batch"] for r in result["rows"]})
+    ax.set_xticks(batches)
+    ax.set_xticklabels([str(b) for b in batches])
+    ax.minorticks_off()
     ax.set_xlabel("batch size")
     ax.set_ylabel("generated tokens per second")
-    ax.set_title(f"replayssm bench e2e: {result['config'].get('model', '')}", fontsize=10)
+    c = result["config"]
+    smoke = "\nCPU smoke run: the numbers prove the code path, not the speed" if result.get("smoke") else ""
+    ax.set_title(f"replayssm bench e2e: {c.get('model', '')}, {c.get('num_draft')} drafts, "
+                 f"{c.get('max_new_tokens')} new tokens{smoke}", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     return _save(fig, path)
