@@ -1,0 +1,443 @@
+"""Run a Hugging Face Qwen3.5 / Qwen3-Next model with the state pool.
+
+:class:`HybridEngine` wraps a loaded ``Qwen3_5ForCausalLM`` / ``Qwen3_5MoeForCausalLM`` /
+``Qwen3NextForCausalLM`` and reuses its modules (embedding, projections, norms, MLP or
+MoE, rotary embedding, LM head). Only the parts that hold state are replaced:
+
+* GDN layers: ``in_proj`` -> :meth:`Strategy.conv_verify` (causal conv over ``q|k|v``)
+  -> split into ``q, k, v`` and raw gates ``a, b`` -> :meth:`Strategy.verify` -> gated
+  RMSNorm -> ``out_proj``. Prompts and plain decoding go through ``conv_prefill`` /
+  ``prefill`` (the exact recurrence), or, for prompts on CUDA, through a chunked kernel
+  (fla-core's ``chunk_gated_delta_rule``) when one is available.
+* Full-attention layers: the module's ``q/k/v/o`` projections, ``q/k`` norms, rotary
+  embedding and output gate, with our own :class:`KVCache` that rolls back by length.
+
+Transformers' own kernel routing (fla, causal-conv1d) is never used: the engine never
+calls the HF GDN or attention ``forward``.
+
+Token layout: a step covers ``B`` requests, request ``i`` with a window of ``l_i``
+tokens; tokens are packed ``[N = sum l_i]`` in request order, the layout of
+:class:`replayssm.state.Batch`.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import sys
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..ops.gates import expand_heads, gdn_gates
+from ..state import GDNShape, StatePool
+from .kv_cache import KVCache, WindowLayout, cached_attention
+
+log = logging.getLogger("replayssm.engine")
+
+PREFILL_MODES = ("auto", "recurrence", "chunk")
+
+
+@dataclass
+class StepOutput:
+    """What one forward returns.
+
+    Attributes:
+        logits: ``[M, vocab]`` float32 logits, ``M = N`` (every window token) or ``B``
+            (each request's last token), see ``all_logits`` of the call.
+        hidden: ``[N, hidden]`` final-norm hidden states of every window token, in the
+            model dtype (the MTP head reads them).
+        lengths: window length per request.
+        offsets: ``[B + 1]`` host offsets of the windows in the packed tokens.
+    """
+
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    lengths: list[int]
+    offsets: list[int]
+
+    def window_logits(self, i: int) -> torch.Tensor:
+        """Logits of request ``i``'s window positions (needs ``all_logits``)."""
+        return self.logits[self.offsets[i] : self.offsets[i + 1]]
+
+
+def _text_model(hf_model):
+    base = getattr(hf_model, "model", None)
+    if base is None:
+        raise TypeError(f"{type(hf_model).__name__} has no .model; expected a *ForCausalLM of Qwen3.5 / Qwen3-Next")
+    return getattr(base, "language_model", base)
+
+
+def _family(gdn_module) -> str:
+    if hasattr(gdn_module, "in_proj_qkvz") and hasattr(gdn_module, "in_proj_ba"):
+        return "qwen3_next"
+    if all(hasattr(gdn_module, n) for n in ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b")):
+        return "qwen3_5"
+    raise TypeError(f"unrecognised GDN module {type(gdn_module).__name__}: no in_proj_qkvz/ba nor in_proj_qkv/z/a/b")
+
+
+def load_chunk_kernel() -> Callable | None:
+    """fla-core's ``chunk_gated_delta_rule`` if importable, else ``None``."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError:
+        return None
+    return chunk_gated_delta_rule
+
+
+class _GDNMixer:
+    """Projections of one HF GDN module into our op inputs, and back."""
+
+    def __init__(self, module):
+        self.module = module
+        self.family = _family(module)
+        self.H = module.num_k_heads
+        self.HV = module.num_v_heads
+        self.K = module.head_k_dim
+        self.V = module.head_v_dim
+
+    def project(self, x: torch.Tensor):
+        """``x [N, hidden]`` -> ``mixed_qkv [N, C]`` (q|k|v, pre-conv), ``z [N, HV, V]``,
+        raw gates ``a, b [N, HV]``."""
+        m, n = self.module, x.shape[0]
+        if self.family == "qwen3_5":
+            mixed = m.in_proj_qkv(x)
+            z = m.in_proj_z(x).view(n, self.HV, self.V)
+            return mixed, z, m.in_proj_a(x), m.in_proj_b(x)
+        # Qwen3-Next interleaves q, k, v, z (and b, a) per key head; the module's own
+        # reordering yields q, k [1, N, H, K], v, z [1, N, HV, V], b, a [1, N, HV].
+        q, k, v, z, b, a = m.fix_query_key_value_ordering(m.in_proj_qkvz(x)[None], m.in_proj_ba(x)[None])
+        mixed = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
+        return mixed, z[0].reshape(n, self.HV, self.V), a[0].reshape(n, self.HV), b[0].reshape(n, self.HV)
+
+    def split(self, mixed: torch.Tensor):
+        n = mixed.shape[0]
+        q, k, v = torch.split(mixed, [self.H * self.K, self.H * self.K, self.HV * self.V], dim=-1)
+        return q.reshape(n, self.H, self.K), k.reshape(n, self.H, self.K), v.reshape(n, self.HV, self.V)
+
+    def finish(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """Gated RMSNorm per value head, then ``out_proj``: ``[N, HV, V] -> [N, hidden]``."""
+        n = o.shape[0]
+        y = self.module.norm(o.reshape(-1, self.V), z.reshape(-1, self.V))
+        return self.module.out_proj(y.reshape(n, self.HV * self.V))
+
+
+def attention_forward(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int,
+                      layout: WindowLayout) -> torch.Tensor:
+    """The HF full-attention module's computation with our cache.
+
+    Reproduces ``Qwen3_5Attention.forward`` / ``Qwen3NextAttention.forward`` (query and
+    output gate from ``q_proj``, per-head ``q/k`` RMSNorm, partial rotary embedding,
+    ``sigmoid(gate)`` on the output) except for the cache handling.
+
+    Args:
+        x: ``[N, hidden]`` normed hidden states; cos, sin: ``[N, rotary_dim]``.
+    """
+    n, d = x.shape[0], attn.head_dim
+    q, gate = torch.chunk(attn.q_proj(x).view(n, -1, 2 * d), 2, dim=-1)
+    gate = gate.reshape(n, -1)
+    q = attn.q_norm(q)
+    k = attn.k_norm(attn.k_proj(x).view(n, -1, d))
+    v = attn.v_proj(x).view(n, -1, d)
+    rope = getattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb")
+    q, k = rope(q[None], k[None], cos[None], sin[None], unsqueeze_dim=2)
+    o = cached_attention(cache, layer, layout, q[0], k[0], v, attn.scaling)
+    o = o.reshape(n, -1) * torch.sigmoid(gate)
+    return attn.o_proj(o)
+
+
+def mlp_forward(mlp, x: torch.Tensor) -> torch.Tensor:
+    """Dense MLP or sparse MoE block on ``[N, hidden]`` (MoE blocks expect ``[B, S, H]``
+    and some versions return ``(out, router_logits)``)."""
+    y = mlp(x[None])
+    if isinstance(y, tuple):
+        y = y[0]
+    return y.reshape(x.shape)
+
+
+class HybridEngine:
+    """A Qwen3.5 / Qwen3-Next model whose GDN state lives in a :class:`StatePool`.
+
+    Args:
+        hf_model: a loaded ``*ForCausalLM`` (its parameters are used, not copied).
+        strategy: ``"snapshot"``, ``"fold"`` or ``"circular"`` (DESIGN.md section 3).
+        num_slots: concurrent requests.
+        window: largest verify window ``T`` (draft tokens + 1).
+        max_len: most tokens per request (prompt + generated + one window).
+        ring_len: circular ring length ``L``; default the smallest power of two
+            ``>= 2 T``.
+        state_dtype: dtype of GDN checkpoints (float32 unless you know better).
+        backend: op backend (``"auto"``: Triton on CUDA, the reference on the CPU).
+        prefill: ``"recurrence"`` (the exact recurrence), ``"chunk"`` (a chunked
+            kernel; needs ``chunk_kernel`` or fla-core) or ``"auto"`` (chunk on CUDA in
+            bf16/fp16 when fla-core imports, else the recurrence). The choice is logged
+            and kept in :attr:`prefill_kernel`.
+        chunk_kernel: a callable with fla-core's ``chunk_gated_delta_rule`` signature.
+
+    A step is either :meth:`extend` (prompt prefill or plain decoding: the state
+    advances over every token) or :meth:`verify` followed by :meth:`commit`.
+    """
+
+    def __init__(self, hf_model, *, strategy: str = "fold", num_slots: int = 1, window: int = 4,
+                 max_len: int = 4096, ring_len: int | None = None, state_dtype: torch.dtype = torch.float32,
+                 backend: str = "auto", prefill: str = "auto", chunk_kernel: Callable | None = None):
+        if prefill not in PREFILL_MODES:
+            raise ValueError(f"prefill must be one of {PREFILL_MODES}, got {prefill!r}")
+        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+            raise ValueError(f"window must be a positive int, got {window!r}")
+        text = _text_model(hf_model)
+        lm_head = getattr(hf_model, "lm_head", None)
+        if lm_head is None:
+            raise TypeError(f"{type(hf_model).__name__} has no lm_head")
+        self.hf_model = hf_model
+        self.config = text.config
+        self.embed = text.embed_tokens
+        self.layers = list(text.layers)
+        self.norm = text.norm
+        self.rotary = text.rotary_emb
+        self.lm_head = lm_head
+        self.vocab_size = lm_head.out_features
+        self.dtype = self.embed.weight.dtype
+        self.device = self.embed.weight.device
+
+        self.kinds: list[str] = []  # "gdn" or "attn" per decoder layer
+        self.index: list[int] = []  # index among layers of the same kind
+        self.mixers: list[_GDNMixer] = []
+        attn_modules = []
+        for i, layer in enumerate(self.layers):
+            if hasattr(layer, "linear_attn"):
+                self.kinds.append("gdn")
+                self.index.append(len(self.mixers))
+                self.mixers.append(_GDNMixer(layer.linear_attn))
+            elif hasattr(layer, "self_attn"):
+                self.kinds.append("attn")
+                self.index.append(len(attn_modules))
+                attn_modules.append(layer.self_attn)
+            else:
+                raise TypeError(f"decoder layer {i} has neither linear_attn nor self_attn")
+        if not self.mixers:
+            raise TypeError("the model has no GDN (linear_attention) layers")
+        self.family = self.mixers[0].family
+        m0 = self.mixers[0]
+        self.shape = GDNShape(m0.H, m0.HV, m0.K, m0.V, conv_kernel=m0.module.conv_kernel_size)
+        if ring_len is None:
+            ring_len = 1 << max(1, (2 * window - 1).bit_length())
+        self.strategy_name = strategy
+        self.window = window
+        self.pool = StatePool(
+            self.shape, len(self.mixers), num_slots, strategy=strategy, window=window, ring_len=ring_len,
+            state_dtype=state_dtype, act_dtype=self.dtype, device=self.device, backend=backend,
+        )
+        for j, mixer in enumerate(self.mixers):
+            mod = mixer.module
+            self.pool.set_layer_params(
+                j, A_log=mod.A_log.detach(), dt_bias=mod.dt_bias.detach(), conv_weight=mod.conv1d.weight.detach(),
+                conv_bias=None if mod.conv1d.bias is None else mod.conv1d.bias.detach(),
+            )
+        a0 = attn_modules[0] if attn_modules else None
+        self.kv = KVCache(
+            len(attn_modules), num_slots,
+            a0.k_proj.out_features // a0.head_dim if a0 is not None else 1,
+            a0.head_dim if a0 is not None else 1, max_len, dtype=self.dtype, device=self.device,
+        )
+        self.max_len = max_len
+        self._pending: tuple | None = None
+
+        self.chunk_kernel = None
+        if prefill == "chunk":
+            self.chunk_kernel = chunk_kernel or load_chunk_kernel()
+            if self.chunk_kernel is None:
+                raise ValueError("prefill='chunk' needs fla-core (fla.ops.gated_delta_rule) or a chunk_kernel")
+            self.prefill_kernel = "chunk"
+        elif prefill == "auto" and self.device.type == "cuda":
+            if self.dtype not in (torch.bfloat16, torch.float16):
+                self.prefill_kernel = f"recurrence (chunked kernels need bf16/fp16, the model is {self.dtype})"
+            else:
+                self.chunk_kernel = chunk_kernel or load_chunk_kernel()
+                self.prefill_kernel = "chunk (fla-core)" if self.chunk_kernel else "recurrence (fla-core not importable)"
+        else:
+            self.prefill_kernel = "recurrence"
+        log.info("prompt prefill of GDN layers: %s", self.prefill_kernel)
+
+    # ------------------------------------------------------------------ slots
+    @property
+    def strategy(self):
+        return self.pool.strategy
+
+    def alloc(self) -> int:
+        """A fresh request slot (zero state, empty KV)."""
+        slot = self.pool.alloc()
+        self.kv.reset(slot)
+        return slot
+
+    def free(self, slot: int) -> None:
+        self.pool.free(slot)
+        self.kv.reset(slot)
+
+    def length(self, slot: int) -> int:
+        """Committed tokens of ``slot`` (the position of its next token)."""
+        return self.kv.lengths[slot]
+
+    def state_nbytes(self) -> dict[str, int]:
+        """Bytes of the GDN state pool (per buffer, ``total``) and of the KV cache."""
+        out = dict(self.pool.nbytes())
+        out["kv_cache"] = self.kv.nbytes()
+        return out
+
+    # ------------------------------------------------------------------ steps
+    def extend(self, slots: Sequence[int], windows: Sequence[Sequence[int]], *, all_logits: bool = False,
+               prompt: bool = False) -> StepOutput:
+        """Advance every request over its tokens: prompt prefill or plain decoding.
+
+        Args:
+            slots: live slot per request.
+            windows: token ids per request (any length >= 1).
+            all_logits: logits of every token (default: each request's last token).
+            prompt: allow the chunked prefill kernel (requests fresh from :meth:`alloc`).
+        """
+        return self._forward(slots, windows, verify=False, all_logits=all_logits, chunked=prompt)
+
+    def verify(self, slots: Sequence[int], windows: Sequence[Sequence[int]]) -> StepOutput:
+        """Logits of every window token; nothing committed until :meth:`commit`.
+
+        Windows hold ``1 .. window`` tokens: the last accepted token then the drafts.
+        """
+        return self._forward(slots, windows, verify=True, all_logits=True, chunked=False)
+
+    def commit(self, accepted: Sequence[int]) -> None:
+        """Keep the first ``accepted[i]`` tokens of each verified window (GDN state, conv
+        state and KV lengths), discard the rest."""
+        if self._pending is None:
+            raise RuntimeError("commit without a verify")
+        batch, slots, lengths = self._pending
+        accepted = [int(a) for a in accepted]
+        if len(accepted) != len(slots):
+            raise ValueError(f"accepted has {len(accepted)} entries for {len(slots)} requests")
+        for i, (a, n) in enumerate(zip(accepted, lengths)):
+            if not 1 <= a <= n:
+                raise ValueError(f"accepted[{i}] = {a} must be in [1, {n}]")
+        self.strategy.commit(batch, torch.tensor(accepted, dtype=torch.int32, device=self.device))
+        self.kv.advance(slots, accepted)
+        self._pending = None
+
+    # ------------------------------------------------------------------ draft-model support
+    def save_state(self, slots: Sequence[int]):
+        """Copy the committed state of ``slots`` (checkpoint, conv state, KV length), to
+        undo scratch decoding with :meth:`restore_state`. For ``snapshot`` and ``fold``,
+        whose committed state is exactly checkpoint + conv state between steps."""
+        if self.strategy_name == "circular":
+            raise ValueError("save_state needs strategy 'snapshot' or 'fold' (circular keeps history in its ring)")
+        if self._pending is not None:
+            raise RuntimeError("save_state between verify and commit")
+        idx = torch.tensor(list(slots), dtype=torch.long, device=self.device)
+        buf = self.pool.buffers
+        return (list(slots), idx, buf["checkpoints"][:, idx].clone(), buf["conv_state"][:, idx].clone(),
+                [self.kv.lengths[s] for s in slots])
+
+    def restore_state(self, saved) -> None:
+        slots, idx, ckpt, conv, lengths = saved
+        self.pool.buffers["checkpoints"][:, idx] = ckpt
+        self.pool.buffers["conv_state"][:, idx] = conv
+        self.kv.truncate(slots, lengths)
+
+    # ------------------------------------------------------------------ forward
+    def _check_step(self, slots, windows):
+        if self._pending is not None:
+            raise RuntimeError("a verified step is pending: commit it first")
+        slots = list(slots)
+        if len(windows) != len(slots) or not slots:
+            raise ValueError(f"need one window per slot and at least one request; got {len(windows)} windows "
+                             f"for {len(slots)} slots")
+        flat = []
+        for i, w in enumerate(windows):
+            w = list(w)
+            if not w:
+                raise ValueError(f"windows[{i}] is empty")
+            for t in w:
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                    raise ValueError(f"windows[{i}] holds {t!r}, not a token id in [0, {self.vocab_size})")
+            flat.append(w)
+        return slots, flat
+
+    @torch.inference_mode()
+    def _forward(self, slots, windows, *, verify: bool, all_logits: bool, chunked: bool) -> StepOutput:
+        slots, windows = self._check_step(slots, windows)
+        lengths = [len(w) for w in windows]
+        batch = self.pool.batch(slots, lengths, prefill=not verify)  # validates slots and lengths
+        self.kv.check_room(slots, lengths)
+        starts = [self.kv.lengths[s] for s in slots]
+        if chunked and self.chunk_kernel is not None and any(starts):
+            raise ValueError("the chunked prompt kernel needs fresh requests (no committed tokens)")
+        layout = WindowLayout(slots, starts, lengths, self.device)
+        ids = torch.tensor([t for w in windows for t in w], dtype=torch.long, device=self.device)
+
+        h = self.embed(ids)
+        cos, sin = self._rotary(h, layout.positions)
+        strat = self.strategy
+        for layer, kind, j in zip(self.layers, self.kinds, self.index):
+            residual = h
+            x = layer.input_layernorm(h)
+            if kind == "gdn":
+                mixer = self.mixers[j]
+                mixed, z, a, b = mixer.project(x)
+                if verify:
+                    mixed = strat.conv_verify(j, mixed, batch)
+                    q, k, v = mixer.split(mixed)
+                    o = strat.verify(j, q, k, v, a, b, batch)
+                else:
+                    mixed = strat.conv_prefill(j, mixed, batch)
+                    q, k, v = mixer.split(mixed)
+                    if chunked and self.chunk_kernel is not None:
+                        o = self._chunk_prefill(j, q, k, v, a, b, batch)
+                    else:
+                        o = strat.prefill(j, q, k, v, a, b, batch)
+                x = mixer.finish(o, z)
+            else:
+                x = attention_forward(layer.self_attn, x, cos, sin, self.kv, j, layout)
+            h = residual + x
+            residual = h
+            h = residual + mlp_forward(layer.mlp, layer.post_attention_layernorm(h))
+        h = self.norm(h)
+
+        offsets = [0]
+        for n in lengths:
+            offsets.append(offsets[-1] + n)
+        if all_logits:
+            logits = self.lm_head(h).float()
+        else:
+            last = torch.tensor([o - 1 for o in offsets[1:]], dtype=torch.long, device=self.device)
+            logits = self.lm_head(h[last]).float()
+        if verify:
+            self._pending = (batch, slots, lengths)
+        else:
+            self.kv.advance(slots, lengths)
+        return StepOutput(logits=logits, hidden=h, lengths=lengths, offsets=offsets)
+
+    def _rotary(self, h: torch.Tensor, positions: torch.Tensor):
+        # Qwen3.5's rotary embedding is multimodal (3 position grids); text tokens use
+        # the same position on every grid, which both the 5.17 and the newer signature
+        # accept as [3, 1, N].
+        pos = positions[None]
+        if hasattr(self.rotary, "mrope_section"):
+            pos = pos[None].expand(3, 1, -1)
+        cos, sin = self.rotary(h[None], pos)
+        return cos.reshape(h.shape[0], -1), sin.reshape(h.shape[0], -1)
+
+    def _chunk_prefill(self, j, q, k, v, a, b, batch) -> torch.Tensor:
+        """Prompt tokens of GDN layer ``j`` through a chunked kernel; the final states
+        become the requests' checkpoints (DESIGN.md layout ``[HV, V, K]``)."""
+        p = self.pool.layer_params(j)
+        g, beta = gdn_gates(a, b, p["A_log"], p["dt_bias"])
+        hv = v.shape[1]
+        # Repeat key heads to value heads: older fla-core builds need H == HV.
+        qe, ke = expand_heads(q, hv), expand_heads(k, hv)
+        o, final = self.chunk_kernel(
+            qe[None], ke[None], v[None], g[None], beta[None], initial_state=None, output_final_state=True,
+            cu_seqlens=batch.cu_seqlens.long(), use_qk_l2norm_in_kernel=True,
+        )
+        ckpt = self.pool.buffers["checkpoints"][j]
+        live = batch.slots >= 0
+        ckpt[batch.slots[live].long()] = final[live].transpose(-1, -2).to(ckpt.dtype)
+        return o[0].to(v.dtype)

@@ -1,0 +1,155 @@
+"""``replayssm generate``: speculative generation with a local Hugging Face checkpoint.
+
+    replayssm generate --model DIR --prompt "..." --draft ngram|mtp|model|none \\
+        --strategy snapshot|fold|circular [--draft-model DIR] [--temperature T --top-p P]
+
+Streams the text of a single prompt as it is accepted (several prompts are printed when
+they finish) and ends with the mean accept length, tokens per second and the memory of
+the GDN state pool and the KV cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+STRATEGY_CHOICES = ("snapshot", "fold", "circular")
+DRAFT_CHOICES = ("ngram", "mtp", "model", "none")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="local checkpoint directory (config, safetensors, tokenizer)")
+    parser.add_argument("--prompt", action="append", required=True,
+                        help="prompt text; repeat for a batch of requests")
+    parser.add_argument("--draft", choices=DRAFT_CHOICES, default="ngram",
+                        help="drafter: n-gram prompt lookup, the checkpoint's MTP head, a draft model, "
+                             "or none (plain decoding)")
+    parser.add_argument("--draft-model", help="draft model directory (with --draft model)")
+    parser.add_argument("--strategy", choices=STRATEGY_CHOICES, default="fold", help="GDN verify/rollback strategy")
+    parser.add_argument("--num-draft", type=int, default=3, help="draft tokens per step (window = k + 1)")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+    parser.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    parser.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
+    parser.add_argument("--ignore-eos", action="store_true", help="generate max-new-tokens whatever comes")
+    parser.add_argument("--compare-plain", action="store_true",
+                        help="also decode plainly and report the speed-up and (greedy) token agreement")
+    parser.add_argument("--no-stream", action="store_true", help="print outputs only when they finish")
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def describe_memory(engine) -> str:
+    nb = engine.state_nbytes()
+    pool = nb["total"]
+    scratch = pool - nb["checkpoints"] - nb["conv_state"]
+    return (f"GDN state pool {_mib(pool)} (checkpoints {_mib(nb['checkpoints'])}, conv {_mib(nb['conv_state'])}, "
+            f"{engine.strategy_name} buffers {_mib(scratch)}) for {engine.pool.num_slots} slot(s); "
+            f"KV cache {_mib(nb['kv_cache'])}")
+
+
+def build_drafter(args, engine, batch: int, max_len: int):
+    """The drafter the arguments ask for (``None`` for plain decoding)."""
+    from .drafters import MTPDrafter, ModelDrafter, NgramDrafter, load_mtp_head
+
+    if args.draft == "none":
+        return None
+    if args.draft == "ngram":
+        return NgramDrafter()
+    if args.draft == "mtp":
+        return MTPDrafter(engine, load_mtp_head(engine, args.model))
+    from .adapter import HybridEngine
+    from .loading import load_model, load_tokenizer
+
+    if not args.draft_model:
+        raise ValueError("--draft model needs --draft-model DIR")
+    target_vocab = load_tokenizer(args.model).get_vocab()
+    if load_tokenizer(args.draft_model).get_vocab() != target_vocab:
+        raise ValueError(f"{args.draft_model!r} does not share the target's tokenizer")
+    draft = load_model(args.draft_model, dtype=engine.dtype, device=str(engine.device))
+    draft_engine = HybridEngine(draft, strategy="fold", num_slots=batch, window=1, max_len=max_len)
+    return ModelDrafter(draft_engine, engine.vocab_size)
+
+
+def main(args) -> int:
+    from .adapter import HybridEngine
+    from .generator import SpeculativeGenerator
+    from .loading import eos_token_ids, load_model, load_tokenizer
+    from .sampling import SamplingParams
+
+    if args.num_draft < 1:
+        raise SystemExit("--num-draft must be >= 1")
+    if args.max_new_tokens < 1:
+        raise SystemExit("--max-new-tokens must be >= 1")
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    tokenizer = load_tokenizer(args.model)
+    if args.chat:
+        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                                 tokenize=True) for p in args.prompt]
+        prompts = [list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompts]
+    else:
+        prompts = [tokenizer.encode(p, add_special_tokens=False) for p in args.prompt]
+    if any(not p for p in prompts):
+        raise SystemExit("a prompt encodes to no tokens")
+    eos = [] if args.ignore_eos else eos_token_ids(args.model, tokenizer)
+    model = load_model(args.model, dtype=args.dtype, device=args.device)
+    batch = len(prompts)
+    max_len = max(len(p) for p in prompts) + args.max_new_tokens + args.num_draft + 2
+    plain = args.draft == "none"
+    engine = HybridEngine(model, strategy=args.strategy, num_slots=batch, window=1 if plain else args.num_draft + 1,
+                          max_len=max_len)
+    drafter = build_drafter(args, engine, batch, max_len)
+    print(f"model {args.model} ({engine.family}, {model.dtype}, {engine.device}); "
+          f"draft {args.draft}, strategy {args.strategy}, k={args.num_draft}; prompt prefill: {engine.prefill_kernel}",
+          file=sys.stderr)
+
+    stream = batch == 1 and not args.no_stream
+    shown = [""]
+    produced: list[int] = []
+
+    def on_tokens(i, toks):
+        if not stream or not toks:
+            return
+        produced.extend(toks)
+        text = tokenizer.decode(produced, skip_special_tokens=True)
+        if text.startswith(shown[0]):
+            sys.stdout.write(text[len(shown[0]):])
+            sys.stdout.flush()
+            shown[0] = text
+
+    gen = SpeculativeGenerator(engine, drafter, num_draft=args.num_draft, sampling=sampling, eos_token_ids=eos,
+                               seed=args.seed)
+    result = gen.generate(prompts, args.max_new_tokens, on_tokens=on_tokens)
+    if stream:
+        print()
+    else:
+        for i, toks in enumerate(result.tokens):
+            print(f"--- [{i}] {args.prompt[i]!r}")
+            print(tokenizer.decode(toks, skip_special_tokens=True))
+    print(f"generated {result.num_generated} tokens in {result.steps} steps "
+          f"(prefill {result.prefill_s:.2f}s, decode {result.decode_s:.2f}s)")
+    if not plain:
+        print(f"accept length {result.mean_accept_length:.2f} tokens/step "
+              f"(drafted {result.drafted}, accepted {result.accepted}, rate {result.acceptance_rate:.2f})")
+    print(f"tokens/s {result.tokens_per_second:.1f} end to end, {result.decode_tokens_per_second:.1f} decoding")
+    print(f"state memory: {describe_memory(engine)}")
+    if args.compare_plain and not plain:
+        base_engine = HybridEngine(model, strategy=args.strategy, num_slots=batch, window=1, max_len=max_len)
+        base = SpeculativeGenerator(base_engine, None, sampling=sampling, eos_token_ids=eos, seed=args.seed)
+        ref = base.generate(prompts, args.max_new_tokens)
+        print(f"plain decoding: tokens/s {ref.tokens_per_second:.1f}; speed-up "
+              f"{result.tokens_per_second / max(ref.tokens_per_second, 1e-9):.2f}x")
+        if sampling.greedy:
+            same = sum(a == b for x, y in zip(result.tokens, ref.tokens) for a, b in zip(x, y))
+            total = sum(max(len(x), len(y)) for x, y in zip(result.tokens, ref.tokens))
+            print(f"greedy agreement with plain decoding: {same}/{total} tokens"
+                  + ("" if result.tokens == ref.tokens else "  (OUTPUTS DIFFER)"))
+            if result.tokens != ref.tokens:
+                return 1
+    return 0

@@ -1,0 +1,279 @@
+"""The decoding loop: plain decoding or speculative decoding over a batch of requests.
+
+Plain decoding (no drafter) feeds each request's last token through
+:meth:`HybridEngine.extend` (the exact recurrence, one token per step). Speculative
+decoding asks the drafter for up to ``num_draft`` tokens per request, verifies
+``[last token] + drafts`` in one :meth:`HybridEngine.verify`, accepts per request
+(greedy, or rejection sampling when sampling), commits the accepted prefix and tells
+the drafter what was emitted. Requests stop on an end-of-sequence token or after
+``max_new_tokens`` and leave the batch; the others continue.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from .adapter import HybridEngine
+from .drafters import Drafter
+from .sampling import SamplingParams, greedy_accept, rejection_sample, warp_probs
+
+
+@dataclass
+class GenerationResult:
+    """Outputs and statistics of one :meth:`SpeculativeGenerator.generate` call.
+
+    Attributes:
+        tokens: generated token ids per request (an end-of-sequence token included).
+        finish_reasons: ``"eos"`` or ``"length"`` per request.
+        steps: target forward passes after the prompt prefill.
+        accept_lengths: tokens emitted per request-step (``accepted drafts + 1``), all
+            requests and steps together.
+        drafted, accepted: draft tokens proposed / accepted in total.
+        prefill_s, decode_s: wall time of the prompt prefill and of the decoding loop.
+    """
+
+    tokens: list[list[int]]
+    finish_reasons: list[str]
+    steps: int = 0
+    accept_lengths: list[int] = field(default_factory=list)
+    drafted: int = 0
+    accepted: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+    @property
+    def num_generated(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+    @property
+    def mean_accept_length(self) -> float:
+        """Mean tokens emitted per request per target step (1.0 for plain decoding)."""
+        return sum(self.accept_lengths) / max(1, len(self.accept_lengths))
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        """End to end: generated tokens over prefill + decoding time."""
+        return self.num_generated / max(1e-9, self.prefill_s + self.decode_s)
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return self.num_generated / max(1e-9, self.decode_s)
+
+
+@dataclass
+class _Request:
+    index: int
+    slot: int
+    prompt: list[int]
+    max_new: int
+    generated: list[int] = field(default_factory=list)
+    finish: str | None = None
+
+    @property
+    def last(self) -> int:
+        return self.generated[-1]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class SpeculativeGenerator:
+    """Generate with a :class:`HybridEngine`, with or without a drafter.
+
+    Args:
+        engine: the target model's engine (its ``window`` must be ``>= num_draft + 1``
+            when a drafter is given).
+        drafter: ``None`` for plain decoding, else a :class:`Drafter`.
+        num_draft: draft tokens per step (``k``); the verify window is ``k + 1``.
+        sampling: greedy (default) or temperature / top-p / top-k sampling.
+        eos_token_ids: tokens that end a request.
+        seed: seed of the sampling generator (sampling only).
+    """
+
+    def __init__(self, engine: HybridEngine, drafter: Drafter | None = None, *, num_draft: int = 3,
+                 sampling: SamplingParams = SamplingParams(), eos_token_ids: Sequence[int] = (), seed: int = 0):
+        if not isinstance(engine, HybridEngine):
+            raise TypeError(f"engine must be a HybridEngine, got {type(engine).__name__}")
+        if drafter is not None and not isinstance(drafter, Drafter):
+            raise TypeError(f"drafter must be a Drafter or None, got {type(drafter).__name__}")
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        if drafter is not None:
+            if not isinstance(num_draft, int) or isinstance(num_draft, bool) or num_draft < 1:
+                raise ValueError(f"num_draft must be a positive int, got {num_draft!r}")
+            if num_draft + 1 > engine.window:
+                raise ValueError(f"num_draft + 1 = {num_draft + 1} exceeds the engine's window {engine.window}")
+        self.engine = engine
+        self.drafter = drafter
+        self.num_draft = num_draft
+        self.sampling = sampling
+        self.eos = {int(t) for t in eos_token_ids}
+        self.generator = torch.Generator(device=engine.device)
+        self.generator.manual_seed(seed)
+
+    # ------------------------------------------------------------------ sampling
+    def _pick(self, logits: torch.Tensor) -> list[int]:
+        """One token per row of ``logits [R, V]``."""
+        if self.sampling.greedy:
+            return logits.argmax(-1).tolist()
+        return torch.multinomial(warp_probs(logits, self.sampling), 1, generator=self.generator)[:, 0].tolist()
+
+    def _emit(self, req: _Request, new: list[int]) -> list[int]:
+        """Append tokens up to a stop; return what was appended."""
+        kept = []
+        for t in new:
+            if len(req.generated) >= req.max_new:
+                break
+            req.generated.append(t)
+            kept.append(t)
+            if t in self.eos:
+                req.finish = "eos"
+                return kept
+        if len(req.generated) >= req.max_new:
+            req.finish = "length"
+        return kept
+
+    # ------------------------------------------------------------------ loop
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
+                 on_tokens: Callable[[int, list[int]], None] | None = None) -> GenerationResult:
+        """Generate for a batch of prompts (at most the engine's slots).
+
+        Args:
+            prompts: token ids per request (non-empty).
+            max_new_tokens: generated-token budget, one for all or one per request.
+            on_tokens: called as ``on_tokens(request_index, new_tokens)`` whenever a
+                request emits tokens (streaming).
+        """
+        eng = self.engine
+        prompts = [list(p) for p in prompts]
+        if not prompts:
+            raise ValueError("prompts is empty")
+        if len(prompts) > eng.pool.num_free:
+            raise ValueError(f"{len(prompts)} prompts but the engine has {eng.pool.num_free} free slots")
+        budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        if len(budgets) != len(prompts):
+            raise ValueError(f"max_new_tokens has {len(budgets)} entries for {len(prompts)} prompts")
+        for i, (p, m) in enumerate(zip(prompts, budgets)):
+            if not p:
+                raise ValueError(f"prompts[{i}] is empty")
+            if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+                raise ValueError(f"max_new_tokens must be positive ints, got {m!r} for request {i}")
+            if len(p) + m + eng.window > eng.max_len:
+                raise ValueError(f"request {i}: prompt {len(p)} + max_new_tokens {m} + window {eng.window} "
+                                 f"exceeds the engine's max_len {eng.max_len}")
+        with torch.inference_mode():
+            return self._generate(prompts, budgets, on_tokens)
+
+    def _generate(self, prompts, budgets, on_tokens) -> GenerationResult:
+        eng, drafter = self.engine, self.drafter
+        reqs = [_Request(i, eng.alloc(), p, m) for i, (p, m) in enumerate(zip(prompts, budgets))]
+        result = GenerationResult(tokens=[], finish_reasons=[])
+        try:
+            t0 = time.perf_counter()
+            out = eng.extend([r.slot for r in reqs], [r.prompt for r in reqs], prompt=True)
+            firsts = self._pick(out.logits)
+            _sync(eng.device)
+            result.prefill_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            for r, tok in zip(reqs, firsts):
+                kept = self._emit(r, [tok])
+                if on_tokens:
+                    on_tokens(r.index, kept)
+                if drafter is not None and r.finish is None:
+                    hidden = out.hidden[out.offsets[r.index] : out.offsets[r.index + 1]] if drafter.needs_hidden else None
+                    drafter.add(r.index, r.prompt + [tok], hidden)
+            self._release([r for r in reqs if r.finish])
+            active = [r for r in reqs if r.finish is None]
+            while active:
+                if drafter is None:
+                    self._plain_step(active, result, on_tokens)
+                else:
+                    self._spec_step(active, result, on_tokens)
+                result.steps += 1
+                self._release([r for r in active if r.finish])
+                active = [r for r in active if r.finish is None]
+            _sync(eng.device)
+            result.decode_s = time.perf_counter() - t0
+        finally:
+            self._release([r for r in reqs if r.slot >= 0])
+        result.tokens = [r.generated for r in reqs]
+        result.finish_reasons = [r.finish or "length" for r in reqs]
+        return result
+
+    def _release(self, reqs):
+        for r in reqs:
+            if r.slot >= 0:
+                self.engine.free(r.slot)
+                r.slot = -1
+                if self.drafter is not None:
+                    self.drafter.remove(r.index)
+
+    def _plain_step(self, active, result, on_tokens):
+        out = self.engine.extend([r.slot for r in active], [[r.last] for r in active])
+        for r, tok in zip(active, self._pick(out.logits)):
+            kept = self._emit(r, [tok])
+            result.accept_lengths.append(1)
+            if on_tokens:
+                on_tokens(r.index, kept)
+
+    def _spec_step(self, active, result, on_tokens):
+        eng, drafter = self.engine, self.drafter
+        # Never draft past the budget: a step emits at most drafts + 1 tokens.
+        counts = [min(self.num_draft, r.max_new - len(r.generated) - 1) for r in active]
+        drafts = drafter.propose([r.index for r in active], counts, self.sampling, self.generator)
+        for d, c in zip(drafts, counts):
+            if len(d.tokens) > c:
+                raise RuntimeError(f"drafter {drafter.name!r} proposed {len(d.tokens)} tokens, asked for {c}")
+        out = eng.verify([r.slot for r in active], [[r.last] + d.tokens for r, d in zip(active, drafts)])
+        if self.sampling.greedy:
+            argmax = out.logits.argmax(-1).tolist()
+            decided = [greedy_accept(argmax[out.offsets[i] : out.offsets[i + 1]], d.tokens)
+                       for i, d in enumerate(drafts)]
+        else:
+            decided = self._rejection(out, drafts)
+        eng.commit([n + 1 for n, _ in decided])
+        for i, (r, d, (n, nxt)) in enumerate(zip(active, drafts, decided)):
+            new = d.tokens[:n] + [nxt]
+            result.drafted += len(d.tokens)
+            result.accepted += n
+            result.accept_lengths.append(n + 1)
+            kept = self._emit(r, new)
+            if on_tokens:
+                on_tokens(r.index, kept)
+            if r.finish is None:
+                hidden = out.hidden[out.offsets[i] : out.offsets[i] + n + 1] if drafter.needs_hidden else None
+                drafter.observe(r.index, new, hidden)
+
+    def _rejection(self, out, drafts) -> list[tuple[int, int]]:
+        """Rejection sampling over the padded windows of a verified step."""
+        dev = self.engine.device
+        b = len(drafts)
+        t = max(out.lengths)
+        p_flat = warp_probs(out.logits, self.sampling)  # [N, V]
+        v = p_flat.shape[-1]
+        p = p_flat.new_zeros(b, t, v)
+        d_pad = torch.zeros(b, max(t - 1, 0), dtype=torch.long, device=dev)
+        stochastic = any(d.q is not None for d in drafts)
+        q = p_flat.new_zeros(b, max(t - 1, 0), v) if stochastic else None
+        for i, d in enumerate(drafts):
+            n = len(d.tokens)
+            p[i, : n + 1] = p_flat[out.offsets[i] : out.offsets[i + 1]]
+            if n:
+                d_pad[i, :n] = torch.tensor(d.tokens, device=dev)
+                if stochastic:
+                    if d.q is None:
+                        raise RuntimeError("a drafter mixed sampled and deterministic drafts in one step")
+                    q[i, :n] = d.q
+        num = torch.tensor([len(d.tokens) for d in drafts], dtype=torch.long, device=dev)
+        accepted, nxt = rejection_sample(p, d_pad, q, num, self.generator)
+        return list(zip(accepted.tolist(), nxt.tolist()))

@@ -1,0 +1,137 @@
+"""Key/value cache of the full-attention layers, rolled back by length.
+
+Hybrid models interleave GDN layers with a few full-attention layers. Those keep the
+keys and values of every committed token. A verify step writes the window's keys and
+values after each request's committed length (tentatively); commit moves the length
+forward by the accepted count, so rejected entries fall outside the valid prefix and the
+next window overwrites them (DESIGN.md section 3, "Full-attention layers of hybrid
+models roll back by truncating each request's KV length").
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+
+class KVCache:
+    """Keys and values ``[layers, slots, kv_heads, max_len, head_dim]`` plus lengths.
+
+    Args:
+        num_layers: number of full-attention layers (may be 0).
+        num_slots: concurrent requests; slot numbers are shared with the state pool.
+        num_kv_heads, head_dim: geometry of the attention layers.
+        max_len: most tokens a request may hold (prompt + generated + one window).
+        dtype, device: storage of keys and values.
+
+    ``lengths[s]`` (host ints) is the committed token count of slot ``s``; it is also
+    the position of the request's next token.
+    """
+
+    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, max_len: int,
+                 *, dtype: torch.dtype, device: str | torch.device):
+        for name, value in (("num_slots", num_slots), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
+                            ("max_len", max_len)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 0:
+            raise ValueError(f"num_layers must be an int >= 0, got {num_layers!r}")
+        self.num_layers = num_layers
+        self.num_slots = num_slots
+        self.max_len = max_len
+        self.device = torch.device(device)
+        shape = (num_layers, num_slots, num_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.v = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.lengths = [0] * num_slots
+
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
+
+    def reset(self, slot: int) -> None:
+        self.lengths[slot] = 0
+
+    def check_room(self, slots: Sequence[int], lengths: Sequence[int]) -> None:
+        """Raise ``ValueError`` if a window would run past ``max_len``."""
+        for s, n in zip(slots, lengths):
+            if self.lengths[s] + n > self.max_len:
+                raise ValueError(
+                    f"slot {s} holds {self.lengths[s]} tokens; {n} more exceed max_len {self.max_len}"
+                )
+
+    def advance(self, slots: Sequence[int], counts: Sequence[int]) -> None:
+        """Commit ``counts[i]`` more tokens of slot ``slots[i]``."""
+        for s, n in zip(slots, counts):
+            self.lengths[s] += int(n)
+
+    def truncate(self, slots: Sequence[int], lengths: Sequence[int]) -> None:
+        """Roll slots back to the given committed lengths (never forward)."""
+        for s, n in zip(slots, lengths):
+            if not 0 <= n <= self.lengths[s]:
+                raise ValueError(f"cannot truncate slot {s} from {self.lengths[s]} to {n} tokens")
+            self.lengths[s] = int(n)
+
+
+class WindowLayout:
+    """Index tensors that move a packed batch of windows in and out of the padded
+    ``[B, Tmax]`` layout the attention uses, built once per forward and shared by all
+    attention layers.
+
+    Args:
+        slots: slot per request; starts: committed length per request (position of the
+            window's first token); lengths: window length per request.
+    """
+
+    def __init__(self, slots: Sequence[int], starts: Sequence[int], lengths: Sequence[int], device):
+        self.slots = list(slots)
+        self.starts = list(starts)
+        self.lengths = list(lengths)
+        self.batch = len(self.slots)
+        self.t_max = max(self.lengths)
+        self.l_max = max(s + n for s, n in zip(self.starts, self.lengths))
+        rows, cols, pos = [], [], []
+        for b, (s0, n) in enumerate(zip(self.starts, self.lengths)):
+            rows += [b] * n
+            cols += list(range(n))
+            pos += list(range(s0, s0 + n))
+        self.row = torch.tensor(rows, dtype=torch.long, device=device)  # [N] request of each token
+        self.col = torch.tensor(cols, dtype=torch.long, device=device)  # [N] index inside its window
+        self.positions = torch.tensor(pos, dtype=torch.long, device=device)  # [N] absolute position
+        self.slot_of_token = torch.tensor([self.slots[r] for r in rows], dtype=torch.long, device=device)
+        self.slot_index = torch.tensor(self.slots, dtype=torch.long, device=device)
+        # Query t of request b sees keys 0 .. start_b + t (causal across history + window).
+        key_pos = torch.arange(self.l_max, device=device)
+        q_pos = torch.tensor(self.starts, device=device)[:, None] + torch.arange(self.t_max, device=device)[None]
+        self.mask = (key_pos[None, None, :] <= q_pos[:, :, None])[:, None]  # [B, 1, Tmax, Lmax]
+
+
+def cached_attention(cache: KVCache, layer: int, layout: WindowLayout, q: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Write the window's keys/values after each request's history and attend.
+
+    Args:
+        cache: the cache; ``layer`` indexes its attention layers.
+        layout: the step's :class:`WindowLayout`.
+        q: ``[N, heads, D]`` rotated queries; k, v: ``[N, kv_heads, D]`` (k rotated).
+        scale: softmax scale.
+
+    Returns:
+        ``[N, heads, D]`` attention outputs. The cache lengths are not changed.
+    """
+    n, heads, d = q.shape
+    kv_heads = k.shape[1]
+    cache.k[layer][layout.slot_of_token, :, layout.positions] = k.to(cache.k.dtype)
+    cache.v[layer][layout.slot_of_token, :, layout.positions] = v.to(cache.v.dtype)
+    keys = cache.k[layer][layout.slot_index, :, : layout.l_max]  # [B, kvH, Lmax, D]
+    values = cache.v[layer][layout.slot_index, :, : layout.l_max]
+    if heads != kv_heads:
+        keys = keys.repeat_interleave(heads // kv_heads, dim=1)
+        values = values.repeat_interleave(heads // kv_heads, dim=1)
+    q_pad = q.new_zeros(layout.batch, layout.t_max, heads, d)
+    q_pad[layout.row, layout.col] = q
+    out = F.scaled_dot_product_attention(
+        q_pad.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype), attn_mask=layout.mask, scale=scale
+    )  # [B, heads, Tmax, D]
+    return out.transpose(1, 2)[layout.row, layout.col]

@@ -1,0 +1,88 @@
+"""Loading local Hugging Face checkpoints (config + safetensors + tokenizer).
+
+Nothing is downloaded: ``model_dir`` must be a directory on disk. Supported model types
+are Qwen3.5 (dense and MoE, text-only or the multimodal checkpoint, whose language
+model is loaded) and Qwen3-Next.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str | None) -> torch.device:
+    """``None`` / ``"auto"``: CUDA when available, else the CPU."""
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """``None`` / ``"auto"``: bfloat16 on CUDA, float32 on the CPU."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def _check_dir(model_dir) -> str:
+    model_dir = os.fspath(model_dir)
+    if not os.path.isdir(model_dir):
+        raise ValueError(f"model directory {model_dir!r} does not exist (only local checkpoints are supported)")
+    if not os.path.exists(os.path.join(model_dir, "config.json")):
+        raise ValueError(f"{model_dir!r} has no config.json")
+    return model_dir
+
+
+def model_type(model_dir) -> str:
+    with open(os.path.join(_check_dir(model_dir), "config.json")) as fh:
+        return json.load(fh).get("model_type", "")
+
+
+def load_model(model_dir, *, dtype: str | torch.dtype | None = "auto", device: str | None = "auto"):
+    """A Qwen3.5 / Qwen3-Next causal LM from a local directory, in eval mode on
+    ``device``. ``mtp.*`` weights are left out by transformers; see
+    :func:`replayssm.engine.drafters.load_mtp_head`."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = _check_dir(model_dir)
+    mtype = model_type(model_dir)
+    if mtype not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"{model_dir!r} holds a {mtype!r} model; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    dev = resolve_device(device)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=resolve_dtype(dtype, dev))
+    return model.to(dev).eval()
+
+
+def load_tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(_check_dir(model_dir))
+
+
+def eos_token_ids(model_dir, tokenizer=None) -> list[int]:
+    """End-of-sequence ids: ``generation_config.json``, else ``config.json``, else the
+    tokenizer's."""
+    model_dir = _check_dir(model_dir)
+    ids: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        path = os.path.join(model_dir, name)
+        if os.path.exists(path):
+            with open(path) as fh:
+                cfg = json.load(fh)
+            value = cfg.get("eos_token_id", cfg.get("text_config", {}).get("eos_token_id"))
+            if value is not None:
+                ids = [value] if isinstance(value, int) else list(value)
+                break
+    if not ids and tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids = [tokenizer.eos_token_id]
+    return [int(i) for i in ids]

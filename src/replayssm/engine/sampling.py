@@ -1,0 +1,149 @@
+"""Sampling and draft acceptance.
+
+Greedy acceptance keeps draft ``d_j`` while it equals the target's argmax at the
+position before it; the first mismatch (or the bonus position after the last draft)
+takes the target's argmax. The output is token for token that of plain greedy decoding.
+
+Rejection sampling (Leviathan et al. 2023; Chen et al. 2023) preserves the target
+distribution for temperature / top-k / top-p sampling. With target probabilities ``p_j``
+(after warping) and draft probabilities ``q_j`` at window position ``j``:
+
+    accept d_j with probability min(1, p_j(d_j) / q_j(d_j))
+    on the first rejection, emit a token drawn from  norm(max(p_j - q_j, 0))
+    if every draft is accepted, emit a bonus token drawn from p_T
+
+Deterministic drafters (n-gram lookup, greedy MTP) have ``q_j = onehot(d_j)``: accept
+with probability ``p_j(d_j)``, else draw from ``p_j`` with ``d_j`` removed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How tokens are chosen.
+
+    Attributes:
+        temperature: ``0`` for greedy decoding, else the softmax temperature (> 0).
+        top_p: nucleus mass in ``(0, 1]``; ``1`` keeps every token.
+        top_k: keep the ``k`` most likely tokens; ``0`` keeps every token.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def __post_init__(self):
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0, got {self.top_k!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def warp_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Probabilities after temperature, top-k and top-p: ``[..., V]`` -> float32 ``[..., V]``.
+
+    Top-p keeps the smallest set of most likely tokens whose mass reaches ``top_p``
+    (always at least the most likely token).
+    """
+    if params.greedy:
+        raise ValueError("warp_probs needs temperature > 0 (greedy decoding takes the argmax)")
+    x = logits.float() / params.temperature
+    if params.top_k and params.top_k < x.shape[-1]:
+        kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass strictly above each token
+        drop_sorted = before >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of ``probs [R, V]``."""
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+def greedy_accept(argmax: list[int], drafts: list[int]) -> tuple[int, int]:
+    """Greedy acceptance for one request.
+
+    Args:
+        argmax: the target's argmax at each window position (``len(drafts) + 1``).
+        drafts: the draft tokens (window positions ``1..``).
+
+    Returns:
+        ``(accepted_drafts, next_token)``.
+    """
+    n = 0
+    while n < len(drafts) and drafts[n] == argmax[n]:
+        n += 1
+    return n, argmax[n]
+
+
+def rejection_sample(p: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None, num_drafts: torch.Tensor,
+                     generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distribution-preserving acceptance for a batch of padded windows.
+
+    Args:
+        p: ``[B, T, V]`` target probabilities at each window position (rows past a
+            request's ``num_drafts + 1`` positions are ignored).
+        drafts: ``[B, T - 1]`` int64 draft tokens (padding ignored).
+        q: ``[B, T - 1, V]`` draft probabilities, or ``None`` for deterministic drafts
+            (``q_j = onehot(d_j)``).
+        num_drafts: ``[B]`` int64 drafts per request, ``0 <= n <= T - 1``.
+        generator: random source (on ``p``'s device).
+
+    Returns:
+        ``(accepted [B], next_token [B])``: accepted drafts per request and the token
+        emitted after them (correction or bonus), both int64.
+    """
+    if p.dim() != 3:
+        raise ValueError(f"p must be [B, T, V], got shape {list(p.shape)}")
+    b, t, v = p.shape
+    if drafts.shape != (b, t - 1):
+        raise ValueError(f"drafts must be [{b}, {t - 1}], got {list(drafts.shape)}")
+    if q is not None and q.shape != (b, t - 1, v):
+        raise ValueError(f"q must be [{b}, {t - 1}, {v}], got {list(q.shape)}")
+    if num_drafts.shape != (b,) or bool(((num_drafts < 0) | (num_drafts > t - 1)).any()):
+        raise ValueError(f"num_drafts must be [{b}] with values in [0, {t - 1}]")
+    rows = torch.arange(b, device=p.device)
+    if t > 1:
+        d = drafts.long()
+        p_d = p[:, :-1].gather(-1, d[..., None])[..., 0]  # [B, T-1]
+        q_d = torch.ones_like(p_d) if q is None else q.gather(-1, d[..., None])[..., 0]
+        u = torch.rand(p_d.shape, generator=generator, device=p.device)
+        ok = u * q_d < p_d  # accept with probability min(1, p/q)
+        ok &= torch.arange(t - 1, device=p.device)[None] < num_drafts[:, None]
+        # accepted = length of the all-true prefix
+        accepted = torch.cumprod(ok.long(), dim=1).sum(1)
+    else:
+        accepted = torch.zeros(b, dtype=torch.long, device=p.device)
+    p_next = p[rows, accepted]  # [B, V]: target at the first rejected position / bonus
+    rejected = accepted < num_drafts
+    residual = p_next.clone()
+    if bool(rejected.any()):
+        j = accepted.clamp(max=t - 2)
+        if q is None:
+            q_rej = torch.zeros_like(p_next).scatter(-1, drafts[rows, j][:, None].long(), 1.0)
+        else:
+            q_rej = q[rows, j]
+        res = (p_next - q_rej).clamp(min=0)
+        mass = res.sum(-1, keepdim=True)
+        # A rejection has probability 0 when p == q; guard the 0/0 anyway.
+        res = torch.where(mass > 0, res / mass.clamp(min=1e-30), p_next)
+        residual = torch.where(rejected[:, None], res, p_next)
+    return accepted, _draw(residual, generator)
