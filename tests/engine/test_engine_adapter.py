@@ -1,0 +1,198 @@
+"""The model adapter against Hugging Face's own forward, and its step protocol.
+
+Our plain path (prompt prefill + one token at a time through the exact recurrence and
+our KV cache) must give the logits of transformers' full-sequence forward (its chunked
+GDN and causal attention, no cache) to fp32 tolerance, and verify windows must give the
+same logits as the plain path, for both model families.
+"""
+
+import pytest
+import torch
+
+from replayssm.engine.adapter import HybridEngine
+from replayssm.engine.tiny import build_tiny_model
+
+FAMILIES = ("qwen3_5", "qwen3_next")
+TOL = 2e-5  # logits are O(1); fp32 with different summation orders
+
+
+def hf_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids]), use_cache=False).logits[0].float()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_plain_path_matches_hf_forward(family, rng, seed):
+    model = build_tiny_model(family, seed=seed)
+    ids = torch.randint(0, 256, (40,), generator=rng).tolist()
+    ref = hf_logits(model, ids)
+    assert ref.abs().max() > 0.1  # logits with some spread, not a degenerate model
+
+    eng = HybridEngine(model, strategy="fold", num_slots=2, window=4, max_len=64)
+    s = eng.alloc()
+    out = eng.extend([s], [ids[:17]], all_logits=True, prompt=True)
+    torch.testing.assert_close(out.logits, ref[:17], atol=TOL, rtol=0)
+    for t in range(17, 40):
+        out = eng.extend([s], [[ids[t]]])
+        torch.testing.assert_close(out.logits[0], ref[t], atol=TOL, rtol=0)
+    assert eng.length(s) == 40
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("strategy", ["snapshot", "fold", "circular"])
+def test_verify_windows_match_hf_forward(family, strategy, rng, seed):
+    """Batched verify windows with per-request accepted lengths: the logits of every
+    window position equal the full-sequence forward over the accepted stream."""
+    model = build_tiny_model(family, seed=seed)
+    eng = HybridEngine(model, strategy=strategy, num_slots=3, window=4, max_len=96)
+    streams = [torch.randint(0, 256, (60,), generator=rng).tolist() for _ in range(2)]
+    refs = [hf_logits(model, s) for s in streams]
+    slots = [eng.alloc(), eng.alloc()]
+    pos = [7, 11]  # different prompt lengths
+    eng.extend(slots, [streams[i][: pos[i]] for i in range(2)], prompt=True)
+    for _ in range(12):
+        lens = torch.randint(1, 5, (2,), generator=rng).tolist()
+        out = eng.verify(slots, [streams[i][pos[i] : pos[i] + lens[i]] for i in range(2)])
+        for i in range(2):
+            torch.testing.assert_close(out.window_logits(i), refs[i][pos[i] : pos[i] + lens[i]], atol=TOL, rtol=0)
+        acc = [int(torch.randint(1, n + 1, (1,), generator=rng)) for n in lens]
+        eng.commit(acc)
+        pos = [p + a for p, a in zip(pos, acc)]
+        assert [eng.length(s) for s in slots] == pos
+
+
+def test_verify_then_commit_equals_plain_decoding_bitwise(rng, seed):
+    """fold's verify runs the same recurrence as plain decoding: after any accepted
+    prefix, the next window's first logits equal the plain path's."""
+    model = build_tiny_model("qwen3_5", seed=seed)
+    stream = torch.randint(0, 256, (50,), generator=rng).tolist()
+    plain = HybridEngine(model, strategy="fold", num_slots=1, window=1, max_len=64)
+    ps = plain.alloc()
+    plain_logits = [plain.extend([ps], [stream[:5]]).logits[0]]
+    for t in range(5, 50):
+        plain_logits.append(plain.extend([ps], [[stream[t]]]).logits[0])
+    eng = HybridEngine(model, strategy="fold", num_slots=1, window=4, max_len=64)
+    s = eng.alloc()
+    eng.extend([s], [stream[:5]])
+    pos = 5
+    while pos + 4 <= 50:
+        out = eng.verify([s], [stream[pos : pos + 4]])
+        for j in range(4):
+            torch.testing.assert_close(out.logits[j], plain_logits[pos - 4 + j], atol=1e-6, rtol=0)
+        a = int(torch.randint(1, 5, (1,), generator=rng))
+        eng.commit([a])
+        pos += a
+
+
+def test_step_protocol_and_validation(seed):
+    model = build_tiny_model("qwen3_5", seed=seed)
+    eng = HybridEngine(model, strategy="circular", num_slots=2, window=3, max_len=20)
+    s = eng.alloc()
+    eng.extend([s], [[1, 2, 3]])
+    with pytest.raises(RuntimeError, match="commit without a verify"):
+        eng.commit([1])
+    with pytest.raises(ValueError, match="not a token id"):
+        eng.verify([s], [[1, 999]])
+    with pytest.raises(ValueError, match="not a token id"):
+        eng.verify([s], [[True]])
+    with pytest.raises(ValueError, match="empty"):
+        eng.verify([s], [[]])
+    with pytest.raises(ValueError, match="window"):
+        eng.verify([s], [[1, 2, 3, 4]])  # longer than the window
+    with pytest.raises(ValueError, match="not allocated"):
+        eng.verify([1], [[1]])
+    with pytest.raises(ValueError, match="max_len"):
+        eng.extend([s], [list(range(18))])
+    assert eng.length(s) == 3  # nothing above touched the request
+    eng.verify([s], [[4, 5]])
+    with pytest.raises(RuntimeError, match="pending"):
+        eng.verify([s], [[4, 5]])
+    with pytest.raises(ValueError, match=r"accepted\[0\] = 3"):
+        eng.commit([3])
+    with pytest.raises(ValueError, match="entries"):
+        eng.commit([1, 1])
+    eng.commit([2])
+    assert eng.length(s) == 5
+    with pytest.raises(ValueError, match="prefill"):
+        HybridEngine(model, prefill="fast")
+    if _no_fla():  # an explicit chunked prefill without a kernel is an error, not a fallback
+        with pytest.raises(ValueError, match="fla-core"):
+            HybridEngine(model, prefill="chunk")
+
+
+def _no_fla() -> bool:
+    from replayssm.engine.adapter import load_chunk_kernel
+
+    return load_chunk_kernel() is None
+
+
+def fake_chunk_kernel(q, k, v, g, beta, *, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel):
+    """fla-core's varlen ``chunk_gated_delta_rule`` contract, built from transformers'
+    chunked PyTorch implementation run per sequence: ``[1, N, HV, *]`` inputs, final
+    states ``[B, HV, K, V]``."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+
+    assert q.shape[0] == 1 and initial_state is None and output_final_state and use_qk_l2norm_in_kernel
+    outs, finals = [], []
+    cu = cu_seqlens.tolist()
+    for i in range(len(cu) - 1):
+        sl = slice(cu[i], cu[i + 1])
+        o, s = torch_chunk_gated_delta_rule(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], chunk_size=8,
+                                            initial_state=None, output_final_state=True,
+                                            use_qk_l2norm_in_kernel=True)
+        outs.append(o)
+        finals.append(s)
+    return torch.cat(outs, 1), torch.cat(finals, 0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chunked_prompt_prefill_plumbing(family, rng, seed):
+    """The chunk-kernel path (layouts, final-state transpose into the checkpoints)
+    agrees with the recurrence path, for the prompt and for the decoding after it."""
+    model = build_tiny_model(family, seed=seed)
+    prompts = [torch.randint(0, 256, (n,), generator=rng).tolist() for n in (23, 9)]
+    tail = [torch.randint(0, 256, (6,), generator=rng).tolist() for _ in prompts]
+    results = []
+    for mode in ("recurrence", "chunk"):
+        eng = HybridEngine(model, strategy="fold", num_slots=2, window=4, max_len=64, prefill=mode,
+                           chunk_kernel=fake_chunk_kernel if mode == "chunk" else None)
+        slots = [eng.alloc(), eng.alloc()]
+        first = eng.extend(slots, prompts, all_logits=True, prompt=True).logits
+        out = eng.verify(slots, [t[:4] for t in tail])
+        results.append((first, out.logits))
+    assert results[1][0].shape == results[0][0].shape
+    torch.testing.assert_close(results[1][0], results[0][0], atol=TOL, rtol=0)
+    torch.testing.assert_close(results[1][1], results[0][1], atol=TOL, rtol=0)
+
+
+def test_chunked_prefill_refuses_requests_with_history(seed):
+    model = build_tiny_model("qwen3_5", seed=seed)
+    eng = HybridEngine(model, strategy="fold", num_slots=1, window=2, max_len=32, prefill="chunk",
+                       chunk_kernel=fake_chunk_kernel)
+    assert eng.prefill_kernel == "chunk"
+    s = eng.alloc()
+    eng.extend([s], [[1, 2, 3]], prompt=True)
+    with pytest.raises(ValueError, match="fresh requests"):
+        eng.extend([s], [[4, 5]], prompt=True)
+
+
+def test_save_and_restore_state(rng, seed):
+    """Scratch decoding undone by restore_state leaves no trace (the draft model's
+    rollback)."""
+    model = build_tiny_model("qwen3_next", seed=seed)
+    eng = HybridEngine(model, strategy="snapshot", num_slots=2, window=1, max_len=64)
+    a, b = eng.alloc(), eng.alloc()
+    eng.extend([a, b], [torch.randint(0, 256, (9,), generator=rng).tolist(), [5, 6]])
+    probe = torch.randint(0, 256, (3,), generator=rng).tolist()
+    buffers = {k: v.clone() for k, v in eng.pool.buffers.items()}
+    saved = eng.save_state([a])
+    for t in probe:
+        eng.extend([a], [[t]])
+    assert not torch.equal(eng.pool.buffers["checkpoints"], buffers["checkpoints"])
+    eng.restore_state(saved)
+    for k, v in buffers.items():
+        assert torch.equal(eng.pool.buffers[k].nan_to_num(7.0), v.nan_to_num(7.0)), k
+    assert eng.length(a) == 9
+    circ = HybridEngine(model, strategy="circular", num_slots=1, window=2, max_len=16)
+    with pytest.raises(ValueError, match="circular"):
+        circ.save_state([circ.alloc()])
