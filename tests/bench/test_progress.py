@@ -1,4 +1,4 @@
-"""The tools' output helpers: progress bar on stderr, strict JSON files."""
+"""What the tools share for output: progress bar on stderr, strict JSON files."""
 
 import io
 import json

@@ -1,4 +1,4 @@
-"""Output helpers of the user-facing tools (drift, memory, e2e): a progress bar on
+"""Output pieces shared by the user-facing tools (drift, memory, e2e): a progress bar on
 stderr and the JSON result files.
 
 On a terminal it redraws one line in place::
