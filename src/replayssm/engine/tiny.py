@@ -18,6 +18,11 @@ import torch
 
 FAMILIES = ("qwen3_5", "qwen3_next")
 EOS_TOKEN = "<|endoftext|>"
+# A plain-text chat template, so that ``generate --chat`` works on tiny checkpoints.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
 
 
 def tiny_config(family: str = "qwen3_5", **overrides):
@@ -94,7 +99,9 @@ def tiny_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([EOS_TOKEN])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN)
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
 
 
 def _bytes_to_unicode() -> dict[int, str]:

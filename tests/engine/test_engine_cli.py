@@ -1,0 +1,114 @@
+"""Command line: ``replayssm generate`` on local checkpoints saved by the test, and the
+main job (``replayssm run``'s module) on the embedded default."""
+
+import argparse
+
+import pytest
+import torch
+
+from replayssm import cli
+from replayssm.engine import main_job
+from replayssm.engine.loading import eos_token_ids, load_model, load_tokenizer
+from replayssm.engine.tiny import random_mtp_state, save_tiny_checkpoint, tiny_config, tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    base = torch.initial_seed() % 10_000
+    out = {}
+    for i, family in enumerate(("qwen3_5", "qwen3_next")):
+        path = tmp_path_factory.mktemp(family)
+        save_tiny_checkpoint(path, family, seed=base + i, with_mtp=True)
+        out[family] = str(path)
+    return out
+
+
+def generate(capsys, *argv) -> tuple[int, str]:
+    rc = cli.main(["generate", *argv])
+    return rc, capsys.readouterr().out
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+@pytest.mark.parametrize("draft", ["ngram", "mtp", "model", "none"])
+def test_generate_streams_and_reports(family, draft, checkpoints, capsys):
+    path = checkpoints[family]
+    extra = ["--draft-model", path] if draft == "model" else []
+    strategy = {"ngram": "circular", "mtp": "fold", "model": "snapshot", "none": "fold"}[draft]
+    rc, out = generate(capsys, "--model", path, "--prompt", "Hello, GDN", "--draft", draft, "--strategy", strategy,
+                       "--max-new-tokens", "40", "--ignore-eos", "--compare-plain", *extra)
+    assert rc == 0, out
+    assert "generated 40 tokens" in out
+    assert "tokens/s" in out and "state memory: GDN state pool" in out and "KV cache" in out
+    if draft != "none":
+        assert "accept length" in out
+        assert "greedy agreement with plain decoding: 40/40 tokens" in out
+    if draft == "model":  # the draft model is the target itself: every draft is accepted
+        assert "rate 1.00" in out
+
+
+def test_generate_batch_sampling_and_chat(checkpoints, capsys):
+    path = checkpoints["qwen3_5"]
+    rc, out = generate(capsys, "--model", path, "--prompt", "one", "--prompt", "two two", "--chat",
+                       "--temperature", "0.8", "--top-p", "0.9", "--max-new-tokens", "24", "--seed", "4")
+    assert rc == 0
+    assert out.count("--- [") == 2 and "'two two'" in out
+
+
+def test_generate_errors(checkpoints, tmp_path, capsys):
+    path = checkpoints["qwen3_5"]
+    with pytest.raises(ValueError, match="--draft-model"):
+        cli.main(["generate", "--model", path, "--prompt", "x", "--draft", "model"])
+    with pytest.raises(ValueError, match="does not exist"):
+        cli.main(["generate", "--model", str(tmp_path / "nope"), "--prompt", "x"])
+    with pytest.raises(ValueError, match="no mtp"):
+        bare = tmp_path / "bare"
+        save_tiny_checkpoint(bare, "qwen3_5", seed=1, with_mtp=False)
+        cli.main(["generate", "--model", str(bare), "--prompt", "x", "--draft", "mtp"])
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--model", path, "--prompt", "x", "--strategy", "nope"])
+
+
+def test_loading_helpers(checkpoints):
+    path = checkpoints["qwen3_next"]
+    assert eos_token_ids(path) == [256]
+    tok = load_tokenizer(path)
+    assert tok.decode(tok.encode("state")) == "state"
+    model = load_model(path, dtype="float32", device="cpu")
+    assert type(model).__name__ == "Qwen3NextForCausalLM"
+    with pytest.raises(ValueError, match="dtype"):
+        load_model(path, dtype="int8")
+
+
+def test_multimodal_qwen35_checkpoint_with_mtp(tmp_path, capsys, seed):
+    """Released Qwen3.5 checkpoints are multimodal (language model under
+    ``model.language_model``, ``mtp.*`` at the top level); the language model loads and
+    the MTP head drafts."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    text = tiny_config("qwen3_5").to_dict()
+    cfg = Qwen3_5Config(text_config=text, vision_config=dict(
+        depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+        temporal_patch_size=1, spatial_merge_size=1, num_position_embeddings=16))
+    torch.manual_seed(seed)
+    vlm = Qwen3_5ForConditionalGeneration(cfg).eval()
+    vlm.save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    state = load_file(weights)
+    state.update(random_mtp_state(load_model(tmp_path), seed=seed))
+    save_file(state, weights, metadata={"format": "pt"})
+    rc, out = generate(capsys, "--model", str(tmp_path), "--prompt", "multimodal", "--draft", "mtp",
+                       "--max-new-tokens", "20", "--ignore-eos", "--compare-plain")
+    assert rc == 0 and "greedy agreement with plain decoding: 20/20 tokens" in out
+
+
+def test_main_job(capsys):
+    parser = argparse.ArgumentParser()
+    main_job.add_arguments(parser)
+    rc = main_job.main(parser.parse_args(["--max-new-tokens", "96", "--batch", "2"]))
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    for strategy in ("snapshot", "fold", "circular"):
+        assert f"[{strategy}] 192 tokens" in out and "EQUALS plain decoding (192/192 tokens)" in out
+    assert "OK: greedy speculative outputs" in out
