@@ -8,6 +8,8 @@ per step through the exact recurrence) token for token, with drafts actually acc
 make the comparison fail.
 """
 
+import zlib
+
 import pytest
 import torch
 
@@ -32,9 +34,10 @@ def run(model, prompts, budgets, strategy=None, eos=(), drafter=None, room=0):
 
 
 @pytest.fixture(scope="module")
-def plain_runs():
-    """Per family: the model, the prompts and plain greedy decoding (computed once)."""
-    base = torch.initial_seed() % 10_000
+def plain_runs(request):
+    """Per family: the model, the prompts and plain greedy decoding (computed once).
+    The seed derives from the module's name, so it does not depend on test order."""
+    base = zlib.crc32(request.module.__name__.encode()) % 10_000
     cache = {}
 
     def get(family):
@@ -88,11 +91,15 @@ def test_eos_stops_requests_at_different_steps(strategy, seed, rng):
 
 
 @pytest.mark.parametrize("broken", ["gdn_state", "kv_length"])
-def test_broken_rollback_is_caught(broken, plain_runs, monkeypatch):
+def test_broken_rollback_is_caught(broken, seed, rng, monkeypatch):
     """Committing the whole window instead of the accepted prefix (GDN state or KV
-    length) must change the output: the equality test has teeth."""
-    model, prompts, plain = plain_runs("qwen3_5")
-    budgets = [200, 100, 77]
+    length) must change the output: the equality test has teeth. The model keeps
+    transformers' embedding init here, so its tokens depend on context more than the
+    loop-prone default does, and rejections are frequent."""
+    model = build_tiny_model("qwen3_5", seed=seed, embed_std=None)
+    prompts = [torch.randint(0, 256, (n,), generator=rng).tolist() for n in (13, 6, 21)]
+    budgets = [160, 100, 77]
+    plain = run(model, prompts, budgets)
     if broken == "gdn_state":
         from replayssm.strategies.base import Strategy
 
@@ -119,5 +126,5 @@ def test_broken_rollback_is_caught(broken, plain_runs, monkeypatch):
         monkeypatch.setattr(HybridEngine, "verify", verify)
         monkeypatch.setattr(KVCache, "advance", advance)
     spec = run(model, prompts, budgets, "fold", room=4 * max(budgets) if broken == "kv_length" else 0)
-    assert spec.accepted < spec.drafted  # rejections happened, so the broken rollback mattered
-    assert spec.tokens != [p[:b] for p, b in zip(plain.tokens, budgets)]
+    assert spec.drafted - spec.accepted > 20  # rejections happened, so the broken rollback mattered
+    assert spec.tokens != plain.tokens
