@@ -196,3 +196,42 @@ def test_save_and_restore_state(rng, seed):
     circ = HybridEngine(model, strategy="circular", num_slots=1, window=2, max_len=16)
     with pytest.raises(ValueError, match="circular"):
         circ.save_state([circ.alloc()])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("strategy", ["snapshot", "fold"])
+def test_fixed_shapes_make_plain_and_verify_logits_bitwise_equal(family, strategy, rng, seed):
+    """With ``fixed_shape`` every token-wise matmul and the attention run on the same
+    shapes whatever the step holds, so an exact strategy's verify logits equal plain
+    decoding's bit for bit (what the GPU bf16 exactness tests rely on)."""
+    model = build_tiny_model(family, seed=seed)
+    streams = [torch.randint(0, 256, (40,), generator=rng).tolist() for _ in range(2)]
+    fixed = (2 * 4, 4)
+    plain = HybridEngine(model, strategy=strategy, num_slots=2, window=1, max_len=64, fixed_shape=fixed)
+    ps = [plain.alloc(), plain.alloc()]
+    plain.extend(ps, [s[:6] for s in streams])
+    ref = [[None] * 6 for _ in streams]
+    for t in range(6, 40):
+        out = plain.extend(ps, [[s[t]] for s in streams])
+        for i in range(2):
+            ref[i].append(out.logits[i])
+    eng = HybridEngine(model, strategy=strategy, num_slots=2, window=4, max_len=64, fixed_shape=fixed)
+    slots = [eng.alloc(), eng.alloc()]
+    eng.extend(slots, [s[:6] for s in streams])
+    pos = [6, 6]
+    while max(pos) + 4 <= 40:
+        lens = torch.randint(1, 5, (2,), generator=rng).tolist()
+        out = eng.verify(slots, [streams[i][pos[i] : pos[i] + lens[i]] for i in range(2)])
+        for i in range(2):
+            for j in range(lens[i]):
+                assert torch.equal(out.window_logits(i)[j], ref[i][pos[i] + j]), (i, pos[i] + j)
+        acc = [int(torch.randint(1, n + 1, (1,), generator=rng)) for n in lens]
+        eng.commit(acc)
+        pos = [p + a for p, a in zip(pos, acc)]
+    # and the fixed shapes change no value beyond rounding
+    free = HybridEngine(model, strategy=strategy, num_slots=1, window=1, max_len=64)
+    s = free.alloc()
+    out = free.extend([s], [streams[0][:10]], all_logits=True)
+    torch.testing.assert_close(out.logits[-1], ref[0][9], atol=TOL, rtol=0)
+    with pytest.raises(ValueError, match="fixed_shape"):
+        HybridEngine(model, fixed_shape=(4,))

@@ -133,24 +133,46 @@ def attention_forward(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     ``sigmoid(gate)`` on the output) except for the cache handling.
 
     Args:
-        x: ``[N, hidden]`` normed hidden states; cos, sin: ``[N, rotary_dim]``.
+        x: ``[R, hidden]`` normed hidden states; the first ``N`` rows are the window
+            tokens, any further rows padding (projected, then ignored).
+        cos, sin: ``[N, rotary_dim]``.
+
+    Returns:
+        ``[R, hidden]`` (padding rows zero before ``o_proj``).
     """
-    n, d = x.shape[0], attn.head_dim
-    q, gate = torch.chunk(attn.q_proj(x).view(n, -1, 2 * d), 2, dim=-1)
-    gate = gate.reshape(n, -1)
+    rows, n, d = x.shape[0], cos.shape[0], attn.head_dim
+    q, gate = torch.chunk(attn.q_proj(x).view(rows, -1, 2 * d), 2, dim=-1)
+    gate = gate.reshape(rows, -1)
     q = attn.q_norm(q)
-    k = attn.k_norm(attn.k_proj(x).view(n, -1, d))
-    v = attn.v_proj(x).view(n, -1, d)
+    k = attn.k_norm(attn.k_proj(x).view(rows, -1, d))
+    v = attn.v_proj(x).view(rows, -1, d)
     rope = getattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb")
-    q, k = rope(q[None], k[None], cos[None], sin[None], unsqueeze_dim=2)
-    o = cached_attention(cache, layer, layout, q[0], k[0], v, attn.scaling)
-    o = o.reshape(n, -1) * torch.sigmoid(gate)
+    q, k = rope(q[None, :n], k[None, :n], cos[None], sin[None], unsqueeze_dim=2)
+    o = cached_attention(cache, layer, layout, q[0], k[0], v[:n], attn.scaling)
+    o = _pad_rows(o.reshape(n, -1), rows) * torch.sigmoid(gate)
     return attn.o_proj(o)
 
 
-def mlp_forward(mlp, x: torch.Tensor) -> torch.Tensor:
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``x [N, ...]`` with zero rows appended up to ``rows``."""
+    if x.shape[0] == rows:
+        return x
+    return torch.cat([x, x.new_zeros((rows - x.shape[0],) + tuple(x.shape[1:]))])
+
+
+def mlp_forward(mlp, x: torch.Tensor, *, token_by_token: int = 0) -> torch.Tensor:
     """Dense MLP or sparse MoE block on ``[N, hidden]`` (MoE blocks expect ``[B, S, H]``
-    and some versions return ``(out, router_logits)``)."""
+    and some versions return ``(out, router_logits)``).
+
+    ``token_by_token = n`` runs a MoE block on each of the first ``n`` rows alone (the
+    other rows get zeros): an expert's matmul then always has one row, whatever the
+    routing of the step's other tokens (fixed shapes).
+    """
+    if token_by_token and hasattr(mlp, "experts"):
+        out = torch.zeros_like(x)
+        for i in range(token_by_token):
+            out[i : i + 1] = mlp_forward(mlp, x[i : i + 1])
+        return out
     y = mlp(x[None])
     if isinstance(y, tuple):
         y = y[0]
@@ -175,6 +197,15 @@ class HybridEngine:
             bf16/fp16 when fla-core imports, else the recurrence). The choice is logged
             and kept in :attr:`prefill_kernel`.
         chunk_kernel: a callable with fla-core's ``chunk_gated_delta_rule`` signature.
+        fixed_shape: ``(rows, window)`` to run every step of at most ``rows`` tokens
+            and windows of at most ``window`` tokens with fixed shapes: token-wise
+            layers (projections, norms, MLP, LM head) on ``rows`` rows (zero padding),
+            attention on ``window`` queries against ``max_len`` keys per request, MoE
+            blocks one token at a time. A
+            token's result then does not depend on how many tokens share its step,
+            which GPU matmuls otherwise do not guarantee; two engines with the same
+            ``fixed_shape`` (say plain decoding and speculative decoding) compute
+            bit-identical logits for the same tokens. Costs speed; for exactness tests.
 
     A step is either :meth:`extend` (prompt prefill or plain decoding: the state
     advances over every token) or :meth:`verify` followed by :meth:`commit`.
@@ -182,11 +213,18 @@ class HybridEngine:
 
     def __init__(self, hf_model, *, strategy: str = "fold", num_slots: int = 1, window: int = 4,
                  max_len: int = 4096, ring_len: int | None = None, state_dtype: torch.dtype = torch.float32,
-                 backend: str = "auto", prefill: str = "auto", chunk_kernel: Callable | None = None):
+                 backend: str = "auto", prefill: str = "auto", chunk_kernel: Callable | None = None,
+                 fixed_shape: tuple[int, int] | None = None):
         if prefill not in PREFILL_MODES:
             raise ValueError(f"prefill must be one of {PREFILL_MODES}, got {prefill!r}")
         if not isinstance(window, int) or isinstance(window, bool) or window < 1:
             raise ValueError(f"window must be a positive int, got {window!r}")
+        if fixed_shape is not None:
+            if (not isinstance(fixed_shape, (tuple, list)) or len(fixed_shape) != 2
+                    or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in fixed_shape)):
+                raise ValueError(f"fixed_shape must be (rows, window) of positive ints, got {fixed_shape!r}")
+            fixed_shape = (int(fixed_shape[0]), int(fixed_shape[1]))
+        self.fixed_shape = fixed_shape
         text = _text_model(hf_model)
         lm_head = getattr(hf_model, "lm_head", None)
         if lm_head is None:
@@ -370,11 +408,16 @@ class HybridEngine:
         starts = [self.kv.lengths[s] for s in slots]
         if chunked and self.chunk_kernel is not None and any(starts):
             raise ValueError("the chunked prompt kernel needs fresh requests (no committed tokens)")
-        layout = WindowLayout(slots, starts, lengths, self.device)
+        n = sum(lengths)
+        rows, t_max, l_max = n, None, None
+        fixed = self.fixed_shape
+        if fixed is not None and n <= fixed[0] and max(lengths) <= fixed[1]:
+            rows, t_max, l_max = fixed[0], fixed[1], self.max_len
+        layout = WindowLayout(slots, starts, lengths, self.device, t_max=t_max, l_max=l_max)
         ids = torch.tensor([t for w in windows for t in w], dtype=torch.long, device=self.device)
 
-        h = self.embed(ids)
-        cos, sin = self._rotary(h, layout.positions)
+        h = _pad_rows(self.embed(ids), rows)  # [rows, hidden]; rows > N only with fixed_shape
+        cos, sin = self._rotary(h[:n], layout.positions)
         strat = self.strategy
         for layer, kind, j in zip(self.layers, self.kinds, self.index):
             residual = h
@@ -382,6 +425,7 @@ class HybridEngine:
             if kind == "gdn":
                 mixer = self.mixers[j]
                 mixed, z, a, b = mixer.project(x)
+                mixed, a, b = mixed[:n], a[:n], b[:n]
                 if verify:
                     mixed = strat.conv_verify(j, mixed, batch)
                     q, k, v = mixer.split(mixed)
@@ -393,19 +437,22 @@ class HybridEngine:
                         o = self._chunk_prefill(j, q, k, v, a, b, batch)
                     else:
                         o = strat.prefill(j, q, k, v, a, b, batch)
-                x = mixer.finish(o, z)
+                x = mixer.finish(_pad_rows(o, rows), z)
             else:
                 x = attention_forward(layer.self_attn, x, cos, sin, self.kv, j, layout)
             h = residual + x
             residual = h
-            h = residual + mlp_forward(layer.mlp, layer.post_attention_layernorm(h))
+            h = residual + mlp_forward(layer.mlp, layer.post_attention_layernorm(h),
+                                       token_by_token=n if t_max is not None else 0)
         h = self.norm(h)
 
         offsets = [0]
-        for n in lengths:
-            offsets.append(offsets[-1] + n)
-        if all_logits:
-            logits = self.lm_head(h).float()
+        for m in lengths:
+            offsets.append(offsets[-1] + m)
+        if all_logits or t_max is not None:
+            logits = self.lm_head(h).float()[:n]
+            if not all_logits:
+                logits = logits[[o - 1 for o in offsets[1:]]]
         else:
             last = torch.tensor([o - 1 for o in offsets[1:]], dtype=torch.long, device=self.device)
             logits = self.lm_head(h[last]).float()
@@ -413,7 +460,7 @@ class HybridEngine:
             self._pending = (batch, slots, lengths)
         else:
             self.kv.advance(slots, lengths)
-        return StepOutput(logits=logits, hidden=h, lengths=lengths, offsets=offsets)
+        return StepOutput(logits=logits, hidden=h[:n], lengths=lengths, offsets=offsets)
 
     def _rotary(self, h: torch.Tensor, positions: torch.Tensor):
         # Qwen3.5's rotary embedding is multimodal (3 position grids); text tokens use

@@ -82,15 +82,26 @@ class WindowLayout:
     Args:
         slots: slot per request; starts: committed length per request (position of the
             window's first token); lengths: window length per request.
+        t_max, l_max: pad queries / keys to these sizes instead of the longest window /
+            longest history (fixed shapes, see ``HybridEngine(fixed_shape=...)``).
     """
 
-    def __init__(self, slots: Sequence[int], starts: Sequence[int], lengths: Sequence[int], device):
+    def __init__(self, slots: Sequence[int], starts: Sequence[int], lengths: Sequence[int], device,
+                 *, t_max: int | None = None, l_max: int | None = None):
         self.slots = list(slots)
         self.starts = list(starts)
         self.lengths = list(lengths)
         self.batch = len(self.slots)
         self.t_max = max(self.lengths)
         self.l_max = max(s + n for s, n in zip(self.starts, self.lengths))
+        if t_max is not None:
+            if t_max < self.t_max:
+                raise ValueError(f"t_max {t_max} is shorter than the longest window {self.t_max}")
+            self.t_max = t_max
+        if l_max is not None:
+            if l_max < self.l_max:
+                raise ValueError(f"l_max {l_max} is shorter than the longest history {self.l_max}")
+            self.l_max = l_max
         rows, cols, pos = [], [], []
         for b, (s0, n) in enumerate(zip(self.starts, self.lengths)):
             rows += [b] * n
