@@ -1,0 +1,49 @@
+"""Speculative decoding of Hugging Face Qwen3.5 / Qwen3-Next models on the state pool.
+
+* :class:`HybridEngine` (``adapter``): runs a loaded ``*ForCausalLM``; GDN layers go
+  through a :class:`~replayssm.state.StatePool` strategy, full-attention layers through
+  a :class:`KVCache` that rolls back by length. Steps: ``extend`` (prompt / plain
+  decoding), ``verify`` + ``commit`` (speculative).
+* Drafters (``drafters``): :class:`NgramDrafter`, :class:`MTPDrafter` (the checkpoint's
+  ``mtp.*`` head, :func:`load_mtp_head`), :class:`ModelDrafter` (a small draft model).
+* :class:`SpeculativeGenerator` (``generator``): the batched decoding loop with greedy
+  acceptance or distribution-preserving rejection sampling (``sampling``).
+* ``loading`` (local checkpoints), ``tiny`` (random tiny models), and the ``generate``
+  and ``run`` commands (``generate``, ``main_job``).
+
+Example::
+
+    from replayssm.engine import HybridEngine, NgramDrafter, SpeculativeGenerator
+    from replayssm.engine.loading import load_model, load_tokenizer
+
+    model = load_model("path/to/Qwen3.5-checkpoint")          # bf16 on CUDA
+    engine = HybridEngine(model, strategy="circular", num_slots=8, window=4, max_len=4096)
+    gen = SpeculativeGenerator(engine, NgramDrafter(), num_draft=3, eos_token_ids=[...])
+    result = gen.generate([tokenizer.encode("...")], max_new_tokens=256)
+    result.tokens, result.mean_accept_length, result.tokens_per_second
+"""
+
+from .adapter import HybridEngine, StepOutput
+from .drafters import Draft, Drafter, MTPDrafter, MTPHead, ModelDrafter, NgramDrafter, load_mtp_head
+from .generator import GenerationResult, SpeculativeGenerator
+from .kv_cache import KVCache
+from .sampling import SamplingParams, greedy_accept, rejection_sample, warp_probs
+
+__all__ = [
+    "Draft",
+    "Drafter",
+    "GenerationResult",
+    "HybridEngine",
+    "KVCache",
+    "MTPDrafter",
+    "MTPHead",
+    "ModelDrafter",
+    "NgramDrafter",
+    "SamplingParams",
+    "SpeculativeGenerator",
+    "StepOutput",
+    "greedy_accept",
+    "load_mtp_head",
+    "rejection_sample",
+    "warp_probs",
+]
