@@ -478,11 +478,12 @@ class HybridEngine:
         p = self.pool.layer_params(j)
         g, beta = gdn_gates(a, b, p["A_log"], p["dt_bias"])
         hv = v.shape[1]
-        # Repeat key heads to value heads: older fla-core builds need H == HV.
+        # Repeat key heads to value heads: older fla-core builds need H == HV. The decay
+        # g stays fp32; beta goes in the activation dtype, as transformers passes it.
         qe, ke = expand_heads(q, hv), expand_heads(k, hv)
         o, final = self.chunk_kernel(
-            qe[None], ke[None], v[None], g[None], beta[None], initial_state=None, output_final_state=True,
-            cu_seqlens=batch.cu_seqlens.long(), use_qk_l2norm_in_kernel=True,
+            qe[None], ke[None], v[None], g[None], beta.to(v.dtype)[None], initial_state=None,
+            output_final_state=True, cu_seqlens=batch.cu_seqlens.long(), use_qk_l2norm_in_kernel=True,
         )
         ckpt = self.pool.buffers["checkpoints"][j]
         live = batch.slots >= 0
