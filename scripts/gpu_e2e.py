@@ -84,7 +84,8 @@ def main() -> int:
     except ImportError:
         triton_version = "none"
     print(f"# {gpu}; torch {torch.__version__}, triton {triton_version}; {args.family} random weights, "
-          f"{cfg.num_hidden_layers} layers ({cfg.layer_types.count('linear_attention')} GDN), hidden {cfg.hidden_size}, "
+          f"{cfg.num_hidden_layers} layers ({cfg.layer_types.count('linear_attention')} GDN), "
+          f"hidden {cfg.hidden_size}, "
           f"GDN H={cfg.linear_num_key_heads} HV={cfg.linear_num_value_heads} K={cfg.linear_key_head_dim} "
           f"V={cfg.linear_value_head_dim}, {dtype} activations, fp32 states; n-gram drafts k={args.num_draft}; "
           f"prompt {args.prompt_len} tokens, {args.max_new_tokens} new tokens per request, greedy")

@@ -44,6 +44,10 @@ def prompts(seed: int) -> list[list[int]]:
             for _ in range(NUM_PROMPTS)]
 
 
+def common_prefixes(xs, ys) -> list[int]:
+    return [next((j for j, (a, b) in enumerate(zip(x, y)) if a != b), len(y)) for x, y in zip(xs, ys)]
+
+
 def engine(model, strategy: str, window: int, fixed=FIXED) -> HybridEngine:
     return HybridEngine(model, strategy=strategy, num_slots=NUM_PROMPTS, window=window,
                         max_len=64 + NEW_TOKENS + K, fixed_shape=fixed)
@@ -90,7 +94,7 @@ def test_triton_path_matches_cpu_reference(family):
 def test_bf16_greedy_speculative_equals_plain(family, strategy, bf16_runs):
     model, ps, plain = bf16_runs(family)
     spec = SpeculativeGenerator(engine(model, strategy, K + 1), NgramDrafter(), num_draft=K).generate(ps, NEW_TOKENS)
-    prefixes = [next((j for j, (a, b) in enumerate(zip(x, y)) if a != b), len(y)) for x, y in zip(spec.tokens, plain.tokens)]
+    prefixes = common_prefixes(spec.tokens, plain.tokens)
     print(f"\n  {family}/{strategy} bf16: common prefix per prompt {prefixes} of {NEW_TOKENS}; "
           f"mean accept length {spec.mean_accept_length:.2f}")
     assert spec.tokens == plain.tokens
@@ -122,7 +126,7 @@ def test_bf16_circular_agreement(family, bf16_runs):
     model, ps, plain = bf16_runs(family)
     agree = teacher_forced_agreement(model, "circular", ps, plain.tokens)
     spec = SpeculativeGenerator(engine(model, "circular", K + 1), NgramDrafter(), num_draft=K).generate(ps, NEW_TOKENS)
-    prefixes = [next((j for j, (a, b) in enumerate(zip(x, y)) if a != b), len(y)) for x, y in zip(spec.tokens, plain.tokens)]
+    prefixes = common_prefixes(spec.tokens, plain.tokens)
     exact = teacher_forced_agreement(model, "fold", ps, plain.tokens)
     print(f"\n  {family}/circular bf16: teacher-forced agreement per prompt {[round(a, 4) for a in agree]}; "
           f"free-running common prefix {prefixes} of {NEW_TOKENS}; mean accept length {spec.mean_accept_length:.2f}")

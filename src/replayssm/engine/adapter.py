@@ -294,7 +294,8 @@ class HybridEngine:
                 self.prefill_kernel = f"recurrence (chunked kernels need bf16/fp16, the model is {self.dtype})"
             else:
                 self.chunk_kernel = chunk_kernel or load_chunk_kernel()
-                self.prefill_kernel = "chunk (fla-core)" if self.chunk_kernel else "recurrence (fla-core not importable)"
+                self.prefill_kernel = ("chunk (fla-core)" if self.chunk_kernel
+                                       else "recurrence (fla-core not importable)")
         else:
             self.prefill_kernel = "recurrence"
         log.info("prompt prefill of GDN layers: %s", self.prefill_kernel)

@@ -190,7 +190,9 @@ class SpeculativeGenerator:
                 if on_tokens:
                     on_tokens(r.index, kept)
                 if drafter is not None and r.finish is None:
-                    hidden = out.hidden[out.offsets[r.index] : out.offsets[r.index + 1]] if drafter.needs_hidden else None
+                    hidden = None
+                    if drafter.needs_hidden:
+                        hidden = out.hidden[out.offsets[r.index] : out.offsets[r.index + 1]]
                     drafter.add(r.index, r.prompt + [tok], hidden)
             self._release([r for r in reqs if r.finish])
             active = [r for r in reqs if r.finish is None]
