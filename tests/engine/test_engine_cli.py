@@ -68,7 +68,7 @@ def test_generate_errors(checkpoints, tmp_path, capsys):
         cli.main(["generate", "--model", path, "--prompt", "x", "--strategy", "nope"])
 
 
-def test_loading_helpers(checkpoints):
+def test_loading_functions(checkpoints):
     path = checkpoints["qwen3_next"]
     assert eos_token_ids(path) == [256]
     tok = load_tokenizer(path)
