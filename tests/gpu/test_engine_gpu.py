@@ -5,7 +5,7 @@ Run on the GPU machine:  python -m pytest -q -s tests/gpu/test_engine_gpu.py
 Claims checked (tiny random Qwen3.5 and Qwen3-Next models, 10 prompts decoded as one
 batch, 1024 new tokens each, n-gram drafts with k = 3):
 
-* The engine's Triton path computes the logits of the CPU reference path (fp32, 1e-4).
+* The engine's Triton path computes the logits of the CPU reference path (fp32, 5e-4).
 * bf16, ``snapshot`` and ``fold``: greedy speculative output equals plain greedy
   output token for token. Both engines run with ``fixed_shape``, so every matmul and the
   attention see the same shapes in plain and speculative steps; without it a GPU GEMM
@@ -86,7 +86,9 @@ def test_triton_path_matches_cpu_reference(family):
             nxt = eng.verify(slots, [t[1:3] for t in tails]).logits
             out[(device, strategy)] = torch.cat([first, win, nxt]).cpu()
     for strategy in ("snapshot", "fold", "circular"):
-        torch.testing.assert_close(out[("cuda", strategy)], out[("cpu", strategy)], atol=1e-4, rtol=1e-4)
+        # fp32 both sides, different summation orders and fast exp: ~1e-6 per op; a
+        # wrong head, gate, position or rollback is off by O(0.1).
+        torch.testing.assert_close(out[("cuda", strategy)], out[("cpu", strategy)], atol=5e-4, rtol=1e-3)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
