@@ -89,6 +89,40 @@ def check_cursors(num_slots: int, **cursors: torch.Tensor):
         _checks.shape(name, x, [num_slots])
 
 
+def check_window_args(
+    q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos, cache_base, is_flush,
+    max_len, *, state_dtypes, u_dtypes,
+) -> tuple[int, int, int]:
+    """Validate the metadata (shapes, dtypes, devices) of a chunked-window call.
+
+    Reads no tensor values, so it never synchronises with the device. Returns
+    ``(N, num_slots, L)``.
+    """
+    n, h, kd, hv, vd = check_layer_inputs(q, k, v, a, b, A_log, dt_bias)
+    _checks.tensor("checkpoint", checkpoint, ndim=4, dtypes=state_dtypes)
+    ns = checkpoint.shape[0]
+    _checks.shape("checkpoint", checkpoint, [ns, hv, vd, kd])
+    if not isinstance(ring, RawRecords):
+        raise TypeError(f"ring must be a RawRecords, got {type(ring).__name__}")
+    ring.check("ring", ns, h, kd, hv, vd)
+    L = ring.ring_len
+    _checks.power_of_two("ring length", L)
+    _checks.tensor("ring_u", ring_u, ndim=4, dtypes=u_dtypes)
+    _checks.shape("ring_u", ring_u, [ns, L, hv, vd])
+    check_cursors(ns, write_pos=write_pos, cache_base=cache_base, is_flush=is_flush)
+    _checks.tensor("slots", slots, ndim=1, dtypes=_checks.INDEX_DTYPES)
+    _checks.tensor("cu_seqlens", cu_seqlens, ndim=1, dtypes=_checks.INDEX_DTYPES)
+    _checks.shape("cu_seqlens", cu_seqlens, [slots.shape[0] + 1])
+    _checks.same_device(
+        q, checkpoint=checkpoint, ring=ring.k, ring_u=ring_u, slots=slots, cu_seqlens=cu_seqlens,
+        write_pos=write_pos, cache_base=cache_base, is_flush=is_flush,
+    )
+    if max_len is not None:
+        if not isinstance(max_len, int) or isinstance(max_len, bool) or not 1 <= max_len <= L:
+            raise ValueError(f"max_len must be an int in [1, ring length {L}], got {max_len!r}")
+    return n, ns, L
+
+
 @register("chunked", "reference")
 def gdn_chunked_window_reference(
     q: torch.Tensor,
@@ -106,6 +140,8 @@ def gdn_chunked_window_reference(
     write_pos: torch.Tensor,
     cache_base: torch.Tensor,
     is_flush: torch.Tensor,
+    *,
+    max_len: int | None = None,
 ) -> torch.Tensor:
     """Outputs of a packed batch of windows in closed form, writing their records.
 
@@ -118,22 +154,18 @@ def gdn_chunked_window_reference(
         slots: ``[B]`` slot per window, ``-1`` for padding.
         cu_seqlens: ``[B + 1]`` token offsets.
         write_pos, cache_base, is_flush: ``[num_slots]`` int32 cursors (read only).
+        max_len: ``T``, the longest window allowed (the pool's ``window``); ``None``
+            bounds windows by the ring length only.
 
     Returns:
         ``o``: ``[N, HV, V]`` in the dtype of ``v``; padding rows are zero.
     """
-    n, h, kd, hv, vd = check_layer_inputs(q, k, v, a, b, A_log, dt_bias)
-    _checks.tensor("checkpoint", checkpoint, ndim=4, dtypes=(torch.float32, torch.bfloat16, torch.float64))
-    ns = checkpoint.shape[0]
-    _checks.shape("checkpoint", checkpoint, [ns, hv, vd, kd])
-    ring.check("ring", ns, h, kd, hv, vd)
-    L = ring.ring_len
-    _checks.power_of_two("ring length", L)
-    _checks.tensor("ring_u", ring_u, ndim=4, dtypes=(torch.float32, torch.float64))
-    _checks.shape("ring_u", ring_u, [ns, L, hv, vd])
-    check_cursors(ns, write_pos=write_pos, cache_base=cache_base, is_flush=is_flush)
-    _checks.same_device(q, checkpoint=checkpoint, ring=ring.k, ring_u=ring_u, write_pos=write_pos)
-    cu, sl = check_varlen(cu_seqlens, slots, n, ns, L)
+    n, ns, L = check_window_args(
+        q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos, cache_base, is_flush,
+        max_len, state_dtypes=(torch.float32, torch.bfloat16, torch.float64), u_dtypes=(torch.float32, torch.float64),
+    )
+    hv, vd = v.shape[1], v.shape[2]
+    cu, sl = check_varlen(cu_seqlens, slots, n, ns, L if max_len is None else max_len)
     wp_all, base_all, flush_all = write_pos.tolist(), cache_base.tolist(), is_flush.tolist()
     for i, s in enumerate(sl):
         if s >= 0 and wp_all[s] + cu[i + 1] - cu[i] > L:
@@ -176,3 +208,294 @@ def gdn_chunked_window_reference(
 def gdn_chunked_window(*args, backend: str = "auto", **kwargs) -> torch.Tensor:
     """Dispatching front of :func:`gdn_chunked_window_reference` (same arguments)."""
     return pick("chunked", backend, args[0] if args else kwargs["q"])(*args, **kwargs)
+
+
+# --------------------------------------------------------------------------- Triton
+# One launch per layer, one program per (V block, window, value head), 4 warps.
+#  * A flush row first loads its [BV, K] checkpoint slice as one full-K tile, replays the
+#    committed raw records through the exact step shared with the recurrence and fold
+#    kernels (same helpers, tile shape and num_warps: the folded checkpoint is theirs,
+#    bit for bit), and writes it back once.
+#  * Then one pass over K in chunks of KC computes the raw products the closed form
+#    needs: S x_r for the window's stacked keys and queries (S read once, chunk by chunk,
+#    so no [BV, K] block stays in registers), their Gram matrix and the history keys'
+#    products with them. The window is solved in a small BX x BX space (DESIGN.md
+#    section 2) and its records go to the ring. Other rows thus read each checkpoint
+#    element exactly once; a flush row reads it from memory once, writes it once and
+#    re-reads the slice it just wrote (from L2) in the pass.
+# Branches on request data are masks or device control flow: the host never reads the
+# device and the launch can be captured in a CUDA graph. Block masks that fold in a
+# scalar flag are written `offs < where(flag, bound, 0)`: the Triton interpreter cannot
+# `&` a block with a scalar bool.
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the reference above works without Triton
+    triton = None
+
+# Tuning of the Triton kernel. Products run as fp32 FMA ("ieee"): at these sizes (a
+# [BV, K] x [K, 16] product per program) tensor-core "tf32x3" compiles to ~50% more
+# instructions, and plain "tf32" loses 3 decimal digits. K columns per step of the
+# products' pass: 32 keeps every [*, K] block out of the registers.
+_DOT_PRECISION = "ieee"
+_K_CHUNK = 32
+#: Longest window the kernel takes (the stacked window block is 2 * max(8, T) rows).
+MAX_WINDOW_TRITON = 16
+
+if triton is not None:
+    from .recurrent import (
+        ACT_DTYPES_TRITON,
+        STATE_DTYPES_TRITON,
+        check_index_pair,
+        check_inner_contiguous,
+        check_max_len,
+        pick_block_v,
+    )
+    # The fold kernel's record loader: the flush replays records exactly as it does.
+    from .fold import _load_record
+    from .triton_common import EXACT_NUM_WARPS, NORM_EPS, gdn_gates as _tl_gdn_gates
+    from .triton_common import gdn_state_step as _tl_state_step, l2norm as _tl_l2norm
+    from .triton_common import row_sum as _tl_row_sum
+
+    @triton.jit
+    def _chunked_window_kernel(
+        q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr,
+        ckpt_ptr, rk_ptr, rv_ptr, rg_ptr, rb_ptr, ru_ptr,
+        slots_ptr, cu_ptr, wp_ptr, base_ptr, flush_ptr, o_ptr,
+        stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+        stride_a_tok, stride_b_tok,
+        scale, eps,
+        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
+        LOG_T: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr,
+        BV: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ):
+        BX: tl.constexpr = 2 * BT
+        i_v = tl.program_id(0)
+        i_b = tl.program_id(1)
+        i_hv = tl.program_id(2)
+        i_h = i_hv // (HV // H)  # key head read by this value head
+        # int64 offsets: pool buffers pass 2**31 elements at real sizes.
+        slot = tl.load(slots_ptr + i_b).to(tl.int64)
+        bos = tl.load(cu_ptr + i_b).to(tl.int64)
+        length = tl.load(cu_ptr + i_b + 1).to(tl.int64) - bos
+
+        offs_v = i_v * BV + tl.arange(0, BV)
+        mask_v = offs_v < V
+        # The stacked window: row r < BT is token r's key, row BT + i token i's query.
+        offs_x = tl.arange(0, BX)
+        is_k = offs_x < BT
+        is_q = offs_x >= BT
+        tok = offs_x % BT
+        p_tok = bos + tok
+        x_ok = tok < length
+        xk_ok = is_k & x_ok
+        xq_ok = is_q & x_ok
+        # o is a fresh contiguous [N, HV, V]; column r >= BT of the [BV, BX] block is token r - BT
+        p_o = o_ptr + (p_tok[None, :] * HV + i_hv) * V + offs_v[:, None]
+
+        if (slot < 0) | (length <= 0):
+            # Padding row: zero outputs, nothing else.
+            tl.store(p_o, tl.zeros([BV, BX], dtype=o_ptr.dtype.element_ty), mask=mask_v[:, None] & xq_ok[None, :])
+            return
+
+        wp = tl.load(wp_ptr + slot).to(tl.int64)
+        base = tl.load(base_ptr + slot).to(tl.int64)
+        flush = tl.load(flush_ptr + slot) != 0
+        ring_at = slot * L  # flat record index of the slot's ring
+        ckpt_at = ckpt_ptr + (slot * HV + i_hv) * (V * K)
+
+        if flush:
+            # Closed-loop fold of the committed raw records into the full-K tile, with
+            # the exact step shared with the recurrence and fold kernels; the next
+            # record loads while this one is replayed. Written back once.
+            offs_k = tl.arange(0, BK)
+            mask_k = offs_k < K
+            tile = offs_v[:, None] * K + offs_k[None, :]
+            mask_s = mask_v[:, None] & mask_k[None, :]
+            S = tl.load(ckpt_at + tile, mask=mask_s, other=0.0).to(tl.float32)
+            valid_n = 0 < wp
+            k_n, v_n, g_n, b_n = _load_record(
+                rk_ptr, rv_ptr, rg_ptr, rb_ptr, ring_at + base % L, valid_n,
+                offs_k < tl.where(valid_n, K, 0), offs_v < tl.where(valid_n, V, 0), i_h, i_hv, offs_k, offs_v, H, HV, K, V,
+            )
+            for c in range(0, wp):
+                k, v, g, beta = k_n, v_n, g_n, b_n
+                valid_n = c + 1 < wp
+                k_n, v_n, g_n, b_n = _load_record(
+                    rk_ptr, rv_ptr, rg_ptr, rb_ptr, ring_at + (base + c + 1) % L, valid_n,
+                    offs_k < tl.where(valid_n, K, 0), offs_v < tl.where(valid_n, V, 0), i_h, i_hv, offs_k, offs_v, H, HV, K, V,
+                )
+                S = _tl_state_step(S, _tl_l2norm(k, eps), v.to(tl.float32), g, beta)
+            tl.store(ckpt_at + tile, S.to(ckpt_ptr.dtype.element_ty), mask=mask_s)
+            # The window below re-reads the tile as stored (bf16 rounding included),
+            # so every thread's writes must land first.
+            tl.debug_barrier()
+        n_hist = tl.where(flush, 0, wp)  # a flush row starts with an empty history
+
+        # ---- one pass over K in chunks of KC: the raw products
+        #   SX = S x_r,  P = x_r . x_c,  HX = k_c . x_r (history keys),  |k_c|^2
+        # normalised afterwards (k^ = k / sqrt(|k|^2 + eps)), so no [*, K] block stays live.
+        offs_h = tl.arange(0, BH)
+        hist = offs_h < n_hist
+        rec_h = ring_at + (base + offs_h) % L
+        rec_w = ring_at + (base + wp + tok) % L  # the window's records: logical write_pos + i
+        # Raw keys go to the ring once per key head: by the group's first value head, first V block.
+        k_store = is_k & (tok < tl.where((i_hv % (HV // H) == 0) & (i_v == 0), length, 0))
+        offs_c = tl.arange(0, KC)
+        SX = tl.zeros([BV, BX], dtype=tl.float32)
+        P = tl.zeros([BX, BX], dtype=tl.float32)
+        HX = tl.zeros([BH, BX], dtype=tl.float32)
+        hh = tl.zeros([BH], dtype=tl.float32)
+        for kc in tl.static_range(0, BK, KC):
+            offs_k = kc + offs_c
+            mask_k = offs_k < K
+            S_c = tl.load(ckpt_at + offs_v[:, None] * K + offs_k[None, :], mask=mask_v[:, None] & mask_k[None, :], other=0.0)
+            k_c = tl.load(k_ptr + p_tok[:, None] * stride_k_tok + i_h * stride_k_head + offs_k[None, :],
+                          mask=xk_ok[:, None] & mask_k[None, :], other=0.0)
+            q_c = tl.load(q_ptr + p_tok[:, None] * stride_q_tok + i_h * stride_q_head + offs_k[None, :],
+                          mask=xq_ok[:, None] & mask_k[None, :], other=0.0)
+            tl.store(rk_ptr + (rec_w[:, None] * H + i_h) * K + offs_k[None, :], k_c.to(rk_ptr.dtype.element_ty),
+                     mask=k_store[:, None] & mask_k[None, :])
+            # Unused ring entries may hold NaN: masked loads give 0 instead.
+            h_c = tl.load(rk_ptr + (rec_h[:, None] * H + i_h) * K + offs_k[None, :],
+                          mask=hist[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
+            x_c = k_c.to(tl.float32) + q_c.to(tl.float32)  # [BX, KC]: each row from one of them
+            SX = tl.dot(S_c.to(tl.float32), tl.trans(x_c), SX, input_precision=DOT_PRECISION)
+            P = tl.dot(x_c, tl.trans(x_c), P, input_precision=DOT_PRECISION)
+            HX = tl.dot(h_c, tl.trans(x_c), HX, input_precision=DOT_PRECISION)
+            hh += _tl_row_sum(h_c * h_c, 1)
+        eye = offs_x[:, None] == offs_x[None, :]
+        r_x = tl.div_rn(tl.where(is_q, scale, 1.0), tl.sqrt_rn(_tl_row_sum(tl.where(eye, P, 0.0), 1) + eps))  # 1/|x_r| (q: x scale)
+        r_h = tl.where(hist, tl.div_rn(tl.full([BH], 1.0, tl.float32), tl.sqrt_rn(hh + eps)), 0.0)
+        SX = SX * r_x[None, :]  # S x^_r
+        P = P * r_x[:, None] * r_x[None, :]  # x^_r . x^_c
+        HX = HX * r_h[:, None] * r_x[None, :]  # k^_c . x^_r
+
+        # ---- committed history (0 records for flush rows), never built:
+        #   S x = exp(Gtot) S0 x + sum_c exp(Gtot - G_c) u_c (k^_c . x),
+        # exp(Gtot - G_c) = exp(g_{c+1} + ... + g_h): a suffix sum, no cancellation.
+        g_h = tl.where(hist, tl.load(rg_ptr + rec_h * HV + i_hv, mask=hist, other=0.0), 0.0)
+        w_h = tl.where(hist, tl.exp(_tl_row_sum(tl.where(offs_h[None, :] > offs_h[:, None], g_h[None, :], 0.0), 1)), 0.0)
+        u_h = tl.load(ru_ptr + (rec_h[None, :] * HV + i_hv) * V + offs_v[:, None], mask=mask_v[:, None] & hist[None, :], other=0.0)
+        u_h = tl.where(hist[None, :], u_h, 0.0) * w_h[None, :]  # [BV, BH]
+        SX = tl.exp(_tl_row_sum(g_h, 0)) * SX + tl.dot(u_h, HX, input_precision=DOT_PRECISION)
+
+        # ---- gates per row (a row's token), G_r = g_1 + ... + g_tok(r)
+        a_x = tl.load(a_ptr + p_tok * stride_a_tok + i_hv, mask=x_ok, other=0.0)
+        b_x = tl.load(b_ptr + p_tok * stride_b_tok + i_hv, mask=x_ok, other=0.0)
+        g, beta = _tl_gdn_gates(a_x, b_x, tl.load(A_log_ptr + i_hv), tl.load(dt_bias_ptr + i_hv))
+        g = tl.where(xk_ok, g, 0.0)  # on the key rows only, so that a row sum runs over tokens
+        beta = tl.where(x_ok, beta, 0.0)
+        G = _tl_row_sum(tl.where(offs_x[None, :] <= tok[:, None], g[None, :], 0.0), 1)
+        e_G = tl.exp(G)
+
+        # ---- the window in closed form (DESIGN.md section 2) in the BX x BX space; a
+        # column c < BT is token j = c (its k^), a row is token i (k-row: A, q-row: output)
+        #   R_j = beta_j (v_j - exp(G_j) S k^_j)
+        #   A_ij = beta_i exp(G_i - G_j) (k^_i . k^_j), j < i;  (I + A) U = R
+        #   o_i = exp(G_i) S q^_i + sum_{j<=i} exp(G_i - G_j) (k^_j . q^_i) U_j
+        v_x = tl.load(v_ptr + p_tok[None, :] * stride_v_tok + i_hv * stride_v_head + offs_v[:, None],
+                      mask=mask_v[:, None] & xk_ok[None, :], other=0.0)  # [BV, BX], key columns
+        R = tl.where(xk_ok[None, :], beta[None, :] * (v_x.to(tl.float32) - e_G[None, :] * SX), 0.0)
+        pair = x_ok[:, None] & xk_ok[None, :] & (tok[None, :] <= tok[:, None])
+        # Mask before exp: G_i - G_j > 0 for j > i could overflow.
+        decay = tl.where(pair, tl.exp(tl.where(pair, G[:, None] - G[None, :], 0.0)), 0.0)
+        A = tl.where(is_k[:, None] & (offs_x[None, :] < offs_x[:, None]), beta[:, None] * decay * P, 0.0)
+        M = tl.where(is_q[:, None], decay * P, 0.0)
+        # A is strictly lower triangular (A^BT = 0): (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...
+        inv = tl.where(eye, 1.0, 0.0) - A
+        A_pow = A
+        for _ in tl.static_range(LOG_T - 1):
+            A_pow = tl.dot(A_pow, A_pow, input_precision=DOT_PRECISION)
+            inv = inv + tl.dot(inv, A_pow, input_precision=DOT_PRECISION)
+        U = tl.dot(R, tl.trans(inv), input_precision=DOT_PRECISION)  # [BV, BX], zero on q columns
+        out = e_G[None, :] * SX + tl.dot(U, tl.trans(M), input_precision=DOT_PRECISION)
+        tl.store(p_o, out.to(o_ptr.dtype.element_ty), mask=mask_v[:, None] & xq_ok[None, :])
+
+        # ---- the window's records (raw k went out in the K pass)
+        rec = (rec_w[None, :] * HV + i_hv) * V + offs_v[:, None]
+        vk_ok = mask_v[:, None] & xk_ok[None, :]
+        tl.store(rv_ptr + rec, v_x.to(rv_ptr.dtype.element_ty), mask=vk_ok)
+        tl.store(ru_ptr + rec, U, mask=vk_ok)
+        first_v = xk_ok & (tok < tl.where(i_v == 0, length, 0))  # gates once per value head
+        tl.store(rg_ptr + rec_w * HV + i_hv, g, mask=first_v)
+        tl.store(rb_ptr + rec_w * HV + i_hv, beta, mask=first_v)
+
+
+@register("chunked", "triton")
+def gdn_chunked_window_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    checkpoint: torch.Tensor,
+    ring: RawRecords,
+    ring_u: torch.Tensor,
+    slots: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    write_pos: torch.Tensor,
+    cache_base: torch.Tensor,
+    is_flush: torch.Tensor,
+    *,
+    max_len: int | None = None,
+) -> torch.Tensor:
+    """Triton version of :func:`gdn_chunked_window_reference` (same arguments and results).
+
+    Differences: ``max_len`` is required (it sizes the in-kernel window block; pass
+    the pool's window) and at most :data:`MAX_WINDOW_TRITON`. float64 is not supported (the reference is the float64 oracle);
+    ``ring_u`` and the ring's ``g`` / ``beta`` must be float32; checkpoint, ring buffers,
+    cursors, ``slots`` and ``cu_seqlens`` contiguous, activations contiguous along
+    their last axis. Tensor values are not read on the host (no device synchronisation,
+    CUDA-graph capturable), so the caller guarantees what the reference checks: windows
+    of ``1..max_len`` tokens, unique in-range live slots, and ``write_pos + length <=
+    L`` for every row (the cursor rule keeps it). Outputs and the window's ``u`` agree
+    with the reference to fp32 rounding; a flush row's folded checkpoint is the
+    recurrence's, bit for bit on one device.
+    """
+    if max_len is None:
+        raise ValueError("max_len is required by the triton backend: pass the pool's window")
+    check_max_len(max_len)
+    if max_len > MAX_WINDOW_TRITON:
+        raise ValueError(f"max_len must be at most {MAX_WINDOW_TRITON} for the triton backend, got {max_len}")
+    n, ns, L = check_window_args(
+        q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos, cache_base, is_flush,
+        max_len, state_dtypes=STATE_DTYPES_TRITON, u_dtypes=(torch.float32,),
+    )
+    for name, x in (("q", q), ("k", k), ("v", v), ("a", a), ("b", b)):
+        _checks.tensor(name, x, dtypes=ACT_DTYPES_TRITON)
+    for name in ("k", "v"):
+        _checks.tensor(f"ring.{name}", getattr(ring, name), dtypes=ACT_DTYPES_TRITON)
+    for name in ("g", "beta"):
+        _checks.tensor(f"ring.{name}", getattr(ring, name), dtypes=(torch.float32,))
+    check_inner_contiguous(q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias)
+    check_index_pair(slots, cu_seqlens)
+    _checks.contiguous(
+        checkpoint=checkpoint, ring_u=ring_u, write_pos=write_pos, cache_base=cache_base, is_flush=is_flush,
+        **{f"ring.{f}": getattr(ring, f) for f in ring._fields},
+    )
+    h, kd = q.shape[1], q.shape[2]
+    hv, vd = v.shape[1], v.shape[2]
+    o = torch.empty(n, hv, vd, dtype=v.dtype, device=v.device)
+    batch = slots.shape[0]
+    if batch == 0:
+        return o
+    bv = pick_block_v(vd, batch * hv, q.device)
+    bk = triton.next_power_of_2(kd)  # the fold tile: full K, as in the fold kernel (same bits)
+    grid = (triton.cdiv(vd, bv), batch, hv)
+    _chunked_window_kernel[grid](
+        q, k, v, a, b, A_log, dt_bias,
+        checkpoint, ring.k, ring.v, ring.g, ring.beta, ring_u,
+        slots, cu_seqlens, write_pos, cache_base, is_flush, o,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
+        kd**-0.5, NORM_EPS,
+        H=h, HV=hv, K=kd, V=vd, L=L, LOG_T=max(1, (max_len - 1).bit_length()),
+        # tl.dot wants sides of 16: the stacked window has 2 * max(8, T) rows, the history 16.
+        BT=max(8, triton.next_power_of_2(max_len)), BH=max(16, L), BK=bk, KC=max(16, min(_K_CHUNK, bk)), BV=bv,
+        DOT_PRECISION=_DOT_PRECISION,
+        num_warps=EXACT_NUM_WARPS,
+    )
+    return o

@@ -49,7 +49,8 @@ class CircularStrategy(Strategy):
         buf = self.buffers
         return gdn_chunked_window(
             q, k, v, a, b, A_log, dt_bias, buf["checkpoints"][layer], layer_records(buf, layer), buf["ring_u"][layer],
-            batch.slots, batch.cu_seqlens, buf["write_pos"], buf["cache_base"], buf["is_flush"], backend=self.pool.backend,
+            batch.slots, batch.cu_seqlens, buf["write_pos"], buf["cache_base"], buf["is_flush"],
+            max_len=self.pool.window, backend=self.pool.backend,
         )
 
     def _commit_states(self, batch, accepted):

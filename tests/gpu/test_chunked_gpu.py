@@ -1,0 +1,301 @@
+"""The chunked closed-form window kernel (``circular``'s verify) compiled on a CUDA GPU.
+
+Run on the GPU machine:  python -m pytest -q tests/gpu/test_chunked_gpu.py
+
+Qwen3.5 shapes (K = V = 128, H = 16, HV = 32 and 64), windows 2..8, batches 1..256,
+fp32 and bf16 checkpoints, fp32 and bf16 activations (a sample of combinations, to keep
+compilation to a couple of minutes); histories of 0..L-T committed records, flush and
+non-flush rows, a padding row and NaN in every unused ring entry.
+
+Tolerances against the float64 oracle (the reference op run in float64 on upcast copies
+of the same inputs and buffers):
+  * fp32 checkpoint and activations: rtol = atol = 1e-4. The kernel's K = 128 dot
+    products, fast hardware ``exp`` / ``log`` (a few ulp) and fused multiply-adds put
+    each quantity ~1e-6 relative from float64; the forward substitution through
+    ``(I + A)`` (entries bounded by 1) adds at most T = 8 such terms. 1e-4 leaves a wide
+    margin while a wrong head, gate, position or history is off by O(0.1).
+  * any bf16 (outputs rounded to bf16, or a bf16 checkpoint that a flush rounds before
+    the window starts from it): rtol = atol = 2e-2, a few bf16 ulps (2**-8 relative).
+  * raw records are copies: bit for bit. Triton against Triton (flush fold vs fold
+    kernel, circular vs fold strategy, graph replay vs eager): bit for bit.
+
+Performance (DESIGN.md section 4): ``test_circular_step_time_at_batch_64`` times a
+captured circular step at HV = 32, K = V = 128, fp32 state, window 4, 3 accepted per
+step (flush steps included) and requires at most 1.5x the time of reading the batch's
+states once at 4.27 TB/s; it prints the measured time and bandwidth.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from replayssm.ops import RawRecords, advance_cursors, gdn_chunked_window, gdn_fold
+from replayssm.state import GDNShape, StatePool
+
+pytestmark = pytest.mark.gpu
+
+H, K, V, L = 16, 128, 128, 16
+HV_POOL, REQUESTS, STEPS = 32, 8, 48  # the strategy-level comparison
+DEV = "cuda"
+COPY_BANDWIDTH = 4.27e12  # bytes/s, H200 (DESIGN.md section 4)
+
+
+def tol(*dtypes):
+    return dict(rtol=2e-2, atol=2e-2) if torch.bfloat16 in dtypes else dict(rtol=1e-4, atol=1e-4)
+
+
+def same(a, b):
+    """Bitwise equality with NaN == NaN (never-written scratch)."""
+    return a.shape == b.shape and bool(torch.isclose(a, b, rtol=0, atol=0, equal_nan=True).all())
+
+
+def make_case(hv, t, batch, state_dtype, act_dtype, *, flush="mixed", pad=True):
+    """Buffers of ``batch + 3`` slots with random cursors and histories, and a packed
+    batch of windows (``1..t`` tokens, the first row ``t``; one padding row)."""
+    ns = batch + 3
+    lengths = torch.randint(1, t + 1, (batch,)).tolist()
+    lengths[0] = t
+    slots = torch.randperm(ns)[:batch]
+    if pad and batch > 1:
+        slots[int(torch.randint(1, batch, ()))] = -1
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    n = cu[-1].item()
+    a = torch.randn(n, hv, device=DEV)
+    a[torch.rand(n, hv, device=DEV) < 0.05] += 25.0  # the softplus threshold branch
+    x = dict(
+        q=torch.randn(n, H, K, device=DEV).to(act_dtype),
+        k=torch.randn(n, H, K, device=DEV).to(act_dtype),
+        v=torch.randn(n, hv, V, device=DEV).to(act_dtype),
+        a=a.to(act_dtype),
+        b=(torch.randn(n, hv, device=DEV) * 2).to(act_dtype),
+        A_log=torch.empty(hv, device=DEV).uniform_(-3, -0.3),
+        dt_bias=torch.randn(hv, device=DEV) * 0.5,
+    )
+    live = [s for s in slots.tolist() if s >= 0]
+    write_pos = torch.randint(0, L - t + 1, (ns,), device=DEV, dtype=torch.int32)
+    write_pos[live[0]] = L - t  # the longest history always runs (non-flush unless flush="all")
+    cache_base = torch.randint(0, L, (ns,), device=DEV, dtype=torch.int32)
+    if flush == "all":
+        is_flush = torch.ones(ns, device=DEV, dtype=torch.int32)
+    else:
+        is_flush = (torch.rand(ns, device=DEV) < 0.5).to(torch.int32)
+        is_flush[live[0]] = 0
+        if len(live) > 1:
+            is_flush[live[-1]] = 1
+    ring = RawRecords(
+        torch.randn(ns, L, H, K, device=DEV).to(act_dtype),
+        torch.randn(ns, L, hv, V, device=DEV).to(act_dtype),
+        -torch.empty(ns, L, hv, device=DEV).uniform_(0.02, 1.0),
+        torch.rand(ns, L, hv, device=DEV),
+    )
+    ring_u = torch.randn(ns, L, hv, V, device=DEV) * 0.5
+    logical = (torch.arange(L, device=DEV)[None, :] - cache_base[:, None].long()) % L
+    unused = logical >= write_pos[:, None]  # [ns, L]: no committed record there
+    for buf in (*ring, ring_u):
+        buf[unused] = float("nan")
+    checkpoint = (torch.randn(ns, hv, V, K, device=DEV) * 0.1).to(state_dtype)
+    return dict(
+        x=x, checkpoint=checkpoint, ring=ring, ring_u=ring_u,
+        cursors=(slots.to(torch.int32).to(DEV), cu, write_pos, cache_base, is_flush), t=t,
+    )
+
+
+def run(case, backend, dtype=None):
+    cv = (lambda y: y.clone()) if dtype is None else (lambda y: y.to(dtype))
+    ins = [case["x"][n] if dtype is None else case["x"][n].to(dtype) for n in ("q", "k", "v", "a", "b", "A_log", "dt_bias")]
+    ckpt, ring, ring_u = cv(case["checkpoint"]), RawRecords(*(cv(y) for y in case["ring"])), cv(case["ring_u"])
+    o = gdn_chunked_window(*ins, ckpt, ring, ring_u, *case["cursors"], max_len=case["t"], backend=backend)
+    return o, ckpt, ring, ring_u
+
+
+# (HV, T, batch, checkpoint dtype, activation dtype)
+CASES = [
+    (32, 2, 1, torch.float32, torch.bfloat16),
+    (32, 4, 64, torch.float32, torch.bfloat16),
+    (32, 8, 256, torch.float32, torch.float32),
+    (32, 5, 128, torch.bfloat16, torch.bfloat16),
+    (64, 3, 16, torch.bfloat16, torch.bfloat16),
+    (64, 6, 256, torch.float32, torch.bfloat16),
+    (64, 8, 5, torch.bfloat16, torch.float32),
+]
+
+
+@pytest.mark.parametrize("hv,t,batch,state_dtype,act_dtype", CASES)
+def test_chunked_window_matches_float64_oracle(hv, t, batch, state_dtype, act_dtype):
+    case = make_case(hv, t, batch, state_dtype, act_dtype)
+    o_t, ck_t, ring_t, u_t = run(case, "triton")
+    o_64, ck_64, ring_64, u_64 = run(case, "reference", torch.float64)
+    tl_ = tol(state_dtype, act_dtype)
+    torch.testing.assert_close(o_t.double(), o_64, **tl_)
+    slots, cu = case["cursors"][0].tolist(), case["cursors"][1].tolist()
+    for i, s in enumerate(slots):
+        if s < 0:
+            assert torch.equal(o_t[cu[i]:cu[i + 1]], torch.zeros_like(o_t[cu[i]:cu[i + 1]])), "padding row output"
+    # Ring: raw copies exact; gates and u close; never-written entries keep their NaN.
+    assert same(ring_t.k.double(), ring_64.k) and same(ring_t.v.double(), ring_64.v)
+    for got, want, tt in ((ring_t.g, ring_64.g, dict(rtol=1e-5, atol=1e-5)),
+                          (ring_t.beta, ring_64.beta, dict(rtol=1e-5, atol=1e-5)), (u_t, u_64, tl_)):
+        assert torch.equal(got.isnan(), want.isnan())
+        torch.testing.assert_close(got.double().nan_to_num(0.0), want.nan_to_num(0.0), **tt)
+    # Checkpoints: flush rows folded, every other slot untouched.
+    is_flush = case["cursors"][4].tolist()
+    for s in range(ck_t.shape[0]):
+        if s in slots and is_flush[s]:
+            torch.testing.assert_close(ck_t[s].double(), ck_64[s], **tl_)
+        else:
+            assert torch.equal(ck_t[s], case["checkpoint"][s]), f"checkpoint of slot {s} changed"
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("act_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_flush_fold_is_the_fold_kernel_bit_for_bit(state_dtype, act_dtype):
+    """Every row flushes: the folded checkpoints equal the fold kernel's on the same records."""
+    case = make_case(HV_POOL, 4, 64, state_dtype, act_dtype, flush="all", pad=False)
+    _, ck_t, _, _ = run(case, "triton")
+    slots, _, write_pos, cache_base, _ = case["cursors"]
+    ck_f = case["checkpoint"].clone()
+    r = case["ring"]
+    idx = slots.long()
+    gdn_fold(ck_f[None], r.k[None], r.v[None], r.g[None], r.beta[None], slots, cache_base[idx], write_pos[idx], backend="triton")
+    assert torch.equal(ck_t, ck_f)
+    assert not torch.equal(ck_t, case["checkpoint"])
+
+
+@pytest.mark.parametrize("act_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_circular_committed_state_equals_fold_strategy_bit_for_bit(act_dtype):
+    """Two Triton pools, ``circular`` and ``fold``, fed the same tokens and acceptances
+    for STEPS steps (several flushes per request): the committed states are identical at
+    every step. Circular's checkpoint is folded by this kernel at flushes and the rest of
+    its history by the fold kernel; fold's by the fold kernel at every commit; both
+    replay the same raw records through the same exact step."""
+    hv, window, requests = HV_POOL, 4, REQUESTS
+    shape = GDNShape(num_heads=H, num_value_heads=hv, head_k_dim=K, head_v_dim=V)
+    pools = {}
+    params = dict(
+        A_log=torch.empty(hv).uniform_(-3, -0.3), dt_bias=torch.randn(hv) * 0.5,
+        conv_weight=torch.randn(shape.conv_dim, shape.conv_kernel) * 0.5,
+    )
+    for name in ("circular", "fold"):
+        pool = StatePool(shape, 1, requests, strategy=name, window=window, ring_len=L, act_dtype=act_dtype,
+                         device=DEV, backend="triton")
+        pool.set_layer_params(0, **params)
+        pools[name] = pool
+        slots = [pool.alloc() for _ in range(requests)]
+    init = torch.randn_like(pools["fold"].buffers["checkpoints"]) * 0.1
+    for pool in pools.values():
+        pool.buffers["checkpoints"].copy_(init)
+    flushes = 0
+    for step in range(STEPS):
+        lengths = torch.randint(1, window + 1, (requests,)).tolist()
+        n = sum(lengths)
+        ins = [torch.randn(n, H, K, device=DEV).to(act_dtype), torch.randn(n, H, K, device=DEV).to(act_dtype),
+               torch.randn(n, hv, V, device=DEV).to(act_dtype), torch.randn(n, hv, device=DEV).to(act_dtype),
+               (torch.randn(n, hv, device=DEV) * 2).to(act_dtype)]
+        accepted = [int(torch.randint(1, m + 1, ())) for m in lengths]
+        flushes += int(pools["circular"].buffers["is_flush"][slots].sum())
+        for pool in pools.values():
+            batch = pool.batch(slots, lengths)
+            pool.strategy.verify(0, *ins, batch)
+            pool.strategy.commit(batch, accepted)
+        circ = pools["circular"].strategy.committed_state(0, slots)
+        fold = pools["fold"].strategy.committed_state(0, slots)
+        assert torch.equal(circ, fold), f"step {step}: committed states differ"
+    assert flushes >= requests, "every request should have flushed at least once"
+
+
+def test_cuda_graph_replay_of_a_circular_step():
+    """One circular layer-step (this kernel) plus the commit's cursor update, captured in
+    a CUDA graph and replayed on fresh inputs: outputs and every buffer equal the eager
+    twin's bit for bit, flushes included."""
+    hv, t, batch = 32, 4, 16
+    case = make_case(hv, t, batch, torch.float32, torch.bfloat16, pad=True)
+    slots, cu, write_pos, cache_base, is_flush = case["cursors"]
+    write_pos.zero_()
+    is_flush.zero_()
+    lengths = (cu[1:] - cu[:-1]).tolist()
+    ins = {n: case["x"][n].clone() for n in ("q", "k", "v", "a", "b")}
+    accepted = torch.tensor([t] + [max(1, m - 1) for m in lengths[1:]], dtype=torch.int32, device=DEV)
+    A_log, dt_bias = case["x"]["A_log"], case["x"]["dt_bias"]
+
+    def state(ckpt, ring, ring_u, wp, base, fl):
+        return dict(ckpt=ckpt, ring=ring, ring_u=ring_u, wp=wp, base=base, fl=fl)
+
+    def step(st):
+        o = gdn_chunked_window(ins["q"], ins["k"], ins["v"], ins["a"], ins["b"], A_log, dt_bias, st["ckpt"], st["ring"],
+                               st["ring_u"], slots, cu, st["wp"], st["base"], st["fl"], max_len=t, backend="triton")
+        advance_cursors(st["wp"], st["base"], st["fl"], slots, accepted, t, L, backend="triton")
+        return o
+
+    def clone(st):
+        return {k: (RawRecords(*(y.clone() for y in v)) if k == "ring" else v.clone()) for k, v in st.items()}
+
+    graphed = state(case["checkpoint"], case["ring"], case["ring_u"], write_pos, cache_base, is_flush)
+    eager = clone(graphed)
+    step(clone(graphed))  # compile outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        o_static = step(graphed)
+    flushed = 0
+    for _ in range(8):
+        for name, x in ins.items():
+            x.copy_(torch.randn_like(x, dtype=torch.float32).to(x.dtype))
+        flushed += int(graphed["fl"][slots[slots >= 0].long()].sum())
+        g.replay()
+        o_eager = step(eager)
+        torch.cuda.synchronize()
+        assert same(o_static, o_eager)
+        for k in graphed:
+            pairs = zip(graphed[k], eager[k]) if k == "ring" else [(graphed[k], eager[k])]
+            assert all(same(a, b) for a, b in pairs), f"{k} differs between replay and eager"
+    assert flushed > 0, "the replays must include a flush"
+
+
+def test_circular_step_time_at_batch_64():
+    """DESIGN.md section 4 target: at batch 64 (HV = 32, K = V = 128, fp32 state, window
+    4, 3 accepted per step) a circular layer-step costs at most 1.5x the time of reading
+    the batch's states once, averaged over steps (flushes included). Timed as a CUDA
+    graph of 8 steps (verify + cursor update), replayed."""
+    hv, t, batch, accept = 32, 4, 64, 3
+    case = make_case(hv, t, batch, torch.float32, torch.bfloat16, pad=False)
+    slots, cu, write_pos, cache_base, is_flush = case["cursors"]
+    cu.copy_(torch.arange(batch + 1, device=DEV, dtype=torch.int32) * t)  # full windows
+    n = batch * t
+    ins = [torch.randn(n, H, K, device=DEV).to(torch.bfloat16), torch.randn(n, H, K, device=DEV).to(torch.bfloat16),
+           torch.randn(n, hv, V, device=DEV).to(torch.bfloat16), torch.randn(n, hv, device=DEV).to(torch.bfloat16),
+           torch.randn(n, hv, device=DEV).to(torch.bfloat16)]
+    A_log, dt_bias = case["x"]["A_log"], case["x"]["dt_bias"]
+    write_pos.zero_()
+    is_flush.zero_()
+    accepted = torch.full((batch,), accept, dtype=torch.int32, device=DEV)
+    ckpt, ring, ring_u = case["checkpoint"], case["ring"], case["ring_u"]
+    steps = 8  # two flush cycles: with L = 16, a request flushes every 4th step
+
+    def body():
+        for _ in range(steps):
+            gdn_chunked_window(*ins, A_log, dt_bias, ckpt, ring, ring_u, slots, cu, write_pos, cache_base, is_flush,
+                               max_len=t, backend="triton")
+            advance_cursors(write_pos, cache_base, is_flush, slots, accepted, t, L, backend="triton")
+
+    body()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        body()
+    for _ in range(3):
+        g.replay()
+    reps = 20
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    per_step = start.elapsed_time(end) / 1e3 / (reps * steps)
+    state_bytes = batch * hv * V * K * 4
+    floor = state_bytes / COPY_BANDWIDTH
+    print(f"\ncircular layer-step, batch {batch}: {per_step * 1e6:.1f} us, floor {floor * 1e6:.1f} us "
+          f"({per_step / floor:.2f}x), state read at {state_bytes / per_step / 1e12:.2f} TB/s")
+    assert torch.isfinite(ckpt).all()
+    assert per_step <= 1.5 * floor, f"{per_step * 1e6:.1f} us > 1.5 x {floor * 1e6:.1f} us"

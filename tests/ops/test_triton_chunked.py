@@ -1,0 +1,374 @@
+"""The chunked closed-form window kernel (``circular``'s verify) against its reference.
+
+Without a GPU these run under the Triton interpreter (tests/conftest.py sets
+``TRITON_INTERPRET=1``) in fp32 at small shapes; on a CUDA machine the same tests run
+the compiled kernel.
+
+Tolerances.
+  * Against the fp32 reference op: ``rtol = atol = 1e-5``. Both evaluate the closed form
+    of DESIGN.md section 2 in fp32, but in different association orders (the kernel
+    applies the committed history to ``k^`` / ``q^`` per token, the reference through
+    einsums) and with Triton's ``exp`` / ``log`` a few ulp from torch's; on O(1) values
+    over windows <= 8 and histories <= 12 records that is ~1e-7..1e-6, while a wrong
+    head, gate, position or history is off by O(0.1).
+  * Against the float64 oracle (the reference op run in float64): ``2e-5 * (1 + |o|)``.
+    The fp32 closed form has two sources of error beyond one fp32 rounding per
+    operation: the K-length dot products (K <= 32 here, ~sqrt(K) ulp) and the forward
+    substitution through ``(I + A)``, whose entries are bounded by 1 (``beta < 1``,
+    ``|k^_i . k^_j| <= 1``, decays <= 1) so that at most ``T <= 8`` terms of size <= 1
+    accumulate per output. The measured error is ~1e-6; the fp32 reference op itself
+    sits at the same distance from the oracle.
+  * Copies (raw ``k`` / ``v`` records) and untouched buffers: bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from replayssm.ops import RawRecords, gdn_chunked_window, gdn_fold, triton_common  # noqa: E402
+from replayssm.ops import chunked as chunked_ops  # noqa: E402
+from replayssm.state import GDNShape, StatePool  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+if DEVICE.type == "cpu" and not triton_common.INTERPRETER:
+    pytest.skip("CPU run without TRITON_INTERPRET=1 at import time", allow_module_level=True)
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+ORACLE_TOL = 2e-5
+
+
+# ---------------------------------------------------------------------------- inputs
+def rand_layer(n, h, hv, kd, vd):
+    """Random post-conv inputs of ``n`` tokens; some ``a`` entries sit above the softplus
+    threshold so both branches of the gate run."""
+    a = torch.randn(n, hv, device=DEVICE)
+    a[torch.rand(n, hv, device=DEVICE) < 0.1] += 25.0
+    return dict(
+        q=torch.randn(n, h, kd, device=DEVICE),
+        k=torch.randn(n, h, kd, device=DEVICE),
+        v=torch.randn(n, hv, vd, device=DEVICE),
+        a=a,
+        b=torch.randn(n, hv, device=DEVICE) * 2,
+        A_log=torch.empty(hv, device=DEVICE).uniform_(-3, -0.3),
+        dt_bias=torch.randn(hv, device=DEVICE) * 0.5,
+    )
+
+
+def poisoned(*shape):
+    """Never-written scratch: NaN and +inf alternating along the ring axis (dim 1)."""
+    x = torch.full(shape, float("nan"), device=DEVICE)
+    x[:, 1::2] = float("inf")
+    return x
+
+
+class Case:
+    """A packed batch of windows on a pool-like set of buffers with random cursors.
+
+    Every live slot gets a history of ``write_pos`` committed records at ring positions
+    ``(cache_base + c) % L`` (random raw records and ``u``); every other ring entry is
+    poisoned. Live rows alternate flush / non-flush so that both paths run; one row (not
+    the first) is padding with tokens of its own.
+    """
+
+    def __init__(self, h, group, kd, vd, t, ring_len, *, rows=4, num_slots=6, pad_row=True, max_hist=None):
+        hv = h * group
+        self.h, self.hv, self.kd, self.vd, self.t, self.L = h, hv, kd, vd, t, ring_len
+        lengths = torch.randint(1, t + 1, (rows,)).tolist()
+        lengths[0] = t  # the longest window always runs
+        slots = torch.randperm(num_slots)[:rows].tolist()
+        if pad_row and rows > 1:
+            slots[int(torch.randint(1, rows, ()))] = -1
+        cu = [0]
+        for n in lengths:
+            cu.append(cu[-1] + n)
+        self.lengths = lengths
+        self.slots = torch.tensor(slots, dtype=torch.int32, device=DEVICE)
+        self.cu = torch.tensor(cu, dtype=torch.int32, device=DEVICE)
+        self.x = rand_layer(cu[-1], h, hv, kd, vd)
+
+        L = ring_len
+        hmax = L - t if max_hist is None else max_hist
+        self.checkpoint = torch.randn(num_slots, hv, vd, kd, device=DEVICE) * 0.5
+        self.ring = RawRecords(poisoned(num_slots, L, h, kd), poisoned(num_slots, L, hv, vd),
+                               poisoned(num_slots, L, hv), poisoned(num_slots, L, hv))
+        self.ring_u = poisoned(num_slots, L, hv, vd)
+        wp = torch.randint(0, hmax + 1, (num_slots,))
+        live = [s for s in slots if s >= 0]
+        if live:
+            wp[live[0]] = hmax  # the longest history always runs
+        self.write_pos = wp.to(torch.int32).to(DEVICE)
+        self.cache_base = torch.randint(0, L, (num_slots,), dtype=torch.int32).to(DEVICE)
+        flush = torch.zeros(num_slots, dtype=torch.int32)
+        flush[live[1::2]] = 1  # live rows alternate non-flush / flush
+        self.is_flush = flush.to(DEVICE)
+        for s in range(num_slots):
+            for c in range(int(wp[s])):
+                p = (int(self.cache_base[s]) + c) % L
+                self.ring.k[s, p] = torch.randn(h, kd, device=DEVICE)
+                self.ring.v[s, p] = torch.randn(hv, vd, device=DEVICE)
+                self.ring.g[s, p] = -torch.empty(hv, device=DEVICE).uniform_(0.02, 1.0)
+                self.ring.beta[s, p] = torch.rand(hv, device=DEVICE)
+                self.ring_u[s, p] = torch.randn(hv, vd, device=DEVICE) * 0.5
+
+    def buffers(self, dtype=None):
+        """Fresh copies of the mutable buffers (optionally converted, for the oracle)."""
+        cv = (lambda x: x.clone()) if dtype is None else (lambda x: x.to(dtype))
+        return cv(self.checkpoint), RawRecords(*(cv(x) for x in self.ring)), cv(self.ring_u)
+
+    def inputs(self, dtype=None):
+        x = self.x
+        cv = (lambda y: y) if dtype is None else (lambda y: y.to(dtype))
+        return [cv(x[n]) for n in ("q", "k", "v", "a", "b", "A_log", "dt_bias")]
+
+    def cursors(self):
+        return self.slots, self.cu, self.write_pos, self.cache_base, self.is_flush
+
+    def run(self, backend, dtype=None):
+        ckpt, ring, ring_u = self.buffers(dtype)
+        o = gdn_chunked_window(*self.inputs(dtype), ckpt, ring, ring_u, *self.cursors(), max_len=self.t, backend=backend)
+        return o, ckpt, ring, ring_u
+
+    def but(self, **changes):
+        """A shallow copy with some attributes replaced."""
+        other = Case.__new__(Case)
+        other.__dict__.update(self.__dict__, **changes)
+        return other
+
+    def live_rows(self):
+        return [(i, s) for i, s in enumerate(self.slots.tolist()) if s >= 0]
+
+
+def same(a, b):
+    """Bitwise equality with NaN == NaN (poisoned scratch)."""
+    return a.shape == b.shape and bool(torch.isclose(a, b, rtol=0, atol=0, equal_nan=True).all())
+
+
+def assert_close_nan(actual, expected, **tol):
+    """Same never-written pattern (NaN / inf in the same places) and close values elsewhere."""
+    assert torch.equal(actual.isfinite(), expected.isfinite())
+    assert same(actual[~actual.isfinite()], expected[~expected.isfinite()])
+    fin = expected.isfinite()
+    torch.testing.assert_close(actual[fin], expected[fin], **tol)
+
+
+def check_against_reference(case: Case):
+    o_r, ck_r, ring_r, u_r = case.run("reference")
+    cursors = [c.clone() for c in case.cursors()]
+    o_t, ck_t, ring_t, u_t = case.run("triton")
+    for before, after in zip(cursors, case.cursors()):
+        assert torch.equal(before, after), "cursors are read only"
+
+    torch.testing.assert_close(o_t, o_r, **TOL)
+    for i, s in enumerate(case.slots.tolist()):
+        if s < 0:  # padding rows: exact zeros
+            pad = o_t[case.cu[i]:case.cu[i + 1]]
+            assert torch.equal(pad, torch.zeros_like(pad))
+    # Raw records are copies; gates and u computed values; unused entries keep their poison.
+    assert same(ring_t.k, ring_r.k) and same(ring_t.v, ring_r.v)
+    assert_close_nan(ring_t.g, ring_r.g, **TOL)
+    assert_close_nan(ring_t.beta, ring_r.beta, **TOL)
+    assert_close_nan(u_t, u_r, **TOL)
+    # Checkpoints: flush rows are folded, every other slot is untouched bit for bit.
+    flushed = {s for _, s in case.live_rows() if case.is_flush[s]}
+    for s in range(case.checkpoint.shape[0]):
+        if s in flushed:
+            torch.testing.assert_close(ck_t[s], ck_r[s], **TOL)
+            assert not torch.equal(ck_t[s], case.checkpoint[s]) or case.write_pos[s] == 0
+        else:
+            assert torch.equal(ck_t[s], case.checkpoint[s]), f"checkpoint of slot {s} changed"
+    return o_t, ck_t
+
+
+# ---------------------------------------------------------------------------- op vs reference
+# (H, HV // H, K, V, T, L): GQA ratios 1, 2, 4; windows 1..8; K and V that are not powers
+# of two (masked lanes); V spanning two V blocks of the interpreter's BV = 16.
+CONFIGS = [
+    (1, 1, 16, 16, 1, 2),
+    (2, 2, 24, 20, 3, 8),
+    (1, 4, 16, 32, 4, 8),
+    (2, 1, 32, 8, 5, 16),
+    (1, 2, 16, 8, 8, 16),
+]
+
+
+@pytest.mark.parametrize("h,group,kd,vd,t,L", CONFIGS)
+def test_chunked_window_matches_reference(h, group, kd, vd, t, L):
+    """Outputs, ring writes and flushed checkpoints against the reference op, with
+    histories of 0..L-T committed records, flush and non-flush rows, a padding row and
+    NaN/inf in every unused ring entry."""
+    check_against_reference(Case(h, group, kd, vd, t, L))
+
+
+def test_chunked_window_against_float64_oracle():
+    """The fp32 kernel against the reference op run in float64 (see the module notes)."""
+    case = Case(2, 2, 32, 16, 8, 16)
+    o_t, ck_t, _, _ = case.run("triton")
+    o_64, ck_64, _, _ = case.run("reference", torch.float64)
+    o_r, _, _, _ = case.run("reference")
+    err = ((o_t.double() - o_64).abs() / (1 + o_64.abs())).max().item()
+    err_ref = ((o_r.double() - o_64).abs() / (1 + o_64.abs())).max().item()
+    assert err < ORACLE_TOL, f"kernel vs float64 oracle: {err:.2e}"
+    assert err < 10 * err_ref + 1e-6, f"kernel error {err:.2e} far above the fp32 reference's {err_ref:.2e}"
+    for _, s in case.live_rows():
+        if case.is_flush[s]:
+            torch.testing.assert_close(ck_t[s].double(), ck_64[s], rtol=ORACLE_TOL, atol=ORACLE_TOL)
+
+
+def test_history_and_flush_matter():
+    """Teeth: the cases above would notice a kernel that ignored the history, the flush
+    or the window order (each changes the outputs by far more than the tolerance)."""
+    case = Case(1, 2, 16, 16, 4, 8, pad_row=False, max_hist=4)
+    o, _, _, _ = case.run("reference")
+    tweaks = {
+        "no history": case.but(write_pos=torch.zeros_like(case.write_pos)),
+        "no flush": case.but(is_flush=torch.zeros_like(case.is_flush)),
+        "history shifted": case.but(cache_base=(case.cache_base + 1) % case.L),
+    }
+    for name, other in tweaks.items():
+        o2, _, _, _ = other.run("reference")
+        assert (o2.nan_to_num(1e3) - o).abs().max() > 1e3 * TOL["atol"], name
+
+
+def test_flush_fold_equals_fold_kernel_bit_for_bit():
+    """A flush row's folded checkpoint is exactly what the fold kernel makes of the same
+    records (both replay them through the shared exact step)."""
+    case = Case(2, 2, 16, 24, 3, 8, pad_row=False, rows=3, max_hist=5)
+    case.is_flush = torch.ones_like(case.is_flush)
+    _, ck_t, _, _ = case.run("triton")
+    ck_f, ring, _ = case.buffers()
+    gdn_fold(ck_f[None], ring.k[None], ring.v[None], ring.g[None], ring.beta[None], case.slots,
+             case.cache_base[case.slots.long()], case.write_pos[case.slots.long()], backend="triton")
+    assert torch.equal(ck_t, ck_f)
+    assert not torch.equal(ck_t, case.checkpoint)
+
+
+def test_strided_inputs():
+    """Activations may be strided views (splits of a projection) with a contiguous last axis."""
+    case = Case(2, 1, 16, 16, 3, 8)
+    o_r, _, _, _ = case.run("reference")
+    n = case.cu[-1].item()
+    wide = torch.randn(n, 3, 2, 16, device=DEVICE)
+    wide[:, 0], wide[:, 1] = case.x["q"], case.x["k"]
+    ab = torch.randn(n, 2, 2, device=DEVICE)
+    ab[:, 0], ab[:, 1] = case.x["a"], case.x["b"]
+    case.x = dict(case.x, q=wide[:, 0], k=wide[:, 1], a=ab[:, 0], b=ab[:, 1])
+    assert not case.x["q"].is_contiguous()
+    o_t, _, _, _ = case.run("triton")
+    torch.testing.assert_close(o_t, o_r, **TOL)
+
+
+# ---------------------------------------------------------------------------- validation
+def test_launcher_rejects_bad_arguments_before_touching_state():
+    case = Case(1, 2, 16, 16, 2, 4, rows=2)
+    ckpt, ring, ring_u = case.buffers()
+    before = [ckpt.clone(), *(x.clone() for x in ring), ring_u.clone()]
+    ins = case.inputs()
+    cur = list(case.cursors())
+    launch = chunked_ops.gdn_chunked_window_triton
+
+    def call(*, ins=ins, ckpt=ckpt, ring=ring, ring_u=ring_u, cur=cur, **kw):
+        kw.setdefault("max_len", 2)
+        return launch(*ins, ckpt, ring, ring_u, *cur, **kw)
+
+    with pytest.raises(ValueError, match="max_len"):
+        call(max_len=None)
+    with pytest.raises(ValueError, match="max_len"):
+        call(max_len=5)  # longer than the ring
+    with pytest.raises(TypeError, match="checkpoint"):
+        call(ckpt=ckpt.double())
+    with pytest.raises(TypeError, match="ring_u"):
+        call(ring_u=ring_u.double())
+    with pytest.raises(TypeError, match="ring.g"):
+        call(ring=ring._replace(g=ring.g.double()))
+    with pytest.raises(TypeError, match="ring must be"):
+        call(ring=tuple(ring))
+    with pytest.raises(ValueError, match="checkpoint must be contiguous"):
+        call(ckpt=ckpt.transpose(2, 3).contiguous().transpose(2, 3))
+    with pytest.raises(ValueError, match="ring_u must have shape"):
+        call(ring_u=ring_u[:, :2])
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        call(cur=[cur[0], cur[1][:-1], *cur[2:]])
+    with pytest.raises(ValueError, match="is_flush must have shape"):
+        call(cur=[*cur[:4], cur[4][:-1]])
+    with pytest.raises(TypeError, match="write_pos"):
+        call(cur=[*cur[:2], cur[2].float(), *cur[3:]])
+    with pytest.raises(ValueError, match="contiguous along its last axis"):
+        call(ins=[ins[0].repeat_interleave(2, -1)[..., ::2], *ins[1:]])
+    after = [ckpt, *ring, ring_u]
+    assert all(same(a, b) for a, b in zip(after, before)), "a rejected call touched a buffer"
+
+
+def test_reference_max_len_bounds_windows():
+    case = Case(1, 1, 16, 16, 3, 8, rows=2)
+    with pytest.raises(ValueError, match="expected 1..2"):
+        ckpt, ring, ring_u = case.buffers()
+        gdn_chunked_window(*case.inputs(), ckpt, ring, ring_u, *case.cursors(), max_len=2, backend="reference")
+
+
+# ---------------------------------------------------------------------------- lifecycle
+def committed_by_reference_fold(pool, slots):
+    """The committed states of a ``circular`` pool (checkpoint + history folded into a
+    copy), folded by the reference op: an independent check of the Triton buffers."""
+    buf = pool.buffers
+    idx = torch.tensor(slots, dtype=torch.long, device=DEVICE)
+    state = buf["checkpoints"][0, idx].clone()
+    gdn_fold(state[None], buf["ring_k"][0, idx][None], buf["ring_v"][0, idx][None], buf["ring_g"][0, idx][None],
+             buf["ring_beta"][0, idx][None], torch.arange(len(slots), dtype=torch.int32, device=DEVICE),
+             buf["cache_base"][idx], buf["write_pos"][idx], backend="reference")
+    return state
+
+
+def test_lifecycle_256_steps_triton_pool_tracks_reference_pool():
+    """256 verify -> random accept -> commit steps on a Triton ``circular`` pool and a
+    reference one fed the same tokens (1 layer, 2 requests, ring of 8 for window 3, so
+    a request flushes every few steps). At every step outputs and committed states agree
+    to fp32 rounding and the difference does not grow. Every flush writes exactly (bit
+    for bit) the committed state that the fold kernel computes from the same checkpoint
+    and records (the pool's own ``committed_state`` before that step)."""
+    shape = GDNShape(num_heads=1, num_value_heads=1, head_k_dim=16, head_v_dim=8)
+    window, ring_len, steps = 3, 8, 256
+    pools = {
+        be: StatePool(shape, 1, 3, strategy="circular", window=window, ring_len=ring_len, backend=be, device=DEVICE)
+        for be in ("reference", "triton")
+    }
+    params = dict(
+        A_log=torch.empty(1).uniform_(-2, -0.5), dt_bias=torch.randn(1) * 0.5,
+        conv_weight=torch.randn(shape.conv_dim, shape.conv_kernel),
+    )
+    for pool in pools.values():
+        pool.set_layer_params(0, **params)
+        slots = [pool.alloc(), pool.alloc(), pool.alloc()]
+    live = slots[:2]  # slots[2] stays allocated and untouched
+    trit = pools["triton"]
+    errors, flushes, expected_flush = [], 0, None
+    for step in range(steps):
+        lengths = torch.randint(1, window + 1, (2,)).tolist()
+        x = rand_layer(sum(lengths), 1, 1, shape.head_k_dim, shape.head_v_dim)
+        ins = [x[n] for n in ("q", "k", "v", "a", "b")]
+        flush_rows = [i for i, s in enumerate(live) if trit.buffers["is_flush"][s]]
+        outs, batches = {}, {}
+        for be, pool in pools.items():
+            batches[be] = pool.batch(live, lengths)
+            outs[be] = pool.strategy.verify(0, *ins, batches[be])
+        torch.testing.assert_close(outs["triton"], outs["reference"], **TOL, msg=f"outputs, step {step}")
+        for i in flush_rows:
+            assert torch.equal(trit.buffers["checkpoints"][0, live[i]], expected_flush[i]), f"flush, step {step}"
+        flushes += len(flush_rows)
+        accepted = [int(torch.randint(1, n + 1, ())) for n in lengths]
+        for be, pool in pools.items():
+            pool.strategy.commit(batches[be], accepted)
+        s_r = pools["reference"].strategy.committed_state(0, live)
+        s_t = committed_by_reference_fold(trit, live)
+        torch.testing.assert_close(s_t, s_r, **TOL, msg=f"committed state, step {step}")
+        errors.append((s_t - s_r).abs().max().item())
+        if any(trit.buffers["is_flush"][s] for s in live):  # the fold kernel's answer, for the next verify
+            expected_flush = trit.strategy.committed_state(0, live)
+            torch.testing.assert_close(expected_flush, s_t, **TOL)
+    assert flushes > 40, "the lifecycle must exercise flushes"
+    quarter = steps // 4
+    assert max(errors[-quarter:]) <= 10 * max(errors[:quarter]) + 1e-6, "Triton vs reference error grows"
+    ckpt = trit.buffers["checkpoints"]
+    assert torch.equal(ckpt[:, slots[2]], torch.zeros_like(ckpt[:, slots[2]])), "untouched slot changed"
