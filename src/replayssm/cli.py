@@ -13,7 +13,7 @@ import sys
 
 # command -> (module, help); ``bench`` has sub-commands of its own.
 COMMANDS = {
-    "run": ("replayssm.demo", "the main job (what `make run` calls)"),
+    "run": ("replayssm.engine.main_job", "the main job on the embedded default model (what `make run` calls)"),
     "demo": ("replayssm.demo", "every strategy through a long lifecycle against the float64 oracle"),
     "generate": ("replayssm.engine.generate", "speculative generation with a local Hugging Face checkpoint"),
     "drift": ("replayssm.bench.drift", "long teacher-forced runs of every strategy against a float64 oracle"),

@@ -376,7 +376,7 @@ class RecurrenceStep:
                 x.q[layer], x.k[layer], x.v[layer], x.a[layer], x.b[layer], self.A_log[layer], self.dt_bias[layer],
                 self.state[layer], self.slots, self.cu_seqlens,
                 snapshots=None if self.snapshots is None else self.snapshots[layer],
-                update_state=self.name == "plain_decode", backend=self.cfg.backend,
+                update_state=self.name == "plain_decode", max_len=self.per_request, backend=self.cfg.backend,
             )
 
     def prepare(self) -> None:
