@@ -356,7 +356,7 @@ class RecurrenceStep:
             raise ValueError(f"name must be one of {BASELINE_NAMES}, got {name!r}")
         self.cfg, self.name = cfg, name
         dev, L, hv, vd, kd = cfg.device, cfg.layers, cfg.value_heads, cfg.head_v_dim, cfg.head_k_dim
-        per_request = 1 if name == "plain_decode" else cfg.window
+        per_request = self.per_request = 1 if name == "plain_decode" else cfg.window
         self.state = torch.empty(L, batch, hv, vd, kd, dtype=cfg.state_dtype, device=dev).normal_(0.0, 0.1, generator=gen)
         self.snapshots = (
             torch.empty(L, batch, cfg.window, hv, vd, kd, dtype=cfg.state_dtype, device=dev) if name == "snapshot_verify" else None
