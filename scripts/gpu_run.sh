@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything the GPU machine must confirm, in stages, each with its own time limit:
 #
-#   scripts/gpu_run.sh tests bench        # GPU tests, then the kernel benchmark
+#   scripts/gpu_run.sh tests bench        # kernel GPU tests, then the kernel benchmark
+#   scripts/gpu_run.sh tests-engine       # engine and tool GPU tests
 #   scripts/gpu_run.sh drift e2e          # the 32768-token drift run, end-to-end tok/s
 #
 # Results (logs, JSON, PNG) go to $RESULTS (default benchmarks/results/gpu). Wheels of
@@ -30,7 +31,10 @@ stage() {  # stage NAME SECONDS CMD...
 }
 for what in "$@"; do
     case $what in
-        tests) stage gpu-tests "${TESTS_LIMIT:-300}" "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider --durations=8 tests ;;
+        tests) stage gpu-tests "${TESTS_LIMIT:-300}" "$PYTHON" -m pytest -m gpu -p no:cacheprovider -v --tb=short -rfE \
+                   tests/gpu/test_kernels_gpu.py tests/gpu/test_chunked_gpu.py tests/gpu/test_graph_step.py ;;
+        tests-engine) stage gpu-tests-engine "${TESTS_LIMIT:-300}" "$PYTHON" -m pytest -m gpu -p no:cacheprovider -v --tb=short -rfE \
+                   tests/gpu/test_engine_gpu.py tests/bench ;;
         bench) stage bench-kernels "${BENCH_LIMIT:-240}" env OUT_JSON="$RESULTS/kernels_h200.json" PYTHON="$PYTHON" RING_SWEEP=0 scripts/gpu_bench.sh ;;
         drift) stage drift "${DRIFT_LIMIT:-300}" "$PYTHON" -m replayssm.cli drift --json "$RESULTS/drift_h200.json" --plot "$RESULTS/drift_h200.png" --quiet ;;
         e2e) stage e2e "${E2E_LIMIT:-240}" "$PYTHON" -m replayssm.cli bench e2e --json "$RESULTS/e2e_h200.json" --plot "$RESULTS/e2e_h200.png" ;;
