@@ -212,10 +212,10 @@ def gdn_chunked_window(*args, backend: str = "auto", **kwargs) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- Triton
 # One launch per layer, one program per (V block, window, value head), 4 warps.
-#  * A flush row first loads its [BV, K] checkpoint slice as one full-K tile, replays the
-#    committed raw records through the exact step shared with the recurrence and fold
-#    kernels (same helpers, tile shape and num_warps: the folded checkpoint is theirs,
-#    bit for bit), and writes it back once.
+#  * A flush row first loads its [BV, K] checkpoint slice in full-K tiles of FV rows,
+#    replays the committed raw records through the exact step shared with the
+#    recurrence and fold kernels (same helpers, tile shape and num_warps: the folded
+#    checkpoint is theirs, bit for bit), and writes each tile back once.
 #  * Then one pass over K in chunks of KC computes the raw products the closed form
 #    needs: S x_r for the window's stacked keys and queries (S read once, chunk by chunk,
 #    so no [BV, K] block stays in registers), their Gram matrix and the history keys'
@@ -240,6 +240,12 @@ except ImportError:  # the reference above works without Triton
 # products' pass: 32 keeps every [*, K] block out of the registers.
 _DOT_PRECISION = "ieee"
 _K_CHUNK = 32
+# Rows of V per program on a GPU (halved for small batches, as in the other kernels):
+# the window's Gram and history products are per request and head, so taller blocks
+# amortise them (64 rows: ~30% fewer instructions per row than 32, no spills at
+# K = 128). The flush folds FOLD_ROWS-row tiles, the tile shape of the fold kernel.
+_BLOCK_V_MAX = 64
+_FOLD_ROWS = 32
 #: Longest window the kernel takes (the stacked window block is 2 * max(8, T) rows).
 MAX_WINDOW_TRITON = 16
 
@@ -254,7 +260,7 @@ if triton is not None:
     )
     # The fold kernel's record loader: the flush replays records exactly as it does.
     from .fold import _load_record
-    from .triton_common import EXACT_NUM_WARPS, NORM_EPS, gdn_gates as _tl_gdn_gates
+    from .triton_common import EXACT_NUM_WARPS, INTERPRETER, NORM_EPS, gdn_gates as _tl_gdn_gates
     from .triton_common import gdn_state_step as _tl_state_step, l2norm as _tl_l2norm
     from .triton_common import row_sum as _tl_row_sum
 
@@ -268,7 +274,7 @@ if triton is not None:
         scale, eps,
         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
         LOG_T: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr,
-        BV: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        BV: tl.constexpr, FV: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ):
         BX: tl.constexpr = 2 * BT
         i_v = tl.program_id(0)
@@ -306,29 +312,35 @@ if triton is not None:
         ckpt_at = ckpt_ptr + (slot * HV + i_hv) * (V * K)
 
         if flush:
-            # Closed-loop fold of the committed raw records into the full-K tile, with
-            # the exact step shared with the recurrence and fold kernels; the next
-            # record loads while this one is replayed. Written back once.
+            # Closed-loop fold of the committed raw records, FV rows of the slice at a
+            # time as full-K tiles, with the exact step shared with the recurrence and
+            # fold kernels (same tile layout: the same bits); the next record loads
+            # while this one is replayed. Each tile is written back once.
             offs_k = tl.arange(0, BK)
             mask_k = offs_k < K
-            tile = offs_v[:, None] * K + offs_k[None, :]
-            mask_s = mask_v[:, None] & mask_k[None, :]
-            S = tl.load(ckpt_at + tile, mask=mask_s, other=0.0).to(tl.float32)
-            valid_n = 0 < wp
-            k_n, v_n, g_n, b_n = _load_record(
-                rk_ptr, rv_ptr, rg_ptr, rb_ptr, ring_at + base % L, valid_n,
-                offs_k < tl.where(valid_n, K, 0), offs_v < tl.where(valid_n, V, 0), i_h, i_hv, offs_k, offs_v, H, HV, K, V,
-            )
-            for c in range(0, wp):
-                k, v, g, beta = k_n, v_n, g_n, b_n
-                valid_n = c + 1 < wp
+            for r0 in tl.static_range(0, BV, FV):
+                offs_f = i_v * BV + r0 + tl.arange(0, FV)
+                mask_f = offs_f < V
+                tile = offs_f[:, None] * K + offs_k[None, :]
+                mask_s = mask_f[:, None] & mask_k[None, :]
+                S = tl.load(ckpt_at + tile, mask=mask_s, other=0.0).to(tl.float32)
+                valid_n = 0 < wp
                 k_n, v_n, g_n, b_n = _load_record(
-                    rk_ptr, rv_ptr, rg_ptr, rb_ptr, ring_at + (base + c + 1) % L, valid_n,
-                    offs_k < tl.where(valid_n, K, 0), offs_v < tl.where(valid_n, V, 0), i_h, i_hv, offs_k, offs_v, H, HV, K, V,
+                    rk_ptr, rv_ptr, rg_ptr, rb_ptr, ring_at + base % L, valid_n,
+                    offs_k < tl.where(valid_n, K, 0), offs_f < tl.where(valid_n, V, 0), i_h, i_hv, offs_k, offs_f,
+                    H, HV, K, V,
                 )
-                S = _tl_state_step(S, _tl_l2norm(k, eps), v.to(tl.float32), g, beta)
-            tl.store(ckpt_at + tile, S.to(ckpt_ptr.dtype.element_ty), mask=mask_s)
-            # The window below re-reads the tile as stored (bf16 rounding included),
+                for c in range(0, wp):
+                    k, v, g, beta = k_n, v_n, g_n, b_n
+                    valid_n = c + 1 < wp
+                    k_n, v_n, g_n, b_n = _load_record(
+                        rk_ptr, rv_ptr, rg_ptr, rb_ptr, ring_at + (base + c + 1) % L, valid_n,
+                        offs_k < tl.where(valid_n, K, 0), offs_f < tl.where(valid_n, V, 0), i_h, i_hv, offs_k, offs_f,
+                        H, HV, K, V,
+                    )
+                    S = _tl_state_step(S, _tl_l2norm(k, eps), v.to(tl.float32), g, beta)
+                tl.store(ckpt_at + tile, S.to(ckpt_ptr.dtype.element_ty), mask=mask_s)
+            # The window below re-reads the slice as stored (bf16 rounding included),
             # so every thread's writes must land first.
             tl.debug_barrier()
         n_hist = tl.where(flush, 0, wp)  # a flush row starts with an empty history
@@ -423,6 +435,18 @@ if triton is not None:
         tl.store(rb_ptr + rec_w * HV + i_hv, beta, mask=first_v)
 
 
+def _block_v(vd: int, rows: int, device: torch.device) -> int:
+    """Rows of V per program: up to ``_BLOCK_V_MAX``, halved (down to 8) while a CUDA
+    device would get fewer than two programs per SM; the shared choice elsewhere."""
+    if device.type != "cuda":
+        return pick_block_v(vd, rows, device)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    bv = min(_BLOCK_V_MAX, triton.next_power_of_2(vd))
+    while bv > 8 and rows * triton.cdiv(vd, bv) < 2 * sms:
+        bv //= 2
+    return bv
+
+
 @register("chunked", "triton")
 def gdn_chunked_window_triton(
     q: torch.Tensor,
@@ -483,7 +507,10 @@ def gdn_chunked_window_triton(
     batch = slots.shape[0]
     if batch == 0:
         return o
-    bv = pick_block_v(vd, batch * hv, q.device)
+    bv = _block_v(vd, batch * hv, q.device)
+    # Under the interpreter the fold runs in 8-row tiles so that CPU tests cover a
+    # program with several fold tiles (rows are independent: the numbers are the same).
+    fv = min(bv, 8 if INTERPRETER else _FOLD_ROWS)
     bk = triton.next_power_of_2(kd)  # the fold tile: full K, as in the fold kernel (same bits)
     grid = (triton.cdiv(vd, bv), batch, hv)
     _chunked_window_kernel[grid](
@@ -494,7 +521,7 @@ def gdn_chunked_window_triton(
         kd**-0.5, NORM_EPS,
         H=h, HV=hv, K=kd, V=vd, L=L, LOG_T=max(1, (max_len - 1).bit_length()),
         # tl.dot wants sides of 16: the stacked window has 2 * max(8, T) rows, the history 16.
-        BT=max(8, triton.next_power_of_2(max_len)), BH=max(16, L), BK=bk, KC=max(16, min(_K_CHUNK, bk)), BV=bv,
+        BT=max(8, triton.next_power_of_2(max_len)), BH=max(16, L), BK=bk, KC=max(16, min(_K_CHUNK, bk)), BV=bv, FV=fv,
         DOT_PRECISION=_DOT_PRECISION,
         num_warps=EXACT_NUM_WARPS,
     )
