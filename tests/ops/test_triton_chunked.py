@@ -301,6 +301,19 @@ def test_launcher_rejects_bad_arguments_before_touching_state():
     assert all(same(a, b) for a, b in zip(after, before)), "a rejected call touched a buffer"
 
 
+def test_empty_batch_touches_nothing():
+    case = Case(1, 1, 16, 16, 2, 4, rows=2)
+    ckpt, ring, ring_u = case.buffers()
+    x = rand_layer(0, 1, 1, 16, 16)
+    none = torch.zeros(0, dtype=torch.int32, device=DEVICE)
+    cu = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    for backend in ("reference", "triton"):
+        o = gdn_chunked_window(*(x[n] for n in ("q", "k", "v", "a", "b", "A_log", "dt_bias")), ckpt, ring, ring_u,
+                               none, cu, *case.cursors()[2:], max_len=2, backend=backend)
+        assert o.shape == (0, 1, 16)
+    assert torch.equal(ckpt, case.checkpoint) and same(ring_u, case.ring_u)
+
+
 def test_reference_max_len_bounds_windows():
     case = Case(1, 1, 16, 16, 3, 8, rows=2)
     with pytest.raises(ValueError, match="expected 1..2"):
