@@ -214,7 +214,7 @@ def gdn_chunked_window(*args, backend: str = "auto", **kwargs) -> torch.Tensor:
 # One launch per layer, one program per (V block, window, value head), 4 warps.
 #  * A flush row first loads its [BV, K] checkpoint slice in full-K tiles of FV rows,
 #    replays the committed raw records through the exact step shared with the
-#    recurrence and fold kernels (same helpers, tile shape and num_warps: the folded
+#    recurrence and fold kernels (same device functions, tile shape and num_warps: the folded
 #    checkpoint is theirs, bit for bit), and writes each tile back once.
 #  * Then one pass over K in chunks of KC computes the raw products the closed form
 #    needs: S x_r for the window's stacked keys and queries (S read once, chunk by chunk,
