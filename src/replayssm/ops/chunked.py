@@ -22,6 +22,8 @@ stay outside ``write_pos`` and are overwritten by the next window.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from . import _checks
@@ -238,13 +240,13 @@ except ImportError:  # the reference above works without Triton
 # [BV, K] x [K, 16] product per program) tensor-core "tf32x3" compiles to ~50% more
 # instructions, and plain "tf32" loses 3 decimal digits. K columns per step of the
 # products' pass: 32 keeps every [*, K] block out of the registers.
-_DOT_PRECISION = "ieee"
-_K_CHUNK = 32
+_DOT_PRECISION = os.environ.get("REPLAYSSM_CHUNKED_DOT", "ieee")
+_K_CHUNK = int(os.environ.get("REPLAYSSM_CHUNKED_KC", "32"))
 # Rows of V per program on a GPU (halved for small batches, as in the other kernels):
 # the window's Gram and history products are per request and head, so taller blocks
 # amortise them (64 rows: ~30% fewer instructions per row than 32, no spills at
 # K = 128). The flush folds FOLD_ROWS-row tiles, the tile shape of the fold kernel.
-_BLOCK_V_MAX = 64
+_BLOCK_V_MAX = int(os.environ.get("REPLAYSSM_CHUNKED_BV", "64"))
 _FOLD_ROWS = 32
 #: Longest window the kernel takes (the stacked window block is 2 * max(8, T) rows).
 MAX_WINDOW_TRITON = 16

@@ -18,6 +18,8 @@ It also holds the Triton kernel (fp32/bf16, end of the file), built from the hel
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from . import _checks
@@ -217,6 +219,10 @@ def window_bound(max_len: int | None, *shape_bounds: int | None) -> int:
     return t if t <= 16 else triton.next_power_of_2(t)
 
 
+#: Largest state tile height on CUDA; ``REPLAYSSM_BLOCK_V`` overrides it for tuning runs.
+_BLOCK_V_MAX = int(os.environ.get("REPLAYSSM_BLOCK_V", "32"))
+
+
 def pick_block_v(vd: int, rows: int, device: torch.device) -> int:
     """Rows ``BV`` of a state tile: 32, halved (down to 8) while a CUDA device would
     get fewer than two programs per SM. Any ``BV >= EXACT_NUM_WARPS`` gives the same
@@ -226,7 +232,7 @@ def pick_block_v(vd: int, rows: int, device: torch.device) -> int:
     if device.type != "cuda":
         return min(16, full)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    bv = min(32, full)
+    bv = min(_BLOCK_V_MAX, full)
     while bv > 8 and rows * triton.cdiv(vd, bv) < 2 * sms:
         bv //= 2
     return bv

@@ -138,6 +138,9 @@ class StatePool:
         self.state_dtype = state_dtype
         self.act_dtype = act_dtype
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            # "cuda" means the current device; pin it so tensors compare equal to it.
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.backend = backend
 
         s = shape
