@@ -38,7 +38,7 @@ for what in "$@"; do
         bench) stage bench-kernels "${BENCH_LIMIT:-240}" env OUT_JSON="$RESULTS/kernels_h200.json" PYTHON="$PYTHON" RING_SWEEP=0 scripts/gpu_bench.sh ;;
         sweep) stage sweep "${SWEEP_LIMIT:-240}" env PYTHON="$PYTHON" scripts/gpu_sweep.sh ;;
         drift) stage drift "${DRIFT_LIMIT:-300}" "$PYTHON" -m replayssm.cli drift --json "$RESULTS/drift_h200.json" --plot "$RESULTS/drift_h200.png" --quiet ;;
-        e2e) stage e2e "${E2E_LIMIT:-240}" "$PYTHON" -m replayssm.cli bench e2e --json "$RESULTS/e2e_h200.json" --plot "$RESULTS/e2e_h200.png" ;;
+        e2e) stage e2e "${E2E_LIMIT:-240}" "$PYTHON" -m replayssm.cli bench e2e --json "$RESULTS/e2e_h200.json" --plot "$RESULTS/e2e_h200.png" ${E2E_ARGS:-} ;;
         *) echo "unknown stage $what"; rc=2 ;;
     esac
 done
