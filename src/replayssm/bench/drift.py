@@ -66,7 +66,7 @@ from ..ops.dispatch import BACKENDS, resolve
 from ..ops.gates import expand_heads, l2_normalize
 from ..ops.recurrent import gdn_recurrence, prepare_window, readout, state_update
 from ..state import GDNShape, StatePool
-from .progress import ProgressBar, write_json
+from .progress import ProgressBar, write_outputs
 
 STRATEGY_NAMES = ("snapshot", "fold", "circular")
 PLAIN = "plain"
@@ -781,13 +781,6 @@ def main(args) -> int:
         return 2
     result = run_drift(cfg, progress=not args.quiet)
     print_report(result)
-    if args.json is not None:
-        write_json(args.json, result)
-        print(f"wrote {args.json}")
-    if args.plot is not None:
-        from .plotting import plot_drift
-
-        plot_drift(result, args.plot)
-        print(f"wrote {args.plot}")
+    write_outputs(result, args.json, args.plot, "plot_drift")
     return result["exit_code"]
 

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from ..ops.dispatch import BACKENDS, resolve
-from .progress import ProgressBar, write_json
+from .progress import ProgressBar, write_outputs
 
 STRATEGY_NAMES = ("snapshot", "fold", "circular")
 PLAIN = "plain"
@@ -368,12 +368,5 @@ def main(args) -> int:
         return 2
     result = run_e2e(cfg, progress=not args.quiet)
     print_table(result)
-    if args.json is not None:
-        write_json(args.json, result)
-        print(f"wrote {args.json}")
-    if args.plot is not None:
-        from .plotting import plot_e2e
-
-        plot_e2e(result, args.plot)
-        print(f"wrote {args.plot}")
+    write_outputs(result, args.json, args.plot, "plot_e2e")
     return 1 if result["mismatches"] else 0

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from ..state import GDNShape, StatePool
-from .progress import write_json
+from .progress import write_outputs
 
 STRATEGY_NAMES = ("snapshot", "fold", "circular")
 PLAIN = "plain"
@@ -427,12 +427,5 @@ def main(args) -> int:
         print(f"replayssm bench memory: {e}", file=sys.stderr)
         return 2
     print_table(result)
-    if args.json is not None:
-        write_json(args.json, result)
-        print(f"wrote {args.json}")
-    if args.plot is not None:
-        from .plotting import plot_memory
-
-        plot_memory(result, args.plot)
-        print(f"wrote {args.plot}")
+    write_outputs(result, args.json, args.plot, "plot_memory")
     return 0

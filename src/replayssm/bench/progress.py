@@ -146,3 +146,16 @@ def write_json(path: str | os.PathLike, payload: dict) -> Path:
     tmp.write_text(json.dumps(json_safe(payload), indent=1, allow_nan=False) + "\n")
     os.replace(tmp, path)
     return path
+
+
+def write_outputs(result: dict, json_path, plot_path, plot: str) -> None:
+    """The ``--json`` / ``--plot`` outputs of a command: ``result`` as JSON, and a PNG
+    drawn by ``replayssm.bench.plotting.<plot>(result, path)``; each path is printed."""
+    if json_path is not None:
+        write_json(json_path, result)
+        print(f"wrote {json_path}")
+    if plot_path is not None:
+        from . import plotting
+
+        getattr(plotting, plot)(result, plot_path)
+        print(f"wrote {plot_path}")
