@@ -5,6 +5,8 @@ import math
 
 import pytest
 import torch
+from layer_inputs import args
+from layer_inputs import rand_layer as _rand_layer
 
 from replayssm.ops import (
     RawRecords,
@@ -20,19 +22,7 @@ from replayssm.ops import (
 
 
 def rand_layer(n, h, hv, kd, vd, dtype=torch.float64):
-    return dict(
-        q=torch.randn(n, h, kd, dtype=dtype),
-        k=torch.randn(n, h, kd, dtype=dtype),
-        v=torch.randn(n, hv, vd, dtype=dtype),
-        a=torch.randn(n, hv, dtype=dtype),
-        b=torch.randn(n, hv, dtype=dtype) * 2,
-        A_log=torch.empty(hv, dtype=dtype).uniform_(-3, -0.3),
-        dt_bias=torch.randn(hv, dtype=dtype) * 0.5,
-    )
-
-
-def args(x):
-    return x["q"], x["k"], x["v"], x["a"], x["b"], x["A_log"], x["dt_bias"]
+    return _rand_layer(n, h, hv, kd, vd, dtype)
 
 
 def cu_of(lengths):

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from layer_inputs import args
+from layer_inputs import rand_layer as _rand_layer
 
 triton = pytest.importorskip("triton")
 
@@ -49,23 +51,8 @@ NAN = float("nan")
 
 # ---------------------------------------------------------------------------- inputs
 def rand_layer(n, h, hv, kd, vd):
-    """Random post-conv inputs of ``n`` tokens; a few ``a`` entries sit above the
-    softplus threshold so both branches of the gate run."""
-    a = torch.randn(n, hv, device=DEVICE)
-    a[torch.rand(n, hv, device=DEVICE) < 0.1] += 25.0
-    return dict(
-        q=torch.randn(n, h, kd, device=DEVICE),
-        k=torch.randn(n, h, kd, device=DEVICE),
-        v=torch.randn(n, hv, vd, device=DEVICE),
-        a=a,
-        b=torch.randn(n, hv, device=DEVICE) * 2,
-        A_log=torch.empty(hv, device=DEVICE).uniform_(-3, -0.3),
-        dt_bias=torch.randn(hv, device=DEVICE) * 0.5,
-    )
+    return _rand_layer(n, h, hv, kd, vd, device=DEVICE)
 
-
-def args(x):
-    return x["q"], x["k"], x["v"], x["a"], x["b"], x["A_log"], x["dt_bias"]
 
 
 def rand_batch(rows, t_max, num_slots, *, pad_row=True):
