@@ -2,7 +2,6 @@
 configs the published ones, and the request counts what the budget allows."""
 
 import json
-import math
 import random
 
 import pytest

@@ -246,7 +246,7 @@ def test_cuda_graph_step_replays_eager_step(strategy):
     pool.buffers["conv_state"].normal_()
     lengths = [4, 2, 3, 4, 1]
     batch = pool.batch([slots[0], slots[1], -1, slots[3], slots[4]], lengths)
-    n, hk, hvv = sum(lengths), H * K, 32 * V
+    n, hk = sum(lengths), H * K
     static_x = [torch.zeros(n, shape.conv_dim, device=DEV, dtype=torch.bfloat16) for _ in range(layers)]
     static_ab = [torch.zeros(2, n, 32, device=DEV, dtype=torch.bfloat16) for _ in range(layers)]
     static_acc = torch.ones(len(lengths), dtype=torch.int32, device=DEV)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from layer_inputs import args
 from layer_inputs import rand_layer as _rand_layer
 
 triton = pytest.importorskip("triton")

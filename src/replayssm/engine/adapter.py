@@ -22,14 +22,12 @@ tokens; tokens are packed ``[N = sum l_i]`` in request order, the layout of
 
 from __future__ import annotations
 
-import copy
 import logging
 import sys
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from ..ops.gates import expand_heads, gdn_gates
 from ..state import GDNShape, StatePool
