@@ -328,16 +328,6 @@ def test_copy_bandwidth_and_l2_need_cuda():
         common.l2_cache_bytes("cpu")
 
 
-def test_write_json_is_whole_and_strict(tmp_path):
-    payload = {"rows": [{"x": random.random()}]}
-    p = common.write_json(tmp_path / "a" / "b.json", payload)
-    assert json.loads(p.read_text()) == payload
-    assert not list(p.parent.glob("*.tmp"))
-    with pytest.raises(ValueError):
-        common.write_json(tmp_path / "nan.json", {"x": float("nan")})
-    with pytest.raises(TypeError, match="payload"):
-        common.write_json(tmp_path / "l.json", [1])
-
 
 def test_progress_lines(capsys):
     import io

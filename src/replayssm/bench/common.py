@@ -18,14 +18,11 @@ the wall clock: a smoke run that proves the code path, not a measurement.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
@@ -501,16 +498,3 @@ class Progress:
 
     def note(self, text: str) -> None:
         self._line(f"  {text}")
-
-
-def write_json(path: str | os.PathLike, payload: dict) -> Path:
-    """Write ``payload`` as indented JSON, creating parent folders; the file appears
-    whole or not at all (written beside it, then renamed)."""
-    path = Path(path)
-    if not isinstance(payload, dict):
-        raise TypeError(f"payload must be a dict, got {type(payload).__name__}")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2, allow_nan=False) + "\n")
-    os.replace(tmp, path)
-    return path

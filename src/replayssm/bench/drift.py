@@ -66,6 +66,7 @@ from ..ops.dispatch import BACKENDS, resolve
 from ..ops.gates import expand_heads, l2_normalize
 from ..ops.recurrent import gdn_recurrence, prepare_window, readout, state_update
 from ..state import GDNShape, StatePool
+from .args import name_list
 from .progress import ProgressBar, write_outputs
 
 STRATEGY_NAMES = ("snapshot", "fold", "circular")
@@ -662,16 +663,6 @@ def _decay_range(text: str) -> tuple[float, float]:
     return lo, hi
 
 
-def _strategies(text: str) -> tuple[str, ...]:
-    if text.strip().lower() == "none":
-        return ()
-    names = tuple(x.strip() for x in text.split(",") if x.strip())
-    bad = [n for n in names if n not in STRATEGY_NAMES]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {','.join(STRATEGY_NAMES)} or 'none', got {text!r}")
-    return names
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = DriftConfig()
     g = parser.add_argument_group("the run")
@@ -686,7 +677,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--state-dtype", choices=sorted(STATE_DTYPES), default=d.state_dtype, help="checkpoints (default fp32)")
     g.add_argument("--device", default=None, help="default cuda when available, else cpu")
     g.add_argument("--backend", choices=BACKENDS, default=d.backend, help="ops backend (default auto: Triton on CUDA)")
-    g.add_argument("--strategies", type=_strategies, default=STRATEGY_NAMES, help="comma-separated (default snapshot,fold,circular)")
+    g.add_argument("--strategies", type=name_list(STRATEGY_NAMES, allow_none=True), default=STRATEGY_NAMES, help="comma-separated (default snapshot,fold,circular)")
     g.add_argument("--no-control", action="store_true", help="skip the open-loop control")
     g.add_argument("--decay-range", type=_decay_range, default=d.decay_range,
                    help="MIN,MAX mean per-token decay -g of the heads, spread log-uniformly (default 0.001,0.5)")

@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from ..ops.dispatch import BACKENDS, resolve
+from .args import int_list, name_list
 from .progress import ProgressBar, write_outputs
 
 STRATEGY_NAMES = ("snapshot", "fold", "circular")
@@ -278,33 +279,14 @@ def _environment(device: torch.device, backend: str) -> dict:
 
 
 # ---------------------------------------------------------------------- command line
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values:
-        raise argparse.ArgumentTypeError("expected at least one integer")
-    return values
-
-
-def _strategies(text: str) -> tuple[str, ...]:
-    if text.strip().lower() == "none":
-        return ()
-    names = tuple(x.strip() for x in text.split(",") if x.strip())
-    if not names or any(n not in STRATEGY_NAMES for n in names):
-        raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {','.join(STRATEGY_NAMES)} or 'none', got {text!r}")
-    return names
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = E2EConfig()
     parser.add_argument("--model", default=None, help="local Hugging Face checkpoint directory (default: the embedded model)")
     parser.add_argument("--embedded", choices=EMBEDDED, default=None,
                         help="embedded model without --model (default qwen3.5-shapes on CUDA, tiny on the CPU)")
-    parser.add_argument("--strategies", type=_strategies, default=STRATEGY_NAMES, help="comma-separated (default all three)")
+    parser.add_argument("--strategies", type=name_list(STRATEGY_NAMES, allow_none=True), default=STRATEGY_NAMES, help="comma-separated (default all three)")
     parser.add_argument("--no-plain", action="store_true", help="skip plain decoding")
-    parser.add_argument("--batches", type=_int_list, default=None, help="batch sizes (default 1,4,16,64 on CUDA, 1,2 on the CPU)")
+    parser.add_argument("--batches", type=int_list, default=None, help="batch sizes (default 1,4,16,64 on CUDA, 1,2 on the CPU)")
     parser.add_argument("--num-draft", type=int, default=d.num_draft, help=f"draft tokens per step (default {d.num_draft})")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="generated tokens per request (default 256; 16 on the CPU)")
     parser.add_argument("--prompt-len", type=int, default=None, help="prompt tokens per request (default 64; 8 on the CPU)")

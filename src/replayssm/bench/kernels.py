@@ -47,6 +47,8 @@ from pathlib import Path
 import torch
 
 from . import common
+from .args import int_list, name_list
+from .progress import write_json
 from .common import StepShape, Timing
 
 STRATEGY_NAMES = ("snapshot", "fold", "circular")
@@ -60,40 +62,13 @@ CPU_DEFAULTS = dict(heads=2, value_heads=4, head_k_dim=16, head_v_dim=16, layers
 
 
 # ---------------------------------------------------------------------- arguments
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    if len(set(values)) != len(values):
-        raise argparse.ArgumentTypeError(f"duplicate values in {text!r}")
-    return values
-
-
-def _name_list(allowed: tuple[str, ...], *, allow_empty: bool):
-    def parse(text: str) -> list[str]:
-        if allow_empty and text.strip().lower() in ("", "none"):
-            return []
-        names = [x.strip() for x in text.split(",") if x.strip()]
-        bad = [n for n in names if n not in allowed]
-        if bad or not names:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {','.join(allowed)}, got {text!r}")
-        if len(set(names)) != len(names):
-            raise argparse.ArgumentTypeError(f"duplicate names in {text!r}")
-        return names
-
-    return parse
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("what to time")
-    g.add_argument("--batches", type=_int_list, default=None,
+    g.add_argument("--batches", type=int_list, default=None,
                    help="requests per step, comma-separated (default 1,16,64,256 on CUDA; 1,2 in the CPU smoke run)")
-    g.add_argument("--strategies", type=_name_list(STRATEGY_NAMES, allow_empty=False), default=list(STRATEGY_NAMES),
+    g.add_argument("--strategies", type=name_list(STRATEGY_NAMES), default=tuple(STRATEGY_NAMES),
                    help="strategies to time (default snapshot,fold,circular)")
-    g.add_argument("--baselines", type=_name_list(BASELINE_NAMES, allow_empty=True), default=list(BASELINE_NAMES),
+    g.add_argument("--baselines", type=name_list(BASELINE_NAMES, allow_none=True), default=tuple(BASELINE_NAMES),
                    help="reference steps to time, or 'none' (default plain_decode,snapshot_verify)")
     g.add_argument("--layers", type=int, default=None,
                    help="GDN layers per captured step (default 8 on CUDA, 2 on the CPU); small batches "
@@ -614,6 +589,6 @@ def main(args: argparse.Namespace) -> int:
             "targets": targets,
             "errors": errors,
         }
-        path = common.write_json(args.json, payload)
+        path = write_json(args.json, payload)
         print(f"\nwrote {path}", file=out)
     return 1 if errors else 0

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from ..state import GDNShape, StatePool
+from .args import int_list, name_list
 from .progress import write_outputs
 
 STRATEGY_NAMES = ("snapshot", "fold", "circular")
@@ -307,38 +308,17 @@ def memory_table(cfg: MemoryConfig, specs: dict[str, ModelSpec]) -> dict:
 
 
 # ---------------------------------------------------------------------- command line
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values:
-        raise argparse.ArgumentTypeError("expected at least one integer")
-    return values
-
-
-def _names(allowed):
-    def parse(text: str) -> tuple[str, ...]:
-        names = tuple(x.strip() for x in text.split(",") if x.strip())
-        bad = [n for n in names if n not in allowed]
-        if bad or not names:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {','.join(allowed)}, got {text!r}")
-        return names
-
-    return parse
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = MemoryConfig()
-    parser.add_argument("--models", type=_names(tuple(MODELS)), default=d.models,
+    parser.add_argument("--models", type=name_list(tuple(MODELS)), default=d.models,
                         help=f"built-in model configs, comma-separated (default {','.join(MODELS)})")
     parser.add_argument("--config", type=Path, action="append", default=[],
                         help="a Hugging Face config.json of another GDN hybrid model (repeatable); replaces --models")
-    parser.add_argument("--strategies", type=_names((PLAIN,) + STRATEGY_NAMES), default=d.strategies,
+    parser.add_argument("--strategies", type=name_list((PLAIN,) + STRATEGY_NAMES), default=d.strategies,
                         help="comma-separated (default plain,snapshot,fold,circular)")
     parser.add_argument("--window", type=int, default=d.window, help=f"T: draft tokens + bonus (default {d.window})")
     parser.add_argument("--ring-len", type=int, default=d.ring_len, help=f"L for circular (default {d.ring_len})")
-    parser.add_argument("--context", type=_int_list, default=d.contexts,
+    parser.add_argument("--context", type=int_list, default=d.contexts,
                         help="tokens of KV cache per request, comma-separated (default 4096,32768)")
     parser.add_argument("--state-dtype", choices=("fp32", "bf16"), default=d.state_dtype)
     parser.add_argument("--act-dtype", choices=("bf16", "fp16", "fp32"), default=d.act_dtype, help="conv state and records (default bf16)")
