@@ -213,22 +213,19 @@ def gdn_chunked_window(*args, backend: str = "auto", **kwargs) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- Triton
-# One launch per layer, one program per (V block, window, value head), 4 warps.
-#  * A flush row first loads its [BV, K] checkpoint slice in full-K tiles of FV rows,
-#    replays the committed raw records through the exact step shared with the
-#    recurrence and fold kernels (same device functions, tile shape and num_warps: the folded
-#    checkpoint is theirs, bit for bit), and writes each tile back once.
-#  * Then one pass over K in chunks of KC computes the raw products the closed form
-#    needs: S x_r for the window's stacked keys and queries (S read once, chunk by chunk,
-#    so no [BV, K] block stays in registers), their Gram matrix and the history keys'
-#    products with them. The window is solved in a small BX x BX space (DESIGN.md
-#    section 2) and its records go to the ring. Other rows thus read each checkpoint
-#    element exactly once; a flush row reads it from memory once, writes it once and
-#    re-reads the slice it just wrote (from L2) in the pass.
+# Two launches per layer.
+#  * The flush: rows with is_flush fold their committed raw records into the checkpoint
+#    with the fold kernel (the exact recurrence step, shared with the recurrence: the
+#    folded checkpoint is theirs, bit for bit); every other row's program exits at once.
+#    Kept apart from the window so that the window kernel's tiles and warps are free to
+#    suit its products, and so that the few long flush programs do not hold up the rest.
+#  * The window: one program per (V block, window, value head). One pass over K in
+#    chunks of KC computes the raw products the closed form needs: S x_r for the
+#    window's stacked keys and queries (S read once, chunk by chunk), their Gram matrix
+#    and the history keys' products with them. The window is solved in a small
+#    BX x BX space (DESIGN.md section 2) and its records go to the ring.
 # Branches on request data are masks or device control flow: the host never reads the
-# device and the launch can be captured in a CUDA graph. Block masks that fold in a
-# scalar flag are written `offs < where(flag, bound, 0)`: the Triton interpreter cannot
-# `&` a block with a scalar bool.
+# device and the launches can be captured in a CUDA graph.
 
 try:
     import triton
@@ -236,20 +233,32 @@ try:
 except ImportError:  # the reference above works without Triton
     triton = None
 
-# Tuning of the Triton kernel. Products run as fp32 FMA ("ieee"): at these sizes (a
-# [BV, K] x [K, 16] product per program) tensor-core "tf32x3" compiles to ~50% more
-# instructions, and plain "tf32" loses 3 decimal digits. K columns per step of the
-# products' pass: 32 keeps every [*, K] block out of the registers.
-_DOT_PRECISION = os.environ.get("REPLAYSSM_CHUNKED_DOT", "ieee")
-_K_CHUNK = int(os.environ.get("REPLAYSSM_CHUNKED_KC", "32"))
-# Rows of V per program on a GPU (halved for small batches, as in the other kernels):
-# the window's Gram and history products are per request and head, so taller blocks
-# amortise them (64 rows: ~30% fewer instructions per row than 32, no spills at
-# K = 128). The flush folds FOLD_ROWS-row tiles, the tile shape of the fold kernel.
-_BLOCK_V_MAX = int(os.environ.get("REPLAYSSM_CHUNKED_BV", "64"))
-_FOLD_ROWS = 32
+# Tuning of the window kernel (measured on an H200, Qwen3.5 shapes; see BENCHMARKS.md).
+# Products: the big one, S x_r ([BV, K] x [K, 2T]), decides the kernel's speed. As fp32
+# FMA ("ieee") it makes the kernel instruction-bound (~11x the one-read floor); on
+# tensor cores ("tf32") it is ~3x faster. tf32 rounds the fp32 operand (the state, and
+# the history's u) to 11 significant bits, a relative error of ~2^-12 in a product over
+# K = 128 terms, 8x below the rounding of a bf16 output (2^-9); the 16-bit keys and
+# queries are exact in tf32. So: "tf32" when the activations are 16-bit, "ieee" for
+# fp32 activations (CPU tests, fp32 models), where tf32 would show. The window's small
+# solve ([BV, 2T] x [2T, 2T]) always runs in "ieee". REPLAYSSM_CHUNKED_DOT overrides
+# the choice of the big products ("ieee", "tf32", "tf32x3").
+_DOT_PRECISION = os.environ.get("REPLAYSSM_CHUNKED_DOT", "")
+# K columns per step of the products' pass, rows of V per program (one program per head
+# amortises the window's per-head work best), warps per program.
+_K_CHUNK = int(os.environ.get("REPLAYSSM_CHUNKED_KC", "64"))
+_BLOCK_V_MAX = int(os.environ.get("REPLAYSSM_CHUNKED_BV", "128"))
+_NUM_WARPS = int(os.environ.get("REPLAYSSM_CHUNKED_WARPS", "4"))
 #: Longest window the kernel takes (the stacked window block is 2 * max(8, T) rows).
 MAX_WINDOW_TRITON = 16
+
+
+def product_precision(act_dtype: torch.dtype) -> str:
+    """``input_precision`` of the window kernel's big products for an activation dtype."""
+    if _DOT_PRECISION:
+        return _DOT_PRECISION
+    return "ieee" if act_dtype == torch.float32 else "tf32"
+
 
 if triton is not None:
     from .recurrent import (
@@ -260,11 +269,8 @@ if triton is not None:
         check_max_len,
         pick_block_v,
     )
-    # The fold kernel's record loader: the flush replays records exactly as it does.
-    from .fold import _load_record
-    from .triton_common import EXACT_NUM_WARPS, INTERPRETER, NORM_EPS, gdn_gates as _tl_gdn_gates
-    from .triton_common import gdn_state_step as _tl_state_step, l2norm as _tl_l2norm
-    from .triton_common import row_sum as _tl_row_sum
+    from .fold import launch_fold
+    from .triton_common import NORM_EPS, gdn_gates as _tl_gdn_gates, row_sum as _tl_row_sum
 
     @triton.jit
     def _chunked_window_kernel(
@@ -276,7 +282,7 @@ if triton is not None:
         scale, eps,
         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
         LOG_T: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr,
-        BV: tl.constexpr, FV: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        BV: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ):
         BX: tl.constexpr = 2 * BT
         i_v = tl.program_id(0)
@@ -309,42 +315,9 @@ if triton is not None:
 
         wp = tl.load(wp_ptr + slot).to(tl.int64)
         base = tl.load(base_ptr + slot).to(tl.int64)
-        flush = tl.load(flush_ptr + slot) != 0
+        flush = tl.load(flush_ptr + slot) != 0  # folded by the flush launch just before
         ring_at = slot * L  # flat record index of the slot's ring
         ckpt_at = ckpt_ptr + (slot * HV + i_hv) * (V * K)
-
-        if flush:
-            # Closed-loop fold of the committed raw records, FV rows of the slice at a
-            # time as full-K tiles, with the exact step shared with the recurrence and
-            # fold kernels (same tile layout: the same bits); the next record loads
-            # while this one is replayed. Each tile is written back once.
-            offs_k = tl.arange(0, BK)
-            mask_k = offs_k < K
-            for r0 in tl.static_range(0, BV, FV):
-                offs_f = i_v * BV + r0 + tl.arange(0, FV)
-                mask_f = offs_f < V
-                tile = offs_f[:, None] * K + offs_k[None, :]
-                mask_s = mask_f[:, None] & mask_k[None, :]
-                S = tl.load(ckpt_at + tile, mask=mask_s, other=0.0).to(tl.float32)
-                valid_n = 0 < wp
-                k_n, v_n, g_n, b_n = _load_record(
-                    rk_ptr, rv_ptr, rg_ptr, rb_ptr, ring_at + base % L, valid_n,
-                    offs_k < tl.where(valid_n, K, 0), offs_f < tl.where(valid_n, V, 0), i_h, i_hv, offs_k, offs_f,
-                    H, HV, K, V,
-                )
-                for c in range(0, wp):
-                    k, v, g, beta = k_n, v_n, g_n, b_n
-                    valid_n = c + 1 < wp
-                    k_n, v_n, g_n, b_n = _load_record(
-                        rk_ptr, rv_ptr, rg_ptr, rb_ptr, ring_at + (base + c + 1) % L, valid_n,
-                        offs_k < tl.where(valid_n, K, 0), offs_f < tl.where(valid_n, V, 0), i_h, i_hv, offs_k, offs_f,
-                        H, HV, K, V,
-                    )
-                    S = _tl_state_step(S, _tl_l2norm(k, eps), v.to(tl.float32), g, beta)
-                tl.store(ckpt_at + tile, S.to(ckpt_ptr.dtype.element_ty), mask=mask_s)
-            # The window below re-reads the slice as stored (bf16 rounding included),
-            # so every thread's writes must land first.
-            tl.debug_barrier()
         n_hist = tl.where(flush, 0, wp)  # a flush row starts with an empty history
 
         # ---- one pass over K in chunks of KC: the raw products
@@ -376,6 +349,7 @@ if triton is not None:
                           mask=hist[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
             x_c = k_c.to(tl.float32) + q_c.to(tl.float32)  # [BX, KC]: each row from one of them
             SX = tl.dot(S_c.to(tl.float32), tl.trans(x_c), SX, input_precision=DOT_PRECISION)
+            # Keys and queries are exact in tf32 when 16-bit: these two lose nothing.
             P = tl.dot(x_c, tl.trans(x_c), P, input_precision=DOT_PRECISION)
             HX = tl.dot(h_c, tl.trans(x_c), HX, input_precision=DOT_PRECISION)
             hh += _tl_row_sum(h_c * h_c, 1)
@@ -421,10 +395,10 @@ if triton is not None:
         inv = tl.where(eye, 1.0, 0.0) - A
         A_pow = A
         for _ in tl.static_range(LOG_T - 1):
-            A_pow = tl.dot(A_pow, A_pow, input_precision=DOT_PRECISION)
-            inv = inv + tl.dot(inv, A_pow, input_precision=DOT_PRECISION)
-        U = tl.dot(R, tl.trans(inv), input_precision=DOT_PRECISION)  # [BV, BX], zero on q columns
-        out = e_G[None, :] * SX + tl.dot(U, tl.trans(M), input_precision=DOT_PRECISION)
+            A_pow = tl.dot(A_pow, A_pow, input_precision="ieee")
+            inv = inv + tl.dot(inv, A_pow, input_precision="ieee")
+        U = tl.dot(R, tl.trans(inv), input_precision="ieee")  # [BV, BX], zero on q columns
+        out = e_G[None, :] * SX + tl.dot(U, tl.trans(M), input_precision="ieee")
         tl.store(p_o, out.to(o_ptr.dtype.element_ty), mask=mask_v[:, None] & xq_ok[None, :])
 
         # ---- the window's records (raw k went out in the K pass)
@@ -438,13 +412,14 @@ if triton is not None:
 
 
 def _block_v(vd: int, rows: int, device: torch.device) -> int:
-    """Rows of V per program: up to ``_BLOCK_V_MAX``, halved (down to 8) while a CUDA
-    device would get fewer than two programs per SM; the shared choice elsewhere."""
+    """Rows of V per program: up to ``_BLOCK_V_MAX``, halved (down to 16, the least
+    side of a tensor-core product) while a CUDA device would get fewer than two programs
+    per SM; the shared choice of the other kernels under the interpreter."""
     if device.type != "cuda":
         return pick_block_v(vd, rows, device)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    bv = min(_BLOCK_V_MAX, triton.next_power_of_2(vd))
-    while bv > 8 and rows * triton.cdiv(vd, bv) < 2 * sms:
+    bv = max(16, min(_BLOCK_V_MAX, triton.next_power_of_2(vd)))
+    while bv > 16 and rows * triton.cdiv(vd, bv) < 2 * sms:
         bv //= 2
     return bv
 
@@ -478,9 +453,13 @@ def gdn_chunked_window_triton(
     their last axis. Tensor values are not read on the host (no device synchronisation,
     CUDA-graph capturable), so the caller guarantees what the reference checks: windows
     of ``1..max_len`` tokens, unique in-range live slots, and ``write_pos + length <=
-    L`` for every row (the cursor rule keeps it). Outputs and the window's ``u`` agree
-    with the reference to fp32 rounding; a flush row's folded checkpoint is the
-    recurrence's, bit for bit on one device.
+    L`` for every row (the cursor rule keeps it).
+
+    Precision: a flush row's folded checkpoint is the recurrence's, bit for bit on one
+    device (the fold kernel replays the raw records). Outputs and the window's ``u``
+    agree with the reference to fp32 rounding for fp32 activations; for 16-bit
+    activations the big products run on tensor cores in tf32 (see
+    :func:`product_precision`), ~2^-12 relative, below the output's own rounding.
     """
     if max_len is None:
         raise ValueError("max_len is required by the triton backend: pass the pool's window")
@@ -509,11 +488,10 @@ def gdn_chunked_window_triton(
     batch = slots.shape[0]
     if batch == 0:
         return o
+    # The flush (rows with is_flush), then the window from the folded checkpoints.
+    launch_fold(checkpoint[None], *(getattr(ring, f)[None] for f in ring._fields), slots, cache_base, write_pos, is_flush)
     bv = _block_v(vd, batch * hv, q.device)
-    # Under the interpreter the fold runs in 8-row tiles so that CPU tests cover a
-    # program with several fold tiles (rows are independent: the numbers are the same).
-    fv = min(bv, 8 if INTERPRETER else _FOLD_ROWS)
-    bk = triton.next_power_of_2(kd)  # the fold tile: full K, as in the fold kernel (same bits)
+    bk = triton.next_power_of_2(kd)
     grid = (triton.cdiv(vd, bv), batch, hv)
     _chunked_window_kernel[grid](
         q, k, v, a, b, A_log, dt_bias,
@@ -523,8 +501,8 @@ def gdn_chunked_window_triton(
         kd**-0.5, NORM_EPS,
         H=h, HV=hv, K=kd, V=vd, L=L, LOG_T=max(1, (max_len - 1).bit_length()),
         # tl.dot wants sides of 16: the stacked window has 2 * max(8, T) rows, the history 16.
-        BT=max(8, triton.next_power_of_2(max_len)), BH=max(16, L), BK=bk, KC=max(16, min(_K_CHUNK, bk)), BV=bv, FV=fv,
-        DOT_PRECISION=_DOT_PRECISION,
-        num_warps=EXACT_NUM_WARPS,
+        BT=max(8, triton.next_power_of_2(max_len)), BH=max(16, L), BK=bk, KC=max(16, min(_K_CHUNK, bk)), BV=bv,
+        DOT_PRECISION=product_precision(q.dtype),
+        num_warps=_NUM_WARPS,
     )
     return o

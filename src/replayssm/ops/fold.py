@@ -140,10 +140,10 @@ if triton is not None:
 
     @triton.jit
     def _fold_kernel(
-        ckpt_ptr, rk_ptr, rv_ptr, rg_ptr, rb_ptr, slots_ptr, start_ptr, count_ptr,
+        ckpt_ptr, rk_ptr, rv_ptr, rg_ptr, rb_ptr, slots_ptr, start_ptr, count_ptr, flush_ptr,
         num_slots, eps,
         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-        BK: tl.constexpr, BV: tl.constexpr, R: tl.constexpr,
+        BK: tl.constexpr, BV: tl.constexpr, R: tl.constexpr, PER_SLOT: tl.constexpr,
     ):
         i_v = tl.program_id(0)
         i_b = tl.program_id(1)
@@ -154,8 +154,17 @@ if triton is not None:
         slot = tl.load(slots_ptr + i_b).to(tl.int64)
         if slot < 0:
             return
-        start = tl.load(start_ptr + i_b).to(tl.int64)
-        count = tl.load(count_ptr + i_b).to(tl.int64)
+        if PER_SLOT:
+            # circular's flush: the cursors themselves, indexed by slot; rows without
+            # is_flush fold nothing.
+            start = tl.load(start_ptr + slot).to(tl.int64)
+            count = tl.where(tl.load(flush_ptr + slot) != 0, tl.load(count_ptr + slot), 0).to(tl.int64)
+        else:
+            start = tl.load(start_ptr + i_b).to(tl.int64)
+            count = tl.load(count_ptr + i_b).to(tl.int64)
+        count = tl.minimum(count, R)
+        if count <= 0:
+            return  # nothing to fold: the slice is neither read nor written
         ls = i_l * num_slots + slot  # int64: [layers, slots] flattened
 
         offs_k = tl.arange(0, BK)
@@ -168,22 +177,41 @@ if triton is not None:
         S = tl.load(ckpt_at + tile, mask=mask_s, other=0.0).to(tl.float32)
 
         # Same hand pipelining as the recurrence: record c + 1 loads during step c.
-        valid_n = 0 < count
         k_n, v_n, g_n, b_n = _load_record(
-            rk_ptr, rv_ptr, rg_ptr, rb_ptr, ls * R + start % R, valid_n,
-            _tl_mask_and(mask_k, valid_n), _tl_mask_and(mask_v, valid_n), i_h, i_hv, offs_k, offs_v, H, HV, K, V,
+            rk_ptr, rv_ptr, rg_ptr, rb_ptr, ls * R + start % R, count > 0,
+            mask_k, mask_v, i_h, i_hv, offs_k, offs_v, H, HV, K, V,
         )
-        for c in range(0, R):
-            valid = valid_n
+        for c in range(0, count):
             k, v, g, beta = k_n, v_n, g_n, b_n
             valid_n = c + 1 < count
             k_n, v_n, g_n, b_n = _load_record(
                 rk_ptr, rv_ptr, rg_ptr, rb_ptr, ls * R + (start + c + 1) % R, valid_n,
                 _tl_mask_and(mask_k, valid_n), _tl_mask_and(mask_v, valid_n), i_h, i_hv, offs_k, offs_v, H, HV, K, V,
             )
-            k_hat = _tl_l2norm(k, eps)
-            S = tl.where(valid, _tl_state_step(S, k_hat, v.to(tl.float32), g, beta), S)
-        tl.store(ckpt_at + tile, S.to(ckpt_ptr.dtype.element_ty), mask=_tl_mask_and(mask_s, count > 0))
+            S = _tl_state_step(S, _tl_l2norm(k, eps), v.to(tl.float32), g, beta)
+        tl.store(ckpt_at + tile, S.to(ckpt_ptr.dtype.element_ty), mask=mask_s)
+
+    def launch_fold(checkpoints, ring_k, ring_v, ring_g, ring_beta, slots, start, count, flush=None) -> None:
+        """Launch the fold kernel on validated, contiguous 5-D buffers (one launch).
+
+        Without ``flush``: row ``i`` folds ``count[i]`` records from ``start[i]``. With
+        ``flush`` (``[num_slots]``): ``start``, ``count`` and ``flush`` are per-slot
+        cursors (``cache_base``, ``write_pos``, ``is_flush``) and only rows whose slot
+        has ``flush`` set fold; the other rows exit at once.
+        """
+        nl, ns, hv, vd, kd = checkpoints.shape
+        h, r = ring_k.shape[3], ring_k.shape[2]
+        batch = slots.shape[0]
+        if batch == 0 or nl == 0 or r == 0:
+            return
+        bv = pick_block_v(vd, batch * nl * hv, checkpoints.device)
+        grid = (triton.cdiv(vd, bv), batch, nl * hv)
+        _fold_kernel[grid](
+            checkpoints, ring_k, ring_v, ring_g, ring_beta, slots, start, count, count if flush is None else flush,
+            ns, NORM_EPS,
+            H=h, HV=hv, K=kd, V=vd, BK=triton.next_power_of_2(kd), BV=bv, R=r, PER_SLOT=flush is not None,
+            num_warps=EXACT_NUM_WARPS,
+        )
 
 
 @register("fold", "triton")
@@ -214,16 +242,4 @@ def gdn_fold_triton(
         checkpoints=checkpoints, ring_k=ring_k, ring_v=ring_v, ring_g=ring_g, ring_beta=ring_beta,
         slots=slots, start=start, count=count,
     )
-    _, _, hv, vd, kd = checkpoints.shape
-    h = ring_k.shape[3]
-    batch = slots.shape[0]
-    if batch == 0 or nl == 0 or r == 0:
-        return
-    bv = pick_block_v(vd, batch * nl * hv, checkpoints.device)
-    grid = (triton.cdiv(vd, bv), batch, nl * hv)
-    _fold_kernel[grid](
-        checkpoints, ring_k, ring_v, ring_g, ring_beta, slots, start, count,
-        ns, NORM_EPS,
-        H=h, HV=hv, K=kd, V=vd, BK=triton.next_power_of_2(kd), BV=bv, R=r,
-        num_warps=EXACT_NUM_WARPS,
-    )
+    launch_fold(checkpoints, ring_k, ring_v, ring_g, ring_beta, slots, start, count)

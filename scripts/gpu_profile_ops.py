@@ -1,0 +1,127 @@
+"""Time each GDN op of a step alone, on a CUDA GPU, under controlled conditions.
+
+Where ``replayssm bench kernels`` times whole strategy steps, this separates their parts
+(a verify kernel, a commit kernel, the chunked window with an empty or full history,
+with and without flush rows) so that a slow step can be traced to its kernel. Each op
+is captured in a CUDA graph of ``--reps`` calls and the graph replayed; the time per
+call is printed next to the one-read floor ``Sb / copy bandwidth``.
+
+    PYTHONPATH=src python3 scripts/gpu_profile_ops.py --batches 64,256 [--variants ...]
+
+Chunked-kernel variants are given as ``NAME=ENV:VALUE,ENV:VALUE`` and set the module
+tuning globals of :mod:`replayssm.ops.chunked` before the call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from replayssm.bench import common
+from replayssm.ops import chunked, gdn_fold, gdn_recurrence
+from replayssm.ops.records import RawRecords
+
+
+def timed(fn, reps: int) -> float:
+    """Microseconds per call of ``fn``, from a graph of ``reps`` calls."""
+    graph = common.capture_graph(lambda: [fn() for _ in range(reps)], warmup_steps=1)
+    t = common.time_graphs([graph], steps_per_block=1, blocks=5, warmup_blocks=1)
+    return t.us_per_step / reps
+
+
+def make(batch, hv=32, h=16, kd=128, vd=128, T=4, L=32, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dev, bf = "cuda", torch.bfloat16
+    n = batch * T
+    r = lambda *s, dt=bf, sc=1.0: (torch.randn(*s, generator=g, device=dev) * sc).to(dt)  # noqa: E731
+    x = dict(q=r(n, h, kd), k=r(n, h, kd), v=r(n, hv, vd), a=r(n, hv), b=r(n, hv, sc=2.0),
+             A_log=r(hv, dt=torch.float32, sc=0.5), dt_bias=r(hv, dt=torch.float32, sc=0.5))
+    ckpt = r(batch, hv, vd, kd, dt=torch.float32, sc=0.1)
+    ring = RawRecords(r(batch, L, h, kd), r(batch, L, hv, vd), -torch.rand(batch, L, hv, generator=g, device=dev) * 0.1,
+                      torch.rand(batch, L, hv, generator=g, device=dev))
+    ring_u = r(batch, L, hv, vd, dt=torch.float32, sc=0.1)
+    slots = torch.arange(batch, dtype=torch.int32, device=dev)
+    cu = torch.arange(0, n + 1, T, dtype=torch.int32, device=dev)
+    return x, ckpt, ring, ring_u, slots, cu
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--batches", default="64,256")
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--variants", nargs="*", default=[])
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    bw = common.copy_bandwidth("cuda")
+    rows = []
+
+    def report(name, batch, us, sb):
+        floor = sb / bw * 1e6
+        rows.append(dict(op=name, batch=batch, us=us, floor_us=floor, ratio=us / floor))
+        print(f"{name:48s} b={batch:4d} {us:9.2f} us  floor {floor:8.2f}  x{us / floor:6.2f}", flush=True)
+
+    T, L = 4, 32
+    variants = [("default", {})]
+    for spec in args.variants:
+        name, _, sets = spec.partition("=")
+        variants.append((name, {kv.split(":")[0]: kv.split(":")[1] for kv in sets.split(",") if kv}))
+    saved = {k: getattr(chunked, k) for k in ("_DOT_PRECISION", "_K_CHUNK", "_BLOCK_V_MAX")}
+    for batch in [int(b) for b in args.batches.split(",")]:
+        x, ckpt, ring, ring_u, slots, cu = make(batch, T=T, L=L)
+        sb = ckpt.numel() * 4
+        one = torch.arange(0, batch + 1, dtype=torch.int32, device="cuda")
+        xs1 = {k: (v[::T].contiguous() if v.shape[0] == batch * T else v) for k, v in x.items()}
+        args1 = [xs1[k] for k in ("q", "k", "v", "a", "b", "A_log", "dt_bias")]
+        argsT = [x[k] for k in ("q", "k", "v", "a", "b", "A_log", "dt_bias")]
+        report("plain decode (update_state, 1 token)", batch, timed(lambda: gdn_recurrence(
+            *args1, ckpt, slots, one, update_state=True, max_len=1), args.reps), sb)
+        report("verify T=4, no writes", batch, timed(lambda: gdn_recurrence(*argsT, ckpt, slots, cu, max_len=T), args.reps), sb)
+        rec4 = RawRecords(*(t[:, :T].contiguous() for t in ring))
+        report("fold verify T=4 (+raw records)", batch, timed(lambda: gdn_recurrence(
+            *argsT, ckpt, slots, cu, records=rec4, max_len=T), args.reps), sb)
+        start = torch.zeros(batch, dtype=torch.int32, device="cuda")
+        for cnt in (1, 3):
+            count = torch.full((batch,), cnt, dtype=torch.int32, device="cuda")
+            report(f"fold commit, R=4, count={cnt}", batch, timed(lambda: gdn_fold(
+                ckpt[None], *(t[None] for t in rec4), slots, start, count), args.reps), sb)
+        if batch <= 64:
+            snaps = torch.empty(batch, T, *ckpt.shape[1:], device="cuda")
+            report("snapshot verify T=4 (4 snapshot writes)", batch, timed(lambda: gdn_recurrence(
+                *argsT, ckpt, slots, cu, snapshots=snaps, max_len=T), args.reps), sb)
+            del snaps
+        wp = torch.zeros(batch, dtype=torch.int32, device="cuda")
+        base = torch.zeros_like(wp)
+        fl = torch.zeros_like(wp)
+        for vname, env in variants:
+            for k, v in saved.items():
+                setattr(chunked, k, v)
+            for k, v in env.items():
+                setattr(chunked, k, v if k == "_DOT_PRECISION" else int(v))
+            for label, w, f in (("empty history", 0, 0), ("history 24", 24, 0), ("flush 27", 27, 1),
+                                ("mixed: 1/9 flush 27, rest history 12", None, None)):
+                if w is None:
+                    fl.copy_((torch.arange(batch, device="cuda") % 9 == 0).int())
+                    wp.copy_(torch.where(fl.bool(), 27, 12).int())
+                else:
+                    wp.fill_(w)
+                    fl.fill_(f)
+                try:
+                    us = timed(lambda: chunked.gdn_chunked_window_triton(
+                        *argsT, ckpt, ring, ring_u, slots, cu, wp, base, fl, max_len=T), args.reps)
+                except Exception as e:  # report and go on: a variant may not compile
+                    print(f"{vname} {label}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                    continue
+                report(f"chunked[{vname}] {label}", batch, us, sb)
+        for k, v in saved.items():
+            setattr(chunked, k, v)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(dict(copy_bandwidth=bw, rows=rows), fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
