@@ -8,8 +8,9 @@ call is printed next to the one-read floor ``Sb / copy bandwidth``.
 
     PYTHONPATH=src python3 scripts/gpu_profile_ops.py --batches 64,256 [--variants ...]
 
-Chunked-kernel variants are given as ``NAME=ENV:VALUE,ENV:VALUE`` and set the module
-tuning globals of :mod:`replayssm.ops.chunked` before the call.
+Variants are given as ``NAME=MODULE.GLOBAL:VALUE,...`` and set tuning globals of the op
+modules (e.g. ``chunked._K_CHUNK:64``, ``recurrent._BLOCK_V_MAX:64``) before the calls;
+every op is timed under every variant.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import sys
 import torch
 
 from replayssm.bench import common
-from replayssm.ops import chunked, gdn_fold, gdn_recurrence
+from replayssm.ops import chunked, gdn_fold, gdn_recurrence, recurrent
 from replayssm.ops.records import RawRecords
 
 
@@ -64,11 +65,28 @@ def main() -> int:
         print(f"{name:48s} b={batch:4d} {us:9.2f} us  floor {floor:8.2f}  x{us / floor:6.2f}", flush=True)
 
     T, L = 4, 32
+    modules = {"chunked": chunked, "recurrent": recurrent}
     variants = [("default", {})]
     for spec in args.variants:
         name, _, sets = spec.partition("=")
         variants.append((name, {kv.split(":")[0]: kv.split(":")[1] for kv in sets.split(",") if kv}))
-    saved = {k: getattr(chunked, k) for k in ("_DOT_PRECISION", "_K_CHUNK", "_BLOCK_V_MAX")}
+    saved = {f"{m}.{k}": getattr(mod, k) for m, mod in modules.items() for k in dir(mod)
+             if k.startswith("_") and not k.startswith("__") and k[1:].isupper()}
+
+    def apply(env):
+        for key, value in saved.items():
+            m, k = key.split(".")
+            setattr(modules[m], k, value)
+        for key, value in env.items():
+            m, k = key.split(".")
+            setattr(modules[m], k, type(saved[key])(value))
+
+    def attempt(name, batch, fn, sb):
+        try:
+            report(name, batch, timed(fn, args.reps), sb)
+        except Exception as e:  # report and go on: a variant may not compile
+            print(f"{name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+
     for batch in [int(b) for b in args.batches.split(",")]:
         x, ckpt, ring, ring_u, slots, cu = make(batch, T=T, L=L)
         sb = ckpt.numel() * 4
@@ -76,30 +94,25 @@ def main() -> int:
         xs1 = {k: (v[::T].contiguous() if v.shape[0] == batch * T else v) for k, v in x.items()}
         args1 = [xs1[k] for k in ("q", "k", "v", "a", "b", "A_log", "dt_bias")]
         argsT = [x[k] for k in ("q", "k", "v", "a", "b", "A_log", "dt_bias")]
-        report("plain decode (update_state, 1 token)", batch, timed(lambda: gdn_recurrence(
-            *args1, ckpt, slots, one, update_state=True, max_len=1), args.reps), sb)
-        report("verify T=4, no writes", batch, timed(lambda: gdn_recurrence(*argsT, ckpt, slots, cu, max_len=T), args.reps), sb)
         rec4 = RawRecords(*(t[:, :T].contiguous() for t in ring))
-        report("fold verify T=4 (+raw records)", batch, timed(lambda: gdn_recurrence(
-            *argsT, ckpt, slots, cu, records=rec4, max_len=T), args.reps), sb)
         start = torch.zeros(batch, dtype=torch.int32, device="cuda")
-        for cnt in (1, 3):
-            count = torch.full((batch,), cnt, dtype=torch.int32, device="cuda")
-            report(f"fold commit, R=4, count={cnt}", batch, timed(lambda: gdn_fold(
-                ckpt[None], *(t[None] for t in rec4), slots, start, count), args.reps), sb)
-        if batch <= 64:
-            snaps = torch.empty(batch, T, *ckpt.shape[1:], device="cuda")
-            report("snapshot verify T=4 (4 snapshot writes)", batch, timed(lambda: gdn_recurrence(
-                *argsT, ckpt, slots, cu, snapshots=snaps, max_len=T), args.reps), sb)
-            del snaps
+        count = torch.full((batch,), 3, dtype=torch.int32, device="cuda")
         wp = torch.zeros(batch, dtype=torch.int32, device="cuda")
         base = torch.zeros_like(wp)
         fl = torch.zeros_like(wp)
         for vname, env in variants:
-            for k, v in saved.items():
-                setattr(chunked, k, v)
-            for k, v in env.items():
-                setattr(chunked, k, v if k == "_DOT_PRECISION" else int(v))
+            apply(env)
+            attempt(f"[{vname}] plain decode (1 token, update_state)", batch, lambda: gdn_recurrence(
+                *args1, ckpt, slots, one, update_state=True, max_len=1), sb)
+            attempt(f"[{vname}] fold verify T=4 (+raw records)", batch, lambda: gdn_recurrence(
+                *argsT, ckpt, slots, cu, records=rec4, max_len=T), sb)
+            attempt(f"[{vname}] fold commit, count=3", batch, lambda: gdn_fold(
+                ckpt[None], *(t[None] for t in rec4), slots, start, count), sb)
+            if batch <= 64:
+                snaps = torch.empty(batch, T, *ckpt.shape[1:], device="cuda")
+                attempt(f"[{vname}] snapshot verify T=4 (4 snapshot writes)", batch, lambda: gdn_recurrence(
+                    *argsT, ckpt, slots, cu, snapshots=snaps, max_len=T), sb)
+                del snaps
             for label, w, f in (("empty history", 0, 0), ("history 24", 24, 0), ("flush 27", 27, 1),
                                 ("mixed: 1/9 flush 27, rest history 12", None, None)):
                 if w is None:
@@ -108,15 +121,9 @@ def main() -> int:
                 else:
                     wp.fill_(w)
                     fl.fill_(f)
-                try:
-                    us = timed(lambda: chunked.gdn_chunked_window_triton(
-                        *argsT, ckpt, ring, ring_u, slots, cu, wp, base, fl, max_len=T), args.reps)
-                except Exception as e:  # report and go on: a variant may not compile
-                    print(f"{vname} {label}: {type(e).__name__}: {str(e)[:300]}", flush=True)
-                    continue
-                report(f"chunked[{vname}] {label}", batch, us, sb)
-        for k, v in saved.items():
-            setattr(chunked, k, v)
+                attempt(f"[{vname}] chunked {label}", batch, lambda: chunked.gdn_chunked_window_triton(
+                    *argsT, ckpt, ring, ring_u, slots, cu, wp, base, fl, max_len=T), sb)
+        apply({})
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(dict(copy_bandwidth=bw, rows=rows), fh, indent=1)

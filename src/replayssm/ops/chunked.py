@@ -246,9 +246,12 @@ except ImportError:  # the reference above works without Triton
 _DOT_PRECISION = os.environ.get("REPLAYSSM_CHUNKED_DOT", "")
 # K columns per step of the products' pass, rows of V per program (one program per head
 # amortises the window's per-head work best), warps per program.
-_K_CHUNK = int(os.environ.get("REPLAYSSM_CHUNKED_KC", "64"))
+_K_CHUNK = int(os.environ.get("REPLAYSSM_CHUNKED_KC", "32"))
 _BLOCK_V_MAX = int(os.environ.get("REPLAYSSM_CHUNKED_BV", "128"))
 _NUM_WARPS = int(os.environ.get("REPLAYSSM_CHUNKED_WARPS", "4"))
+# Pipeline stages of the K pass: the state chunks stream into shared memory by async
+# copies while the previous chunk's product runs.
+_NUM_STAGES = int(os.environ.get("REPLAYSSM_CHUNKED_STAGES", "3"))
 #: Longest window the kernel takes (the stacked window block is 2 * max(8, T) rows).
 MAX_WINDOW_TRITON = 16
 
@@ -282,7 +285,7 @@ if triton is not None:
         scale, eps,
         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
         LOG_T: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr,
-        BV: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        BV: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
     ):
         BX: tl.constexpr = 2 * BT
         i_v = tl.program_id(0)
@@ -334,7 +337,7 @@ if triton is not None:
         P = tl.zeros([BX, BX], dtype=tl.float32)
         HX = tl.zeros([BH, BX], dtype=tl.float32)
         hh = tl.zeros([BH], dtype=tl.float32)
-        for kc in tl.static_range(0, BK, KC):
+        for kc in tl.range(0, BK, KC, num_stages=NUM_STAGES):
             offs_k = kc + offs_c
             mask_k = offs_k < K
             S_c = tl.load(ckpt_at + offs_v[:, None] * K + offs_k[None, :], mask=mask_v[:, None] & mask_k[None, :], other=0.0)
@@ -502,7 +505,7 @@ def gdn_chunked_window_triton(
         H=h, HV=hv, K=kd, V=vd, L=L, LOG_T=max(1, (max_len - 1).bit_length()),
         # tl.dot wants sides of 16: the stacked window has 2 * max(8, T) rows, the history 16.
         BT=max(8, triton.next_power_of_2(max_len)), BH=max(16, L), BK=bk, KC=max(16, min(_K_CHUNK, bk)), BV=bv,
-        DOT_PRECISION=product_precision(q.dtype),
+        DOT_PRECISION=product_precision(q.dtype), NUM_STAGES=_NUM_STAGES,
         num_warps=_NUM_WARPS,
     )
     return o
