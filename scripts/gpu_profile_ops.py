@@ -22,7 +22,7 @@ import sys
 import torch
 
 from replayssm.bench import common
-from replayssm.ops import chunked, gdn_fold, gdn_recurrence, recurrent
+from replayssm.ops import chunked, fold, gdn_fold, gdn_recurrence, recurrent
 from replayssm.ops.records import RawRecords
 
 
@@ -79,7 +79,8 @@ def main() -> int:
             setattr(modules[m], k, value)
         for key, value in env.items():
             m, k = key.split(".")
-            setattr(modules[m], k, type(saved[key])(value))
+            old = saved[key]
+            setattr(modules[m], k, value != "0" if isinstance(old, bool) else type(old)(value))
 
     def attempt(name, batch, fn, sb):
         try:
@@ -123,6 +124,9 @@ def main() -> int:
                     fl.fill_(f)
                 attempt(f"[{vname}] chunked {label}", batch, lambda: chunked.gdn_chunked_window_triton(
                     *argsT, ckpt, ring, ring_u, slots, cu, wp, base, fl, max_len=T), sb)
+            # The last cursors (mixed): the flush launch alone.
+            attempt(f"[{vname}] flush launch alone, mixed", batch, lambda: fold.launch_fold(
+                ckpt[None], *(t[None] for t in ring), slots, base, wp, fl), sb)
         apply({})
     if args.json:
         with open(args.json, "w") as fh:

@@ -244,14 +244,23 @@ except ImportError:  # the reference above works without Triton
 # solve ([BV, 2T] x [2T, 2T]) always runs in "ieee". REPLAYSSM_CHUNKED_DOT overrides
 # the choice of the big products ("ieee", "tf32", "tf32x3").
 _DOT_PRECISION = os.environ.get("REPLAYSSM_CHUNKED_DOT", "")
-# K columns per step of the products' pass, rows of V per program (one program per head
-# amortises the window's per-head work best), warps per program.
+# Split (default): a streaming products kernel computes S x_r into a small fp32 scratch
+# ([B, HV, 2T, V], 1/8 of the state's bytes at T = 4, written and read once), and the
+# window kernel solves from it. Fused (REPLAYSSM_CHUNKED_SPLIT=0): the window kernel
+# reads the checkpoint itself; it then holds the solve's registers while it streams,
+# which leaves few programs per SM to hide memory latency.
+_SPLIT = os.environ.get("REPLAYSSM_CHUNKED_SPLIT", "1") != "0"
+# Window kernel: K columns per step of its pass, rows of V per program (one program per
+# head amortises the window's per-head work best), warps, pipeline stages.
 _K_CHUNK = int(os.environ.get("REPLAYSSM_CHUNKED_KC", "32"))
 _BLOCK_V_MAX = int(os.environ.get("REPLAYSSM_CHUNKED_BV", "128"))
 _NUM_WARPS = int(os.environ.get("REPLAYSSM_CHUNKED_WARPS", "4"))
-# Pipeline stages of the K pass: the state chunks stream into shared memory by async
-# copies while the previous chunk's product runs.
-_NUM_STAGES = int(os.environ.get("REPLAYSSM_CHUNKED_STAGES", "3"))
+_NUM_STAGES = int(os.environ.get("REPLAYSSM_CHUNKED_STAGES", "1"))
+# Products kernel: the same four knobs.
+_P_K_CHUNK = int(os.environ.get("REPLAYSSM_PRODUCTS_KC", "64"))
+_P_BLOCK_V = int(os.environ.get("REPLAYSSM_PRODUCTS_BV", "64"))
+_P_NUM_WARPS = int(os.environ.get("REPLAYSSM_PRODUCTS_WARPS", "4"))
+_P_NUM_STAGES = int(os.environ.get("REPLAYSSM_PRODUCTS_STAGES", "2"))
 #: Longest window the kernel takes (the stacked window block is 2 * max(8, T) rows).
 MAX_WINDOW_TRITON = 16
 
@@ -279,13 +288,13 @@ if triton is not None:
     def _chunked_window_kernel(
         q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr,
         ckpt_ptr, rk_ptr, rv_ptr, rg_ptr, rb_ptr, ru_ptr,
-        slots_ptr, cu_ptr, wp_ptr, base_ptr, flush_ptr, o_ptr,
+        slots_ptr, cu_ptr, wp_ptr, base_ptr, flush_ptr, o_ptr, sx_ptr,
         stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
         stride_a_tok, stride_b_tok,
         scale, eps,
         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
         LOG_T: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr,
-        BV: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
+        BV: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr, SX_IN: tl.constexpr,
     ):
         BX: tl.constexpr = 2 * BT
         i_v = tl.program_id(0)
@@ -340,7 +349,6 @@ if triton is not None:
         for kc in tl.range(0, BK, KC, num_stages=NUM_STAGES):
             offs_k = kc + offs_c
             mask_k = offs_k < K
-            S_c = tl.load(ckpt_at + offs_v[:, None] * K + offs_k[None, :], mask=mask_v[:, None] & mask_k[None, :], other=0.0)
             k_c = tl.load(k_ptr + p_tok[:, None] * stride_k_tok + i_h * stride_k_head + offs_k[None, :],
                           mask=xk_ok[:, None] & mask_k[None, :], other=0.0)
             q_c = tl.load(q_ptr + p_tok[:, None] * stride_q_tok + i_h * stride_q_head + offs_k[None, :],
@@ -351,11 +359,17 @@ if triton is not None:
             h_c = tl.load(rk_ptr + (rec_h[:, None] * H + i_h) * K + offs_k[None, :],
                           mask=hist[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
             x_c = k_c.to(tl.float32) + q_c.to(tl.float32)  # [BX, KC]: each row from one of them
-            SX = tl.dot(S_c.to(tl.float32), tl.trans(x_c), SX, input_precision=DOT_PRECISION)
+            if not SX_IN:
+                S_c = tl.load(ckpt_at + offs_v[:, None] * K + offs_k[None, :], mask=mask_v[:, None] & mask_k[None, :],
+                              other=0.0)
+                SX = tl.dot(S_c.to(tl.float32), tl.trans(x_c), SX, input_precision=DOT_PRECISION)
             # Keys and queries are exact in tf32 when 16-bit: these two lose nothing.
             P = tl.dot(x_c, tl.trans(x_c), P, input_precision=DOT_PRECISION)
             HX = tl.dot(h_c, tl.trans(x_c), HX, input_precision=DOT_PRECISION)
             hh += _tl_row_sum(h_c * h_c, 1)
+        if SX_IN:  # S x_r from the products kernel
+            SX = tl.load(sx_ptr + ((i_b * HV + i_hv) * BX + offs_x[None, :]) * V + offs_v[:, None],
+                         mask=mask_v[:, None] & x_ok[None, :], other=0.0)
         eye = offs_x[:, None] == offs_x[None, :]
         r_x = tl.div_rn(tl.where(is_q, scale, 1.0), tl.sqrt_rn(_tl_row_sum(tl.where(eye, P, 0.0), 1) + eps))  # 1/|x_r| (q: x scale)
         r_h = tl.where(hist, tl.div_rn(tl.full([BH], 1.0, tl.float32), tl.sqrt_rn(hh + eps)), 0.0)
@@ -414,14 +428,59 @@ if triton is not None:
         tl.store(rb_ptr + rec_w * HV + i_hv, beta, mask=first_v)
 
 
-def _block_v(vd: int, rows: int, device: torch.device) -> int:
-    """Rows of V per program: up to ``_BLOCK_V_MAX``, halved (down to 16, the least
+    @triton.jit
+    def _window_products_kernel(
+        q_ptr, k_ptr, ckpt_ptr, slots_ptr, cu_ptr, sx_ptr,
+        stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
+        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+        BT: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr, BV: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
+    ):
+        """``S x_r`` (raw keys and queries) of every window into ``sx [B, HV, 2 BT, V]``:
+        the only product that reads the checkpoint, as a plain streaming kernel."""
+        BX: tl.constexpr = 2 * BT
+        i_v = tl.program_id(0)
+        i_b = tl.program_id(1)
+        i_hv = tl.program_id(2)
+        i_h = i_hv // (HV // H)
+        slot = tl.load(slots_ptr + i_b).to(tl.int64)
+        bos = tl.load(cu_ptr + i_b).to(tl.int64)
+        length = tl.load(cu_ptr + i_b + 1).to(tl.int64) - bos
+        if (slot < 0) | (length <= 0):
+            return
+        offs_v = i_v * BV + tl.arange(0, BV)
+        mask_v = offs_v < V
+        offs_x = tl.arange(0, BX)
+        tok = offs_x % BT
+        p_tok = bos + tok
+        x_ok = tok < length
+        xk_ok = (offs_x < BT) & x_ok
+        xq_ok = (offs_x >= BT) & x_ok
+        ckpt_at = ckpt_ptr + (slot * HV + i_hv) * (V * K)
+        offs_c = tl.arange(0, KC)
+        SX = tl.zeros([BV, BX], dtype=tl.float32)
+        for kc in tl.range(0, BK, KC, num_stages=NUM_STAGES):
+            offs_k = kc + offs_c
+            mask_k = offs_k < K
+            S_c = tl.load(ckpt_at + offs_v[:, None] * K + offs_k[None, :], mask=mask_v[:, None] & mask_k[None, :], other=0.0)
+            k_c = tl.load(k_ptr + p_tok[:, None] * stride_k_tok + i_h * stride_k_head + offs_k[None, :],
+                          mask=xk_ok[:, None] & mask_k[None, :], other=0.0)
+            q_c = tl.load(q_ptr + p_tok[:, None] * stride_q_tok + i_h * stride_q_head + offs_k[None, :],
+                          mask=xq_ok[:, None] & mask_k[None, :], other=0.0)
+            x_c = k_c.to(tl.float32) + q_c.to(tl.float32)
+            SX = tl.dot(S_c.to(tl.float32), tl.trans(x_c), SX, input_precision=DOT_PRECISION)
+        tl.store(sx_ptr + ((i_b * HV + i_hv) * BX + offs_x[None, :]) * V + offs_v[:, None], SX,
+                 mask=mask_v[:, None] & x_ok[None, :])
+
+
+def _block_v(vd: int, rows: int, device: torch.device, most: int) -> int:
+    """Rows of V per program: up to ``most``, halved (down to 16, the least
     side of a tensor-core product) while a CUDA device would get fewer than two programs
     per SM; the shared choice of the other kernels under the interpreter."""
     if device.type != "cuda":
         return pick_block_v(vd, rows, device)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    bv = max(16, min(_BLOCK_V_MAX, triton.next_power_of_2(vd)))
+    bv = max(16, min(most, triton.next_power_of_2(vd)))
     while bv > 16 and rows * triton.cdiv(vd, bv) < 2 * sms:
         bv //= 2
     return bv
@@ -493,19 +552,30 @@ def gdn_chunked_window_triton(
         return o
     # The flush (rows with is_flush), then the window from the folded checkpoints.
     launch_fold(checkpoint[None], *(getattr(ring, f)[None] for f in ring._fields), slots, cache_base, write_pos, is_flush)
-    bv = _block_v(vd, batch * hv, q.device)
     bk = triton.next_power_of_2(kd)
-    grid = (triton.cdiv(vd, bv), batch, hv)
-    _chunked_window_kernel[grid](
+    # tl.dot wants sides of 16: the stacked window has 2 * max(8, T) rows, the history 16.
+    bt = max(8, triton.next_power_of_2(max_len))
+    precision = product_precision(q.dtype)
+    sx = o  # stands in when fused; never dereferenced then
+    if _SPLIT:
+        sx = torch.empty(batch, hv, 2 * bt, vd, dtype=torch.float32, device=q.device)
+        bvp = _block_v(vd, batch * hv, q.device, _P_BLOCK_V)
+        _window_products_kernel[(triton.cdiv(vd, bvp), batch, hv)](
+            q, k, checkpoint, slots, cu_seqlens, sx,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            H=h, HV=hv, K=kd, V=vd, BT=bt, BK=bk, KC=max(16, min(_P_K_CHUNK, bk)), BV=bvp,
+            DOT_PRECISION=precision, NUM_STAGES=_P_NUM_STAGES, num_warps=_P_NUM_WARPS,
+        )
+    bv = _block_v(vd, batch * hv, q.device, _BLOCK_V_MAX)
+    _chunked_window_kernel[(triton.cdiv(vd, bv), batch, hv)](
         q, k, v, a, b, A_log, dt_bias,
         checkpoint, ring.k, ring.v, ring.g, ring.beta, ring_u,
-        slots, cu_seqlens, write_pos, cache_base, is_flush, o,
+        slots, cu_seqlens, write_pos, cache_base, is_flush, o, sx,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
         kd**-0.5, NORM_EPS,
         H=h, HV=hv, K=kd, V=vd, L=L, LOG_T=max(1, (max_len - 1).bit_length()),
-        # tl.dot wants sides of 16: the stacked window has 2 * max(8, T) rows, the history 16.
-        BT=max(8, triton.next_power_of_2(max_len)), BH=max(16, L), BK=bk, KC=max(16, min(_K_CHUNK, bk)), BV=bv,
-        DOT_PRECISION=product_precision(q.dtype), NUM_STAGES=_NUM_STAGES,
+        BT=bt, BH=max(16, L), BK=bk, KC=max(16, min(_K_CHUNK, bk)), BV=bv,
+        DOT_PRECISION=precision, NUM_STAGES=_NUM_STAGES, SX_IN=_SPLIT,
         num_warps=_NUM_WARPS,
     )
     return o

@@ -219,20 +219,27 @@ def window_bound(max_len: int | None, *shape_bounds: int | None) -> int:
     return t if t <= 16 else triton.next_power_of_2(t)
 
 
-#: Largest state tile height on CUDA; ``REPLAYSSM_BLOCK_V`` overrides it for tuning runs.
+#: Largest state tile height on CUDA for kernels that write states (snapshots, state
+#: updates, the fold); ``REPLAYSSM_BLOCK_V`` overrides it for tuning runs.
 _BLOCK_V_MAX = int(os.environ.get("REPLAYSSM_BLOCK_V", "32"))
+#: The same for the read-only verify (no state written): taller tiles amortise the
+#: per-token key and query normalisation over more rows (H200, Qwen3.5 shapes, T = 4:
+#: 3.6x instead of 4.5x the one-read floor at batch 256; BENCHMARKS.md). Kernels that
+#: write states keep 32, where 64 measured slower.
+_BLOCK_V_MAX_READ_ONLY = int(os.environ.get("REPLAYSSM_BLOCK_V_READ_ONLY", "64"))
 
 
-def pick_block_v(vd: int, rows: int, device: torch.device) -> int:
-    """Rows ``BV`` of a state tile: 32, halved (down to 8) while a CUDA device would
-    get fewer than two programs per SM. Any ``BV >= EXACT_NUM_WARPS`` gives the same
-    numbers (rows are independent); small batches just get more parallelism. Under
-    the interpreter: 16, so that small test heads still span several blocks."""
+def pick_block_v(vd: int, rows: int, device: torch.device, *, read_only: bool = False) -> int:
+    """Rows ``BV`` of a state tile: 32 (64 if ``read_only``), halved (down to 8) while a
+    CUDA device would get fewer than two programs per SM. Any ``BV >= EXACT_NUM_WARPS``
+    gives the same numbers (rows are independent); small batches just get more
+    parallelism. Under the interpreter: 16, so that small test heads still span several
+    blocks."""
     full = triton.next_power_of_2(vd)
     if device.type != "cuda":
         return min(16, full)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    bv = min(_BLOCK_V_MAX, full)
+    bv = min(_BLOCK_V_MAX_READ_ONLY if read_only else _BLOCK_V_MAX, full)
     while bv > 8 and rows * triton.cdiv(vd, bv) < 2 * sms:
         bv //= 2
     return bv
@@ -424,7 +431,7 @@ def gdn_recurrence_triton(
         return o
     t = window_bound(max_len, snap_len, ring_len)
     bk = triton.next_power_of_2(kd)
-    bv = pick_block_v(vd, batch * hv, q.device)
+    bv = pick_block_v(vd, batch * hv, q.device, read_only=snapshots is None and not update_state)
     dummy = o  # stands in for absent optional buffers; never dereferenced
     rec = records if records is not None else RawRecords(dummy, dummy, dummy, dummy)
     grid = (triton.cdiv(vd, bv), batch, hv)
