@@ -124,9 +124,15 @@ def main() -> int:
                     fl.fill_(f)
                 attempt(f"[{vname}] chunked {label}", batch, lambda: chunked.gdn_chunked_window_triton(
                     *argsT, ckpt, ring, ring_u, slots, cu, wp, base, fl, max_len=T), sb)
-            # The last cursors (mixed): the flush launch alone.
-            attempt(f"[{vname}] flush launch alone, mixed", batch, lambda: fold.launch_fold(
+            # The parts, with the last cursors (mixed): flush launch, products, window solve.
+            attempt(f"[{vname}] part: flush launch, mixed", batch, lambda: fold.launch_fold(
                 ckpt[None], *(t[None] for t in ring), slots, base, wp, fl), sb)
+            attempt(f"[{vname}] part: products kernel", batch, lambda: chunked.launch_products(
+                argsT[0], argsT[1], ckpt, slots, cu, 8), sb)
+            sx = chunked.launch_products(argsT[0], argsT[1], ckpt, slots, cu, 8)
+            o = torch.empty_like(argsT[2])
+            attempt(f"[{vname}] part: window solve from sx, mixed", batch, lambda: chunked.launch_window(
+                *argsT, ckpt, ring, ring_u, slots, cu, wp, base, fl, o, sx, 8, L, T), sb)
         apply({})
     if args.json:
         with open(args.json, "w") as fh:

@@ -341,8 +341,21 @@ if triton is not None:
         rec_w = ring_at + (base + wp + tok) % L  # the window's records: logical write_pos + i
         # Raw keys go to the ring once per key head: by the group's first value head, first V block.
         k_store = is_k & (tok < tl.where((i_hv % (HV // H) == 0) & (i_v == 0), length, 0))
+        # Loads that do not depend on the K pass go out first: their latency overlaps it.
+        # (Unused ring entries may hold NaN: masked loads give 0 instead.)
+        g_h = tl.load(rg_ptr + rec_h * HV + i_hv, mask=hist, other=0.0)
+        u_h = tl.load(ru_ptr + (rec_h[None, :] * HV + i_hv) * V + offs_v[:, None], mask=mask_v[:, None] & hist[None, :],
+                      other=0.0)
+        a_x = tl.load(a_ptr + p_tok * stride_a_tok + i_hv, mask=x_ok, other=0.0)
+        b_x = tl.load(b_ptr + p_tok * stride_b_tok + i_hv, mask=x_ok, other=0.0)
+        v_x = tl.load(v_ptr + p_tok[None, :] * stride_v_tok + i_hv * stride_v_head + offs_v[:, None],
+                      mask=mask_v[:, None] & xk_ok[None, :], other=0.0)  # [BV, BX], key columns
+        if SX_IN:  # S x_r from the products kernel
+            SX = tl.load(sx_ptr + ((i_b * HV + i_hv) * BX + offs_x[None, :]) * V + offs_v[:, None],
+                         mask=mask_v[:, None] & x_ok[None, :], other=0.0)
+        else:
+            SX = tl.zeros([BV, BX], dtype=tl.float32)
         offs_c = tl.arange(0, KC)
-        SX = tl.zeros([BV, BX], dtype=tl.float32)
         P = tl.zeros([BX, BX], dtype=tl.float32)
         HX = tl.zeros([BH, BX], dtype=tl.float32)
         hh = tl.zeros([BH], dtype=tl.float32)
@@ -367,9 +380,6 @@ if triton is not None:
             P = tl.dot(x_c, tl.trans(x_c), P, input_precision=DOT_PRECISION)
             HX = tl.dot(h_c, tl.trans(x_c), HX, input_precision=DOT_PRECISION)
             hh += _tl_row_sum(h_c * h_c, 1)
-        if SX_IN:  # S x_r from the products kernel
-            SX = tl.load(sx_ptr + ((i_b * HV + i_hv) * BX + offs_x[None, :]) * V + offs_v[:, None],
-                         mask=mask_v[:, None] & x_ok[None, :], other=0.0)
         eye = offs_x[:, None] == offs_x[None, :]
         r_x = tl.div_rn(tl.where(is_q, scale, 1.0), tl.sqrt_rn(_tl_row_sum(tl.where(eye, P, 0.0), 1) + eps))  # 1/|x_r| (q: x scale)
         r_h = tl.where(hist, tl.div_rn(tl.full([BH], 1.0, tl.float32), tl.sqrt_rn(hh + eps)), 0.0)
@@ -380,15 +390,12 @@ if triton is not None:
         # ---- committed history (0 records for flush rows), never built:
         #   S x = exp(Gtot) S0 x + sum_c exp(Gtot - G_c) u_c (k^_c . x),
         # exp(Gtot - G_c) = exp(g_{c+1} + ... + g_h): a suffix sum, no cancellation.
-        g_h = tl.where(hist, tl.load(rg_ptr + rec_h * HV + i_hv, mask=hist, other=0.0), 0.0)
+        g_h = tl.where(hist, g_h, 0.0)
         w_h = tl.where(hist, tl.exp(_tl_row_sum(tl.where(offs_h[None, :] > offs_h[:, None], g_h[None, :], 0.0), 1)), 0.0)
-        u_h = tl.load(ru_ptr + (rec_h[None, :] * HV + i_hv) * V + offs_v[:, None], mask=mask_v[:, None] & hist[None, :], other=0.0)
         u_h = tl.where(hist[None, :], u_h, 0.0) * w_h[None, :]  # [BV, BH]
         SX = tl.exp(_tl_row_sum(g_h, 0)) * SX + tl.dot(u_h, HX, input_precision=DOT_PRECISION)
 
         # ---- gates per row (a row's token), G_r = g_1 + ... + g_tok(r)
-        a_x = tl.load(a_ptr + p_tok * stride_a_tok + i_hv, mask=x_ok, other=0.0)
-        b_x = tl.load(b_ptr + p_tok * stride_b_tok + i_hv, mask=x_ok, other=0.0)
         g, beta = _tl_gdn_gates(a_x, b_x, tl.load(A_log_ptr + i_hv), tl.load(dt_bias_ptr + i_hv))
         g = tl.where(xk_ok, g, 0.0)  # on the key rows only, so that a row sum runs over tokens
         beta = tl.where(x_ok, beta, 0.0)
@@ -400,8 +407,6 @@ if triton is not None:
         #   R_j = beta_j (v_j - exp(G_j) S k^_j)
         #   A_ij = beta_i exp(G_i - G_j) (k^_i . k^_j), j < i;  (I + A) U = R
         #   o_i = exp(G_i) S q^_i + sum_{j<=i} exp(G_i - G_j) (k^_j . q^_i) U_j
-        v_x = tl.load(v_ptr + p_tok[None, :] * stride_v_tok + i_hv * stride_v_head + offs_v[:, None],
-                      mask=mask_v[:, None] & xk_ok[None, :], other=0.0)  # [BV, BX], key columns
         R = tl.where(xk_ok[None, :], beta[None, :] * (v_x.to(tl.float32) - e_G[None, :] * SX), 0.0)
         pair = x_ok[:, None] & xk_ok[None, :] & (tok[None, :] <= tok[:, None])
         # Mask before exp: G_i - G_j > 0 for j > i could overflow.
@@ -471,6 +476,47 @@ if triton is not None:
             SX = tl.dot(S_c.to(tl.float32), tl.trans(x_c), SX, input_precision=DOT_PRECISION)
         tl.store(sx_ptr + ((i_b * HV + i_hv) * BX + offs_x[None, :]) * V + offs_v[:, None], SX,
                  mask=mask_v[:, None] & x_ok[None, :])
+
+
+def launch_products(q, k, checkpoint, slots, cu_seqlens, bt: int) -> torch.Tensor:
+    """Launch the products kernel on validated arguments; return ``sx [B, HV, 2 bt, V]``
+    (float32; entries of tokens past a window's end are not written)."""
+    h, kd = q.shape[1], q.shape[2]
+    _, hv, vd, _ = checkpoint.shape
+    batch = slots.shape[0]
+    sx = torch.empty(batch, hv, 2 * bt, vd, dtype=torch.float32, device=q.device)
+    bk = triton.next_power_of_2(kd)
+    bv = _block_v(vd, batch * hv, q.device, _P_BLOCK_V)
+    _window_products_kernel[(triton.cdiv(vd, bv), batch, hv)](
+        q, k, checkpoint, slots, cu_seqlens, sx,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        H=h, HV=hv, K=kd, V=vd, BT=bt, BK=bk, KC=max(16, min(_P_K_CHUNK, bk)), BV=bv,
+        DOT_PRECISION=product_precision(q.dtype), NUM_STAGES=_P_NUM_STAGES, num_warps=_P_NUM_WARPS,
+    )
+    return sx
+
+
+def launch_window(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos, cache_base,
+                  is_flush, o, sx, bt: int, L: int, max_len: int) -> None:
+    """Launch the window kernel on validated arguments: from ``sx`` (split) or, with
+    ``sx=None``, reading the checkpoint itself (fused)."""
+    h, kd = q.shape[1], q.shape[2]
+    hv, vd = v.shape[1], v.shape[2]
+    batch = slots.shape[0]
+    bk = triton.next_power_of_2(kd)
+    bv = _block_v(vd, batch * hv, q.device, _BLOCK_V_MAX)
+    _chunked_window_kernel[(triton.cdiv(vd, bv), batch, hv)](
+        q, k, v, a, b, A_log, dt_bias,
+        checkpoint, ring.k, ring.v, ring.g, ring.beta, ring_u,
+        slots, cu_seqlens, write_pos, cache_base, is_flush, o, o if sx is None else sx,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
+        kd**-0.5, NORM_EPS,
+        H=h, HV=hv, K=kd, V=vd, L=L, LOG_T=max(1, (max_len - 1).bit_length()),
+        # tl.dot wants sides of 16: the stacked window has 2 * max(8, T) rows, the history 16.
+        BT=bt, BH=max(16, L), BK=bk, KC=max(16, min(_K_CHUNK, bk)), BV=bv,
+        DOT_PRECISION=product_precision(q.dtype), NUM_STAGES=_NUM_STAGES, SX_IN=sx is not None,
+        num_warps=_NUM_WARPS,
+    )
 
 
 def _block_v(vd: int, rows: int, device: torch.device, most: int) -> int:
@@ -544,38 +590,13 @@ def gdn_chunked_window_triton(
         checkpoint=checkpoint, ring_u=ring_u, write_pos=write_pos, cache_base=cache_base, is_flush=is_flush,
         **{f"ring.{f}": getattr(ring, f) for f in ring._fields},
     )
-    h, kd = q.shape[1], q.shape[2]
-    hv, vd = v.shape[1], v.shape[2]
-    o = torch.empty(n, hv, vd, dtype=v.dtype, device=v.device)
-    batch = slots.shape[0]
-    if batch == 0:
+    o = torch.empty(n, v.shape[1], v.shape[2], dtype=v.dtype, device=v.device)
+    if slots.shape[0] == 0:
         return o
     # The flush (rows with is_flush), then the window from the folded checkpoints.
     launch_fold(checkpoint[None], *(getattr(ring, f)[None] for f in ring._fields), slots, cache_base, write_pos, is_flush)
-    bk = triton.next_power_of_2(kd)
-    # tl.dot wants sides of 16: the stacked window has 2 * max(8, T) rows, the history 16.
     bt = max(8, triton.next_power_of_2(max_len))
-    precision = product_precision(q.dtype)
-    sx = o  # stands in when fused; never dereferenced then
-    if _SPLIT:
-        sx = torch.empty(batch, hv, 2 * bt, vd, dtype=torch.float32, device=q.device)
-        bvp = _block_v(vd, batch * hv, q.device, _P_BLOCK_V)
-        _window_products_kernel[(triton.cdiv(vd, bvp), batch, hv)](
-            q, k, checkpoint, slots, cu_seqlens, sx,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            H=h, HV=hv, K=kd, V=vd, BT=bt, BK=bk, KC=max(16, min(_P_K_CHUNK, bk)), BV=bvp,
-            DOT_PRECISION=precision, NUM_STAGES=_P_NUM_STAGES, num_warps=_P_NUM_WARPS,
-        )
-    bv = _block_v(vd, batch * hv, q.device, _BLOCK_V_MAX)
-    _chunked_window_kernel[(triton.cdiv(vd, bv), batch, hv)](
-        q, k, v, a, b, A_log, dt_bias,
-        checkpoint, ring.k, ring.v, ring.g, ring.beta, ring_u,
-        slots, cu_seqlens, write_pos, cache_base, is_flush, o, sx,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
-        kd**-0.5, NORM_EPS,
-        H=h, HV=hv, K=kd, V=vd, L=L, LOG_T=max(1, (max_len - 1).bit_length()),
-        BT=bt, BH=max(16, L), BK=bk, KC=max(16, min(_K_CHUNK, bk)), BV=bv,
-        DOT_PRECISION=precision, NUM_STAGES=_NUM_STAGES, SX_IN=_SPLIT,
-        num_warps=_NUM_WARPS,
-    )
+    sx = launch_products(q, k, checkpoint, slots, cu_seqlens, bt) if _SPLIT else None
+    launch_window(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos, cache_base,
+                  is_flush, o, sx, bt, L, max_len)
     return o
