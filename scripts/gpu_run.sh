@@ -4,6 +4,7 @@
 #   scripts/gpu_run.sh tests bench        # kernel GPU tests, then the kernel benchmark
 #   scripts/gpu_run.sh tests-engine       # engine and tool GPU tests
 #   scripts/gpu_run.sh drift e2e          # the 32768-token drift run, end-to-end tok/s
+#   scripts/gpu_run.sh profile            # each op of a step timed alone (PROFILE_ARGS="--variants ...")
 #
 # Results (logs, JSON, PNG) go to $RESULTS (default benchmarks/results/gpu). Wheels of
 # packages the machine lacks (fla-core for chunked prefill) may be put in .gpu_wheels/.
@@ -36,7 +37,8 @@ for what in "$@"; do
         tests-engine) stage gpu-tests-engine "${TESTS_LIMIT:-300}" "$PYTHON" -m pytest -m gpu -p no:cacheprovider -v --tb=short -rfE \
                    tests/gpu/test_engine_gpu.py tests/bench ;;
         bench) stage bench-kernels "${BENCH_LIMIT:-240}" env OUT_JSON="$RESULTS/kernels_h200.json" PYTHON="$PYTHON" RING_SWEEP=0 scripts/gpu_bench.sh ;;
-        sweep) stage sweep "${SWEEP_LIMIT:-240}" env PYTHON="$PYTHON" scripts/gpu_sweep.sh ;;
+        profile) stage profile-ops "${PROFILE_LIMIT:-300}" "$PYTHON" scripts/gpu_profile_ops.py --batches 1,16,64,256 \
+                   --json "$RESULTS/profile_ops_h200.json" ${PROFILE_ARGS:-} ;;
         drift) stage drift "${DRIFT_LIMIT:-300}" "$PYTHON" -m replayssm.cli drift --json "$RESULTS/drift_h200.json" --plot "$RESULTS/drift_h200.png" --quiet ;;
         e2e) stage e2e "${E2E_LIMIT:-240}" "$PYTHON" -m replayssm.cli bench e2e --json "$RESULTS/e2e_h200.json" --plot "$RESULTS/e2e_h200.png" ${E2E_ARGS:-} ;;
         *) echo "unknown stage $what"; rc=2 ;;

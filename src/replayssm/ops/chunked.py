@@ -213,17 +213,20 @@ def gdn_chunked_window(*args, backend: str = "auto", **kwargs) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- Triton
-# Two launches per layer.
+# Three launches per layer (measured faster than fusing them; BENCHMARKS.md).
 #  * The flush: rows with is_flush fold their committed raw records into the checkpoint
 #    with the fold kernel (the exact recurrence step, shared with the recurrence: the
 #    folded checkpoint is theirs, bit for bit); every other row's program exits at once.
-#    Kept apart from the window so that the window kernel's tiles and warps are free to
-#    suit its products, and so that the few long flush programs do not hold up the rest.
-#  * The window: one program per (V block, window, value head). One pass over K in
-#    chunks of KC computes the raw products the closed form needs: S x_r for the
-#    window's stacked keys and queries (S read once, chunk by chunk), their Gram matrix
-#    and the history keys' products with them. The window is solved in a small
-#    BX x BX space (DESIGN.md section 2) and its records go to the ring.
+#    Kept apart so that the window's kernels are free to pick tiles and warps for their
+#    products rather than the exact step's layout.
+#  * The products: S x_r for the window's stacked raw keys and queries, the only
+#    product that reads the checkpoint, as a plain streaming kernel (one read, at the
+#    copy bandwidth) into a small fp32 scratch.
+#  * The window: one program per (V block, window, value head). One pass over K
+#    computes the products that do not need the state (the window's Gram matrix, the
+#    history keys' products with it); the window is solved in a small BX x BX space
+#    (DESIGN.md section 2) and its records go to the ring. With REPLAYSSM_CHUNKED_SPLIT=0
+#    this kernel computes S x_r itself instead (two launches).
 # Branches on request data are masks or device control flow: the host never reads the
 # device and the launches can be captured in a CUDA graph.
 
@@ -236,7 +239,7 @@ except ImportError:  # the reference above works without Triton
 # Tuning of the window kernel (measured on an H200, Qwen3.5 shapes; see BENCHMARKS.md).
 # Products: the big one, S x_r ([BV, K] x [K, 2T]), decides the kernel's speed. As fp32
 # FMA ("ieee") it makes the kernel instruction-bound (~11x the one-read floor); on
-# tensor cores ("tf32") it is ~3x faster. tf32 rounds the fp32 operand (the state, and
+# tensor cores ("tf32") it is ~2.4x faster. tf32 rounds the fp32 operand (the state, and
 # the history's u) to 11 significant bits, a relative error of ~2^-12 in a product over
 # K = 128 terms, 8x below the rounding of a bf16 output (2^-9); the 16-bit keys and
 # queries are exact in tf32. So: "tf32" when the activations are 16-bit, "ieee" for
@@ -251,8 +254,8 @@ _DOT_PRECISION = os.environ.get("REPLAYSSM_CHUNKED_DOT", "")
 # which leaves few programs per SM to hide memory latency.
 _SPLIT = os.environ.get("REPLAYSSM_CHUNKED_SPLIT", "1") != "0"
 # Window kernel: K columns per step of its pass (all of K at once: its loads then go out
-# together, ~15% faster than 32 at batch 256), rows of V per program (one program per
-# head amortises the window's per-head work best; 64 measured 1.4x slower), warps (2:
+# together, ~13% faster than 32 at batch 256), rows of V per program (one program per
+# head amortises the window's per-head work best; 64 measured 1.3x slower), warps (2:
 # its small products and reductions then need fewer cross-warp exchanges; 1.27x faster
 # than 4 and 2.3x faster than 8 at batch 256), pipeline stages.
 _K_CHUNK = int(os.environ.get("REPLAYSSM_CHUNKED_KC", "128"))
