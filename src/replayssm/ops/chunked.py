@@ -289,6 +289,7 @@ if triton is not None:
     )
     from .fold import launch_fold
     from .triton_common import NORM_EPS, gdn_gates as _tl_gdn_gates, row_sum as _tl_row_sum
+    from .triton_common import window_program as _tl_window_program
 
     @triton.jit
     def _chunked_window_kernel(
@@ -303,14 +304,7 @@ if triton is not None:
         BV: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr, SX_IN: tl.constexpr,
     ):
         BX: tl.constexpr = 2 * BT
-        i_v = tl.program_id(0)
-        i_b = tl.program_id(1)
-        i_hv = tl.program_id(2)
-        i_h = i_hv // (HV // H)  # key head read by this value head
-        # int64 offsets: pool buffers pass 2**31 elements at real sizes.
-        slot = tl.load(slots_ptr + i_b).to(tl.int64)
-        bos = tl.load(cu_ptr + i_b).to(tl.int64)
-        length = tl.load(cu_ptr + i_b + 1).to(tl.int64) - bos
+        i_v, i_b, i_hv, i_h, slot, bos, length = _tl_window_program(slots_ptr, cu_ptr, H, HV)
 
         offs_v = i_v * BV + tl.arange(0, BV)
         mask_v = offs_v < V
@@ -450,13 +444,7 @@ if triton is not None:
         """``S x_r`` (raw keys and queries) of every window into ``sx [B, HV, 2 BT, V]``:
         the only product that reads the checkpoint, as a plain streaming kernel."""
         BX: tl.constexpr = 2 * BT
-        i_v = tl.program_id(0)
-        i_b = tl.program_id(1)
-        i_hv = tl.program_id(2)
-        i_h = i_hv // (HV // H)
-        slot = tl.load(slots_ptr + i_b).to(tl.int64)
-        bos = tl.load(cu_ptr + i_b).to(tl.int64)
-        length = tl.load(cu_ptr + i_b + 1).to(tl.int64) - bos
+        i_v, i_b, i_hv, i_h, slot, bos, length = _tl_window_program(slots_ptr, cu_ptr, H, HV)
         if (slot < 0) | (length <= 0):
             return
         offs_v = i_v * BV + tl.arange(0, BV)

@@ -267,7 +267,7 @@ def check_inner_contiguous(**named: torch.Tensor):
 if triton is not None:
     from .triton_common import EXACT_NUM_WARPS, NORM_EPS, device_fn as _tl_device_fn, gdn_gates as _tl_gdn_gates
     from .triton_common import gdn_state_step as _tl_state_step, l2norm as _tl_l2norm, mask_and as _tl_mask_and
-    from .triton_common import row_sum as _tl_row_sum
+    from .triton_common import row_sum as _tl_row_sum, window_program as _tl_window_program
 
     @_tl_device_fn
     def _load_token(
@@ -296,14 +296,7 @@ if triton is not None:
         SNAP_LEN: tl.constexpr, RING_LEN: tl.constexpr,
         HAS_SNAPSHOTS: tl.constexpr, HAS_RECORDS: tl.constexpr, UPDATE_STATE: tl.constexpr,
     ):
-        i_v = tl.program_id(0)
-        i_b = tl.program_id(1)
-        i_hv = tl.program_id(2)
-        i_h = i_hv // (HV // H)
-        # int64 offsets: snapshot and pool buffers pass 2**31 elements at real sizes.
-        slot = tl.load(slots_ptr + i_b).to(tl.int64)
-        bos = tl.load(cu_ptr + i_b).to(tl.int64)
-        length = tl.load(cu_ptr + i_b + 1).to(tl.int64) - bos
+        i_v, i_b, i_hv, i_h, slot, bos, length = _tl_window_program(slots_ptr, cu_ptr, H, HV)
 
         offs_k = tl.arange(0, BK)
         offs_v = i_v * BV + tl.arange(0, BV)

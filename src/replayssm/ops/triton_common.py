@@ -26,8 +26,9 @@ of :func:`l2norm` one element per thread over the 4 warps, in the recurrence and
 fold kernels alike.)
 
 Small helpers for kernel writers: :func:`row_sum` (``tl.sum`` that stays cheap under
-the interpreter), :func:`mask_and` (block mask ``&`` scalar flag) and
-:func:`device_fn` (``triton.jit`` for straight-line device helpers).
+the interpreter), :func:`mask_and` (block mask ``&`` scalar flag),
+:func:`window_program` (a window kernel's program coordinates) and :func:`device_fn`
+(``triton.jit`` for straight-line device helpers).
 
 Precision: divisions and square roots use the IEEE-rounded ``div_rn`` / ``sqrt_rn``
 (Triton's plain ``/`` and ``sqrt`` are approximate on NVIDIA GPUs); ``exp`` and ``log``
@@ -140,6 +141,24 @@ if triton is not None:
         u = beta * (v - row_sum(S * k_hat[None, :], 1))
         S = S + u[:, None] * k_hat[None, :]
         return S
+
+    @device_fn
+    def window_program(slots_ptr, cu_ptr, H, HV):
+        """Where a window kernel's program works, for grids ``(V blocks, windows, HV)``.
+
+        Returns ``(i_v, i_b, i_hv, i_h, slot, bos, length)``: the V block, the window, the
+        value head and the key head it reads (GQA), then the window's slot (``-1`` for
+        padding), first token and token count, as int64 (pool buffers pass 2**31
+        elements at real sizes).
+        """
+        i_v = tl.program_id(0)
+        i_b = tl.program_id(1)
+        i_hv = tl.program_id(2)
+        i_h = i_hv // (HV // H)
+        slot = tl.load(slots_ptr + i_b).to(tl.int64)
+        bos = tl.load(cu_ptr + i_b).to(tl.int64)
+        length = tl.load(cu_ptr + i_b + 1).to(tl.int64) - bos
+        return i_v, i_b, i_hv, i_h, slot, bos, length
 
     @device_fn
     def mask_and(mask, flag):
