@@ -11,7 +11,7 @@ batch, 1024 new tokens each, n-gram drafts with k = 3):
   attention see the same shapes in plain and speculative steps; without it a GPU GEMM
   may pick another kernel for another row count and round a token's logits
   differently, which at bf16 eventually flips a near-tie (reported, not asserted, by
-  ``scripts/gpu_e2e.py``).
+  ``replayssm bench e2e``).
 * bf16, ``circular``: its verify outputs come from the closed form and match the
   recurrence only to rounding, so the claim is agreement: teacher-forced along the plain
   output, circular's argmax equals the plain token at >= 99% of the positions of each
