@@ -132,7 +132,7 @@ def main() -> int:
             sx = chunked.launch_products(argsT[0], argsT[1], ckpt, slots, cu, 8)
             o = torch.empty_like(argsT[2])
             attempt(f"[{vname}] part: window solve from sx, mixed", batch, lambda: chunked.launch_window(
-                *argsT, ckpt, ring, ring_u, slots, cu, wp, base, fl, o, sx, 8, L, T), sb)
+                *argsT, ring, ring_u, slots, cu, wp, base, fl, o, sx, 8, L, T), sb)
         apply({})
     if args.json:
         with open(args.json, "w") as fh:

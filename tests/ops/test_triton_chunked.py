@@ -191,18 +191,6 @@ def test_chunked_window_matches_reference(h, group, kd, vd, t, L):
     check_against_reference(Case(h, group, kd, vd, t, L))
 
 
-def test_fused_window_kernel_matches_reference(monkeypatch):
-    """The fused form (``REPLAYSSM_CHUNKED_SPLIT=0``: the window kernel reads the
-    checkpoint itself instead of the products kernel's ``S x``) is correct too."""
-    monkeypatch.setattr(chunked_ops, "_SPLIT", False)
-
-    def no_products(*args, **kwargs):
-        raise AssertionError("the fused form must not launch the products kernel")
-
-    monkeypatch.setattr(chunked_ops, "launch_products", no_products)
-    check_against_reference(Case(2, 2, 24, 20, 4, 8))
-
-
 def test_chunked_window_against_float64_oracle():
     """The fp32 kernel against the reference op run in float64 (see the module notes)."""
     case = Case(2, 2, 32, 16, 8, 16)

@@ -213,7 +213,7 @@ def gdn_chunked_window(*args, backend: str = "auto", **kwargs) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- Triton
-# Three launches per layer (measured faster than fusing them; BENCHMARKS.md).
+# Three launches per layer (measured faster than fusing products and window; BENCHMARKS.md).
 #  * The flush: rows with is_flush fold their committed raw records into the checkpoint
 #    with the fold kernel (the exact recurrence step, shared with the recurrence: the
 #    folded checkpoint is theirs, bit for bit); every other row's program exits at once.
@@ -225,8 +225,7 @@ def gdn_chunked_window(*args, backend: str = "auto", **kwargs) -> torch.Tensor:
 #  * The window: one program per (V block, window, value head). One pass over K
 #    computes the products that do not need the state (the window's Gram matrix, the
 #    history keys' products with it); the window is solved in a small BX x BX space
-#    (DESIGN.md section 2) and its records go to the ring. With REPLAYSSM_CHUNKED_SPLIT=0
-#    this kernel computes S x_r itself instead (two launches).
+#    (DESIGN.md section 2) and its records go to the ring.
 # Branches on request data are masks or device control flow: the host never reads the
 # device and the launches can be captured in a CUDA graph.
 
@@ -247,22 +246,16 @@ except ImportError:  # the reference above works without Triton
 # solve ([BV, 2T] x [2T, 2T]) always runs in "ieee". REPLAYSSM_CHUNKED_DOT overrides
 # the choice of the big products ("ieee", "tf32", "tf32x3").
 _DOT_PRECISION = os.environ.get("REPLAYSSM_CHUNKED_DOT", "")
-# Split (default): a streaming products kernel computes S x_r into a small fp32 scratch
-# ([B, HV, 2T, V], 1/8 of the state's bytes at T = 4, written and read once), and the
-# window kernel solves from it. Fused (REPLAYSSM_CHUNKED_SPLIT=0): the window kernel
-# reads the checkpoint itself; it then holds the solve's registers while it streams,
-# which leaves few programs per SM to hide memory latency.
-_SPLIT = os.environ.get("REPLAYSSM_CHUNKED_SPLIT", "1") != "0"
 # Window kernel: K columns per step of its pass (all of K at once: its loads then go out
 # together, ~13% faster than 32 at batch 256), rows of V per program (one program per
 # head amortises the window's per-head work best; 64 measured 1.3x slower), warps (2:
 # its small products and reductions then need fewer cross-warp exchanges; 1.27x faster
-# than 4 and 2.3x faster than 8 at batch 256), pipeline stages.
+# than 4 and 2.3x faster than 8 at batch 256).
 _K_CHUNK = int(os.environ.get("REPLAYSSM_CHUNKED_KC", "128"))
 _BLOCK_V_MAX = int(os.environ.get("REPLAYSSM_CHUNKED_BV", "128"))
 _NUM_WARPS = int(os.environ.get("REPLAYSSM_CHUNKED_WARPS", "2"))
-_NUM_STAGES = int(os.environ.get("REPLAYSSM_CHUNKED_STAGES", "1"))
-# Products kernel: the same four knobs.
+# Products kernel: the same three knobs and its pipeline stages (state chunks stream into
+# shared memory by async copies while the previous chunk's product runs).
 _P_K_CHUNK = int(os.environ.get("REPLAYSSM_PRODUCTS_KC", "64"))
 _P_BLOCK_V = int(os.environ.get("REPLAYSSM_PRODUCTS_BV", "64"))
 _P_NUM_WARPS = int(os.environ.get("REPLAYSSM_PRODUCTS_WARPS", "4"))
@@ -288,35 +281,51 @@ if triton is not None:
         pick_block_v,
     )
     from .fold import launch_fold
-    from .triton_common import NORM_EPS, gdn_gates as _tl_gdn_gates, row_sum as _tl_row_sum
-    from .triton_common import window_program as _tl_window_program
+    from .triton_common import NORM_EPS, device_fn as _tl_device_fn, gdn_gates as _tl_gdn_gates
+    from .triton_common import row_sum as _tl_row_sum, window_program as _tl_window_program
+
+    @_tl_device_fn
+    def _window_rows(bos, length, BT: tl.constexpr):
+        """The stacked window ``[2 BT]``: row ``r < BT`` is token ``r``'s key, row
+        ``BT + i`` token ``i``'s query. Returns ``(offs_x, is_k, is_q, tok, p_tok, x_ok,
+        xk_ok, xq_ok)``: row index, row kind, token in the window and in the packed
+        batch, and whether the row's token exists (as any row, a key row, a query row)."""
+        offs_x = tl.arange(0, 2 * BT)
+        is_k = offs_x < BT
+        is_q = offs_x >= BT
+        tok = offs_x % BT
+        x_ok = tok < length
+        return offs_x, is_k, is_q, tok, bos + tok, x_ok, is_k & x_ok, is_q & x_ok
+
+    @_tl_device_fn
+    def _load_window_x(q_ptr, k_ptr, p_tok, i_h, offs_k, mask_k, xk_ok, xq_ok,
+                       stride_q_tok, stride_q_head, stride_k_tok, stride_k_head):
+        """Columns ``offs_k`` of the stacked window's raw keys and queries: ``(k, x)``,
+        ``k`` the key rows as loaded (the ring stores them) and ``x [2 BT, KC]`` fp32
+        with each row from its key or its query (zero where the token is missing)."""
+        k = tl.load(k_ptr + p_tok[:, None] * stride_k_tok + i_h * stride_k_head + offs_k[None, :],
+                    mask=xk_ok[:, None] & mask_k[None, :], other=0.0)
+        q = tl.load(q_ptr + p_tok[:, None] * stride_q_tok + i_h * stride_q_head + offs_k[None, :],
+                    mask=xq_ok[:, None] & mask_k[None, :], other=0.0)
+        return k, k.to(tl.float32) + q.to(tl.float32)
 
     @triton.jit
     def _chunked_window_kernel(
         q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr,
-        ckpt_ptr, rk_ptr, rv_ptr, rg_ptr, rb_ptr, ru_ptr,
+        rk_ptr, rv_ptr, rg_ptr, rb_ptr, ru_ptr,
         slots_ptr, cu_ptr, wp_ptr, base_ptr, flush_ptr, o_ptr, sx_ptr,
         stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
         stride_a_tok, stride_b_tok,
         scale, eps,
         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
         LOG_T: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr,
-        BV: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr, SX_IN: tl.constexpr,
+        BV: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ):
         BX: tl.constexpr = 2 * BT
         i_v, i_b, i_hv, i_h, slot, bos, length = _tl_window_program(slots_ptr, cu_ptr, H, HV)
-
         offs_v = i_v * BV + tl.arange(0, BV)
         mask_v = offs_v < V
-        # The stacked window: row r < BT is token r's key, row BT + i token i's query.
-        offs_x = tl.arange(0, BX)
-        is_k = offs_x < BT
-        is_q = offs_x >= BT
-        tok = offs_x % BT
-        p_tok = bos + tok
-        x_ok = tok < length
-        xk_ok = is_k & x_ok
-        xq_ok = is_q & x_ok
+        offs_x, is_k, is_q, tok, p_tok, x_ok, xk_ok, xq_ok = _window_rows(bos, length, BT)
         # o is a fresh contiguous [N, HV, V]; column r >= BT of the [BV, BX] block is token r - BT
         p_o = o_ptr + (p_tok[None, :] * HV + i_hv) * V + offs_v[:, None]
 
@@ -329,11 +338,10 @@ if triton is not None:
         base = tl.load(base_ptr + slot).to(tl.int64)
         flush = tl.load(flush_ptr + slot) != 0  # folded by the flush launch just before
         ring_at = slot * L  # flat record index of the slot's ring
-        ckpt_at = ckpt_ptr + (slot * HV + i_hv) * (V * K)
         n_hist = tl.where(flush, 0, wp)  # a flush row starts with an empty history
 
-        # ---- one pass over K in chunks of KC: the raw products
-        #   SX = S x_r,  P = x_r . x_c,  HX = k_c . x_r (history keys),  |k_c|^2
+        # ---- S x_r from the products kernel, then one pass over K in chunks of KC for
+        #   P = x_r . x_c,  HX = k_c . x_r (history keys),  |k_c|^2
         # normalised afterwards (k^ = k / sqrt(|k|^2 + eps)), so no [*, K] block stays live.
         offs_h = tl.arange(0, BH)
         hist = offs_h < n_hist
@@ -350,32 +358,22 @@ if triton is not None:
         b_x = tl.load(b_ptr + p_tok * stride_b_tok + i_hv, mask=x_ok, other=0.0)
         v_x = tl.load(v_ptr + p_tok[None, :] * stride_v_tok + i_hv * stride_v_head + offs_v[:, None],
                       mask=mask_v[:, None] & xk_ok[None, :], other=0.0)  # [BV, BX], key columns
-        if SX_IN:  # S x_r from the products kernel
-            SX = tl.load(sx_ptr + ((i_b * HV + i_hv) * BX + offs_x[None, :]) * V + offs_v[:, None],
-                         mask=mask_v[:, None] & x_ok[None, :], other=0.0)
-        else:
-            SX = tl.zeros([BV, BX], dtype=tl.float32)
+        SX = tl.load(sx_ptr + ((i_b * HV + i_hv) * BX + offs_x[None, :]) * V + offs_v[:, None],
+                     mask=mask_v[:, None] & x_ok[None, :], other=0.0)
         offs_c = tl.arange(0, KC)
         P = tl.zeros([BX, BX], dtype=tl.float32)
         HX = tl.zeros([BH, BX], dtype=tl.float32)
         hh = tl.zeros([BH], dtype=tl.float32)
-        for kc in tl.range(0, BK, KC, num_stages=NUM_STAGES):
+        for kc in tl.static_range(0, BK, KC):
             offs_k = kc + offs_c
             mask_k = offs_k < K
-            k_c = tl.load(k_ptr + p_tok[:, None] * stride_k_tok + i_h * stride_k_head + offs_k[None, :],
-                          mask=xk_ok[:, None] & mask_k[None, :], other=0.0)
-            q_c = tl.load(q_ptr + p_tok[:, None] * stride_q_tok + i_h * stride_q_head + offs_k[None, :],
-                          mask=xq_ok[:, None] & mask_k[None, :], other=0.0)
+            k_c, x_c = _load_window_x(q_ptr, k_ptr, p_tok, i_h, offs_k, mask_k, xk_ok, xq_ok,
+                                      stride_q_tok, stride_q_head, stride_k_tok, stride_k_head)
             tl.store(rk_ptr + (rec_w[:, None] * H + i_h) * K + offs_k[None, :], k_c.to(rk_ptr.dtype.element_ty),
                      mask=k_store[:, None] & mask_k[None, :])
             # Unused ring entries may hold NaN: masked loads give 0 instead.
             h_c = tl.load(rk_ptr + (rec_h[:, None] * H + i_h) * K + offs_k[None, :],
                           mask=hist[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
-            x_c = k_c.to(tl.float32) + q_c.to(tl.float32)  # [BX, KC]: each row from one of them
-            if not SX_IN:
-                S_c = tl.load(ckpt_at + offs_v[:, None] * K + offs_k[None, :], mask=mask_v[:, None] & mask_k[None, :],
-                              other=0.0)
-                SX = tl.dot(S_c.to(tl.float32), tl.trans(x_c), SX, input_precision=DOT_PRECISION)
             # Keys and queries are exact in tf32 when 16-bit: these two lose nothing.
             P = tl.dot(x_c, tl.trans(x_c), P, input_precision=DOT_PRECISION)
             HX = tl.dot(h_c, tl.trans(x_c), HX, input_precision=DOT_PRECISION)
@@ -449,12 +447,7 @@ if triton is not None:
             return
         offs_v = i_v * BV + tl.arange(0, BV)
         mask_v = offs_v < V
-        offs_x = tl.arange(0, BX)
-        tok = offs_x % BT
-        p_tok = bos + tok
-        x_ok = tok < length
-        xk_ok = (offs_x < BT) & x_ok
-        xq_ok = (offs_x >= BT) & x_ok
+        offs_x, _, _, _, p_tok, x_ok, xk_ok, xq_ok = _window_rows(bos, length, BT)
         ckpt_at = ckpt_ptr + (slot * HV + i_hv) * (V * K)
         offs_c = tl.arange(0, KC)
         SX = tl.zeros([BV, BX], dtype=tl.float32)
@@ -462,11 +455,8 @@ if triton is not None:
             offs_k = kc + offs_c
             mask_k = offs_k < K
             S_c = tl.load(ckpt_at + offs_v[:, None] * K + offs_k[None, :], mask=mask_v[:, None] & mask_k[None, :], other=0.0)
-            k_c = tl.load(k_ptr + p_tok[:, None] * stride_k_tok + i_h * stride_k_head + offs_k[None, :],
-                          mask=xk_ok[:, None] & mask_k[None, :], other=0.0)
-            q_c = tl.load(q_ptr + p_tok[:, None] * stride_q_tok + i_h * stride_q_head + offs_k[None, :],
-                          mask=xq_ok[:, None] & mask_k[None, :], other=0.0)
-            x_c = k_c.to(tl.float32) + q_c.to(tl.float32)
+            k_c, x_c = _load_window_x(q_ptr, k_ptr, p_tok, i_h, offs_k, mask_k, xk_ok, xq_ok,
+                                      stride_q_tok, stride_q_head, stride_k_tok, stride_k_head)
             SX = tl.dot(S_c.to(tl.float32), tl.trans(x_c), SX, input_precision=DOT_PRECISION)
         tl.store(sx_ptr + ((i_b * HV + i_hv) * BX + offs_x[None, :]) * V + offs_v[:, None], SX,
                  mask=mask_v[:, None] & x_ok[None, :])
@@ -490,10 +480,9 @@ def launch_products(q, k, checkpoint, slots, cu_seqlens, bt: int) -> torch.Tenso
     return sx
 
 
-def launch_window(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos, cache_base,
+def launch_window(q, k, v, a, b, A_log, dt_bias, ring, ring_u, slots, cu_seqlens, write_pos, cache_base,
                   is_flush, o, sx, bt: int, L: int, max_len: int) -> None:
-    """Launch the window kernel on validated arguments: from ``sx`` (split) or, with
-    ``sx=None``, reading the checkpoint itself (fused)."""
+    """Launch the window kernel on validated arguments, from the products ``sx``."""
     h, kd = q.shape[1], q.shape[2]
     hv, vd = v.shape[1], v.shape[2]
     batch = slots.shape[0]
@@ -501,15 +490,14 @@ def launch_window(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots
     bv = _block_v(vd, batch * hv, q.device, _BLOCK_V_MAX)
     _chunked_window_kernel[(triton.cdiv(vd, bv), batch, hv)](
         q, k, v, a, b, A_log, dt_bias,
-        checkpoint, ring.k, ring.v, ring.g, ring.beta, ring_u,
-        slots, cu_seqlens, write_pos, cache_base, is_flush, o, o if sx is None else sx,
+        ring.k, ring.v, ring.g, ring.beta, ring_u,
+        slots, cu_seqlens, write_pos, cache_base, is_flush, o, sx,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
         kd**-0.5, NORM_EPS,
         H=h, HV=hv, K=kd, V=vd, L=L, LOG_T=max(1, (max_len - 1).bit_length()),
         # tl.dot wants sides of 16: the stacked window has 2 * max(8, T) rows, the history 16.
         BT=bt, BH=max(16, L), BK=bk, KC=max(16, min(_K_CHUNK, bk)), BV=bv,
-        DOT_PRECISION=product_precision(q.dtype), NUM_STAGES=_NUM_STAGES, SX_IN=sx is not None,
-        num_warps=_NUM_WARPS,
+        DOT_PRECISION=product_precision(q.dtype), num_warps=_NUM_WARPS,
     )
 
 
@@ -590,7 +578,7 @@ def gdn_chunked_window_triton(
     # The flush (rows with is_flush), then the window from the folded checkpoints.
     launch_fold(checkpoint[None], *(getattr(ring, f)[None] for f in ring._fields), slots, cache_base, write_pos, is_flush)
     bt = max(8, triton.next_power_of_2(max_len))
-    sx = launch_products(q, k, checkpoint, slots, cu_seqlens, bt) if _SPLIT else None
-    launch_window(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos, cache_base,
+    sx = launch_products(q, k, checkpoint, slots, cu_seqlens, bt)
+    launch_window(q, k, v, a, b, A_log, dt_bias, ring, ring_u, slots, cu_seqlens, write_pos, cache_base,
                   is_flush, o, sx, bt, L, max_len)
     return o
