@@ -159,7 +159,7 @@ def test_exact_paths_bit_identical(hv, act, rows, t):
     """Per layer: recurrence(update_state) on the accepted tokens; verify with records,
     then one fold launch for all layers; verify with snapshots, then one snapshot
     commit for all layers. The fp32 checkpoints agree bit for bit (they share the
-    state-step helper on full-K tiles, even where the launchers pick different BV)."""
+    state-step helpers on four-part full-K tiles, even where the launchers pick different BV)."""
     layers, ns = 2, rows + 1
     slots, cu, lengths = rand_batch(rows, t, ns)
     accepted = [int(torch.randint(1, n + 1, ())) for n in lengths]

@@ -22,7 +22,7 @@ import torch
 from . import _checks
 from .dispatch import pick, register
 from .gates import expand_heads, l2_normalize
-from .recurrent import STATE_DTYPES_TRITON, pick_block_v, state_update
+from .recurrent import STATE_DTYPES_TRITON, exact_block_k, pick_block_v, state_update
 
 
 def check_fold_args(checkpoints, ring_k, ring_v, ring_g, ring_beta, slots, start, count):
@@ -114,8 +114,8 @@ def gdn_fold(*args, backend: str = "auto", **kwargs) -> None:
 # ---------------------------------------------------------------------------- Triton
 # One launch for all layers: one program per (V block, row, layer x value head). It
 # reads its [BV, K] checkpoint slice once, replays the row's records through the same
-# exact step as the recurrence kernel (same helpers, same full-K tile, same num_warps)
-# and writes the slice back once.
+# exact step as the recurrence kernel (same helpers, same four-part full-K tile, same
+# num_warps) and writes the slice back once.
 
 try:
     import triton
@@ -125,18 +125,21 @@ except ImportError:  # the reference backend works without Triton
 
 if triton is not None:
     from .triton_common import EXACT_NUM_WARPS, NORM_EPS, device_fn as _tl_device_fn, gdn_state_step as _tl_state_step
-    from .triton_common import l2norm as _tl_l2norm, mask_and as _tl_mask_and
+    from .triton_common import load_parts as _tl_load_parts, mask_and as _tl_mask_and, normalized as _tl_normalized
+    from .triton_common import store_parts as _tl_store_parts
 
     @_tl_device_fn
-    def _load_record(rk_ptr, rv_ptr, rg_ptr, rb_ptr, rec, valid, mask_k, mask_v, i_h, i_hv, offs_k, offs_v,
-                     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
-        """Raw record ``rec`` (flat ``layer/slot/position`` index) for one value head;
-        zeros where ``valid`` (scalar) and the block masks (already including it) are off."""
-        k = tl.load(rk_ptr + (rec * H + i_h) * K + offs_k, mask=mask_k, other=0.0)
-        v = tl.load(rv_ptr + (rec * HV + i_hv) * V + offs_v, mask=mask_v, other=0.0)
+    def _load_record(rk_ptr, rv_ptr, rg_ptr, rb_ptr, rec, valid, offs_c, mask_c, mask_v, i_h, i_hv, offs_v, eps,
+                     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KQ: tl.constexpr):
+        """Record ``rec`` (flat ``layer/slot/position`` index) for one value head: the
+        normalised key's four parts, ``v`` (fp32), ``g``, ``beta``; zeros where ``valid``
+        (scalar) and the block masks (already including it) are off."""
+        k0, k1, k2, k3 = _tl_load_parts(rk_ptr, (rec * H + i_h) * K + offs_c, mask_c, offs_c, K, KQ)
+        k0, k1, k2, k3 = _tl_normalized(k0, k1, k2, k3, eps, 1.0)
+        v = tl.load(rv_ptr + (rec * HV + i_hv) * V + offs_v, mask=mask_v, other=0.0).to(tl.float32)
         g = tl.load(rg_ptr + rec * HV + i_hv, mask=valid, other=0.0)
         beta = tl.load(rb_ptr + rec * HV + i_hv, mask=valid, other=0.0)
-        return k, v, g, beta
+        return k0, k1, k2, k3, v, g, beta
 
     @triton.jit
     def _fold_kernel(
@@ -167,29 +170,29 @@ if triton is not None:
             return  # nothing to fold: the slice is neither read nor written
         ls = i_l * num_slots + slot  # int64: [layers, slots] flattened
 
-        offs_k = tl.arange(0, BK)
+        KQ: tl.constexpr = BK // 4
+        offs_c = tl.arange(0, KQ)  # key index within a part
         offs_v = i_v * BV + tl.arange(0, BV)
-        mask_k = offs_k < K
         mask_v = offs_v < V
-        tile = offs_v[:, None] * K + offs_k[None, :]
-        mask_s = mask_v[:, None] & mask_k[None, :]
+        tile = offs_v[:, None] * K + offs_c[None, :]
         ckpt_at = ckpt_ptr + (ls * HV + i_hv) * (V * K)
-        S = tl.load(ckpt_at + tile, mask=mask_s, other=0.0).to(tl.float32)
+        S0, S1, S2, S3 = _tl_load_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ)
 
         # Same hand pipelining as the recurrence: record c + 1 loads during step c.
-        k_n, v_n, g_n, b_n = _load_record(
-            rk_ptr, rv_ptr, rg_ptr, rb_ptr, ls * R + start % R, count > 0,
-            mask_k, mask_v, i_h, i_hv, offs_k, offs_v, H, HV, K, V,
+        all_c = offs_c >= 0
+        k0n, k1n, k2n, k3n, v_n, g_n, b_n = _load_record(
+            rk_ptr, rv_ptr, rg_ptr, rb_ptr, ls * R + start % R, count > 0, offs_c, all_c, mask_v,
+            i_h, i_hv, offs_v, eps, H, HV, K, V, KQ,
         )
         for c in range(0, count):
-            k, v, g, beta = k_n, v_n, g_n, b_n
+            k0, k1, k2, k3, v, g, beta = k0n, k1n, k2n, k3n, v_n, g_n, b_n
             valid_n = c + 1 < count
-            k_n, v_n, g_n, b_n = _load_record(
-                rk_ptr, rv_ptr, rg_ptr, rb_ptr, ls * R + (start + c + 1) % R, valid_n,
-                _tl_mask_and(mask_k, valid_n), _tl_mask_and(mask_v, valid_n), i_h, i_hv, offs_k, offs_v, H, HV, K, V,
+            k0n, k1n, k2n, k3n, v_n, g_n, b_n = _load_record(
+                rk_ptr, rv_ptr, rg_ptr, rb_ptr, ls * R + (start + c + 1) % R, valid_n, offs_c,
+                _tl_mask_and(all_c, valid_n), _tl_mask_and(mask_v, valid_n), i_h, i_hv, offs_v, eps, H, HV, K, V, KQ,
             )
-            S = _tl_state_step(S, _tl_l2norm(k, eps), v.to(tl.float32), g, beta)
-        tl.store(ckpt_at + tile, S.to(ckpt_ptr.dtype.element_ty), mask=mask_s)
+            S0, S1, S2, S3 = _tl_state_step(S0, S1, S2, S3, k0, k1, k2, k3, v, g, beta)
+        _tl_store_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ, S0, S1, S2, S3)
 
     def launch_fold(checkpoints, ring_k, ring_v, ring_g, ring_beta, slots, start, count, flush=None) -> None:
         """Launch the fold kernel on validated, contiguous 5-D buffers (one launch).
@@ -209,7 +212,7 @@ if triton is not None:
         _fold_kernel[grid](
             checkpoints, ring_k, ring_v, ring_g, ring_beta, slots, start, count, count if flush is None else flush,
             ns, NORM_EPS,
-            H=h, HV=hv, K=kd, V=vd, BK=triton.next_power_of_2(kd), BV=bv, R=r, PER_SLOT=flush is not None,
+            H=h, HV=hv, K=kd, V=vd, BK=exact_block_k(kd), BV=bv, R=r, PER_SLOT=flush is not None,
             num_warps=EXACT_NUM_WARPS,
         )
 

@@ -220,29 +220,37 @@ def window_bound(max_len: int | None, *shape_bounds: int | None) -> int:
 
 
 #: Largest state tile height on CUDA for kernels that write states (snapshots, state
-#: updates, the fold); ``REPLAYSSM_BLOCK_V`` overrides it for tuning runs.
-_BLOCK_V_MAX = int(os.environ.get("REPLAYSSM_BLOCK_V", "32"))
+#: updates, the fold); ``REPLAYSSM_BLOCK_V`` overrides it for tuning runs. 64 since the
+#: four-part tile (H200, Qwen3.5 shapes, batch 256: fold commit 2.48x the one-read floor
+#: instead of 2.86x at 32, circular's flush launch 1.25x instead of 1.53x; BENCHMARKS.md).
+_BLOCK_V_MAX = int(os.environ.get("REPLAYSSM_BLOCK_V", "64"))
 #: The same for the read-only verify (no state written): taller tiles amortise the
-#: per-token key and query normalisation over more rows (H200, Qwen3.5 shapes, T = 4:
-#: 3.6x instead of 4.5x the one-read floor at batch 256; BENCHMARKS.md). Kernels that
-#: write states keep 32, where 64 measured slower.
-_BLOCK_V_MAX_READ_ONLY = int(os.environ.get("REPLAYSSM_BLOCK_V_READ_ONLY", "64"))
+#: per-token key and query loads and normalisation over more rows (same card and shapes,
+#: T = 4: 2.42x the floor at batch 256 with 128 rows, 3.15x with 64; BENCHMARKS.md).
+_BLOCK_V_MAX_READ_ONLY = int(os.environ.get("REPLAYSSM_BLOCK_V_READ_ONLY", "128"))
 
 
 def pick_block_v(vd: int, rows: int, device: torch.device, *, read_only: bool = False) -> int:
-    """Rows ``BV`` of a state tile: 32 (64 if ``read_only``), halved (down to 8) while a
-    CUDA device would get fewer than two programs per SM. Any ``BV >= EXACT_NUM_WARPS``
-    gives the same numbers (rows are independent); small batches just get more
-    parallelism. Under the interpreter: 16, so that small test heads still span several
-    blocks."""
+    """Rows ``BV`` of a state tile: 64 (128 if ``read_only``), halved (down to 16) while a
+    CUDA device would get fewer than two programs per SM. Any ``BV`` gives the same
+    numbers (rows are independent); small batches just get more parallelism. 16 is the
+    height that one pass of :data:`EXACT_NUM_WARPS` warps covers in a four-part tile
+    (4 rows per warp), so no tile holds a row twice. Under the interpreter: 16, so that
+    small test heads still span several blocks."""
     full = triton.next_power_of_2(vd)
     if device.type != "cuda":
         return min(16, full)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     bv = min(_BLOCK_V_MAX_READ_ONLY if read_only else _BLOCK_V_MAX, full)
-    while bv > 8 and rows * triton.cdiv(vd, bv) < 2 * sms:
+    while bv > 16 and rows * triton.cdiv(vd, bv) < 2 * sms:
         bv //= 2
     return bv
+
+
+def exact_block_k(kd: int) -> int:
+    """``BK`` of an exact kernel's state tile: the whole key axis, a power of two held as
+    four column parts (see :mod:`replayssm.ops.triton_common`), so at least 4."""
+    return max(4, triton.next_power_of_2(kd))
 
 
 def check_index_pair(slots: torch.Tensor, cu_seqlens: torch.Tensor):
@@ -266,22 +274,25 @@ def check_inner_contiguous(**named: torch.Tensor):
 
 if triton is not None:
     from .triton_common import EXACT_NUM_WARPS, NORM_EPS, device_fn as _tl_device_fn, gdn_gates as _tl_gdn_gates
-    from .triton_common import gdn_state_step as _tl_state_step, l2norm as _tl_l2norm, mask_and as _tl_mask_and
-    from .triton_common import row_sum as _tl_row_sum, window_program as _tl_window_program
+    from .triton_common import gdn_state_step as _tl_state_step, load_parts as _tl_load_parts, mask_and as _tl_mask_and
+    from .triton_common import normalized as _tl_normalized, row_dot as _tl_row_dot, store_parts as _tl_store_parts
+    from .triton_common import window_program as _tl_window_program
 
     @_tl_device_fn
     def _load_token(
-        q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, tok, valid, mask_k, mask_v, i_h, i_hv, offs_k, offs_v,
+        q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, tok, valid, mask_c, mask_v, i_h, i_hv, offs_c, offs_v,
         stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, stride_a_tok, stride_b_tok,
+        K: tl.constexpr, KQ: tl.constexpr,
     ):
-        """Raw inputs of token ``tok`` for one (key head, value head, V block); zeros
-        where ``valid`` (scalar) and the block masks (already including ``valid``) are off."""
-        q = tl.load(q_ptr + tok * stride_q_tok + i_h * stride_q_head + offs_k, mask=mask_k, other=0.0)
-        k = tl.load(k_ptr + tok * stride_k_tok + i_h * stride_k_head + offs_k, mask=mask_k, other=0.0)
+        """Raw inputs of token ``tok`` for one (key head, value head, V block): ``q`` and
+        ``k`` as four fp32 parts each, then ``v``, ``a``, ``b``; zeros where ``valid``
+        (scalar) and the block masks (already including ``valid``) are off."""
+        q0, q1, q2, q3 = _tl_load_parts(q_ptr, tok * stride_q_tok + i_h * stride_q_head + offs_c, mask_c, offs_c, K, KQ)
+        k0, k1, k2, k3 = _tl_load_parts(k_ptr, tok * stride_k_tok + i_h * stride_k_head + offs_c, mask_c, offs_c, K, KQ)
         v = tl.load(v_ptr + tok * stride_v_tok + i_hv * stride_v_head + offs_v, mask=mask_v, other=0.0)
         a = tl.load(a_ptr + tok * stride_a_tok + i_hv, mask=valid, other=0.0)
         b = tl.load(b_ptr + tok * stride_b_tok + i_hv, mask=valid, other=0.0)
-        return q, k, v, a, b
+        return q0, q1, q2, q3, k0, k1, k2, k3, v, a, b
 
     @triton.jit
     def _recurrence_kernel(
@@ -298,9 +309,10 @@ if triton is not None:
     ):
         i_v, i_b, i_hv, i_h, slot, bos, length = _tl_window_program(slots_ptr, cu_ptr, H, HV)
 
-        offs_k = tl.arange(0, BK)
+        KQ: tl.constexpr = BK // 4
+        offs_c = tl.arange(0, KQ)  # key index within a part
+        all_c = offs_c >= 0
         offs_v = i_v * BV + tl.arange(0, BV)
-        mask_k = offs_k < K
         mask_v = offs_v < V
         o_row = o_ptr + (bos * HV + i_hv) * V + offs_v  # o is a fresh contiguous [N, HV, V]
 
@@ -312,55 +324,60 @@ if triton is not None:
 
         A_log = tl.load(A_log_ptr + i_hv)
         dt_bias = tl.load(dt_bias_ptr + i_hv)
-        tile = offs_v[:, None] * K + offs_k[None, :]
-        mask_s = mask_v[:, None] & mask_k[None, :]
+        tile = offs_v[:, None] * K + offs_c[None, :]
         state_at = state_ptr + (slot * HV + i_hv) * (V * K)
-        S = tl.load(state_at + tile, mask=mask_s, other=0.0).to(tl.float32)
+        S0, S1, S2, S3 = _tl_load_parts(state_at, tile, mask_v[:, None], offs_c[None, :], K, KQ)
         if HAS_RECORDS:
             # Raw k once per key head: by the group's first value head, first V block.
-            mask_k_writer = _tl_mask_and(mask_k, (i_hv % (HV // H) == 0) & (i_v == 0))
+            k_writer = (i_hv % (HV // H) == 0) & (i_v == 0)
 
         # Software pipelining by hand: the next token's loads are issued before this
         # token's step, so their latency hides behind the arithmetic. Masks that fold
         # in the token's validity are built once per token and carried along.
         valid_n = 0 < length
-        mk_n = _tl_mask_and(mask_k, valid_n)
+        mc_n = _tl_mask_and(all_c, valid_n)
         mv_n = _tl_mask_and(mask_v, valid_n)
-        q_n, k_n, v_n, a_n, b_n = _load_token(
-            q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, bos, valid_n, mk_n, mv_n, i_h, i_hv, offs_k, offs_v,
+        q0n, q1n, q2n, q3n, k0n, k1n, k2n, k3n, v_n, a_n, b_n = _load_token(
+            q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, bos, valid_n, mc_n, mv_n, i_h, i_hv, offs_c, offs_v,
             stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, stride_a_tok, stride_b_tok,
+            K, KQ,
         )
         for i in range(0, T):
-            valid, mk, mv = valid_n, mk_n, mv_n
-            q, k, v, a, b = q_n, k_n, v_n, a_n, b_n
+            valid, mc, mv = valid_n, mc_n, mv_n
+            q0, q1, q2, q3, k0, k1, k2, k3, v, a, b = q0n, q1n, q2n, q3n, k0n, k1n, k2n, k3n, v_n, a_n, b_n
             valid_n = i + 1 < length
-            mk_n = _tl_mask_and(mask_k, valid_n)
+            mc_n = _tl_mask_and(all_c, valid_n)
             mv_n = _tl_mask_and(mask_v, valid_n)
-            q_n, k_n, v_n, a_n, b_n = _load_token(
-                q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, bos + i + 1, valid_n, mk_n, mv_n, i_h, i_hv, offs_k, offs_v,
+            q0n, q1n, q2n, q3n, k0n, k1n, k2n, k3n, v_n, a_n, b_n = _load_token(
+                q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, bos + i + 1, valid_n, mc_n, mv_n, i_h, i_hv, offs_c, offs_v,
                 stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
-                stride_a_tok, stride_b_tok,
+                stride_a_tok, stride_b_tok, K, KQ,
             )
             g, beta = _tl_gdn_gates(a, b, A_log, dt_bias)
-            k_hat = _tl_l2norm(k, eps)
-            q_hat = _tl_l2norm(q, eps) * scale
+            kh0, kh1, kh2, kh3 = _tl_normalized(k0, k1, k2, k3, eps, 1.0)
+            qh0, qh1, qh2, qh3 = _tl_normalized(q0, q1, q2, q3, eps, scale)
             # Positions past the row's end keep the state (their outputs are not stored).
-            S = tl.where(valid, _tl_state_step(S, k_hat, v.to(tl.float32), g, beta), S)
-            o = _tl_row_sum(S * q_hat[None, :], 1)
+            N0, N1, N2, N3 = _tl_state_step(S0, S1, S2, S3, kh0, kh1, kh2, kh3, v.to(tl.float32), g, beta)
+            S0 = tl.where(valid, N0, S0)
+            S1 = tl.where(valid, N1, S1)
+            S2 = tl.where(valid, N2, S2)
+            S3 = tl.where(valid, N3, S3)
+            o = _tl_row_dot(S0, S1, S2, S3, qh0, qh1, qh2, qh3)
             tl.store(o_row + i * HV * V, o.to(o_ptr.dtype.element_ty), mask=mv)
             if HAS_SNAPSHOTS:
                 snap_at = snap_ptr + ((slot * SNAP_LEN + i) * HV + i_hv) * (V * K)
-                tl.store(snap_at + tile, S.to(snap_ptr.dtype.element_ty), mask=mv[:, None] & mask_k[None, :])
+                _tl_store_parts(snap_at, tile, mv[:, None], offs_c[None, :], K, KQ, S0, S1, S2, S3)
             if HAS_RECORDS:
-                # Side channel only: stores, no change to the arithmetic above.
+                # Side channel only: stores, no change to the arithmetic above (the raw
+                # key's parts went through fp32 and back, which is lossless).
                 rec = slot * RING_LEN + i
-                tl.store(rec_k_ptr + (rec * H + i_h) * K + offs_k, k.to(rec_k_ptr.dtype.element_ty),
-                         mask=mk & mask_k_writer)
+                _tl_store_parts(rec_k_ptr, (rec * H + i_h) * K + offs_c, _tl_mask_and(mc, k_writer), offs_c, K, KQ,
+                                k0, k1, k2, k3)
                 tl.store(rec_v_ptr + (rec * HV + i_hv) * V + offs_v, v.to(rec_v_ptr.dtype.element_ty), mask=mv)
                 tl.store(rec_g_ptr + rec * HV + i_hv, g, mask=valid & (i_v == 0))
                 tl.store(rec_beta_ptr + rec * HV + i_hv, beta, mask=valid & (i_v == 0))
         if UPDATE_STATE:
-            tl.store(state_at + tile, S.to(state_ptr.dtype.element_ty), mask=mask_s)
+            _tl_store_parts(state_at, tile, mask_v[:, None], offs_c[None, :], K, KQ, S0, S1, S2, S3)
 
 
 @register("recurrence", "triton")
@@ -423,7 +440,7 @@ def gdn_recurrence_triton(
     if batch == 0:
         return o
     t = window_bound(max_len, snap_len, ring_len)
-    bk = triton.next_power_of_2(kd)
+    bk = exact_block_k(kd)
     bv = pick_block_v(vd, batch * hv, q.device, read_only=snapshots is None and not update_state)
     dummy = o  # stands in for absent optional buffers; never dereferenced
     rec = records if records is not None else RawRecords(dummy, dummy, dummy, dummy)

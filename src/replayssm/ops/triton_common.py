@@ -6,34 +6,40 @@ reference operation order of :mod:`replayssm.ops.gates` and
 
     g    = -exp(A_log) * softplus(a + dt_bias)          (:func:`gdn_gates`)
     beta = 1 / (1 + exp(-b))
-    k^   = k / sqrt(sum(k*k) + eps)                     (:func:`l2norm`)
+    k^   = k / sqrt(sum(k*k) + eps)                     (:func:`normalized`)
     S'   = exp(g) * S                                   (:func:`gdn_state_step`)
     u    = beta * (v - S' k^)
     S    = S' + u k^T
 
 Exactness rule. On one device, every exact path (recurrent verify with snapshots or
 ``update_state``, the fold kernel, the circular flush) must reach the same fp32 state
-bit for bit. They do when they all call :func:`l2norm` and :func:`gdn_state_step` on
-full-``K`` tiles: the state tile is ``[BV, BK]`` with ``BK = next_power_of_2(K)`` (the
-whole key axis in one block, so the ``S' k^`` reduction has one shape everywhere) and
-``V`` split in rows. Rows are independent, so ``BV`` may differ between kernels; ``BK``
-must not. Triton lays a reduction out from the tile shape and ``num_warps``; keep
-``BV >= num_warps`` and use :data:`EXACT_NUM_WARPS` so that a row of the tile never
-spans warps and the ``K`` reduction runs in the same order in every kernel. (Compiled
-for sm_90 with Triton 3.6 and 3.9, an fp32 ``[BV, 128]`` tile gets 4 consecutive keys
-per thread x 32 lanes per row for every ``BV`` in 8..32, and the ``[128]`` key vector
-of :func:`l2norm` one element per thread over the 4 warps, in the recurrence and the
-fold kernels alike.)
+bit for bit. They do when they all hold a state tile the same way and advance it with
+the same helpers: a ``[BV, BK]`` tile (``BK = next_power_of_2(K)``, the whole key axis,
+``V`` split in rows) is held as four ``[BV, BK/4]`` column parts (:func:`load_parts`),
+keys and queries as four ``[BK/4]`` parts, and :func:`normalized` and
+:func:`gdn_state_step` do the arithmetic. Rows are independent, so ``BV`` may differ
+between kernels; ``BK`` and :data:`EXACT_NUM_WARPS` must not. Why four parts: Triton
+lays a block out from its shape, and an fp32 ``[BV, 32]`` part gets 4 consecutive keys
+per thread x 8 lanes per row, so a thread holds 16 keys of a row and a row's dot
+product is 16 in-thread fused multiply-adds plus 3 shuffle steps. One ``[BV, 128]`` tile
+got 4 keys per thread x 32 lanes (5 shuffle steps for every 4 keys) and its key
+normalisation crossed warps through shared memory; compiled for sm_90, the fold's loop
+then took ~1.6x more instructions per state element. Sums that decide bits are spelled
+with explicit ``tl.fma``, so that no kernel depends on the compiler's contraction
+choices.
 
-Small helpers for kernel writers: :func:`row_sum` (``tl.sum`` that stays cheap under
-the interpreter), :func:`mask_and` (block mask ``&`` scalar flag),
-:func:`window_program` (a window kernel's program coordinates) and :func:`device_fn`
-(``triton.jit`` for straight-line device helpers).
+Small helpers for kernel writers: :func:`store_parts`, :func:`row_dot` (``S x`` of
+parts), :func:`row_sum` (``tl.sum`` that stays cheap under the interpreter),
+:func:`mask_and` (block mask ``&`` scalar flag), :func:`window_program` (a window
+kernel's program coordinates) and :func:`device_fn` (``triton.jit`` for straight-line
+device helpers).
 
 Precision: divisions and square roots use the IEEE-rounded ``div_rn`` / ``sqrt_rn``
 (Triton's plain ``/`` and ``sqrt`` are approximate on NVIDIA GPUs); ``exp`` and ``log``
-are Triton's fast versions, a few ulp from ``torch``'s. So the kernels agree with the
-reference to fp32 rounding, not bit for bit, while agreeing with each other exactly.
+are Triton's fast versions, a few ulp from ``torch``'s; a key is normalised as ``k *
+(1 / sqrt(...))`` (one division per vector instead of one per key; within an ulp of
+``k / sqrt(...)``). So the kernels agree with the reference to fp32 rounding, not bit
+for bit, while agreeing with each other exactly.
 
 The module imports without Triton (``triton`` is then ``None`` and no helper exists).
 """
@@ -56,6 +62,10 @@ INTERPRETER = triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
 
 #: ``num_warps`` of every kernel that advances a state exactly (see the module notes).
 EXACT_NUM_WARPS = 4
+
+#: Column parts of an exact kernel's state tile (see the module notes); the helpers
+#: below are written for four.
+EXACT_PARTS = 4
 
 #: ``eps`` of the key/query normalisation, as in :data:`replayssm.ops.gates.NORM_EPS`.
 NORM_EPS = 1e-6
@@ -120,27 +130,63 @@ if triton is not None:
         return g, beta
 
     @device_fn
-    def l2norm(x, eps):
-        """``x / sqrt(sum(x*x) + eps)`` over the last axis of a ``[BK]`` or ``[N, BK]`` block.
+    def load_parts(ptr, offs, mask, col, K: tl.constexpr, KQ: tl.constexpr):
+        """Four fp32 parts ``x[offs + p * KQ]``, ``p = 0..3``, of a key-axis block.
 
-        Masked lanes must be loaded as zero; they stay zero. Returns fp32.
+        ``offs`` addresses part 0 (``[KQ]`` for a vector, ``[BV, KQ]`` for a state tile),
+        ``col`` is its key index (``[KQ]``, broadcast along ``offs``) and ``mask`` a block
+        mask broadcastable to ``offs`` (rows, validity). Keys ``>= K`` load as zero.
         """
-        x = x.to(tl.float32)
-        ss = row_sum(x * x, len(x.shape) - 1, keep_dims=True)
-        return tl.div_rn(x, tl.sqrt_rn(ss + eps))
+        x0 = tl.load(ptr + offs, mask=mask & (col < K), other=0.0).to(tl.float32)
+        x1 = tl.load(ptr + offs + KQ, mask=mask & (col + KQ < K), other=0.0).to(tl.float32)
+        x2 = tl.load(ptr + offs + 2 * KQ, mask=mask & (col + 2 * KQ < K), other=0.0).to(tl.float32)
+        x3 = tl.load(ptr + offs + 3 * KQ, mask=mask & (col + 3 * KQ < K), other=0.0).to(tl.float32)
+        return x0, x1, x2, x3
 
     @device_fn
-    def gdn_state_step(S, k_hat, v, g, beta):
-        """One exact GDN step of a ``[BV, BK]`` fp32 state tile (rows: values, cols: keys).
+    def store_parts(ptr, offs, mask, col, K: tl.constexpr, KQ: tl.constexpr, x0, x1, x2, x3):
+        """Store four parts as :func:`load_parts` loads them (cast to ``ptr``'s dtype)."""
+        dtype = ptr.dtype.element_ty
+        tl.store(ptr + offs, x0.to(dtype), mask=mask & (col < K))
+        tl.store(ptr + offs + KQ, x1.to(dtype), mask=mask & (col + KQ < K))
+        tl.store(ptr + offs + 2 * KQ, x2.to(dtype), mask=mask & (col + 2 * KQ < K))
+        tl.store(ptr + offs + 3 * KQ, x3.to(dtype), mask=mask & (col + 3 * KQ < K))
 
-        ``k_hat`` is the normalised key ``[BK]`` (full ``K``, masked lanes zero), ``v``
-        the ``[BV]`` fp32 values of the tile's rows, ``g`` and ``beta`` fp32 scalars.
-        Returns the new tile.
+    @device_fn
+    def inv_norm(x0, x1, x2, x3, eps):
+        """``1 / sqrt(sum(x*x) + eps)`` of a vector held as four fp32 ``[KQ]`` parts."""
+        ss = row_sum(tl.fma(x3, x3, tl.fma(x2, x2, tl.fma(x1, x1, x0 * x0))), 0)
+        return tl.div_rn(1.0, tl.sqrt_rn(ss + eps))
+
+    @device_fn
+    def normalized(x0, x1, x2, x3, eps, scale):
+        """The four parts of ``x / sqrt(sum(x*x) + eps) * scale`` (``scale`` 1 for keys),
+        computed as ``x * (scale / sqrt(...))``."""
+        r = inv_norm(x0, x1, x2, x3, eps) * scale
+        return x0 * r, x1 * r, x2 * r, x3 * r
+
+    @device_fn
+    def row_dot(S0, S1, S2, S3, x0, x1, x2, x3):
+        """``S x``: ``[BV]`` for a state tile and a vector, each held as four parts."""
+        p = tl.fma(S3, x3[None, :], tl.fma(S2, x2[None, :], tl.fma(S1, x1[None, :], S0 * x0[None, :])))
+        return row_sum(p, 1)
+
+    @device_fn
+    def gdn_state_step(S0, S1, S2, S3, k0, k1, k2, k3, v, g, beta):
+        """One exact GDN step of a state tile held as four fp32 ``[BV, KQ]`` parts.
+
+        ``k0..k3`` are the normalised key's parts (:func:`normalized`), ``v`` the
+        ``[BV]`` fp32 values of the tile's rows, ``g`` and ``beta`` fp32 scalars.
+        Returns the new tile's parts.
         """
-        S = tl.exp(g) * S
-        u = beta * (v - row_sum(S * k_hat[None, :], 1))
-        S = S + u[:, None] * k_hat[None, :]
-        return S
+        e = tl.exp(g)
+        S0 = e * S0
+        S1 = e * S1
+        S2 = e * S2
+        S3 = e * S3
+        u = (beta * (v - row_dot(S0, S1, S2, S3, k0, k1, k2, k3)))[:, None]
+        return (tl.fma(u, k0[None, :], S0), tl.fma(u, k1[None, :], S1),
+                tl.fma(u, k2[None, :], S2), tl.fma(u, k3[None, :], S3))
 
     @device_fn
     def window_program(slots_ptr, cu_ptr, H, HV):
