@@ -129,13 +129,12 @@ if triton is not None:
     from .triton_common import store_parts as _tl_store_parts
 
     @_tl_device_fn
-    def _load_record(rk_ptr, rv_ptr, rg_ptr, rb_ptr, rec, valid, offs_c, mask_c, mask_v, i_h, i_hv, offs_v, eps,
+    def _load_record(rk_ptr, rv_ptr, rg_ptr, rb_ptr, rec, valid, offs_c, mask_c, mask_v, i_h, i_hv, offs_v,
                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KQ: tl.constexpr):
-        """Record ``rec`` (flat ``layer/slot/position`` index) for one value head: the
-        normalised key's four parts, ``v`` (fp32), ``g``, ``beta``; zeros where ``valid``
+        """Record ``rec`` (flat ``layer/slot/position`` index) for one value head: the raw
+        key's four parts (fp32), ``v`` (fp32), ``g``, ``beta``; zeros where ``valid``
         (scalar) and the block masks (already including it) are off."""
         k0, k1, k2, k3 = _tl_load_parts(rk_ptr, (rec * H + i_h) * K + offs_c, mask_c, offs_c, K, KQ)
-        k0, k1, k2, k3 = _tl_normalized(k0, k1, k2, k3, eps, 1.0)
         v = tl.load(rv_ptr + (rec * HV + i_hv) * V + offs_v, mask=mask_v, other=0.0).to(tl.float32)
         g = tl.load(rg_ptr + rec * HV + i_hv, mask=valid, other=0.0)
         beta = tl.load(rb_ptr + rec * HV + i_hv, mask=valid, other=0.0)
@@ -178,19 +177,23 @@ if triton is not None:
         ckpt_at = ckpt_ptr + (ls * HV + i_hv) * (V * K)
         S0, S1, S2, S3 = _tl_load_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ)
 
-        # Same hand pipelining as the recurrence: record c + 1 loads during step c.
+        # Same hand pipelining as the recurrence: record c + 1 loads during step c, and
+        # only step c + 1 reads it. (Normalising it right after the load made every step
+        # wait for its next record: the flush of 27 records at batch 1 took 19.3 us
+        # instead of 13.2 us on an H200; BENCHMARKS.md.)
         all_c = offs_c >= 0
         k0n, k1n, k2n, k3n, v_n, g_n, b_n = _load_record(
             rk_ptr, rv_ptr, rg_ptr, rb_ptr, ls * R + start % R, count > 0, offs_c, all_c, mask_v,
-            i_h, i_hv, offs_v, eps, H, HV, K, V, KQ,
+            i_h, i_hv, offs_v, H, HV, K, V, KQ,
         )
         for c in range(0, count):
             k0, k1, k2, k3, v, g, beta = k0n, k1n, k2n, k3n, v_n, g_n, b_n
             valid_n = c + 1 < count
             k0n, k1n, k2n, k3n, v_n, g_n, b_n = _load_record(
                 rk_ptr, rv_ptr, rg_ptr, rb_ptr, ls * R + (start + c + 1) % R, valid_n, offs_c,
-                _tl_mask_and(all_c, valid_n), _tl_mask_and(mask_v, valid_n), i_h, i_hv, offs_v, eps, H, HV, K, V, KQ,
+                _tl_mask_and(all_c, valid_n), _tl_mask_and(mask_v, valid_n), i_h, i_hv, offs_v, H, HV, K, V, KQ,
             )
+            k0, k1, k2, k3 = _tl_normalized(k0, k1, k2, k3, eps, 1.0)
             S0, S1, S2, S3 = _tl_state_step(S0, S1, S2, S3, k0, k1, k2, k3, v, g, beta)
         _tl_store_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ, S0, S1, S2, S3)
 
