@@ -65,7 +65,7 @@ def main() -> int:
         print(f"{name:48s} b={batch:4d} {us:9.2f} us  floor {floor:8.2f}  x{us / floor:6.2f}", flush=True)
 
     T, L = 4, 32
-    modules = {"chunked": chunked, "fold": fold, "recurrent": recurrent}
+    modules = {"chunked": chunked, "recurrent": recurrent}
     variants = [("default", {})]
     for spec in args.variants:
         name, _, sets = spec.partition("=")

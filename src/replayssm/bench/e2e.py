@@ -38,8 +38,8 @@ default), so that the GDN state traffic per layer is the real one. Random models
 into short loops under greedy decoding, which is what lets prompt lookup hit.
 
 On CUDA each configuration is generated once untimed first, at full length (Triton
-compiles then), and then ``--repeats`` times; the median is reported. On the CPU the numbers only prove the
-code path.
+compiles then), and then ``--repeats`` times; the median is reported. On the CPU the
+numbers only prove the code path.
 """
 
 from __future__ import annotations
