@@ -8,5 +8,7 @@ from .snapshot import SnapshotStrategy
 STRATEGIES: dict[str, type[Strategy]] = {
     cls.name: cls for cls in (SnapshotStrategy, FoldStrategy, CircularStrategy)
 }
+#: the strategy names, in the order tables and plots show them (the one list of them)
+STRATEGY_NAMES: tuple[str, ...] = tuple(STRATEGIES)
 
-__all__ = ["STRATEGIES", "CircularStrategy", "FoldStrategy", "SnapshotStrategy", "StepProtocolError", "Strategy"]
+__all__ = ["STRATEGIES", "STRATEGY_NAMES", "CircularStrategy", "FoldStrategy", "SnapshotStrategy", "StepProtocolError", "Strategy"]
