@@ -30,7 +30,8 @@ from typing import Callable, Sequence
 import torch
 
 from ..ops.gates import expand_heads, gdn_gates
-from ..state import GDNShape, StatePool
+from ..state import Batch, GDNShape, StatePool
+from .attention import slot_attention
 from .kv_cache import KVCache, WindowLayout, cached_attention
 
 log = logging.getLogger("replayssm.engine")
@@ -138,6 +139,16 @@ def attention_forward(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     Returns:
         ``[R, hidden]`` (padding rows zero before ``o_proj``).
     """
+    rows, n = x.shape[0], cos.shape[0]
+    q, k, v, gate = _attention_inputs(attn, x, cos, sin)
+    o = cached_attention(cache, layer, layout, q, k, v[:n], attn.scaling)
+    o = _pad_rows(o.reshape(n, -1), rows) * torch.sigmoid(gate)
+    return attn.o_proj(o)
+
+
+def _attention_inputs(attn, x, cos, sin):
+    """Rotated ``q [N, heads, D]``, ``k [N, kv_heads, D]`` of the first ``N = len(cos)``
+    rows, ``v [R, kv_heads, D]`` and the output gate ``[R, heads * D]``."""
     rows, n, d = x.shape[0], cos.shape[0], attn.head_dim
     q, gate = torch.chunk(attn.q_proj(x).view(rows, -1, 2 * d), 2, dim=-1)
     gate = gate.reshape(rows, -1)
@@ -146,9 +157,33 @@ def attention_forward(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     v = attn.v_proj(x).view(rows, -1, d)
     rope = getattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb")
     q, k = rope(q[None, :n], k[None, :n], cos[None], sin[None], unsqueeze_dim=2)
-    o = cached_attention(cache, layer, layout, q[0], k[0], v[:n], attn.scaling)
-    o = _pad_rows(o.reshape(n, -1), rows) * torch.sigmoid(gate)
-    return attn.o_proj(o)
+    return q[0], k[0], v, gate
+
+
+def static_attention_forward(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+                             layer: int, slot_idx: torch.Tensor, positions: torch.Tensor,
+                             backend: str = "auto") -> torch.Tensor:
+    """:func:`attention_forward` for a static-shape step of ``B`` rows of ``T`` tokens.
+
+    Args:
+        x: ``[B * T, hidden]`` normed hidden states, row-major over ``(b, t)``.
+        cos, sin: ``[B * T, rotary_dim]``.
+        slot_idx: ``[B]`` cache slot per row (the cache's sink for padding rows).
+        positions: ``[B, T]`` absolute position of every token (``starts[:, None] + t``).
+
+    Writes the window's keys and values at their positions (the lengths are not
+    changed) and attends over each row's slot with :func:`slot_attention`; no value is
+    read on the host, so the call can be captured in a CUDA graph.
+    """
+    b, t = positions.shape
+    q, k, v, gate = _attention_inputs(attn, x, cos, sin)
+    kv_heads, d = k.shape[1], k.shape[2]
+    where = (slot_idx[:, None].expand(b, t), slice(None), positions)
+    cache.k[layer][where] = k.view(b, t, kv_heads, d).to(cache.k.dtype)
+    cache.v[layer][where] = v.view(b, t, kv_heads, d).to(cache.v.dtype)
+    o = slot_attention(q.view(b, t, -1, d), cache.k[layer], cache.v[layer], slot_idx, positions[:, 0],
+                       attn.scaling, backend=backend)
+    return attn.o_proj(o.reshape(b * t, -1) * torch.sigmoid(gate))
 
 
 def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
@@ -175,6 +210,62 @@ def mlp_forward(mlp, x: torch.Tensor, *, token_by_token: int = 0) -> torch.Tenso
     if isinstance(y, tuple):
         y = y[0]
     return y.reshape(x.shape)
+
+
+def moe_kernel_for(block, device: torch.device, dtype: torch.dtype) -> str:
+    """How :func:`static_moe_forward` runs ``block``'s experts: ``"grouped_mm"``
+    (``torch._grouped_mm``, one grouped GEMM per projection; CUDA, 16-bit weights, when
+    a probe call succeeds) or ``"gather"`` (each token's expert weights gathered and
+    multiplied alone; any device, memory ``tokens x top_k x expert size``)."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16,) or not hasattr(torch, "_grouped_mm"):
+        return "gather"
+    experts = block.experts
+    try:
+        x = torch.zeros(16, experts.gate_up_proj.shape[-1], device=device, dtype=dtype)
+        offs = torch.full((experts.gate_up_proj.shape[0],), 16, dtype=torch.int32, device=device)
+        torch._grouped_mm(x, experts.gate_up_proj.transpose(1, 2), offs=offs)
+    except (RuntimeError, TypeError, NotImplementedError) as e:
+        log.info("torch._grouped_mm unavailable for the MoE experts (%s); gathering expert weights per token", e)
+        return "gather"
+    return "grouped_mm"
+
+
+def static_moe_forward(block, x: torch.Tensor, kernel: str = "gather") -> torch.Tensor:
+    """A transformers-5 sparse MoE block (router ``gate``, fused ``experts``, optional
+    gated ``shared_expert``) on ``[N, hidden]`` without a host synchronisation: the HF
+    experts loop over the experts a step hits, which the host must read first.
+
+    Each token's result depends on that token alone (its experts' products are summed in
+    ``top_k`` order), so plain and speculative steps agree on shared tokens.
+    """
+    n, hidden = x.shape
+    _, weights, idx = block.gate(x)  # [N, k] routing weights and expert ids
+    experts = block.experts
+    k = idx.shape[1]
+    flat = idx.reshape(-1)
+    if kernel == "grouped_mm":
+        order = torch.argsort(flat, stable=True)
+        xs = x[order // k]
+        counts = torch.zeros(experts.gate_up_proj.shape[0], dtype=torch.int32, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        gate, up = torch._grouped_mm(xs, experts.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+        ys = torch._grouped_mm(experts.act_fn(gate) * up, experts.down_proj.transpose(1, 2), offs=offs)
+        y = torch.empty_like(ys)
+        y[order] = ys
+    else:
+        xs = x.repeat_interleave(k, dim=0)[:, None]  # [N k, 1, hidden]
+        gate, up = torch.bmm(xs, experts.gate_up_proj[flat].transpose(1, 2)).chunk(2, dim=-1)
+        y = torch.bmm(experts.act_fn(gate) * up, experts.down_proj[flat].transpose(1, 2))[:, 0]
+    out = (y.view(n, k, hidden) * weights.to(y.dtype)[..., None]).sum(1)
+    shared = getattr(block, "shared_expert", None)
+    if shared is not None:
+        out = out + torch.sigmoid(block.shared_expert_gate(x)) * shared(x)
+    return out
+
+
+def is_moe(mlp) -> bool:
+    return hasattr(mlp, "experts")
 
 
 class HybridEngine:
@@ -279,7 +370,12 @@ class HybridEngine:
             a0.head_dim if a0 is not None else 1, max_len, dtype=self.dtype, device=self.device,
         )
         self.max_len = max_len
+        self.backend = backend
         self._pending: tuple | None = None
+        moe = next((layer.mlp for layer in self.layers if is_moe(layer.mlp)), None)
+        self.moe_kernel = None if moe is None else moe_kernel_for(moe, self.device, self.dtype)
+        if self.moe_kernel is not None:
+            log.info("MoE experts of static steps: %s", self.moe_kernel)
 
         self.chunk_kernel = None
         if prefill == "chunk":
@@ -460,6 +556,56 @@ class HybridEngine:
         else:
             self.kv.advance(slots, lengths)
         return StepOutput(logits=logits, hidden=h[:n], lengths=lengths, offsets=offsets)
+
+    # ------------------------------------------------------------------ static steps
+    def static_batch(self, rows: int, window: int) -> Batch:
+        """A :class:`Batch` of ``rows`` windows of ``window`` tokens for
+        :meth:`forward_static`, every row padding (slot -1) until the caller writes
+        live slots into its ``slots`` tensor; one per captured step shape."""
+        return Batch.build([-1] * rows, [window] * rows, self.device)
+
+    def forward_static(self, ids: torch.Tensor, positions: torch.Tensor, slot_idx: torch.Tensor, batch: Batch,
+                       *, verify: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """One static-shape forward of ``B`` rows of ``T`` tokens, CUDA-graph safe.
+
+        Args:
+            ids: ``[B, T]`` int64 tokens.
+            positions: ``[B, T]`` int64 absolute positions (``starts[:, None] + t``).
+            slot_idx: ``[B]`` int64 KV-cache slot per row (``kv.sink`` for padding).
+            batch: from :meth:`static_batch` with the rows' pool slots (-1 padding).
+            verify: ``True``: the GDN layers verify (commit follows, through the
+                strategy); ``False``: plain decoding, the state advances over every
+                token (``T`` is then 1 in practice).
+
+        Returns:
+            ``(logits [B * T, vocab] float32, hidden [B * T, hidden])``. Nothing is
+            read on the host; the KV cache gets the window's keys and values, its
+            lengths are left to the caller.
+        """
+        b, t = ids.shape
+        h = self.embed(ids.reshape(-1))
+        cos, sin = self._rotary(h, positions.reshape(-1))
+        strat = self.strategy
+        for layer, kind, j in zip(self.layers, self.kinds, self.index):
+            x = layer.input_layernorm(h)
+            if kind == "gdn":
+                mixer = self.mixers[j]
+                mixed, z, a, bb = mixer.project(x)
+                if verify:
+                    q, k, v = mixer.split(strat.conv_verify(j, mixed, batch))
+                    o = strat.verify(j, q, k, v, a, bb, batch)
+                else:
+                    q, k, v = mixer.split(strat.conv_prefill(j, mixed, batch))
+                    o = strat.prefill(j, q, k, v, a, bb, batch)
+                x = mixer.finish(o, z)
+            else:
+                x = static_attention_forward(layer.self_attn, x, cos, sin, self.kv, j, slot_idx, positions,
+                                             backend=self.backend)
+            h = h + x
+            x = layer.post_attention_layernorm(h)
+            h = h + (static_moe_forward(layer.mlp, x, self.moe_kernel) if is_moe(layer.mlp) else layer.mlp(x))
+        h = self.norm(h)
+        return self.lm_head(h).float(), h
 
     def _rotary(self, h: torch.Tensor, positions: torch.Tensor):
         # Qwen3.5's rotary embedding is multimodal (3 position grids); text tokens use

@@ -44,6 +44,7 @@ class GenerationResult:
     accepted: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    stats: "StepStats | None" = None
 
     @property
     def num_generated(self) -> int:
@@ -279,3 +280,222 @@ class SpeculativeGenerator:
         num = torch.tensor([len(d.tokens) for d in drafts], dtype=torch.long, device=dev)
         accepted, nxt = rejection_sample(p, d_pad, q, num, self.generator)
         return list(zip(accepted.tolist(), nxt.tolist()))
+
+
+# ---------------------------------------------------------------------- static steps
+def default_buckets(num_slots: int) -> tuple[int, ...]:
+    """Batch buckets 1, 2, 4, ... up to ``num_slots`` (which is always one)."""
+    out, b = [], 1
+    while b < num_slots:
+        out.append(b)
+        b *= 2
+    return tuple(out) + (num_slots,)
+
+
+@dataclass
+class StepStats:
+    """Per-step figures of a :class:`StepGenerator` run: wall time of each decode step
+    (launch or replay plus the read of its output), live rows and tokens emitted."""
+
+    seconds: list[float] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+    emitted: list[int] = field(default_factory=list)
+
+    def percentile(self, q: float) -> float:
+        if not self.seconds:
+            return float("nan")
+        xs = sorted(self.seconds)
+        return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+class StepGenerator:
+    """Continuous batching over static-shape steps, CUDA-graphed on a GPU.
+
+    Each step runs one :class:`~replayssm.engine.graph_step.StaticStep` of the smallest
+    bucket that holds the live requests (padding rows take slot -1): the forward,
+    acceptance, commit and the next window's drafts all happen on the device, and the
+    host reads the emitted tokens once per step (the only synchronisation; the prompt
+    prefill of joining requests runs eagerly between steps). Requests join as slots free
+    up (at most the engine's slots at once) and leave on an end-of-sequence token or
+    their token budget. Plain decoding when ``drafter`` is ``None``.
+
+    Args:
+        engine: the target engine (window ``>= num_draft + 1``; slots = concurrency).
+        drafter: a :class:`~replayssm.engine.device_drafters.DeviceDrafter` or ``None``.
+        num_draft: draft tokens per step ``k`` (window ``k + 1``).
+        sampling: greedy, or warped sampling with rejection of the drafts.
+        eos_token_ids: tokens that end a request.
+        graphs: capture CUDA graphs (default: on a CUDA engine).
+        buckets: batch buckets (default 1, 2, 4, ... up to the engine's slots).
+    """
+
+    def __init__(self, engine: HybridEngine, drafter=None, *, num_draft: int = 3,
+                 sampling: SamplingParams = SamplingParams(), eos_token_ids: Sequence[int] = (),
+                 graphs: bool | None = None, buckets: Sequence[int] | None = None):
+        from .device_drafters import DeviceDrafter
+
+        if not isinstance(engine, HybridEngine):
+            raise TypeError(f"engine must be a HybridEngine, got {type(engine).__name__}")
+        if drafter is not None and not isinstance(drafter, DeviceDrafter):
+            raise TypeError(f"drafter must be a DeviceDrafter or None, got {type(drafter).__name__}")
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        if drafter is not None:
+            if isinstance(num_draft, bool) or not isinstance(num_draft, int) or num_draft < 1:
+                raise ValueError(f"num_draft must be a positive int, got {num_draft!r}")
+            if num_draft + 1 > engine.window:
+                raise ValueError(f"num_draft + 1 = {num_draft + 1} exceeds the engine's window {engine.window}")
+        graphs = engine.device.type == "cuda" if graphs is None else bool(graphs)
+        if graphs and engine.device.type != "cuda":
+            raise ValueError("graphs=True needs a CUDA engine")
+        slots = engine.pool.num_slots
+        buckets = tuple(sorted(set(buckets))) if buckets else default_buckets(slots)
+        if any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in buckets) or buckets[-1] < slots:
+            raise ValueError(f"buckets must be positive ints whose largest is >= the engine's {slots} slots, "
+                             f"got {list(buckets)}")
+        self.engine = engine
+        self.drafter = drafter
+        self.num_draft = num_draft if drafter is not None else 0
+        self.sampling = sampling
+        self.eos = {int(t) for t in eos_token_ids}
+        self.graphs = graphs
+        self.buckets = buckets
+        self._steps: dict[int, object] = {}
+        self._pool = None
+        from .graph_step import StepBuffers
+
+        self.buffers = StepBuffers(engine, self.num_draft + 1)
+        if drafter is not None:
+            drafter.bind(slots, self.num_draft, engine.max_len + engine.window, engine.device)
+
+    def _step(self, live: int):
+        from .graph_step import StaticStep
+
+        rows = next(b for b in self.buckets if b >= live)
+        if rows not in self._steps:
+            if self.graphs and self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            self._steps[rows] = StaticStep(self.engine, self.buffers, rows, drafter=self.drafter,
+                                           sampling=self.sampling, graph=self.graphs, pool=self._pool)
+        return self._steps[rows]
+
+    def capture(self, rows: Sequence[int] | None = None) -> None:
+        """Build (and on CUDA capture) the steps of these buckets now (default: all)."""
+        for b in rows or self.buckets:
+            self._step(b)
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
+                 on_tokens: Callable[[int, list[int]], None] | None = None) -> GenerationResult:
+        """Generate for any number of prompts; at most the engine's slots run at once.
+
+        Returns a :class:`GenerationResult` whose ``stats`` attribute holds the
+        :class:`StepStats`. ``decode_s`` is the wall time of the loop after the first
+        prefill (later joiners' prefills included); ``prefill_s`` that first prefill.
+        """
+        eng = self.engine
+        prompts = [list(p) for p in prompts]
+        if not prompts:
+            raise ValueError("prompts is empty")
+        budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        if len(budgets) != len(prompts):
+            raise ValueError(f"max_new_tokens has {len(budgets)} entries for {len(prompts)} prompts")
+        for i, (p, m) in enumerate(zip(prompts, budgets)):
+            if not p or any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < eng.vocab_size for t in p):
+                raise ValueError(f"prompts[{i}] must be a non-empty list of token ids in [0, {eng.vocab_size})")
+            if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+                raise ValueError(f"max_new_tokens must be positive ints, got {m!r} for request {i}")
+            if len(p) + m + eng.window > eng.max_len:
+                raise ValueError(f"request {i}: prompt {len(p)} + max_new_tokens {m} + window {eng.window} "
+                                 f"exceeds the engine's max_len {eng.max_len}")
+        if eng.pool.num_free < eng.pool.num_slots:
+            raise ValueError("the engine has live slots; a StepGenerator needs all of them free")
+        with torch.inference_mode():
+            return self._generate(prompts, budgets, on_tokens)
+
+    def _generate(self, prompts, budgets, on_tokens) -> GenerationResult:
+        eng = self.engine
+        queue = [_Request(i, -1, p, m) for i, (p, m) in enumerate(zip(prompts, budgets))]
+        reqs = list(queue)
+        queue.reverse()  # pop() takes the next request
+        result = GenerationResult(tokens=[], finish_reasons=[])
+        stats = StepStats()
+        active: list[_Request] = []
+        t_start = time.perf_counter()
+        first_prefill = True
+        try:
+            while queue or active:
+                joiners = []
+                while queue and len(active) + len(joiners) < eng.pool.num_slots:
+                    r = queue.pop()
+                    r.slot = eng.alloc()
+                    joiners.append(r)
+                if joiners:
+                    t0 = time.perf_counter()
+                    self._prefill(joiners, on_tokens)
+                    if first_prefill:
+                        _sync(eng.device)
+                        result.prefill_s = time.perf_counter() - t0
+                        t_start = time.perf_counter()
+                        first_prefill = False
+                    self._release([r for r in joiners if r.finish])
+                    active += [r for r in joiners if r.finish is None]
+                if not active:
+                    continue
+                step = self._step(len(active))
+                step.set_rows([r.slot for r in active] + [-1] * (step.rows - len(active)))
+                t0 = time.perf_counter()
+                out = step.run()[: len(active)].tolist()  # the step's one host synchronisation
+                stats.seconds.append(time.perf_counter() - t0)
+                stats.rows.append(len(active))
+                eng.kv.advance_host([r.slot for r in active], [row[0] for row in out])
+                emitted = 0
+                for r, row in zip(active, out):
+                    n = row[0]
+                    kept = self._emit(r, row[1 : 1 + n])
+                    emitted += n
+                    result.accept_lengths.append(n)
+                    result.drafted += self.num_draft
+                    result.accepted += n - 1
+                    if on_tokens:
+                        on_tokens(r.index, kept)
+                stats.emitted.append(emitted)
+                result.steps += 1
+                self._release([r for r in active if r.finish])
+                active = [r for r in active if r.finish is None]
+            _sync(eng.device)
+            result.decode_s = time.perf_counter() - t_start
+        finally:
+            self._release([r for r in reqs if r.slot >= 0])
+        result.tokens = [r.generated for r in reqs]
+        result.finish_reasons = [r.finish or "length" for r in reqs]
+        result.stats = stats
+        return result
+
+    def _prefill(self, joiners, on_tokens) -> None:
+        eng = self.engine
+        out = eng.extend([r.slot for r in joiners], [r.prompt for r in joiners], prompt=True)
+        if self.sampling.greedy:
+            firsts = out.logits.argmax(-1)
+        else:
+            from .sampling import sample_categorical
+
+            firsts = sample_categorical(warp_probs(out.logits, self.sampling))
+        slots = torch.tensor([r.slot for r in joiners], dtype=torch.long, device=eng.device)
+        self.buffers.windows[slots, 0] = firsts
+        firsts = firsts.tolist()
+        if self.drafter is not None:
+            for r, tok in zip(joiners, firsts):
+                self.drafter.start(r.slot, r.prompt + [tok], r.index)
+            self.buffers.windows[slots, 1:] = self.drafter.propose(slots)
+        for r, tok in zip(joiners, firsts):
+            kept = self._emit(r, [tok])
+            if on_tokens:
+                on_tokens(r.index, kept)
+
+    _emit = SpeculativeGenerator._emit
+
+    def _release(self, reqs) -> None:
+        for r in reqs:
+            if r.slot >= 0:
+                self.engine.free(r.slot)
+                r.slot = -1

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 
 class KVCache:
-    """Keys and values ``[layers, slots, kv_heads, max_len, head_dim]`` plus lengths.
+    """Keys and values ``[layers, slots + 1, kv_heads, max_len, head_dim]`` plus lengths.
 
     Args:
         num_layers: number of full-attention layers (may be 0).
@@ -27,7 +27,11 @@ class KVCache:
         dtype, device: storage of keys and values.
 
     ``lengths[s]`` (host ints) is the committed token count of slot ``s``; it is also
-    the position of the request's next token.
+    the position of the request's next token. ``device_lengths`` (``[slots + 1]`` int64)
+    holds the same counts on the device for static-shape steps, which read and advance
+    them without the host; :meth:`advance`, :meth:`reset` and :meth:`truncate` keep both
+    in step, and a graphed step's driver calls :meth:`advance_host` after it read the
+    accepted counts. The extra slot :attr:`sink` takes the writes of padding rows.
     """
 
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, max_len: int,
@@ -42,16 +46,33 @@ class KVCache:
         self.num_slots = num_slots
         self.max_len = max_len
         self.device = torch.device(device)
-        shape = (num_layers, num_slots, num_kv_heads, max_len, head_dim)
+        shape = (num_layers, num_slots + 1, num_kv_heads, max_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=self.device)
         self.v = torch.zeros(shape, dtype=dtype, device=self.device)
         self.lengths = [0] * num_slots
+        self.device_lengths = torch.zeros(num_slots + 1, dtype=torch.int64, device=self.device)
+
+    @property
+    def sink(self) -> int:
+        """The storage slot that padding rows of a static step write to."""
+        return self.num_slots
 
     def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() * 2
+        return self.k.numel() * self.k.element_size() * 2 + self.device_lengths.numel() * 8
+
+    def _sync_device(self, slots: Sequence[int]) -> None:
+        idx = torch.tensor(list(slots), dtype=torch.long)
+        vals = torch.tensor([self.lengths[s] for s in slots], dtype=torch.int64)
+        self.device_lengths[idx.to(self.device)] = vals.to(self.device)
 
     def reset(self, slot: int) -> None:
         self.lengths[slot] = 0
+        self._sync_device([slot])
+
+    def advance_host(self, slots: Sequence[int], counts: Sequence[int]) -> None:
+        """Advance the host lengths only: the device already did (a graphed step)."""
+        for s, n in zip(slots, counts):
+            self.lengths[s] += int(n)
 
     def check_room(self, slots: Sequence[int], lengths: Sequence[int]) -> None:
         """Raise ``ValueError`` if a window would run past ``max_len``."""
@@ -63,8 +84,8 @@ class KVCache:
 
     def advance(self, slots: Sequence[int], counts: Sequence[int]) -> None:
         """Commit ``counts[i]`` more tokens of slot ``slots[i]``."""
-        for s, n in zip(slots, counts):
-            self.lengths[s] += int(n)
+        self.advance_host(slots, counts)
+        self._sync_device(slots)
 
     def truncate(self, slots: Sequence[int], lengths: Sequence[int]) -> None:
         """Roll slots back to the given committed lengths (never forward)."""
@@ -72,6 +93,7 @@ class KVCache:
             if not 0 <= n <= self.lengths[s]:
                 raise ValueError(f"cannot truncate slot {s} from {self.lengths[s]} to {n} tokens")
             self.lengths[s] = int(n)
+        self._sync_device(slots)
 
 
 class WindowLayout:

@@ -147,3 +147,58 @@ def rejection_sample(p: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | No
         res = torch.where(mass > 0, res / mass.clamp(min=1e-30), p_next)
         residual = torch.where(rejected[:, None], res, p_next)
     return accepted, _draw(residual, generator)
+
+
+# ---------------------------------------------------------------------- static steps
+# Acceptance inside a static (CUDA-graph) step: every row has a full window ``[B, T]``
+# (``T - 1`` drafts), nothing is read on the host, and randomness comes from torch's
+# generator of the device (graph replays advance it).
+def accept_greedy_static(logits: torch.Tensor, window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy acceptance of full windows.
+
+    Args:
+        logits: ``[B, T, V]`` target logits at every window position.
+        window: ``[B, T]`` the window's tokens (last accepted token, then ``T - 1`` drafts).
+
+    Returns:
+        ``(accepted_drafts [B], next_token [B])`` int64, as :func:`greedy_accept` per row.
+    """
+    argmax = logits.argmax(-1)  # [B, T]
+    if window.shape[1] == 1:
+        return torch.zeros_like(argmax[:, 0]), argmax[:, 0]
+    match = window[:, 1:] == argmax[:, :-1]
+    n = match.long().cumprod(1).sum(1)
+    return n, argmax.gather(1, n[:, None])[:, 0]
+
+
+def sample_categorical(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One draw per row of ``probs [R, V]`` without a host synchronisation: the index of
+    the smallest ``E_i / p_i`` with ``E_i ~ Exp(1)`` (an exponential race), which is
+    distributed as ``p``."""
+    race = torch.empty_like(probs).exponential_(generator=generator)
+    return (probs / race).argmax(-1)
+
+
+def accept_sampled_static(logits: torch.Tensor, window: torch.Tensor, params: SamplingParams,
+                          generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rejection sampling of full windows of deterministic drafts (``q = onehot``):
+    accept draft ``d_j`` with probability ``p_j(d_j)``; on the first rejection draw from
+    ``p_j`` without ``d_j``; if all are accepted draw the bonus token from ``p_T``.
+
+    Args and returns as :func:`accept_greedy_static`; ``params`` warps the logits.
+    """
+    b, t, v = logits.shape
+    p = warp_probs(logits.reshape(b * t, v), params).view(b, t, v)
+    if t == 1:
+        return torch.zeros(b, dtype=torch.long, device=p.device), sample_categorical(p[:, 0], generator)
+    drafts = window[:, 1:]
+    p_d = p[:, :-1].gather(-1, drafts[..., None])[..., 0]  # [B, T-1]
+    u = torch.rand(p_d.shape, device=p.device, generator=generator)
+    n = (u < p_d).long().cumprod(1).sum(1)
+    p_next = p.gather(1, n[:, None, None].expand(b, 1, v))[:, 0]  # [B, V]
+    rejected = drafts.gather(1, n.clamp(max=t - 2)[:, None])  # the draft that failed (if any)
+    residual = p_next.scatter(-1, rejected, 0.0)
+    mass = residual.sum(-1, keepdim=True)
+    residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p_next)
+    dist = torch.where((n < t - 1)[:, None], residual, p_next)
+    return n, sample_categorical(dist, generator)

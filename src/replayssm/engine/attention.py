@@ -1,0 +1,151 @@
+"""Attention of a static-shape step over the slot-indexed KV cache.
+
+A decode or verify step has ``B`` rows (requests or padding) of ``T`` query tokens
+each. Row ``b`` reads the keys of cache slot ``slot_idx[b]``; its query ``t`` sits at
+position ``starts[b] + t`` and sees keys ``0 .. starts[b] + t`` (its history and the
+window up to itself). Nothing here depends on the lengths' values on the host, so the
+same launch serves every step of a CUDA graph: the kernel reads ``starts`` on the
+device and stops at the last key a row can see, and its cost follows the real lengths,
+not the cache's capacity.
+
+Two implementations of :func:`slot_attention`:
+
+* ``reference``: the cache rows gathered and padded to the cache capacity, then
+  ``scaled_dot_product_attention`` with a length mask. Runs anywhere; cost follows the
+  capacity. The CPU path and the oracle of the tests.
+* ``triton``: one program per (row, key head) holds the ``G x T`` queries that share
+  that key head (grouped-query attention) as one tile and streams the slot's keys in
+  blocks with an online softmax (flash-decoding without the split along keys).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..ops.dispatch import resolve
+from ..ops.triton_common import INTERPRETER, triton
+
+if triton is not None:
+    import triton.language as tl
+
+
+def _check(q, k_cache, v_cache, slot_idx, starts):
+    if q.dim() != 4:
+        raise ValueError(f"q must be [B, T, heads, D], got shape {list(q.shape)}")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache must be [slots, kv_heads, L, D] alike, got {list(k_cache.shape)} "
+                         f"and {list(v_cache.shape)}")
+    b, _, heads, d = q.shape
+    if k_cache.shape[-1] != d or heads % k_cache.shape[1]:
+        raise ValueError(f"q has {heads} heads of {d}; the cache {k_cache.shape[1]} key heads of {k_cache.shape[-1]}")
+    for name, x in (("slot_idx", slot_idx), ("starts", starts)):
+        if x.shape != (b,) or x.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be an int tensor [{b}], got {x.dtype} {list(x.shape)}")
+
+
+def slot_attention_reference(q, k_cache, v_cache, slot_idx, starts, scale: float) -> torch.Tensor:
+    """See :func:`slot_attention`."""
+    b, t, heads, d = q.shape
+    cap = k_cache.shape[2]
+    idx = slot_idx.long()
+    keys, values = k_cache[idx].to(q.dtype), v_cache[idx].to(q.dtype)  # [B, kvH, L, D]
+    q_pos = starts.long()[:, None] + torch.arange(t, device=q.device)  # [B, T]
+    mask = torch.arange(cap, device=q.device)[None, None, :] <= q_pos[:, :, None]  # [B, T, L]
+    groups = heads // k_cache.shape[1]
+    if groups > 1:
+        keys = keys.repeat_interleave(groups, dim=1)
+        values = values.repeat_interleave(groups, dim=1)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask[:, None], scale=scale)
+    return out.transpose(1, 2)
+
+
+def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_idx: torch.Tensor,
+                   starts: torch.Tensor, scale: float, *, backend: str = "auto") -> torch.Tensor:
+    """Causal attention of ``T`` query tokens per row over each row's cache slot.
+
+    Args:
+        q: ``[B, T, heads, D]`` rotated queries.
+        k_cache, v_cache: ``[slots, kv_heads, L, D]`` one layer's cache, the window's
+            keys and values already written at positions ``starts[b] + t``.
+        slot_idx: ``[B]`` cache slot of each row (padding rows point at any slot whose
+            entries are finite; their outputs are meaningless).
+        starts: ``[B]`` committed length of each row (position of its first query).
+        scale: softmax scale.
+        backend: ``"reference"``, ``"triton"`` or ``"auto"`` (Triton on CUDA).
+
+    Returns:
+        ``[B, T, heads, D]`` in the dtype of ``q``.
+    """
+    _check(q, k_cache, v_cache, slot_idx, starts)
+    if resolve(backend, q.device) == "reference":
+        return slot_attention_reference(q, k_cache, v_cache, slot_idx, starts, scale)
+    if triton is None:
+        raise RuntimeError("backend='triton' for slot attention needs the triton package")
+    if q.device.type != "cuda" and not INTERPRETER:
+        raise ValueError("backend='triton' on CPU tensors needs TRITON_INTERPRET=1 before importing replayssm")
+    return _slot_attention_triton(q, k_cache, v_cache, slot_idx, starts, scale)
+
+
+def _slot_attention_triton(q, k_cache, v_cache, slot_idx, starts, scale):
+    b, t, heads, d = q.shape
+    kv_heads = k_cache.shape[1]
+    groups = heads // kv_heads
+    if d != triton.next_power_of_2(d) or d < 16:
+        raise ValueError(f"the Triton slot attention needs a power-of-two head_dim >= 16, got {d}")
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    block_m = max(16, triton.next_power_of_2(groups * t))
+    block_n = 64 if d <= 128 else 32
+    _slot_attention_kernel[(b, kv_heads)](
+        q, k_cache, v_cache, slot_idx, starts, out, scale,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        T=t, G=groups, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=4 if block_m * d <= 32 * 128 else 8,
+    )
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _slot_attention_kernel(
+        q_ptr, k_ptr, v_ptr, slot_ptr, start_ptr, o_ptr, scale,
+        stride_qb, stride_qt, stride_qh, stride_ks, stride_kh, stride_kl,
+        T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):
+        i_b = tl.program_id(0)
+        i_kh = tl.program_id(1)
+        slot = tl.load(slot_ptr + i_b).to(tl.int64)
+        start = tl.load(start_ptr + i_b).to(tl.int64)
+        # Tile row m holds query token m // G of head i_kh * G + m % G.
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, D)
+        tok = offs_m // G
+        head = i_kh * G + offs_m % G
+        row_ok = offs_m < T * G
+        q_off = i_b * stride_qb + tok * stride_qt + head * stride_qh
+        q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        last = start + tok  # the last key each row sees
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        base = slot * stride_ks + i_kh * stride_kh
+        hi = start + T
+        for n0 in range(0, hi, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            kv_ok = offs_n < hi
+            kv_off = base + offs_n[:, None] * stride_kl + offs_d[None, :]
+            k = tl.load(k_ptr + kv_off, mask=kv_ok[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k).to(q.dtype)) * scale
+            s = tl.where(offs_n[None, :] <= last[:, None], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_ptr + kv_off, mask=kv_ok[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        acc = acc / l_i[:, None]
+        tl.store(o_ptr + q_off[:, None] + offs_d[None, :], acc.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])

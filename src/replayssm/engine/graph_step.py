@@ -1,0 +1,152 @@
+"""A whole decode step at one static shape, captured once in a CUDA graph.
+
+A :class:`StaticStep` covers ``rows`` requests (a batch bucket; padding rows have slot
+-1) with windows of ``T`` tokens: ``T = 1`` for plain decoding, ``T = k + 1`` for
+speculative decoding with ``k`` drafts. Its body does, on the device and without the
+host:
+
+1. gather each row's window from the per-slot window buffer and its committed length
+   from the KV cache's device lengths;
+2. the model forward (:meth:`HybridEngine.forward_static`: embeddings, every layer with
+   GDN through the pool's strategy, attention over the slot cache, MLP or MoE, final
+   norm, LM head);
+3. acceptance (greedy, or rejection sampling of deterministic drafts);
+4. the strategy's commit (GDN state, conv state) with the accepted counts, and the KV
+   lengths advanced by them (plain decoding advanced the state in step 2);
+5. the drafter's update and its proposal of the next window, written back per slot;
+6. the emitted tokens and accepted counts into one output buffer ``[rows, 1 + T]``.
+
+Per-slot buffers (windows, KV lengths, drafter history) are indexed by slot, not by
+row, so requests may finish or join between steps (the driver rewrites the rows' slots)
+and another bucket's graph may take the next step, with no new capture. The driver's
+one host synchronisation per step is the read of the output buffer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .adapter import HybridEngine
+from .device_drafters import DeviceDrafter
+from .sampling import SamplingParams, accept_greedy_static, accept_sampled_static
+
+
+class StepBuffers:
+    """Per-slot device state shared by all step shapes of one engine and drafter.
+
+    Attributes:
+        windows: ``[slots + 1, T]`` int64, the next window of every slot (its last
+            emitted token, then the drafts); the last row is the padding sink.
+    """
+
+    def __init__(self, engine: HybridEngine, window: int):
+        self.window = window
+        self.windows = torch.zeros((engine.pool.num_slots + 1, window), dtype=torch.int64, device=engine.device)
+
+
+class StaticStep:
+    """One step shape ``(rows, T)`` of an engine; see the module docstring.
+
+    Args:
+        engine: the target engine (``T = 1`` uses plain decoding through the strategy's
+            ``prefill``; ``T > 1`` verifies and commits).
+        buffers: the shared :class:`StepBuffers` (its ``window`` is ``T``).
+        rows: the batch bucket.
+        drafter: a bound :class:`DeviceDrafter` for ``T > 1``; ``None`` for ``T = 1``.
+        sampling: greedy (default) or warped sampling with rejection of the drafts.
+        graph: capture a CUDA graph (CUDA only); else every :meth:`run` runs the body
+            eagerly (the CPU path, and the reference a graph is tested against).
+        pool: a CUDA graph memory pool shared by the engine's step graphs.
+    """
+
+    def __init__(self, engine: HybridEngine, buffers: StepBuffers, rows: int, *, drafter: DeviceDrafter | None,
+                 sampling: SamplingParams = SamplingParams(), graph: bool = False, pool=None):
+        t = buffers.window
+        if (t > 1) != (drafter is not None):
+            raise ValueError(f"a window of {t} tokens needs {'a' if t > 1 else 'no'} drafter")
+        if t > engine.window:
+            raise ValueError(f"window {t} exceeds the engine's window {engine.window}")
+        if graph and engine.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA engine")
+        self.engine = engine
+        self.buffers = buffers
+        self.rows = rows
+        self.window = t
+        self.drafter = drafter
+        self.sampling = sampling
+        dev = engine.device
+        self.batch = engine.static_batch(rows, t)
+        self.slot_idx = torch.full((rows,), engine.kv.sink, dtype=torch.int64, device=dev)
+        self.out = torch.zeros((rows, 1 + t), dtype=torch.int64, device=dev)
+        self._steps = torch.arange(t, device=dev)
+        self._slots: list[int] = [-1] * rows
+        self.graph = None
+        if graph:
+            self._capture(pool)
+
+    def set_rows(self, slots: list[int]) -> None:
+        """The pool slot of every row (``-1`` for padding); copied to the device only
+        when it changed since the last step."""
+        if len(slots) != self.rows:
+            raise ValueError(f"need {self.rows} row slots, got {len(slots)}")
+        if slots == self._slots:
+            return
+        sink = self.engine.kv.sink
+        host = torch.tensor([[s, s if s >= 0 else sink] for s in slots], dtype=torch.int64)
+        self.batch.slots.copy_(host[:, 0].to(self.batch.slots.dtype), non_blocking=False)
+        self.slot_idx.copy_(host[:, 1])
+        self._slots = list(slots)
+
+    def run(self) -> torch.Tensor:
+        """Take one step; returns the output buffer ``[rows, 1 + T]`` (column 0: tokens
+        emitted per row, then the emitted tokens, ``-1`` past them), on the device."""
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self._body()
+        return self.out
+
+    # ------------------------------------------------------------------ body
+    def _body(self) -> None:
+        eng, t = self.engine, self.window
+        kv_len = eng.kv.device_lengths
+        ids = self.buffers.windows[self.slot_idx]  # [B, T]
+        starts = kv_len[self.slot_idx]
+        positions = starts[:, None] + self._steps
+        verify = t > 1
+        logits, _ = eng.forward_static(ids, positions, self.slot_idx, self.batch, verify=verify)
+        logits = logits.view(self.rows, t, -1)
+        if self.sampling.greedy:
+            n, nxt = accept_greedy_static(logits, ids)
+        else:
+            n, nxt = accept_sampled_static(logits, ids, self.sampling)
+        accepted = n + 1
+        if verify:
+            eng.strategy.commit(self.batch, accepted.to(torch.int32))
+        kv_len[self.slot_idx] = starts + accepted
+        kv_len[eng.kv.sink] = 0  # padding rows always start at position 0
+        shifted = torch.cat([ids[:, 1:], nxt[:, None]], 1)
+        emitted = torch.where(self._steps[None] < n[:, None], shifted,
+                              torch.where(self._steps[None] == n[:, None], nxt[:, None], -1))
+        if verify:
+            self.drafter.observe(self.slot_idx, emitted, accepted)
+            nxt_window = torch.cat([nxt[:, None], self.drafter.propose(self.slot_idx)], 1)
+        else:
+            nxt_window = nxt[:, None]
+        self.buffers.windows[self.slot_idx] = nxt_window
+        self.out[:, 0] = accepted
+        self.out[:, 1:] = emitted
+
+    def _capture(self, pool) -> None:
+        # Warm up outside the graph (Triton compiles, cuBLAS picks its kernels) with
+        # every row padding, so no request's state moves; then capture the same body.
+        stream = torch.cuda.Stream(self.engine.device)
+        stream.wait_stream(torch.cuda.current_stream(self.engine.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._body()
+        torch.cuda.current_stream(self.engine.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            self._body()
+        self.graph = graph
