@@ -134,19 +134,22 @@ class OracleDrafter(DeviceDrafter):
             raise ValueError(f"acceptance must be a number in [0, 1], got {acceptance!r}")
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 2:
             raise ValueError(f"vocab_size must be an int >= 2, got {vocab_size!r}")
-        refs = dict(references) if isinstance(references, dict) else dict(enumerate(references))
-        for i, r in refs.items():
-            if not r or any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size for t in r):
-                raise ValueError(f"references[{i}] must be a non-empty list of token ids in [0, {vocab_size})")
-        self.references = {i: list(r) for i, r in refs.items()}
         self.acceptance = float(acceptance)
         self.vocab_size = vocab_size
         self.seed = seed
+        self.set_references(references)
+
+    def set_references(self, references: dict[int, Sequence[int]] | Sequence[Sequence[int]]) -> None:
+        """Replace the reference continuations (per request index) for later requests."""
+        refs = dict(references) if isinstance(references, dict) else dict(enumerate(references))
+        for i, r in refs.items():
+            if not r or any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size for t in r):
+                raise ValueError(f"references[{i}] must be a non-empty list of token ids in [0, {self.vocab_size})")
+        self.references = {i: list(r) for i, r in refs.items()}
 
     def bind(self, num_slots, num_draft, capacity, device):
         self.k = num_draft
-        longest = max(len(r) for r in self.references.values())
-        self.reference = torch.zeros((num_slots + 1, longest), dtype=torch.int64, device=device)
+        self.reference = torch.zeros((num_slots + 1, capacity), dtype=torch.int64, device=device)
         self.generated = torch.zeros(num_slots + 1, dtype=torch.int64, device=device)
         self._steps = torch.arange(max(num_draft, 1), device=device)
         self.generator = None if device.type == "cuda" else torch.Generator(device=device).manual_seed(self.seed)
@@ -154,7 +157,7 @@ class OracleDrafter(DeviceDrafter):
     def start(self, slot, tokens, request):
         if request not in self.references:
             raise ValueError(f"the oracle drafter has no reference for request {request}")
-        ref = self.references[request]
+        ref = self.references[request][: self.reference.shape[1]]
         self.reference[slot, : len(ref)] = torch.tensor(ref, dtype=torch.int64, device=self.reference.device)
         self.reference[slot, len(ref):] = ref[-1]
         self.generated[slot] = 1  # the prefill emitted the first token
