@@ -124,7 +124,7 @@ class StaticStep:
         if verify:
             eng.strategy.commit(self.batch, accepted.to(torch.int32))
         kv_len[self.slot_idx] = starts + accepted
-        kv_len[eng.kv.sink] = 0  # padding rows always start at position 0
+        kv_len[eng.kv.sink:].zero_()  # padding rows always start at position 0 (no host value in a graph)
         shifted = torch.cat([ids[:, 1:], nxt[:, None]], 1)
         emitted = torch.where(self._steps[None] < n[:, None], shifted,
                               torch.where(self._steps[None] == n[:, None], nxt[:, None], -1))
