@@ -124,8 +124,6 @@ class E2EConfig:
         if self.drafter == "mtp" and self.model is None:
             raise ValueError("drafter 'mtp' needs --model (a checkpoint with mtp.* weights)")
         if self.drafter == "oracle":
-            if not self.plain:
-                raise ValueError("drafter 'oracle' drafts plain decoding's tokens: it needs the plain mode")
             if not self.acceptance or any(not 0 <= p <= 1 for p in self.acceptance):
                 raise ValueError(f"acceptance must be probabilities in [0, 1], got {list(self.acceptance)}")
         if self.dtype not in DTYPES:
@@ -254,8 +252,7 @@ def run_hf(model, prompts, warm, cfg: E2EConfig, on_done=None) -> tuple[dict, li
     return row, runs[-1].tokens
 
 
-def run_mode(model, mode: str, prompts, warm, cfg: E2EConfig, *, references=None, warm_references=None,
-             on_done=None) -> list[tuple[dict, list[list[int]]]]:
+def run_mode(model, mode: str, prompts, warm, cfg: E2EConfig, *, on_done=None) -> list[tuple[dict, list[list[int]]]]:
     """Generate ``prompts`` with ``mode`` (``plain`` or a strategy), once untimed on
     ``warm`` and then ``repeats`` times; for the oracle drafter, once per acceptance.
     Returns ``(row, tokens of the last run)`` per drafter setting."""
@@ -269,6 +266,8 @@ def run_mode(model, mode: str, prompts, warm, cfg: E2EConfig, *, references=None
     )
     out = []
     settings = (None,) if mode == PLAIN else cfg.acceptances
+    if cfg.drafter == "oracle" and mode != PLAIN:
+        references, warm_references = _own_references(engine, model, prompts, warm, cfg)
     for p in settings:
         drafter = None if mode == PLAIN else make_drafter(cfg, engine, p, model)
         if cfg.drafter == "mtp" and mode != PLAIN:
@@ -369,18 +368,15 @@ def run_e2e(cfg: E2EConfig, *, progress: bool = True) -> dict:
         for batch in cfg.batches:
             prompts = make_prompts(cfg, batch, vocab, tokenizer)
             warm = make_prompts(cfg, batch, vocab, tokenizer, warmup=True)
-            reference = warm_reference = None
+            reference = None
             for mode in cfg.modes:
                 if mode == HF:
                     results = [run_hf(model, prompts, warm, cfg, on_done=lambda: bar.update(1))]
                 elif mode == PLAIN:
                     results = run_mode(model, mode, prompts, warm, cfg, on_done=lambda: bar.update(1))
                     reference = results[0][1]
-                    if cfg.drafter == "oracle":  # the warm-up's references: plain decoding of the warm prompts
-                        warm_reference = _plain_tokens(model, warm, cfg)
                 else:
-                    results = run_mode(model, mode, prompts, warm, cfg, references=reference,
-                                       warm_references=warm_reference, on_done=lambda: bar.update(1))
+                    results = run_mode(model, mode, prompts, warm, cfg, on_done=lambda: bar.update(1))
                 for row, tokens in results:
                     row.update(compare_tokens(mode, tokens, reference if mode != HF else None, cfg.dtype))
                     if row["verdict"] in ("mismatch", "differs"):
@@ -413,17 +409,28 @@ def run_e2e(cfg: E2EConfig, *, progress: bool = True) -> dict:
     }
 
 
-def _plain_tokens(model, prompts, cfg: E2EConfig) -> list[list[int]]:
-    """Plain greedy decoding of ``prompts`` (the oracle's references for warm-up prompts)."""
-    from ..engine.adapter import HybridEngine
+def _own_references(engine, model, prompts, warm, cfg: E2EConfig):
+    """The oracle's references for a strategy: its own greedy tokens through verify
+    steps that accept no draft (``P = 0``), for the timed and the warm-up prompts.
+
+    Why not plain decoding's tokens: in 16-bit, a step of ``B x T`` rows rounds logits
+    differently from a step of ``B`` rows, so a near-tie eventually flips and the
+    request leaves the reference for good (acceptance then falls to zero whatever
+    ``P``). A token's logits do not depend on its position in the window (every row of a
+    GEMM is reduced alike), so with exact strategies the ``P > 0`` runs reproduce these
+    references; ``circular``'s outputs do depend on it, and its measured acceptance shows
+    what that costs.
+    """
+    from ..engine.device_drafters import OracleDrafter
     from ..engine.generator import StepGenerator
 
-    engine = HybridEngine(model, strategy="fold", num_slots=len(prompts), window=1,
-                          max_len=cfg.prompt_len + cfg.max_new_tokens + 1, backend=cfg.backend)
-    tokens = StepGenerator(engine, graphs=cfg.graphed).generate(prompts, cfg.max_new_tokens).tokens
-    del engine
+    vocab = model.get_output_embeddings().out_features
+    gen = StepGenerator(engine, OracleDrafter({0: [0]}, 0.0, vocab, seed=cfg.seed + 1), num_draft=cfg.num_draft,
+                        eos_token_ids=(), graphs=cfg.graphed)
+    refs = gen.generate(prompts, cfg.max_new_tokens).tokens, gen.generate(warm, cfg.max_new_tokens).tokens
+    del gen
     _release(torch.device(cfg.device))
-    return tokens
+    return refs
 
 
 def _environment(device: torch.device, backend: str) -> dict:

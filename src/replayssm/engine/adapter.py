@@ -33,6 +33,7 @@ from ..ops.gates import expand_heads, gdn_gates
 from ..state import Batch, GDNShape, StatePool
 from .attention import slot_attention
 from .kv_cache import KVCache, WindowLayout, cached_attention
+from .norms import norm_eps, norm_kind, rms_norm
 
 log = logging.getLogger("replayssm.engine")
 
@@ -116,10 +117,14 @@ class _GDNMixer:
         q, k, v = torch.split(mixed, [self.H * self.K, self.H * self.K, self.HV * self.V], dim=-1)
         return q.reshape(n, self.H, self.K), k.reshape(n, self.H, self.K), v.reshape(n, self.HV, self.V)
 
-    def finish(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """Gated RMSNorm per value head, then ``out_proj``: ``[N, HV, V] -> [N, hidden]``."""
+    def finish(self, o: torch.Tensor, z: torch.Tensor, norm=None) -> torch.Tensor:
+        """Gated RMSNorm per value head, then ``out_proj``: ``[N, HV, V] -> [N, hidden]``.
+        ``norm(module, x, gate)`` replaces the norm module's call (fused kernels)."""
         n = o.shape[0]
-        y = self.module.norm(o.reshape(-1, self.V), z.reshape(-1, self.V))
+        if norm is None:
+            y = self.module.norm(o.reshape(-1, self.V), z.reshape(-1, self.V))
+        else:
+            y = norm(self.module.norm, o.reshape(-1, self.V), z.reshape(-1, self.V))
         return self.module.out_proj(y.reshape(n, self.HV * self.V))
 
 
@@ -146,14 +151,16 @@ def attention_forward(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     return attn.o_proj(o)
 
 
-def _attention_inputs(attn, x, cos, sin):
+def _attention_inputs(attn, x, cos, sin, norm=None):
     """Rotated ``q [N, heads, D]``, ``k [N, kv_heads, D]`` of the first ``N = len(cos)``
-    rows, ``v [R, kv_heads, D]`` and the output gate ``[R, heads * D]``."""
+    rows, ``v [R, kv_heads, D]`` and the output gate ``[R, heads * D]``. ``norm(module,
+    x)`` applies the ``q/k`` norms (default: the modules themselves)."""
+    norm = norm or (lambda module, t: module(t))
     rows, n, d = x.shape[0], cos.shape[0], attn.head_dim
     q, gate = torch.chunk(attn.q_proj(x).view(rows, -1, 2 * d), 2, dim=-1)
     gate = gate.reshape(rows, -1)
-    q = attn.q_norm(q)
-    k = attn.k_norm(attn.k_proj(x).view(rows, -1, d))
+    q = norm(attn.q_norm, q)
+    k = norm(attn.k_norm, attn.k_proj(x).view(rows, -1, d))
     v = attn.v_proj(x).view(rows, -1, d)
     rope = getattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb")
     q, k = rope(q[None, :n], k[None, :n], cos[None], sin[None], unsqueeze_dim=2)
@@ -162,7 +169,7 @@ def _attention_inputs(attn, x, cos, sin):
 
 def static_attention_forward(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
                              layer: int, slot_idx: torch.Tensor, positions: torch.Tensor,
-                             backend: str = "auto") -> torch.Tensor:
+                             backend: str = "auto", norm=None) -> torch.Tensor:
     """:func:`attention_forward` for a static-shape step of ``B`` rows of ``T`` tokens.
 
     Args:
@@ -176,7 +183,7 @@ def static_attention_forward(attn, x: torch.Tensor, cos: torch.Tensor, sin: torc
     read on the host, so the call can be captured in a CUDA graph.
     """
     b, t = positions.shape
-    q, k, v, gate = _attention_inputs(attn, x, cos, sin)
+    q, k, v, gate = _attention_inputs(attn, x, cos, sin, norm)
     kv_heads, d = k.shape[1], k.shape[2]
     where = (slot_idx[:, None].expand(b, t), slice(None), positions)
     cache.k[layer][where] = k.view(b, t, kv_heads, d).to(cache.k.dtype)
@@ -371,6 +378,9 @@ class HybridEngine:
         )
         self.max_len = max_len
         self.backend = backend
+        # Static steps run the norms as one kernel each on CUDA (a quarter of a batch-1
+        # step was the modules' small kernels); the CPU keeps the modules.
+        self.fused_norms = backend == "triton" or (self.device.type == "cuda" and backend != "reference")
         self._pending: tuple | None = None
         moe = next((layer.mlp for layer in self.layers if is_moe(layer.mlp)), None)
         self.moe_kernel = None if moe is None else moe_kernel_for(moe, self.device, self.dtype)
@@ -586,8 +596,9 @@ class HybridEngine:
         h = self.embed(ids.reshape(-1))
         cos, sin = self._rotary(h, positions.reshape(-1))
         strat = self.strategy
+        norm = self._static_norm
         for layer, kind, j in zip(self.layers, self.kinds, self.index):
-            x = layer.input_layernorm(h)
+            x = norm(layer.input_layernorm, h)
             if kind == "gdn":
                 mixer = self.mixers[j]
                 mixed, z, a, bb = mixer.project(x)
@@ -597,15 +608,23 @@ class HybridEngine:
                 else:
                     q, k, v = mixer.split(strat.conv_prefill(j, mixed, batch))
                     o = strat.prefill(j, q, k, v, a, bb, batch)
-                x = mixer.finish(o, z)
+                x = mixer.finish(o, z, norm)
             else:
                 x = static_attention_forward(layer.self_attn, x, cos, sin, self.kv, j, slot_idx, positions,
-                                             backend=self.backend)
+                                             backend=self.backend, norm=norm)
             h = h + x
-            x = layer.post_attention_layernorm(h)
+            x = norm(layer.post_attention_layernorm, h)
             h = h + (static_moe_forward(layer.mlp, x, self.moe_kernel) if is_moe(layer.mlp) else layer.mlp(x))
-        h = self.norm(h)
+        h = norm(self.norm, h)
         return self.lm_head(h).float(), h
+
+    def _static_norm(self, module, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        """A norm module of a static step: one fused kernel on CUDA (see
+        :mod:`replayssm.engine.norms`), the module itself elsewhere."""
+        kind = norm_kind(module)
+        if kind is None or not self.fused_norms:
+            return module(x) if gate is None else module(x, gate)
+        return rms_norm(x, module.weight, norm_eps(module), kind, gate)
 
     def _rotary(self, h: torch.Tensor, positions: torch.Tensor):
         # Qwen3.5's rotary embedding is multimodal (3 position grids); text tokens use

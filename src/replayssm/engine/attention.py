@@ -94,6 +94,7 @@ def _slot_attention_triton(q, k_cache, v_cache, slot_idx, starts, scale):
     if d != triton.next_power_of_2(d) or d < 16:
         raise ValueError(f"the Triton slot attention needs a power-of-two head_dim >= 16, got {d}")
     q = q.contiguous()
+    slot_idx, starts = slot_idx.contiguous(), starts.contiguous()  # read as flat arrays
     out = torch.empty_like(q)
     block_m = max(16, triton.next_power_of_2(groups * t))
     block_n = 64 if d <= 128 else 32

@@ -1,0 +1,110 @@
+"""RMS norms of Qwen3.5 / Qwen3-Next in one kernel each, for static steps on the GPU.
+
+Transformers' norm modules are five to eight elementwise and reduction kernels each
+(cast, square, mean, add, rsqrt, multiply, scale, cast); a step of the 8-layer
+benchmark model runs about 25 of them, so at batch 1 their launches, not their bytes,
+cost a quarter of the step. :func:`rms_norm` does one row per program in one launch
+with the modules' own arithmetic:
+
+* ``offset`` norms (``Qwen3_5RMSNorm``, ``Qwen3NextRMSNorm``): ``y = x / rms(x) * (1 + w)``
+  in fp32, cast to the input dtype;
+* ``gated`` norms (``*RMSNormGated``, after a GDN layer): ``y = (w * (x / rms(x)))`` with
+  ``x / rms(x)`` cast to the input dtype and the product rounded to it, then times
+  ``silu(z)`` in fp32, cast to the input dtype.
+
+:func:`norm_kind` tells which a module is (``None``: not one of these, use the module).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..ops.triton_common import INTERPRETER, triton
+
+if triton is not None:
+    import triton.language as tl
+
+KINDS = ("offset", "gated")
+
+
+def norm_kind(module) -> str | None:
+    """``"offset"``, ``"gated"`` or ``None`` for a transformers norm module."""
+    name = type(module).__name__
+    if name.endswith("RMSNormGated") and hasattr(module, "variance_epsilon"):
+        return "gated"
+    if name in ("Qwen3_5RMSNorm", "Qwen3NextRMSNorm", "Qwen3_5MoeRMSNorm") and hasattr(module, "eps"):
+        return "offset"
+    return None
+
+
+def norm_eps(module) -> float:
+    return float(module.variance_epsilon if norm_kind(module) == "gated" else module.eps)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, kind: str,
+                       gate: torch.Tensor | None = None) -> torch.Tensor:
+    """See :func:`rms_norm` (the modules' arithmetic, op by op)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if kind == "offset":
+        return (h * (1.0 + weight.float())).to(x.dtype)
+    h = weight * h.to(x.dtype)
+    return (h * torch.nn.functional.silu(gate.float())).to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, kind: str, gate: torch.Tensor | None = None,
+             *, backend: str = "triton") -> torch.Tensor:
+    """Normalise the last axis of ``x [..., D]`` (see the module docstring).
+
+    Args:
+        weight: ``[D]``; kind: ``"offset"`` or ``"gated"``; gate: ``z`` like ``x``
+            (gated only).
+        backend: ``"triton"`` (one launch) or ``"reference"``.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if (gate is None) != (kind == "offset"):
+        raise ValueError("a gated norm needs gate=z; an offset norm takes none")
+    if backend == "reference":
+        return rms_norm_reference(x, weight, eps, kind, gate)
+    if triton is None or (x.device.type != "cuda" and not INTERPRETER):
+        raise RuntimeError("the Triton norm needs CUDA tensors or the Triton interpreter")
+    d = x.shape[-1]
+    x2 = x.reshape(-1, d)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    g2 = None
+    if gate is not None:
+        g2 = gate.reshape(-1, d)
+        if g2.stride(-1) != 1:
+            g2 = g2.contiguous()
+    y = torch.empty((x2.shape[0], d), dtype=x.dtype, device=x.device)
+    block = triton.next_power_of_2(d)
+    _rms_norm_kernel[(x2.shape[0],)](
+        x2, weight, g2 if g2 is not None else x2, y, d, eps, x2.stride(0), (g2 if g2 is not None else x2).stride(0),
+        BLOCK=block, GATED=kind == "gated", num_warps=4 if block >= 1024 else 1,
+    )
+    return y.view(x.shape)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, w_ptr, g_ptr, y_ptr, n_cols, eps, stride_x, stride_g,
+                         BLOCK: tl.constexpr, GATED: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        xr = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+        x = xr.to(tl.float32)
+        var = tl.sum(x * x, 0) / n_cols
+        h = x * (1.0 / tl.sqrt_rn(var + eps))
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+        if GATED:
+            # the module rounds x / rms(x) and its product with w to the input dtype
+            hw = (w * h.to(xr.dtype)).to(xr.dtype).to(tl.float32)
+            z = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+            y = hw * (z / (1.0 + tl.exp(-z)))
+        else:
+            y = h * (1.0 + w.to(tl.float32))
+        tl.store(y_ptr + row * n_cols + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
