@@ -31,7 +31,7 @@ def _seed_random(_seed):
 def cli_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("drift")
     seed = random.Random().randint(0, 2**31 - 1)
-    js, png = out / "sub" / "drift.json", out / "drift.png"
+    js, png = out / "drift.json", out / "drift.png"
     rc = cli.main(["drift", *CLI_RUN, "--seed", str(seed), "--json", str(js), "--plot", str(png)])
     return rc, json.loads(js.read_text()), png, seed
 

@@ -168,7 +168,7 @@ def test_config_errors_name_the_field(field, value):
 
 
 def test_cli_writes_json_and_plot(tmp_path, capsys):
-    js, png = tmp_path / "m" / "memory.json", tmp_path / "m" / "memory.png"
+    js, png = tmp_path / "memory.json", tmp_path / "memory.png"
     ctx = random.randint(100, 9000)
     rc = cli.main(["bench", "memory", "--context", f"{ctx},{2 * ctx}", "--gpu-gib", "139.7", "--json", str(js), "--plot", str(png)])
     assert rc == 0

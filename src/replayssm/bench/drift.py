@@ -62,14 +62,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..ops.dispatch import BACKENDS, resolve
+from ..ops import triton_common
+from ..ops.dispatch import BACKENDS, resolve, triton_available
 from ..ops.gates import expand_heads, l2_normalize
 from ..ops.recurrent import gdn_recurrence, prepare_window, readout, state_update
 from ..state import GDNShape, StatePool
-from .args import name_list
+from ..strategies import STRATEGY_NAMES
+from .args import device_name, name_list, output_path, positive_float, positive_int
 from .progress import ProgressBar, write_outputs
 
-STRATEGY_NAMES = ("snapshot", "fold", "circular")
 PLAIN = "plain"
 CONTROL = "open-loop"
 
@@ -169,6 +170,12 @@ class DriftConfig:
             raise ValueError(f"device {self.device!r} is not a torch device: {e}") from None
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {self.device!r} asked for, but CUDA is not available")
+        if self.backend == "triton":
+            if not triton_available():
+                raise ValueError("backend triton needs the triton package (pip install triton)")
+            if dev.type != "cuda" and not triton_common.INTERPRETER:
+                raise ValueError(f"backend triton on {self.device} needs the Triton interpreter "
+                                 "(TRITON_INTERPRET=1 in the environment); use --backend reference or auto")
 
     @property
     def control_required(self) -> bool:
@@ -666,16 +673,16 @@ def _decay_range(text: str) -> tuple[float, float]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = DriftConfig()
     g = parser.add_argument_group("the run")
-    g.add_argument("--tokens", type=int, default=d.tokens, help=f"committed tokens per request (default {d.tokens})")
-    g.add_argument("--requests", type=int, default=d.requests, help=f"requests driven together (default {d.requests})")
-    g.add_argument("--window", type=int, default=d.window, help=f"T, the largest verify window (default {d.window})")
-    g.add_argument("--ring-len", type=int, default=d.ring_len, help=f"L for circular and the control (default {d.ring_len})")
-    g.add_argument("--every", type=int, default=None, help="sample the errors every N committed tokens (default tokens/128)")
+    g.add_argument("--tokens", type=positive_int, default=d.tokens, help=f"committed tokens per request (default {d.tokens})")
+    g.add_argument("--requests", type=positive_int, default=d.requests, help=f"requests driven together (default {d.requests})")
+    g.add_argument("--window", type=positive_int, default=d.window, help=f"T, the largest verify window (default {d.window})")
+    g.add_argument("--ring-len", type=positive_int, default=d.ring_len, help=f"L for circular and the control (default {d.ring_len})")
+    g.add_argument("--every", type=positive_int, default=None, help="sample the errors every N committed tokens (default tokens/128)")
     g.add_argument("--shape", choices=sorted(SHAPES), default=None,
                    help="GDN layer shape (default qwen3.5 = H16 HV32 K128 V128 on CUDA, tiny = H2 HV4 K16 V16 on the CPU)")
     g.add_argument("--act-dtype", choices=sorted(ACT_DTYPES), default=d.act_dtype, help="activations and raw records (default bf16)")
     g.add_argument("--state-dtype", choices=sorted(STATE_DTYPES), default=d.state_dtype, help="checkpoints (default fp32)")
-    g.add_argument("--device", default=None, help="default cuda when available, else cpu")
+    g.add_argument("--device", type=device_name, default=None, help="cpu, cuda or cuda:N (default cuda when available, else cpu)")
     g.add_argument("--backend", choices=BACKENDS, default=d.backend, help="ops backend (default auto: Triton on CUDA)")
     g.add_argument("--strategies", type=name_list(STRATEGY_NAMES, allow_none=True), default=STRATEGY_NAMES, help="comma-separated (default snapshot,fold,circular)")
     g.add_argument("--no-control", action="store_true", help="skip the open-loop control")
@@ -683,22 +690,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="MIN,MAX mean per-token decay -g of the heads, spread log-uniformly (default 0.001,0.5)")
     g.add_argument("--key-correlation", type=float, default=d.key_correlation,
                    help=f"correlation of consecutive keys (default {d.key_correlation})")
-    g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--seed", type=int, default=d.seed, help="seed of the inputs, window lengths and acceptance (default 0)")
     j = parser.add_argument_group("judging")
-    j.add_argument("--growth-factor", type=float, default=d.growth_factor,
+    j.add_argument("--growth-factor", type=positive_float, default=d.growth_factor,
                    help=f"late/early error ratio that counts as growth (default {d.growth_factor})")
     j.add_argument("--min-slope", type=float, default=d.min_slope,
                    help=f"log-log slope that counts as growth (default {d.min_slope})")
-    j.add_argument("--excess-factor", type=float, default=d.excess_factor,
+    j.add_argument("--excess-factor", type=positive_float, default=d.excess_factor,
                    help=f"error over the fp32 recurrence's that counts as leaving it (default {d.excess_factor})")
     o = parser.add_argument_group("output")
-    o.add_argument("--json", type=Path, default=None, help="write the full result (every sample) here")
-    o.add_argument("--plot", type=Path, default=None, help="write a PNG of the errors over tokens here")
+    o.add_argument("--json", type=output_path(".json"), default=None, help="write the full result (every sample) here")
+    o.add_argument("--plot", type=output_path(".png"), default=None, help="write a PNG of the errors over tokens here")
     o.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 def config_from_args(args) -> DriftConfig:
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = args.device if args.device not in (None, "auto") else ("cuda" if torch.cuda.is_available() else "cpu")
     shape = args.shape or ("qwen3.5" if torch.device(device).type == "cuda" else "tiny")
     every = args.every if args.every is not None else max(1, args.tokens // 128)
     return DriftConfig(
@@ -763,13 +770,13 @@ def print_report(result: dict, file=None) -> None:
         print("result: no exact strategy drifts" + ("; the open-loop control is detected" if result["control_detected"] else ""), file=file)
 
 
+def check_args(args) -> None:
+    """Validate the whole configuration (``ValueError``) before the run."""
+    config_from_args(args).check()
+
+
 def main(args) -> int:
-    try:
-        cfg = config_from_args(args)
-        cfg.check()
-    except ValueError as e:
-        print(f"replayssm drift: {e}", file=sys.stderr)
-        return 2
+    cfg = config_from_args(args)
     result = run_drift(cfg, progress=not args.quiet)
     print_report(result)
     write_outputs(result, args.json, args.plot, "plot_drift")

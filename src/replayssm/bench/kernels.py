@@ -42,16 +42,15 @@ import traceback
 import zlib
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from pathlib import Path
 
 import torch
 
 from . import common
-from .args import int_list, name_list
+from ..strategies import STRATEGY_NAMES
+from .args import device_name, int_list, name_list, output_path, positive_int
 from .progress import write_json
 from .common import StepShape, Timing
 
-STRATEGY_NAMES = ("snapshot", "fold", "circular")
 BASELINE_NAMES = ("plain_decode", "snapshot_verify")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
@@ -70,31 +69,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="strategies to time (default snapshot,fold,circular)")
     g.add_argument("--baselines", type=name_list(BASELINE_NAMES, allow_none=True), default=tuple(BASELINE_NAMES),
                    help="reference steps to time, or 'none' (default plain_decode,snapshot_verify)")
-    g.add_argument("--layers", type=int, default=None,
+    g.add_argument("--layers", type=positive_int, default=None,
                    help="GDN layers per captured step (default 8 on CUDA, 2 on the CPU); small batches "
                         "additionally rotate among independent copies so that the states exceed L2")
-    g.add_argument("--window", type=int, default=4, help="T, tokens verified per request (default 4)")
-    g.add_argument("--accept", type=int, default=3, help="n, tokens committed per request, bonus included (default 3)")
+    g.add_argument("--window", type=positive_int, default=4, help="T, tokens verified per request (default 4)")
+    g.add_argument("--accept", type=positive_int, default=3, help="n, tokens committed per request, bonus included (default 3)")
     g.add_argument("--ring-len", default="auto",
                    help="L for circular: a power of two >= 2T, or 'auto' for the length that moves the fewest "
                         "bytes per layer-step in the byte model (32 at the default shape)")
     g.add_argument("--conv", action="store_true", help="include the causal conv's verify and commit in the step")
     s = parser.add_argument_group("shapes and dtypes")
-    s.add_argument("--heads", type=int, default=None, help="H, key heads (default 16 on CUDA)")
-    s.add_argument("--value-heads", type=int, default=None, help="HV, value heads (default 32 on CUDA)")
-    s.add_argument("--head-k-dim", type=int, default=None, help="K (default 128 on CUDA)")
-    s.add_argument("--head-v-dim", type=int, default=None, help="V (default 128 on CUDA)")
+    s.add_argument("--heads", type=positive_int, default=None, help="H, key heads (default 16 on CUDA)")
+    s.add_argument("--value-heads", type=positive_int, default=None, help="HV, value heads (default 32 on CUDA)")
+    s.add_argument("--head-k-dim", type=positive_int, default=None, help="K (default 128 on CUDA)")
+    s.add_argument("--head-v-dim", type=positive_int, default=None, help="V (default 128 on CUDA)")
     s.add_argument("--state-dtype", choices=("float32", "bfloat16"), default="float32", help="state dtype (default float32)")
     s.add_argument("--act-dtype", choices=("bfloat16", "float16", "float32"), default=None,
                    help="activation dtype (default bfloat16 on CUDA, float32 on the CPU)")
     r = parser.add_argument_group("how to run")
-    r.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default cuda when available)")
+    r.add_argument("--device", type=device_name, default=None, help="cuda, cuda:N or cpu (default cuda when available)")
     r.add_argument("--backend", choices=("auto", "reference", "triton"), default="auto",
                    help="ops backend (default auto: Triton on CUDA, the reference on the CPU)")
     r.add_argument("--no-graph", action="store_true", help="time eager steps with the wall clock instead of CUDA graphs")
-    r.add_argument("--repeats", type=int, default=None, help="timed blocks per configuration (default 30 on CUDA, 3 on the CPU)")
+    r.add_argument("--repeats", type=positive_int, default=None, help="timed blocks per configuration (default 30 on CUDA, 3 on the CPU)")
     r.add_argument("--seed", type=int, default=0, help="seed of the random states and inputs")
-    r.add_argument("--json", type=Path, default=None, help="write the rows as JSON to this path")
+    r.add_argument("--json", type=output_path(".json"), default=None, help="write the rows as JSON to this path")
     r.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
 
 
@@ -156,7 +155,7 @@ def resolve_config(args: argparse.Namespace) -> BenchConfig:
     defaults; raises ``ValueError`` naming the offending option."""
     from ..ops.dispatch import resolve
 
-    if args.device is None:
+    if args.device in (None, "auto"):
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
         try:
@@ -218,6 +217,12 @@ def resolve_config(args: argparse.Namespace) -> BenchConfig:
         window=window, accept=accept, ring_len=ring_len, ring_len_source=ring_len_source, state_dtype=state_dtype,
         act_dtype=act_dtype, conv=bool(args.conv), repeats=repeats, seed=int(args.seed),
     )
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Validate the options together (``ValueError`` naming the option); the command
+    line calls this before any work."""
+    resolve_config(args)
 
 
 # ---------------------------------------------------------------------- steps
