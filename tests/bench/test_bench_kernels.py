@@ -42,7 +42,7 @@ def test_cpu_smoke_run_writes_one_row_per_strategy_and_batch(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "SMOKE RUN" in printed
     data = json.loads(path.read_text())
-    assert data["smoke"] is True and data["errors"] == [] and data["targets"] == []
+    assert data["smoke"] is True and data["errors"] == []
     assert data["config"]["backend"] == "reference" and data["config"]["cuda_graph"] is False
     rows = data["rows"]
     keys = [(r["strategy"], r["batch"]) for r in rows]
@@ -338,38 +338,9 @@ def test_progress_lines(capsys):
     assert quiet.getvalue() == ""
 
 
-# ---------------------------------------------------------------------- targets
 def _row(name, batch, us, floor):
     return {"strategy": name, "kind": "strategy" if name in kernels.STRATEGY_NAMES else "baseline", "batch": batch,
             "us_per_layer_step": us, "floor_ratio": us / floor}
-
-
-def test_targets_follow_the_issue():
-    floor = random.uniform(1, 100)
-    rows = []
-    times = {}
-    for batch in (1, 16, 64, 256):
-        for name in ALL:
-            times[name, batch] = random.uniform(0.5, 8) * floor
-            rows.append(_row(name, batch, times[name, batch], floor))
-    targets = kernels.evaluate_targets(rows)
-    for t in targets:
-        assert t["passed"] == (t["value"] <= t["limit"])
-    for batch in (1, 16, 64, 256):
-        best = min(kernels.STRATEGY_NAMES, key=lambda n: times[n, batch])
-        mine = [t for t in targets if t["batch"] == batch]
-        ratio = [t for t in mine if "floor" in t["target"]]
-        if batch == 1:
-            assert not ratio
-            vs = [t for t in mine if t["target"].startswith("best")]
-            assert vs[0]["value"] == times[best, 1] and vs[0]["limit"] == times["snapshot", 1]
-        else:
-            assert len(ratio) == 1 and ratio[0]["limit"] == (1.5 if batch >= 64 else 2.0)
-            assert ratio[0]["value"] == pytest.approx(times[best, batch] / floor)
-        others = [t for t in mine if t["target"].endswith(" vs snapshot") and not t["target"].startswith("best")]
-        assert {t["target"].split()[0] for t in others} == {"fold", "circular"}
-        sv = [t for t in mine if "snapshot_verify" in t["target"]]
-        assert len(sv) == 1 and sv[0]["passed"] == (times["snapshot", batch] <= times["snapshot_verify", batch])
 
 
 def test_table_lists_every_row():
