@@ -14,6 +14,7 @@ import time
 import torch
 
 from .bench.args import positive_int
+from .bench.progress import ProgressBar
 from .lifecycle import Lifecycle
 from .state import GDNShape, StatePool
 from .strategies import STRATEGIES
@@ -63,12 +64,11 @@ def main(args) -> int:
         lc = Lifecycle(pool, num_requests=args.requests, generator=torch.Generator().manual_seed(args.seed))
         t0 = time.perf_counter()
         reports = []
-        for i in range(args.steps):
-            reports.append(lc.step())
-            if sys.stderr.isatty():
-                print(f"\r  {name}: step {i + 1}/{args.steps}", end="", file=sys.stderr, flush=True)
-        if sys.stderr.isatty():
-            print("\r" + " " * 40 + "\r", end="", file=sys.stderr)
+        # A bar only on a terminal: the demo's output is its table, and logs need no bar.
+        with ProgressBar(args.steps, f"  {name}", unit="step", enabled=sys.stderr.isatty()) as bar:
+            for _ in range(args.steps):
+                reports.append(lc.step())
+                bar.update(1)
         exact = all(r.state_bitexact and r.conv_bitexact for r in reports)
         ok &= exact
         print(

@@ -322,22 +322,6 @@ def test_copy_bandwidth_and_l2_need_cuda():
 
 
 
-def test_progress_lines(capsys):
-    import io
-
-    buf = io.StringIO()
-    p = common.Progress(2, stream=buf)
-    p.start("fold batch 1")
-    p.finish("fold batch 1: 3 us")
-    p.note("capturing")
-    lines = buf.getvalue().splitlines()
-    assert lines[0] == "[1/2] fold batch 1 ..." and lines[1].startswith("[1/2] fold batch 1: 3 us")
-    assert lines[2] == "  capturing"
-    quiet = io.StringIO()
-    common.Progress(1, stream=quiet, enabled=False).start("x")
-    assert quiet.getvalue() == ""
-
-
 def _row(name, batch, us, floor):
     return {"strategy": name, "kind": "strategy" if name in kernels.STRATEGY_NAMES else "baseline", "batch": batch,
             "us_per_layer_step": us, "floor_ratio": us / floor}

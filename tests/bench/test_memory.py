@@ -10,8 +10,9 @@ import torch
 from replayssm import cli
 from replayssm.bench import memory
 from replayssm.state import GDNShape, StatePool
+from replayssm.strategies import STRATEGY_NAMES
 
-STRATEGIES = ("snapshot", "fold", "circular")
+STRATEGIES = STRATEGY_NAMES
 
 
 @pytest.fixture(autouse=True)

@@ -51,7 +51,7 @@ import torch
 from . import common
 from ..strategies import STRATEGY_NAMES
 from .args import device_name, int_list, name_list, output_path, positive_int
-from .progress import write_json
+from .progress import ProgressBar, write_json
 from .common import StepShape, Timing
 
 BASELINE_NAMES = ("plain_decode", "snapshot_verify")
@@ -374,7 +374,7 @@ def _generator(cfg: BenchConfig, *key) -> torch.Generator:
 
 
 def measure(cfg: BenchConfig, name: str, batch: int, *, copy_bw: float | None, l2_bytes: int | None,
-            progress: common.Progress | None = None) -> dict:
+            progress: ProgressBar | None = None) -> dict:
     """Time one (strategy or baseline, batch) configuration and return its JSON row."""
     is_strategy = name in STRATEGY_NAMES
     if not is_strategy and name not in BASELINE_NAMES:
@@ -393,7 +393,7 @@ def measure(cfg: BenchConfig, name: str, batch: int, *, copy_bw: float | None, l
             r.prepare()
         if cfg.graph:
             if progress:
-                progress.note(f"capturing {copies} graph(s) of {cfg.layers} layers")
+                progress.write(f"  capturing {copies} graph(s) of {cfg.layers} layers")
             graphs = [common.capture_graph(r.step) for r in runners]
             probe = common.time_graphs(graphs, steps_per_block=cycle, blocks=1, warmup_blocks=1)
             spb = common.plan_steps_per_block(probe.us_per_step, cycle, copies)
@@ -510,22 +510,24 @@ def main(args: argparse.Namespace) -> int:
               f"floor = one read of a layer's states at that bandwidth", file=out)
     out.flush()
 
-    progress = common.Progress(len(names) * len(cfg.batches), enabled=not args.quiet)
+    progress = ProgressBar(len(names) * len(cfg.batches), "bench kernels", unit="config", enabled=not args.quiet)
     rows, errors = [], []
-    for batch in cfg.batches:
-        for name in names:
-            label = f"{name} batch {batch}"
-            progress.start(label)
-            try:
-                row = measure(cfg, name, batch, copy_bw=copy_bw, l2_bytes=l2, progress=progress)
-            except Exception as e:  # keep going: one broken configuration must not hide the others
-                errors.append({"strategy": name, "batch": batch, "error": f"{type(e).__name__}: {e}"})
-                progress.finish(f"{label}: FAILED {type(e).__name__}: {e}")
-                traceback.print_exc(file=sys.stderr)
-                continue
-            rows.append(row)
-            ratio = "" if row["floor_ratio"] is None else f", {row['floor_ratio']:.2f}x floor"
-            progress.finish(f"{label}: {row['us_per_layer_step']:.2f} us/layer-step{ratio}")
+    with progress:
+        for batch in cfg.batches:
+            for name in names:
+                label = f"{name} batch {batch}"
+                progress.set_description(label)
+                try:
+                    row = measure(cfg, name, batch, copy_bw=copy_bw, l2_bytes=l2, progress=progress)
+                except Exception as e:  # keep going: one broken configuration must not hide the others
+                    errors.append({"strategy": name, "batch": batch, "error": f"{type(e).__name__}: {e}"})
+                    progress.write(f"{label}: FAILED {type(e).__name__}: {e}")
+                    traceback.print_exc(file=sys.stderr)
+                else:
+                    rows.append(row)
+                    ratio = "" if row["floor_ratio"] is None else f", {row['floor_ratio']:.2f}x floor"
+                    progress.write(f"{label}: {row['us_per_layer_step']:.2f} us/layer-step{ratio}")
+                progress.update(1)
 
     print(file=out)
     print(format_table(rows), file=out)
