@@ -72,6 +72,8 @@ CASES = [
     ("drift", ["--ring-len", "12"], "ring_len"),
     ("drift", ["--decay-range", "0.5,0.1"], "decay_range"),
     ("drift", ["--requests", "0"], "--requests"),
+    ("drift", ["--key-correlation", "1.0"], "key_correlation"),
+    ("drift", ["--excess-factor", "1"], "excess_factor"),
     ("drift", ["--strategies", "none", "--no-control"], "nothing to run"),
     ("drift", ["--strategies", "fold,,circular"], "empty item"),
     # bench memory
