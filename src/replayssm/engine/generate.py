@@ -85,6 +85,10 @@ def check_args(args) -> None:
         if not args.draft_model:
             raise ValueError("--draft model needs --draft-model DIR")
         _check_model_dir("--draft-model", args.draft_model)
+        from .loading import load_tokenizer
+
+        if load_tokenizer(args.draft_model).get_vocab() != load_tokenizer(args.model).get_vocab():
+            raise ValueError(f"--draft-model {args.draft_model!r} does not share the target's tokenizer")
     elif args.draft_model:
         raise ValueError(f"--draft-model is only used with --draft model, not --draft {args.draft}")
     if args.draft == "mtp" and not _has_mtp_weights(args.model):
