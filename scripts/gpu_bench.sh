@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Issue 3's kernel benchmark on the GPU machine (H200): one CUDA-graph-captured step per
 # strategy on Qwen3.5-35B-A3B GDN shapes at batches 1, 16, 64 and 256, next to the
-# one-read floor and plain decoding. Prints the table and the targets, and writes
-# benchmarks/results/kernels_h200.json (override with OUT_JSON=...).
+# one-read floor and plain decoding. Prints the table, writes
+# benchmarks/results/kernels_h200.json (override with OUT_JSON=...), and checks it
+# against the targets in benchmarks/kernel_targets.json (scripts/check_kernel_targets.py;
+# a missed target makes the exit status 1).
 #
 #   scripts/gpu_bench.sh                      # the defaults the committed JSON uses
 #   scripts/gpu_bench.sh --ring-len 64        # extra options go to `replayssm bench kernels`
@@ -23,6 +25,9 @@ start=$(date +%s)
 rc=0
 "$PYTHON" -m replayssm.cli bench kernels --json "$OUT_JSON" "$@" || rc=$?
 echo "bench kernels took $(( $(date +%s) - start )) s; results in $OUT_JSON"
+if [ -f "$OUT_JSON" ]; then
+    "$PYTHON" scripts/check_kernel_targets.py "$OUT_JSON" || rc=$?
+fi
 
 # Evidence for the ring length: circular alone at the two neighbours of the default
 # (the byte model picks 32 at this shape). Skip with RING_SWEEP=0.

@@ -22,6 +22,7 @@ import sys
 import torch
 
 from replayssm.bench import common
+from replayssm.bench.args import int_list, output_path, positive_int
 from replayssm.ops import chunked, fold, gdn_fold, gdn_recurrence, recurrent
 from replayssm.ops.records import RawRecords
 
@@ -50,12 +51,15 @@ def make(batch, hv=32, h=16, kd=128, vd=128, T=4, L=32, seed=0):
 
 
 def main() -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--batches", default="64,256")
-    p.add_argument("--reps", type=int, default=10)
-    p.add_argument("--variants", nargs="*", default=[])
-    p.add_argument("--json", default=None)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batches", type=int_list, default=(64, 256), help="requests per op call, comma-separated (default 64,256)")
+    p.add_argument("--reps", type=positive_int, default=10, help="calls captured per CUDA graph (default 10)")
+    p.add_argument("--variants", nargs="*", default=[],
+                   help="tuning variants, each NAME=MODULE.GLOBAL:VALUE,... (space-separated; default: none)")
+    p.add_argument("--json", type=output_path(".json"), default=None, help="write every timed row here")
     args = p.parse_args()
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA device")
     bw = common.copy_bandwidth("cuda")
     rows = []
 
@@ -88,7 +92,7 @@ def main() -> int:
         except Exception as e:  # report and go on: a variant may not compile
             print(f"{name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
 
-    for batch in [int(b) for b in args.batches.split(",")]:
+    for batch in args.batches:
         x, ckpt, ring, ring_u, slots, cu = make(batch, T=T, L=L)
         sb = ckpt.numel() * 4
         one = torch.arange(0, batch + 1, dtype=torch.int32, device="cuda")

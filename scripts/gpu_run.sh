@@ -6,12 +6,22 @@
 #   scripts/gpu_run.sh drift e2e          # the 32768-token drift run, end-to-end tok/s
 #   scripts/gpu_run.sh profile            # each op of a step timed alone (PROFILE_ARGS="--variants ...")
 #
-# Results (logs, JSON, PNG) go to $RESULTS (default benchmarks/results/gpu). Wheels of
-# packages the machine lacks (fla-core for chunked prefill) may be put in .gpu_wheels/.
+# Results go to $RESULTS (default benchmarks/results, under the names BENCHMARKS.md
+# cites; $TAG, default h200, names the card):
+#   tests         gpu_tests_kernels_$TAG.log
+#   tests-engine  gpu_tests_engine_$TAG.log
+#   bench         kernels_$TAG.log, kernels_$TAG.json (+ _ring16/_ring64.json)
+#   drift         drift.log, drift_$TAG.json, drift_$TAG.png
+#   e2e           e2e.log, e2e_$TAG.json, e2e_$TAG.png
+#   profile       profile_ops_$TAG.log, profile_ops_$TAG.json
+# A test stage fails (exit 1) when pytest passed no GPU test: all skipped (no CUDA
+# device) or none collected must not read as success. Wheels of packages the machine
+# lacks (fla-core for chunked prefill) may be put in .gpu_wheels/.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON=${PYTHON:-python3}
-RESULTS=${RESULTS:-benchmarks/results/gpu}
+RESULTS=${RESULTS:-benchmarks/results}
+TAG=${TAG:-h200}
 mkdir -p "$RESULTS"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 if ls .gpu_wheels/*.whl >/dev/null 2>&1; then
@@ -30,17 +40,25 @@ stage() {  # stage NAME SECONDS CMD...
     echo "=== $name: exit $r after $(( $(date +%s) - t0 ))s"
     [ $r -eq 0 ] || rc=$r
 }
+require_passed() {  # require_passed NAME: the stage's pytest summary must count passed tests
+    if ! grep -Eq '^=+ .*\b[0-9]+ passed' "$RESULTS/$1.log"; then
+        echo "=== $1: FAILED: no GPU test passed (all skipped, or none collected)"
+        [ $rc -ne 0 ] || rc=1
+    fi
+}
 for what in "$@"; do
     case $what in
-        tests) stage gpu-tests "${TESTS_LIMIT:-300}" "$PYTHON" -m pytest -m gpu -p no:cacheprovider -v --tb=short -rfE \
-                   tests/gpu/test_kernels_gpu.py tests/gpu/test_chunked_gpu.py tests/gpu/test_graph_step.py ;;
-        tests-engine) stage gpu-tests-engine "${TESTS_LIMIT:-300}" "$PYTHON" -m pytest -m gpu -p no:cacheprovider -v --tb=short -rfE \
-                   tests/gpu/test_engine_gpu.py tests/bench ;;
-        bench) stage bench-kernels "${BENCH_LIMIT:-240}" env OUT_JSON="$RESULTS/kernels_h200.json" PYTHON="$PYTHON" RING_SWEEP=0 scripts/gpu_bench.sh ;;
-        profile) stage profile-ops "${PROFILE_LIMIT:-300}" "$PYTHON" scripts/gpu_profile_ops.py --batches 1,16,64,256 \
-                   --json "$RESULTS/profile_ops_h200.json" ${PROFILE_ARGS:-} ;;
-        drift) stage drift "${DRIFT_LIMIT:-300}" "$PYTHON" -m replayssm.cli drift --json "$RESULTS/drift_h200.json" --plot "$RESULTS/drift_h200.png" --quiet ;;
-        e2e) stage e2e "${E2E_LIMIT:-240}" "$PYTHON" -m replayssm.cli bench e2e --json "$RESULTS/e2e_h200.json" --plot "$RESULTS/e2e_h200.png" ${E2E_ARGS:-} ;;
+        tests) stage "gpu_tests_kernels_$TAG" "${TESTS_LIMIT:-300}" "$PYTHON" -m pytest -m gpu -p no:cacheprovider -v --tb=short -rfE \
+                   tests/gpu/test_kernels_gpu.py tests/gpu/test_chunked_gpu.py tests/gpu/test_graph_step.py
+               require_passed "gpu_tests_kernels_$TAG" ;;
+        tests-engine) stage "gpu_tests_engine_$TAG" "${TESTS_LIMIT:-300}" "$PYTHON" -m pytest -m gpu -p no:cacheprovider -v --tb=short -rfE \
+                   tests/gpu/test_engine_gpu.py tests/bench
+               require_passed "gpu_tests_engine_$TAG" ;;
+        bench) stage "kernels_$TAG" "${BENCH_LIMIT:-240}" env OUT_JSON="$RESULTS/kernels_$TAG.json" PYTHON="$PYTHON" RING_SWEEP=0 scripts/gpu_bench.sh ;;
+        profile) stage "profile_ops_$TAG" "${PROFILE_LIMIT:-300}" "$PYTHON" scripts/gpu_profile_ops.py --batches 1,16,64,256 \
+                   --json "$RESULTS/profile_ops_$TAG.json" ${PROFILE_ARGS:-} ;;
+        drift) stage drift "${DRIFT_LIMIT:-300}" "$PYTHON" -m replayssm.cli drift --json "$RESULTS/drift_$TAG.json" --plot "$RESULTS/drift_$TAG.png" --quiet ;;
+        e2e) stage e2e "${E2E_LIMIT:-240}" "$PYTHON" -m replayssm.cli bench e2e --json "$RESULTS/e2e_$TAG.json" --plot "$RESULTS/e2e_$TAG.png" ${E2E_ARGS:-} ;;
         *) echo "unknown stage $what"; rc=2 ;;
     esac
 done

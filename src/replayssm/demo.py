@@ -13,18 +13,35 @@ import time
 
 import torch
 
+from .bench.args import positive_int
+from .bench.progress import ProgressBar
 from .lifecycle import Lifecycle
 from .state import GDNShape, StatePool
 from .strategies import STRATEGIES
 
+SHAPE = GDNShape(num_heads=2, num_value_heads=4, head_k_dim=16, head_v_dim=16)
+
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--steps", type=int, default=300, help="steps per strategy (default 300)")
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--requests", type=int, default=3)
-    parser.add_argument("--window", type=int, default=4, help="T: draft tokens + bonus")
-    parser.add_argument("--ring-len", type=int, default=16, help="L for circular")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=positive_int, default=300, help="steps per strategy (default 300)")
+    parser.add_argument("--layers", type=positive_int, default=2, help="GDN layers per pool (default 2)")
+    parser.add_argument("--requests", type=positive_int, default=3,
+                        help="live requests per step, plus one padding row (default 3)")
+    parser.add_argument("--window", type=positive_int, default=4, help="T: draft tokens + bonus (default 4)")
+    parser.add_argument("--ring-len", type=positive_int, default=16,
+                        help="L for circular: a power of two >= 2T (default 16)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+
+
+def check_args(args) -> None:
+    """Let every strategy's pool validate window and ring length (on the ``meta``
+    device, so nothing is allocated); ``ValueError`` names the option."""
+    for name in STRATEGIES:
+        try:
+            StatePool(SHAPE, args.layers, args.requests, strategy=name, window=args.window, ring_len=args.ring_len,
+                      device="meta")
+        except ValueError as e:
+            raise ValueError(f"--window {args.window} / --ring-len {args.ring_len} ({name}): {e}") from None
 
 
 def _mib(n: int) -> str:
@@ -32,7 +49,7 @@ def _mib(n: int) -> str:
 
 
 def main(args) -> int:
-    shape = GDNShape(num_heads=2, num_value_heads=4, head_k_dim=16, head_v_dim=16)
+    shape = SHAPE
     print(
         f"replayssm demo: {args.steps} verify/accept/commit steps per strategy on random inputs "
         f"(reference ops, CPU, float32; {args.layers} GDN layers, {args.requests} requests + 1 padding row, "
@@ -47,12 +64,11 @@ def main(args) -> int:
         lc = Lifecycle(pool, num_requests=args.requests, generator=torch.Generator().manual_seed(args.seed))
         t0 = time.perf_counter()
         reports = []
-        for i in range(args.steps):
-            reports.append(lc.step())
-            if sys.stderr.isatty():
-                print(f"\r  {name}: step {i + 1}/{args.steps}", end="", file=sys.stderr, flush=True)
-        if sys.stderr.isatty():
-            print("\r" + " " * 40 + "\r", end="", file=sys.stderr)
+        # A bar only on a terminal: the demo's output is its table, and logs need no bar.
+        with ProgressBar(args.steps, f"  {name}", unit="step", enabled=sys.stderr.isatty()) as bar:
+            for _ in range(args.steps):
+                reports.append(lc.step())
+                bar.update(1)
         exact = all(r.state_bitexact and r.conv_bitexact for r in reports)
         ok &= exact
         print(

@@ -35,14 +35,14 @@ def tiny_args(*extra):
 
 # ---------------------------------------------------------------------- the command
 def test_cpu_smoke_run_writes_one_row_per_strategy_and_batch(tmp_path, capsys):
-    path = tmp_path / "out" / "kernels.json"
+    path = tmp_path / "kernels.json"
     rc = cli.main(["bench", "kernels", "--device", "cpu", "--batches", "1,3", "--layers", "2", "--ring-len", "16",
                    "--repeats", "1", "--quiet", "--json", str(path)])
     assert rc == 0
     printed = capsys.readouterr().out
     assert "SMOKE RUN" in printed
     data = json.loads(path.read_text())
-    assert data["smoke"] is True and data["errors"] == [] and data["targets"] == []
+    assert data["smoke"] is True and data["errors"] == []
     assert data["config"]["backend"] == "reference" and data["config"]["cuda_graph"] is False
     rows = data["rows"]
     keys = [(r["strategy"], r["batch"]) for r in rows]
@@ -67,8 +67,6 @@ def test_cpu_smoke_run_writes_one_row_per_strategy_and_batch(tmp_path, capsys):
             assert r["committed_tokens_per_us_per_layer"] is None
     circ = [r for r in rows if r["strategy"] == "circular"]
     assert all(r["ring_len"] == 16 and r["timing"]["steps_per_block"] == 3 for r in circ)  # a whole cursor cycle
-    for name in ALL:
-        assert name in printed
 
 
 def test_subset_and_no_baselines(tmp_path):
@@ -99,12 +97,11 @@ def test_conv_in_the_step_counts_its_bytes(tmp_path):
         (("--ring-len", "4"), "--ring-len"),
         (("--ring-len", "big"), "--ring-len"),
         (("--heads", "3", "--value-heads", "4"), "--value-heads"),
-        (("--layers", "0"), "--layers"),
-        (("--repeats", "0"), "--repeats"),
-        (("--strategies", "fold", "--baselines", "none", "--window", "0"), "--window"),
     ],
 )
 def test_bad_options_raise_naming_the_option(argv, match):
+    """The checks that need several options; single-option ranges are argument types
+    (tests/test_cli_errors.py runs both through the command line)."""
     with pytest.raises(ValueError, match=match):
         kernels.resolve_config(tiny_args(*argv))
 
@@ -113,12 +110,6 @@ def test_bad_options_raise_naming_the_option(argv, match):
 def test_unparseable_lists_are_rejected_by_the_parser(argv, capsys):
     with pytest.raises(SystemExit):
         parse(*argv)
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a CUDA device")
-def test_cuda_device_without_cuda_is_an_error():
-    with pytest.raises(ValueError, match="--device"):
-        kernels.resolve_config(parse("--device", "cuda"))
 
 
 # ---------------------------------------------------------------------- the timed steps
@@ -326,65 +317,3 @@ def test_copy_bandwidth_and_l2_need_cuda():
         common.copy_bandwidth("cpu")
     with pytest.raises(ValueError, match="CUDA"):
         common.l2_cache_bytes("cpu")
-
-
-
-def test_progress_lines(capsys):
-    import io
-
-    buf = io.StringIO()
-    p = common.Progress(2, stream=buf)
-    p.start("fold batch 1")
-    p.finish("fold batch 1: 3 us")
-    p.note("capturing")
-    lines = buf.getvalue().splitlines()
-    assert lines[0] == "[1/2] fold batch 1 ..." and lines[1].startswith("[1/2] fold batch 1: 3 us")
-    assert lines[2] == "  capturing"
-    quiet = io.StringIO()
-    common.Progress(1, stream=quiet, enabled=False).start("x")
-    assert quiet.getvalue() == ""
-
-
-# ---------------------------------------------------------------------- targets
-def _row(name, batch, us, floor):
-    return {"strategy": name, "kind": "strategy" if name in kernels.STRATEGY_NAMES else "baseline", "batch": batch,
-            "us_per_layer_step": us, "floor_ratio": us / floor}
-
-
-def test_targets_follow_the_issue():
-    floor = random.uniform(1, 100)
-    rows = []
-    times = {}
-    for batch in (1, 16, 64, 256):
-        for name in ALL:
-            times[name, batch] = random.uniform(0.5, 8) * floor
-            rows.append(_row(name, batch, times[name, batch], floor))
-    targets = kernels.evaluate_targets(rows)
-    for t in targets:
-        assert t["passed"] == (t["value"] <= t["limit"])
-    for batch in (1, 16, 64, 256):
-        best = min(kernels.STRATEGY_NAMES, key=lambda n: times[n, batch])
-        mine = [t for t in targets if t["batch"] == batch]
-        ratio = [t for t in mine if "floor" in t["target"]]
-        if batch == 1:
-            assert not ratio
-            vs = [t for t in mine if t["target"].startswith("best")]
-            assert vs[0]["value"] == times[best, 1] and vs[0]["limit"] == times["snapshot", 1]
-        else:
-            assert len(ratio) == 1 and ratio[0]["limit"] == (1.5 if batch >= 64 else 2.0)
-            assert ratio[0]["value"] == pytest.approx(times[best, batch] / floor)
-        others = [t for t in mine if t["target"].endswith(" vs snapshot") and not t["target"].startswith("best")]
-        assert {t["target"].split()[0] for t in others} == {"fold", "circular"}
-        sv = [t for t in mine if "snapshot_verify" in t["target"]]
-        assert len(sv) == 1 and sv[0]["passed"] == (times["snapshot", batch] <= times["snapshot_verify", batch])
-
-
-def test_table_lists_every_row():
-    rows = json.loads(json.dumps([
-        {**_row(n, b, random.uniform(1, 9), 2.0), "floor_us": 2.0, "achieved_GBps": random.uniform(1, 4000),
-         "committed_tokens_per_us_per_layer": None, "bytes_per_layer_step": {"total": random.uniform(1e3, 1e9)}}
-        for n in ALL for b in (1, 64)
-    ]))
-    table = kernels.format_table(rows).splitlines()
-    assert len(table) == 2 + len(rows)
-    assert table[2].split()[:2] == ["snapshot", "1"] and table[-1].split()[:2] == ["snapshot_verify", "64"]

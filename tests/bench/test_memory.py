@@ -10,8 +10,9 @@ import torch
 from replayssm import cli
 from replayssm.bench import memory
 from replayssm.state import GDNShape, StatePool
+from replayssm.strategies import STRATEGY_NAMES
 
-STRATEGIES = ("snapshot", "fold", "circular")
+STRATEGIES = STRATEGY_NAMES
 
 
 @pytest.fixture(autouse=True)
@@ -168,7 +169,7 @@ def test_config_errors_name_the_field(field, value):
 
 
 def test_cli_writes_json_and_plot(tmp_path, capsys):
-    js, png = tmp_path / "m" / "memory.json", tmp_path / "m" / "memory.png"
+    js, png = tmp_path / "memory.json", tmp_path / "memory.png"
     ctx = random.randint(100, 9000)
     rc = cli.main(["bench", "memory", "--context", f"{ctx},{2 * ctx}", "--gpu-gib", "139.7", "--json", str(js), "--plot", str(png)])
     assert rc == 0

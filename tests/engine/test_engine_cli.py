@@ -54,20 +54,6 @@ def test_generate_batch_sampling_and_chat(checkpoints, capsys):
     assert out.count("--- [") == 2 and "'two two'" in out
 
 
-def test_generate_errors(checkpoints, tmp_path, capsys):
-    path = checkpoints["qwen3_5"]
-    with pytest.raises(ValueError, match="--draft-model"):
-        cli.main(["generate", "--model", path, "--prompt", "x", "--draft", "model"])
-    with pytest.raises(ValueError, match="does not exist"):
-        cli.main(["generate", "--model", str(tmp_path / "nope"), "--prompt", "x"])
-    with pytest.raises(ValueError, match="no mtp"):
-        bare = tmp_path / "bare"
-        save_tiny_checkpoint(bare, "qwen3_5", seed=1, with_mtp=False)
-        cli.main(["generate", "--model", str(bare), "--prompt", "x", "--draft", "mtp"])
-    with pytest.raises(SystemExit):
-        cli.main(["generate", "--model", path, "--prompt", "x", "--strategy", "nope"])
-
-
 def test_loading_functions(checkpoints):
     path = checkpoints["qwen3_next"]
     assert eos_token_ids(path) == [256]

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
@@ -468,33 +467,3 @@ def plan_steps_per_block(est_us_per_step: float, cycle: int, copies: int, *, tar
         raise ValueError(f"est_us_per_step must be positive, got {est_us_per_step}")
     cycles = max(1, math.ceil(target_block_us / (est_us_per_step * cycle * copies)))
     return cycles * cycle
-
-
-# ---------------------------------------------------------------------- output
-class Progress:
-    """Progress lines on stderr for long runs: ``[ k/n] label ... (elapsed)``."""
-
-    def __init__(self, total: int, *, stream=None, enabled: bool = True):
-        if not isinstance(total, int) or total < 0:
-            raise ValueError(f"total must be a non-negative int, got {total!r}")
-        self.total = total
-        self.done = 0
-        self.stream = stream if stream is not None else sys.stderr
-        self.enabled = enabled
-        self._t0 = time.perf_counter()
-
-    def _line(self, text: str) -> None:
-        if self.enabled:
-            print(text, file=self.stream, flush=True)
-
-    def start(self, label: str) -> None:
-        width = len(str(self.total))
-        self._line(f"[{self.done + 1:>{width}}/{self.total}] {label} ...")
-
-    def finish(self, label: str) -> None:
-        self.done += 1
-        width = len(str(self.total))
-        self._line(f"[{self.done:>{width}}/{self.total}] {label}  ({time.perf_counter() - self._t0:.1f} s elapsed)")
-
-    def note(self, text: str) -> None:
-        self._line(f"  {text}")

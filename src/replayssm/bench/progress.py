@@ -1,13 +1,10 @@
-"""Output pieces shared by the user-facing tools (drift, memory, e2e): a progress bar on
-stderr and the JSON result files.
+"""Output pieces shared by the user-facing tools: the one progress mechanism (a
+``tqdm`` bar on stderr) and the JSON result files.
 
-On a terminal it redraws one line in place::
-
-    drift  |##########----------|  16384/32768 tok  51%  41.2 s  eta 40.1 s
-
-Elsewhere (a log file, CI, a captured stream) it writes a plain line at most every
-``log_interval`` seconds and one at the end, so long runs still show that they move
-without flooding the log. Nothing is written when disabled; results never go to stderr.
+Progress never goes to stdout, where the results are; ``enabled=False`` (the tools'
+``--quiet``) writes nothing. On a terminal the bar redraws in place about ten times a
+second; elsewhere (a log file, CI) it redraws at most every ``log_interval`` seconds,
+so long runs still show that they move without flooding the log.
 """
 
 from __future__ import annotations
@@ -16,15 +13,14 @@ import json
 import math
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any, TextIO
 
-_BAR_WIDTH = 24
+from tqdm import tqdm
 
 
 class ProgressBar:
-    """Progress of ``total`` units of work.
+    """Progress of ``total`` units of work, drawn by ``tqdm``.
 
     Args:
         total: units of work (positive int).
@@ -32,10 +28,11 @@ class ProgressBar:
         unit: unit name printed after the counts.
         enabled: ``False`` writes nothing.
         stream: where to write (default ``sys.stderr``).
-        log_interval: seconds between lines when ``stream`` is not a terminal.
+        log_interval: seconds between redraws when ``stream`` is not a terminal.
 
     Use as a context manager, or call :meth:`close` at the end. :meth:`update` adds
-    done units; :meth:`set` moves to an absolute count (clamped to ``total``).
+    done units and :meth:`set` moves to an absolute count, both clamped to ``total``;
+    :meth:`write` prints a line above the bar (a per-item result, say).
     """
 
     def __init__(
@@ -53,66 +50,36 @@ class ProgressBar:
         if not isinstance(log_interval, (int, float)) or log_interval <= 0:
             raise ValueError(f"log_interval must be a positive number, got {log_interval!r}")
         self.total = total
-        self.desc = desc
-        self.unit = unit
         self.enabled = bool(enabled)
         self.stream = stream if stream is not None else sys.stderr
-        self.log_interval = float(log_interval)
-        self.count = 0
-        self._t0 = time.perf_counter()
-        self._last_draw = -float("inf")
-        self._drawn = -1  # count shown by the last line written
-        self._closed = False
         isatty = getattr(self.stream, "isatty", None)
-        self._tty = bool(isatty and isatty())
-        # Redraw a terminal line at most ~10 times a second: drawing is not free.
-        self._interval = 0.1 if self._tty else self.log_interval
-
-    @property
-    def elapsed(self) -> float:
-        return time.perf_counter() - self._t0
+        tty = bool(isatty and isatty())
+        self._bar = tqdm(
+            total=total, desc=desc or None, unit=unit or "it", file=self.stream, disable=not self.enabled,
+            mininterval=0.1 if tty else float(log_interval), ascii=not tty, dynamic_ncols=tty, leave=True,
+        )
+        self.count = 0
 
     def update(self, n: int = 1) -> None:
         self.set(self.count + n)
 
     def set(self, count: int) -> None:
-        self.count = max(0, min(int(count), self.total))
-        now = time.perf_counter()
-        if self.count != self._drawn and now - self._last_draw >= self._interval:
-            self._draw(now)
+        count = max(0, min(int(count), self.total))
+        if count != self.count:
+            self._bar.update(count - self.count)
+            self.count = count
 
-    def _line(self, now: float) -> str:
-        frac = self.count / self.total
-        fill = int(round(frac * _BAR_WIDTH))
-        elapsed = now - self._t0
-        eta = elapsed * (1 - frac) / frac if frac > 0 else float("nan")
-        eta_s = f"eta {eta:.1f} s" if frac > 0 and frac < 1 else ""
-        unit = f" {self.unit}" if self.unit else ""
-        return (
-            f"{self.desc} |{'#' * fill}{'-' * (_BAR_WIDTH - fill)}| {self.count:>{len(str(self.total))}}/{self.total}{unit}"
-            f" {100 * frac:3.0f}%  {elapsed:.1f} s  {eta_s}"
-        ).rstrip()
+    def set_description(self, desc: str) -> None:
+        self._bar.set_description_str(desc, refresh=False)
 
-    def _draw(self, now: float, final: bool = False) -> None:
-        self._last_draw = now
-        if not self.enabled:
-            return
-        if final and not self._tty and self._drawn == self.count:
-            return  # the log already has this line
-        self._drawn = self.count
-        line = self._line(now)
-        if self._tty:
-            self.stream.write("\r\x1b[2K" + line + ("\n" if final else ""))
-        else:
-            self.stream.write(line + "\n")
-        self.stream.flush()
+    def write(self, line: str) -> None:
+        """Print ``line`` above the bar (nothing when disabled)."""
+        if self.enabled:
+            self._bar.write(line, file=self.stream)
 
     def close(self) -> None:
-        """Draw the final state (once)."""
-        if self._closed:
-            return
-        self._closed = True
-        self._draw(time.perf_counter(), final=True)
+        """Draw the final state and end the bar's line (once)."""
+        self._bar.close()
 
     def __enter__(self) -> "ProgressBar":
         return self

@@ -11,10 +11,15 @@ the GDN state pool and the KV cache.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 
-STRATEGY_CHOICES = ("snapshot", "fold", "circular")
+from ..bench.args import device_name, nonneg_float, nonneg_int, positive_int, probability
+from ..strategies import STRATEGY_NAMES
+
 DRAFT_CHOICES = ("ngram", "mtp", "model", "none")
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,20 +30,69 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="drafter: n-gram prompt lookup, the checkpoint's MTP head, a draft model, "
                              "or none (plain decoding)")
     parser.add_argument("--draft-model", help="draft model directory (with --draft model)")
-    parser.add_argument("--strategy", choices=STRATEGY_CHOICES, default="fold", help="GDN verify/rollback strategy")
-    parser.add_argument("--num-draft", type=int, default=3, help="draft tokens per step (window = k + 1)")
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--strategy", choices=STRATEGY_NAMES, default="fold",
+                        help="GDN verify/rollback strategy (default fold)")
+    parser.add_argument("--num-draft", type=positive_int, default=3, help="draft tokens per step (window = k + 1; default 3)")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=256, help="tokens to generate per prompt (default 256)")
+    parser.add_argument("--temperature", type=nonneg_float, default=0.0, help="softmax temperature; 0 = greedy (default)")
+    parser.add_argument("--top-p", type=probability, default=1.0, help="nucleus mass in (0, 1]; 1 keeps every token (default)")
+    parser.add_argument("--top-k", type=nonneg_int, default=0, help="keep the k most likely tokens; 0 keeps all (default)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
-    parser.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16")
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                        help="model dtype: auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16")
+    parser.add_argument("--device", type=device_name, default="auto", help="auto, cpu, cuda, cuda:N (default auto)")
     parser.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
     parser.add_argument("--ignore-eos", action="store_true", help="generate max-new-tokens whatever comes")
     parser.add_argument("--compare-plain", action="store_true",
                         help="also decode plainly and report the speed-up and (greedy) token agreement")
     parser.add_argument("--no-stream", action="store_true", help="print outputs only when they finish")
+
+
+def _has_mtp_weights(model_dir: str) -> bool:
+    """Whether the checkpoint's safetensors hold ``mtp.*`` tensors (keys only: nothing
+    is read into memory)."""
+    from safetensors import safe_open
+
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as fh:
+            return any(k.startswith("mtp.") for k in json.load(fh).get("weight_map", {}))
+    for name in sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors")):
+        with safe_open(os.path.join(model_dir, name), framework="pt") as fh:
+            if any(k.startswith("mtp.") for k in fh.keys()):
+                return True
+    return False
+
+
+def _check_model_dir(option: str, path: str) -> None:
+    from .loading import SUPPORTED_MODEL_TYPES, model_type
+
+    try:
+        mtype = model_type(path)
+    except ValueError as e:
+        raise ValueError(f"{option}: {e}") from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{option}: cannot read {path}/config.json ({e})") from None
+    if mtype not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"{option}: {path!r} holds a {mtype!r} model; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+
+
+def check_args(args) -> None:
+    """Check what needs several options or a look at the checkpoint, before anything
+    is loaded; raises ``ValueError`` naming the option."""
+    _check_model_dir("--model", args.model)
+    if args.draft == "model":
+        if not args.draft_model:
+            raise ValueError("--draft model needs --draft-model DIR")
+        _check_model_dir("--draft-model", args.draft_model)
+        from .loading import load_tokenizer
+
+        if load_tokenizer(args.draft_model).get_vocab() != load_tokenizer(args.model).get_vocab():
+            raise ValueError(f"--draft-model {args.draft_model!r} does not share the target's tokenizer")
+    elif args.draft_model:
+        raise ValueError(f"--draft-model is only used with --draft model, not --draft {args.draft}")
+    if args.draft == "mtp" and not _has_mtp_weights(args.model):
+        raise ValueError(f"--draft mtp: {args.model!r} has no mtp.* weights (this checkpoint carries no MTP head)")
 
 
 def _mib(n: int) -> str:
@@ -83,10 +137,6 @@ def main(args) -> int:
     from .loading import eos_token_ids, load_model, load_tokenizer
     from .sampling import SamplingParams
 
-    if args.num_draft < 1:
-        raise SystemExit("--num-draft must be >= 1")
-    if args.max_new_tokens < 1:
-        raise SystemExit("--max-new-tokens must be >= 1")
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     tokenizer = load_tokenizer(args.model)
     if args.chat:
@@ -96,7 +146,8 @@ def main(args) -> int:
     else:
         prompts = [tokenizer.encode(p, add_special_tokens=False) for p in args.prompt]
     if any(not p for p in prompts):
-        raise SystemExit("a prompt encodes to no tokens")
+        print("replayssm generate: error: a prompt encodes to no tokens", file=sys.stderr)
+        return 2
     eos = [] if args.ignore_eos else eos_token_ids(args.model, tokenizer)
     model = load_model(args.model, dtype=args.dtype, device=args.device)
     batch = len(prompts)

@@ -14,7 +14,9 @@ import argparse
 import sys
 import time
 
-STRATEGIES = ("snapshot", "fold", "circular")
+from ..bench.args import device_name, name_list, positive_int
+from ..strategies import STRATEGY_NAMES
+
 PROMPTS = (
     "The state of a gated delta rule layer",
     "def verify(window):",
@@ -26,17 +28,17 @@ PROMPTS = (
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--family", choices=("qwen3_5", "qwen3_next"), default="qwen3_5",
                         help="architecture of the embedded tiny model")
-    parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
-    parser.add_argument("--max-new-tokens", type=int, default=256, help="tokens per request")
-    parser.add_argument("--batch", type=int, default=len(PROMPTS), help=f"requests (1..{len(PROMPTS)} prompts, cycled)")
-    parser.add_argument("--num-draft", type=int, default=3, help="n-gram draft tokens per step")
+    parser.add_argument("--strategies", type=name_list(STRATEGY_NAMES), default=STRATEGY_NAMES,
+                        help=f"strategies to run, comma-separated (default {','.join(STRATEGY_NAMES)})")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=256, help="tokens per request (default 256)")
+    parser.add_argument("--batch", type=positive_int, default=len(PROMPTS),
+                        help=f"requests ({len(PROMPTS)} prompts, cycled; default {len(PROMPTS)})")
+    parser.add_argument("--num-draft", type=positive_int, default=3, help="n-gram draft tokens per step (default 3)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the tiny model's weights")
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda")
+    parser.add_argument("--device", type=device_name, default="auto", help="auto, cpu, cuda, cuda:N (default auto)")
 
 
 def main(args) -> int:
-    import torch
-
     from .adapter import HybridEngine
     from .drafters import NgramDrafter
     from .generate import describe_memory
@@ -44,13 +46,7 @@ def main(args) -> int:
     from .loading import resolve_device
     from .tiny import build_tiny_model, tiny_tokenizer
 
-    if args.max_new_tokens < 1 or args.batch < 1 or args.num_draft < 1:
-        raise SystemExit("--max-new-tokens, --batch and --num-draft must be >= 1")
     device = resolve_device(args.device)
-    if device.type == "cpu":
-        # A tiny model's ops are far too small to gain from intra-op threads, and on a
-        # busy machine the thread hand-offs cost more than the work.
-        torch.set_num_threads(1)
     tokenizer = tiny_tokenizer()
     prompts = [tokenizer.encode(PROMPTS[i % len(PROMPTS)]) for i in range(args.batch)]
     model = build_tiny_model(args.family, seed=args.seed, device=device)

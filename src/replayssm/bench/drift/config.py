@@ -1,0 +1,117 @@
+"""What a drift run depends on: shapes, dtypes, the gate scales and :class:`DriftConfig`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...ops import triton_common
+from ...ops.dispatch import BACKENDS, triton_available
+from ...state import GDNShape
+from ...strategies import STRATEGY_NAMES
+
+PLAIN = "plain"
+CONTROL = "open-loop"
+
+#: GDN layer shapes (H, HV, K, V). ``qwen3.5``: Qwen3.5-35B-A3B / Qwen3-Next-80B at TP1;
+#: ``qwen3.5-hv64``: Qwen3.5-122B-A10B / 397B-A17B at TP1 (DESIGN.md section 6).
+SHAPES = {
+    "qwen3.5": GDNShape(num_heads=16, num_value_heads=32, head_k_dim=128, head_v_dim=128),
+    "qwen3.5-hv64": GDNShape(num_heads=16, num_value_heads=64, head_k_dim=128, head_v_dim=128),
+    "small": GDNShape(num_heads=4, num_value_heads=8, head_k_dim=64, head_v_dim=64),
+    "tiny": GDNShape(num_heads=2, num_value_heads=4, head_k_dim=16, head_v_dim=16),
+}
+ACT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+SERIES = ("state", "state_worst_head", "output")
+
+# Raw gate inputs: a ~ N(0, A_SCALE^2) with dt_bias = 0, so the per-token decay of head h
+# is g = -exp(A_log[h]) * softplus(a). A_log is set so that the mean decay E[-g] of the
+# heads spreads log-uniformly over --decay-range (memories from 1/max to 1/min tokens).
+A_SCALE = 0.5
+B_SCALE = 1.5  # beta = sigmoid(b), b ~ N(0, 1.5^2): beta spread over (0, 1)
+
+
+# ---------------------------------------------------------------------- configuration
+@dataclass
+class DriftConfig:
+    """Everything a drift run depends on (validated by :meth:`check`)."""
+
+    tokens: int = 32768
+    requests: int = 4
+    window: int = 4
+    ring_len: int = 16
+    every: int = 256
+    shape: str = "qwen3.5"
+    act_dtype: str = "bf16"
+    state_dtype: str = "fp32"
+    device: str = "cpu"
+    backend: str = "auto"
+    strategies: tuple[str, ...] = STRATEGY_NAMES
+    control: bool = True
+    decay_range: tuple[float, float] = (1e-3, 0.5)
+    key_correlation: float = 0.5
+    growth_factor: float = 2.0
+    min_slope: float = 0.1
+    excess_factor: float = 4.0
+    seed: int = 0
+
+    def check(self) -> None:
+        """Raise ``ValueError`` naming the first bad field."""
+        for name in ("tokens", "requests", "window", "ring_len", "every"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if self.tokens // self.every < 10:
+            raise ValueError(
+                f"tokens / every must give at least 10 samples to assess growth, got {self.tokens} / {self.every}"
+            )
+        if self.shape not in SHAPES:
+            raise ValueError(f"shape must be one of {sorted(SHAPES)}, got {self.shape!r}")
+        if self.act_dtype not in ACT_DTYPES:
+            raise ValueError(f"act_dtype must be one of {sorted(ACT_DTYPES)}, got {self.act_dtype!r}")
+        if self.state_dtype not in STATE_DTYPES:
+            raise ValueError(f"state_dtype must be one of {sorted(STATE_DTYPES)}, got {self.state_dtype!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        bad = [s for s in self.strategies if s not in STRATEGY_NAMES]
+        if bad or len(set(self.strategies)) != len(self.strategies):
+            raise ValueError(f"strategies must be distinct names from {STRATEGY_NAMES}, got {list(self.strategies)}")
+        if not self.strategies and not self.control:
+            raise ValueError("nothing to run: no strategies and no control")
+        lo, hi = self.decay_range
+        if not (0 < lo <= hi < 20):
+            raise ValueError(f"decay_range must satisfy 0 < min <= max < 20, got {self.decay_range}")
+        if not 0 <= self.key_correlation < 1:
+            raise ValueError(f"key_correlation must be in [0, 1), got {self.key_correlation}")
+        if not self.growth_factor > 1:
+            raise ValueError(f"growth_factor must be > 1, got {self.growth_factor}")
+        if not self.excess_factor > 1:
+            raise ValueError(f"excess_factor must be > 1, got {self.excess_factor}")
+        if not self.min_slope >= 0:
+            raise ValueError(f"min_slope must be >= 0, got {self.min_slope}")
+        # The pool validates window / ring_len per strategy; circular (and the control)
+        # need a power-of-two ring of at least 2T.
+        if ("circular" in self.strategies or self.control) and (
+            self.ring_len & (self.ring_len - 1) or self.ring_len < 2 * self.window
+        ):
+            raise ValueError(f"ring_len must be a power of two >= 2 * window = {2 * self.window}, got {self.ring_len}")
+        try:
+            dev = torch.device(self.device)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"device {self.device!r} is not a torch device: {e}") from None
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r} asked for, but CUDA is not available")
+        if self.backend == "triton":
+            if not triton_available():
+                raise ValueError("backend triton needs the triton package (pip install triton)")
+            if dev.type != "cuda" and not triton_common.INTERPRETER:
+                raise ValueError(f"backend triton on {self.device} needs the Triton interpreter "
+                                 "(TRITON_INTERPRET=1 in the environment); use --backend reference or auto")
+
+    @property
+    def control_required(self) -> bool:
+        """The control must be detected only if rounding ``u`` to the activation dtype
+        loses anything, i.e. for activation dtypes coarser than float32."""
+        return self.control and ACT_DTYPES[self.act_dtype] != torch.float32
