@@ -6,3 +6,7 @@ checkpoint. See DESIGN.md for the math and the contracts.
 """
 
 __version__ = "0.1.0"
+
+# The strategies register themselves with the state pool's registry on import; the
+# state package never imports them (strategies build on state, not the reverse).
+from . import strategies as _strategies  # noqa: E402,F401

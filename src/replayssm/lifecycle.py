@@ -5,8 +5,12 @@ steps on random layer inputs with random window lengths and random acceptance, a
 keeps two references of the accepted token stream:
 
 * the float64 oracle (DESIGN.md section 5): the token-by-token recurrence in float64;
-* the reference recurrence in the pool's own dtypes, which the exact strategies must
-  match bit for bit on the same device.
+* the recurrence in the pool's own dtypes, which the exact strategies must match bit
+  for bit on the same device. It is :func:`design_recurrence` below, a transcription of
+  DESIGN.md section 1 that shares no code with the library's ops: bit-equality with it
+  shows that a strategy (reference backend) follows the design's operation order. (It
+  used to be the library's own reference recurrence, which runs through the same
+  ``state_update`` as the strategies and so could not disagree with them.)
 
 After every step it reports the committed-state error against both and the output error
 of the accepted positions. The tests, ``replayssm demo`` and the drift tool build on it.
@@ -24,6 +28,46 @@ from .ops.recurrent import gdn_recurrence_reference
 from .state import StatePool
 
 
+def design_recurrence(x: dict[str, torch.Tensor], A_log, dt_bias, states: torch.Tensor, rows, lengths) -> torch.Tensor:
+    """DESIGN.md section 1, token by token, written out with no library op.
+
+    Args:
+        x: packed inputs ``q, k [N, H, K]``, ``v [N, HV, V]``, ``a, b [N, HV]``.
+        A_log, dt_bias: ``[HV]``.
+        states: ``[R, HV, V, K]``, advanced in place (row ``rows[i]`` by window ``i``).
+        rows, lengths: the row and the token count of each window, in packing order.
+
+    Returns:
+        ``o [N, HV, V]`` in the dtype of ``v``. Computes in float32 (float64 if the state
+        or the activations are float64) and rounds to the state dtype once per window,
+        where the state is written.
+    """
+    q, k, v, a, b = (x[n] for n in "qkvab")
+    dtype = torch.float64 if torch.float64 in (q.dtype, states.dtype) else torch.float32
+    gate_dtype = torch.float64 if torch.float64 in (a.dtype, b.dtype, A_log.dtype, dt_bias.dtype) else torch.float32
+    hv, kd = v.shape[1], q.shape[2]
+    group = hv // q.shape[1]
+    o = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+    t0 = 0
+    for row, m in zip(rows, lengths):
+        S = states[row].to(dtype)
+        for t in range(t0, t0 + m):
+            z = a[t].to(gate_dtype) + dt_bias.to(gate_dtype)
+            softplus = torch.where(z > 20.0, z, torch.log1p(torch.exp(z)))
+            g = (-torch.exp(A_log.to(gate_dtype)) * softplus).to(dtype)
+            beta = (1.0 / (1.0 + torch.exp(-b[t].to(gate_dtype)))).to(dtype)
+            kt, qt = k[t].to(dtype), q[t].to(dtype)
+            k_hat = (kt / torch.sqrt((kt * kt).sum(-1, keepdim=True) + 1e-6)).repeat_interleave(group, 0)
+            q_hat = (qt / torch.sqrt((qt * qt).sum(-1, keepdim=True) + 1e-6) * kd**-0.5).repeat_interleave(group, 0)
+            S = torch.exp(g)[:, None, None] * S  # S' = exp(g) S
+            u = beta[:, None] * (v[t].to(dtype) - (S * k_hat[:, None, :]).sum(-1))  # u = beta (v - S' k^)
+            S = S + u[:, :, None] * k_hat[:, None, :]  # S = S' + u k^T
+            o[t] = (S * q_hat[:, None, :]).sum(-1).to(o.dtype)  # o = S q^
+        states[row] = S.to(states.dtype)
+        t0 += m
+    return o
+
+
 @dataclass
 class StepReport:
     """What one step looked like and how far the strategy is from the references."""
@@ -34,8 +78,8 @@ class StepReport:
     flushed: int
     state_err: float  # max over layers/requests of ||S - S64|| / ||S64||
     out_err: float  # max over layers of ||o - o64|| / ||o64|| on accepted positions
-    state_bitexact: bool  # committed state == reference recurrence, bit for bit
-    out_bitexact: bool  # accepted outputs == reference recurrence, bit for bit
+    state_bitexact: bool  # committed state == design_recurrence, bit for bit
+    out_bitexact: bool  # accepted outputs == design_recurrence, bit for bit
     conv_bitexact: bool  # conv state == sequential reference, bit for bit
 
 
@@ -144,7 +188,7 @@ class Lifecycle:
             o64 = gdn_recurrence_reference(
                 *(t.double() for t in gate), self.oracle[layer], ref_slots, ref_cu, update_state=True
             )
-            o_ref = gdn_recurrence_reference(*gate, self.reference[layer], ref_slots, ref_cu, update_state=True)
+            o_ref = design_recurrence(x, p["A_log"], p["dt_bias"], self.reference[layer], kept_rows, kept_len)
             o = outputs[layer][keep_t]
             out_err = max(out_err, _rel(o, o64))
             out_exact &= torch.equal(o, o_ref)

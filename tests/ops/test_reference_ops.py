@@ -47,6 +47,34 @@ def naive_step(S, q, k, v, a, b, A_log, dt_bias):
     return S, S @ qh
 
 
+def naive_replay(S, k, v, g, beta):
+    """Raw records replayed in float64 through :func:`naive_step`'s matrix form, from
+    the stored gates: ``S [HV, V, K]``, ``k [c, H, K]`` raw, ``v [c, HV, V]``,
+    ``g, beta [c, HV]``."""
+    S = S.double().clone()
+    hv, group = S.shape[0], S.shape[0] // k.shape[1]
+    eye = torch.eye(S.shape[2], dtype=torch.float64)
+    for c in range(k.shape[0]):
+        for h in range(hv):
+            kk = k[c, h // group].double()
+            kh = kk / torch.sqrt((kk * kk).sum() + 1e-6)
+            b, e = beta[c, h].double(), torch.exp(g[c, h].double())
+            S[h] = e * S[h] @ (eye - b * torch.outer(kh, kh)) + b * torch.outer(v[c, h].double(), kh)
+    return S
+
+
+def naive_states(S, x, group):
+    """The float64 state after the tokens of ``x`` from ``S [HV, V, K]`` (naive_step)."""
+    S = S.double().clone()
+    for t in range(x["q"].shape[0]):
+        for h in range(S.shape[0]):
+            S[h], _ = naive_step(
+                S[h], x["q"][t, h // group].double(), x["k"][t, h // group].double(), x["v"][t, h].double(),
+                x["a"][t, h].item(), x["b"][t, h].item(), x["A_log"][h].item(), x["dt_bias"][h].item(),
+            )
+    return S
+
+
 class TestGates:
     def test_formulas_and_softplus_threshold(self):
         a = torch.randn(64, 8, dtype=torch.float64) * 15
@@ -247,14 +275,20 @@ class TestChunkedWindow:
         ring, ring_u = make_ring(2, L, h, hv, kd, vd, dtype)
         base, hist = 6, 5
         positions = [(base + c) % L for c in range(hist)]  # wraps around the ring end
-        S_hist, _ = fill_history(ring, ring_u, 0, ckpt, positions, h, hv, kd, vd, dtype)
+        before_flush, before_other = ckpt[0].clone(), ckpt[1].clone()
+        S_hist, hist_x = fill_history(ring, ring_u, 0, ckpt, positions, h, hv, kd, vd, dtype)
         x = rand_layer(T, h, hv, kd, vd, dtype)
         o = gdn_chunked_window_reference(
             *args(x), ckpt, ring, ring_u, torch.tensor([0], dtype=torch.int32), cu_of([T]),
             torch.tensor([hist, 0], dtype=torch.int32), torch.tensor([base, 0], dtype=torch.int32),
             torch.tensor([1, 0], dtype=torch.int32),
         )
-        assert torch.equal(ckpt[0], S_hist), "the flush fold must equal the recurrence bit for bit"
+        # The flush replays the raw records: against the float64 statement of the step
+        # (5 contractive fp32 steps on O(1) values: within 1e-5 of the state's scale). A
+        # fold of the wrong records, order or count is off by O(0.1).
+        S64 = naive_states(before_flush, hist_x, hv // h)
+        assert (ckpt[0].double() - S64).abs().max() <= 1e-5 * S64.abs().max()
+        assert torch.equal(ckpt[1], before_other), "a slot outside the batch changed"
         st = S_hist[None].clone()
         o_ref = gdn_recurrence_reference(*args(x), st, torch.tensor([0], dtype=torch.int32), cu_of([T]))
         torch.testing.assert_close(o, o_ref, rtol=2e-5, atol=2e-6)
@@ -273,27 +307,35 @@ class TestChunkedWindow:
 
 
 class TestFold:
-    def test_fold_equals_recurrence_bitexact_all_layers(self):
-        """Replaying raw records == running the recurrence on the same tokens, bit for bit
-        in float32, for every layer in one call, with a wrapping start position."""
+    def test_fold_replays_records_like_the_float64_step_all_layers(self):
+        """Folding raw records == the float64 statement of the step (naive matrix form) on
+        the same records, for every layer in one call, with a wrapping start position;
+        padding rows and other slots untouched. Bound: <= 4 contractive fp32 steps on O(1)
+        values, within 1e-5 of the state's scale. (This used to compare with the reference
+        recurrence, which runs the same ``state_update`` as the fold: it could not fail.)"""
         nl, ns, h, hv, kd, vd, R = 3, 4, 2, 4, 8, 4, 5
         ckpt = torch.randn(nl, ns, hv, vd, kd)
-        expect = ckpt.clone()
+        before = ckpt.clone()
         rings = [torch.full((nl, ns, R) + shp, float("nan")) for shp in ((h, kd), (hv, vd), (hv,), (hv,))]
+        rows = ((3, 3, 4), (1, 0, 2))  # (slot, start, count)
+        for layer in range(nl):
+            for s, st, n in rows:
+                for c in range(n):
+                    rings[0][layer, s, (st + c) % R] = torch.randn(h, kd)
+                    rings[1][layer, s, (st + c) % R] = torch.randn(hv, vd)
+                    rings[2][layer, s, (st + c) % R] = -torch.rand(hv) * 2  # log decays g <= 0
+                    rings[3][layer, s, (st + c) % R] = torch.rand(hv)  # beta in (0, 1)
         slots = torch.tensor([3, -1, 1], dtype=torch.int32)
         start = torch.tensor([3, 0, 0], dtype=torch.int32)
         count = torch.tensor([4, 2, 2], dtype=torch.int32)
-        for layer in range(nl):
-            for s, st, n in ((3, 3, 4), (1, 0, 2)):
-                x = rand_layer(n, h, hv, kd, vd, torch.float32)
-                rec = RawRecords(*(torch.empty((1, n) + r.shape[3:]) for r in rings))
-                one = expect[layer, s : s + 1]
-                gdn_recurrence_reference(*args(x), one, torch.tensor([0], dtype=torch.int32), cu_of([n]), records=rec, update_state=True)
-                for c in range(n):
-                    for r, src in zip(rings, rec):
-                        r[layer, s, (st + c) % R] = src[0, c]
         gdn_fold_reference(ckpt, *rings, slots, start, count)
-        assert torch.equal(ckpt, expect)
+        for layer in range(nl):
+            for s, st, n in rows:
+                pos = [(st + c) % R for c in range(n)]
+                S64 = naive_replay(before[layer, s], *(r[layer, s, pos] for r in rings))
+                assert (ckpt[layer, s].double() - S64).abs().max() <= 1e-5 * S64.abs().max(), (layer, s)
+            for s in (0, 2):
+                assert torch.equal(ckpt[layer, s], before[layer, s])
 
     def test_count_out_of_range(self):
         ckpt = torch.randn(1, 1, 1, 2, 2)

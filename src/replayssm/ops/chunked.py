@@ -213,7 +213,8 @@ def gdn_chunked_window(*args, backend: str = "auto", **kwargs) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- Triton
-# Three launches per layer (measured faster than fusing products and window; BENCHMARKS.md).
+# Three launches per layer (fusing products and window was slower: BENCHMARKS.md,
+# tuning notes).
 #  * The flush: rows with is_flush fold their committed raw records into the checkpoint
 #    with the fold kernel (the exact recurrence step, shared with the recurrence: the
 #    folded checkpoint is theirs, bit for bit); every other row's program exits at once.
@@ -235,22 +236,21 @@ try:
 except ImportError:  # the reference above works without Triton
     triton = None
 
-# Tuning of the window kernel (measured on an H200, Qwen3.5 shapes; see BENCHMARKS.md).
-# Products: the big one, S x_r ([BV, K] x [K, 2T]), decides the kernel's speed. As fp32
-# FMA ("ieee") it makes the kernel instruction-bound (~11x the one-read floor); on
-# tensor cores ("tf32") it is ~2.4x faster. tf32 rounds the fp32 operand (the state, and
-# the history's u) to 11 significant bits, a relative error of ~2^-12 in a product over
-# K = 128 terms, 8x below the rounding of a bf16 output (2^-9); the 16-bit keys and
-# queries are exact in tf32. So: "tf32" when the activations are 16-bit, "ieee" for
-# fp32 activations (CPU tests, fp32 models), where tf32 would show. The window's small
-# solve ([BV, 2T] x [2T, 2T]) always runs in "ieee". REPLAYSSM_CHUNKED_DOT overrides
-# the choice of the big products ("ieee", "tf32", "tf32x3").
+# Knobs of the window kernel (the chosen values and what they were measured against:
+# BENCHMARKS.md, tuning notes). Products: the big one, S x_r ([BV, K] x [K, 2T]),
+# decides the kernel's speed; as fp32 FMA ("ieee") it makes the kernel
+# instruction-bound, on tensor cores ("tf32") it is not. tf32 rounds the fp32 operand
+# (the state, and the history's u) to 11 significant bits, a relative error of ~2^-12 in
+# a product over K = 128 terms, 8x below the rounding of a bf16 output (2^-9); the
+# 16-bit keys and queries are exact in tf32. So: "tf32" when the activations are 16-bit,
+# "ieee" for fp32 activations (CPU tests, fp32 models), where tf32 would show. The
+# window's small solve ([BV, 2T] x [2T, 2T]) always runs in "ieee". REPLAYSSM_CHUNKED_DOT
+# overrides the choice of the big products ("ieee", "tf32", "tf32x3").
 _DOT_PRECISION = os.environ.get("REPLAYSSM_CHUNKED_DOT", "")
-# Window kernel: K columns per step of its pass (all of K at once: its loads then go out
-# together, ~13% faster than 32 at batch 256), rows of V per program (one program per
-# head amortises the window's per-head work best; 64 measured 1.3x slower), warps (2:
-# its small products and reductions then need fewer cross-warp exchanges; 1.27x faster
-# than 4 and 2.3x faster than 8 at batch 256).
+# Window kernel: K columns per step of its pass (all of K at once, so that its loads go
+# out together), rows of V per program (one program per head amortises the window's
+# per-head work), warps (2: its small products and reductions then need fewer
+# cross-warp exchanges).
 _K_CHUNK = int(os.environ.get("REPLAYSSM_CHUNKED_KC", "128"))
 _BLOCK_V_MAX = int(os.environ.get("REPLAYSSM_CHUNKED_BV", "128"))
 _NUM_WARPS = int(os.environ.get("REPLAYSSM_CHUNKED_WARPS", "2"))
@@ -278,11 +278,10 @@ if triton is not None:
         check_index_pair,
         check_inner_contiguous,
         check_max_len,
-        pick_block_v,
     )
     from .fold import launch_fold
-    from .triton_common import NORM_EPS, device_fn as _tl_device_fn, gdn_gates as _tl_gdn_gates
-    from .triton_common import row_sum as _tl_row_sum, window_program as _tl_window_program
+    from .triton_common import NORM_EPS, block_rows, device_fn as _tl_device_fn, gdn_gates as _tl_gdn_gates
+    from .triton_common import row_sum as _tl_row_sum, to_rtne as _tl_to_rtne, window_program as _tl_window_program
 
     @_tl_device_fn
     def _window_rows(bos, length, BT: tl.constexpr):
@@ -419,7 +418,7 @@ if triton is not None:
             inv = inv + tl.dot(inv, A_pow, input_precision="ieee")
         U = tl.dot(R, tl.trans(inv), input_precision="ieee")  # [BV, BX], zero on q columns
         out = e_G[None, :] * SX + tl.dot(U, tl.trans(M), input_precision="ieee")
-        tl.store(p_o, out.to(o_ptr.dtype.element_ty), mask=mask_v[:, None] & xq_ok[None, :])
+        tl.store(p_o, _tl_to_rtne(out, o_ptr.dtype.element_ty), mask=mask_v[:, None] & xq_ok[None, :])
 
         # ---- the window's records (raw k went out in the K pass)
         rec = (rec_w[None, :] * HV + i_hv) * V + offs_v[:, None]
@@ -470,7 +469,7 @@ def launch_products(q, k, checkpoint, slots, cu_seqlens, bt: int) -> torch.Tenso
     batch = slots.shape[0]
     sx = torch.empty(batch, hv, 2 * bt, vd, dtype=torch.float32, device=q.device)
     bk = triton.next_power_of_2(kd)
-    bv = _block_v(vd, batch * hv, q.device, _P_BLOCK_V)
+    bv = block_rows(vd, batch * hv, q.device, _P_BLOCK_V, least=16)
     _window_products_kernel[(triton.cdiv(vd, bv), batch, hv)](
         q, k, checkpoint, slots, cu_seqlens, sx,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
@@ -487,7 +486,7 @@ def launch_window(q, k, v, a, b, A_log, dt_bias, ring, ring_u, slots, cu_seqlens
     hv, vd = v.shape[1], v.shape[2]
     batch = slots.shape[0]
     bk = triton.next_power_of_2(kd)
-    bv = _block_v(vd, batch * hv, q.device, _BLOCK_V_MAX)
+    bv = block_rows(vd, batch * hv, q.device, _BLOCK_V_MAX, least=16)
     _chunked_window_kernel[(triton.cdiv(vd, bv), batch, hv)](
         q, k, v, a, b, A_log, dt_bias,
         ring.k, ring.v, ring.g, ring.beta, ring_u,
@@ -499,19 +498,6 @@ def launch_window(q, k, v, a, b, A_log, dt_bias, ring, ring_u, slots, cu_seqlens
         BT=bt, BH=max(16, L), BK=bk, KC=max(16, min(_K_CHUNK, bk)), BV=bv,
         DOT_PRECISION=product_precision(q.dtype), num_warps=_NUM_WARPS,
     )
-
-
-def _block_v(vd: int, rows: int, device: torch.device, most: int) -> int:
-    """Rows of V per program: up to ``most``, halved (down to 16, the least
-    side of a tensor-core product) while a CUDA device would get fewer than two programs
-    per SM; the shared choice of the other kernels under the interpreter."""
-    if device.type != "cuda":
-        return pick_block_v(vd, rows, device)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    bv = max(16, min(most, triton.next_power_of_2(vd)))
-    while bv > 16 and rows * triton.cdiv(vd, bv) < 2 * sms:
-        bv //= 2
-    return bv
 
 
 @register("chunked", "triton")

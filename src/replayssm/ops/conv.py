@@ -23,13 +23,16 @@ from .recurrent import check_index_pair, check_inner_contiguous, check_max_len, 
 
 
 def check_conv_args(x, conv_state, weight, bias):
-    _checks.tensor("x", x, ndim=2, dtypes=_checks.FLOAT_DTYPES)
-    n, c = x.shape
+    """Validate a conv call (metadata only); return ``(N, C, W)``. ``C`` and ``W`` come
+    from the registered ``weight``, so an input with the wrong channel count is the one
+    named in the error."""
     _checks.tensor("weight", weight, ndim=2, dtypes=_checks.FLOAT_DTYPES)
-    w = weight.shape[1]
-    _checks.shape("weight", weight, [c, w])
+    c, w = weight.shape
     if w < 2:
         raise ValueError(f"conv kernel width must be at least 2, got {w}")
+    _checks.tensor("x", x, ndim=2, dtypes=_checks.FLOAT_DTYPES)
+    _checks.shape("x", x, [None, c])
+    n = x.shape[0]
     if bias is not None:
         _checks.tensor("bias", bias, ndim=1, dtypes=_checks.FLOAT_DTYPES)
         _checks.shape("bias", bias, [c])
@@ -161,7 +164,7 @@ CONV_BLOCK = 256
 CONV_DTYPES_TRITON = (torch.float16, torch.bfloat16, torch.float32)
 
 if triton is not None:
-    from .triton_common import mask_and as _tl_mask_and
+    from .triton_common import mask_and as _tl_mask_and, to_rtne as _tl_to_rtne
 
     @triton.jit
     def _shift_history(state_at, src_at, stride_src, n, mask_c, W: tl.constexpr, WP: tl.constexpr):
@@ -217,7 +220,7 @@ if triton is not None:
                 w = tl.load(w_ptr + offs_c * W + j, mask=mask_c, other=0.0).to(tl.float32)
                 acc = acc + w * tl.where(t >= 0, xv.to(tl.float32), sv.to(tl.float32))
             y = tl.div_rn(acc, 1.0 + tl.exp(-acc))  # SiLU
-            tl.store(y_row + i * C, y.to(y_ptr.dtype.element_ty), mask=_tl_mask_and(mask_c, valid))
+            tl.store(y_row + i * C, _tl_to_rtne(y, y_ptr.dtype.element_ty), mask=_tl_mask_and(mask_c, valid))
             if HAS_WBUF:
                 xi = tl.load(x_at + i * stride_x_tok, mask=_tl_mask_and(mask_c, valid), other=0.0)
                 tl.store(wbuf_ptr + (slot * TB + i) * C + offs_c, xi.to(wbuf_ptr.dtype.element_ty),

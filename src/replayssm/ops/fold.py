@@ -178,9 +178,8 @@ if triton is not None:
         S0, S1, S2, S3 = _tl_load_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ)
 
         # Same hand pipelining as the recurrence: record c + 1 loads during step c, and
-        # only step c + 1 reads it. (Normalising it right after the load made every step
-        # wait for its next record: the flush of 27 records at batch 1 took 19.3 us
-        # instead of 13.2 us on an H200; BENCHMARKS.md.)
+        # only step c + 1 reads it; normalising it right after its load would make every
+        # step wait for the next record's load.
         all_c = offs_c >= 0
         k0n, k1n, k2n, k3n, v_n, g_n, b_n = _load_record(
             rk_ptr, rv_ptr, rg_ptr, rb_ptr, ls * R + start % R, count > 0, offs_c, all_c, mask_v,

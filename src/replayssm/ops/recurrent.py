@@ -26,6 +26,7 @@ from . import _checks
 from .dispatch import pick, register
 from .gates import expand_heads, gdn_gates, l2_normalize
 from .records import RawRecords, check_varlen
+from .triton_common import block_rows
 
 
 def state_update(S: torch.Tensor, k_hat: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor):
@@ -58,21 +59,26 @@ def check_max_len(max_len) -> int | None:
 
 
 def check_layer_inputs(q, k, v, a, b, A_log, dt_bias) -> tuple[int, int, int, int, int]:
-    """Validate one layer's packed inputs; return ``(N, H, K, HV, V)``."""
+    """Validate one layer's packed inputs; return ``(N, H, K, HV, V)``.
+
+    ``HV`` is taken from the layer's parameters (``A_log``), so that an input with the
+    wrong number of value heads is the one named in the error.
+    """
+    _checks.tensor("A_log", A_log, ndim=1, dtypes=_checks.FLOAT_DTYPES)
+    hv = A_log.shape[0]
+    _checks.tensor("dt_bias", dt_bias, ndim=1, dtypes=_checks.FLOAT_DTYPES)
+    _checks.shape("dt_bias", dt_bias, [hv])
     _checks.tensor("q", q, ndim=3, dtypes=_checks.FLOAT_DTYPES)
     n, h, kd = q.shape
     _checks.tensor("k", k, ndim=3, dtypes=_checks.FLOAT_DTYPES)
     _checks.shape("k", k, [n, h, kd])
     _checks.tensor("v", v, ndim=3, dtypes=_checks.FLOAT_DTYPES)
-    _checks.shape("v", v, [n, None, None])
-    hv, vd = v.shape[1], v.shape[2]
+    _checks.shape("v", v, [n, hv, None])
+    vd = v.shape[2]
     _checks.gqa(h, hv)
     for name, x in (("a", a), ("b", b)):
         _checks.tensor(name, x, ndim=2, dtypes=_checks.FLOAT_DTYPES)
         _checks.shape(name, x, [n, hv])
-    for name, x in (("A_log", A_log), ("dt_bias", dt_bias)):
-        _checks.tensor(name, x, ndim=1, dtypes=_checks.FLOAT_DTYPES)
-        _checks.shape(name, x, [hv])
     _checks.same_device(q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias)
     return n, h, kd, hv, vd
 
@@ -220,31 +226,22 @@ def window_bound(max_len: int | None, *shape_bounds: int | None) -> int:
 
 
 #: Largest state tile height on CUDA for kernels that write states (snapshots, state
-#: updates, the fold); ``REPLAYSSM_BLOCK_V`` overrides it for tuning runs. 64 since the
-#: four-part tile (H200, Qwen3.5 shapes, batch 256: fold commit 2.48x the one-read floor
-#: instead of 2.86x at 32, circular's flush launch 1.25x instead of 1.53x; BENCHMARKS.md).
+#: updates, the fold): tall enough to amortise a token's key loads and normalisation over
+#: many rows, short enough to keep the four-part tile in registers.
+#: ``REPLAYSSM_BLOCK_V`` overrides it for tuning runs (BENCHMARKS.md, tuning notes).
 _BLOCK_V_MAX = int(os.environ.get("REPLAYSSM_BLOCK_V", "64"))
-#: The same for the read-only verify (no state written): taller tiles amortise the
-#: per-token key and query loads and normalisation over more rows (same card and shapes,
-#: T = 4: 2.42x the floor at batch 256 with 128 rows, 3.15x with 64; BENCHMARKS.md).
+#: The same for the read-only verify: with no state to write back, a taller tile holds
+#: fewer live registers per row, so it can take twice the rows and amortise the per-token
+#: key and query loads further. ``REPLAYSSM_BLOCK_V_READ_ONLY`` overrides it.
 _BLOCK_V_MAX_READ_ONLY = int(os.environ.get("REPLAYSSM_BLOCK_V_READ_ONLY", "128"))
 
 
 def pick_block_v(vd: int, rows: int, device: torch.device, *, read_only: bool = False) -> int:
-    """Rows ``BV`` of a state tile: 64 (128 if ``read_only``), halved (down to 16) while a
-    CUDA device would get fewer than two programs per SM. Any ``BV`` gives the same
-    numbers (rows are independent); small batches just get more parallelism. 16 is the
-    height that one pass of :data:`EXACT_NUM_WARPS` warps covers in a four-part tile
-    (4 rows per warp), so no tile holds a row twice. Under the interpreter: 16, so that
-    small test heads still span several blocks."""
-    full = triton.next_power_of_2(vd)
-    if device.type != "cuda":
-        return min(16, full)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    bv = min(_BLOCK_V_MAX_READ_ONLY if read_only else _BLOCK_V_MAX, full)
-    while bv > 16 and rows * triton.cdiv(vd, bv) < 2 * sms:
-        bv //= 2
-    return bv
+    """Rows ``BV`` of an exact kernel's state tile (:func:`~replayssm.ops.triton_common.block_rows`
+    with this module's limits). 16 is the height that one pass of
+    :data:`~replayssm.ops.triton_common.EXACT_NUM_WARPS` warps covers in a four-part tile
+    (4 rows per warp), so no tile holds a row twice."""
+    return block_rows(vd, rows, device, _BLOCK_V_MAX_READ_ONLY if read_only else _BLOCK_V_MAX)
 
 
 def exact_block_k(kd: int) -> int:
@@ -276,7 +273,7 @@ if triton is not None:
     from .triton_common import EXACT_NUM_WARPS, NORM_EPS, device_fn as _tl_device_fn, gdn_gates as _tl_gdn_gates
     from .triton_common import gdn_state_step as _tl_state_step, load_parts as _tl_load_parts, mask_and as _tl_mask_and
     from .triton_common import normalized as _tl_normalized, row_dot as _tl_row_dot, store_parts as _tl_store_parts
-    from .triton_common import window_program as _tl_window_program
+    from .triton_common import to_rtne as _tl_to_rtne, window_program as _tl_window_program
 
     @_tl_device_fn
     def _load_token(
@@ -363,7 +360,7 @@ if triton is not None:
             S2 = tl.where(valid, N2, S2)
             S3 = tl.where(valid, N3, S3)
             o = _tl_row_dot(S0, S1, S2, S3, qh0, qh1, qh2, qh3)
-            tl.store(o_row + i * HV * V, o.to(o_ptr.dtype.element_ty), mask=mv)
+            tl.store(o_row + i * HV * V, _tl_to_rtne(o, o_ptr.dtype.element_ty), mask=mv)
             if HAS_SNAPSHOTS:
                 snap_at = snap_ptr + ((slot * SNAP_LEN + i) * HV + i_hv) * (V * K)
                 _tl_store_parts(snap_at, tile, mv[:, None], offs_c[None, :], K, KQ, S0, S1, S2, S3)

@@ -23,13 +23,15 @@ lays a block out from its shape, and an fp32 ``[BV, 32]`` part gets 4 consecutiv
 per thread x 8 lanes per row, so a thread holds 16 keys of a row and a row's dot
 product is 16 in-thread fused multiply-adds plus 3 shuffle steps. One ``[BV, 128]`` tile
 got 4 keys per thread x 32 lanes (5 shuffle steps for every 4 keys) and its key
-normalisation crossed warps through shared memory; compiled for sm_90, the fold's loop
-then took ~1.6x more instructions per state element. Sums that decide bits are spelled
+normalisation crossed warps through shared memory (BENCHMARKS.md, tuning notes). Sums
+that decide bits are spelled
 with explicit ``tl.fma``, so that no kernel depends on the compiler's contraction
 choices.
 
 Small helpers for kernel writers: :func:`store_parts`, :func:`row_dot` (``S x`` of
 parts), :func:`row_sum` (``tl.sum`` that stays cheap under the interpreter),
+:func:`to_rtne` (a store's cast, rounded to nearest even on every backend),
+:func:`block_rows` (the host's choice of a tile's row count),
 :func:`mask_and` (block mask ``&`` scalar flag), :func:`window_program` (a window
 kernel's program coordinates) and :func:`device_fn` (``triton.jit`` for straight-line
 device helpers).
@@ -47,6 +49,10 @@ The module imports without Triton (``triton`` is then ``None`` and no helper exi
 from __future__ import annotations
 
 import os
+
+import torch
+
+from .gates import NORM_EPS, SOFTPLUS_THRESHOLD
 
 try:
     import triton
@@ -67,11 +73,24 @@ EXACT_NUM_WARPS = 4
 #: below are written for four.
 EXACT_PARTS = 4
 
-#: ``eps`` of the key/query normalisation, as in :data:`replayssm.ops.gates.NORM_EPS`.
-NORM_EPS = 1e-6
+def block_rows(vd: int, rows: int, device: torch.device, most: int, least: int = 1) -> int:
+    """Rows ``BV`` of a kernel's ``[BV, *]`` state tile, for ``rows`` (windows x heads)
+    tiles of ``vd`` rows each.
 
-#: ``softplus(x) = x`` above this, as in :data:`replayssm.ops.gates.SOFTPLUS_THRESHOLD`.
-SOFTPLUS_THRESHOLD = 20.0
+    On CUDA: ``most`` (at least ``least``, at most ``vd`` rounded up to a power of two),
+    halved down to 16 while the device would get fewer than two programs per SM, so that
+    small batches still fill the GPU. Rows are independent, so any ``BV`` gives the same
+    numbers. Elsewhere (the interpreter): 16, so that small test heads still span several
+    blocks.
+    """
+    full = triton.next_power_of_2(vd)
+    if device.type != "cuda":
+        return min(16, full)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    bv = max(least, min(most, full))
+    while bv > 16 and rows * triton.cdiv(vd, bv) < 2 * sms:
+        bv //= 2
+    return bv
 
 
 def device_fn(fn):
@@ -103,6 +122,34 @@ if triton is not None:
         def row_sum(x, axis: tl.constexpr, keep_dims: tl.constexpr = False):
             """``tl.sum`` of an fp32 block along ``axis``."""
             return tl.sum(x, axis, keep_dims=keep_dims)
+
+    if INTERPRETER:
+
+        def to_rtne(x, dtype):
+            """``x`` (fp32) cast to ``dtype`` for a store, rounded to nearest even.
+
+            Interpreter form: its fp32 -> bf16 cast truncates (with or without
+            ``fp_downcast_rounding="rtne"``), while the GPU rounds to nearest even; this
+            rounds the bits by hand so that CPU and GPU store the same bf16 values.
+            NaN stays NaN (quiet); values past bf16's range round to inf as on the GPU.
+            """
+            if dtype != tl.bfloat16 or x.dtype != tl.float32:
+                return x.to(dtype)
+            bits = x.to(tl.uint32, bitcast=True)
+            # Add half an ulp of bf16 (minus one when the kept lowest bit is even: ties
+            # go to even), then drop the 16 low bits.
+            rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
+            quiet_nan = (bits >> 16) | 0x40
+            out = tl.where(x == x, rounded, quiet_nan)
+            return out.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+    else:
+
+        @triton.jit
+        def to_rtne(x, dtype: tl.constexpr):
+            """``x`` cast to ``dtype`` for a store, rounded to nearest even (stated, not
+            left to the default, so that every store names its rounding)."""
+            return x.to(dtype, fp_downcast_rounding="rtne")
 
     @device_fn
     def gdn_gates(a, b, A_log, dt_bias):
@@ -145,12 +192,13 @@ if triton is not None:
 
     @device_fn
     def store_parts(ptr, offs, mask, col, K: tl.constexpr, KQ: tl.constexpr, x0, x1, x2, x3):
-        """Store four parts as :func:`load_parts` loads them (cast to ``ptr``'s dtype)."""
+        """Store four parts as :func:`load_parts` loads them (cast to ``ptr``'s dtype,
+        rounded to nearest even)."""
         dtype = ptr.dtype.element_ty
-        tl.store(ptr + offs, x0.to(dtype), mask=mask & (col < K))
-        tl.store(ptr + offs + KQ, x1.to(dtype), mask=mask & (col + KQ < K))
-        tl.store(ptr + offs + 2 * KQ, x2.to(dtype), mask=mask & (col + 2 * KQ < K))
-        tl.store(ptr + offs + 3 * KQ, x3.to(dtype), mask=mask & (col + 3 * KQ < K))
+        tl.store(ptr + offs, to_rtne(x0, dtype), mask=mask & (col < K))
+        tl.store(ptr + offs + KQ, to_rtne(x1, dtype), mask=mask & (col + KQ < K))
+        tl.store(ptr + offs + 2 * KQ, to_rtne(x2, dtype), mask=mask & (col + 2 * KQ < K))
+        tl.store(ptr + offs + 3 * KQ, to_rtne(x3, dtype), mask=mask & (col + 3 * KQ < K))
 
     @device_fn
     def inv_norm(x0, x1, x2, x3, eps):

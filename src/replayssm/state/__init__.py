@@ -1,6 +1,23 @@
-"""The state pool and the packed-batch descriptor."""
+"""The state pool and the packed-batch descriptor.
+
+Nothing here imports :mod:`replayssm.strategies`: strategies build on this package and
+register themselves (:mod:`.registry`) for ``StatePool(..., strategy=name)``.
+"""
 
 from .batch import Batch
-from .pool import BufferSpec, GDNShape, PoolExhausted, StatePool
+from .layout import STATE_DTYPES, BufferSpec, GDNShape, PoolExhausted, StepProtocolError
+from .pool import StatePool
+from .registry import register_strategy, registered_strategies, strategy_class
 
-__all__ = ["Batch", "BufferSpec", "GDNShape", "PoolExhausted", "StatePool"]
+__all__ = [
+    "STATE_DTYPES",
+    "Batch",
+    "BufferSpec",
+    "GDNShape",
+    "PoolExhausted",
+    "StatePool",
+    "StepProtocolError",
+    "register_strategy",
+    "registered_strategies",
+    "strategy_class",
+]

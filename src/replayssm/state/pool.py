@@ -3,80 +3,35 @@
 One pool serves all GDN layers of a model. Every per-layer buffer is laid out
 ``[num_layers, num_slots, ...]`` and every per-request buffer ``[num_slots, ...]``, so a
 slot's data is one index away in each, and forking or resetting a request is a copy or
-fill along the slot axis. The strategy (``snapshot``, ``fold`` or ``circular``) declares
-the extra buffers it needs; the pool allocates and accounts for them.
+fill along the slot axis. The strategy (``snapshot``, ``fold`` or ``circular``, looked up
+in :mod:`replayssm.state.registry`) declares the extra buffers it needs as
+:class:`BufferSpec` values; the pool allocates and accounts for them without knowing
+what they mean, and the strategy reads them through its own typed view.
+
+Open steps. Between a step's first ``verify`` / ``conv_verify`` and its ``commit`` (or
+``abort``) the step's slots hold half-done work (scratch written, for ``circular`` some
+layers' histories already folded). The pool refuses to free, fork, reset or re-allocate
+them meanwhile (:class:`StepProtocolError`, nothing changed): a freed and re-allocated
+slot would otherwise receive the old request's commit.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterable, Sequence
+from types import MappingProxyType
+from typing import Iterable, Mapping, Sequence
 
 import torch
 
 from ..ops import _checks
 from ..ops.dispatch import BACKENDS
 from .batch import Batch
+from .layout import STATE_DTYPES, BufferSpec, GDNShape, PoolExhausted, StepProtocolError
+from .registry import strategy_class
 
-STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
+__all__ = ["STATE_DTYPES", "BufferSpec", "GDNShape", "PoolExhausted", "StatePool", "StepProtocolError"]
 
-
-class PoolExhausted(RuntimeError):
-    """Raised by :meth:`StatePool.alloc` when every slot is taken."""
-
-
-@dataclass(frozen=True)
-class GDNShape:
-    """Head geometry of one GDN layer (DESIGN.md section 1).
-
-    Attributes:
-        num_heads: ``H``, key/query heads.
-        num_value_heads: ``HV``, value heads (a multiple of ``H``).
-        head_k_dim: ``K``.
-        head_v_dim: ``V``.
-        conv_kernel: ``W``, width of the causal conv over ``q|k|v``.
-    """
-
-    num_heads: int
-    num_value_heads: int
-    head_k_dim: int
-    head_v_dim: int
-    conv_kernel: int = 4
-
-    def __post_init__(self):
-        for name in ("num_heads", "num_value_heads", "head_k_dim", "head_v_dim"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if not isinstance(self.conv_kernel, int) or self.conv_kernel < 2:
-            raise ValueError(f"conv_kernel must be an int >= 2, got {self.conv_kernel!r}")
-        _checks.gqa(self.num_heads, self.num_value_heads)
-
-    @property
-    def conv_dim(self) -> int:
-        """Channels of the conv: ``2 H K + HV V`` (``q|k|v``)."""
-        return 2 * self.num_heads * self.head_k_dim + self.num_value_heads * self.head_v_dim
-
-    @property
-    def state_numel(self) -> int:
-        return self.num_value_heads * self.head_v_dim * self.head_k_dim
-
-
-@dataclass(frozen=True)
-class BufferSpec:
-    """A buffer a strategy asks the pool for.
-
-    ``shape`` excludes the leading ``[num_layers, num_slots]`` (``per_layer``) or
-    ``[num_slots]`` axes. ``fill`` is the initial value; float scratch starts as NaN so
-    that a read of a never-written entry cannot go unnoticed.
-    """
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    per_layer: bool = True
-    fill: float = float("nan")
-
-
+#: the pool's own buffers; a strategy's specs may not reuse these names
+CORE_BUFFERS = ("checkpoints", "conv_state", "conv_window")
 class StatePool:
     """GDN recurrent state of ``num_slots`` requests over ``num_layers`` layers.
 
@@ -84,7 +39,8 @@ class StatePool:
         shape: head geometry shared by the GDN layers.
         num_layers: number of GDN layers.
         num_slots: number of concurrent requests.
-        strategy: ``"snapshot"``, ``"fold"`` or ``"circular"``.
+        strategy: ``"snapshot"``, ``"fold"`` or ``"circular"`` (a registered name), or a
+            strategy class.
         window: ``T``, the largest verify window (draft tokens + bonus position).
         ring_len: ``L`` for ``circular`` (power of two, ``L >= 2T``); ignored otherwise.
         state_dtype: dtype of checkpoints and snapshots (float32, bfloat16, float64).
@@ -92,9 +48,11 @@ class StatePool:
         device: where every buffer lives.
         backend: ``"auto"``, ``"reference"`` or ``"triton"`` for the strategy's ops.
 
-    Buffers (see :meth:`nbytes`): ``checkpoints [layers, slots, HV, V, K]``,
-    ``conv_state [layers, slots, C, W - 1]``, ``conv_window [layers, slots, T, C]`` and
-    the strategy's own. Gate and conv parameters of each layer are registered with
+    Buffers (see :meth:`nbytes`): :attr:`checkpoints` ``[layers, slots, HV, V, K]``,
+    :attr:`conv_state` ``[layers, slots, C, W - 1]``, :attr:`conv_window` ``[layers,
+    slots, T, C]`` and the strategy's own (typed access through the strategy, e.g.
+    ``pool.strategy.buf.ring_k``). :attr:`buffers` is a read-only name -> tensor view of
+    all of them. Gate and conv parameters of each layer are registered with
     :meth:`set_layer_params` before the first verify.
     """
 
@@ -104,7 +62,7 @@ class StatePool:
         num_layers: int,
         num_slots: int,
         *,
-        strategy: str = "circular",
+        strategy: str | type = "circular",
         window: int = 4,
         ring_len: int = 16,
         state_dtype: torch.dtype = torch.float32,
@@ -112,22 +70,18 @@ class StatePool:
         device: str | torch.device = "cpu",
         backend: str = "auto",
     ):
-        from ..strategies import STRATEGIES
-
         if not isinstance(shape, GDNShape):
             raise TypeError(f"shape must be a GDNShape, got {type(shape).__name__}")
         for name, value in (("num_layers", num_layers), ("num_slots", num_slots), ("window", window)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {sorted(STRATEGIES)}, got {strategy!r}")
+        strategy_cls = strategy_class(strategy)
         if state_dtype not in STATE_DTYPES:
             raise TypeError(f"state_dtype must be one of {STATE_DTYPES}, got {state_dtype}")
         if act_dtype not in _checks.FLOAT_DTYPES:
             raise TypeError(f"act_dtype must be a float dtype, got {act_dtype}")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        strategy_cls = STRATEGIES[strategy]
         strategy_cls.check_config(window=window, ring_len=ring_len)
 
         self.shape = shape
@@ -147,14 +101,24 @@ class StatePool:
         specs = {
             "checkpoints": BufferSpec((s.num_value_heads, s.head_v_dim, s.head_k_dim), state_dtype, fill=0.0),
             "conv_state": BufferSpec((s.conv_dim, s.conv_kernel - 1), act_dtype, fill=0.0),
-            "conv_window": BufferSpec((window, s.conv_dim), act_dtype),
+            "conv_window": BufferSpec((window, s.conv_dim), act_dtype, committed=False),
         }
-        specs.update(strategy_cls.buffer_specs(self))
-        self._specs = specs
-        self.buffers: dict[str, torch.Tensor] = {}
+        extra = dict(strategy_cls.buffer_specs(self))
+        for name, spec in extra.items():
+            if name in specs or not isinstance(name, str) or not isinstance(spec, BufferSpec):
+                raise ValueError(f"strategy {strategy_cls.__name__} declares an invalid or reserved buffer {name!r}")
+        specs.update(extra)
+        self._specs: dict[str, BufferSpec] = specs
+        self._buffers: dict[str, torch.Tensor] = {}
         for name, spec in specs.items():
             lead = (num_layers, num_slots) if spec.per_layer else (num_slots,)
-            self.buffers[name] = torch.full(lead + spec.shape, spec.fill, dtype=spec.dtype, device=self.device)
+            self._buffers[name] = torch.full(lead + spec.shape, spec.fill, dtype=spec.dtype, device=self.device)
+        #: read-only view name -> tensor of every buffer (the tensors themselves are the
+        #: live storage); for accounting, tests and tools. Strategies use typed access.
+        self.buffers: Mapping[str, torch.Tensor] = MappingProxyType(self._buffers)
+        self.checkpoints: torch.Tensor = self._buffers["checkpoints"]
+        self.conv_state: torch.Tensor = self._buffers["conv_state"]
+        self.conv_window: torch.Tensor = self._buffers["conv_window"]
 
         self.params = {
             "A_log": torch.full((num_layers, s.num_value_heads), float("nan"), device=self.device),
@@ -165,6 +129,12 @@ class StatePool:
         self._params_set = [False] * num_layers
         self._free: list[int] = list(range(num_slots))
         self._live: set[int] = set()
+        # Bumped whenever a slot changes hands (alloc, free): a batch remembers the
+        # generations it was built for, so a step cannot open on a slot that was freed
+        # (and maybe re-allocated to another request) since.
+        self._generation: list[int] = [0] * num_slots
+        # Live slots of the open step (between its first verify and its commit/abort).
+        self._step_slots: frozenset[int] = frozenset()
         self.strategy = strategy_cls(self)
 
     # ------------------------------------------------------------------ parameters
@@ -214,51 +184,115 @@ class StatePool:
     def live_slots(self) -> list[int]:
         return sorted(self._live)
 
-    def alloc(self) -> int:
-        """Take a free slot and reset it (zero checkpoint and conv state, empty ring)."""
-        if not self._free:
-            raise PoolExhausted(f"all {self.num_slots} slots are in use")
-        slot = self._free[0]
+    def alloc(self, slot: int | None = None) -> int:
+        """Take a free slot and reset it (zero checkpoint and conv state, empty ring).
+
+        Args:
+            slot: the slot to take (engines that assign their own cache indices), or
+                ``None`` for the next free one.
+
+        Raises:
+            PoolExhausted: ``slot`` is ``None`` and every slot is in use.
+            ValueError: ``slot`` is out of range or not free.
+        """
+        if slot is None:
+            if not self._free:
+                raise PoolExhausted(f"all {self.num_slots} slots are in use")
+            slot = self._free[0]
+        else:
+            self.check_slot(slot)
+            if slot not in self._free:
+                raise ValueError(f"slot {slot} is not free (it is allocated to a request)")
+        self._check_not_in_step(slot, "allocate")
         self._reset_slots([slot])
-        self._free.pop(0)
+        self._free.remove(slot)
         self._live.add(slot)
+        self._generation[slot] += 1
         return slot
 
     def free(self, slot: int) -> None:
-        """Return ``slot`` to the pool. Freeing a slot that is not live raises."""
+        """Return ``slot`` to the pool. Freeing a slot that is not live raises, and so
+        does freeing a slot of an open step (commit or abort the step first)."""
         self.check_slot(slot)
         if slot not in self._live:
             raise ValueError(f"slot {slot} is not allocated (double free?)")
+        self._check_not_in_step(slot, "free")
         self._live.remove(slot)
         self._free.append(slot)
+        self._generation[slot] += 1
 
     def fork(self, src: int) -> int:
         """Copy request ``src`` (checkpoint, conv, ring, cursors) into a new slot."""
         self.check_live(src)
+        self._check_not_in_step(src, "fork")
         if not self._free:
             raise PoolExhausted(f"all {self.num_slots} slots are in use")
         dst = self._free.pop(0)
-        for name, buf in self.buffers.items():
+        for name, buf in self._buffers.items():
             if self._specs[name].per_layer:
                 buf[:, dst] = buf[:, src]
             else:
                 buf[dst] = buf[src]
         self._live.add(dst)
+        self._generation[dst] += 1
         return dst
 
     def reset(self, slot: int) -> None:
         """Restart a live request from the zero state."""
         self.check_live(slot)
+        self._check_not_in_step(slot, "reset")
         self._reset_slots([slot])
 
     def _reset_slots(self, slots: Iterable[int]) -> None:
         idx = torch.tensor(list(slots), dtype=torch.long, device=self.device)
-        for name, buf in self.buffers.items():
+        for name, buf in self._buffers.items():
             spec = self._specs[name]
             if spec.per_layer:
                 buf[:, idx] = spec.fill
             else:
                 buf[idx] = spec.fill
+
+    @property
+    def specs(self) -> Mapping[str, BufferSpec]:
+        """Read-only name -> :class:`BufferSpec` of every buffer."""
+        return MappingProxyType(self._specs)
+
+    def generation(self, slot: int) -> int:
+        """How many times ``slot`` changed hands (alloc, fork into it, free)."""
+        self.check_slot(slot)
+        return self._generation[slot]
+
+    # ------------------------------------------------------------------ open steps
+    @property
+    def step_slots(self) -> frozenset[int]:
+        """Live slots of the open step (empty between steps)."""
+        return self._step_slots
+
+    def _check_not_in_step(self, slot: int, what: str) -> None:
+        if slot in self._step_slots:
+            raise StepProtocolError(
+                f"cannot {what} slot {slot}: it belongs to the open step (commit or abort the step first)"
+            )
+
+    def open_step(self, batch: Batch) -> None:
+        """Mark ``batch``'s live slots as in a step (called by the strategy at the
+        step's first verify). Checks, on the host, that every slot is still held by the
+        request the batch was built for."""
+        slots = batch.host_slots if batch.host_slots is not None else tuple(batch.slots.tolist())
+        for i, s in enumerate(slots):
+            if s < 0:
+                continue
+            if s not in self._live:
+                raise StepProtocolError(f"slot {s} (batch row {i}) was freed after the batch was built")
+            if batch.generations is not None and batch.generations[i] != self._generation[s]:
+                raise StepProtocolError(
+                    f"slot {s} (batch row {i}) was freed and re-allocated after the batch was built"
+                )
+        self._step_slots = frozenset(s for s in slots if s >= 0)
+
+    def close_step(self) -> None:
+        """End the open step (called by the strategy at commit / abort)."""
+        self._step_slots = frozenset()
 
     # ------------------------------------------------------------------ validation
     def check_layer(self, layer) -> None:
@@ -302,12 +336,13 @@ class StatePool:
             if not isinstance(n, int) or isinstance(n, bool) or n < 1 or (not prefill and n > self.window):
                 bound = "" if prefill else f" and <= window {self.window}"
                 raise ValueError(f"lengths[{i}] must be an int >= 1{bound}, got {n!r}")
-        return Batch.build(slots, lengths, self.device)
+        generations = tuple(self._generation[s] if s >= 0 else 0 for s in slots)
+        return Batch.build(slots, lengths, self.device, generations=generations)
 
     # ------------------------------------------------------------------ accounting
     def nbytes(self) -> dict[str, int]:
         """Exact bytes of every state buffer (parameters excluded), plus ``"total"``."""
-        out = {name: buf.numel() * buf.element_size() for name, buf in self.buffers.items()}
+        out = {name: buf.numel() * buf.element_size() for name, buf in self._buffers.items()}
         out["total"] = sum(out.values())
         return out
 

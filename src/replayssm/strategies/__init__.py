@@ -1,14 +1,34 @@
-"""Speculative-verify strategies behind one interface (DESIGN.md section 3)."""
+"""Speculative-verify strategies behind one interface (DESIGN.md section 3).
 
-from .base import Strategy, StepProtocolError
-from .circular import CircularStrategy
-from .fold import FoldStrategy
-from .snapshot import SnapshotStrategy
+Importing this package registers the strategies with :mod:`replayssm.state.registry`,
+which is how ``StatePool(..., strategy="circular")`` finds them (``import replayssm``
+imports this package).
+"""
+
+from ..state.layout import StepProtocolError
+from ..state.registry import register_strategy
+from .base import SavedStates, Strategy, StrategyBuffers
+from .circular import CircularBuffers, CircularStrategy
+from .fold import FoldStrategy, RecordBuffers
+from .snapshot import SnapshotBuffers, SnapshotStrategy
 
 STRATEGIES: dict[str, type[Strategy]] = {
-    cls.name: cls for cls in (SnapshotStrategy, FoldStrategy, CircularStrategy)
+    cls.name: register_strategy(cls) for cls in (SnapshotStrategy, FoldStrategy, CircularStrategy)
 }
 #: the strategy names, in the order tables and plots show them (the one list of them)
 STRATEGY_NAMES: tuple[str, ...] = tuple(STRATEGIES)
 
-__all__ = ["STRATEGIES", "STRATEGY_NAMES", "CircularStrategy", "FoldStrategy", "SnapshotStrategy", "StepProtocolError", "Strategy"]
+__all__ = [
+    "STRATEGIES",
+    "STRATEGY_NAMES",
+    "CircularBuffers",
+    "CircularStrategy",
+    "FoldStrategy",
+    "RecordBuffers",
+    "SavedStates",
+    "SnapshotBuffers",
+    "SnapshotStrategy",
+    "StepProtocolError",
+    "Strategy",
+    "StrategyBuffers",
+]

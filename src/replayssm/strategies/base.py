@@ -1,43 +1,78 @@
 """The strategy interface: ``verify`` inside each GDN layer, ``commit`` once per step.
 
 A step is: for every GDN layer, ``conv_verify`` (optional, the layer's causal conv) and
-``verify`` (the window's outputs, no change to committed state); then, after sampling,
-one ``commit(batch, accepted)`` for all layers. Rejected tokens leave no trace.
-Prefill and plain decoding use ``conv_prefill`` / ``prefill``, which advance the state.
+``verify`` (the window's outputs, no change to the committed state); then, after
+sampling, one ``commit(batch, accepted)`` for all layers, or ``abort(batch)`` to drop
+the step as if it never ran (a forward pass that failed halfway). Rejected tokens leave
+no trace. Prefill and plain decoding use ``conv_prefill`` / ``prefill`` (or
+``chunk_prefill`` with an external chunked kernel, or ``load_states``), which advance
+the state.
+
+Strategies build on :mod:`replayssm.state` (never the other way round): each declares
+its buffers as :class:`~replayssm.state.BufferSpec` values and reads them back through
+a frozen dataclass view (:class:`StrategyBuffers`), so buffers are typed attributes
+instead of string keys shared across modules.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
 from ..ops import _checks
 from ..ops.conv import causal_conv_commit, causal_conv_verify
+from ..ops.gates import expand_heads, gdn_gates
 from ..ops.recurrent import check_layer_inputs, gdn_recurrence
 from ..state.batch import Batch
+from ..state.layout import BufferSpec, StepProtocolError
 
 if TYPE_CHECKING:
-    from ..state.pool import BufferSpec, StatePool
+    from ..state.pool import StatePool
+
+__all__ = ["SavedStates", "StepProtocolError", "Strategy", "StrategyBuffers"]
 
 
-class StepProtocolError(RuntimeError):
-    """A strategy call out of order (a layer verified twice, commit without verify...)."""
+@dataclass(frozen=True)
+class StrategyBuffers:
+    """Typed view of a strategy's buffers in the pool; subclasses list them as fields
+    (each field's name is the name of its :class:`BufferSpec`)."""
+
+    @classmethod
+    def from_pool(cls, pool: "StatePool"):
+        return cls(**{f.name: pool.buffers[f.name] for f in fields(cls)})
+
+
+@dataclass(frozen=True)
+class SavedStates:
+    """What :meth:`Strategy.save_states` returns: copies of the committed buffers of
+    ``slots`` (per buffer name, slot axis in ``slots`` order), for the pool and the
+    allocation generations they were taken from."""
+
+    owner: int
+    slots: tuple[int, ...]
+    generations: tuple[int, ...]
+    tensors: dict[str, torch.Tensor]
 
 
 class Strategy:
     """Base class: validation, step bookkeeping and the conv; subclasses do the state.
 
-    Subclasses implement :meth:`_verify`, :meth:`_commit_states` and, where the
-    checkpoint alone is not the committed state, :meth:`committed_state`.
+    Subclasses set :attr:`Buffers` and :meth:`buffer_specs`, implement :meth:`_verify`,
+    :meth:`_commit_states` and, where the checkpoint alone is not the committed state,
+    :meth:`committed_state` and :meth:`_abort_states`.
     """
 
     name: str = ""
     #: whether verify outputs equal the recurrence's bit for bit
     exact_outputs: bool = True
+    #: the typed view of the buffers that :meth:`buffer_specs` declares
+    Buffers: type[StrategyBuffers] = StrategyBuffers
 
     def __init__(self, pool: "StatePool"):
         self.pool = pool
+        self.buf = self.Buffers.from_pool(pool)
         self._step_batch: Batch | None = None
         self._verified: set[int] = set()
         self._conv_verified: set[int] = set()
@@ -48,14 +83,20 @@ class Strategy:
         """Raise ``ValueError`` if ``window`` / ``ring_len`` do not suit the strategy."""
 
     @classmethod
-    def buffer_specs(cls, pool: "StatePool") -> dict[str, "BufferSpec"]:
-        """The extra buffers the strategy needs, by name."""
+    def buffer_specs(cls, pool: "StatePool") -> dict[str, BufferSpec]:
+        """The extra buffers the strategy needs, by name (the fields of :attr:`Buffers`)."""
         return {}
 
     # ------------------------------------------------------------------ helpers
     @property
-    def buffers(self) -> dict[str, torch.Tensor]:
+    def buffers(self):
+        """Read-only name -> tensor view of every pool buffer (see ``pool.buffers``)."""
         return self.pool.buffers
+
+    @property
+    def step_open(self) -> bool:
+        """Whether a step is open (verified or conv-verified, not yet committed/aborted)."""
+        return self._step_batch is not None
 
     def _check_batch(self, batch: Batch, *, step: bool) -> None:
         if not isinstance(batch, Batch):
@@ -66,20 +107,51 @@ class Strategy:
             if batch.max_len > self.pool.window:
                 raise ValueError(f"batch windows reach {batch.max_len} tokens, the pool's window is {self.pool.window}")
             if self._step_batch is not None and batch is not self._step_batch:
-                raise StepProtocolError("every layer of a step must use the same batch; commit before a new one")
+                raise StepProtocolError("every layer of a step must use the same batch; commit or abort before a new one")
+        elif self._step_batch is not None:
+            busy = sorted(set(batch.live_slots) & self.pool.step_slots)
+            if busy:
+                raise StepProtocolError(f"slots {busy} belong to the open step: commit or abort it first")
+
+    def _open_step(self, batch: Batch) -> None:
+        """Called by a step's first verify / conv_verify after validation, before any
+        write: from here until commit / abort the pool guards the batch's slots."""
+        if self._step_batch is None:
+            self.pool.open_step(batch)
+            self._step_batch = batch
+
+    def _close_step(self) -> None:
+        self._step_batch = None
+        self._verified.clear()
+        self._conv_verified.clear()
+        self.pool.close_step()
+
+    def _check_act_dtype(self, **named: torch.Tensor) -> None:
+        want = self.pool.act_dtype
+        for name, x in named.items():
+            if x.dtype != want:
+                raise TypeError(
+                    f"{name} has dtype {str(x.dtype).replace('torch.', '')}, the pool's act_dtype is "
+                    f"{str(want).replace('torch.', '')}"
+                )
 
     def _check_inputs(self, layer: int, q, k, v, a, b, batch: Batch) -> None:
         self.pool.check_layer(layer)
         n, h, kd, hv, vd = check_layer_inputs(q, k, v, a, b, self.pool.params["A_log"][layer], self.pool.params["dt_bias"][layer])
         s = self.pool.shape
-        if (h, kd, hv, vd) != (s.num_heads, s.head_k_dim, s.num_value_heads, s.head_v_dim):
-            raise ValueError(
-                f"inputs have (H, K, HV, V) = {(h, kd, hv, vd)}, the pool expects "
-                f"{(s.num_heads, s.head_k_dim, s.num_value_heads, s.head_v_dim)}"
-            )
+        for name, x, want in (("q", q, [n, s.num_heads, s.head_k_dim]), ("k", k, [n, s.num_heads, s.head_k_dim]),
+                              ("v", v, [n, s.num_value_heads, s.head_v_dim])):
+            _checks.shape(name, x, want)
         if n != batch.num_tokens:
             raise ValueError(f"inputs have {n} tokens, the batch {batch.num_tokens}")
+        self._check_act_dtype(q=q, k=k, v=v, a=a, b=b)
         _checks.same_device(batch.slots, q=q)
+
+    def _check_conv_input(self, layer: int, x) -> None:
+        self.pool.check_layer(layer)
+        _checks.tensor("x (mixed_qkv)", x, ndim=2, dtypes=_checks.FLOAT_DTYPES)
+        _checks.shape("x (mixed_qkv)", x, [None, self.pool.shape.conv_dim])
+        self._check_act_dtype(**{"x (mixed_qkv)": x})
 
     def _gates(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         p = self.pool.layer_params(layer)
@@ -90,24 +162,25 @@ class Strategy:
         """The layer's causal conv over the window, ``x [N, C] -> [N, C]``; the conv
         state advances only at :meth:`commit`."""
         self._check_batch(batch, step=True)
-        self.pool.check_layer(layer)
+        self._check_conv_input(layer, x)
         if layer in self._conv_verified:
             raise StepProtocolError(f"layer {layer}'s conv was already verified this step; commit first")
         p = self.pool.layer_params(layer)
+        self._open_step(batch)
         y = causal_conv_verify(
-            x, self.buffers["conv_state"][layer], p["conv_weight"], p["conv_bias"], batch.slots, batch.cu_seqlens,
-            window_buf=self.buffers["conv_window"][layer], backend=self.pool.backend,
+            x, self.pool.conv_state[layer], p["conv_weight"], p["conv_bias"], batch.slots, batch.cu_seqlens,
+            window_buf=self.pool.conv_window[layer], backend=self.pool.backend,
         )
-        self._step_batch = batch
         self._conv_verified.add(layer)
         return y
 
     def conv_prefill(self, layer: int, x: torch.Tensor, batch: Batch) -> torch.Tensor:
         """The layer's causal conv over prompt tokens, advancing the conv state."""
         self._check_batch(batch, step=False)
+        self._check_conv_input(layer, x)
         p = self.pool.layer_params(layer)
         return causal_conv_verify(
-            x, self.buffers["conv_state"][layer], p["conv_weight"], p["conv_bias"], batch.slots, batch.cu_seqlens,
+            x, self.pool.conv_state[layer], p["conv_weight"], p["conv_bias"], batch.slots, batch.cu_seqlens,
             update_state=True, max_len=batch.max_len or None, backend=self.pool.backend,
         )
 
@@ -117,7 +190,8 @@ class Strategy:
 
         Args:
             layer: GDN layer index.
-            q, k: ``[N, H, K]`` post-conv; v: ``[N, HV, V]``; a, b: ``[N, HV]`` raw gates.
+            q, k: ``[N, H, K]`` post-conv; v: ``[N, HV, V]``; a, b: ``[N, HV]`` raw gates;
+                all in the pool's ``act_dtype``.
             batch: the step's :class:`Batch` (windows of ``1..window`` tokens).
 
         Returns:
@@ -128,8 +202,8 @@ class Strategy:
         if layer in self._verified:
             raise StepProtocolError(f"layer {layer} was already verified this step; commit first")
         A_log, dt_bias = self._gates(layer)
+        self._open_step(batch)
         o = self._verify(layer, q, k, v, a, b, A_log, dt_bias, batch)
-        self._step_batch = batch
         self._verified.add(layer)
         return o
 
@@ -149,13 +223,23 @@ class Strategy:
             raise StepProtocolError("conv_verify ran for some layers but not all")
         accepted = self._check_accepted(batch, accepted)
         if self._conv_verified:
-            causal_conv_commit(
-                self.buffers["conv_state"], self.buffers["conv_window"], batch.slots, accepted, backend=self.pool.backend
-            )
+            causal_conv_commit(self.pool.conv_state, self.pool.conv_window, batch.slots, accepted, backend=self.pool.backend)
         self._commit_states(batch, accepted)
-        self._step_batch = None
-        self._verified.clear()
-        self._conv_verified.clear()
+        self._close_step()
+
+    def abort(self, batch: Batch) -> None:
+        """End the open step as if it never ran: the committed state of every slot is
+        what it was before the step's first verify (rejecting every token).
+
+        For a forward pass that failed halfway, or a step the engine decides to drop.
+        Without an open step this does nothing (safe in an error handler); with one,
+        ``batch`` must be the step's batch.
+        """
+        self._check_batch(batch, step=True)
+        if self._step_batch is None:
+            return
+        self._abort_states(batch)
+        self._close_step()
 
     def _check_accepted(self, batch: Batch, accepted) -> torch.Tensor:
         if not isinstance(accepted, torch.Tensor):
@@ -165,7 +249,8 @@ class Strategy:
         _checks.same_device(batch.slots, accepted=accepted)
         capturing = accepted.is_cuda and torch.cuda.is_current_stream_capturing()
         if not capturing:  # a value check reads the device; skip it inside graph capture
-            for i, (s, n, m) in enumerate(zip(batch.slots.tolist(), accepted.tolist(), batch.lengths)):
+            slots = batch.host_slots if batch.host_slots is not None else batch.slots.tolist()
+            for i, (s, n, m) in enumerate(zip(slots, accepted.tolist(), batch.lengths)):
                 if s >= 0 and not 1 <= n <= m:
                     raise ValueError(f"accepted[{i}] = {n} must be in [1, {m}] (the window length)")
         return accepted.to(torch.int32)
@@ -180,20 +265,159 @@ class Strategy:
         self._check_prefill_rows(batch)
         A_log, dt_bias = self._gates(layer)
         return gdn_recurrence(
-            q, k, v, a, b, A_log, dt_bias, self.buffers["checkpoints"][layer], batch.slots, batch.cu_seqlens,
+            q, k, v, a, b, A_log, dt_bias, self.pool.checkpoints[layer], batch.slots, batch.cu_seqlens,
             update_state=True, max_len=batch.max_len or None, backend=self.pool.backend,
         )
 
-    def _check_prefill_rows(self, batch: Batch) -> None:
-        pass
+    def chunk_prefill(self, layer: int, q, k, v, a, b, batch: Batch, kernel: Callable) -> torch.Tensor:
+        """Prompt tokens of fresh requests through an external chunked kernel.
 
+        Computes ``g, beta`` (fp32) from the raw gates, repeats key heads to value heads,
+        and calls ``kernel`` with fla-core's ``chunk_gated_delta_rule`` signature:
+        ``kernel(q [1, N, HV, K], k [1, N, HV, K], v [1, N, HV, V], g [1, N, HV],
+        beta [1, N, HV] (v's dtype), initial_state=None, output_final_state=True,
+        cu_seqlens=[B + 1] int64, use_qk_l2norm_in_kernel=True) -> (o [1, N, HV, V],
+        final [B, HV, K, V])``. The final states become the committed states of the
+        batch's live slots (:meth:`load_states`; the kernel's ``[K, V]`` layout is
+        transposed to the pool's ``[V, K]``).
+
+        Args:
+            layer, q, k, v, a, b, batch: as for :meth:`prefill` (every live row fresh:
+                no committed history, e.g. right after ``alloc``).
+            kernel: the chunked kernel.
+
+        Returns:
+            ``o``: ``[N, HV, V]`` in the dtype of ``v``; padding rows are zero.
+        """
+        self._check_batch(batch, step=False)
+        self._check_inputs(layer, q, k, v, a, b, batch)
+        if not callable(kernel):
+            raise TypeError(f"kernel must be callable, got {type(kernel).__name__}")
+        self._check_prefill_rows(batch)
+        s = self.pool.shape
+        hv = s.num_value_heads
+        A_log, dt_bias = self._gates(layer)
+        g, beta = gdn_gates(a, b, A_log, dt_bias)
+        qe, ke = expand_heads(q, hv), expand_heads(k, hv)
+        o, final = kernel(
+            qe[None], ke[None], v[None], g[None], beta.to(v.dtype)[None], initial_state=None,
+            output_final_state=True, cu_seqlens=batch.cu_seqlens.long(), use_qk_l2norm_in_kernel=True,
+        )
+        _checks.tensor("kernel's o", o, ndim=4, dtypes=_checks.FLOAT_DTYPES)
+        _checks.shape("kernel's o", o, [1, batch.num_tokens, hv, s.head_v_dim])
+        _checks.tensor("kernel's final state", final, ndim=4, dtypes=_checks.FLOAT_DTYPES)
+        _checks.shape("kernel's final state", final, [batch.size, hv, s.head_k_dim, s.head_v_dim])
+        slots = batch.host_slots if batch.host_slots is not None else tuple(batch.slots.tolist())
+        self._load_states(layer, slots, final.transpose(-1, -2))
+        o = o[0].to(v.dtype)
+        if any(sl < 0 for sl in slots):  # padding rows: zero outputs, as prefill gives
+            pad = [t for i, sl in enumerate(slots) if sl < 0 for t in range(*_token_range(batch, i))]
+            o[torch.tensor(pad, dtype=torch.long, device=o.device)] = 0
+        return o
+
+    def load_states(self, layer: int, slots: torch.Tensor, states: torch.Tensor) -> None:
+        """Set the committed recurrent state of fresh slots of one layer.
+
+        For a prompt prefilled by an external kernel. The conv state is not touched
+        (``conv_prefill`` advances it).
+
+        Args:
+            layer: GDN layer index.
+            slots: ``[n]`` int32/int64 live slots, each fresh (no committed history:
+                right after ``alloc``/``reset``, or after prefill); ``-1`` entries are
+                skipped. Not part of an open step.
+            states: ``[n, HV, V, K]`` float states (cast to the pool's state dtype).
+
+        Validation reads ``slots`` (and, for ``circular``, the rows' cursors) once on the
+        host; the copy itself does not synchronise.
+        """
+        self.pool.check_layer(layer)
+        _checks.tensor("slots", slots, ndim=1, dtypes=_checks.INDEX_DTYPES)
+        s = self.pool.shape
+        _checks.tensor("states", states, ndim=4, dtypes=_checks.FLOAT_DTYPES)
+        _checks.shape("states", states, [slots.shape[0], s.num_value_heads, s.head_v_dim, s.head_k_dim])
+        _checks.same_device(self.pool.checkpoints, slots=slots, states=states)
+        self._load_states(layer, tuple(slots.tolist()), states)
+
+    def _load_states(self, layer: int, slots: tuple[int, ...], states: torch.Tensor) -> None:
+        rows, live = [], []
+        for i, sl in enumerate(slots):
+            if sl == -1:
+                continue
+            self.pool.check_live(sl)
+            rows.append(i)
+            live.append(sl)
+        if len(set(live)) != len(live):
+            raise ValueError(f"slots must be unique (apart from -1), got {list(slots)}")
+        busy = sorted(set(live) & self.pool.step_slots)
+        if busy:
+            raise StepProtocolError(f"slots {busy} belong to the open step: commit or abort it first")
+        self._check_fresh(live)
+        if not live:
+            return
+        dev = self.pool.device
+        idx = torch.tensor(live, dtype=torch.long, device=dev)
+        src = states[torch.tensor(rows, dtype=torch.long, device=dev)]
+        self.pool.checkpoints[layer, idx] = src.to(self.pool.state_dtype)
+
+    def _check_fresh(self, slots: list[int]) -> None:
+        """Raise if a slot has committed history beyond its checkpoint (none between
+        steps for strategies whose checkpoint is the committed state)."""
+
+    def _check_prefill_rows(self, batch: Batch) -> None:
+        self._check_fresh(batch.live_slots)
+
+    # ------------------------------------------------------------------ save / restore
+    def save_states(self, slots: Sequence[int]) -> SavedStates:
+        """A copy of the committed state of ``slots`` (checkpoints and conv states of
+        every layer, plus any strategy buffer that holds committed data, e.g.
+        ``circular``'s ring and cursors), to undo scratch decoding with
+        :meth:`restore_states`. Only between steps."""
+        if self.step_open:
+            raise StepProtocolError("save_states between verify and commit: commit or abort the step first")
+        slots = tuple(slots)
+        for sl in slots:
+            self.pool.check_live(sl)
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"slots must be unique, got {list(slots)}")
+        idx = torch.tensor(slots, dtype=torch.long, device=self.pool.device)
+        tensors = {}
+        for name, spec in self.pool.specs.items():
+            if not spec.committed:
+                continue
+            buf = self.pool.buffers[name]
+            tensors[name] = (buf[:, idx] if spec.per_layer else buf[idx]).clone()
+        gens = tuple(self.pool.generation(sl) for sl in slots)
+        return SavedStates(owner=id(self.pool), slots=slots, generations=gens, tensors=tensors)
+
+    def restore_states(self, saved: SavedStates) -> None:
+        """Put back what :meth:`save_states` copied. Only between steps, and only while
+        every saved slot still holds the request it held when saved."""
+        if not isinstance(saved, SavedStates) or saved.owner != id(self.pool):
+            raise TypeError("saved must come from save_states of this pool's strategy")
+        if self.step_open:
+            raise StepProtocolError("restore_states between verify and commit: commit or abort the step first")
+        for sl, gen in zip(saved.slots, saved.generations):
+            self.pool.check_live(sl)
+            if self.pool.generation(sl) != gen:
+                raise ValueError(f"slot {sl} changed hands (freed / re-allocated) since save_states")
+        idx = torch.tensor(saved.slots, dtype=torch.long, device=self.pool.device)
+        for name, copy in saved.tensors.items():
+            buf = self.pool.buffers[name]
+            if self.pool.specs[name].per_layer:
+                buf[:, idx] = copy
+            else:
+                buf[idx] = copy
+
+    # ------------------------------------------------------------------ committed state
     def committed_state(self, layer: int, slots: Sequence[int]) -> torch.Tensor:
-        """A copy of the committed states ``[len(slots), HV, V, K]`` (between steps)."""
+        """A copy of the committed states ``[len(slots), HV, V, K]``, at any time
+        (between steps, or between a step's verify and its commit / abort)."""
         self.pool.check_layer(layer)
         for s in slots:
             self.pool.check_live(s)
         idx = torch.tensor(list(slots), dtype=torch.long, device=self.pool.device)
-        return self.buffers["checkpoints"][layer, idx].clone()
+        return self.pool.checkpoints[layer, idx].clone()
 
     # ------------------------------------------------------------------ subclass hooks
     def _verify(self, layer, q, k, v, a, b, A_log, dt_bias, batch: Batch) -> torch.Tensor:
@@ -201,3 +425,11 @@ class Strategy:
 
     def _commit_states(self, batch: Batch, accepted: torch.Tensor) -> None:
         raise NotImplementedError
+
+    def _abort_states(self, batch: Batch) -> None:
+        """Undo whatever the open step did to committed state (scratch may stay)."""
+
+
+def _token_range(batch: Batch, i: int) -> tuple[int, int]:
+    start = sum(batch.lengths[:i])
+    return start, start + batch.lengths[i]

@@ -8,9 +8,26 @@ Commit only moves cursors. A row flagged ``is_flush`` folds its history into the
 checkpoint at its next verify by replaying the raw records through the exact
 recurrence, so the committed state equals the recurrence's bit for bit; the outputs
 come from the closed form and agree with the recurrence to rounding.
+
+Open steps. A flush row's verify folds its history into layer ``l``'s checkpoint at
+layer ``l``'s verify, while the cursors still count that history until commit. The
+logical committed state of a layer is therefore
+
+    checkpoint + history          (layer not yet verified this step, or row not flushing)
+    checkpoint                    (layer verified this step and the row is a flush row)
+
+and :meth:`CircularStrategy.committed_state` reads it that way, so it is right at any
+time. This keeps verify as it is (one fold launch per layer, cursors untouched, nothing
+to undo in the fast path); the price is paid only by :meth:`~Strategy.abort`, which
+finishes the flush for the layers the step did not reach (the same exact fold) and then
+moves the flush rows' cursors past their folded history (``cache_base += write_pos``,
+``write_pos = 0``, ``is_flush = 0``). The committed state is unchanged by that: it is
+the same replay of the same records, only done early.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -18,13 +35,28 @@ from ..ops import _checks
 from ..ops.chunked import gdn_chunked_window
 from ..ops.cursors import advance_cursors
 from ..ops.fold import gdn_fold
-from .base import Strategy, StepProtocolError
-from .fold import layer_records, record_specs
+from ..state.layout import BufferSpec, StepProtocolError
+from .base import Strategy
+from .fold import RecordBuffers, gate_dtype, record_specs
+
+
+@dataclass(frozen=True)
+class CircularBuffers(RecordBuffers):
+    """The raw-record ring of ``L`` entries plus ``ring_u [layers, slots, L, HV, V]``
+    (the records' corrected deltas, for the closed form) and the per-request cursors
+    ``write_pos``, ``cache_base``, ``is_flush`` (``[slots]`` int32)."""
+
+    ring_u: torch.Tensor
+    write_pos: torch.Tensor
+    cache_base: torch.Tensor
+    is_flush: torch.Tensor
 
 
 class CircularStrategy(Strategy):
     name = "circular"
     exact_outputs = False
+    Buffers = CircularBuffers
+    buf: CircularBuffers
 
     @classmethod
     def check_config(cls, *, window, ring_len):
@@ -36,44 +68,82 @@ class CircularStrategy(Strategy):
 
     @classmethod
     def buffer_specs(cls, pool):
-        from ..state.pool import BufferSpec
-
         s = pool.shape
-        specs = record_specs(pool, pool.ring_len)
-        specs["ring_u"] = BufferSpec((pool.ring_len, s.num_value_heads, s.head_v_dim), torch.float32)
+        specs = record_specs(pool, pool.ring_len, committed=True)
+        specs["ring_u"] = BufferSpec((pool.ring_len, s.num_value_heads, s.head_v_dim), gate_dtype(pool))
         for name in ("write_pos", "cache_base", "is_flush"):
             specs[name] = BufferSpec((), torch.int32, per_layer=False, fill=0)
         return specs
 
     def _verify(self, layer, q, k, v, a, b, A_log, dt_bias, batch):
-        buf = self.buffers
+        buf = self.buf
         return gdn_chunked_window(
-            q, k, v, a, b, A_log, dt_bias, buf["checkpoints"][layer], layer_records(buf, layer), buf["ring_u"][layer],
-            batch.slots, batch.cu_seqlens, buf["write_pos"], buf["cache_base"], buf["is_flush"],
+            q, k, v, a, b, A_log, dt_bias, self.pool.checkpoints[layer], buf.layer(layer), buf.ring_u[layer],
+            batch.slots, batch.cu_seqlens, buf.write_pos, buf.cache_base, buf.is_flush,
             max_len=self.pool.window, backend=self.pool.backend,
         )
 
     def _commit_states(self, batch, accepted):
-        buf = self.buffers
+        buf = self.buf
         advance_cursors(
-            buf["write_pos"], buf["cache_base"], buf["is_flush"], batch.slots, accepted,
+            buf.write_pos, buf.cache_base, buf.is_flush, batch.slots, accepted,
             self.pool.window, self.pool.ring_len, backend=self.pool.backend,
         )
 
-    def _check_prefill_rows(self, batch):
-        wp = self.buffers["write_pos"][batch.slots[batch.slots >= 0].long()]
-        if bool((wp != 0).any()):
-            raise StepProtocolError("prefill needs requests with an empty ring (fresh from alloc or reset)")
+    def _abort_states(self, batch):
+        if not self._verified:
+            return  # no layer folded anything: the cursors still describe every checkpoint
+        buf, dev = self.buf, self.pool.device
+        live = batch.live_slots
+        if not live:
+            return
+        idx = torch.tensor(live, dtype=torch.long, device=dev)
+        wp, base, flush = buf.write_pos[idx], buf.cache_base[idx], buf.is_flush[idx] != 0
+        rows = idx.to(torch.int32)
+        count = torch.where(flush, wp, torch.zeros_like(wp))
+        # Finish the flush for the layers the step did not reach: the same exact fold
+        # the verify of those layers would have run.
+        for layer in range(self.pool.num_layers):
+            if layer in self._verified:
+                continue
+            one = slice(layer, layer + 1)
+            gdn_fold(
+                self.pool.checkpoints[one], *(x[one] for x in buf.all_layers()),
+                rows, base, count, backend=self.pool.backend,
+            )
+        # Every layer's checkpoint now holds the flush rows' history: move past it.
+        L = self.pool.ring_len
+        buf.cache_base[idx] = torch.where(flush, (base + wp) & (L - 1), base)
+        buf.write_pos[idx] = torch.where(flush, torch.zeros_like(wp), wp)
+        buf.is_flush[idx] = torch.zeros_like(buf.is_flush[idx])
+
+    def _check_fresh(self, slots):
+        if not slots:
+            return
+        idx = torch.tensor(list(slots), dtype=torch.long, device=self.pool.device)
+        wp = self.buf.write_pos[idx].tolist()
+        stale = [s for s, n in zip(slots, wp) if n != 0]
+        if stale:
+            raise StepProtocolError(
+                f"slots {stale} have committed history in their ring; prefill and load_states need fresh "
+                "requests (from alloc or reset)"
+            )
 
     def committed_state(self, layer, slots):
-        """Checkpoint + committed history, folded exactly into a copy."""
+        """Checkpoint + committed history, folded exactly into a copy (see the module
+        notes for a flush row between its verify and its commit)."""
         state = super().committed_state(layer, slots)
-        buf = self.buffers
-        idx = torch.tensor(list(slots), dtype=torch.long, device=self.pool.device)
-        local = torch.arange(len(idx), dtype=torch.int32, device=self.pool.device)
+        buf, dev = self.buf, self.pool.device
+        idx = torch.tensor(list(slots), dtype=torch.long, device=dev)
+        local = torch.arange(len(idx), dtype=torch.int32, device=dev)
+        count = buf.write_pos[idx]
+        if layer in self._verified:
+            # This layer's verify already folded the history of the step's flush rows.
+            in_step = torch.tensor([s in self.pool.step_slots for s in slots], dtype=torch.bool, device=dev)
+            count = torch.where(in_step & (buf.is_flush[idx] != 0), torch.zeros_like(count), count)
         gdn_fold(
-            state[None], buf["ring_k"][layer, idx][None], buf["ring_v"][layer, idx][None],
-            buf["ring_g"][layer, idx][None], buf["ring_beta"][layer, idx][None],
-            local, buf["cache_base"][idx], buf["write_pos"][idx], backend=self.pool.backend,
+            state[None], buf.ring_k[layer, idx][None], buf.ring_v[layer, idx][None],
+            buf.ring_g[layer, idx][None], buf.ring_beta[layer, idx][None],
+            local, buf.cache_base[idx], count, backend=self.pool.backend,
         )
         return state

@@ -4,52 +4,78 @@ Verify runs the recurrence from the checkpoint without writing any state; as a s
 channel it stores the window's raw records (pre-norm ``k`` per key head, ``v``, fp32
 ``g`` and ``beta``) in a ``T``-record ring. Commit replays the first ``n`` records of
 every layer through the exact recurrence into the checkpoint, in one call. State traffic
-per layer-step: 1 read at verify, 1 read + 1 write at commit. Exact.
+per layer-step: 1 read at verify, 1 read + 1 write at commit. Exact. Abort has nothing
+to undo: the ring is scratch between steps.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from ..ops.fold import gdn_fold
 from ..ops.records import RawRecords
 from ..ops.recurrent import gdn_recurrence
-from .base import Strategy
+from ..state.layout import BufferSpec
+from .base import Strategy, StrategyBuffers
 
 
-def record_specs(pool, ring_len: int) -> dict:
+def gate_dtype(pool) -> torch.dtype:
+    """dtype of the ring's gates (and ``circular``'s ``u``): float32, or float64 in a
+    float64 pool, whose gates are float64 when its activations are (a float32 ring
+    would round them and the pool would no longer be exact)."""
+    return torch.float64 if pool.state_dtype == torch.float64 else torch.float32
+
+
+def record_specs(pool, ring_len: int, *, committed: bool) -> dict[str, BufferSpec]:
     """Buffers of a raw-record ring of ``ring_len`` entries per request and layer."""
-    from ..state.pool import BufferSpec
-
     s = pool.shape
+    gd = gate_dtype(pool)
     return {
-        "ring_k": BufferSpec((ring_len, s.num_heads, s.head_k_dim), pool.act_dtype),
-        "ring_v": BufferSpec((ring_len, s.num_value_heads, s.head_v_dim), pool.act_dtype),
-        "ring_g": BufferSpec((ring_len, s.num_value_heads), torch.float32),
-        "ring_beta": BufferSpec((ring_len, s.num_value_heads), torch.float32),
+        "ring_k": BufferSpec((ring_len, s.num_heads, s.head_k_dim), pool.act_dtype, committed=committed),
+        "ring_v": BufferSpec((ring_len, s.num_value_heads, s.head_v_dim), pool.act_dtype, committed=committed),
+        "ring_g": BufferSpec((ring_len, s.num_value_heads), gd, committed=committed),
+        "ring_beta": BufferSpec((ring_len, s.num_value_heads), gd, committed=committed),
     }
 
 
-def layer_records(buffers: dict, layer: int) -> RawRecords:
-    return RawRecords(buffers["ring_k"][layer], buffers["ring_v"][layer], buffers["ring_g"][layer], buffers["ring_beta"][layer])
+@dataclass(frozen=True)
+class RecordBuffers(StrategyBuffers):
+    """A raw-record ring per layer: ``ring_k [layers, slots, R, H, K]``, ``ring_v
+    [layers, slots, R, HV, V]`` (activation dtype), ``ring_g``, ``ring_beta`` ``[layers,
+    slots, R, HV]`` (float32; float64 in a float64 pool)."""
+
+    ring_k: torch.Tensor
+    ring_v: torch.Tensor
+    ring_g: torch.Tensor
+    ring_beta: torch.Tensor
+
+    def layer(self, layer: int) -> RawRecords:
+        """The ring of one layer, as the ops take it."""
+        return RawRecords(self.ring_k[layer], self.ring_v[layer], self.ring_g[layer], self.ring_beta[layer])
+
+    def all_layers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.ring_k, self.ring_v, self.ring_g, self.ring_beta
 
 
 class FoldStrategy(Strategy):
     name = "fold"
+    Buffers = RecordBuffers
+    buf: RecordBuffers
 
     @classmethod
     def buffer_specs(cls, pool):
-        return record_specs(pool, pool.window)
+        return record_specs(pool, pool.window, committed=False)
 
     def _verify(self, layer, q, k, v, a, b, A_log, dt_bias, batch):
         return gdn_recurrence(
-            q, k, v, a, b, A_log, dt_bias, self.buffers["checkpoints"][layer], batch.slots, batch.cu_seqlens,
-            records=layer_records(self.buffers, layer), backend=self.pool.backend,
+            q, k, v, a, b, A_log, dt_bias, self.pool.checkpoints[layer], batch.slots, batch.cu_seqlens,
+            records=self.buf.layer(layer), backend=self.pool.backend,
         )
 
     def _commit_states(self, batch, accepted):
-        buf = self.buffers
         gdn_fold(
-            buf["checkpoints"], buf["ring_k"], buf["ring_v"], buf["ring_g"], buf["ring_beta"],
+            self.pool.checkpoints, *self.buf.all_layers(),
             batch.slots, torch.zeros_like(accepted), accepted, backend=self.pool.backend,
         )

@@ -3,31 +3,45 @@
 Verify runs the recurrence from the checkpoint and writes the state after every window
 position to a per-request scratch ``[T, HV, V, K]``; commit copies ``S_n`` into the
 checkpoint. State traffic per layer-step: 1 read + T writes at verify, 1 read + 1 write
-at commit. Exact: the committed state is the recurrence's own.
+at commit. Exact: the committed state is the recurrence's own. Abort has nothing to
+undo: verify writes scratch only.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
+
 from ..ops.recurrent import gdn_recurrence
 from ..ops.snapshot import snapshot_commit
-from .base import Strategy
+from ..state.layout import BufferSpec
+from .base import Strategy, StrategyBuffers
+
+
+@dataclass(frozen=True)
+class SnapshotBuffers(StrategyBuffers):
+    """``snapshots [layers, slots, T, HV, V, K]``: the state after each window position."""
+
+    snapshots: torch.Tensor
 
 
 class SnapshotStrategy(Strategy):
     name = "snapshot"
+    Buffers = SnapshotBuffers
+    buf: SnapshotBuffers
 
     @classmethod
     def buffer_specs(cls, pool):
-        from ..state.pool import BufferSpec
-
         s = pool.shape
-        return {"snapshots": BufferSpec((pool.window, s.num_value_heads, s.head_v_dim, s.head_k_dim), pool.state_dtype)}
+        shape = (pool.window, s.num_value_heads, s.head_v_dim, s.head_k_dim)
+        return {"snapshots": BufferSpec(shape, pool.state_dtype, committed=False)}
 
     def _verify(self, layer, q, k, v, a, b, A_log, dt_bias, batch):
         return gdn_recurrence(
-            q, k, v, a, b, A_log, dt_bias, self.buffers["checkpoints"][layer], batch.slots, batch.cu_seqlens,
-            snapshots=self.buffers["snapshots"][layer], backend=self.pool.backend,
+            q, k, v, a, b, A_log, dt_bias, self.pool.checkpoints[layer], batch.slots, batch.cu_seqlens,
+            snapshots=self.buf.snapshots[layer], backend=self.pool.backend,
         )
 
     def _commit_states(self, batch, accepted):
-        snapshot_commit(self.buffers["checkpoints"], self.buffers["snapshots"], batch.slots, accepted, backend=self.pool.backend)
+        snapshot_commit(self.pool.checkpoints, self.buf.snapshots, batch.slots, accepted, backend=self.pool.backend)

@@ -1,0 +1,82 @@
+"""What the pool and the strategies share: head geometry, buffer specs, pool errors.
+
+This module imports nothing from :mod:`replayssm.strategies`: strategies depend on the
+state package, never the other way round. A strategy declares its buffers as
+:class:`BufferSpec` values keyed by name; the pool allocates, resets, forks and accounts
+for them without knowing what they mean.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..ops import _checks
+
+#: dtypes a pool may keep its states in
+STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
+
+
+class PoolExhausted(RuntimeError):
+    """Raised by :meth:`StatePool.alloc` / :meth:`StatePool.fork` when every slot is taken."""
+
+
+class StepProtocolError(RuntimeError):
+    """A call out of order: a layer verified twice, commit without verify, or a slot
+    freed, forked, reset or re-allocated while a step that covers it is open."""
+
+
+@dataclass(frozen=True)
+class GDNShape:
+    """Head geometry of one GDN layer (DESIGN.md section 1).
+
+    Attributes:
+        num_heads: ``H``, key/query heads.
+        num_value_heads: ``HV``, value heads (a multiple of ``H``).
+        head_k_dim: ``K``.
+        head_v_dim: ``V``.
+        conv_kernel: ``W``, width of the causal conv over ``q|k|v``.
+    """
+
+    num_heads: int
+    num_value_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int = 4
+
+    def __post_init__(self):
+        for name in ("num_heads", "num_value_heads", "head_k_dim", "head_v_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not isinstance(self.conv_kernel, int) or self.conv_kernel < 2:
+            raise ValueError(f"conv_kernel must be an int >= 2, got {self.conv_kernel!r}")
+        _checks.gqa(self.num_heads, self.num_value_heads)
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the conv: ``2 H K + HV V`` (``q|k|v``)."""
+        return 2 * self.num_heads * self.head_k_dim + self.num_value_heads * self.head_v_dim
+
+    @property
+    def state_numel(self) -> int:
+        return self.num_value_heads * self.head_v_dim * self.head_k_dim
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    """A buffer a strategy asks the pool for.
+
+    ``shape`` excludes the leading ``[num_layers, num_slots]`` (``per_layer``) or
+    ``[num_slots]`` axes. ``fill`` is the initial value; float scratch starts as NaN so
+    that a read of a never-written entry cannot go unnoticed. ``committed``: whether the
+    buffer holds committed state between steps (saved and restored by
+    ``Strategy.save_states``) or only a step's scratch.
+    """
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    per_layer: bool = True
+    fill: float = float("nan")
+    committed: bool = True

@@ -1,0 +1,236 @@
+"""The calls an engine makes besides verify/commit: load_states, save_states /
+restore_states and chunk_prefill (reference backend).
+
+Oracle bounds: fp32 against float64 on a few contractive steps (|exp(g)| <= 1, beta in
+(0, 1), unit keys) stays within 1e-5 of the values' scale.
+"""
+
+import pytest
+import torch
+
+from replayssm.lifecycle import Lifecycle
+from replayssm.ops.recurrent import gdn_recurrence_reference
+from replayssm.state import GDNShape, StatePool, StepProtocolError
+
+STRATEGIES = ["snapshot", "fold", "circular"]
+SHAPE = GDNShape(num_heads=2, num_value_heads=4, head_k_dim=16, head_v_dim=8)
+TOL = 1e-5
+
+
+def make(strategy, *, requests=2, slots=5, layers=2, window=4, ring_len=8, seed=0, state_dtype=torch.float32):
+    pool = StatePool(SHAPE, layers, slots, strategy=strategy, window=window, ring_len=ring_len, state_dtype=state_dtype)
+    lc = Lifecycle(pool, num_requests=requests, padding_rows=1, generator=torch.Generator().manual_seed(seed))
+    return pool, lc
+
+
+def committed(pool, slots):
+    return torch.stack([pool.strategy.committed_state(layer, slots) for layer in range(pool.num_layers)])
+
+
+def rel(x, ref):
+    return ((x.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def scratch_step(pool, lc, slots, lengths, accepted):
+    batch = pool.batch(slots, lengths)
+    for layer in range(pool.num_layers):
+        x = lc.make_inputs(batch.num_tokens)
+        pool.strategy.conv_verify(layer, x["x"], batch)
+        pool.strategy.verify(layer, x["q"], x["k"], x["v"], x["a"], x["b"], batch)
+    pool.strategy.commit(batch, accepted)
+
+
+# ---------------------------------------------------------------------------- load_states
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_load_states_sets_fresh_slots_and_decoding_continues_from_them(strategy):
+    """New API: load_states(layer, slots, states) with -1 entries skipped, cast to the
+    state dtype; a decode step afterwards starts from the loaded state (float64 oracle)."""
+    pool, lc = make(strategy, requests=1, state_dtype=torch.bfloat16)
+    a, b = pool.alloc(), pool.alloc()
+    s = SHAPE
+    states = torch.randn(pool.num_layers, 3, s.num_value_heads, s.head_v_dim, s.head_k_dim) * 0.3
+    slots = torch.tensor([a, -1, b], dtype=torch.int32)
+    for layer in range(pool.num_layers):
+        pool.strategy.load_states(layer, slots, states[layer])
+    got = committed(pool, [a, b])
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, states[:, [0, 2]].to(torch.bfloat16))
+    assert torch.equal(committed(pool, lc.slots), torch.zeros_like(committed(pool, lc.slots))), "bystander changed"
+    # decode 3 tokens for a: the state must be the oracle's from the loaded one
+    batch = pool.batch([a], [3], prefill=True)
+    x = lc.make_inputs(3)
+    x = {k: v for k, v in x.items()}
+    for layer in range(pool.num_layers):
+        pool.strategy.prefill(layer, x["q"], x["k"], x["v"], x["a"], x["b"], batch)
+        p = pool.layer_params(layer)
+        oracle = states[layer, 0:1].to(torch.bfloat16).double().clone()
+        gdn_recurrence_reference(
+            *(x[n].double() for n in "qkvab"), p["A_log"].double(), p["dt_bias"].double(), oracle,
+            torch.tensor([0], dtype=torch.int32), torch.tensor([0, 3], dtype=torch.int32), update_state=True,
+        )
+        # bf16 storage of the final state: 2^-8 relative rounding
+        assert rel(pool.strategy.committed_state(layer, [a])[0], oracle[0]) < 2**-8
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_load_states_rejects_bad_input_and_changes_nothing(strategy):
+    pool, lc = make(strategy, requests=2)
+    for _ in range(3):
+        lc.step()
+    fresh = pool.alloc()
+    s = SHAPE
+    good = torch.randn(1, s.num_value_heads, s.head_v_dim, s.head_k_dim)
+    before = {n: b.clone() for n, b in pool.buffers.items()}
+    one = torch.tensor([fresh], dtype=torch.int64)
+    cases = [
+        ((0, one, good[:, :2]), ValueError, "states must have shape"),
+        ((0, one, good.to(torch.int32)), TypeError, "states must have dtype"),
+        ((0, one.float(), good), TypeError, "slots must have dtype"),
+        ((5, one, good), ValueError, "layer"),
+        ((0, torch.tensor([4], dtype=torch.int64), good), ValueError, "not allocated"),
+        ((0, torch.tensor([fresh, fresh]), torch.cat([good, good])), ValueError, "unique"),
+    ]
+    if strategy == "circular":  # a request with committed history is not fresh
+        cases.append(((0, torch.tensor([lc.slots[0]]), good), StepProtocolError, "history"))
+    for args, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            pool.strategy.load_states(*args)
+    batch = pool.batch([fresh], [2])
+    x = lc.make_inputs(2)
+    pool.strategy.verify(0, x["q"], x["k"], x["v"], x["a"], x["b"], batch)
+    after_verify = {n: b.clone() for n, b in pool.buffers.items()}
+    with pytest.raises(StepProtocolError, match="open step"):
+        pool.strategy.load_states(0, one, good)
+    for n, b in pool.buffers.items():
+        assert torch.equal(b.nan_to_num(7.0), after_verify[n].nan_to_num(7.0)), n
+    pool.strategy.abort(batch)
+    for n in ("checkpoints", "conv_state"):
+        assert torch.equal(pool.buffers[n], before[n]), n
+
+
+# ---------------------------------------------------------------------------- save / restore
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_save_restore_undoes_scratch_decoding(strategy):
+    """New API: save_states / restore_states undo scratch steps (circular included:
+    ring and cursors come back). The lifecycle's float64 oracle never sees the scratch
+    steps, so its agreement afterwards shows that the restored state is the committed
+    one, flushes and all."""
+    pool, lc = make(strategy, requests=2, seed=4)
+    for _ in range(5):
+        lc.step()
+    saved = pool.strategy.save_states(lc.slots)
+    state0, conv0 = committed(pool, lc.slots), pool.buffers["conv_state"][:, lc.slots].clone()
+    for step in range(5):  # scratch decoding: several flushes for circular (L = 2T)
+        scratch_step(pool, lc, lc.slots, [4, 3], [4, 3])
+    assert not torch.equal(committed(pool, lc.slots), state0)
+    pool.strategy.restore_states(saved)
+    assert torch.equal(committed(pool, lc.slots), state0)
+    assert torch.equal(pool.buffers["conv_state"][:, lc.slots], conv0)
+    for _ in range(6):
+        r = lc.step()
+        assert r.state_err < TOL and r.conv_bitexact and r.out_err < TOL
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_save_restore_protocol(strategy):
+    pool, lc = make(strategy, requests=2)
+    lc.step()
+    s0, s1 = lc.slots
+    batch = pool.batch([s0], [2])
+    x = lc.make_inputs(2)
+    pool.strategy.verify(0, x["q"], x["k"], x["v"], x["a"], x["b"], batch)
+    with pytest.raises(StepProtocolError):
+        pool.strategy.save_states([s1])
+    pool.strategy.abort(batch)
+    saved = pool.strategy.save_states([s0, s1])
+    pool.strategy.verify(0, x["q"], x["k"], x["v"], x["a"], x["b"], batch)
+    with pytest.raises(StepProtocolError):
+        pool.strategy.restore_states(saved)
+    pool.strategy.abort(batch)
+    with pytest.raises(ValueError, match="unique"):
+        pool.strategy.save_states([s0, s0])
+    with pytest.raises(ValueError, match="not allocated"):
+        pool.strategy.save_states([4])
+    pool.free(s1)
+    pool.alloc(slot=s1)
+    with pytest.raises(ValueError, match="changed hands"):
+        pool.strategy.restore_states(saved)
+    other, _ = make(strategy)
+    with pytest.raises(TypeError, match="save_states"):
+        other.strategy.restore_states(saved)
+
+
+# ---------------------------------------------------------------------------- chunk_prefill
+def fake_chunk_kernel(q, k, v, g, beta, *, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel):
+    """fla-core's chunk_gated_delta_rule contract, computed token by token in float64
+    from DESIGN.md section 1, written here without the library's ops: states in fla's
+    [K, V] layout, outputs [1, N, HV, V], final states [B, HV, K, V]."""
+    assert initial_state is None and output_final_state and use_qk_l2norm_in_kernel
+    assert cu_seqlens.dtype == torch.int64
+    _, n, hv, kd = q.shape
+    vd = v.shape[-1]
+    q, k, v, g, beta = (t[0].double() for t in (q, k, v, g, beta))
+    o = torch.zeros(1, n, hv, vd, dtype=torch.float64)
+    cu = cu_seqlens.tolist()
+    final = torch.zeros(len(cu) - 1, hv, kd, vd, dtype=torch.float64)
+    for i in range(len(cu) - 1):
+        S = torch.zeros(hv, kd, vd, dtype=torch.float64)
+        for t in range(cu[i], cu[i + 1]):
+            kh = k[t] / torch.sqrt((k[t] ** 2).sum(-1, keepdim=True) + 1e-6)
+            qh = q[t] / torch.sqrt((q[t] ** 2).sum(-1, keepdim=True) + 1e-6) * kd**-0.5
+            S = torch.exp(g[t])[:, None, None] * S
+            u = beta[t][:, None] * (v[t] - torch.einsum("hkv,hk->hv", S, kh))
+            S = S + kh[:, :, None] * u[:, None, :]
+            o[0, t] = torch.einsum("hkv,hk->hv", S, qh)
+        final[i] = S
+    return o.float(), final.float()
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_chunk_prefill_matches_prefill(strategy):
+    """New API: chunk_prefill computes the gates, expands key heads, calls the kernel with
+    fla's signature and loads the final states (transposed to [V, K]) for the live rows;
+    padding rows get zero outputs. Against strategy.prefill on an identical pool: outputs
+    and committed states within 1e-5 of their scale (the fake kernel is float64)."""
+    pools = [make(strategy, requests=0, slots=4, seed=9) for _ in range(2)]
+    slots = [[p.alloc() for _ in range(2)] for p, _ in pools]
+    lengths = [5, 3, 6]
+    x_all = [pools[0][1].make_inputs(sum(lengths)) for _ in range(pools[0][0].num_layers)]
+    outs = []
+    for (pool, _), sl, use_chunk in zip(pools, slots, (True, False)):
+        batch = pool.batch([sl[0], -1, sl[1]], lengths, prefill=True)
+        o_layers = []
+        for layer, x in enumerate(x_all):
+            args = (layer, x["q"], x["k"], x["v"], x["a"], x["b"], batch)
+            o_layers.append(pool.strategy.chunk_prefill(*args, kernel=fake_chunk_kernel) if use_chunk
+                            else pool.strategy.prefill(*args))
+        outs.append(o_layers)
+    for o_c, o_p in zip(*outs):
+        assert o_c.dtype == o_p.dtype == torch.float32
+        assert torch.equal(o_c[5:8], torch.zeros_like(o_c[5:8])), "padding rows must be zero"
+        assert (o_c - o_p).abs().max() <= TOL * o_p.abs().max()
+    for layer in range(pools[0][0].num_layers):
+        c = pools[0][0].strategy.committed_state(layer, slots[0])
+        p = pools[1][0].strategy.committed_state(layer, slots[1])
+        assert (c - p).abs().max() <= TOL * p.abs().max()
+
+
+def test_chunk_prefill_checks_the_kernel_and_the_rows():
+    pool, lc = make("circular", requests=1)
+    lc.step()
+    fresh = pool.alloc()
+    x = lc.make_inputs(4)
+    args = (0, x["q"], x["k"], x["v"], x["a"], x["b"])
+    before = pool.buffers["checkpoints"].clone()
+    with pytest.raises(StepProtocolError, match="history"):
+        pool.strategy.chunk_prefill(*args, pool.batch([lc.slots[0]], [4], prefill=True), kernel=fake_chunk_kernel)
+
+    def bad_kernel(*a, **kw):
+        o, final = fake_chunk_kernel(*a, **kw)
+        return o, final.transpose(-1, -2).contiguous()[:, :, :4]
+
+    with pytest.raises(ValueError, match="kernel's final state"):
+        pool.strategy.chunk_prefill(*args, pool.batch([fresh], [4], prefill=True), kernel=bad_kernel)
+    with pytest.raises(TypeError, match="kernel"):
+        pool.strategy.chunk_prefill(*args, pool.batch([fresh], [4], prefill=True), kernel=None)
+    assert torch.equal(pool.buffers["checkpoints"], before)
