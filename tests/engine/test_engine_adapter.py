@@ -193,9 +193,20 @@ def test_save_and_restore_state(rng, seed):
     for k, v in buffers.items():
         assert torch.equal(eng.pool.buffers[k].nan_to_num(7.0), v.nan_to_num(7.0)), k
     assert eng.length(a) == 9
-    circ = HybridEngine(model, strategy="circular", num_slots=1, window=2, max_len=16)
-    with pytest.raises(ValueError, match="circular"):
-        circ.save_state([circ.alloc()])
+    # circular keeps history in its ring: save/restore covers ring and cursors too
+    circ = HybridEngine(model, strategy="circular", num_slots=1, window=2, max_len=32)
+    c = circ.alloc()
+    circ.extend([c], [probe])
+    circ.verify([c], [[1, 2]])
+    circ.commit([2])
+    before = {k: v.clone() for k, v in circ.pool.buffers.items()}
+    saved = circ.save_state([c])
+    circ.verify([c], [[3, 4]])
+    circ.commit([2])
+    circ.restore_state(saved)
+    for k, v in before.items():
+        assert torch.equal(circ.pool.buffers[k].nan_to_num(7.0), v.nan_to_num(7.0)), k
+    assert circ.length(c) == 5
 
 
 @pytest.mark.parametrize("family", FAMILIES)

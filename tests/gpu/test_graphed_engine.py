@@ -8,8 +8,9 @@ Claims (tiny random Qwen3.5 and Qwen3-Next models, bf16 unless said):
   decoding and for every strategy with device n-gram drafts, while requests join (more
   prompts than slots) and finish (budgets of different lengths), so that the batch
   bucket changes between steps.
-* fp32: greedy speculative decoding with an exact strategy equals plain greedy decoding
-  token for token, graphed, on both families.
+* bf16: an exact strategy's tokens do not depend on their position in the window (the
+  e2e oracle drafter relies on it). Equality with plain decoding is not claimed on the
+  GPU: a step of ``B x T`` rows rounds GEMMs differently from one of ``B`` rows.
 * The oracle drafter at P = 1 has every draft accepted (up to each request's budget),
   and at P = 0 none.
 * Sampling (rejection of deterministic drafts) runs inside the graph and emits valid
@@ -70,13 +71,19 @@ def test_graph_replay_equals_eager_with_joins_and_finishes(family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_fp32_exact_strategies_equal_plain_graphed(family):
-    model = build_tiny_model(family, seed=8, dtype=torch.float32, device="cuda")
-    prompts, budgets = _prompts(2, 8), _budgets(2, 8)
-    plain = StepGenerator(_engine(model, "fold", 1)).generate(prompts, budgets)
+def test_window_position_does_not_change_a_tokens_logits(family):
+    """What the e2e oracle relies on, in bf16: an exact strategy's greedy tokens with
+    every draft rejected (each token at window position 0) are reproduced when drafts
+    are accepted (tokens at positions 1..k of the same step shape)."""
+    model = build_tiny_model(family, seed=8, dtype=torch.bfloat16, device="cuda")
+    prompts, budgets = _prompts(2, SLOTS), _budgets(2, SLOTS)
+    vocab = model.config.vocab_size
     for strategy in ("snapshot", "fold"):
-        spec = StepGenerator(_engine(model, strategy, K + 1), DeviceNgramDrafter(), num_draft=K).generate(prompts, budgets)
-        assert spec.tokens == plain.tokens, f"{family} {strategy}"
+        eng = _engine(model, strategy, K + 1)
+        own = StepGenerator(eng, OracleDrafter({}, 0.0, vocab), num_draft=K).generate(prompts, budgets)
+        again = StepGenerator(eng, OracleDrafter(own.tokens, 1.0, vocab), num_draft=K).generate(prompts, budgets)
+        assert again.tokens == own.tokens, f"{family} {strategy}"
+        assert again.acceptance_rate > 0.9
 
 
 def test_oracle_acceptance_extremes():

@@ -50,7 +50,7 @@ import torch
 
 from ..ops.dispatch import BACKENDS, resolve
 from ..strategies import STRATEGY_NAMES
-from .args import int_list, name_list
+from .args import device_name, int_list, name_list, output_path, positive_int
 from .progress import ProgressBar, write_outputs
 
 STRICT_DTYPES = ("fp32",)  # model dtypes in which an exact strategy must match plain
@@ -468,26 +468,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-plain", action="store_true", help="skip our plain decoding")
     parser.add_argument("--no-hf", action="store_true", help="skip the Hugging Face generate baseline")
     parser.add_argument("--batches", type=int_list, default=None, help="batch sizes (default 1,16,64 on CUDA, 2 on the CPU)")
-    parser.add_argument("--num-draft", type=int, default=d.num_draft, help=f"draft tokens per step (default {d.num_draft})")
-    parser.add_argument("--max-new-tokens", type=int, default=None, help="generated tokens per request (default 128; 12 on the CPU)")
-    parser.add_argument("--prompt-len", type=int, default=None, help="prompt tokens per request (default 64; 8 on the CPU)")
+    parser.add_argument("--num-draft", type=positive_int, default=d.num_draft, help=f"draft tokens per step (default {d.num_draft})")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=None, help="generated tokens per request (default 128; 12 on the CPU)")
+    parser.add_argument("--prompt-len", type=positive_int, default=None, help="prompt tokens per request (default 64; 8 on the CPU)")
     parser.add_argument("--drafter", choices=DRAFTERS, default=d.drafter,
                         help="ngram (prompt lookup), oracle (set acceptance, see --acceptance) or the checkpoint's mtp head")
     parser.add_argument("--acceptance", type=_probabilities, default=d.acceptance,
                         help="oracle drafter: probabilities of keeping each draft token (default 0,0.5,0.8,0.95)")
-    parser.add_argument("--device", default=None, help="default cuda when available, else cpu")
+    parser.add_argument("--device", type=device_name, default=None, help="default cuda when available, else cpu")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="model dtype (default bf16 on CUDA, fp32 on the CPU)")
     parser.add_argument("--backend", choices=BACKENDS, default=d.backend, help="op backend (auto: Triton on CUDA)")
     parser.add_argument("--no-graphs", action="store_true", help="run the static steps eagerly on CUDA (no graphs)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed generations per configuration (default 3; 1 on the CPU)")
+    parser.add_argument("--repeats", type=positive_int, default=None, help="timed generations per configuration (default 3; 1 on the CPU)")
     parser.add_argument("--seed", type=int, default=d.seed, help="seed of the embedded model and the prompts")
-    parser.add_argument("--json", type=Path, default=None, help="write the rows here")
-    parser.add_argument("--plot", type=Path, default=None, help="write a PNG of tokens/s against acceptance here")
+    parser.add_argument("--json", type=output_path(".json"), default=None, help="write the rows here")
+    parser.add_argument("--plot", type=output_path(".png"), default=None, help="write a PNG of tokens/s against acceptance here")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 def config_from_args(args) -> E2EConfig:
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = args.device if args.device not in (None, "auto") else ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         cuda = torch.device(device).type == "cuda"
     except (RuntimeError, TypeError):
@@ -600,6 +600,11 @@ def _pct(x: float) -> str:
     return f"{min(x * 100, 99.9) if x < 1 else 100:.1f}%"
 
 
+def check_args(args) -> None:
+    """Cross-option checks before any work (``cli`` turns the ValueError into one line)."""
+    config_from_args(args).check()
+
+
 def main(args) -> int:
     try:
         cfg = config_from_args(args)
@@ -607,12 +612,6 @@ def main(args) -> int:
     except ValueError as e:
         print(f"replayssm bench e2e: error: {e}", file=sys.stderr)
         return 2
-    for name in ("json", "plot"):
-        path, ext = getattr(args, name), ".json" if name == "json" else ".png"
-        if path is not None and (path.suffix != ext or not path.parent.is_dir()):
-            print(f"replayssm bench e2e: error: --{name} must be a {ext} path in an existing directory, got {str(path)!r}",
-                  file=sys.stderr)
-            return 2
     result = run_e2e(cfg, progress=not args.quiet)
     print_table(result)
     write_outputs(result, args.json, None, "")

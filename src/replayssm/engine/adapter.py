@@ -29,7 +29,6 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..ops.gates import expand_heads, gdn_gates
 from ..state import Batch, GDNShape, StatePool
 from .attention import slot_attention
 from .kv_cache import KVCache, WindowLayout, cached_attention
@@ -467,22 +466,15 @@ class HybridEngine:
 
     # ------------------------------------------------------------------ draft-model support
     def save_state(self, slots: Sequence[int]):
-        """Copy the committed state of ``slots`` (checkpoint, conv state, KV length), to
-        undo scratch decoding with :meth:`restore_state`. For ``snapshot`` and ``fold``,
-        whose committed state is exactly checkpoint + conv state between steps."""
-        if self.strategy_name == "circular":
-            raise ValueError("save_state needs strategy 'snapshot' or 'fold' (circular keeps history in its ring)")
+        """Copy the committed state of ``slots`` (GDN state through the strategy, KV
+        lengths), to undo scratch decoding with :meth:`restore_state`."""
         if self._pending is not None:
             raise RuntimeError("save_state between verify and commit")
-        idx = torch.tensor(list(slots), dtype=torch.long, device=self.device)
-        buf = self.pool.buffers
-        return (list(slots), idx, buf["checkpoints"][:, idx].clone(), buf["conv_state"][:, idx].clone(),
-                [self.kv.lengths[s] for s in slots])
+        return list(slots), self.strategy.save_states(list(slots)), [self.kv.lengths[s] for s in slots]
 
     def restore_state(self, saved) -> None:
-        slots, idx, ckpt, conv, lengths = saved
-        self.pool.buffers["checkpoints"][:, idx] = ckpt
-        self.pool.buffers["conv_state"][:, idx] = conv
+        slots, states, lengths = saved
+        self.strategy.restore_states(states)
         self.kv.truncate(slots, lengths)
 
     # ------------------------------------------------------------------ forward
@@ -637,19 +629,6 @@ class HybridEngine:
         return cos.reshape(h.shape[0], -1), sin.reshape(h.shape[0], -1)
 
     def _chunk_prefill(self, j, q, k, v, a, b, batch) -> torch.Tensor:
-        """Prompt tokens of GDN layer ``j`` through a chunked kernel; the final states
-        become the requests' checkpoints (DESIGN.md layout ``[HV, V, K]``)."""
-        p = self.pool.layer_params(j)
-        g, beta = gdn_gates(a, b, p["A_log"], p["dt_bias"])
-        hv = v.shape[1]
-        # Repeat key heads to value heads: older fla-core builds need H == HV. The decay
-        # g stays fp32; beta goes in the activation dtype, as transformers passes it.
-        qe, ke = expand_heads(q, hv), expand_heads(k, hv)
-        o, final = self.chunk_kernel(
-            qe[None], ke[None], v[None], g[None], beta.to(v.dtype)[None], initial_state=None,
-            output_final_state=True, cu_seqlens=batch.cu_seqlens.long(), use_qk_l2norm_in_kernel=True,
-        )
-        ckpt = self.pool.buffers["checkpoints"][j]
-        live = batch.slots >= 0
-        ckpt[batch.slots[live].long()] = final[live].transpose(-1, -2).to(ckpt.dtype)
-        return o[0].to(v.dtype)
+        """Prompt tokens of GDN layer ``j`` through the chunked kernel; the strategy keeps
+        the final states as the requests' committed states."""
+        return self.strategy.chunk_prefill(j, q, k, v, a, b, batch, self.chunk_kernel)

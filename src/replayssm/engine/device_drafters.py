@@ -155,9 +155,12 @@ class OracleDrafter(DeviceDrafter):
         self.generator = None if device.type == "cuda" else torch.Generator(device=device).manual_seed(self.seed)
 
     def start(self, slot, tokens, request):
-        if request not in self.references:
-            raise ValueError(f"the oracle drafter has no reference for request {request}")
-        ref = self.references[request][: self.reference.shape[1]]
+        ref = self.references.get(request)
+        if ref is None:
+            if self.acceptance > 0:
+                raise ValueError(f"the oracle drafter has no reference for request {request}")
+            ref = [tokens[-1]]  # P = 0 never proposes a reference token
+        ref = ref[: self.reference.shape[1]]
         self.reference[slot, : len(ref)] = torch.tensor(ref, dtype=torch.int64, device=self.reference.device)
         self.reference[slot, len(ref):] = ref[-1]
         self.generated[slot] = 1  # the prefill emitted the first token

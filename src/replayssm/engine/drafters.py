@@ -357,8 +357,6 @@ class ModelDrafter(Drafter):
     name = "model"
 
     def __init__(self, engine: HybridEngine, vocab_size: int):
-        if engine.strategy_name == "circular":
-            raise ValueError("the draft model's engine needs strategy 'snapshot' or 'fold'")
         self.engine = engine
         self.vocab_size = vocab_size
         self.slot: dict = {}
