@@ -199,13 +199,20 @@ def test_save_and_restore_state(rng, seed):
     circ.extend([c], [probe])
     circ.verify([c], [[1, 2]])
     circ.commit([2])
-    before = {k: v.clone() for k, v in circ.pool.buffers.items()}
+    def committed():  # the logical state: checkpoint + history, conv state, cursors (not scratch)
+        layers = range(circ.pool.num_layers)
+        return ([circ.strategy.committed_state(j, [c]) for j in layers],
+                circ.pool.buffers["conv_state"].clone(), circ.pool.buffers["write_pos"].clone())
+
+    before = committed()
     saved = circ.save_state([c])
     circ.verify([c], [[3, 4]])
     circ.commit([2])
+    assert not torch.equal(committed()[0][0], before[0][0])
     circ.restore_state(saved)
-    for k, v in before.items():
-        assert torch.equal(circ.pool.buffers[k].nan_to_num(7.0), v.nan_to_num(7.0)), k
+    after = committed()
+    assert all(torch.equal(x, y) for x, y in zip(after[0], before[0]))
+    assert torch.equal(after[1], before[1]) and torch.equal(after[2], before[2])
     assert circ.length(c) == 5
 
 
