@@ -171,3 +171,53 @@ def test_rejection_of_deterministic_drafts_keeps_the_target_distribution():
     freq = torch.bincount(first, minlength=v).float() / rows
     sigma = (p * (1 - p) / rows).sqrt()
     assert bool(((freq - p).abs() <= 5 * sigma + 1e-9).all()), (freq, p)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_device_mtp_drafts_what_the_host_mtp_drafter_does(family, tmp_path, seed, rng):
+    """The MTP head inside the static step proposes the host drafter's tokens after the
+    prompt and after every verified step (fp32, drafts compared directly), and the
+    generator with it emits plain decoding's tokens."""
+    from replayssm.engine.device_drafters import DeviceMTPDrafter
+    from replayssm.engine.drafters import MTPDrafter, load_mtp_head
+    from replayssm.engine.loading import load_model
+    from replayssm.engine.sampling import greedy_accept
+    from replayssm.engine.tiny import save_tiny_checkpoint
+
+    save_tiny_checkpoint(tmp_path, family, seed=seed, with_mtp=True)
+    model = load_model(str(tmp_path), dtype=torch.float32, device="cpu")
+    prompt = _prompts(rng, 1, 8, 16)[0]
+    eng = HybridEngine(model, strategy="fold", num_slots=1, window=4, max_len=200)
+    head = load_mtp_head(eng, tmp_path)
+    host, dev = MTPDrafter(eng, head), DeviceMTPDrafter(eng, head)
+    dev.bind(1, 3, 200, torch.device("cpu"))
+    slot = eng.alloc()
+    with torch.inference_mode():
+        out = eng.extend([slot], [prompt], prompt=True)
+        first = int(out.logits[0].argmax())
+        host.add(0, prompt + [first], out.hidden)
+        want = host.propose([0], [3], SamplingParams(), None)[0].tokens
+        got = dev.join([slot], [prompt], [first], [0], hidden=out.hidden, offsets=out.offsets)[0].tolist()
+        assert got == want
+        last = first
+        for _ in range(12):
+            window = [last] + want
+            v = eng.verify([slot], [window])
+            n, nxt = greedy_accept(v.logits.argmax(-1).tolist(), want)
+            start = eng.length(slot)
+            eng.commit([n + 1])
+            new = want[:n] + [nxt]
+            host.observe(0, new, v.hidden[: n + 1])
+            emitted = torch.tensor([new + [-1] * (3 - n)])
+            dev.observe(torch.tensor([slot]), emitted, torch.tensor([n + 1]), hidden=v.hidden,
+                        positions=start + torch.arange(4)[None])
+            want = host.propose([0], [3], SamplingParams(), None)[0].tokens
+            assert dev.propose(torch.tensor([slot]))[0].tolist() == want
+            last = nxt
+    n = 60
+    plain = SpeculativeGenerator(HybridEngine(model, strategy="fold", num_slots=1, window=1, max_len=200)).generate(
+        [prompt], n)
+    eng_d = HybridEngine(model, strategy="circular", num_slots=1, window=4, max_len=200)
+    res = StepGenerator(eng_d, DeviceMTPDrafter(eng_d, load_mtp_head(eng_d, tmp_path)), num_draft=3).generate(
+        [prompt], n)
+    assert res.tokens == plain.tokens

@@ -35,10 +35,23 @@ class DeviceDrafter:
         tokens per proposal, ``capacity`` tokens per request (prompt + generated)."""
         raise NotImplementedError
 
+    #: whether :meth:`join` and :meth:`observe` need the target's hidden states
+    needs_hidden = False
+
     def start(self, slot: int, tokens: Sequence[int], request: int) -> None:
         raise NotImplementedError
 
-    def observe(self, slot_idx: torch.Tensor, emitted: torch.Tensor, accepted: torch.Tensor) -> None:
+    def join(self, slots: list[int], prompts: list[list[int]], firsts: list[int], requests: list[int],
+             hidden: torch.Tensor | None = None, offsets: list[int] | None = None) -> torch.Tensor:
+        """Requests join after their prompt prefill (eager): returns their first drafts
+        ``[J, k]``. ``hidden [sum P, H]`` / ``offsets`` are the prompts' target hidden
+        states when :attr:`needs_hidden`."""
+        for s, p, f, r in zip(slots, prompts, firsts, requests):
+            self.start(s, list(p) + [f], r)
+        return self.propose(torch.tensor(slots, dtype=torch.long, device=self._device))
+
+    def observe(self, slot_idx: torch.Tensor, emitted: torch.Tensor, accepted: torch.Tensor, *,
+                hidden: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> None:
         raise NotImplementedError
 
     def propose(self, slot_idx: torch.Tensor) -> torch.Tensor:
@@ -68,6 +81,7 @@ class DeviceNgramDrafter(DeviceDrafter):
     def bind(self, num_slots, num_draft, capacity, device):
         self.k = num_draft
         self.capacity = capacity
+        self._device = device
         self.history = torch.full((num_slots + 1, capacity), -1, dtype=torch.int64, device=device)
         self.length = torch.zeros(num_slots + 1, dtype=torch.int64, device=device)
         self._steps = torch.arange(max(num_draft, 1), device=device)
@@ -77,7 +91,7 @@ class DeviceNgramDrafter(DeviceDrafter):
         self.history[slot, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64, device=self.history.device)
         self.length[slot] = len(tokens)
 
-    def observe(self, slot_idx, emitted, accepted):
+    def observe(self, slot_idx, emitted, accepted, *, hidden=None, positions=None):
         t = emitted.shape[1]
         start = self.length[slot_idx]
         pos = (start[:, None] + torch.arange(t, device=emitted.device)).clamp(max=self.capacity - 1)
@@ -149,6 +163,7 @@ class OracleDrafter(DeviceDrafter):
 
     def bind(self, num_slots, num_draft, capacity, device):
         self.k = num_draft
+        self._device = device
         self.reference = torch.zeros((num_slots + 1, capacity), dtype=torch.int64, device=device)
         self.generated = torch.zeros(num_slots + 1, dtype=torch.int64, device=device)
         self._steps = torch.arange(max(num_draft, 1), device=device)
@@ -165,7 +180,7 @@ class OracleDrafter(DeviceDrafter):
         self.reference[slot, len(ref):] = ref[-1]
         self.generated[slot] = 1  # the prefill emitted the first token
 
-    def observe(self, slot_idx, emitted, accepted):
+    def observe(self, slot_idx, emitted, accepted, *, hidden=None, positions=None):
         self.generated[slot_idx] = self.generated[slot_idx] + accepted
 
     def propose(self, slot_idx):
@@ -176,3 +191,103 @@ class OracleDrafter(DeviceDrafter):
         keep = torch.rand((b, self.k), device=dev, generator=self.generator) < self.acceptance
         shift = torch.randint(1, self.vocab_size, (b, self.k), device=dev, generator=self.generator)
         return torch.where(keep, right, (right + shift) % self.vocab_size)
+
+
+class DeviceMTPDrafter(DeviceDrafter):
+    """The model's MTP head (:class:`replayssm.engine.drafters.MTPHead`) drafting inside
+    the static step, greedily (drafts are deterministic, so sampling's rejection rule
+    applies as for n-gram drafts).
+
+    The head's attention keeps its own KV cache, indexed like the target's: the pair
+    ``(h_t, x_{t+1})`` (target hidden state at position ``t``, next token) sits at
+    position ``t``, so after every step the head holds exactly the target's committed
+    positions. A step's update runs the head over all ``T`` window positions with the
+    emitted tokens as ``x_{t+1}`` (the accepted drafts, then the correction or bonus
+    token): entries past the accepted ones are written but lie beyond the committed
+    length, where the next step overwrites them. Drafts ``2..k`` apply the head to its
+    own output, one row per request, at the positions after it (tentative entries, same
+    rule).
+
+    Args:
+        engine: the target engine (embedding, rotary embedding and LM head are shared).
+        head: the loaded head (:func:`replayssm.engine.drafters.load_mtp_head`).
+    """
+
+    name = "mtp"
+    needs_hidden = True
+
+    def __init__(self, engine, head):
+        self.engine = engine
+        self.head = head
+
+    def bind(self, num_slots, num_draft, capacity, device):
+        from .kv_cache import KVCache
+
+        self.k = num_draft
+        self._device = device
+        attn = self.head.layers[0].self_attn
+        self.cache = KVCache(1, num_slots, attn.k_proj.out_features // attn.head_dim, attn.head_dim, capacity,
+                             dtype=self.engine.dtype, device=device)
+        self._last_hidden = None
+
+    def _layer(self, tokens: torch.Tensor, hidden: torch.Tensor, slot_idx: torch.Tensor,
+               positions: torch.Tensor) -> torch.Tensor:
+        """The head on ``B x T`` pairs: ``tokens [B, T]``, ``hidden [B * T, H]``, positions
+        ``[B, T]``; returns the normed outputs ``[B * T, H]`` (graph-safe)."""
+        from .adapter import is_moe, static_attention_forward, static_moe_forward
+
+        eng, head = self.engine, self.head
+        norm = eng._static_norm
+        e = norm(head.pre_fc_norm_embedding, eng.embed(tokens.reshape(-1)))
+        x = head.fc(torch.cat([e, norm(head.pre_fc_norm_hidden, hidden.to(e.dtype))], dim=-1))
+        cos, sin = eng._rotary(x, positions.reshape(-1))
+        layer = head.layers[0]
+        x = x + static_attention_forward(layer.self_attn, norm(layer.input_layernorm, x), cos, sin, self.cache, 0,
+                                         slot_idx, positions, backend=eng.backend, norm=norm)
+        y = norm(layer.post_attention_layernorm, x)
+        x = x + (static_moe_forward(layer.mlp, y, eng.moe_kernel) if is_moe(layer.mlp) else layer.mlp(y))
+        return norm(head.norm, x)
+
+    def _draft(self, slot_idx, h: torch.Tensor, next_pos: torch.Tensor) -> torch.Tensor:
+        """``k`` greedy drafts from the head outputs ``h [B, H]`` of each request's last
+        committed pair; later pairs go at ``next_pos [B]`` onwards."""
+        eng = self.engine
+        tok = eng.lm_head(h).float().argmax(-1)
+        drafts = [tok]
+        for j in range(1, self.k):
+            pos = (next_pos + j - 1)[:, None]
+            h = self._layer(tok[:, None], h, slot_idx, pos)
+            tok = eng.lm_head(h).float().argmax(-1)
+            drafts.append(tok)
+        return torch.stack(drafts, 1)
+
+    def observe(self, slot_idx, emitted, accepted, *, hidden=None, positions=None):
+        if hidden is None or positions is None:
+            raise ValueError("the MTP drafter needs the step's hidden states and positions")
+        b, t = emitted.shape
+        out = self._layer(emitted.clamp(min=0), hidden, slot_idx, positions).view(b, t, -1)
+        n = (accepted - 1).clamp(min=0)
+        self._last_hidden = out.gather(1, n[:, None, None].expand(b, 1, out.shape[-1]))[:, 0]
+        self._next_pos = positions[:, 0] + accepted
+
+    def propose(self, slot_idx):
+        return self._draft(slot_idx, self._last_hidden, self._next_pos)
+
+    def join(self, slots, prompts, firsts, requests, hidden=None, offsets=None):
+        """Prompt pairs ``(h_t, x_{t+1})`` of joining requests into the head's cache
+        (eagerly, variable lengths), then their first drafts."""
+        from .kv_cache import WindowLayout
+
+        if hidden is None or offsets is None:
+            raise ValueError("the MTP drafter needs the prompts' hidden states")
+        eng = self.engine
+        for s in slots:
+            self.cache.reset(s)
+        tokens = [list(p[1:]) + [f] for p, f in zip(prompts, firsts)]
+        layout = WindowLayout(slots, [0] * len(slots), [len(t) for t in tokens], eng.device)
+        ids = torch.tensor([x for t in tokens for x in t], dtype=torch.long, device=eng.device)
+        out = self.head.forward_layer(eng, self.cache, layout, ids, hidden)
+        ends = torch.tensor([o - 1 for o in offsets[1:]], dtype=torch.long, device=eng.device)
+        self.cache.advance(slots, [len(t) for t in tokens])
+        idx = torch.tensor(slots, dtype=torch.long, device=eng.device)
+        return self._draft(idx, out[ends], torch.tensor([len(p) for p in prompts], device=eng.device))

@@ -484,9 +484,9 @@ class StepGenerator:
         self.buffers.windows[slots, 0] = firsts
         firsts = firsts.tolist()
         if self.drafter is not None:
-            for r, tok in zip(joiners, firsts):
-                self.drafter.start(r.slot, r.prompt + [tok], r.index)
-            self.buffers.windows[slots, 1:] = self.drafter.propose(slots)
+            self.buffers.windows[slots, 1:] = self.drafter.join(
+                [r.slot for r in joiners], [r.prompt for r in joiners], firsts, [r.index for r in joiners],
+                hidden=out.hidden if self.drafter.needs_hidden else None, offsets=out.offsets)
         for r, tok in zip(joiners, firsts):
             kept = self._emit(r, [tok])
             if on_tokens:

@@ -114,7 +114,7 @@ class StaticStep:
         starts = kv_len[self.slot_idx]
         positions = starts[:, None] + self._steps
         verify = t > 1
-        logits, _ = eng.forward_static(ids, positions, self.slot_idx, self.batch, verify=verify)
+        logits, hidden = eng.forward_static(ids, positions, self.slot_idx, self.batch, verify=verify)
         logits = logits.view(self.rows, t, -1)
         if self.sampling.greedy:
             n, nxt = accept_greedy_static(logits, ids)
@@ -129,7 +129,7 @@ class StaticStep:
         emitted = torch.where(self._steps[None] < n[:, None], shifted,
                               torch.where(self._steps[None] == n[:, None], nxt[:, None], -1))
         if verify:
-            self.drafter.observe(self.slot_idx, emitted, accepted)
+            self.drafter.observe(self.slot_idx, emitted, accepted, hidden=hidden, positions=positions)
             nxt_window = torch.cat([nxt[:, None], self.drafter.propose(self.slot_idx)], 1)
         else:
             nxt_window = nxt[:, None]
