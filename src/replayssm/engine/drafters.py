@@ -226,6 +226,12 @@ def load_mtp_head(engine: HybridEngine, model_dir: str | os.PathLike) -> MTPHead
     weights = read_mtp_weights(model_dir)
     if not weights:
         raise ValueError(f"{os.fspath(model_dir)!r} has no mtp.* weights (this checkpoint carries no MTP head)")
+    return build_mtp_head(engine, weights)
+
+
+def build_mtp_head(engine: HybridEngine, weights: dict[str, torch.Tensor]) -> MTPHead:
+    """An :class:`MTPHead` for ``engine`` from checkpoint-layout weights keyed without
+    the ``mtp.`` prefix; raises ``ValueError`` when they do not fit."""
     layer_ids = {int(k.split(".")[1]) for k in weights if k.startswith("layers.")}
     if layer_ids != {0}:
         raise ValueError(f"MTP heads with layers {sorted(layer_ids)} are not supported (expected exactly layer 0)")
