@@ -52,26 +52,24 @@ def name_list(allowed: tuple[str, ...], *, allow_none: bool = False):
     return parse
 
 
-def positive_int(text: str) -> int:
-    """An integer >= 1."""
+def _int_at_least(text: str, low: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1."""
+    return _int_at_least(text, 1)
 
 
 def nonneg_int(text: str) -> int:
     """An integer >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+    return _int_at_least(text, 0)
 
 
 def _float(text: str) -> float:
@@ -143,3 +141,17 @@ def device_name(text: str) -> str:
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise argparse.ArgumentTypeError(f"{text}: only {torch.cuda.device_count()} CUDA device(s)")
     return text
+
+
+def check_device(name: str):
+    """``torch.device(name)``, or a ``ValueError`` saying why it cannot be used here
+    (not a device name; CUDA without a CUDA device)."""
+    import torch
+
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device {name!r} is not a torch device: {e}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} asked for, but CUDA is not available")
+    return dev

@@ -50,7 +50,7 @@ import torch
 
 from ..ops.dispatch import BACKENDS, resolve
 from ..strategies import STRATEGY_NAMES
-from .args import device_name, int_list, name_list, output_path, positive_int
+from .args import check_device, device_name, int_list, name_list, output_path, positive_int
 from .progress import ProgressBar, write_outputs
 
 STRICT_DTYPES = ("fp32",)  # model dtypes in which an exact strategy must match plain
@@ -131,12 +131,7 @@ class E2EConfig:
         if self.model is not None:
             if not Path(self.model).is_dir() or not (Path(self.model) / "config.json").is_file():
                 raise ValueError(f"model must be a checkpoint directory with a config.json, got {self.model!r}")
-        try:
-            dev = torch.device(self.device)
-        except (RuntimeError, TypeError) as e:
-            raise ValueError(f"device {self.device!r} is not a torch device: {e}") from None
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device {self.device!r} asked for, but CUDA is not available")
+        check_device(self.device)
 
     @property
     def modes(self) -> tuple[str, ...]:
@@ -435,10 +430,9 @@ def _own_references(engine, model, prompts, warm, cfg: E2EConfig):
 
 
 def _environment(device: torch.device, backend: str) -> dict:
-    env = {"python": platform.python_version(), "torch": torch.__version__, "device": str(device),
-           "backend": resolve(backend, device)}
-    if device.type == "cuda":
-        env["device_name"] = torch.cuda.get_device_name(device)
+    from .drift.run import _environment as base
+
+    env = base(device, backend)
     try:
         import transformers
 

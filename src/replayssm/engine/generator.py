@@ -83,6 +83,55 @@ class _Request:
         return self.generated[-1]
 
 
+def check_generator_args(engine, drafter, drafter_cls: type, sampling, num_draft) -> None:
+    """The checks a generator's constructor shares: types, and a window that holds
+    ``num_draft`` drafts plus the last token."""
+    if not isinstance(engine, HybridEngine):
+        raise TypeError(f"engine must be a HybridEngine, got {type(engine).__name__}")
+    if drafter is not None and not isinstance(drafter, drafter_cls):
+        raise TypeError(f"drafter must be a {drafter_cls.__name__} or None, got {type(drafter).__name__}")
+    if not isinstance(sampling, SamplingParams):
+        raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+    if drafter is not None:
+        if isinstance(num_draft, bool) or not isinstance(num_draft, int) or num_draft < 1:
+            raise ValueError(f"num_draft must be a positive int, got {num_draft!r}")
+        if num_draft + 1 > engine.window:
+            raise ValueError(f"num_draft + 1 = {num_draft + 1} exceeds the engine's window {engine.window}")
+
+
+def check_requests(engine: HybridEngine, prompts, max_new_tokens) -> tuple[list[list[int]], list[int]]:
+    """Validated ``(prompts, budgets)`` of a ``generate`` call (``ValueError`` naming the
+    request at fault): non-empty prompts of token ids, positive budgets, room for each
+    request within the engine's ``max_len``."""
+    prompts = [list(p) for p in prompts]
+    if not prompts:
+        raise ValueError("prompts is empty")
+    budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    if len(budgets) != len(prompts):
+        raise ValueError(f"max_new_tokens has {len(budgets)} entries for {len(prompts)} prompts")
+    vocab = engine.vocab_size
+    for i, (p, m) in enumerate(zip(prompts, budgets)):
+        if not p or any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in p):
+            raise ValueError(f"prompts[{i}] must be a non-empty list of token ids in [0, {vocab})")
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise ValueError(f"max_new_tokens must be positive ints, got {m!r} for request {i}")
+        if len(p) + m + engine.window > engine.max_len:
+            raise ValueError(f"request {i}: prompt {len(p)} + max_new_tokens {m} + window {engine.window} "
+                             f"exceeds the engine's max_len {engine.max_len}")
+    return prompts, budgets
+
+
+def _retire(gen, active: list) -> list:
+    """Release the finished requests of ``active`` (through ``gen._release``); the rest."""
+    gen._release([r for r in active if r.finish])
+    return [r for r in active if r.finish is None]
+
+
+def _collect(result: GenerationResult, reqs) -> None:
+    result.tokens = [r.generated for r in reqs]
+    result.finish_reasons = [r.finish or "length" for r in reqs]
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -103,17 +152,7 @@ class SpeculativeGenerator:
 
     def __init__(self, engine: HybridEngine, drafter: Drafter | None = None, *, num_draft: int = 3,
                  sampling: SamplingParams = SamplingParams(), eos_token_ids: Sequence[int] = (), seed: int = 0):
-        if not isinstance(engine, HybridEngine):
-            raise TypeError(f"engine must be a HybridEngine, got {type(engine).__name__}")
-        if drafter is not None and not isinstance(drafter, Drafter):
-            raise TypeError(f"drafter must be a Drafter or None, got {type(drafter).__name__}")
-        if not isinstance(sampling, SamplingParams):
-            raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
-        if drafter is not None:
-            if not isinstance(num_draft, int) or isinstance(num_draft, bool) or num_draft < 1:
-                raise ValueError(f"num_draft must be a positive int, got {num_draft!r}")
-            if num_draft + 1 > engine.window:
-                raise ValueError(f"num_draft + 1 = {num_draft + 1} exceeds the engine's window {engine.window}")
+        check_generator_args(engine, drafter, Drafter, sampling, num_draft)
         self.engine = engine
         self.drafter = drafter
         self.num_draft = num_draft
@@ -156,22 +195,9 @@ class SpeculativeGenerator:
                 request emits tokens (streaming).
         """
         eng = self.engine
-        prompts = [list(p) for p in prompts]
-        if not prompts:
-            raise ValueError("prompts is empty")
+        prompts, budgets = check_requests(eng, prompts, max_new_tokens)
         if len(prompts) > eng.pool.num_free:
             raise ValueError(f"{len(prompts)} prompts but the engine has {eng.pool.num_free} free slots")
-        budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
-        if len(budgets) != len(prompts):
-            raise ValueError(f"max_new_tokens has {len(budgets)} entries for {len(prompts)} prompts")
-        for i, (p, m) in enumerate(zip(prompts, budgets)):
-            if not p:
-                raise ValueError(f"prompts[{i}] is empty")
-            if isinstance(m, bool) or not isinstance(m, int) or m < 1:
-                raise ValueError(f"max_new_tokens must be positive ints, got {m!r} for request {i}")
-            if len(p) + m + eng.window > eng.max_len:
-                raise ValueError(f"request {i}: prompt {len(p)} + max_new_tokens {m} + window {eng.window} "
-                                 f"exceeds the engine's max_len {eng.max_len}")
         with torch.inference_mode():
             return self._generate(prompts, budgets, on_tokens)
 
@@ -203,14 +229,12 @@ class SpeculativeGenerator:
                 else:
                     self._spec_step(active, result, on_tokens)
                 result.steps += 1
-                self._release([r for r in active if r.finish])
-                active = [r for r in active if r.finish is None]
+                active = _retire(self, active)
             _sync(eng.device)
             result.decode_s = time.perf_counter() - t0
         finally:
             self._release([r for r in reqs if r.slot >= 0])
-        result.tokens = [r.generated for r in reqs]
-        result.finish_reasons = [r.finish or "length" for r in reqs]
+        _collect(result, reqs)
         return result
 
     def _release(self, reqs):
@@ -334,17 +358,7 @@ class StepGenerator:
                  graphs: bool | None = None, buckets: Sequence[int] | None = None):
         from .device_drafters import DeviceDrafter
 
-        if not isinstance(engine, HybridEngine):
-            raise TypeError(f"engine must be a HybridEngine, got {type(engine).__name__}")
-        if drafter is not None and not isinstance(drafter, DeviceDrafter):
-            raise TypeError(f"drafter must be a DeviceDrafter or None, got {type(drafter).__name__}")
-        if not isinstance(sampling, SamplingParams):
-            raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
-        if drafter is not None:
-            if isinstance(num_draft, bool) or not isinstance(num_draft, int) or num_draft < 1:
-                raise ValueError(f"num_draft must be a positive int, got {num_draft!r}")
-            if num_draft + 1 > engine.window:
-                raise ValueError(f"num_draft + 1 = {num_draft + 1} exceeds the engine's window {engine.window}")
+        check_generator_args(engine, drafter, DeviceDrafter, sampling, num_draft)
         graphs = engine.device.type == "cuda" if graphs is None else bool(graphs)
         if graphs and engine.device.type != "cuda":
             raise ValueError("graphs=True needs a CUDA engine")
@@ -393,20 +407,7 @@ class StepGenerator:
         prefill (later joiners' prefills included); ``prefill_s`` that first prefill.
         """
         eng = self.engine
-        prompts = [list(p) for p in prompts]
-        if not prompts:
-            raise ValueError("prompts is empty")
-        budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
-        if len(budgets) != len(prompts):
-            raise ValueError(f"max_new_tokens has {len(budgets)} entries for {len(prompts)} prompts")
-        for i, (p, m) in enumerate(zip(prompts, budgets)):
-            if not p or any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < eng.vocab_size for t in p):
-                raise ValueError(f"prompts[{i}] must be a non-empty list of token ids in [0, {eng.vocab_size})")
-            if isinstance(m, bool) or not isinstance(m, int) or m < 1:
-                raise ValueError(f"max_new_tokens must be positive ints, got {m!r} for request {i}")
-            if len(p) + m + eng.window > eng.max_len:
-                raise ValueError(f"request {i}: prompt {len(p)} + max_new_tokens {m} + window {eng.window} "
-                                 f"exceeds the engine's max_len {eng.max_len}")
+        prompts, budgets = check_requests(eng, prompts, max_new_tokens)
         if eng.pool.num_free < eng.pool.num_slots:
             raise ValueError("the engine has live slots; a StepGenerator needs all of them free")
         with torch.inference_mode():
@@ -460,14 +461,12 @@ class StepGenerator:
                         on_tokens(r.index, kept)
                 stats.emitted.append(emitted)
                 result.steps += 1
-                self._release([r for r in active if r.finish])
-                active = [r for r in active if r.finish is None]
+                active = _retire(self, active)
             _sync(eng.device)
             result.decode_s = time.perf_counter() - t_start
         finally:
             self._release([r for r in reqs if r.slot >= 0])
-        result.tokens = [r.generated for r in reqs]
-        result.finish_reasons = [r.finish or "length" for r in reqs]
+        _collect(result, reqs)
         result.stats = stats
         return result
 

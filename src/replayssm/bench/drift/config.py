@@ -10,6 +10,7 @@ from ...ops import triton_common
 from ...ops.dispatch import BACKENDS, triton_available
 from ...state import GDNShape
 from ...strategies import STRATEGY_NAMES
+from ..args import check_device
 
 PLAIN = "plain"
 CONTROL = "open-loop"
@@ -97,12 +98,7 @@ class DriftConfig:
             self.ring_len & (self.ring_len - 1) or self.ring_len < 2 * self.window
         ):
             raise ValueError(f"ring_len must be a power of two >= 2 * window = {2 * self.window}, got {self.ring_len}")
-        try:
-            dev = torch.device(self.device)
-        except (RuntimeError, TypeError) as e:
-            raise ValueError(f"device {self.device!r} is not a torch device: {e}") from None
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device {self.device!r} asked for, but CUDA is not available")
+        dev = check_device(self.device)
         if self.backend == "triton":
             if not triton_available():
                 raise ValueError("backend triton needs the triton package (pip install triton)")
