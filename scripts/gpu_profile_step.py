@@ -81,7 +81,19 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                    help="set an int tuning global of a replayssm.ops module first (e.g. recurrent._BLOCK_V_MAX_READ_ONLY=64)")
     args = ap.parse_args()
+    import importlib
+
+    for item in args.set:
+        target, value = item.split("=")
+        module, name = target.rsplit(".", 1)
+        mod = importlib.import_module(f"replayssm.ops.{module}")
+        if not hasattr(mod, name):
+            ap.error(f"replayssm.ops.{module} has no {name}")
+        setattr(mod, name, int(value))
+        print(f"set replayssm.ops.{module}.{name} = {value}")
     model = build_tiny_model("qwen3_5", seed=0, dtype=torch.bfloat16, device="cuda", **QWEN35_SHAPES)
     out = [profile(model, m, int(b), args.num_draft, args.reps, args.top)
            for b in args.batches.split(",") for m in args.modes.split(",")]

@@ -61,9 +61,12 @@ def test_verify_windows_match_hf_forward(family, strategy, rng, seed):
         assert [eng.length(s) for s in slots] == pos
 
 
-def test_verify_then_commit_equals_plain_decoding_bitwise(rng, seed):
+def test_verify_then_commit_equals_plain_decoding_to_fp32_rounding(rng, seed):
     """fold's verify runs the same recurrence as plain decoding: after any accepted
-    prefix, the next window's first logits equal the plain path's."""
+    prefix, every window position's logits equal the plain path's to fp32 rounding.
+    Not bit for bit: the CPU GEMM blocks a 4-row product differently from a 1-row one
+    (measured: differences of a few ulp of the logits' scale); greedy token equality
+    over long runs is checked by the generator tests."""
     model = build_tiny_model("qwen3_5", seed=seed)
     stream = torch.randint(0, 256, (50,), generator=rng).tolist()
     plain = HybridEngine(model, strategy="fold", num_slots=1, window=1, max_len=64)
@@ -78,7 +81,9 @@ def test_verify_then_commit_equals_plain_decoding_bitwise(rng, seed):
     while pos + 4 <= 50:
         out = eng.verify([s], [stream[pos : pos + 4]])
         for j in range(4):
-            torch.testing.assert_close(out.logits[j], plain_logits[pos - 4 + j], atol=1e-6, rtol=0)
+            ref = plain_logits[pos - 4 + j]
+            scale = float(ref.abs().max())
+            torch.testing.assert_close(out.logits[j], ref, rtol=0, atol=1e-5 * scale)
         a = int(torch.randint(1, 5, (1,), generator=rng))
         eng.commit([a])
         pos += a

@@ -110,3 +110,24 @@ def test_sampling_in_the_graph_emits_valid_tokens():
     vocab = model.config.vocab_size
     assert all(len(t) == 50 and all(0 <= x < vocab for x in t) for t in res.tokens)
     assert 1.0 <= res.mean_accept_length <= K + 1
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_mtp_drafting_inside_the_graph_equals_eager(family, tmp_path):
+    """The MTP head drafts inside the captured step: the same tokens as the eager static
+    steps, with requests joining and finishing."""
+    from replayssm.engine.device_drafters import DeviceMTPDrafter
+    from replayssm.engine.drafters import load_mtp_head
+    from replayssm.engine.loading import load_model
+    from replayssm.engine.tiny import save_tiny_checkpoint
+
+    save_tiny_checkpoint(tmp_path, family, seed=12, with_mtp=True)
+    model = load_model(str(tmp_path), dtype=torch.bfloat16, device="cuda")
+    prompts, budgets = _prompts(5, 10), _budgets(5, 10)
+    runs = {}
+    for graphs in (False, True):
+        eng = _engine(model, "fold", K + 1)
+        gen = StepGenerator(eng, DeviceMTPDrafter(eng, load_mtp_head(eng, tmp_path)), num_draft=K, graphs=graphs)
+        runs[graphs] = gen.generate(prompts, budgets)
+    assert runs[True].tokens == runs[False].tokens
+    assert [len(t) for t in runs[True].tokens] == budgets
