@@ -286,10 +286,18 @@ class StrategyStep:
                 conv_bias=_randn(gen, cfg.device, torch.float32, shape.conv_dim, scale=0.1),
             )
         slots = [self.pool.alloc() for _ in range(batch)]
-        # Random committed states (alloc zeroed them): the empty ring makes the
-        # checkpoint the whole committed state for every strategy.
-        self.pool.buffers["checkpoints"].normal_(0.0, 0.1, generator=gen)
-        self.pool.buffers["conv_state"].copy_(torch.randn(self.pool.buffers["conv_state"].shape, generator=gen, device=cfg.device))
+        # Random committed states through the strategy API (alloc zeroed them): random
+        # recurrent states, and conv states advanced over a few random tokens.
+        s, w = self.pool.shape, shape.conv_kernel
+        idx = torch.tensor(slots, dtype=torch.int64, device=cfg.device)
+        prompt = self.pool.batch(slots, w - 1, prefill=True)
+        act = self.pool.act_dtype
+        for layer in range(cfg.layers):
+            states = 0.1 * torch.randn((batch, s.num_value_heads, s.head_v_dim, s.head_k_dim), generator=gen,
+                                       device=cfg.device)
+            self.pool.strategy.load_states(layer, idx, states)
+            x = torch.randn((batch * (w - 1), s.conv_dim), generator=gen, device=cfg.device).to(act)
+            self.pool.strategy.conv_prefill(layer, x, prompt)
         self.batch = self.pool.batch(slots, cfg.window)
         self.inputs = _LayerInputs(cfg, batch * cfg.window, gen, conv=cfg.conv)
         self.accepted = torch.full((batch,), cfg.accept, dtype=torch.int32, device=cfg.device)

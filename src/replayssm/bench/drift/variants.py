@@ -6,10 +6,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ...ops import advance_cursors_reference, gdn_recurrence
-from ...ops.chunked import apply_history
-from ...ops.gates import expand_heads, l2_normalize
+from ...ops import gdn_recurrence
 from ...state import StatePool
+from ...strategies.open_loop import OpenLoopControlStrategy, open_loop_fold  # noqa: F401  (re-exported)
 from .config import ACT_DTYPES, CONTROL, PLAIN, SHAPES, STATE_DTYPES, DriftConfig
 
 
@@ -32,7 +31,7 @@ class Variant:
 class StrategyVariant(Variant):
     """A strategy behind its own single-layer :class:`StatePool`."""
 
-    def __init__(self, name: str, cfg: DriftConfig, params: dict, strategy: str | None = None):
+    def __init__(self, name: str, cfg: DriftConfig, params: dict, strategy=None):
         self.name = name
         self.claims_exact = True
         shape = SHAPES[cfg.shape]
@@ -57,18 +56,10 @@ class StrategyVariant(Variant):
                 self._keep_cache[key] = idx
         return idx
 
-    def before_verify(self) -> None:
-        pass
-
-    def after_verify(self) -> None:
-        pass
-
     def step(self, packed, lengths, accepted, accepted_list, kept):
         strat = self.pool.strategy
         batch = self.pool.batch(self.slots, lengths)
-        self.before_verify()
         o = strat.verify(0, packed["q"], packed["k"], packed["v"], packed["a"], packed["b"], batch)
-        self.after_verify()
         strat.commit(batch, accepted)
         return o[self._keep(lengths, accepted_list)]
 
@@ -76,70 +67,13 @@ class StrategyVariant(Variant):
         return self.pool.strategy.committed_state(0, self.slots)
 
 
-def open_loop_fold(S: torch.Tensor, u: torch.Tensor, k: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """The open-loop fold of ``c`` history records into a state ``S`` (``[HV, V, K]``):
-
-        S <- exp(G_tot) S + sum_c exp(G_tot - G_c) u_c k^_c^T
-
-    This is the closed form's own way of applying checkpoint + history to a vector
-    (:func:`replayssm.ops.chunked.apply_history`), applied to the basis vectors, so the
-    control folds exactly what ``circular``'s verify reads, with no fold of its own.
-    ``u`` are the ring's corrected deltas, ``k`` the raw keys (``[c, H, K]``), ``g`` the
-    log decays (``[c, HV]``). Computed in float32 (float64 for a float64 ``S``).
-    """
-    if u.shape[0] == 0:
-        return S
-    dtype = torch.float64 if S.dtype == torch.float64 else torch.float32
-    hv, _, kd = S.shape
-    k_hat = expand_heads(l2_normalize(k, dtype=dtype), hv)  # [c, HV, K]
-    basis = torch.eye(kd, dtype=dtype, device=S.device)[:, None, :].expand(kd, hv, kd)  # [K, HV, K]
-    columns = apply_history(S.to(dtype), u.to(dtype), k_hat, g.to(dtype), basis)  # [K, HV, V]: S e_k
-    return columns.permute(1, 2, 0).to(S.dtype)
-
-
 class OpenLoopControl(StrategyVariant):
-    """The ``circular`` ring with an open-loop flush (the control; see the package doc).
-
-    The ring keeps each record's corrected delta ``u`` in the activation dtype (rounded
-    right after the verify that wrote it), so verify's history and the flush both use
-    the rounded ``u``. Before a verify, each row that is due to flush gets its history
-    folded into its checkpoint by :func:`open_loop_fold`, and its cursors moved by the
-    library's own cursor op as a commit of zero tokens on a flush row
-    (``cache_base += write_pos``, ``write_pos = 0``): the strategy's verify then sees an
-    empty history and writes the window's records where its own flush would have.
-    """
+    """The ``circular`` ring with an open-loop flush (the control; see the package doc
+    and :class:`replayssm.strategies.open_loop.OpenLoopControlStrategy`)."""
 
     def __init__(self, cfg: DriftConfig, params: dict):
-        super().__init__(CONTROL, cfg, params, strategy="circular")
+        super().__init__(CONTROL, cfg, params, strategy=OpenLoopControlStrategy)
         self.claims_exact = False
-        self.act_dtype = ACT_DTYPES[cfg.act_dtype]
-
-    def _history(self, slot: int, layer: int = 0):
-        buf, L = self.pool.buffers, self.pool.ring_len
-        wp = int(buf["write_pos"][slot])
-        base = int(buf["cache_base"][slot])
-        pos = [(base + c) & (L - 1) for c in range(wp)]
-        return buf["ring_u"][layer, slot, pos], buf["ring_k"][layer, slot, pos], buf["ring_g"][layer, slot, pos]
-
-    def before_verify(self):
-        buf = self.pool.buffers
-        flush = [s for s, f in zip(self.slots, buf["is_flush"][self.slots].tolist()) if f]
-        if not flush:
-            return
-        ckpt = buf["checkpoints"]
-        for s in flush:
-            ckpt[0, s] = open_loop_fold(ckpt[0, s], *self._history(s))
-        rows = torch.tensor(flush, dtype=torch.int32, device=self.pool.device)
-        advance_cursors_reference(buf["write_pos"], buf["cache_base"], buf["is_flush"], rows, torch.zeros_like(rows),
-                                  self.pool.window, self.pool.ring_len)
-
-    def after_verify(self):
-        ring_u = self.pool.buffers["ring_u"]
-        ring_u.copy_(ring_u.to(self.act_dtype).to(ring_u.dtype))
-
-    def committed(self):
-        ckpt = self.pool.buffers["checkpoints"]
-        return torch.stack([open_loop_fold(ckpt[0, s].clone(), *self._history(s)) for s in self.slots])
 
 
 class PlainRecurrence(Variant):
