@@ -127,9 +127,17 @@ def _retire(gen, active: list) -> list:
     return [r for r in active if r.finish is None]
 
 
-def _collect(result: GenerationResult, reqs) -> None:
+def _close(gen, result: GenerationResult, reqs) -> None:
+    """Release every slot still held (also after an error) and fill in the tokens."""
+    gen._release([r for r in reqs if r.slot >= 0])
     result.tokens = [r.generated for r in reqs]
     result.finish_reasons = [r.finish or "length" for r in reqs]
+
+
+def _elapsed(device: torch.device, t0: float) -> float:
+    """Seconds since ``t0`` once the device's queued work is done."""
+    _sync(device)
+    return time.perf_counter() - t0
 
 
 def _sync(device: torch.device) -> None:
@@ -230,11 +238,9 @@ class SpeculativeGenerator:
                     self._spec_step(active, result, on_tokens)
                 result.steps += 1
                 active = _retire(self, active)
-            _sync(eng.device)
-            result.decode_s = time.perf_counter() - t0
+            result.decode_s = _elapsed(eng.device, t0)
         finally:
-            self._release([r for r in reqs if r.slot >= 0])
-        _collect(result, reqs)
+            _close(self, result, reqs)
         return result
 
     def _release(self, reqs):
@@ -462,11 +468,9 @@ class StepGenerator:
                 stats.emitted.append(emitted)
                 result.steps += 1
                 active = _retire(self, active)
-            _sync(eng.device)
-            result.decode_s = time.perf_counter() - t_start
+            result.decode_s = _elapsed(eng.device, t_start)
         finally:
-            self._release([r for r in reqs if r.slot >= 0])
-        _collect(result, reqs)
+            _close(self, result, reqs)
         result.stats = stats
         return result
 

@@ -68,12 +68,8 @@ class StaticStep:
             raise ValueError(f"window {t} exceeds the engine's window {engine.window}")
         if graph and engine.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA engine")
-        self.engine = engine
-        self.buffers = buffers
-        self.rows = rows
-        self.window = t
-        self.drafter = drafter
-        self.sampling = sampling
+        self.engine, self.buffers, self.drafter, self.sampling = engine, buffers, drafter, sampling
+        self.rows, self.window = rows, t
         dev = engine.device
         self.batch = engine.static_batch(rows, t)
         self.slot_idx = torch.full((rows,), engine.kv.sink, dtype=torch.int64, device=dev)
