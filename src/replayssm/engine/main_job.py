@@ -40,9 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args) -> int:
     from .adapter import HybridEngine
-    from .drafters import NgramDrafter
+    from .device_drafters import DeviceNgramDrafter
     from .generate import describe_memory
-    from .generator import SpeculativeGenerator
+    from .generator import StepGenerator
     from .loading import resolve_device
     from .tiny import build_tiny_model, tiny_tokenizer
 
@@ -63,8 +63,9 @@ def main(args) -> int:
         window = 1 if strategy is None else args.num_draft + 1
         engine = HybridEngine(model, strategy=strategy or "fold", num_slots=args.batch, window=window,
                               max_len=max_len)
-        drafter = None if strategy is None else NgramDrafter()
-        gen = SpeculativeGenerator(engine, drafter, num_draft=args.num_draft, eos_token_ids=())
+        drafter = None if strategy is None else DeviceNgramDrafter()
+        # static-shape steps: one CUDA graph each on a GPU, the same steps eagerly here
+        gen = StepGenerator(engine, drafter, num_draft=args.num_draft, eos_token_ids=())
         return engine, gen.generate(prompts, args.max_new_tokens)
 
     t0 = time.perf_counter()
