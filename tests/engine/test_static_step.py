@@ -221,3 +221,41 @@ def test_device_mtp_drafts_what_the_host_mtp_drafter_does(family, tmp_path, seed
     res = StepGenerator(eng_d, DeviceMTPDrafter(eng_d, load_mtp_head(eng_d, tmp_path)), num_draft=3).generate(
         [prompt], n)
     assert res.tokens == plain.tokens
+
+
+def test_rejection_of_sampled_drafts_keeps_the_target_distribution():
+    """Drafts drawn from q != p: the emitted first token is distributed as p at window
+    position 0, the acceptance rate is sum_x min(p, q) (Monte Carlo, 5 sigma)."""
+    g = torch.Generator().manual_seed(6)
+    v, rows = 5, 40_000
+    logits = torch.randn(1, 2, v, generator=g).expand(rows, 2, v).contiguous()
+    params = SamplingParams(temperature=1.0)
+    p = warp_probs(logits[0, 0], params)
+    q_row = torch.softmax(torch.randn(v, generator=g), 0)
+    drafts = torch.multinomial(q_row, rows, replacement=True, generator=g)
+    window = torch.stack([torch.zeros(rows, dtype=torch.long), drafts], 1)
+    q = q_row.expand(rows, 1, v).contiguous()
+    n, nxt = accept_sampled_static(logits, window, params, generator=g, q=q)
+    first = torch.where(n > 0, drafts, nxt)
+    freq = torch.bincount(first, minlength=v).float() / rows
+    sigma = (p * (1 - p) / rows).sqrt()
+    assert bool(((freq - p).abs() <= 5 * sigma + 1e-9).all()), (freq, p)
+    rate = torch.minimum(p, q_row).sum()
+    assert abs(n.float().mean() - rate) < 5 * (rate * (1 - rate) / rows).sqrt()
+
+
+def test_sampled_mtp_drafts_in_the_static_step(tmp_path, seed, rng):
+    from replayssm.engine.device_drafters import DeviceMTPDrafter
+    from replayssm.engine.drafters import load_mtp_head
+    from replayssm.engine.loading import load_model
+    from replayssm.engine.tiny import save_tiny_checkpoint
+
+    save_tiny_checkpoint(tmp_path, "qwen3_5", seed=seed, with_mtp=True)
+    model = load_model(str(tmp_path), dtype=torch.float32, device="cpu")
+    params = SamplingParams(temperature=0.9, top_k=50)
+    eng = HybridEngine(model, strategy="fold", num_slots=2, window=4, max_len=200)
+    drafter = DeviceMTPDrafter(eng, load_mtp_head(eng, tmp_path), sampling=params)
+    res = StepGenerator(eng, drafter, num_draft=3, sampling=params).generate(_prompts(rng, 3), 40)
+    assert all(len(t) == 40 and all(0 <= x < 260 for x in t) for t in res.tokens)
+    q = drafter.draft_probs(torch.arange(2))
+    torch.testing.assert_close(q.sum(-1), torch.ones(2, 3))  # real distributions were kept

@@ -131,3 +131,23 @@ def test_mtp_drafting_inside_the_graph_equals_eager(family, tmp_path):
         runs[graphs] = gen.generate(prompts, budgets)
     assert runs[True].tokens == runs[False].tokens
     assert [len(t) for t in runs[True].tokens] == budgets
+
+
+def test_sampled_mtp_drafts_and_rejection_inside_the_graph(tmp_path):
+    """Sampled MTP drafts keep their probabilities per slot and the rejection rule reads
+    them, inside the captured step: valid tokens, real draft distributions."""
+    from replayssm.engine.device_drafters import DeviceMTPDrafter
+    from replayssm.engine.drafters import load_mtp_head
+    from replayssm.engine.loading import load_model
+    from replayssm.engine.tiny import save_tiny_checkpoint
+
+    save_tiny_checkpoint(tmp_path, "qwen3_5", seed=13, with_mtp=True)
+    model = load_model(str(tmp_path), dtype=torch.bfloat16, device="cuda")
+    params = SamplingParams(temperature=0.9, top_p=0.95)
+    eng = _engine(model, "circular", K + 1)
+    drafter = DeviceMTPDrafter(eng, load_mtp_head(eng, tmp_path), sampling=params)
+    res = StepGenerator(eng, drafter, num_draft=K, sampling=params).generate(_prompts(6, 8), 60)
+    vocab = model.config.vocab_size
+    assert all(len(t) == 60 and all(0 <= x < vocab for x in t) for t in res.tokens)
+    q = drafter.draft_probs(torch.arange(SLOTS, device="cuda"))
+    torch.testing.assert_close(q.sum(-1), torch.ones(SLOTS, K, device="cuda"))

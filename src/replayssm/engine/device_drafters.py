@@ -57,6 +57,11 @@ class DeviceDrafter:
     def propose(self, slot_idx: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def draft_probs(self, slot_idx: torch.Tensor) -> torch.Tensor | None:
+        """``[B, k, V]`` probabilities the current drafts were sampled from, or ``None``
+        when they are deterministic (rejection sampling then takes ``q = onehot``)."""
+        return None
+
 
 class DeviceNgramDrafter(DeviceDrafter):
     """Prompt lookup on the device: the latest earlier occurrence of the sequence's last
@@ -211,14 +216,22 @@ class DeviceMTPDrafter(DeviceDrafter):
     Args:
         engine: the target engine (embedding, rotary embedding and LM head are shared).
         head: the loaded head (:func:`replayssm.engine.drafters.load_mtp_head`).
+        sampling: ``None`` or greedy: argmax drafts. Otherwise drafts are sampled from
+            the head's warped probabilities, which are kept per slot for the rejection
+            rule (:meth:`draft_probs`).
     """
 
     name = "mtp"
     needs_hidden = True
 
-    def __init__(self, engine, head):
+    def __init__(self, engine, head, sampling=None):
+        from .sampling import SamplingParams
+
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams or None, got {type(sampling).__name__}")
         self.engine = engine
         self.head = head
+        self.sampling = None if sampling is None or sampling.greedy else sampling
 
     def bind(self, num_slots, num_draft, capacity, device):
         from .kv_cache import KVCache
@@ -229,6 +242,9 @@ class DeviceMTPDrafter(DeviceDrafter):
         self.cache = KVCache(1, num_slots, attn.k_proj.out_features // attn.head_dim, attn.head_dim, capacity,
                              dtype=self.engine.dtype, device=device)
         self._last_hidden = None
+        self.q = None
+        if self.sampling is not None:
+            self.q = torch.zeros((num_slots + 1, num_draft, self.engine.vocab_size), dtype=torch.float32, device=device)
 
     def _layer(self, tokens: torch.Tensor, hidden: torch.Tensor, slot_idx: torch.Tensor,
                positions: torch.Tensor) -> torch.Tensor:
@@ -249,17 +265,31 @@ class DeviceMTPDrafter(DeviceDrafter):
         return norm(head.norm, x)
 
     def _draft(self, slot_idx, h: torch.Tensor, next_pos: torch.Tensor) -> torch.Tensor:
-        """``k`` greedy drafts from the head outputs ``h [B, H]`` of each request's last
-        committed pair; later pairs go at ``next_pos [B]`` onwards."""
-        eng = self.engine
-        tok = eng.lm_head(h).float().argmax(-1)
-        drafts = [tok]
-        for j in range(1, self.k):
-            pos = (next_pos + j - 1)[:, None]
-            h = self._layer(tok[:, None], h, slot_idx, pos)
-            tok = eng.lm_head(h).float().argmax(-1)
+        """``k`` drafts from the head outputs ``h [B, H]`` of each request's last
+        committed pair; later pairs go at ``next_pos [B]`` onwards. Sampled drafts keep
+        their probabilities in :attr:`q`."""
+        drafts, probs = [], []
+        for j in range(self.k):
+            if j:
+                h = self._layer(tok[:, None], h, slot_idx, (next_pos + j - 1)[:, None])
+            logits = self.engine.lm_head(h).float()
+            tok, q = self._choose(logits)
             drafts.append(tok)
+            probs.append(q)
+        if self.q is not None:
+            self.q[slot_idx] = torch.stack(probs, 1)
         return torch.stack(drafts, 1)
+
+    def _choose(self, logits: torch.Tensor):
+        from .sampling import sample_categorical, warp_probs
+
+        if self.sampling is None:
+            return logits.argmax(-1), None
+        q = warp_probs(logits, self.sampling)
+        return sample_categorical(q), q
+
+    def draft_probs(self, slot_idx):
+        return None if self.q is None else self.q[slot_idx]
 
     def observe(self, slot_idx, emitted, accepted, *, hidden=None, positions=None):
         if hidden is None or positions is None:

@@ -107,15 +107,17 @@ class StaticStep:
         eng, t = self.engine, self.window
         kv_len = eng.kv.device_lengths
         ids = self.buffers.windows[self.slot_idx]  # [B, T]
+        verify = t > 1
+        # the probabilities this window's drafts were sampled from (None: deterministic)
+        q = self.drafter.draft_probs(self.slot_idx) if verify and not self.sampling.greedy else None
         starts = kv_len[self.slot_idx]
         positions = starts[:, None] + self._steps
-        verify = t > 1
         logits, hidden = eng.forward_static(ids, positions, self.slot_idx, self.batch, verify=verify)
         logits = logits.view(self.rows, t, -1)
         if self.sampling.greedy:
             n, nxt = accept_greedy_static(logits, ids)
         else:
-            n, nxt = accept_sampled_static(logits, ids, self.sampling)
+            n, nxt = accept_sampled_static(logits, ids, self.sampling, q=q)
         accepted = n + 1
         if verify:
             eng.strategy.commit(self.batch, accepted.to(torch.int32))

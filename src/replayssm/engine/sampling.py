@@ -180,12 +180,20 @@ def sample_categorical(probs: torch.Tensor, generator: torch.Generator | None = 
 
 
 def accept_sampled_static(logits: torch.Tensor, window: torch.Tensor, params: SamplingParams,
-                          generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rejection sampling of full windows of deterministic drafts (``q = onehot``):
-    accept draft ``d_j`` with probability ``p_j(d_j)``; on the first rejection draw from
-    ``p_j`` without ``d_j``; if all are accepted draw the bonus token from ``p_T``.
+                          generator: torch.Generator | None = None,
+                          q: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rejection sampling of full windows: accept draft ``d_j`` with probability
+    ``min(1, p_j(d_j) / q_j(d_j))``; on the first rejection draw from
+    ``norm(max(p_j - q_j, 0))``; if all are accepted draw the bonus token from ``p_T``.
+    ``q = None`` means deterministic drafts (``q_j = onehot(d_j)``: accept with
+    probability ``p_j(d_j)``, else draw from ``p_j`` without ``d_j``).
 
-    Args and returns as :func:`accept_greedy_static`; ``params`` warps the logits.
+    Args:
+        logits, window: as :func:`accept_greedy_static`; ``params`` warps the logits.
+        q: ``[B, T - 1, V]`` draft probabilities of sampled drafts, or ``None``.
+
+    Returns:
+        ``(accepted_drafts [B], next_token [B])`` int64.
     """
     b, t, v = logits.shape
     p = warp_probs(logits.reshape(b * t, v), params).view(b, t, v)
@@ -193,11 +201,15 @@ def accept_sampled_static(logits: torch.Tensor, window: torch.Tensor, params: Sa
         return torch.zeros(b, dtype=torch.long, device=p.device), sample_categorical(p[:, 0], generator)
     drafts = window[:, 1:]
     p_d = p[:, :-1].gather(-1, drafts[..., None])[..., 0]  # [B, T-1]
+    q_d = torch.ones_like(p_d) if q is None else q.gather(-1, drafts[..., None])[..., 0]
     u = torch.rand(p_d.shape, device=p.device, generator=generator)
-    n = (u < p_d).long().cumprod(1).sum(1)
+    n = (u * q_d < p_d).long().cumprod(1).sum(1)
     p_next = p.gather(1, n[:, None, None].expand(b, 1, v))[:, 0]  # [B, V]
-    rejected = drafts.gather(1, n.clamp(max=t - 2)[:, None])  # the draft that failed (if any)
-    residual = p_next.scatter(-1, rejected, 0.0)
+    j = n.clamp(max=t - 2)  # the draft that failed (if any)
+    if q is None:
+        residual = p_next.scatter(-1, drafts.gather(1, j[:, None]), 0.0)
+    else:
+        residual = (p_next - q.gather(1, j[:, None, None].expand(b, 1, v))[:, 0]).clamp(min=0)
     mass = residual.sum(-1, keepdim=True)
     residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p_next)
     dist = torch.where((n < t - 1)[:, None], residual, p_next)
