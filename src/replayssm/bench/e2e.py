@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import platform
 import statistics
 import sys
 import time
@@ -48,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from ..ops.dispatch import BACKENDS, resolve
+from ..ops.dispatch import BACKENDS
 from ..strategies import STRATEGY_NAMES
 from .args import check_device, device_name, int_list, name_list, output_path, positive_int
 from .progress import ProgressBar, write_outputs

@@ -268,12 +268,11 @@ class DeviceMTPDrafter(DeviceDrafter):
         """``k`` drafts from the head outputs ``h [B, H]`` of each request's last
         committed pair; later pairs go at ``next_pos [B]`` onwards. Sampled drafts keep
         their probabilities in :attr:`q`."""
-        drafts, probs = [], []
-        for j in range(self.k):
-            if j:
-                h = self._layer(tok[:, None], h, slot_idx, (next_pos + j - 1)[:, None])
-            logits = self.engine.lm_head(h).float()
-            tok, q = self._choose(logits)
+        tok, q = self._choose(self.engine.lm_head(h).float())
+        drafts, probs = [tok], [q]
+        for j in range(1, self.k):
+            h = self._layer(tok[:, None], h, slot_idx, (next_pos + j - 1)[:, None])
+            tok, q = self._choose(self.engine.lm_head(h).float())
             drafts.append(tok)
             probs.append(q)
         if self.q is not None:
