@@ -167,3 +167,29 @@ def test_default_size_fits_budget():
     assert 2 * n + 400_000 < DEFAULT_BUDGET_BYTES, n
     assert cfg.layer_types.count("linear_attention") == 3 * cfg.layer_types.count("full_attention")
     assert set(SIZES) == {"tiny", "small", "default"}
+
+
+def test_the_best_held_out_weights_are_saved(tmp_path, monkeypatch):
+    """When later evaluations get worse, the checkpoint holds the weights of the best
+    one (recorded here when the evaluation saw them), not the last step's."""
+    from replayssm.engine.loading import load_model
+    from replayssm.train import run
+
+    scores = iter([5.0, 4.0, 3.0, 3.5, 3.6])
+    seen = []
+
+    def fake_evaluate(model, head, windows, batch, device, autocast):
+        seen.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+        return next(scores), 1.0
+
+    monkeypatch.setattr(run, "evaluate", fake_evaluate)
+    cfg = TrainConfig(out=str(tmp_path / "ck"), size="tiny", vocab=300, steps=4, seq_len=32, batch=4, lr=1e-2, warmup=1,
+                      seed=random.randrange(10**6), device="cpu", heldout_percent=HELDOUT, eval_every=1,
+                      eval_windows=4, max_files=MAX_FILES, save_dtype="float32", quiet=True)
+    result = run_training(cfg, log=lambda *_: None)
+    assert result["saved_step"] == 2 and result["steps"] == 4 and result["saved_heldout_loss"] == 3.0
+    loaded = load_model(tmp_path / "ck", dtype="float32", device="cpu").state_dict()
+    for k, v in seen[2].items():
+        if k in loaded:
+            assert torch.equal(loaded[k], v), k
+    assert not all(torch.equal(loaded[k], v) for k, v in seen[4].items() if k in loaded)

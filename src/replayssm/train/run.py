@@ -132,6 +132,9 @@ def prepare_data(cfg: TrainConfig, log=print):
     log(f"tokenizer: {origin}; {len(tokenizer)} tokens, {bpt:.2f} bytes/token on held-out text; "
         f"{train_ids.numel():,} training tokens, {heldout_ids.numel():,} held out "
         f"({time.perf_counter() - t0:.1f}s)")
+    if cfg.source is None:
+        # The log may ship with the checkpoint: name the library, not this machine's path.
+        s["root"] = f"standard library of Python {sys.version.split()[0]}"
     info = dict(corpus=s, tokenizer=origin, vocab_size=len(tokenizer), heldout_bytes_per_token=bpt,
                 train_tokens=train_ids.numel(), heldout_tokens=heldout_ids.numel(), data_s=time.perf_counter() - t0)
     return corpus, tokenizer, train_ids, heldout_ids, info
@@ -175,12 +178,20 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
     bar = ProgressBar(steps_cap if steps_cap else max(1, int(math.ceil(budget_s))), "train",
                       unit="step" if steps_cap else "s", enabled=not cfg.quiet)
 
+    # A small model sees the library many times over on a GPU: keep the weights of the
+    # best held-out evaluation (a copy on the device, a few tens of MB) and save those
+    # if later steps only overfit.
+    best: dict = {}
+
     def do_eval(step):
         main, mtp = evaluate(model, head, evals_windows, cfg.batch, device, autocast)
         bpb = main / math.log(2) / info["heldout_bytes_per_token"]
         evals.append(dict(step=step, tokens=tokens, heldout_loss=main, heldout_mtp_loss=mtp, heldout_bits_per_byte=bpb,
                           wall_s=time.perf_counter() - t_start))
         bar.write(f"step {step}: held-out loss {main:.3f} (MTP {mtp:.3f}), {bpb:.3f} bits/byte")
+        if not best or main < best["eval"]["heldout_loss"]:
+            best.update(eval=evals[-1], model={k: v.detach().clone() for k, v in model.state_dict().items()},
+                        head={k: v.detach().clone() for k, v in head.state_dict().items()})
 
     step = 0
     train_s = 0.0  # time in training steps only (evaluations excluded), for tokens/s
@@ -188,8 +199,7 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
         do_eval(0)
         while True:
             elapsed = time.perf_counter() - t_start
-            if (steps_cap and step >= steps_cap) or (not steps_cap and elapsed >= budget_s) or \
-                    (steps_cap and elapsed >= budget_s):
+            if (steps_cap and step >= steps_cap) or elapsed >= budget_s:  # whichever runs out first
                 break
             progress = max(step / steps_cap if steps_cap else 0.0, elapsed / budget_s)
             lr = lr_at(cfg, step, progress)
@@ -216,11 +226,22 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
             bar.set(step if steps_cap else int(time.perf_counter() - t_start))
             if step % cfg.eval_every == 0:
                 do_eval(step)
+    except KeyboardInterrupt:  # keep what was trained: evaluate and save as at the end
+        bar.write(f"interrupted at step {step}: saving the model as it is")
+    try:
         if not evals or evals[-1]["step"] != step:
             do_eval(step)
     finally:
         bar.close()
     wall = time.perf_counter() - t_start
+    saved = evals[-1]
+    if best["eval"] is not saved:
+        model.load_state_dict(best["model"])
+        head.load_state_dict(best["head"])
+        saved = best["eval"]
+        log(f"held-out loss was lowest at step {saved['step']} ({saved['heldout_loss']:.3f} against "
+            f"{evals[-1]['heldout_loss']:.3f} at the end): saving the weights of step {saved['step']}")
+    best.clear()
 
     out = Path(cfg.out)
     ckpt_bytes = save_checkpoint(out, model, head, tokenizer, SAVE_DTYPES[cfg.save_dtype])
@@ -231,13 +252,15 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
         steps=step, tokens=tokens, epochs=tokens / max(1, info["train_tokens"]), wall_s=wall, train_s=train_s,
         tokens_per_s=tokens / max(train_s, 1e-9), losses=history, evals=evals,
         final_heldout_loss=evals[-1]["heldout_loss"], final_heldout_mtp_loss=evals[-1]["heldout_mtp_loss"],
-        final_heldout_bits_per_byte=evals[-1]["heldout_bits_per_byte"], checkpoint_bytes=ckpt_bytes,
+        final_heldout_bits_per_byte=evals[-1]["heldout_bits_per_byte"], saved_step=saved["step"],
+        saved_heldout_loss=saved["heldout_loss"], saved_heldout_mtp_loss=saved["heldout_mtp_loss"],
+        saved_heldout_bits_per_byte=saved["heldout_bits_per_byte"], checkpoint_bytes=ckpt_bytes,
     )
     write_json(out / "train_log.json", result)
     log(f"{step} steps, {tokens:,} tokens ({result['epochs']:.2f} epochs) in {wall:.0f}s "
         f"({result['tokens_per_s']:,.0f} tokens/s in training steps); held-out loss {result['final_heldout_loss']:.3f}, "
         f"MTP {result['final_heldout_mtp_loss']:.3f}, {result['final_heldout_bits_per_byte']:.3f} bits/byte")
-    log(f"wrote {out} ({ckpt_bytes['total'] / 1e6:.2f} MB: weights {ckpt_bytes['safetensors'] / 1e6:.2f} MB, "
+    log(f"wrote {out}, the weights of step {saved['step']} ({ckpt_bytes['total'] / 1e6:.2f} MB: weights {ckpt_bytes['safetensors'] / 1e6:.2f} MB, "
         f"tokenizer {ckpt_bytes['tokenizer'] / 1e6:.2f} MB) and {out / 'train_log.json'}")
     try:
         plot_losses(result, out / "loss.png")
@@ -303,6 +326,9 @@ def plot_losses(result: dict, path) -> None:
     ax.plot([r["tokens"] for r in e], [r["heldout_loss"] for r in e], "o-", color="C2", label="held-out files")
     ax.plot([r["tokens"] for r in e], [r["heldout_mtp_loss"] for r in e], "s--", color="C3",
             label="held-out files, MTP head")
+    saved = next((r for r in e if r["step"] == result.get("saved_step")), None)
+    if saved is not None and saved is not e[-1]:
+        ax.axvline(saved["tokens"], color="#777777", ls=":", lw=1.0, label=f"saved: step {saved['step']} (best held-out)")
     ax.set_xlabel("training tokens seen")
     ax.set_ylabel("cross-entropy (nats/token)")
     c = result["config"]
