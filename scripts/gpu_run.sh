@@ -5,6 +5,10 @@
 #   scripts/gpu_run.sh tests-engine       # engine and tool GPU tests
 #   scripts/gpu_run.sh drift e2e          # the 32768-token drift run, end-to-end tok/s
 #   scripts/gpu_run.sh profile            # each op of a step timed alone (PROFILE_ARGS="--variants ...")
+#   scripts/gpu_run.sh train              # replayssm train --size default (TRAIN_MINUTES, default 8.5;
+#                                         # TRAIN_ARGS adds options), checkpoint into $TRAIN_OUT
+#                                         # (default out/train_$TAG, kept between calls)
+#   scripts/gpu_run.sh closed-loop        # replayssm closed-loop on that checkpoint, bf16
 #
 # Results go to $RESULTS (default benchmarks/results, under the names BENCHMARKS.md
 # cites; $TAG, default h200, names the card):
@@ -14,14 +18,20 @@
 #   drift         drift.log, drift_$TAG.json, drift_$TAG.png
 #   e2e           e2e.log, e2e_$TAG.json, e2e_$TAG.png
 #   profile       profile_ops_$TAG.log, profile_ops_$TAG.json
+#   train         train_$TAG.log, the checkpoint (+ train_log.json, loss.png) in $TRAIN_OUT
+#   closed-loop   closed_loop_$TAG.log, closed_loop_$TAG.json, closed_loop_$TAG.png
 # A test stage fails (exit 1) when pytest passed no GPU test: all skipped (no CUDA
 # device) or none collected must not read as success. Wheels of packages the machine
-# lacks (fla-core for chunked prefill) may be put in .gpu_wheels/.
+# lacks (fla-core for chunked prefill and training, with flash-linear-attention and
+# einops) may be put in .gpu_wheels/.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON=${PYTHON:-python3}
 RESULTS=${RESULTS:-benchmarks/results}
 TAG=${TAG:-h200}
+# The training stage's checkpoint: budget 8.5 minutes (data, tokenizer and saving, about
+# 20 s, come on top), so that it fits a 10-minute command.
+TRAIN_OUT=${TRAIN_OUT:-out/train_$TAG}
 mkdir -p "$RESULTS"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 if ls .gpu_wheels/*.whl >/dev/null 2>&1; then
@@ -59,6 +69,12 @@ for what in "$@"; do
                    --json "$RESULTS/profile_ops_$TAG.json" ${PROFILE_ARGS:-} ;;
         drift) stage drift "${DRIFT_LIMIT:-300}" "$PYTHON" -m replayssm.cli drift --json "$RESULTS/drift_$TAG.json" --plot "$RESULTS/drift_$TAG.png" --quiet ;;
         e2e) stage e2e "${E2E_LIMIT:-240}" "$PYTHON" -m replayssm.cli bench e2e --json "$RESULTS/e2e_$TAG.json" --plot "$RESULTS/e2e_$TAG.png" ${E2E_ARGS:-} ;;
+        train) mkdir -p "$(dirname "$TRAIN_OUT")"
+               stage "train_$TAG" "${TRAIN_LIMIT:-590}" "$PYTHON" -m replayssm.cli train --size default \
+                   --out "$TRAIN_OUT" --overwrite --minutes "${TRAIN_MINUTES:-8.5}" ${TRAIN_ARGS:-} ;;
+        closed-loop) stage "closed_loop_$TAG" "${CLOSED_LOOP_LIMIT:-300}" "$PYTHON" -m replayssm.cli closed-loop \
+                   --model "$TRAIN_OUT" --tokens 2048 --requests 4 --dtype bfloat16 \
+                   --json "$RESULTS/closed_loop_$TAG.json" --plot "$RESULTS/closed_loop_$TAG.png" --quiet ;;
         *) echo "unknown stage $what"; rc=2 ;;
     esac
 done

@@ -76,6 +76,33 @@ CASES = [
     ("drift", ["--excess-factor", "1"], "excess_factor"),
     ("drift", ["--strategies", "none", "--no-control"], "nothing to run"),
     ("drift", ["--strategies", "fold,,circular"], "empty item"),
+    # train
+    ("train", ["--out", "{ck}"], "not empty"),
+    ("train", ["--out", "{tmp}/no/such/t"], "does not exist"),
+    ("train", ["--out", "{tmp}/t", "--size", "huge"], "--size"),
+    ("train", ["--out", "{tmp}/t", "--vocab", "100"], "--vocab"),
+    ("train", ["--out", "{tmp}/t", "--vocab", "0"], "--vocab"),
+    ("train", ["--out", "{tmp}/t", "--seq-len", "2"], "--seq-len"),
+    ("train", ["--out", "{tmp}/t", "--minutes", "0"], "--minutes"),
+    ("train", ["--out", "{tmp}/t", "--steps", "0"], "--steps"),
+    ("train", ["--out", "{tmp}/t", "--lr", "-1"], "--lr"),
+    ("train", ["--out", "{tmp}/t", "--batch", "x"], "--batch"),
+    ("train", ["--out", "{tmp}/t", "--heldout-percent", "100"], "--heldout-percent"),
+    ("train", ["--out", "{tmp}/t", "--max-files", "1", "--heldout-percent", "0.001"], "no file is held out"),
+    ("train", ["--out", "{tmp}/t", "--tokenizer", "{missing}"], "tokenizer.json"),
+    ("train", ["--out", "{tmp}/t", "--source", "{missing}"], "--source"),
+    ("train", ["--out", "{tmp}/t", "--save-dtype", "int8"], "--save-dtype"),
+    ("train", ["--out", "{tmp}/t", "--threads", "0"], "--threads"),
+    # closed-loop
+    ("closed-loop", ["--tokens", "0"], "--tokens"),
+    ("closed-loop", ["--tokens", "50", "--every", "100"], "--every"),
+    ("closed-loop", ["--json", "{tmp}/x.txt"], ".json"),
+    ("closed-loop", ["--plot", "{tmp}/no/x.png"], "does not exist"),
+    ("closed-loop", ["--model", "{missing}"], "checkpoint directory"),
+    ("closed-loop", ["--strategies", "fold,ring"], "--strategies"),
+    ("closed-loop", ["--prompt", "x"], "--prompt"),
+    ("closed-loop", ["--dtype", "float8"], "--dtype"),
+    ("closed-loop", ["--generator", "graph"], "--generator"),
     # bench memory
     ("bench memory", ["--context", "1,,2"], "empty item"),
     ("bench memory", ["--tp", "3"], "divisible"),
@@ -88,6 +115,8 @@ CUDA_CASES = [
     ("run", ["--device", "cuda"], "CUDA"),
     ("drift", ["--device", "cpu", "--backend", "triton"], "triton"),
     ("drift", ["--device", "cuda"], "CUDA"),
+    ("train", ["--out", "{tmp}/t", "--device", "cuda"], "CUDA"),
+    ("closed-loop", ["--device", "cuda"], "CUDA"),
 ]
 
 
@@ -116,6 +145,18 @@ def test_cuda_without_cuda_is_one_line_and_exit_2(cmd, argv, expect, model_dirs,
 
     monkeypatch.setattr(triton_common, "INTERPRETER", False)  # as on a CPU machine without TRITON_INTERPRET
     _check_one_line_error(cmd, argv, expect, model_dirs, tmp_path, capsys)
+
+
+@pytest.mark.parametrize("cmd", ["generate --prompt x", "closed-loop"])
+def test_a_missing_embedded_checkpoint_is_one_line_naming_the_train_command(cmd, tmp_path, capsys, monkeypatch):
+    from replayssm.engine import loading
+
+    monkeypatch.setattr(loading, "embedded_model_dir", lambda: tmp_path / "models" / "default")
+    rc = cli.main([*cmd.split(), "--model", "embedded"])
+    err = capsys.readouterr().err.splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith(f"replayssm {cmd.split()[0]}: error: "), err
+    assert "embedded checkpoint is missing" in err[0] and "replayssm train" in err[0], err
 
 
 def test_a_bad_command_is_one_line(capsys):
@@ -154,7 +195,7 @@ def test_top_level_help_lists_every_command_in_plain_text(capsys):
 
 
 def test_strategy_lists_are_comma_separated_everywhere():
-    for cmd in (["run"], ["drift"], ["bench", "kernels"], ["bench", "memory"]):
+    for cmd in (["run"], ["drift"], ["closed-loop"], ["bench", "kernels"], ["bench", "memory"]):
         args = cli.parse([*cmd, "--strategies", "circular,fold"])
         assert tuple(args.strategies) == ("circular", "fold"), cmd
 
@@ -171,5 +212,10 @@ def test_cpu_runs_get_their_threads_from_the_cli():
         torch.set_num_threads(2)
         assert cli.set_cpu_threads(cli.parse(["info"])) is None  # no compute: torch's default stays
         assert torch.get_num_threads() == 2
+        # training's matrix products use every core: torch's default unless --threads
+        assert cli.set_cpu_threads(cli.parse(["train", "--out", "x", "--device", "cpu"])) is None
+        assert torch.get_num_threads() == 2
+        assert cli.set_cpu_threads(cli.parse(["train", "--out", "x", "--device", "cpu", "--threads", "1"])) == 1
+        assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)

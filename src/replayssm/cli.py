@@ -1,4 +1,4 @@
-"""Command line: replayssm run | generate | demo | drift | bench kernels|memory|e2e | info.
+"""Command line: replayssm run | generate | demo | drift | closed-loop | train | bench kernels|memory|e2e | info.
 
 Each command lives in its own module, which provides ``add_arguments(parser)``,
 ``main(args) -> int`` and optionally ``check_args(args)``; this file wires them up,
@@ -27,6 +27,9 @@ COMMANDS = {
     "demo": ("replayssm.demo", "every strategy through a long lifecycle against the float64 oracle"),
     "generate": ("replayssm.engine.generate", "speculative generation with a local Hugging Face checkpoint"),
     "drift": ("replayssm.bench.drift", "long teacher-forced runs of every strategy against a float64 oracle"),
+    "closed-loop": ("replayssm.bench.closed_loop",
+                    "greedy generation under every strategy against plain decoding: first divergence, state error"),
+    "train": ("replayssm.train", "train a small Qwen3.5-architecture model and its MTP head on the standard library"),
     "info": ("replayssm.info", "versions, devices and backends"),
 }
 BENCH = {
@@ -40,7 +43,10 @@ BENCH = {
 #: are far too small to gain from intra-op threads; on a busy machine the thread
 #: hand-offs cost more than the work (``replayssm generate`` on a 2-core machine shared
 #: with other jobs: 9.7 tok/s with torch's default, 950 tok/s with one thread).
-CPU_THREADS = {"run": 1, "demo": 1, "generate": 1, "drift": 1, "kernels": 1, "e2e": 1}
+#: ``train`` runs matrix products big enough to use every core: ``None`` leaves torch's
+#: default unless ``--threads`` says otherwise.
+CPU_THREADS = {"run": 1, "demo": 1, "generate": 1, "drift": 1, "closed-loop": 1, "kernels": 1, "e2e": 1,
+               "train": None}
 
 
 class Parser(argparse.ArgumentParser):
@@ -63,9 +69,10 @@ def _add(sub, name: str, module: str, help: str):
         return p
     if name in CPU_THREADS:
         default = CPU_THREADS[name]
+        why = ("torch's default" if default is None
+               else f"{default}: this command's CPU work is ops too small to gain from more")
         p.add_argument("--threads", type=positive_int, default=None,
-                       help=f"CPU threads for torch on CPU runs (default {default}: this command's CPU work is "
-                            "ops too small to gain from more)")
+                       help=f"CPU threads for torch on CPU runs (default {why})")
     return p
 
 
@@ -99,7 +106,7 @@ def set_cpu_threads(args) -> int | None:
     given, else the command's default on CPU runs. Returns the count set (or ``None``)."""
     name = getattr(args, "_name", None)
     threads = getattr(args, "threads", None)
-    if threads is None and name in CPU_THREADS and _on_cpu(args):
+    if threads is None and CPU_THREADS.get(name) is not None and _on_cpu(args):
         threads = min(CPU_THREADS[name], os.cpu_count() or 1)
     if threads is not None:
         import torch

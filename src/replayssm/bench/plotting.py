@@ -142,3 +142,38 @@ def plot_e2e(result: dict, path: str | os.PathLike) -> Path:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     return _save(fig, path)
+
+
+def closed_loop(result: dict, path: str | os.PathLike) -> Path:
+    """``replayssm closed-loop``: where each variant's tokens first differ from plain
+    decoding's (per request; 'never' drawn at the run's length), and the committed-state
+    error against the float64 run of the variant's own tokens, against position."""
+    plt = _pyplot()
+    variants = result["variants"]
+    n = result["config"]["tokens"]
+    fig, (ax_d, ax_s) = plt.subplots(1, 2, figsize=(13, 4.8), constrained_layout=True)
+    names = list(variants)
+    for x, name in enumerate(names):
+        v = variants[name]
+        color = COLORS.get(name, "#7f7f7f")
+        for d in v["diverged_at"]:
+            ax_d.plot([x], [n if d is None else d], "o" if d is not None else "^", color=color, ms=8,
+                      mfc="none" if d is None else color)
+        for r, per in enumerate(v["samples"]):
+            if per:
+                xs, ys = zip(*per)
+                ax_s.plot(xs, _positive(ys), "--" if name == "plain" else "-", color=color, lw=1.2,
+                          label=name if r == 0 else None)
+    ax_d.axhline(n, color="#999999", lw=0.8, ls=":")
+    ax_d.set_xticks(range(len(names)), names)
+    ax_d.set_ylabel("first generated token that differs from plain decoding")
+    ax_d.set_title(f"divergence (hollow triangle at {n}: never, over all {n} tokens)")
+    ax_s.set_yscale("log")
+    ax_s.set_xlabel("committed tokens (prompt included)")
+    ax_s.set_ylabel("||S - S64|| / ||S64||, all GDN layers")
+    ax_s.set_title("committed state vs a float64 run of the same tokens")
+    ax_s.grid(alpha=0.3, which="both")
+    ax_s.legend()
+    c = result["config"]
+    fig.suptitle(f"closed loop: {c['model']}, {c['dtype']} on {c['device']}, {c['requests']} request(s) x {n} tokens")
+    return _save(fig, path)

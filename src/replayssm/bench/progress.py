@@ -72,6 +72,10 @@ class ProgressBar:
     def set_description(self, desc: str) -> None:
         self._bar.set_description_str(desc, refresh=False)
 
+    def set_postfix(self, text: str) -> None:
+        """Show ``text`` after the counts (a running loss, a rate); drawn at the next redraw."""
+        self._bar.set_postfix_str(text, refresh=False)
+
     def write(self, line: str) -> None:
         """Print ``line`` above the bar (nothing when disabled)."""
         if self.enabled:

@@ -23,13 +23,15 @@ DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="local checkpoint directory (config, safetensors, tokenizer)")
+    parser.add_argument("--model", required=True,
+                        help="local checkpoint directory (config, safetensors, tokenizer), or 'embedded': the "
+                             "checkpoint shipped in the package (written by replayssm train)")
     parser.add_argument("--prompt", action="append", required=True,
                         help="prompt text; repeat for a batch of requests")
     parser.add_argument("--draft", choices=DRAFT_CHOICES, default="ngram",
                         help="drafter: n-gram prompt lookup, the checkpoint's MTP head, a draft model, "
                              "or none (plain decoding)")
-    parser.add_argument("--draft-model", help="draft model directory (with --draft model)")
+    parser.add_argument("--draft-model", help="draft model directory (with --draft model), or 'embedded'")
     parser.add_argument("--strategy", choices=STRATEGY_NAMES, default="fold",
                         help="GDN verify/rollback strategy (default fold)")
     parser.add_argument("--num-draft", type=positive_int, default=3, help="draft tokens per step (window = k + 1; default 3)")
@@ -79,7 +81,17 @@ def _check_model_dir(option: str, path: str) -> None:
 
 def check_args(args) -> None:
     """Check what needs several options or a look at the checkpoint, before anything
-    is loaded; raises ``ValueError`` naming the option."""
+    is loaded; raises ``ValueError`` naming the option. ``embedded`` model names become
+    the package's checkpoint directory here."""
+    from .loading import resolve_model_path
+
+    for option in ("model", "draft_model"):
+        value = getattr(args, option)
+        if value is not None:
+            try:
+                setattr(args, option, resolve_model_path(value))
+            except ValueError as e:
+                raise ValueError(f"--{option.replace('_', '-')}: {e}") from None
     _check_model_dir("--model", args.model)
     if args.draft == "model":
         if not args.draft_model:

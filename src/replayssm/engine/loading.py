@@ -9,11 +9,37 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import torch
 
 SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+#: The name that ``--model`` options accept for the checkpoint shipped inside the package.
+EMBEDDED = "embedded"
+
+
+def embedded_model_dir() -> Path:
+    """Where the package keeps its trained default checkpoint (``replayssm/models/default``,
+    shipped as package data). The directory may not exist: nothing is trained yet until
+    ``replayssm train`` writes it there."""
+    return Path(__file__).resolve().parent.parent / "models" / "default"
+
+
+def resolve_model_path(name: str | os.PathLike) -> str:
+    """A ``--model`` value as a directory: ``"embedded"`` is :func:`embedded_model_dir`
+    (``ValueError`` naming the missing checkpoint and the command that creates it when it
+    holds none); anything else is returned as given (write ``./embedded`` for a local
+    directory of that name)."""
+    if os.fspath(name) != EMBEDDED:
+        return os.fspath(name)
+    path = embedded_model_dir()
+    if not (path / "config.json").is_file():
+        raise ValueError(f"the embedded checkpoint is missing: {os.fspath(path)!r} holds no config.json; "
+                         f"create it with `replayssm train --size default --out {os.fspath(path)}`")
+    return os.fspath(path)
 
 
 def resolve_device(device: str | None) -> torch.device:

@@ -1,0 +1,408 @@
+"""``replayssm closed-loop``: long greedy generations under every strategy, each feeding
+its own tokens back, against plain greedy decoding.
+
+``replayssm drift`` teacher-forces one GDN layer: every variant sees the same inputs, so
+an error in the state never changes what comes next. Here a whole model generates: each
+variant's committed state shapes its logits, its logits pick its tokens, and its tokens
+are its next inputs. A state that has left the recurrence shows up as generated tokens
+that differ from plain decoding's.
+
+For every request (prompt), ``--tokens`` new tokens are decoded greedily, end-of-text
+ignored, by:
+
+* ``plain``: no drafter, one token per step through the recurrence (the reference);
+* each strategy (``snapshot``, ``fold``, ``circular``) verifying n-gram (prompt lookup)
+  drafts of ``--num-draft`` tokens, through :class:`StepGenerator` (``--generator
+  static``, the graphed engine) or :class:`SpeculativeGenerator` (``eager``);
+* ``open-loop`` (a control, not a strategy; eager): ``circular`` whose flush folds the
+  ring's corrected deltas ``u`` (rounded to the activation dtype) into the checkpoint in
+  closed form instead of replaying raw records, the drift tool's control
+  (:func:`replayssm.bench.drift.open_loop_fold`) made into a strategy the engine can
+  decode with (:class:`OpenLoopCircular`). DESIGN.md section 3 forbids this fold.
+
+Measured per variant and request: the first generated position whose token differs from
+plain decoding's (``None``: never, over all ``--tokens``), and every ``--every``
+committed tokens (at the first step boundary at or after each multiple) the committed
+state's error ``||S - S64|| / ||S64||`` over all GDN layers, where ``S64`` comes from a
+float64 copy of the model teacher-forced on that variant's own committed tokens (the
+library's reference recurrence in float64 on the CPU, plain prefill of the same stream).
+
+Exit status: 0 when no strategy with exact outputs (``snapshot``, ``fold``) diverges
+from plain decoding; 1 when one does (the contract of DESIGN.md section 5 broken);
+2 for bad arguments. ``circular`` (outputs to rounding) and the control are reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+import time
+
+import torch
+
+from ..ops import advance_cursors_reference
+from ..strategies import STRATEGY_NAMES
+from ..strategies.circular import CircularStrategy
+from .args import device_name, name_list, nonneg_int, output_path, positive_int
+
+CONTROL = "open-loop"
+PLAIN = "plain"
+EXACT_OUTPUTS = ("snapshot", "fold")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# ---------------------------------------------------------------------- the control
+class OpenLoopCircular(CircularStrategy):
+    """``circular`` with the open-loop flush (the control; never registered as a strategy).
+
+    At a step's first GDN verify, each live row flagged ``is_flush`` gets the history of
+    every layer folded into its checkpoints by
+    :func:`~replayssm.bench.drift.open_loop_fold` (``S <- exp(G) S + sum_c exp(G - G_c)
+    u_c k^_c^T``), and its cursors moved past that history by a commit of zero tokens
+    (``cache_base += write_pos``, ``write_pos = 0``); the verify then sees an empty
+    history and writes the window where the exact flush would have. After each layer's
+    verify its ring ``u`` is rounded to the activation dtype, so history reads and the
+    fold use rounded deltas (a no-op in float32). Install with :meth:`install`.
+    """
+
+    name = CONTROL
+
+    def __init__(self, pool):
+        super().__init__(pool)
+        self.act_dtype = pool.act_dtype
+
+    @classmethod
+    def install(cls, engine) -> "OpenLoopCircular":
+        """Replace the strategy of a fresh ``circular`` engine's pool with the control."""
+        if engine.strategy_name != "circular":
+            raise ValueError(f"the control needs a circular engine, got {engine.strategy_name!r}")
+        if engine.pool.live_slots:
+            raise ValueError("install the control before any slot is allocated")
+        engine.pool.strategy = cls(engine.pool)
+        return engine.pool.strategy
+
+    def _history(self, layer: int, slot: int):
+        buf, L = self.pool.buffers, self.pool.ring_len
+        wp, base = int(buf["write_pos"][slot]), int(buf["cache_base"][slot])
+        pos = [(base + c) & (L - 1) for c in range(wp)]
+        return buf["ring_u"][layer, slot, pos], buf["ring_k"][layer, slot, pos], buf["ring_g"][layer, slot, pos]
+
+    def _open_loop_flush(self, batch) -> None:
+        from .drift import open_loop_fold
+
+        buf = self.pool.buffers
+        live = batch.live_slots
+        flush = [s for s, f in zip(live, buf["is_flush"][live].tolist()) if f]
+        if not flush:
+            return
+        ckpt = self.pool.checkpoints
+        for layer in range(self.pool.num_layers):
+            for s in flush:
+                ckpt[layer, s] = open_loop_fold(ckpt[layer, s], *self._history(layer, s))
+        rows = torch.tensor(flush, dtype=torch.int32, device=self.pool.device)
+        advance_cursors_reference(buf["write_pos"], buf["cache_base"], buf["is_flush"], rows, torch.zeros_like(rows),
+                                  self.pool.window, self.pool.ring_len)
+
+    def verify(self, layer, q, k, v, a, b, batch):
+        if not self._verified:  # the step's first GDN layer: every layer's history is complete
+            self._open_loop_flush(batch)
+        o = super().verify(layer, q, k, v, a, b, batch)
+        ring_u = self.buf.ring_u[layer]
+        ring_u.copy_(ring_u.to(self.act_dtype).to(ring_u.dtype))
+        return o
+
+    def committed_state(self, layer, slots):
+        """Checkpoint + history folded the open-loop way (between steps only)."""
+        from .drift import open_loop_fold
+
+        if self.step_open:
+            raise RuntimeError("the control's committed state is read between steps only")
+        ckpt = self.pool.checkpoints[layer]
+        return torch.stack([open_loop_fold(ckpt[s].clone(), *self._history(layer, s)) for s in slots])
+
+
+# ---------------------------------------------------------------------- float64 reference
+class Float64Reference:
+    """A float64 copy of the model on the CPU that teacher-forces token streams through
+    the library's reference recurrence (plain prefill, one slot per request), so the
+    committed GDN state at any position of a stream can be compared with a variant's."""
+
+    def __init__(self, model, num_requests: int, max_len: int):
+        from ..engine.adapter import HybridEngine
+
+        model64 = copy.deepcopy(model).to("cpu", torch.float64).eval()
+        self.engine = HybridEngine(model64, strategy="fold", num_slots=num_requests, window=1, max_len=max_len,
+                                   state_dtype=torch.float64, backend="reference", prefill="recurrence")
+        self.slots = [self.engine.alloc() for _ in range(num_requests)]
+        self.streams: list[list[int]] = [[] for _ in range(num_requests)]
+        # States already computed, by (request, stream): variants that generate the same
+        # tokens and sample at the same step boundaries (the strategies) share one run.
+        self.cache: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
+
+    def reset(self) -> None:
+        """Fresh slots (the cache of computed states stays)."""
+        for i, s in enumerate(self.slots):
+            self.engine.free(s)
+            self.slots[i] = self.engine.alloc()
+            self.streams[i] = []
+
+    def states(self, request: int, stream: list[int]) -> torch.Tensor:
+        """The committed states ``[layers, HV, V, K]`` (float64) after ``stream``; the
+        slot advances over the new tokens when ``stream`` extends what it has seen, and
+        restarts from zero otherwise (another variant's diverged stream)."""
+        key = (request, tuple(stream))
+        if key in self.cache:
+            return self.cache[key]
+        seen = self.streams[request]
+        if stream[: len(seen)] != seen:
+            self.engine.free(self.slots[request])
+            self.slots[request] = self.engine.alloc()
+            seen = self.streams[request] = []
+        new = stream[len(seen):]
+        if new:
+            self.engine.extend([self.slots[request]], [new], prompt=not seen)
+            seen.extend(new)
+        strat = self.engine.strategy
+        states = torch.stack([strat.committed_state(j, [self.slots[request]])[0]
+                              for j in range(self.engine.pool.num_layers)])
+        self.cache[key] = states
+        return states
+
+
+def state_error(states: torch.Tensor, ref: torch.Tensor) -> float:
+    """``||S - S64|| / ||S64||`` over every GDN layer and head of one request."""
+    ref = ref.to(torch.float64)
+    return float(torch.linalg.vector_norm(states.to("cpu", torch.float64) - ref) /
+                 torch.linalg.vector_norm(ref).clamp_min(1e-300))
+
+
+# ---------------------------------------------------------------------- one variant
+def run_variant(name: str, model, prompts: list[list[int]], tokens: int, *, every: int, num_draft: int,
+                generator: str, reference: Float64Reference, progress=None) -> dict:
+    """Generate ``tokens`` greedily for every prompt with variant ``name`` and sample the
+    committed state's error against ``reference`` every ``every`` committed tokens.
+
+    Returns ``{"tokens": [[int]] per request, "samples": [[(position, error)]] per
+    request, "steps", "mean_accept_length", "seconds"}``."""
+    from ..engine.adapter import HybridEngine
+    from ..engine.device_drafters import DeviceNgramDrafter
+    from ..engine.drafters import NgramDrafter
+    from ..engine.generator import SpeculativeGenerator, StepGenerator
+
+    plain = name == PLAIN
+    window = 1 if plain else num_draft + 1
+    strategy = "circular" if name == CONTROL else ("fold" if plain else name)
+    max_len = max(len(p) for p in prompts) + tokens + window + 2
+    engine = HybridEngine(model, strategy=strategy, num_slots=len(prompts), window=window, max_len=max_len)
+    if name == CONTROL:
+        OpenLoopCircular.install(engine)
+    # The generators allocate slots in request order from a fresh pool; record them.
+    slot_of: list[int] = []
+    alloc = engine.alloc
+
+    def recording_alloc():
+        slot = alloc()
+        slot_of.append(slot)
+        return slot
+
+    engine.alloc = recording_alloc
+    if plain:
+        gen = SpeculativeGenerator(engine, None)
+    elif name == CONTROL or generator == "eager":
+        gen = SpeculativeGenerator(engine, NgramDrafter(), num_draft=num_draft)
+    else:
+        gen = StepGenerator(engine, DeviceNgramDrafter(), num_draft=num_draft)
+    reference.reset()
+    samples: list[list[tuple[int, float]]] = [[] for _ in prompts]
+    produced: list[list[int]] = [[] for _ in prompts]
+    next_mark = [0] * len(prompts)
+
+    def on_tokens(i, kept):
+        produced[i].extend(kept)
+        if progress is not None:
+            progress.update(len(kept))
+        slot = slot_of[i]
+        pos = engine.length(slot)  # committed tokens: the prompt and all generated but the last
+        if pos < next_mark[i] or (len(produced[i]) >= tokens and samples[i] and samples[i][-1][0] == pos):
+            return
+        stream = (prompts[i] + produced[i])[:pos]
+        states = torch.stack([engine.strategy.committed_state(j, [slot])[0] for j in range(engine.pool.num_layers)])
+        samples[i].append((pos, state_error(states, reference.states(i, stream))))
+        next_mark[i] = (pos // every + 1) * every
+
+    t0 = time.perf_counter()
+    result = gen.generate(prompts, tokens, on_tokens=on_tokens)
+    return dict(tokens=result.tokens, samples=samples, steps=result.steps,
+                mean_accept_length=result.mean_accept_length, seconds=time.perf_counter() - t0)
+
+
+def first_divergence(tokens: list[int], plain: list[int]) -> int | None:
+    """Index of the first generated token that differs from plain decoding's, else
+    ``None``."""
+    for j, (a, b) in enumerate(zip(tokens, plain)):
+        if a != b:
+            return j
+    return None if len(tokens) == len(plain) else min(len(tokens), len(plain))
+
+
+# ---------------------------------------------------------------------- the run
+def build_inputs(args):
+    """``(model, prompts, description)`` for the arguments: the tiny random model with
+    random prompts, or a checkpoint with prompts from ``--prompt`` or the beginnings of
+    held-out standard-library files."""
+    from ..engine.loading import load_model, load_tokenizer, resolve_model_path
+
+    dtype = DTYPES[args.dtype]
+    g = torch.Generator().manual_seed(args.seed)
+    if args.model == "tiny":
+        from ..engine.tiny import build_tiny_model
+
+        model = build_tiny_model(seed=args.seed, dtype=dtype, device=args.device_resolved)
+        prompts = [torch.randint(0, 256, (args.prompt_len,), generator=g).tolist() for _ in range(args.requests)]
+        return model, prompts, f"tiny random model (seed {args.seed})"
+    path = resolve_model_path(args.model)
+    model = load_model(path, dtype=dtype, device=str(args.device_resolved))
+    tok = load_tokenizer(path)
+    vocab = model.config.vocab_size
+    if args.prompt:
+        texts = list(args.prompt)
+    else:
+        from ..train.data import load_corpus
+
+        held = load_corpus(heldout_percent=5.0).heldout
+        texts = [f.text for f in held[: args.requests]]
+    prompts = [tok.encode(t, add_special_tokens=False)[: args.prompt_len] for t in texts][: args.requests]
+    if any(not p or max(p) >= vocab for p in prompts):
+        raise ValueError("a prompt encodes to no tokens (or to ids outside the model's vocabulary)")
+    return model, prompts, path
+
+
+def run_closed_loop(args, progress_enabled: bool = True) -> dict:
+    """Every variant over the same prompts; the JSON-ready result."""
+    from .progress import ProgressBar
+
+    model, prompts, desc = build_inputs(args)
+    variants = [PLAIN, *args.strategies] + ([] if args.no_control else [CONTROL])
+    max_len = max(len(p) for p in prompts) + args.tokens + 2
+    reference = Float64Reference(model, len(prompts), max_len)
+    out: dict = {}
+    total = len(variants) * len(prompts) * args.tokens
+    with ProgressBar(total, "closed-loop", unit="tok", enabled=progress_enabled) as bar:
+        for name in variants:
+            bar.set_description(f"closed-loop {name}")
+            out[name] = run_variant(name, model, prompts, args.tokens, every=args.every, num_draft=args.num_draft,
+                                    generator=args.generator, reference=reference, progress=bar)
+    plain = out[PLAIN]["tokens"]
+    rows = {}
+    for name in variants:
+        r = out[name]
+        div = [first_divergence(t, p) for t, p in zip(r["tokens"], plain)]
+        errs = [e for per in r["samples"] for _, e in per]
+        rows[name] = dict(
+            kind="reference" if name == PLAIN else ("control" if name == CONTROL else "strategy"),
+            exact_outputs=name in EXACT_OUTPUTS, diverged_at=div, diverged=any(d is not None for d in div),
+            state_error_first=max((per[0][1] for per in r["samples"] if per), default=None),
+            state_error_last=max((per[-1][1] for per in r["samples"] if per), default=None),
+            state_error_max=max(errs, default=None), samples=[[list(x) for x in per] for per in r["samples"]],
+            steps=r["steps"], mean_accept_length=r["mean_accept_length"], seconds=r["seconds"],
+            tokens=r["tokens"],
+        )
+    failed = [n for n in variants if rows[n]["exact_outputs"] and rows[n]["diverged"]]
+    from .drift.run import _environment
+
+    return dict(
+        config=dict(model=desc, dtype=args.dtype, device=str(args.device_resolved), requests=len(prompts),
+                    prompt_lengths=[len(p) for p in prompts], tokens=args.tokens, every=args.every,
+                    num_draft=args.num_draft, generator=args.generator, seed=args.seed),
+        environment=_environment(args.device_resolved, "auto"), variants=rows, failed=failed,
+        control_diverged=rows[CONTROL]["diverged"] if CONTROL in rows else None, exit_code=1 if failed else 0,
+    )
+
+
+def print_report(result: dict, file=None) -> None:
+    """The table: per variant, where each request first diverges, the state error's
+    first, last and largest sample, the mean accepted length, and the verdict."""
+    file = sys.stdout if file is None else file
+    c = result["config"]
+    print(f"closed loop: {c['model']}, {c['dtype']} on {c['device']}, {c['requests']} request(s) x {c['tokens']} "
+          f"greedy tokens, n-gram drafts k={c['num_draft']} ({c['generator']} generator for the strategies)", file=file)
+    print(f"{'variant':10} {'diverges at':>18} {'state first':>12} {'state last':>11} {'state max':>10} "
+          f"{'accept':>7}  result", file=file)
+    for name, r in result["variants"].items():
+        div = ",".join("never" if d is None else str(d) for d in r["diverged_at"])
+        if r["kind"] == "reference":
+            verdict = "reference"
+        elif r["kind"] == "control":
+            verdict = "control: diverged" if r["diverged"] else "control: did not diverge"
+        elif r["exact_outputs"]:
+            verdict = "FAIL" if r["diverged"] else "pass"
+        else:
+            verdict = "reported (outputs to rounding)" + (": diverged" if r["diverged"] else "")
+
+        def fmt(x):
+            return "-" if x is None else f"{x:.2e}"
+
+        print(f"{name:10} {div:>18} {fmt(r['state_error_first']):>12} {fmt(r['state_error_last']):>11} "
+              f"{fmt(r['state_error_max']):>10} {r['mean_accept_length']:>7.2f}  {verdict}", file=file)
+    if result["failed"]:
+        print(f"result: {', '.join(result['failed'])} diverged from plain decoding", file=file)
+    else:
+        print("result: no strategy with exact outputs diverges from plain decoding", file=file)
+
+
+# ---------------------------------------------------------------------- command line
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="tiny",
+                        help="'tiny' (random weights, built in process; default), 'embedded', or a checkpoint directory")
+    parser.add_argument("--tokens", type=positive_int, default=2048, help="greedy tokens per request (default 2048)")
+    parser.add_argument("--requests", type=positive_int, default=2, help="prompts decoded together (default 2)")
+    parser.add_argument("--prompt-len", type=positive_int, default=16,
+                        help="prompt tokens (random ids for tiny; a cut of each prompt otherwise; default 16)")
+    parser.add_argument("--prompt", action="append",
+                        help="prompt text for a checkpoint (repeatable; default: held-out standard-library files)")
+    parser.add_argument("--every", type=positive_int, default=64, help="committed tokens between state samples")
+    parser.add_argument("--strategies", type=name_list(STRATEGY_NAMES), default=STRATEGY_NAMES,
+                        help=f"strategies to run (default {','.join(STRATEGY_NAMES)})")
+    parser.add_argument("--no-control", action="store_true", help="leave out the open-loop control")
+    parser.add_argument("--num-draft", type=positive_int, default=3, help="n-gram draft tokens per step (default 3)")
+    parser.add_argument("--generator", choices=("static", "eager"), default="static",
+                        help="the strategies' decoding loop: StepGenerator (static, default) or SpeculativeGenerator")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
+                        help="model dtype (default float32; bfloat16 makes the control round u to bf16)")
+    parser.add_argument("--device", type=device_name, default="auto", help="auto, cpu, cuda, cuda:N (default auto)")
+    parser.add_argument("--seed", type=nonneg_int, default=0, help="seed of the tiny model and its prompts")
+    parser.add_argument("--json", type=output_path(".json"), default=None, help="write the full result here")
+    parser.add_argument("--plot", type=output_path(".png"), default=None, help="write the plot here")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def check_args(args) -> None:
+    from ..engine.loading import resolve_device, resolve_model_path
+
+    if args.model != "tiny":
+        path = resolve_model_path(args.model)  # 'embedded' without a checkpoint: say how to make one
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ValueError(f"--model {args.model!r} is neither 'tiny', 'embedded' nor a checkpoint directory")
+    elif args.prompt:
+        raise ValueError("--prompt needs a checkpoint --model (the tiny model has random prompts)")
+    if args.every > args.tokens:
+        raise ValueError(f"--every {args.every} exceeds --tokens {args.tokens}")
+    args.device_resolved = resolve_device(args.device)
+    if args.plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ValueError("--plot needs matplotlib (pip install 'replayssm[plot]')") from None
+
+
+def main(args) -> int:
+    if not hasattr(args, "device_resolved"):
+        check_args(args)
+    result = run_closed_loop(args, progress_enabled=not args.quiet)
+    print_report(result)
+    from .progress import write_outputs
+
+    write_outputs(result, args.json, args.plot, "closed_loop")
+    return result["exit_code"]
