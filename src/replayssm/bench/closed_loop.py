@@ -17,8 +17,8 @@ ignored, by:
 * ``open-loop`` (a control, not a strategy; eager): ``circular`` whose flush folds the
   ring's corrected deltas ``u`` (rounded to the activation dtype) into the checkpoint in
   closed form instead of replaying raw records, the drift tool's control
-  (:func:`replayssm.bench.drift.open_loop_fold`) made into a strategy the engine can
-  decode with (:class:`OpenLoopCircular`). DESIGN.md section 3 forbids this fold.
+  (:func:`replayssm.strategies.open_loop.open_loop_fold`) as a strategy the engine can
+  decode with (:class:`~replayssm.strategies.open_loop.OpenLoopControlStrategy`). DESIGN.md section 3 forbids this fold.
 
 Measured per variant and request: the first generated position whose token differs from
 plain decoding's (``None``: never, over all ``--tokens``), and every ``--every``
@@ -42,9 +42,8 @@ import time
 
 import torch
 
-from ..ops import advance_cursors_reference
 from ..strategies import STRATEGY_NAMES
-from ..strategies.circular import CircularStrategy
+from ..strategies.open_loop import OpenLoopControlStrategy
 from .args import device_name, name_list, nonneg_int, output_path, positive_int
 
 CONTROL = "open-loop"
@@ -54,73 +53,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 # ---------------------------------------------------------------------- the control
-class OpenLoopCircular(CircularStrategy):
-    """``circular`` with the open-loop flush (the control; never registered as a strategy).
-
-    At a step's first GDN verify, each live row flagged ``is_flush`` gets the history of
-    every layer folded into its checkpoints by
-    :func:`~replayssm.bench.drift.open_loop_fold` (``S <- exp(G) S + sum_c exp(G - G_c)
-    u_c k^_c^T``), and its cursors moved past that history by a commit of zero tokens
-    (``cache_base += write_pos``, ``write_pos = 0``); the verify then sees an empty
-    history and writes the window where the exact flush would have. After each layer's
-    verify its ring ``u`` is rounded to the activation dtype, so history reads and the
-    fold use rounded deltas (a no-op in float32). Install with :meth:`install`.
-    """
-
-    name = CONTROL
-
-    def __init__(self, pool):
-        super().__init__(pool)
-        self.act_dtype = pool.act_dtype
-
-    @classmethod
-    def install(cls, engine) -> "OpenLoopCircular":
-        """Replace the strategy of a fresh ``circular`` engine's pool with the control."""
-        if engine.strategy_name != "circular":
-            raise ValueError(f"the control needs a circular engine, got {engine.strategy_name!r}")
-        if engine.pool.live_slots:
-            raise ValueError("install the control before any slot is allocated")
-        engine.pool.strategy = cls(engine.pool)
-        return engine.pool.strategy
-
-    def _history(self, layer: int, slot: int):
-        buf, L = self.pool.buffers, self.pool.ring_len
-        wp, base = int(buf["write_pos"][slot]), int(buf["cache_base"][slot])
-        pos = [(base + c) & (L - 1) for c in range(wp)]
-        return buf["ring_u"][layer, slot, pos], buf["ring_k"][layer, slot, pos], buf["ring_g"][layer, slot, pos]
-
-    def _open_loop_flush(self, batch) -> None:
-        from .drift import open_loop_fold
-
-        buf = self.pool.buffers
-        live = batch.live_slots
-        flush = [s for s, f in zip(live, buf["is_flush"][live].tolist()) if f]
-        if not flush:
-            return
-        ckpt = self.pool.checkpoints
-        for layer in range(self.pool.num_layers):
-            for s in flush:
-                ckpt[layer, s] = open_loop_fold(ckpt[layer, s], *self._history(layer, s))
-        rows = torch.tensor(flush, dtype=torch.int32, device=self.pool.device)
-        advance_cursors_reference(buf["write_pos"], buf["cache_base"], buf["is_flush"], rows, torch.zeros_like(rows),
-                                  self.pool.window, self.pool.ring_len)
-
-    def verify(self, layer, q, k, v, a, b, batch):
-        if not self._verified:  # the step's first GDN layer: every layer's history is complete
-            self._open_loop_flush(batch)
-        o = super().verify(layer, q, k, v, a, b, batch)
-        ring_u = self.buf.ring_u[layer]
-        ring_u.copy_(ring_u.to(self.act_dtype).to(ring_u.dtype))
-        return o
-
-    def committed_state(self, layer, slots):
-        """Checkpoint + history folded the open-loop way (between steps only)."""
-        from .drift import open_loop_fold
-
-        if self.step_open:
-            raise RuntimeError("the control's committed state is read between steps only")
-        ckpt = self.pool.checkpoints[layer]
-        return torch.stack([open_loop_fold(ckpt[s].clone(), *self._history(layer, s)) for s in slots])
+# The control: replayssm.strategies.open_loop (one class for drift and closed-loop).
+OpenLoopCircular = OpenLoopControlStrategy
 
 
 # ---------------------------------------------------------------------- float64 reference

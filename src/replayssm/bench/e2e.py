@@ -454,7 +454,8 @@ def _probabilities(text: str) -> tuple[float, ...]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = E2EConfig()
-    parser.add_argument("--model", default=None, help="local Hugging Face checkpoint directory (default: the embedded model)")
+    parser.add_argument("--model", default=None, help="local Hugging Face checkpoint directory, or 'embedded' for the trained checkpoint in the package "
+                             "(default: a random-weight model built in process, see --embedded)")
     parser.add_argument("--embedded", choices=EMBEDDED, default=None,
                         help="embedded model without --model (default qwen3.5-shapes on CUDA, tiny on the CPU)")
     parser.add_argument("--strategies", type=name_list(STRATEGY_NAMES, allow_none=True), default=STRATEGY_NAMES,
@@ -490,8 +491,13 @@ def config_from_args(args) -> E2EConfig:
     def pick(value, gpu, cpu):
         return value if value is not None else (gpu if cuda else cpu)
 
+    model = args.model
+    if model is not None:
+        from ..engine.loading import resolve_model_path
+
+        model = str(resolve_model_path(model))  # "embedded": the trained checkpoint in the package
     return E2EConfig(
-        model=args.model, embedded=pick(args.embedded, "qwen3.5-shapes", "tiny"), strategies=tuple(args.strategies),
+        model=model, embedded=pick(args.embedded, "qwen3.5-shapes", "tiny"), strategies=tuple(args.strategies),
         plain=not args.no_plain, hf=not args.no_hf, batches=tuple(pick(args.batches, (1, 16, 64), (2,))),
         num_draft=args.num_draft, max_new_tokens=pick(args.max_new_tokens, 128, 12),
         prompt_len=pick(args.prompt_len, 64, 8), drafter=args.drafter, acceptance=tuple(args.acceptance),

@@ -6,8 +6,8 @@ show what DESIGN.md section 3 forbids. Its flush folds the ring's *corrected del
 into the checkpoint through the closed form, instead of replaying the raw records
 through the exact recurrence, so rounding accumulates in the committed state.
 
-One GDN layer only: the flush of a row and its cursor move happen together before the
-layer's verify.
+Used by ``replayssm drift`` (one layer, teacher-forced) and ``replayssm closed-loop``
+(a whole model, free-running greedy decoding).
 """
 
 from __future__ import annotations
@@ -44,43 +44,59 @@ def open_loop_fold(S: torch.Tensor, u: torch.Tensor, k: torch.Tensor, g: torch.T
 class OpenLoopControlStrategy(CircularStrategy):
     """``circular`` whose flush is :func:`open_loop_fold` (see the module docstring).
 
-    Before a verify, each live row due to flush gets its history folded open-loop into
-    its checkpoint, and its cursors moved by the library's cursor op as a commit of zero
-    tokens on a flush row (``cache_base += write_pos``, ``write_pos = 0``): the verify
-    then sees an empty history and writes the window's records where the exact flush
-    would have. After the verify, the new records' ``u`` are rounded to the activation
-    dtype.
+    At a step's first GDN verify, each live row flagged ``is_flush`` gets the history
+    of every layer folded open-loop into its checkpoints, and its cursors moved past
+    that history by the library's cursor op as a commit of zero tokens on a flush row
+    (``cache_base += write_pos``, ``write_pos = 0``): the verifies then see an empty
+    history and write the window where the exact flush would have. After each layer's
+    verify its ring ``u`` is rounded to the activation dtype, so history reads and the
+    fold use rounded deltas (a no-op in float32).
     """
 
-    name = "open-loop-control"
+    name = "open-loop"
     exact_outputs = False
 
-    def __init__(self, pool):
-        if pool.num_layers != 1:
-            raise ValueError(f"the open-loop control keeps one GDN layer, the pool has {pool.num_layers}")
-        super().__init__(pool)
-
-    def _history(self, slot: int, layer: int = 0):
+    def _history(self, layer: int, slot: int):
         buf, L = self.buf, self.pool.ring_len
         wp, base = int(buf.write_pos[slot]), int(buf.cache_base[slot])
         pos = [(base + c) & (L - 1) for c in range(wp)]
         return buf.ring_u[layer, slot, pos], buf.ring_k[layer, slot, pos], buf.ring_g[layer, slot, pos]
 
-    def _verify(self, layer, q, k, v, a, b, A_log, dt_bias, batch):
+    def _open_loop_flush(self, batch) -> None:
         buf, ckpt = self.buf, self.pool.checkpoints
         live = batch.live_slots
         flush = [s for s, f in zip(live, buf.is_flush[live].tolist()) if f]
-        for s in flush:
-            ckpt[layer, s] = open_loop_fold(ckpt[layer, s], *self._history(s, layer))
-        if flush:
-            rows = torch.tensor(flush, dtype=torch.int32, device=self.pool.device)
-            advance_cursors_reference(buf.write_pos, buf.cache_base, buf.is_flush, rows, torch.zeros_like(rows),
-                                      self.pool.window, self.pool.ring_len)
-        o = super()._verify(layer, q, k, v, a, b, A_log, dt_bias, batch)
-        buf.ring_u.copy_(buf.ring_u.to(self.pool.act_dtype).to(buf.ring_u.dtype))
+        if not flush:
+            return
+        for layer in range(self.pool.num_layers):
+            for s in flush:
+                ckpt[layer, s] = open_loop_fold(ckpt[layer, s], *self._history(layer, s))
+        rows = torch.tensor(flush, dtype=torch.int32, device=self.pool.device)
+        advance_cursors_reference(buf.write_pos, buf.cache_base, buf.is_flush, rows, torch.zeros_like(rows),
+                                  self.pool.window, self.pool.ring_len)
+
+    def verify(self, layer, q, k, v, a, b, batch):
+        if not self._verified:  # the step's first GDN layer: every layer's history is complete
+            self._open_loop_flush(batch)
+        o = super().verify(layer, q, k, v, a, b, batch)
+        ring_u = self.buf.ring_u[layer]
+        ring_u.copy_(ring_u.to(self.pool.act_dtype).to(ring_u.dtype))
         return o
 
     def committed_state(self, layer, slots):
+        """Checkpoint + history folded the open-loop way (between steps only)."""
+        if self.step_open:
+            raise RuntimeError("the control's committed state is read between steps only")
         self.pool.check_layer(layer)
-        ckpt = self.pool.checkpoints
-        return torch.stack([open_loop_fold(ckpt[layer, s].clone(), *self._history(s, layer)) for s in slots])
+        ckpt = self.pool.checkpoints[layer]
+        return torch.stack([open_loop_fold(ckpt[s].clone(), *self._history(layer, s)) for s in slots])
+
+    @classmethod
+    def install(cls, engine) -> "OpenLoopControlStrategy":
+        """Replace the strategy of a fresh ``circular`` engine's pool with the control."""
+        if engine.strategy_name != "circular":
+            raise ValueError(f"the control needs a circular engine, got {engine.strategy_name!r}")
+        if engine.pool.live_slots:
+            raise ValueError("install the control before any slot is allocated")
+        engine.pool.strategy = cls(engine.pool)
+        return engine.pool.strategy
