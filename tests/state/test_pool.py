@@ -145,3 +145,20 @@ def test_shape_checks():
     with pytest.raises(ValueError, match="head_k_dim"):
         GDNShape(1, 1, 0, 8)
     assert GDNShape(16, 32, 128, 128).conv_dim == 2 * 16 * 128 + 32 * 128
+
+
+def test_layer_params_are_views_built_once():
+    """No per-step rebuild: the same read-only views on every call, and they follow a
+    later set_layer_params (written in place)."""
+    shape = GDNShape(2, 4, 8, 8)
+    pool = StatePool(shape, 2, 2, strategy="fold", window=2)
+    for layer in range(2):
+        pool.set_layer_params(layer, A_log=torch.randn(4), dt_bias=torch.randn(4),
+                              conv_weight=torch.randn(shape.conv_dim, shape.conv_kernel))
+    first = pool.layer_params(1)
+    assert pool.layer_params(1) is first
+    new = torch.randn(4)
+    pool.set_layer_params(1, A_log=new, dt_bias=torch.randn(4), conv_weight=torch.randn(shape.conv_dim, shape.conv_kernel))
+    assert torch.equal(first["A_log"], new)
+    with pytest.raises(TypeError):
+        first["A_log"] = new  # read-only mapping

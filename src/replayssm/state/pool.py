@@ -127,6 +127,7 @@ class StatePool:
             "conv_bias": torch.zeros((num_layers, s.conv_dim), device=self.device, dtype=act_dtype),
         }
         self._params_set = [False] * num_layers
+        self._layer_views: list[MappingProxyType | None] = [None] * num_layers
         self._free: list[int] = list(range(num_slots))
         self._live: set[int] = set()
         # Bumped whenever a slot changes hands (alloc, free): a batch remembers the
@@ -169,11 +170,16 @@ class StatePool:
         self.params["conv_bias"][layer] = 0.0 if conv_bias is None else conv_bias.to(self.device, self.act_dtype)
         self._params_set[layer] = True
 
-    def layer_params(self, layer: int) -> dict[str, torch.Tensor]:
+    def layer_params(self, layer: int) -> MappingProxyType:
+        """Read-only views of one layer's registered parameters (``A_log``, ``dt_bias``,
+        ``conv_weight``, ``conv_bias``), built once per layer rather than per call."""
         self.check_layer(layer)
         if not self._params_set[layer]:
             raise RuntimeError(f"layer {layer} has no parameters: call set_layer_params({layer}, ...) first")
-        return {name: p[layer] for name, p in self.params.items()}
+        views = self._layer_views[layer]
+        if views is None:  # built once: set_layer_params writes into these views in place
+            views = self._layer_views[layer] = MappingProxyType({name: p[layer] for name, p in self.params.items()})
+        return views
 
     # ------------------------------------------------------------------ slots
     @property
