@@ -85,3 +85,32 @@ def test_float64_pool_is_exact(strategy):
         assert r.out_err < 1e-12, f"step {r.step}: output error {r.out_err:.2e}"
     if strategy == "circular":
         assert flushed > 10
+
+
+def test_inputs_are_validated_once_per_step_but_every_bad_input_is_caught():
+    """Later layers of a step skip the checks only when their inputs match the validated
+    ones: a wrong dtype or shape on any layer still raises."""
+    from replayssm.state import GDNShape, StatePool
+
+    shape = GDNShape(2, 4, 8, 8)
+    pool = StatePool(shape, 3, 2, strategy="fold", window=2)
+    for layer in range(3):
+        pool.set_layer_params(layer, A_log=-torch.rand(4), dt_bias=torch.randn(4),
+                              conv_weight=torch.randn(shape.conv_dim, shape.conv_kernel))
+    s = pool.alloc()
+    batch = pool.batch([s], 2)
+
+    def inputs(dtype=torch.float32, n=2):
+        return (torch.randn(n, 2, 8, dtype=dtype), torch.randn(n, 2, 8, dtype=dtype), torch.randn(n, 4, 8, dtype=dtype),
+                torch.randn(n, 4, dtype=dtype), torch.randn(n, 4, dtype=dtype))
+
+    calls = []
+    real = pool.strategy._check_inputs_now
+    pool.strategy._check_inputs_now = lambda *a: (calls.append(a[0]), real(*a))[1]
+    pool.strategy.verify(0, *inputs(), batch)
+    pool.strategy.verify(1, *inputs(), batch)
+    assert calls == [0]  # layer 1's inputs matched layer 0's: no second validation
+    with pytest.raises(TypeError):
+        pool.strategy.verify(2, *inputs(torch.float64), batch)
+    with pytest.raises(ValueError):
+        pool.strategy.verify(2, *inputs(n=3), batch)
