@@ -263,6 +263,7 @@ def run_mode(model, mode: str, prompts, warm, cfg: E2EConfig, *, on_done=None) -
     for p in settings:
         drafter = None if mode == PLAIN else make_drafter(cfg, engine, p, model)
         gen = StepGenerator(engine, drafter, num_draft=cfg.num_draft, eos_token_ids=(), graphs=cfg.graphed)
+        gen.capture()  # every bucket now: requests finishing unevenly must not capture inside a timed run
         if p is not None:
             drafter.set_references(warm_references)
         gen.generate(warm, cfg.max_new_tokens)  # untimed, other prompts, full length

@@ -121,15 +121,19 @@ def describe_memory(engine) -> str:
 
 
 def build_drafter(args, engine, batch: int, max_len: int):
-    """The drafter the arguments ask for (``None`` for plain decoding)."""
-    from .drafters import MTPDrafter, ModelDrafter, NgramDrafter, load_mtp_head
+    """The drafter the arguments ask for (``None`` for plain decoding): n-gram and MTP
+    drafters run on the device inside the static step; the draft model runs eagerly."""
+    from .device_drafters import DeviceMTPDrafter, DeviceNgramDrafter
+    from .drafters import ModelDrafter, load_mtp_head
+    from .sampling import SamplingParams
 
     if args.draft == "none":
         return None
     if args.draft == "ngram":
-        return NgramDrafter()
+        return DeviceNgramDrafter()
     if args.draft == "mtp":
-        return MTPDrafter(engine, load_mtp_head(engine, args.model))
+        sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+        return DeviceMTPDrafter(engine, load_mtp_head(engine, args.model), sampling=sampling)
     from .adapter import HybridEngine
     from .loading import load_model, load_tokenizer
 
@@ -145,7 +149,9 @@ def build_drafter(args, engine, batch: int, max_len: int):
 
 def main(args) -> int:
     from .adapter import HybridEngine
-    from .generator import SpeculativeGenerator
+    import torch
+
+    from .generator import SpeculativeGenerator, StepGenerator
     from .loading import eos_token_ids, load_model, load_tokenizer
     from .sampling import SamplingParams
 
@@ -165,8 +171,10 @@ def main(args) -> int:
     batch = len(prompts)
     max_len = max(len(p) for p in prompts) + args.max_new_tokens + args.num_draft + 2
     plain = args.draft == "none"
-    engine = HybridEngine(model, strategy=args.strategy, num_slots=batch, window=1 if plain else args.num_draft + 1,
-                          max_len=max_len)
+    # plain decoding advances the state directly: the strategy does not matter, and fold's
+    # prefill needs no host check (a CUDA graph cannot hold one)
+    engine = HybridEngine(model, strategy="fold" if plain else args.strategy, num_slots=batch,
+                          window=1 if plain else args.num_draft + 1, max_len=max_len)
     drafter = build_drafter(args, engine, batch, max_len)
     print(f"model {args.model} ({engine.family}, {model.dtype}, {engine.device}); "
           f"draft {args.draft}, strategy {args.strategy}, k={args.num_draft}; prompt prefill: {engine.prefill_kernel}",
@@ -186,8 +194,12 @@ def main(args) -> int:
             sys.stdout.flush()
             shown[0] = text
 
-    gen = SpeculativeGenerator(engine, drafter, num_draft=args.num_draft, sampling=sampling, eos_token_ids=eos,
-                               seed=args.seed)
+    torch.manual_seed(args.seed)  # static steps sample from torch's generator of the device
+    if args.draft == "model":  # the draft model decodes on the host between steps
+        gen = SpeculativeGenerator(engine, drafter, num_draft=args.num_draft, sampling=sampling, eos_token_ids=eos,
+                                   seed=args.seed)
+    else:  # one static step per decode step, a CUDA graph replay on a GPU
+        gen = StepGenerator(engine, drafter, num_draft=args.num_draft, sampling=sampling, eos_token_ids=eos)
     result = gen.generate(prompts, args.max_new_tokens, on_tokens=on_tokens)
     if stream:
         print()
@@ -203,8 +215,8 @@ def main(args) -> int:
     print(f"tokens/s {result.tokens_per_second:.1f} end to end, {result.decode_tokens_per_second:.1f} decoding")
     print(f"state memory: {describe_memory(engine)}")
     if args.compare_plain and not plain:
-        base_engine = HybridEngine(model, strategy=args.strategy, num_slots=batch, window=1, max_len=max_len)
-        base = SpeculativeGenerator(base_engine, None, sampling=sampling, eos_token_ids=eos, seed=args.seed)
+        base_engine = HybridEngine(model, strategy="fold", num_slots=batch, window=1, max_len=max_len)
+        base = StepGenerator(base_engine, None, sampling=sampling, eos_token_ids=eos)
         ref = base.generate(prompts, args.max_new_tokens)
         print(f"plain decoding: tokens/s {ref.tokens_per_second:.1f}; speed-up "
               f"{result.tokens_per_second / max(ref.tokens_per_second, 1e-9):.2f}x")

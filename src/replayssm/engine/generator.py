@@ -365,6 +365,9 @@ class StepGenerator:
         from .device_drafters import DeviceDrafter
 
         check_generator_args(engine, drafter, DeviceDrafter, sampling, num_draft)
+        if drafter is None and engine.strategy_name == "circular":
+            raise ValueError("plain decoding through static steps needs a 'snapshot' or 'fold' engine "
+                             "(circular's prefill checks its ring on the host; the strategy does not matter here)")
         graphs = engine.device.type == "cuda" if graphs is None else bool(graphs)
         if graphs and engine.device.type != "cuda":
             raise ValueError("graphs=True needs a CUDA engine")
