@@ -57,8 +57,10 @@ def test_ngram_drafter_without_hf(tmp_path):
     data = json.loads(js.read_text())
     assert [(r["mode"], r["batch"]) for r in data["rows"]] == [("plain", 1), ("circular", 1), ("plain", 3),
                                                                 ("circular", 3)]
-    assert all(r["drafter"] == "ngram" for r in data["rows"] if r["mode"] == "circular")
-    assert all(r["verdict"] != "mismatch" for r in data["rows"])  # circular is never strict
+    for r in data["rows"]:
+        assert r["generated_tokens"] == r["batch"] * 12 and r["step_ms_p50"] > 0
+        if r["mode"] == "circular":
+            assert r["drafter"] == "ngram" and r["steps"] <= 11  # never more steps than plain
 
 
 def test_checkpoint_with_its_mtp_head(tmp_path):

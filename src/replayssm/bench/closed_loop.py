@@ -244,13 +244,13 @@ def run_closed_loop(args, progress_enabled: bool = True) -> dict:
             tokens=r["tokens"],
         )
     failed = [n for n in variants if rows[n]["exact_outputs"] and rows[n]["diverged"]]
-    from .drift.run import _environment
+    from .common import environment
 
     return dict(
         config=dict(model=desc, dtype=args.dtype, device=str(args.device_resolved), requests=len(prompts),
                     prompt_lengths=[len(p) for p in prompts], tokens=args.tokens, every=args.every,
                     num_draft=args.num_draft, generator=args.generator, seed=args.seed),
-        environment=_environment(args.device_resolved, "auto"), variants=rows, failed=failed,
+        environment=environment(args.device_resolved, "auto"), variants=rows, failed=failed,
         control_diverged=rows[CONTROL]["diverged"] if CONTROL in rows else None, exit_code=1 if failed else 0,
     )
 

@@ -467,3 +467,22 @@ def plan_steps_per_block(est_us_per_step: float, cycle: int, copies: int, *, tar
         raise ValueError(f"est_us_per_step must be positive, got {est_us_per_step}")
     cycles = max(1, math.ceil(target_block_us / (est_us_per_step * cycle * copies)))
     return cycles * cycle
+
+
+def environment(device: torch.device, backend: str) -> dict:
+    """What a result depends on besides its config: Python, torch, Triton and
+    transformers versions, the device (and its name on CUDA), the resolved backend."""
+    import platform
+
+    from ..ops.dispatch import resolve
+
+    env = {"python": platform.python_version(), "torch": torch.__version__, "device": str(device),
+           "backend": resolve(backend, device)}
+    if device.type == "cuda":
+        env["device_name"] = torch.cuda.get_device_name(device)
+    for name in ("triton", "transformers"):
+        try:
+            env[name] = __import__(name).__version__
+        except ImportError:
+            env[name] = None
+    return env

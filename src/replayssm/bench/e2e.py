@@ -50,6 +50,7 @@ import torch
 from ..ops.dispatch import BACKENDS
 from ..strategies import STRATEGY_NAMES
 from .args import check_device, device_name, int_list, name_list, output_path, positive_int
+from .common import environment
 from .progress import ProgressBar, write_outputs
 
 STRICT_DTYPES = ("fp32",)  # model dtypes in which an exact strategy must match plain
@@ -256,18 +257,19 @@ def run_mode(model, mode: str, prompts, warm, cfg: E2EConfig, *, on_done=None) -
         model, strategy="fold" if mode == PLAIN else mode, num_slots=len(prompts), window=window,
         max_len=cfg.prompt_len + cfg.max_new_tokens + window, backend=cfg.backend,
     )
+    drafter = None if mode == PLAIN else make_drafter(cfg, engine, model)
+    gen = StepGenerator(engine, drafter, num_draft=cfg.num_draft, eos_token_ids=(), graphs=cfg.graphed)
+    gen.capture()  # every bucket now: requests finishing unevenly must not capture inside a timed run
+    oracle = cfg.drafter == "oracle" and mode != PLAIN
+    if oracle:
+        references, warm_references = _own_references(gen, prompts, warm, cfg)
     out = []
-    settings = (None,) if mode == PLAIN else cfg.acceptances
-    if cfg.drafter == "oracle" and mode != PLAIN:
-        references, warm_references = _own_references(engine, model, prompts, warm, cfg)
-    for p in settings:
-        drafter = None if mode == PLAIN else make_drafter(cfg, engine, p, model)
-        gen = StepGenerator(engine, drafter, num_draft=cfg.num_draft, eos_token_ids=(), graphs=cfg.graphed)
-        gen.capture()  # every bucket now: requests finishing unevenly must not capture inside a timed run
-        if p is not None:
+    for p in (None,) if mode == PLAIN else cfg.acceptances:
+        if oracle:  # the captured graphs read P on the device: no new capture per P
+            drafter.set_acceptance(p)
             drafter.set_references(warm_references)
         gen.generate(warm, cfg.max_new_tokens)  # untimed, other prompts, full length
-        if p is not None:
+        if oracle:
             drafter.set_references(references)
         runs = []
         for _ in range(cfg.repeats):
@@ -275,11 +277,10 @@ def run_mode(model, mode: str, prompts, warm, cfg: E2EConfig, *, on_done=None) -
             if on_done:
                 on_done()
         row = _summary(mode, runs, len(prompts), None if mode == PLAIN else cfg.drafter, p)
-        row["graphed"] = isinstance(gen, StepGenerator) and gen.graphs
+        row["graphed"] = gen.graphs
         row["state_bytes"] = engine.state_nbytes()
         out.append((row, runs[-1].tokens))
-        del gen, drafter
-        _release(torch.device(cfg.device))
+    del gen, drafter
     del engine
     _release(torch.device(cfg.device))
     return out
@@ -332,14 +333,14 @@ def difference_reason(row: dict, dtype: str) -> str:
             "in fp32 and with the engine's fixed_shape mode (tests/gpu/test_engine_gpu.py)")
 
 
-def make_drafter(cfg: E2EConfig, engine, acceptance: float | None, model):
+def make_drafter(cfg: E2EConfig, engine, model):
     from ..engine import device_drafters, drafters
 
     if cfg.drafter == "ngram":
         return device_drafters.DeviceNgramDrafter()
     if cfg.drafter == "oracle":
         vocab = model.get_output_embeddings().out_features
-        return device_drafters.OracleDrafter({0: [0]}, acceptance, vocab, seed=cfg.seed)
+        return device_drafters.OracleDrafter({}, 0.0, vocab, seed=cfg.seed)  # P and references set per run
     if cfg.model is not None:
         head = drafters.load_mtp_head(engine, cfg.model)
     else:  # the embedded model has no trained head: random weights time the drafting, accept little
@@ -396,7 +397,7 @@ def run_e2e(cfg: E2EConfig, *, progress: bool = True) -> dict:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "config": {**asdict(cfg), "model": description, "strategies": list(cfg.strategies),
                    "batches": list(cfg.batches), "acceptance": list(cfg.acceptance), "graphed": cfg.graphed},
-        "environment": _environment(device, cfg.backend),
+        "environment": environment(device, cfg.backend),
         "smoke": device.type != "cuda",
         "rows": rows,
         "mismatches": mismatches,  # strict rows (exact strategy, fp32) that differ: exit 1
@@ -405,7 +406,7 @@ def run_e2e(cfg: E2EConfig, *, progress: bool = True) -> dict:
     }
 
 
-def _own_references(engine, model, prompts, warm, cfg: E2EConfig):
+def _own_references(gen, prompts, warm, cfg: E2EConfig):
     """The oracle's references for a strategy: its own greedy tokens through verify
     steps that accept no draft (``P = 0``), for the timed and the warm-up prompts.
 
@@ -417,29 +418,8 @@ def _own_references(engine, model, prompts, warm, cfg: E2EConfig):
     references; ``circular``'s outputs do depend on it, and its measured acceptance shows
     what that costs.
     """
-    from ..engine.device_drafters import OracleDrafter
-    from ..engine.generator import StepGenerator
-
-    vocab = model.get_output_embeddings().out_features
-    gen = StepGenerator(engine, OracleDrafter({0: [0]}, 0.0, vocab, seed=cfg.seed + 1), num_draft=cfg.num_draft,
-                        eos_token_ids=(), graphs=cfg.graphed)
-    refs = gen.generate(prompts, cfg.max_new_tokens).tokens, gen.generate(warm, cfg.max_new_tokens).tokens
-    del gen
-    _release(torch.device(cfg.device))
-    return refs
-
-
-def _environment(device: torch.device, backend: str) -> dict:
-    from .drift.run import _environment as base
-
-    env = base(device, backend)
-    try:
-        import transformers
-
-        env["transformers"] = transformers.__version__
-    except ImportError:
-        env["transformers"] = None
-    return env
+    gen.drafter.set_acceptance(0.0)
+    return gen.generate(prompts, cfg.max_new_tokens).tokens, gen.generate(warm, cfg.max_new_tokens).tokens
 
 
 # ---------------------------------------------------------------------- command line

@@ -6,30 +6,40 @@
   decoding), ``verify`` + ``commit`` (speculative).
 * Drafters (``drafters``): :class:`NgramDrafter`, :class:`MTPDrafter` (the checkpoint's
   ``mtp.*`` head, :func:`load_mtp_head`), :class:`ModelDrafter` (a small draft model).
-* :class:`SpeculativeGenerator` (``generator``): the batched decoding loop with greedy
-  acceptance or distribution-preserving rejection sampling (``sampling``).
+* :class:`StepGenerator` (``generator``, ``graph_step``): continuous batching over
+  static-shape steps, one CUDA graph replay per step on a GPU (forward, acceptance,
+  commit and the next drafts on the device); drafters that run inside the step:
+  :class:`DeviceNgramDrafter`, :class:`DeviceMTPDrafter`, :class:`OracleDrafter`
+  (``device_drafters``).
+* :class:`SpeculativeGenerator` (``generator``): the eager decoding loop (host-side
+  drafters, the draft model), with greedy acceptance or distribution-preserving
+  rejection sampling (``sampling``).
 * ``loading`` (local checkpoints), ``tiny`` (random tiny models), and the ``generate``
   and ``run`` commands (``generate``, ``main_job``).
 
 Example::
 
-    from replayssm.engine import HybridEngine, NgramDrafter, SpeculativeGenerator
+    from replayssm.engine import DeviceNgramDrafter, HybridEngine, StepGenerator
     from replayssm.engine.loading import load_model, load_tokenizer
 
     model = load_model("path/to/Qwen3.5-checkpoint")          # bf16 on CUDA
     engine = HybridEngine(model, strategy="circular", num_slots=8, window=4, max_len=4096)
-    gen = SpeculativeGenerator(engine, NgramDrafter(), num_draft=3, eos_token_ids=[...])
+    gen = StepGenerator(engine, DeviceNgramDrafter(), num_draft=3, eos_token_ids=[...])
     result = gen.generate([tokenizer.encode("...")], max_new_tokens=256)
     result.tokens, result.mean_accept_length, result.tokens_per_second
 """
 
 from .adapter import HybridEngine, StepOutput
+from .device_drafters import DeviceDrafter, DeviceMTPDrafter, DeviceNgramDrafter, OracleDrafter
 from .drafters import Draft, Drafter, MTPDrafter, MTPHead, ModelDrafter, NgramDrafter, load_mtp_head
-from .generator import GenerationResult, SpeculativeGenerator
+from .generator import GenerationResult, SpeculativeGenerator, StepGenerator
 from .kv_cache import KVCache
 from .sampling import SamplingParams, greedy_accept, rejection_sample, warp_probs
 
 __all__ = [
+    "DeviceDrafter",
+    "DeviceMTPDrafter",
+    "DeviceNgramDrafter",
     "Draft",
     "Drafter",
     "GenerationResult",
@@ -39,8 +49,10 @@ __all__ = [
     "MTPHead",
     "ModelDrafter",
     "NgramDrafter",
+    "OracleDrafter",
     "SamplingParams",
     "SpeculativeGenerator",
+    "StepGenerator",
     "StepOutput",
     "greedy_accept",
     "load_mtp_head",

@@ -514,7 +514,7 @@ class HybridEngine:
         ids = torch.tensor([t for w in windows for t in w], dtype=torch.long, device=self.device)
 
         h = _pad_rows(self.embed(ids), rows)  # [rows, hidden]; rows > N only with fixed_shape
-        cos, sin = self._rotary(h[:n], layout.positions)
+        cos, sin = self.rotary_cos_sin(h[:n], layout.positions)
         strat = self.strategy
         for layer, kind, j in zip(self.layers, self.kinds, self.index):
             residual = h
@@ -586,9 +586,9 @@ class HybridEngine:
         """
         b, t = ids.shape
         h = self.embed(ids.reshape(-1))
-        cos, sin = self._rotary(h, positions.reshape(-1))
+        cos, sin = self.rotary_cos_sin(h, positions.reshape(-1))
         strat = self.strategy
-        norm = self._static_norm
+        norm = self.static_norm
         for layer, kind, j in zip(self.layers, self.kinds, self.index):
             x = norm(layer.input_layernorm, h)
             if kind == "gdn":
@@ -610,15 +610,16 @@ class HybridEngine:
         h = norm(self.norm, h)
         return self.lm_head(h).float(), h
 
-    def _static_norm(self, module, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
-        """A norm module of a static step: one fused kernel on CUDA (see
+    def static_norm(self, module, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        """A norm module (a gated one takes ``gate``) as a static step runs it: one fused kernel on CUDA (see
         :mod:`replayssm.engine.norms`), the module itself elsewhere."""
         kind = norm_kind(module)
         if kind is None or not self.fused_norms:
             return module(x) if gate is None else module(x, gate)
         return rms_norm(x, module.weight, norm_eps(module), kind, gate)
 
-    def _rotary(self, h: torch.Tensor, positions: torch.Tensor):
+    def rotary_cos_sin(self, h: torch.Tensor, positions: torch.Tensor):
+        """``(cos, sin) [N, rotary_dim]`` of the model's rotary embedding at ``positions [N]``."""
         # Qwen3.5's rotary embedding is multimodal (3 position grids); text tokens use
         # the same position on every grid, which both the 5.17 and the newer signature
         # accept as [3, 1, N].

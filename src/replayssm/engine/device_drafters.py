@@ -149,14 +149,22 @@ class OracleDrafter(DeviceDrafter):
 
     def __init__(self, references: dict[int, Sequence[int]] | Sequence[Sequence[int]], acceptance: float,
                  vocab_size: int, seed: int = 0):
-        if isinstance(acceptance, bool) or not isinstance(acceptance, (int, float)) or not 0 <= acceptance <= 1:
-            raise ValueError(f"acceptance must be a number in [0, 1], got {acceptance!r}")
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 2:
             raise ValueError(f"vocab_size must be an int >= 2, got {vocab_size!r}")
-        self.acceptance = float(acceptance)
+        self._p = None  # the device copy, which captured steps read (see set_acceptance)
+        self.set_acceptance(acceptance)
         self.vocab_size = vocab_size
         self.seed = seed
         self.set_references(references)
+
+    def set_acceptance(self, acceptance: float) -> None:
+        """Change ``P``; steps already captured in CUDA graphs follow (they read it on the
+        device), so one set of graphs serves every acceptance."""
+        if isinstance(acceptance, bool) or not isinstance(acceptance, (int, float)) or not 0 <= acceptance <= 1:
+            raise ValueError(f"acceptance must be a number in [0, 1], got {acceptance!r}")
+        self.acceptance = float(acceptance)
+        if self._p is not None:
+            self._p.fill_(self.acceptance)
 
     def set_references(self, references: dict[int, Sequence[int]] | Sequence[Sequence[int]]) -> None:
         """Replace the reference continuations (per request index) for later requests."""
@@ -171,6 +179,7 @@ class OracleDrafter(DeviceDrafter):
         self._device = device
         self.reference = torch.zeros((num_slots + 1, capacity), dtype=torch.int64, device=device)
         self.generated = torch.zeros(num_slots + 1, dtype=torch.int64, device=device)
+        self._p = torch.full((), self.acceptance, dtype=torch.float32, device=device)
         self._steps = torch.arange(max(num_draft, 1), device=device)
         self.generator = None if device.type == "cuda" else torch.Generator(device=device).manual_seed(self.seed)
 
@@ -193,7 +202,7 @@ class OracleDrafter(DeviceDrafter):
         pos = (self.generated[slot_idx][:, None] + self._steps[None, : self.k]).clamp(max=self.reference.shape[1] - 1)
         right = self.reference[slot_idx].gather(1, pos)  # [B, k]
         dev = right.device
-        keep = torch.rand((b, self.k), device=dev, generator=self.generator) < self.acceptance
+        keep = torch.rand((b, self.k), device=dev, generator=self.generator) < self._p
         shift = torch.randint(1, self.vocab_size, (b, self.k), device=dev, generator=self.generator)
         return torch.where(keep, right, (right + shift) % self.vocab_size)
 
@@ -253,10 +262,9 @@ class DeviceMTPDrafter(DeviceDrafter):
         from .adapter import is_moe, static_attention_forward, static_moe_forward
 
         eng, head = self.engine, self.head
-        norm = eng._static_norm
-        e = norm(head.pre_fc_norm_embedding, eng.embed(tokens.reshape(-1)))
-        x = head.fc(torch.cat([e, norm(head.pre_fc_norm_hidden, hidden.to(e.dtype))], dim=-1))
-        cos, sin = eng._rotary(x, positions.reshape(-1))
+        norm = eng.static_norm
+        x = head.pair_input(eng, tokens.reshape(-1), hidden, norm)
+        cos, sin = eng.rotary_cos_sin(x, positions.reshape(-1))
         layer = head.layers[0]
         x = x + static_attention_forward(layer.self_attn, norm(layer.input_layernorm, x), cos, sin, self.cache, 0,
                                          slot_idx, positions, backend=eng.backend, norm=norm)

@@ -164,13 +164,20 @@ class MTPHead(nn.Module):
         head = cls(engine.config, type(engine.layers[0]), type(engine.norm), moe=moe)
         return head.to(device=engine.device, dtype=engine.dtype)
 
+    def pair_input(self, engine: HybridEngine, tokens: torch.Tensor, hidden: torch.Tensor, norm=None) -> torch.Tensor:
+        """The layer's input for pairs ``(h_t, x_{t+1})``: ``fc(concat(norm(embed(x)),
+        norm(h)))``, ``tokens [N]``, ``hidden [N, H]`` -> ``[N, H]``. ``norm(module, x)``
+        replaces the norm modules' calls (default: the modules)."""
+        norm = norm or (lambda module, x: module(x))
+        e = norm(self.pre_fc_norm_embedding, engine.embed(tokens))
+        return self.fc(torch.cat([e, norm(self.pre_fc_norm_hidden, hidden.to(e.dtype))], dim=-1))
+
     def forward_layer(self, engine: HybridEngine, cache: KVCache, layout: WindowLayout, tokens: torch.Tensor,
                       hidden: torch.Tensor) -> torch.Tensor:
         """``[N]`` next tokens and ``[N, hidden]`` previous hidden states -> ``[N, hidden]``
         normed outputs. Writes the window into ``cache`` (lengths unchanged)."""
-        e = self.pre_fc_norm_embedding(engine.embed(tokens))
-        x = self.fc(torch.cat([e, self.pre_fc_norm_hidden(hidden.to(e.dtype))], dim=-1))
-        cos, sin = engine._rotary(x, layout.positions)
+        x = self.pair_input(engine, tokens, hidden)
+        cos, sin = engine.rotary_cos_sin(x, layout.positions)
         layer = self.layers[0]
         r = x
         x = r + attention_forward(layer.self_attn, layer.input_layernorm(x), cos, sin, cache, 0, layout)

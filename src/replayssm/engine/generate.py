@@ -171,10 +171,8 @@ def main(args) -> int:
     batch = len(prompts)
     max_len = max(len(p) for p in prompts) + args.max_new_tokens + args.num_draft + 2
     plain = args.draft == "none"
-    # plain decoding advances the state directly: the strategy does not matter, and fold's
-    # prefill needs no host check (a CUDA graph cannot hold one)
-    engine = HybridEngine(model, strategy="fold" if plain else args.strategy, num_slots=batch,
-                          window=1 if plain else args.num_draft + 1, max_len=max_len)
+    engine = HybridEngine(model, strategy=args.strategy, num_slots=batch, window=1 if plain else args.num_draft + 1,
+                          max_len=max_len)
     drafter = build_drafter(args, engine, batch, max_len)
     print(f"model {args.model} ({engine.family}, {model.dtype}, {engine.device}); "
           f"draft {args.draft}, strategy {args.strategy}, k={args.num_draft}; prompt prefill: {engine.prefill_kernel}",
@@ -215,7 +213,7 @@ def main(args) -> int:
     print(f"tokens/s {result.tokens_per_second:.1f} end to end, {result.decode_tokens_per_second:.1f} decoding")
     print(f"state memory: {describe_memory(engine)}")
     if args.compare_plain and not plain:
-        base_engine = HybridEngine(model, strategy="fold", num_slots=batch, window=1, max_len=max_len)
+        base_engine = HybridEngine(model, strategy=args.strategy, num_slots=batch, window=1, max_len=max_len)
         base = StepGenerator(base_engine, None, sampling=sampling, eos_token_ids=eos)
         ref = base.generate(prompts, args.max_new_tokens)
         print(f"plain decoding: tokens/s {ref.tokens_per_second:.1f}; speed-up "

@@ -365,9 +365,6 @@ class StepGenerator:
         from .device_drafters import DeviceDrafter
 
         check_generator_args(engine, drafter, DeviceDrafter, sampling, num_draft)
-        if drafter is None and engine.strategy_name == "circular":
-            raise ValueError("plain decoding through static steps needs a 'snapshot' or 'fold' engine "
-                             "(circular's prefill checks its ring on the host; the strategy does not matter here)")
         graphs = engine.device.type == "cuda" if graphs is None else bool(graphs)
         if graphs and engine.device.type != "cuda":
             raise ValueError("graphs=True needs a CUDA engine")
@@ -385,9 +382,8 @@ class StepGenerator:
         self.buckets = buckets
         self._steps: dict[int, object] = {}
         self._pool = None
-        from .graph_step import StepBuffers
-
-        self.buffers = StepBuffers(engine, self.num_draft + 1)
+        # the next window of every slot (last token, then drafts); the last row is the sink
+        self.windows = torch.zeros((slots + 1, self.num_draft + 1), dtype=torch.int64, device=engine.device)
         if drafter is not None:
             drafter.bind(slots, self.num_draft, engine.max_len + engine.window, engine.device)
 
@@ -398,7 +394,7 @@ class StepGenerator:
         if rows not in self._steps:
             if self.graphs and self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
-            self._steps[rows] = StaticStep(self.engine, self.buffers, rows, drafter=self.drafter,
+            self._steps[rows] = StaticStep(self.engine, self.windows, rows, drafter=self.drafter,
                                            sampling=self.sampling, graph=self.graphs, pool=self._pool)
         return self._steps[rows]
 
@@ -487,10 +483,10 @@ class StepGenerator:
 
             firsts = sample_categorical(warp_probs(out.logits, self.sampling))
         slots = torch.tensor([r.slot for r in joiners], dtype=torch.long, device=eng.device)
-        self.buffers.windows[slots, 0] = firsts
+        self.windows[slots, 0] = firsts
         firsts = firsts.tolist()
         if self.drafter is not None:
-            self.buffers.windows[slots, 1:] = self.drafter.join(
+            self.windows[slots, 1:] = self.drafter.join(
                 [r.slot for r in joiners], [r.prompt for r in joiners], firsts, [r.index for r in joiners],
                 hidden=out.hidden if self.drafter.needs_hidden else None, offsets=out.offsets)
         for r, tok in zip(joiners, firsts):

@@ -31,26 +31,15 @@ from .device_drafters import DeviceDrafter
 from .sampling import SamplingParams, accept_greedy_static, accept_sampled_static
 
 
-class StepBuffers:
-    """Per-slot device state shared by all step shapes of one engine and drafter.
-
-    Attributes:
-        windows: ``[slots + 1, T]`` int64, the next window of every slot (its last
-            emitted token, then the drafts); the last row is the padding sink.
-    """
-
-    def __init__(self, engine: HybridEngine, window: int):
-        self.window = window
-        self.windows = torch.zeros((engine.pool.num_slots + 1, window), dtype=torch.int64, device=engine.device)
-
-
 class StaticStep:
     """One step shape ``(rows, T)`` of an engine; see the module docstring.
 
     Args:
         engine: the target engine (``T = 1`` uses plain decoding through the strategy's
             ``prefill``; ``T > 1`` verifies and commits).
-        buffers: the shared :class:`StepBuffers` (its ``window`` is ``T``).
+        windows: ``[slots + 1, T]`` int64, the next window of every slot (its last
+            emitted token, then the drafts; the last row is the padding sink), shared by
+            the engine's step shapes.
         rows: the batch bucket.
         drafter: a bound :class:`DeviceDrafter` for ``T > 1``; ``None`` for ``T = 1``.
         sampling: greedy (default) or warped sampling with rejection of the drafts.
@@ -59,39 +48,43 @@ class StaticStep:
         pool: a CUDA graph memory pool shared by the engine's step graphs.
     """
 
-    def __init__(self, engine: HybridEngine, buffers: StepBuffers, rows: int, *, drafter: DeviceDrafter | None,
+    def __init__(self, engine: HybridEngine, windows: torch.Tensor, rows: int, *, drafter: DeviceDrafter | None,
                  sampling: SamplingParams = SamplingParams(), graph: bool = False, pool=None):
-        t = buffers.window
+        t = windows.shape[1]
         if (t > 1) != (drafter is not None):
             raise ValueError(f"a window of {t} tokens needs {'a' if t > 1 else 'no'} drafter")
         if t > engine.window:
             raise ValueError(f"window {t} exceeds the engine's window {engine.window}")
         if graph and engine.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA engine")
-        self.engine, self.buffers, self.drafter, self.sampling = engine, buffers, drafter, sampling
+        self.engine, self.windows, self.drafter, self.sampling = engine, windows, drafter, sampling
         self.rows, self.window = rows, t
         dev = engine.device
         self.batch = engine.static_batch(rows, t)
         self.slot_idx = torch.full((rows,), engine.kv.sink, dtype=torch.int64, device=dev)
         self.out = torch.zeros((rows, 1 + t), dtype=torch.int64, device=dev)
         self._steps = torch.arange(t, device=dev)
-        self._slots: list[int] = [-1] * rows
         self.graph = None
         if graph:
             self._capture(pool)
 
     def set_rows(self, slots: list[int]) -> None:
         """The pool slot of every row (``-1`` for padding); copied to the device only
-        when it changed since the last step."""
+        when it changed since the last step. The batch's host view (slots and their
+        allocation generations) follows, so the pool's host-side step checks see the
+        rows the device sees."""
+        slots = tuple(int(s) for s in slots)
         if len(slots) != self.rows:
             raise ValueError(f"need {self.rows} row slots, got {len(slots)}")
-        if slots == self._slots:
+        pool, sink = self.engine.pool, self.engine.kv.sink
+        # a slot freed and taken by a joining request keeps its row: a new generation
+        self.batch.generations = tuple(pool.generation(s) if s >= 0 else 0 for s in slots)
+        if slots == self.batch.host_slots:
             return
-        sink = self.engine.kv.sink
         host = torch.tensor([[s, s if s >= 0 else sink] for s in slots], dtype=torch.int64)
-        self.batch.slots.copy_(host[:, 0].to(self.batch.slots.dtype), non_blocking=False)
+        self.batch.slots.copy_(host[:, 0].to(self.batch.slots.dtype))
         self.slot_idx.copy_(host[:, 1])
-        self._slots = list(slots)
+        self.batch.host_slots = slots
 
     def run(self) -> torch.Tensor:
         """Take one step; returns the output buffer ``[rows, 1 + T]`` (column 0: tokens
@@ -106,7 +99,7 @@ class StaticStep:
     def _body(self) -> None:
         eng, t = self.engine, self.window
         kv_len = eng.kv.device_lengths
-        ids = self.buffers.windows[self.slot_idx]  # [B, T]
+        ids = self.windows[self.slot_idx]  # [B, T]
         verify = t > 1
         # the probabilities this window's drafts were sampled from (None: deterministic)
         q = self.drafter.draft_probs(self.slot_idx) if verify and not self.sampling.greedy else None
@@ -131,7 +124,7 @@ class StaticStep:
             nxt_window = torch.cat([nxt[:, None], self.drafter.propose(self.slot_idx)], 1)
         else:
             nxt_window = nxt[:, None]
-        self.buffers.windows[self.slot_idx] = nxt_window
+        self.windows[self.slot_idx] = nxt_window
         self.out[:, 0] = accepted
         self.out[:, 1:] = emitted
 

@@ -73,9 +73,12 @@ def warp_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
-def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row of ``probs [R, V]``."""
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+def sample_categorical(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One draw per row of ``probs [R, V]`` without a host synchronisation: the index of
+    the smallest ``E_i / p_i`` with ``E_i ~ Exp(1)`` (an exponential race), which is
+    distributed as ``p``."""
+    race = torch.empty_like(probs).exponential_(generator=generator)
+    return (probs / race).argmax(-1)
 
 
 def greedy_accept(argmax: list[int], drafts: list[int]) -> tuple[int, int]:
@@ -120,33 +123,36 @@ def rejection_sample(p: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | No
         raise ValueError(f"q must be [{b}, {t - 1}, {v}], got {list(q.shape)}")
     if num_drafts.shape != (b,) or bool(((num_drafts < 0) | (num_drafts > t - 1)).any()):
         raise ValueError(f"num_drafts must be [{b}] with values in [0, {t - 1}]")
-    rows = torch.arange(b, device=p.device)
-    if t > 1:
-        d = drafts.long()
-        p_d = p[:, :-1].gather(-1, d[..., None])[..., 0]  # [B, T-1]
-        q_d = torch.ones_like(p_d) if q is None else q.gather(-1, d[..., None])[..., 0]
-        u = torch.rand(p_d.shape, generator=generator, device=p.device)
-        ok = u * q_d < p_d  # accept with probability min(1, p/q)
+    return _reject(p, drafts.long(), q, num_drafts.long(), generator)
+
+
+def _reject(p: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None, num_drafts: torch.Tensor | None,
+            generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rejection rule on validated inputs, without a host synchronisation (so a CUDA
+    graph can hold it): accept ``d_j`` while ``u q_j(d_j) < p_j(d_j)`` (and ``j <
+    num_drafts``; ``None``: every draft counts), then draw the correction from
+    ``norm(max(p_j - q_j, 0))`` (``q = None``: ``p_j`` without ``d_j``) or the bonus
+    token from ``p``'s next position."""
+    b, t, v = p.shape
+    if t == 1:
+        return torch.zeros(b, dtype=torch.long, device=p.device), sample_categorical(p[:, 0], generator)
+    p_d = p[:, :-1].gather(-1, drafts[..., None])[..., 0]  # [B, T-1]
+    q_d = torch.ones_like(p_d) if q is None else q.gather(-1, drafts[..., None])[..., 0]
+    ok = torch.rand(p_d.shape, device=p.device, generator=generator) * q_d < p_d  # min(1, p/q)
+    if num_drafts is not None:
         ok &= torch.arange(t - 1, device=p.device)[None] < num_drafts[:, None]
-        # accepted = length of the all-true prefix
-        accepted = torch.cumprod(ok.long(), dim=1).sum(1)
+    n = ok.long().cumprod(1).sum(1)  # the accepted prefix
+    p_next = p.gather(1, n[:, None, None].expand(b, 1, v))[:, 0]  # [B, V]: first rejected position / bonus
+    j = n.clamp(max=t - 2)  # the draft that failed (if any)
+    if q is None:
+        residual = p_next.scatter(-1, drafts.gather(1, j[:, None]), 0.0)
     else:
-        accepted = torch.zeros(b, dtype=torch.long, device=p.device)
-    p_next = p[rows, accepted]  # [B, V]: target at the first rejected position / bonus
-    rejected = accepted < num_drafts
-    residual = p_next.clone()
-    if bool(rejected.any()):
-        j = accepted.clamp(max=t - 2)
-        if q is None:
-            q_rej = torch.zeros_like(p_next).scatter(-1, drafts[rows, j][:, None].long(), 1.0)
-        else:
-            q_rej = q[rows, j]
-        res = (p_next - q_rej).clamp(min=0)
-        mass = res.sum(-1, keepdim=True)
-        # A rejection has probability 0 when p == q; guard the 0/0 anyway.
-        res = torch.where(mass > 0, res / mass.clamp(min=1e-30), p_next)
-        residual = torch.where(rejected[:, None], res, p_next)
-    return accepted, _draw(residual, generator)
+        residual = (p_next - q.gather(1, j[:, None, None].expand(b, 1, v))[:, 0]).clamp(min=0)
+    mass = residual.sum(-1, keepdim=True)
+    # A rejection has probability 0 when p == q; guard the 0/0 anyway.
+    residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p_next)
+    rejected = n < (t - 1 if num_drafts is None else num_drafts)
+    return n, sample_categorical(torch.where(rejected[:, None], residual, p_next), generator)
 
 
 # ---------------------------------------------------------------------- static steps
@@ -171,14 +177,6 @@ def accept_greedy_static(logits: torch.Tensor, window: torch.Tensor) -> tuple[to
     return n, argmax.gather(1, n[:, None])[:, 0]
 
 
-def sample_categorical(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One draw per row of ``probs [R, V]`` without a host synchronisation: the index of
-    the smallest ``E_i / p_i`` with ``E_i ~ Exp(1)`` (an exponential race), which is
-    distributed as ``p``."""
-    race = torch.empty_like(probs).exponential_(generator=generator)
-    return (probs / race).argmax(-1)
-
-
 def accept_sampled_static(logits: torch.Tensor, window: torch.Tensor, params: SamplingParams,
                           generator: torch.Generator | None = None,
                           q: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,20 +195,4 @@ def accept_sampled_static(logits: torch.Tensor, window: torch.Tensor, params: Sa
     """
     b, t, v = logits.shape
     p = warp_probs(logits.reshape(b * t, v), params).view(b, t, v)
-    if t == 1:
-        return torch.zeros(b, dtype=torch.long, device=p.device), sample_categorical(p[:, 0], generator)
-    drafts = window[:, 1:]
-    p_d = p[:, :-1].gather(-1, drafts[..., None])[..., 0]  # [B, T-1]
-    q_d = torch.ones_like(p_d) if q is None else q.gather(-1, drafts[..., None])[..., 0]
-    u = torch.rand(p_d.shape, device=p.device, generator=generator)
-    n = (u * q_d < p_d).long().cumprod(1).sum(1)
-    p_next = p.gather(1, n[:, None, None].expand(b, 1, v))[:, 0]  # [B, V]
-    j = n.clamp(max=t - 2)  # the draft that failed (if any)
-    if q is None:
-        residual = p_next.scatter(-1, drafts.gather(1, j[:, None]), 0.0)
-    else:
-        residual = (p_next - q.gather(1, j[:, None, None].expand(b, 1, v))[:, 0]).clamp(min=0)
-    mass = residual.sum(-1, keepdim=True)
-    residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p_next)
-    dist = torch.where((n < t - 1)[:, None], residual, p_next)
-    return n, sample_categorical(dist, generator)
+    return _reject(p, window[:, 1:], q, None, generator)

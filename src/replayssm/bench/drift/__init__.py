@@ -62,7 +62,8 @@ from .judge import assess, verdict
 from .oracle import Oracle64
 from .report import print_report
 from .run import run_drift
-from .variants import OpenLoopControl, PlainRecurrence, StrategyVariant, Variant, open_loop_fold
+from ...strategies.open_loop import open_loop_fold
+from .variants import OpenLoopControl, PlainRecurrence, StrategyVariant, Variant
 
 __all__ = [
     "A_SCALE", "ACT_DTYPES", "B_SCALE", "CONTROL", "PLAIN", "SERIES", "SHAPES", "STATE_DTYPES", "STRATEGY_NAMES",

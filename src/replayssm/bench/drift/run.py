@@ -4,7 +4,6 @@ sample their errors against the float64 oracle, and judge each series."""
 from __future__ import annotations
 
 import math
-import platform
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -12,7 +11,7 @@ from datetime import datetime, timezone
 import numpy as np
 import torch
 
-from ...ops.dispatch import resolve
+from ..common import environment
 from ..progress import ProgressBar
 from .config import ACT_DTYPES, PLAIN, SERIES, SHAPES, DriftConfig
 from .inputs import InputStream, gate_params
@@ -157,7 +156,7 @@ def run_drift(cfg: DriftConfig, *, progress: bool = True) -> dict:
         "tool": "replayssm drift",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "config": {**asdict(cfg), "strategies": list(cfg.strategies), "decay_range": list(cfg.decay_range)},
-        "environment": _environment(device, cfg.backend),
+        "environment": environment(device, cfg.backend),
         "shape": {"H": shape.num_heads, "HV": shape.num_value_heads, "K": shape.head_k_dim, "V": shape.head_v_dim},
         "gates": {
             "mean_decay_per_head": mean_decay,
@@ -172,21 +171,3 @@ def run_drift(cfg: DriftConfig, *, progress: bool = True) -> dict:
         "control_detected": control_detected,
         "exit_code": exit_code,
     }
-
-
-def _environment(device: torch.device, backend: str) -> dict:
-    env = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "device": str(device),
-        "backend": resolve(backend, device),
-    }
-    if device.type == "cuda":
-        env["device_name"] = torch.cuda.get_device_name(device)
-    try:
-        import triton
-
-        env["triton"] = triton.__version__
-    except ImportError:
-        env["triton"] = None
-    return env

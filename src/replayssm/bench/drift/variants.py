@@ -8,7 +8,7 @@ import torch
 
 from ...ops import gdn_recurrence
 from ...state import StatePool
-from ...strategies.open_loop import OpenLoopControlStrategy, open_loop_fold  # noqa: F401  (re-exported)
+from ...strategies.open_loop import OpenLoopControlStrategy
 from .config import ACT_DTYPES, CONTROL, PLAIN, SHAPES, STATE_DTYPES, DriftConfig
 
 
