@@ -116,7 +116,10 @@ def mtp_forward(model, head, hidden: torch.Tensor, next_tokens: torch.Tensor) ->
     x = head.fc(torch.cat([e, head.pre_fc_norm_hidden(hidden.to(e.dtype))], dim=-1))
     b, t = next_tokens.shape
     positions = torch.arange(t, device=x.device)[None].expand(b, t)
-    cos_sin = text.rotary_emb(x, positions)
+    # Qwen3.5's rotary embedding is multimodal: transformers 5.17 wants one position
+    # grid per section ([3, B, T]); text tokens sit at the same position on each.
+    grids = positions[None].expand(3, b, t) if hasattr(text.rotary_emb, "mrope_section") else positions
+    cos_sin = text.rotary_emb(x, grids)
     x = head.layers[0](x, position_embeddings=cos_sin, attention_mask=None, position_ids=positions)
     return model.lm_head(head.norm(x))
 
