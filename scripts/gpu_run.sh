@@ -8,7 +8,13 @@
 #   scripts/gpu_run.sh train              # replayssm train --size default (TRAIN_MINUTES, default 8.5;
 #                                         # TRAIN_ARGS adds options), checkpoint into $TRAIN_OUT
 #                                         # (default out/train_$TAG, kept between calls)
-#   scripts/gpu_run.sh closed-loop        # replayssm closed-loop on that checkpoint, bf16
+#   scripts/gpu_run.sh train-draft        # the draft model (--size small, the shipped tokenizer;
+#                                         # DRAFT_MINUTES, default 1.5) into $DRAFT_OUT
+#                                         # (default out/draft_$TAG)
+#   scripts/gpu_run.sh acceptance         # replayssm bench acceptance: the shipped model, drafts
+#                                         # from n-gram, its MTP head and $DRAFT_OUT, T = 2, 4, 8
+#   scripts/gpu_run.sh closed-loop        # replayssm closed-loop on the shipped model, 8192 tokens
+#                                         # (CLOSED_LOOP_TOKENS), $CLOSED_LOOP_DTYPE (default float32)
 #
 # Results go to $RESULTS (default benchmarks/results, under the names BENCHMARKS.md
 # cites; $TAG, default h200, names the card):
@@ -19,7 +25,9 @@
 #   e2e           e2e.log, e2e_$TAG.json, e2e_$TAG.png
 #   profile       profile_ops_$TAG.log, profile_ops_$TAG.json
 #   train         train_$TAG.log, the checkpoint (+ train_log.json, loss.png) in $TRAIN_OUT
-#   closed-loop   closed_loop_$TAG.log, closed_loop_$TAG.json, closed_loop_$TAG.png
+#   train-draft   train_draft_$TAG.log, the checkpoint in $DRAFT_OUT
+#   acceptance    acceptance_$TAG.log, acceptance_$TAG.json, acceptance_$TAG.png
+#   closed-loop   closed_loop_${CLOSED_LOOP_DTYPE}_$TAG.{log,json,png}
 # A test stage fails (exit 1) when pytest passed no GPU test: all skipped (no CUDA
 # device) or none collected must not read as success. Wheels of packages the machine
 # lacks (fla-core for chunked prefill and training, with flash-linear-attention and
@@ -32,6 +40,8 @@ TAG=${TAG:-h200}
 # The training stage's checkpoint: budget 8.5 minutes (data, tokenizer and saving, about
 # 20 s, come on top), so that it fits a 10-minute command.
 TRAIN_OUT=${TRAIN_OUT:-out/train_$TAG}
+DRAFT_OUT=${DRAFT_OUT:-out/draft_$TAG}
+CLOSED_LOOP_DTYPE=${CLOSED_LOOP_DTYPE:-float32}
 mkdir -p "$RESULTS"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 if ls .gpu_wheels/*.whl >/dev/null 2>&1; then
@@ -62,7 +72,7 @@ for what in "$@"; do
                    tests/gpu/test_kernels_gpu.py tests/gpu/test_chunked_gpu.py tests/gpu/test_graph_step.py
                require_passed "gpu_tests_kernels_$TAG" ;;
         tests-engine) stage "gpu_tests_engine_$TAG" "${TESTS_LIMIT:-300}" "$PYTHON" -m pytest -m gpu -p no:cacheprovider -v --tb=short -rfE \
-                   tests/gpu/test_engine_gpu.py tests/bench
+                   tests/gpu/test_engine_gpu.py tests/gpu/test_graphed_engine.py tests/bench
                require_passed "gpu_tests_engine_$TAG" ;;
         bench) stage "kernels_$TAG" "${BENCH_LIMIT:-240}" env OUT_JSON="$RESULTS/kernels_$TAG.json" PYTHON="$PYTHON" RING_SWEEP=0 scripts/gpu_bench.sh ;;
         profile) stage "profile_ops_$TAG" "${PROFILE_LIMIT:-300}" "$PYTHON" scripts/gpu_profile_ops.py --batches 1,16,64,256 \
@@ -72,9 +82,15 @@ for what in "$@"; do
         train) mkdir -p "$(dirname "$TRAIN_OUT")"
                stage "train_$TAG" "${TRAIN_LIMIT:-590}" "$PYTHON" -m replayssm.cli train --size default \
                    --out "$TRAIN_OUT" --overwrite --minutes "${TRAIN_MINUTES:-8.5}" ${TRAIN_ARGS:-} ;;
-        closed-loop) stage "closed_loop_$TAG" "${CLOSED_LOOP_LIMIT:-300}" "$PYTHON" -m replayssm.cli closed-loop \
-                   --model "$TRAIN_OUT" --tokens 2048 --requests 4 --dtype bfloat16 \
-                   --json "$RESULTS/closed_loop_$TAG.json" --plot "$RESULTS/closed_loop_$TAG.png" --quiet ;;
+        train-draft) mkdir -p "$(dirname "$DRAFT_OUT")"
+               stage "train_draft_$TAG" "${TRAIN_LIMIT:-590}" "$PYTHON" -m replayssm.cli train --size small \
+                   --tokenizer src/replayssm/models/default --out "$DRAFT_OUT" --overwrite --minutes "${DRAFT_MINUTES:-1.5}" ;;
+        acceptance) stage "acceptance_$TAG" "${ACCEPTANCE_LIMIT:-300}" "$PYTHON" -m replayssm.cli bench acceptance \
+                   --draft-model "$DRAFT_OUT" --json "$RESULTS/acceptance_$TAG.json" --plot "$RESULTS/acceptance_$TAG.png" ;;
+        closed-loop) stage "closed_loop_${CLOSED_LOOP_DTYPE}_$TAG" "${CLOSED_LOOP_LIMIT:-480}" "$PYTHON" -m replayssm.cli closed-loop \
+                   --model embedded --tokens "${CLOSED_LOOP_TOKENS:-8192}" --requests 2 --dtype "$CLOSED_LOOP_DTYPE" \
+                   --json "$RESULTS/closed_loop_${CLOSED_LOOP_DTYPE}_$TAG.json" \
+                   --plot "$RESULTS/closed_loop_${CLOSED_LOOP_DTYPE}_$TAG.png" ;;
         *) echo "unknown stage $what"; rc=2 ;;
     esac
 done

@@ -100,7 +100,7 @@ CASES = [
     ("closed-loop", ["--plot", "{tmp}/no/x.png"], "does not exist"),
     ("closed-loop", ["--model", "{missing}"], "checkpoint directory"),
     ("closed-loop", ["--strategies", "fold,ring"], "--strategies"),
-    ("closed-loop", ["--prompt", "x"], "--prompt"),
+    ("closed-loop", ["--model", "tiny", "--prompt", "x"], "--prompt"),
     ("closed-loop", ["--dtype", "float8"], "--dtype"),
     ("closed-loop", ["--generator", "graph"], "--generator"),
     # bench memory
@@ -151,12 +151,12 @@ def test_cuda_without_cuda_is_one_line_and_exit_2(cmd, argv, expect, model_dirs,
 def test_a_missing_embedded_checkpoint_is_one_line_naming_the_train_command(cmd, tmp_path, capsys, monkeypatch):
     from replayssm.engine import loading
 
-    monkeypatch.setattr(loading, "embedded_model_dir", lambda: tmp_path / "models" / "default")
+    monkeypatch.setattr(loading, "embedded_model_dir", lambda name="embedded": tmp_path / "models" / name)
     rc = cli.main([*cmd.split(), "--model", "embedded"])
     err = capsys.readouterr().err.splitlines()
     assert rc == 2 and len(err) == 1, err
     assert err[0].startswith(f"replayssm {cmd.split()[0]}: error: "), err
-    assert "embedded checkpoint is missing" in err[0] and "replayssm train" in err[0], err
+    assert "the embedded checkpoint is missing" in err[0] and "replayssm train" in err[0], err
 
 
 def test_a_bad_command_is_one_line(capsys):

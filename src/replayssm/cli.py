@@ -1,4 +1,4 @@
-"""Command line: replayssm run | generate | demo | drift | closed-loop | train | bench kernels|memory|e2e | info.
+"""Command line: replayssm run | generate | demo | drift | closed-loop | train | bench kernels|memory|e2e|acceptance | info.
 
 Each command lives in its own module, which provides ``add_arguments(parser)``,
 ``main(args) -> int`` and optionally ``check_args(args)``; this file wires them up,
@@ -36,6 +36,7 @@ BENCH = {
     "kernels": ("replayssm.bench.kernels", "time one captured step per strategy against the one-read floor"),
     "memory": ("replayssm.bench.memory", "bytes per request and max concurrent requests per strategy"),
     "e2e": ("replayssm.bench.e2e", "end-to-end tokens per second, plain decoding vs each strategy"),
+    "acceptance": ("replayssm.bench.acceptance", "accepted draft tokens per step of the trained model, per drafter and window"),
 }
 
 #: Default CPU threads per command (``None``: leave torch's default). The compute
@@ -45,7 +46,7 @@ BENCH = {
 #: with other jobs: 9.7 tok/s with torch's default, 950 tok/s with one thread).
 #: ``train`` runs matrix products big enough to use every core: ``None`` leaves torch's
 #: default unless ``--threads`` says otherwise.
-CPU_THREADS = {"run": 1, "demo": 1, "generate": 1, "drift": 1, "closed-loop": 1, "kernels": 1, "e2e": 1,
+CPU_THREADS = {"run": 1, "demo": 1, "generate": 1, "drift": 1, "closed-loop": 1, "kernels": 1, "e2e": 1, "acceptance": 1,
                "train": None}
 
 

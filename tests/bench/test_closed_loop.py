@@ -1,4 +1,5 @@
-"""``replayssm closed-loop`` on the CPU with the tiny random model: the exact strategies
+"""``replayssm closed-loop`` on the CPU (the tiny random model, and the trained default
+for the command's outputs): the exact strategies
 never leave plain decoding's tokens over 2048 greedy tokens, their committed state stays
 at fp32 rounding from a float64 run of the same tokens, the control is a real departure
 from the exact fold and its divergence is reported, and the outputs are written."""
@@ -14,7 +15,7 @@ from replayssm.bench.closed_loop import CONTROL, OpenLoopCircular, first_diverge
 
 def test_exact_strategies_never_diverge_over_2048_tokens():
     seed = random.randrange(10**6)
-    args = cli.parse(["closed-loop", "--tokens", "2048", "--requests", "2", "--every", "512", "--seed", str(seed),
+    args = cli.parse(["closed-loop", "--model", "tiny", "--tokens", "2048", "--requests", "2", "--every", "512", "--seed", str(seed),
                       "--device", "cpu", "--quiet"])
     cli.set_cpu_threads(args)
     result = run_closed_loop(args, progress_enabled=False)

@@ -22,7 +22,7 @@ def _seed_random(_seed):
 def test_cpu_smoke_run_with_the_oracle(tmp_path, capsys):
     js, png = tmp_path / "e2e.json", tmp_path / "e2e.png"
     new = random.randint(10, 16)
-    rc = cli.main(["bench", "e2e", "--batches", "2", "--max-new-tokens", str(new), "--prompt-len", "8", "--quiet",
+    rc = cli.main(["bench", "e2e", "--random", "tiny", "--batches", "2", "--max-new-tokens", str(new), "--prompt-len", "8", "--quiet",
                    "--drafter", "oracle", "--acceptance", "0,1", "--seed", str(random.randint(0, 10**6)),
                    "--json", str(js), "--plot", str(png)])
     assert rc == 0
@@ -51,7 +51,7 @@ def test_cpu_smoke_run_with_the_oracle(tmp_path, capsys):
 
 def test_ngram_drafter_without_hf(tmp_path):
     js = tmp_path / "e.json"
-    rc = cli.main(["bench", "e2e", "--batches", "1,3", "--max-new-tokens", "12", "--prompt-len", "6", "--quiet",
+    rc = cli.main(["bench", "e2e", "--random", "tiny", "--batches", "1,3", "--max-new-tokens", "12", "--prompt-len", "6", "--quiet",
                    "--no-hf", "--strategies", "circular", "--json", str(js)])
     assert rc == 0
     data = json.loads(js.read_text())
@@ -95,7 +95,7 @@ def test_an_exact_strategy_that_changes_the_tokens_in_fp32_fails(monkeypatch, tm
 
     monkeypatch.setattr(e2e, "run_mode", fake_run_mode)
     js = tmp_path / "e.json"
-    rc = cli.main(["bench", "e2e", "--batches", "1,3", "--max-new-tokens", "10", "--dtype", "fp32", "--quiet",
+    rc = cli.main(["bench", "e2e", "--random", "tiny", "--batches", "1,3", "--max-new-tokens", "10", "--dtype", "fp32", "--quiet",
                    "--no-hf", "--json", str(js)])
     assert rc == 1
     data = json.loads(js.read_text())
@@ -143,7 +143,7 @@ def test_gpu_qwen_shapes(tmp_path):
     passes (nothing is strict in bf16); the oracle's exact strategies keep P's geometric
     acceptance, which needs their P > 0 runs to reproduce their own references."""
     js = tmp_path / "e2e.json"
-    rc = cli.main(["bench", "e2e", "--batches", "1,16", "--max-new-tokens", "48", "--repeats", "1", "--quiet",
+    rc = cli.main(["bench", "e2e", "--random", "qwen3.5-shapes", "--batches", "1,16", "--max-new-tokens", "48", "--repeats", "1", "--quiet",
                    "--drafter", "oracle", "--acceptance", "0.8", "--json", str(js)])
     data = json.loads(js.read_text())
     assert rc == 0 and data["config"]["graphed"] and data["mismatches"] == []

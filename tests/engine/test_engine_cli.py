@@ -98,3 +98,7 @@ def test_main_job(capsys):
     for strategy in ("snapshot", "fold", "circular"):
         assert f"[{strategy}] 192 tokens" in out and "EQUALS plain decoding (192/192 tokens)" in out
     assert "OK: greedy speculative outputs" in out
+    # the acceptance summary: one row per drafter, tokens per step within (1, T]
+    for label in ("n-gram", "MTP head", "draft model"):
+        row = next(line for line in out.splitlines() if line.startswith(label + " "))
+        assert 1.0 < float(row.split()[-2]) <= 4.0, row

@@ -3,6 +3,7 @@ loss falls, the checkpoint round trip (model and MTP head), and the size budget 
 default preset."""
 
 import math
+import sys
 import random
 
 import pytest
@@ -193,3 +194,37 @@ def test_the_best_held_out_weights_are_saved(tmp_path, monkeypatch):
         if k in loaded:
             assert torch.equal(loaded[k], v), k
     assert not all(torch.equal(loaded[k], v) for k, v in seen[4].items() if k in loaded)
+
+
+def _fake_fla(monkeypatch, *, hopper: bool, above_3_4: bool, above_3_7_1: bool):
+    import types
+
+    env = types.SimpleNamespace(TRITON_ABOVE_3_4_0=above_3_4, TRITON_ABOVE_3_7_1=above_3_7_1)
+    hardware = types.SimpleNamespace(IS_NVIDIA_HOPPER=hopper)
+    utils = types.ModuleType("fla.utils")
+    utils.env, utils.hardware = env, hardware
+    fla = types.ModuleType("fla")
+    fla.utils = utils
+    monkeypatch.setitem(sys.modules, "fla", fla)
+    monkeypatch.setitem(sys.modules, "fla.utils", utils)
+
+
+@pytest.mark.parametrize("hopper,above_3_4,above_3_7_1,refused", [
+    (True, True, False, True),     # Hopper, Triton 3.4-3.7.0: fla's gated backward refuses
+    (True, True, True, False),     # Triton >= 3.7.1
+    (False, True, False, False),   # not Hopper
+    (True, False, False, False),   # Triton < 3.4
+])
+def test_fla_backward_refusal_is_known_before_training(monkeypatch, hopper, above_3_4, above_3_7_1, refused):
+    import importlib.util
+
+    from replayssm.train import model as M
+
+    if importlib.util.find_spec("tilelang") is not None:
+        pytest.skip("tilelang installed: fla takes another backward")
+    _fake_fla(monkeypatch, hopper=hopper, above_3_4=above_3_4, above_3_7_1=above_3_7_1)
+    reason = M.fla_backward_refusal(torch.device("cuda"))
+    assert (reason is not None) == refused
+    if refused:
+        assert "Hopper" in reason and "#640" in reason
+    assert M.fla_backward_refusal(torch.device("cpu")) is None

@@ -288,8 +288,9 @@ def print_report(result: dict, file=None) -> None:
 
 # ---------------------------------------------------------------------- command line
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="tiny",
-                        help="'tiny' (random weights, built in process; default), 'embedded', or a checkpoint directory")
+    parser.add_argument("--model", default="embedded",
+                        help="'embedded' (the trained checkpoint in the package; default), a checkpoint directory, "
+                             "or 'tiny' (random weights, built in process)")
     parser.add_argument("--tokens", type=positive_int, default=2048, help="greedy tokens per request (default 2048)")
     parser.add_argument("--requests", type=positive_int, default=2, help="prompts decoded together (default 2)")
     parser.add_argument("--prompt-len", type=positive_int, default=16,

@@ -435,10 +435,12 @@ def _probabilities(text: str) -> tuple[float, ...]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = E2EConfig()
-    parser.add_argument("--model", default=None, help="local Hugging Face checkpoint directory, or 'embedded' for the trained checkpoint in the package "
-                             "(default: a random-weight model built in process, see --embedded)")
-    parser.add_argument("--embedded", choices=EMBEDDED, default=None,
-                        help="embedded model without --model (default qwen3.5-shapes on CUDA, tiny on the CPU)")
+    parser.add_argument("--model", default="embedded",
+                        help="local Hugging Face checkpoint directory, or 'embedded': the trained checkpoint in the "
+                             "package (default)")
+    parser.add_argument("--random", choices=EMBEDDED, default=None,
+                        help="instead of --model, a random-weight model built in process, for shape benchmarks: "
+                             "qwen3.5-shapes (Qwen3.5-35B-A3B's GDN and attention geometry) or tiny")
     parser.add_argument("--strategies", type=name_list(STRATEGY_NAMES, allow_none=True), default=STRATEGY_NAMES,
                         help="comma-separated, or 'none' (default all three)")
     parser.add_argument("--no-plain", action="store_true", help="skip our plain decoding")
@@ -472,13 +474,13 @@ def config_from_args(args) -> E2EConfig:
     def pick(value, gpu, cpu):
         return value if value is not None else (gpu if cuda else cpu)
 
-    model = args.model
-    if model is not None:
+    model = None
+    if args.random is None:
         from ..engine.loading import resolve_model_path
 
-        model = str(resolve_model_path(model))  # "embedded": the trained checkpoint in the package
+        model = str(resolve_model_path(args.model))  # "embedded": the trained checkpoint in the package
     return E2EConfig(
-        model=model, embedded=pick(args.embedded, "qwen3.5-shapes", "tiny"), strategies=tuple(args.strategies),
+        model=model, embedded=args.random or "tiny", strategies=tuple(args.strategies),
         plain=not args.no_plain, hf=not args.no_hf, batches=tuple(pick(args.batches, (1, 16, 64), (2,))),
         num_draft=args.num_draft, max_new_tokens=pick(args.max_new_tokens, 128, 12),
         prompt_len=pick(args.prompt_len, 64, 8), drafter=args.drafter, acceptance=tuple(args.acceptance),

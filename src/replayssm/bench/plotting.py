@@ -177,3 +177,26 @@ def closed_loop(result: dict, path: str | os.PathLike) -> Path:
     c = result["config"]
     fig.suptitle(f"closed loop: {c['model']}, {c['dtype']} on {c['device']}, {c['requests']} request(s) x {n} tokens")
     return _save(fig, path)
+
+
+def acceptance(result: dict, path: str | os.PathLike) -> Path:
+    """``replayssm bench acceptance``: tokens per step against the verify window ``T``,
+    one line per drafter, with the ceiling ``T`` (every draft accepted) dashed."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.8), constrained_layout=True)
+    windows = result["config"]["windows"]
+    ax.plot(windows, windows, "--", color="#999999", lw=1.0, label="ceiling: every draft accepted")
+    ax.axhline(1.0, color="#000000", lw=0.8, ls=":", label="plain decoding")
+    for i, d in enumerate(result["config"]["drafters"]):
+        rows = sorted((r for r in result["rows"] if r["drafter"] == d), key=lambda r: r["window"])
+        ax.plot([r["window"] for r in rows], [r["tokens_per_step"] for r in rows], "o-", color=f"C{i}",
+                label={"ngram": "n-gram lookup", "mtp": "MTP head", "model": "draft model"}.get(d, d))
+    ax.set_xticks(windows)
+    ax.set_xlabel("verify window T (T - 1 drafts per step)")
+    ax.set_ylabel("tokens per step (accepted drafts + 1)")
+    c = result["config"]
+    ax.set_title(f"acceptance on {c['prompts']} held-out prompts, {c['max_new_tokens']} greedy tokens; "
+                 f"held-out loss {result['heldout_loss']:.2f}", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)

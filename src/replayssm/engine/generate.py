@@ -23,15 +23,16 @@ DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True,
+    parser.add_argument("--model", default="embedded",
                         help="local checkpoint directory (config, safetensors, tokenizer), or 'embedded': the "
-                             "checkpoint shipped in the package (written by replayssm train)")
+                             "checkpoint shipped in the package, trained by replayssm train (default)")
     parser.add_argument("--prompt", action="append", required=True,
                         help="prompt text; repeat for a batch of requests")
     parser.add_argument("--draft", choices=DRAFT_CHOICES, default="ngram",
                         help="drafter: n-gram prompt lookup, the checkpoint's MTP head, a draft model, "
                              "or none (plain decoding)")
-    parser.add_argument("--draft-model", help="draft model directory (with --draft model), or 'embedded'")
+    parser.add_argument("--draft-model", help="draft model directory (with --draft model), or 'embedded-draft': "
+                             "the draft model shipped beside the embedded one")
     parser.add_argument("--strategy", choices=STRATEGY_NAMES, default="fold",
                         help="GDN verify/rollback strategy (default fold)")
     parser.add_argument("--num-draft", type=positive_int, default=3, help="draft tokens per step (window = k + 1; default 3)")
@@ -121,28 +122,42 @@ def describe_memory(engine) -> str:
 
 
 def build_drafter(args, engine, batch: int, max_len: int):
-    """The drafter the arguments ask for (``None`` for plain decoding): n-gram and MTP
-    drafters run on the device inside the static step; the draft model runs eagerly."""
-    from .device_drafters import DeviceMTPDrafter, DeviceNgramDrafter
-    from .drafters import ModelDrafter, load_mtp_head
+    """The drafter the arguments ask for (``None`` for plain decoding), see :func:`make_drafter`."""
     from .sampling import SamplingParams
 
-    if args.draft == "none":
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    return make_drafter(args.draft, engine, model_dir=args.model, draft_model_dir=args.draft_model,
+                        sampling=sampling, batch=batch, max_len=max_len)
+
+
+def make_drafter(kind: str, engine, *, model_dir=None, draft_model_dir=None, sampling=None, batch: int = 1,
+                 max_len: int = 0):
+    """A drafter of ``kind`` (one of :data:`DRAFT_CHOICES`; ``"none"`` gives ``None``)
+    for ``engine``: n-gram lookup and the MTP head of ``model_dir`` run on the device
+    inside the static step (:class:`~replayssm.engine.generator.StepGenerator`); the
+    draft model of ``draft_model_dir`` (same tokenizer as ``model_dir``) runs eagerly
+    with its own engine of ``batch`` slots and ``max_len`` tokens
+    (:class:`~replayssm.engine.generator.SpeculativeGenerator`)."""
+    from .device_drafters import DeviceMTPDrafter, DeviceNgramDrafter
+    from .drafters import ModelDrafter, load_mtp_head
+
+    if kind not in DRAFT_CHOICES:
+        raise ValueError(f"kind must be one of {DRAFT_CHOICES}, got {kind!r}")
+    if kind == "none":
         return None
-    if args.draft == "ngram":
+    if kind == "ngram":
         return DeviceNgramDrafter()
-    if args.draft == "mtp":
-        sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
-        return DeviceMTPDrafter(engine, load_mtp_head(engine, args.model), sampling=sampling)
+    if kind == "mtp":
+        return DeviceMTPDrafter(engine, load_mtp_head(engine, model_dir), sampling=sampling)
     from .adapter import HybridEngine
     from .loading import load_model, load_tokenizer
 
-    if not args.draft_model:
-        raise ValueError("--draft model needs --draft-model DIR")
-    target_vocab = load_tokenizer(args.model).get_vocab()
-    if load_tokenizer(args.draft_model).get_vocab() != target_vocab:
-        raise ValueError(f"{args.draft_model!r} does not share the target's tokenizer")
-    draft = load_model(args.draft_model, dtype=engine.dtype, device=str(engine.device))
+    if not draft_model_dir:
+        raise ValueError("a draft-model drafter needs draft_model_dir")
+    target_vocab = load_tokenizer(model_dir).get_vocab()
+    if load_tokenizer(draft_model_dir).get_vocab() != target_vocab:
+        raise ValueError(f"{draft_model_dir!r} does not share the target's tokenizer")
+    draft = load_model(draft_model_dir, dtype=engine.dtype, device=str(engine.device))
     draft_engine = HybridEngine(draft, strategy="fold", num_slots=batch, window=1, max_len=max_len)
     return ModelDrafter(draft_engine, engine.vocab_size)
 

@@ -17,28 +17,43 @@ SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-#: The name that ``--model`` options accept for the checkpoint shipped inside the package.
+#: ``--model`` names of the checkpoints shipped inside the package (package data, see
+#: ``replayssm/models/README.md``) -> their directory under ``replayssm/models``: the
+#: trained default model (with its MTP head) and the smaller draft model that shares its
+#: tokenizer.
+EMBEDDED_MODELS = {"embedded": "default", "embedded-draft": "draft"}
 EMBEDDED = "embedded"
+EMBEDDED_DRAFT = "embedded-draft"
+#: How each shipped checkpoint is made (``replayssm train`` on a GPU; see BENCHMARKS.md).
+_TRAIN_COMMANDS = {
+    "default": "replayssm train --size default --minutes 4 --out {path}",
+    "draft": "replayssm train --size small --tokenizer {default} --minutes 1.5 --out {path}",
+}
 
 
-def embedded_model_dir() -> Path:
-    """Where the package keeps its trained default checkpoint (``replayssm/models/default``,
-    shipped as package data). The directory may not exist: nothing is trained yet until
-    ``replayssm train`` writes it there."""
-    return Path(__file__).resolve().parent.parent / "models" / "default"
+def embedded_model_dir(name: str = EMBEDDED) -> Path:
+    """The directory of the shipped checkpoint ``name`` (``"embedded"``: the default
+    model, ``"embedded-draft"``: its draft model). The directory may lack a checkpoint
+    in a source tree where none has been trained yet."""
+    if name not in EMBEDDED_MODELS:
+        raise ValueError(f"name must be one of {sorted(EMBEDDED_MODELS)}, got {name!r}")
+    return Path(__file__).resolve().parent.parent / "models" / EMBEDDED_MODELS[name]
 
 
 def resolve_model_path(name: str | os.PathLike) -> str:
-    """A ``--model`` value as a directory: ``"embedded"`` is :func:`embedded_model_dir`
-    (``ValueError`` naming the missing checkpoint and the command that creates it when it
-    holds none); anything else is returned as given (write ``./embedded`` for a local
+    """A ``--model`` value as a directory: ``"embedded"`` and ``"embedded-draft"`` are
+    the shipped checkpoints (``ValueError`` naming the command that creates one when it
+    is missing); anything else is returned as given (write ``./embedded`` for a local
     directory of that name)."""
-    if os.fspath(name) != EMBEDDED:
-        return os.fspath(name)
-    path = embedded_model_dir()
+    key = os.fspath(name)
+    if key not in EMBEDDED_MODELS:
+        return key
+    path = embedded_model_dir(key)
     if not (path / "config.json").is_file():
-        raise ValueError(f"the embedded checkpoint is missing: {os.fspath(path)!r} holds no config.json; "
-                         f"create it with `replayssm train --size default --out {os.fspath(path)}`")
+        cmd = _TRAIN_COMMANDS[EMBEDDED_MODELS[key]].format(path=os.fspath(path),
+                                                           default=os.fspath(embedded_model_dir(EMBEDDED)))
+        raise ValueError(f"the {key} checkpoint is missing: {os.fspath(path)!r} holds no config.json; "
+                         f"create it with `{cmd}`")
     return os.fspath(path)
 
 

@@ -1,11 +1,17 @@
-"""``replayssm run`` (what ``make run`` calls): the main job on the embedded default.
+"""``replayssm run`` (what ``make run`` calls): the main job on the embedded default model.
 
-The embedded default is a tiny random-weight Qwen3.5-architecture model built in
-process (3 GDN layers + 1 full-attention layer, see :mod:`replayssm.engine.tiny`). The
-job decodes a batch of prompts plainly, then speculatively with n-gram drafting under
-each strategy, and checks that every greedy output equals the plain one token for
-token. It prints accept length, tokens per second and state memory per strategy and
-exits non-zero when an exact strategy (snapshot, fold) disagrees with plain decoding.
+The embedded default is the checkpoint shipped in the package: a Qwen3.5-architecture
+model (6 GDN and 2 full-attention layers, with an MTP head) trained on the Python
+standard library by ``replayssm train`` (BENCHMARKS.md says how, and how well). The job
+
+1. decodes a few Python prompts plainly and prints the text;
+2. decodes them speculatively under each strategy, drafting with the model's MTP head,
+   and checks that every greedy output equals the plain one token for token;
+3. measures what drafting buys on this model: tokens per step and acceptance of n-gram
+   lookup, the MTP head and the shipped draft model at window ``T = k + 1``, with the
+   model's held-out loss beside them.
+
+It exits non-zero when an exact strategy (snapshot, fold) disagrees with plain decoding.
 """
 
 from __future__ import annotations
@@ -18,53 +24,72 @@ from ..bench.args import device_name, name_list, positive_int
 from ..strategies import STRATEGY_NAMES
 
 PROMPTS = (
-    "The state of a gated delta rule layer",
-    "def verify(window):",
-    "Speculative decoding drafts tokens, then",
-    "1, 2, 3, 5, 8, 13,",
+    'def read_config(path):\n    """Read the configuration file at *path* and return a dict."""\n',
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+    "import os\n\n\ndef list_files(root):\n",
+    "    def __repr__(self):\n        return",
 )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--family", choices=("qwen3_5", "qwen3_next"), default="qwen3_5",
-                        help="architecture of the embedded tiny model")
+    parser.add_argument("--model", default="embedded",
+                        help="checkpoint directory, or 'embedded' (the trained model in the package; default)")
+    parser.add_argument("--draft-model", default="embedded-draft",
+                        help="draft model for the acceptance summary (default: the shipped 'embedded-draft')")
     parser.add_argument("--strategies", type=name_list(STRATEGY_NAMES), default=STRATEGY_NAMES,
                         help=f"strategies to run, comma-separated (default {','.join(STRATEGY_NAMES)})")
-    parser.add_argument("--max-new-tokens", type=positive_int, default=256, help="tokens per request (default 256)")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=96, help="tokens per request (default 96)")
     parser.add_argument("--batch", type=positive_int, default=len(PROMPTS),
                         help=f"requests ({len(PROMPTS)} prompts, cycled; default {len(PROMPTS)})")
-    parser.add_argument("--num-draft", type=positive_int, default=3, help="n-gram draft tokens per step (default 3)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the tiny model's weights")
+    parser.add_argument("--num-draft", type=positive_int, default=3, help="draft tokens per step (default 3)")
+    parser.add_argument("--heldout-windows", type=positive_int, default=8,
+                        help="held-out windows of 512 tokens for the loss in the summary (default 8)")
     parser.add_argument("--device", type=device_name, default="auto", help="auto, cpu, cuda, cuda:N (default auto)")
 
 
-def main(args) -> int:
-    from .adapter import HybridEngine
-    from .device_drafters import DeviceNgramDrafter
-    from .generate import describe_memory
-    from .generator import StepGenerator
-    from .loading import resolve_device
-    from .tiny import build_tiny_model, tiny_tokenizer
+def check_args(args) -> None:
+    from .generate import _check_model_dir, _has_mtp_weights
+    from .loading import load_tokenizer, resolve_model_path
 
+    args.model = resolve_model_path(args.model)
+    _check_model_dir("--model", args.model)
+    if not _has_mtp_weights(args.model):
+        raise ValueError(f"--model {args.model!r} has no mtp.* weights; the job drafts with the MTP head")
+    args.draft_model = resolve_model_path(args.draft_model)
+    _check_model_dir("--draft-model", args.draft_model)
+    if load_tokenizer(args.draft_model).get_vocab() != load_tokenizer(args.model).get_vocab():
+        raise ValueError(f"--draft-model {args.draft_model!r} does not share the model's tokenizer")
+    args.checked = True
+
+
+def main(args) -> int:
+    from ..bench.acceptance import heldout_loss, measure
+    from .adapter import HybridEngine
+    from .generate import describe_memory, make_drafter
+    from .generator import StepGenerator
+    from .loading import load_model, load_tokenizer, resolve_device
+
+    if not getattr(args, "checked", False):
+        check_args(args)
     device = resolve_device(args.device)
-    tokenizer = tiny_tokenizer()
-    prompts = [tokenizer.encode(PROMPTS[i % len(PROMPTS)]) for i in range(args.batch)]
-    model = build_tiny_model(args.family, seed=args.seed, device=device)
+    tokenizer = load_tokenizer(args.model)
+    texts = [PROMPTS[i % len(PROMPTS)] for i in range(args.batch)]
+    prompts = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    model = load_model(args.model, device=str(device))
     cfg = model.config
-    print(f"replayssm run: embedded tiny {args.family} model (random weights, seed {args.seed}), "
-          f"{cfg.num_hidden_layers} layers {cfg.layer_types}, GDN heads H={cfg.linear_num_key_heads} "
+    print(f"replayssm run: {args.model}\n  {cfg.num_hidden_layers} layers ({cfg.layer_types.count('linear_attention')} "
+          f"GDN, {cfg.layer_types.count('full_attention')} full attention), GDN heads H={cfg.linear_num_key_heads} "
           f"HV={cfg.linear_num_value_heads} K={cfg.linear_key_head_dim} V={cfg.linear_value_head_dim}, "
-          f"{model.dtype}, {device}")
-    print(f"{args.batch} requests x {args.max_new_tokens} tokens, greedy; drafter: n-gram prompt lookup, "
-          f"k={args.num_draft}")
+          f"{cfg.vocab_size} tokens, {model.dtype}, {device}")
+    print(f"{args.batch} requests x {args.max_new_tokens} tokens, greedy; drafts: the model's MTP head, k={args.num_draft}")
     max_len = max(len(p) for p in prompts) + args.max_new_tokens + args.num_draft + 2
 
     def run(strategy: str | None):
         window = 1 if strategy is None else args.num_draft + 1
         engine = HybridEngine(model, strategy=strategy or "fold", num_slots=args.batch, window=window,
                               max_len=max_len)
-        drafter = None if strategy is None else DeviceNgramDrafter()
-        # static-shape steps: one CUDA graph each on a GPU, the same steps eagerly here
+        drafter = None if strategy is None else make_drafter("mtp", engine, model_dir=args.model)
+        # static-shape steps: one CUDA graph each on a GPU, the same steps eagerly on the CPU
         gen = StepGenerator(engine, drafter, num_draft=args.num_draft, eos_token_ids=())
         return engine, gen.generate(prompts, args.max_new_tokens)
 
@@ -72,23 +97,23 @@ def main(args) -> int:
     print("\n[plain] decoding one token per step (exact recurrence) ...", flush=True)
     _, plain = run(None)
     print(f"[plain] {plain.num_generated} tokens, {plain.tokens_per_second:.1f} tok/s")
-    text = tokenizer.decode(plain.tokens[0], skip_special_tokens=True)
-    print(f"[plain] request 0 continues {PROMPTS[0]!r} with {text[:60]!r}...")
+    for i in range(min(2, args.batch)):
+        text = tokenizer.decode(plain.tokens[i], skip_special_tokens=True)
+        print(f"[plain] request {i}:\n{_indent(texts[i] + text)}")
 
     rows, failed = [], []
     for strategy in args.strategies:
-        print(f"\n[{strategy}] speculative decoding with n-gram drafts ...", flush=True)
+        print(f"\n[{strategy}] speculative decoding with MTP drafts ...", flush=True)
         engine, res = run(strategy)
         same = sum(a == b for x, y in zip(res.tokens, plain.tokens) for a, b in zip(x, y))
         total = sum(len(y) for y in plain.tokens)
         agree = res.tokens == plain.tokens
-        exact = engine.strategy.exact_outputs
         print(f"[{strategy}] {res.num_generated} tokens in {res.steps} steps, accept length "
               f"{res.mean_accept_length:.2f}, {res.tokens_per_second:.1f} tok/s; greedy output "
               f"{'EQUALS' if agree else 'DIFFERS FROM'} plain decoding ({same}/{total} tokens)")
         print(f"[{strategy}] state memory: {describe_memory(engine)}")
         rows.append((strategy, res, same, total, engine))
-        if not agree and exact:
+        if not agree and engine.strategy.exact_outputs:
             failed.append(strategy)
         elif not agree:
             print(f"[{strategy}] note: {strategy} computes verify outputs in closed form, equal to the "
@@ -102,9 +127,28 @@ def main(args) -> int:
         per_req = engine.pool.nbytes_per_slot()["total"]
         print(f"{strategy:<10} {res.num_generated:>7} {res.steps:>6} {res.mean_accept_length:>10.2f} "
               f"{res.tokens_per_second:>8.1f} {per_req / 1024:>11.1f} KiB {same:>5}/{total:<5}")
+
+    window = args.num_draft + 1
+    loss = heldout_loss(model, tokenizer, windows=args.heldout_windows)
+    print(f"\nacceptance on these prompts (fold, T={window}); the model's held-out loss {loss:.3f} nats/token "
+          f"({args.heldout_windows} windows of held-out standard-library text)")
+    print(f"{'drafter':<12} {'tokens/step':>11} {'acceptance':>10}")
+    for kind, label in (("ngram", "n-gram"), ("mtp", "MTP head"), ("model", "draft model")):
+        r = measure(model, args.model, prompts, drafter=kind, window=window, max_new_tokens=args.max_new_tokens,
+                    draft_model_dir=args.draft_model)
+        print(f"{label:<12} {r['tokens_per_step']:>11.2f} {r['acceptance_rate']:>10.0%}")
+    print(f"(bench acceptance measures T = 2, 4, 8 on held-out prompts; BENCHMARKS.md has the H200 table)")
+
     print(f"\ntotal {time.perf_counter() - t0:.1f}s")
     if failed:
         print(f"FAIL: exact strategies {failed} disagree with plain greedy decoding", file=sys.stderr)
         return 1
     print("OK: greedy speculative outputs of the exact strategies equal plain decoding token for token")
     return 0
+
+
+def _indent(text: str, width: int = 12) -> str:
+    """The first ``width`` lines of ``text``, indented for the report."""
+    lines = text.splitlines()
+    more = len(lines) > width
+    return "\n".join("    | " + line for line in lines[:width]) + ("\n    | ..." if more else "")

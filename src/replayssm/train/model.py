@@ -67,8 +67,36 @@ def gdn_kernel_path(device: torch.device) -> str:
             ver = version("fla-core")
         except PackageNotFoundError:
             ver = "unknown version"
+        refusal = fla_backward_refusal(device)
+        if refusal:
+            raise ValueError(f"fla-core {ver} cannot train here: {refusal}; uninstall fla to train on "
+                             "transformers' reference path (what the shipped model was trained with)")
         return f"fla-core chunk_gated_delta_rule ({ver})"
     return "transformers' reference PyTorch chunk_gated_delta_rule (fla not importable)"
+
+
+def fla_backward_refusal(device: torch.device) -> str | None:
+    """Why fla-core's chunked GDN backward will refuse to run on ``device``, or ``None``.
+
+    fla-core 0.6 raises inside the first backward pass on Hopper GPUs with Triton
+    >= 3.4, < 3.7.1 (its gated ``chunk_bwd_dqkwg`` computes wrong gradients there, fla
+    issue #640). Asking fla's own flags up front turns a crash after data preparation
+    into an error before it.
+    """
+    if importlib.util.find_spec("tilelang") is not None:  # fla then runs that backward through TileLang
+        return None
+    try:
+        from fla.utils import env, hardware
+    except ImportError:  # an fla without these modules predates the check
+        return None
+    hopper = getattr(hardware, "IS_NVIDIA_HOPPER", False)
+    bad_triton = getattr(env, "TRITON_ABOVE_3_4_0", False) and not getattr(env, "TRITON_ABOVE_3_7_1", True)
+    if device.type == "cuda" and hopper and bad_triton:
+        import triton
+
+        return (f"its GDN backward refuses Hopper GPUs under Triton {triton.__version__} (wrong gradients "
+                "with Triton >= 3.4, < 3.7.1, fla issue #640)")
+    return None
 
 
 def build_model(size: str, vocab_size: int, eos_token_id: int, *, seed: int):

@@ -1,0 +1,67 @@
+"""``replayssm bench acceptance`` and the shipped checkpoints, on the CPU.
+
+The shipped models are trained: their held-out loss sits far below the uniform
+``ln(4096) = 8.3`` nats of an untrained model, and every drafter is accepted more than a
+random one would be (1 in 4096). Speculative tokens under the exact strategy equal plain
+decoding's in fp32."""
+
+import json
+import math
+
+import pytest
+
+from replayssm import cli
+from replayssm.engine.loading import embedded_model_dir, load_tokenizer
+from replayssm.train.model import DEFAULT_BUDGET_BYTES
+
+CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+
+
+@pytest.mark.parametrize("name", ["embedded", "embedded-draft"])
+def test_shipped_checkpoints_are_complete_and_within_budget(name):
+    path = embedded_model_dir(name)
+    for f in CHECKPOINT_FILES:
+        assert (path / f).is_file(), f
+    size = sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+    assert size <= DEFAULT_BUDGET_BYTES, size
+    # no training by-products in the package
+    assert not (path / "train_log.json").exists() and not (path / "loss.png").exists()
+
+
+def test_draft_model_shares_the_default_tokenizer_and_is_smaller():
+    default, draft = embedded_model_dir("embedded"), embedded_model_dir("embedded-draft")
+    assert load_tokenizer(default).get_vocab() == load_tokenizer(draft).get_vocab()
+    assert (draft / "model.safetensors").stat().st_size < (default / "model.safetensors").stat().st_size / 2
+
+
+def test_acceptance_command(tmp_path, capsys):
+    js, png = tmp_path / "acc.json", tmp_path / "acc.png"
+    rc = cli.main(["bench", "acceptance", "--device", "cpu", "--prompts", "2", "--prompt-len", "48",
+                   "--max-new-tokens", "24", "--windows", "2,4", "--heldout-windows", "2", "--quiet",
+                   "--json", str(js), "--plot", str(png)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    data = json.loads(js.read_text())
+    assert 1.0 < data["heldout_loss"] < 0.6 * math.log(4096), data["heldout_loss"]
+    rows = {(r["drafter"], r["window"]): r for r in data["rows"]}
+    assert set(rows) == {(d, t) for d in ("ngram", "mtp", "model") for t in (2, 4)}
+    for (d, t), r in rows.items():
+        assert r["equals_plain"], (d, t)  # fp32: the fold strategy is exact
+        assert 1.0 <= r["tokens_per_step"] <= t, r
+        assert r["accepted_per_step"] == pytest.approx(r["tokens_per_step"] - 1)
+        assert 0 <= r["acceptance_rate"] <= 1 and r["drafted"] > 0
+    # trained drafters: the MTP head and the draft model are right far more often than chance
+    assert rows[("mtp", 2)]["acceptance_rate"] > 0.2 and rows[("model", 2)]["acceptance_rate"] > 0.2
+    assert png.stat().st_size > 0
+    assert "held-out loss" in out and "tokens/step" in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--windows", "1,4"], "--windows"),
+    (["--draft-model", "/nonexistent/draft"], "--draft-model"),
+    (["--drafters", "ngram,oracle"], "--drafters"),
+])
+def test_acceptance_rejects_bad_arguments(argv, message, capsys):
+    rc = cli.main(["bench", "acceptance", "--device", "cpu", "--quiet", *argv])
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err and err.count("\n") == 1, err
