@@ -101,7 +101,7 @@ def measure(model, model_dir: str, prompts: list[list[int]], *, drafter: str, wi
 
 
 def run_acceptance(args, progress_enabled: bool = True) -> dict:
-    from ..engine.loading import load_model, load_tokenizer
+    from ..engine.loading import load_model, load_tokenizer, model_label
     from .common import environment
     from .progress import ProgressBar
 
@@ -131,7 +131,8 @@ def run_acceptance(args, progress_enabled: bool = True) -> dict:
             bar.update()
     dev = next(model.parameters()).device
     return dict(
-        config=dict(model=args.model, draft_model=args.draft_model if "model" in args.drafters else None,
+        config=dict(model=model_label(args.model),
+                    draft_model=model_label(args.draft_model) if "model" in args.drafters else None,
                     dtype=str(model.dtype).replace("torch.", ""), device=str(dev), strategy=args.strategy,
                     prompts=len(prompts), prompt_files=files, prompt_len=args.prompt_len,
                     max_new_tokens=args.max_new_tokens, windows=list(args.windows), drafters=list(args.drafters)),

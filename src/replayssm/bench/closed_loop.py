@@ -210,7 +210,9 @@ def build_inputs(args):
     prompts = [tok.encode(t, add_special_tokens=False)[: args.prompt_len] for t in texts][: args.requests]
     if any(not p or max(p) >= vocab for p in prompts):
         raise ValueError("a prompt encodes to no tokens (or to ids outside the model's vocabulary)")
-    return model, prompts, path
+    from ..engine.loading import model_label
+
+    return model, prompts, model_label(path)
 
 
 def run_closed_loop(args, progress_enabled: bool = True) -> dict:

@@ -161,7 +161,9 @@ def load_model(cfg: E2EConfig):
     from ..engine.loading import load_tokenizer
 
     model = load_checkpoint(cfg.model, dtype=dtype, device=str(device))
-    return model, cfg.model, load_tokenizer(cfg.model)
+    from ..engine.loading import model_label
+
+    return model, model_label(cfg.model), load_tokenizer(cfg.model)
 
 
 def make_prompts(cfg: E2EConfig, batch: int, vocab: int, tokenizer, *, warmup: bool = False) -> list[list[int]]:

@@ -57,6 +57,18 @@ def resolve_model_path(name: str | os.PathLike) -> str:
     return os.fspath(path)
 
 
+def model_label(path: str | os.PathLike) -> str:
+    """How reports name a checkpoint: ``"embedded"`` / ``"embedded-draft"`` for the
+    shipped ones (not where the package happens to be installed), else ``path`` as given."""
+    for name in EMBEDDED_MODELS:
+        try:
+            if Path(path).resolve() == embedded_model_dir(name).resolve():
+                return name
+        except OSError:
+            break
+    return os.fspath(path)
+
+
 def resolve_device(device: str | None) -> torch.device:
     """``None`` / ``"auto"``: CUDA when available, else the CPU."""
     if device in (None, "auto"):

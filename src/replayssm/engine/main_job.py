@@ -67,7 +67,7 @@ def main(args) -> int:
     from .adapter import HybridEngine
     from .generate import describe_memory, make_drafter
     from .generator import StepGenerator
-    from .loading import load_model, load_tokenizer, resolve_device
+    from .loading import load_model, load_tokenizer, model_label, resolve_device
 
     if not getattr(args, "checked", False):
         check_args(args)
@@ -77,7 +77,7 @@ def main(args) -> int:
     prompts = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
     model = load_model(args.model, device=str(device))
     cfg = model.config
-    print(f"replayssm run: {args.model}\n  {cfg.num_hidden_layers} layers ({cfg.layer_types.count('linear_attention')} "
+    print(f"replayssm run: {model_label(args.model)} model\n  {cfg.num_hidden_layers} layers ({cfg.layer_types.count('linear_attention')} "
           f"GDN, {cfg.layer_types.count('full_attention')} full attention), GDN heads H={cfg.linear_num_key_heads} "
           f"HV={cfg.linear_num_value_heads} K={cfg.linear_key_head_dim} V={cfg.linear_value_head_dim}, "
           f"{cfg.vocab_size} tokens, {model.dtype}, {device}")
