@@ -58,8 +58,11 @@ def plot_drift(result: dict, path: str | os.PathLike) -> Path:
         ax_s.plot(s["tokens"], _positive(s["state_worst_head"]), ":", color=color, lw=1.0)
         ax_o.plot(s["tokens"], _positive(s["output"]), style, color=color, label=name, lw=1.4)
     sh, c = result["shape"], result["config"]
+    inputs = result.get("inputs", {"kind": "random"})  # results from before --inputs: random
+    source = (f"GDN layer {inputs['layer']} of {inputs['model']} on held-out text" if inputs["kind"] == "model"
+              else "random inputs")
     title = (
-        f"H={sh['H']} HV={sh['HV']} K={sh['K']} V={sh['V']}, T={c['window']}, L={c['ring_len']}, "
+        f"{source}, H={sh['H']} HV={sh['HV']} K={sh['K']} V={sh['V']}, T={c['window']}, L={c['ring_len']}, "
         f"{c['act_dtype']} act, {c['state_dtype']} state, {result['environment']['device']}"
     )
     ax_s.set_title("committed state: ||S - S64|| / ||S64||  (dotted: worst head)")

@@ -381,6 +381,14 @@ class HybridEngine:
         # step was the modules' small kernels); the CPU keeps the modules.
         self.fused_norms = backend == "triton" or (self.device.type == "cuda" and backend != "reference")
         self._pending: tuple | None = None
+        #: Optional ``hook(j, q, k, v, a, b)`` called with GDN layer ``j``'s inputs of
+        #: every eager step (:meth:`extend`, :meth:`verify`; not :meth:`forward_static`)
+        #: just before the strategy gets them: ``q, k [N, H, K]`` and ``v [N, HV, V]``
+        #: after the causal conv and its activation, raw gates ``a, b [N, HV]``, the
+        #: step's tokens packed in request order. For instruments (``replayssm drift``
+        #: records one layer's inputs over real text); the tensors are the engine's
+        #: own, under inference mode, so a hook copies what it keeps.
+        self.gdn_inputs_hook: Callable | None = None
         moe = next((layer.mlp for layer in self.layers if is_moe(layer.mlp)), None)
         self.moe_kernel = None if moe is None else moe_kernel_for(moe, self.device, self.dtype)
         if self.moe_kernel is not None:
@@ -526,10 +534,14 @@ class HybridEngine:
                 if verify:
                     mixed = strat.conv_verify(j, mixed, batch)
                     q, k, v = mixer.split(mixed)
+                    if self.gdn_inputs_hook is not None:
+                        self.gdn_inputs_hook(j, q, k, v, a, b)
                     o = strat.verify(j, q, k, v, a, b, batch)
                 else:
                     mixed = strat.conv_prefill(j, mixed, batch)
                     q, k, v = mixer.split(mixed)
+                    if self.gdn_inputs_hook is not None:
+                        self.gdn_inputs_hook(j, q, k, v, a, b)
                     if chunked and self.chunk_kernel is not None:
                         o = self._chunk_prefill(j, q, k, v, a, b, batch)
                     else:

@@ -1,17 +1,26 @@
 """``replayssm drift``: long teacher-forced runs of every strategy against a float64 oracle.
 
 DESIGN.md section 5 asks that a strategy claiming exactness does not drift over long
-generations. This tool drives one GDN layer of realistic shape (Qwen3.5: ``H=16``,
-``HV=32``, ``K=V=128`` by default on CUDA) through tens of thousands of speculative
+generations. This tool drives one GDN layer through tens of thousands of speculative
 steps and measures, every ``--every`` committed tokens, how far each strategy's
 committed state is from a float64 oracle that runs the recurrence of section 1 on
 exactly the accepted token stream.
 
+The layer and its inputs (``--inputs``):
+
+* ``model`` (the default, :mod:`.model_inputs`): GDN layer ``--layer`` (default the
+  last) of a trained model (``--model``, default the shipped ``embedded`` one), with
+  the model's shape and gates; its real inputs over held-out standard-library text,
+  each request reading its own stretch of the text;
+* ``random`` (:mod:`.inputs`): synthetic inputs for a layer of shape ``--shape``
+  (Qwen3.5: ``H=16``, ``HV=32``, ``K=V=128`` by default on CUDA), keys correlated from
+  token to token as real keys are, gates spread over ``--decay-range``.
+
 A step, for ``--requests`` requests at once: random window lengths ``m`` in ``1..T``,
-random layer inputs in the activation dtype (keys correlated from token to token, as
-real keys are), ``verify``; then a random number of accepted tokens ``n`` in ``1..m``
-and ``commit``. Teacher forcing: the accepted tokens' inputs are whatever was drawn,
-and every variant sees the same ones.
+the layer inputs of each request's next ``m`` tokens in the activation dtype,
+``verify``; then a random number of accepted tokens ``n`` in ``1..m`` and ``commit``.
+Teacher forcing: every variant sees the same inputs, and a request's next window
+starts after its accepted tokens (model inputs: the rejected tokens come again).
 
 Variants:
 
@@ -48,16 +57,18 @@ must be), 1 when an exact strategy fails, 3 when only the control goes undetecte
 check has no teeth on this configuration).
 
 The package, by role: :mod:`.config` (shapes, dtypes, :class:`DriftConfig`),
-:mod:`.inputs` (gates and the input stream), :mod:`.oracle` (the float64 recurrence,
+:mod:`.inputs` (random gates and inputs), :mod:`.model_inputs` (a trained model's
+layer over held-out text), :mod:`.oracle` (the float64 recurrence,
 written independently of the library's ops), :mod:`.variants` (strategies, control,
 plain), :mod:`.judge` (growth and excess of a series), :mod:`.run` (the run),
 :mod:`.report` (the table) and :mod:`.command` (the command line).
 """
 
 from .command import add_arguments, check_args, config_from_args, main
-from .config import (A_SCALE, ACT_DTYPES, B_SCALE, CONTROL, PLAIN, SERIES, SHAPES, STATE_DTYPES, STRATEGY_NAMES,
-                     DriftConfig)
+from .config import (A_SCALE, ACT_DTYPES, B_SCALE, CONTROL, INPUTS, PLAIN, SERIES, SHAPES, STATE_DTYPES,
+                     STRATEGY_NAMES, DriftConfig)
 from .inputs import InputStream, gate_params
+from .model_inputs import ModelInputStream, heldout_stream
 from .judge import assess, verdict
 from .oracle import Oracle64
 from .report import print_report
@@ -66,8 +77,8 @@ from ...strategies.open_loop import open_loop_fold
 from .variants import OpenLoopControl, PlainRecurrence, StrategyVariant, Variant
 
 __all__ = [
-    "A_SCALE", "ACT_DTYPES", "B_SCALE", "CONTROL", "PLAIN", "SERIES", "SHAPES", "STATE_DTYPES", "STRATEGY_NAMES",
-    "DriftConfig", "InputStream", "Oracle64", "OpenLoopControl", "PlainRecurrence", "StrategyVariant", "Variant",
-    "add_arguments", "assess", "check_args", "config_from_args", "gate_params", "main", "open_loop_fold",
-    "print_report", "run_drift", "verdict",
+    "A_SCALE", "ACT_DTYPES", "B_SCALE", "CONTROL", "INPUTS", "PLAIN", "SERIES", "SHAPES", "STATE_DTYPES",
+    "STRATEGY_NAMES", "DriftConfig", "InputStream", "ModelInputStream", "Oracle64", "OpenLoopControl",
+    "PlainRecurrence", "StrategyVariant", "Variant", "add_arguments", "assess", "check_args", "config_from_args",
+    "gate_params", "heldout_stream", "main", "open_loop_fold", "print_report", "run_drift", "verdict",
 ]

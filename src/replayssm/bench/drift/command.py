@@ -10,7 +10,8 @@ from ...ops.dispatch import BACKENDS
 from ...strategies import STRATEGY_NAMES
 from ..args import device_name, name_list, output_path, positive_float, positive_int
 from ..progress import write_outputs
-from .config import ACT_DTYPES, SHAPES, STATE_DTYPES, DriftConfig
+from .config import (ACT_DTYPES, DEFAULT_DECAY_RANGE, DEFAULT_KEY_CORRELATION, DEFAULT_MODEL, INPUTS, SHAPES,
+                     STATE_DTYPES, DriftConfig)
 from .report import print_report
 from .run import run_drift
 
@@ -23,6 +24,16 @@ def _decay_range(text: str) -> tuple[float, float]:
     return lo, hi
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = DriftConfig()
     g = parser.add_argument_group("the run")
@@ -31,19 +42,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--window", type=positive_int, default=d.window, help=f"T, the largest verify window (default {d.window})")
     g.add_argument("--ring-len", type=positive_int, default=d.ring_len, help=f"L for circular and the control (default {d.ring_len})")
     g.add_argument("--every", type=positive_int, default=None, help="sample the errors every N committed tokens (default tokens/128)")
-    g.add_argument("--shape", choices=sorted(SHAPES), default=None,
-                   help="GDN layer shape (default qwen3.5 = H16 HV32 K128 V128 on CUDA, tiny = H2 HV4 K16 V16 on the CPU)")
     g.add_argument("--act-dtype", choices=sorted(ACT_DTYPES), default=d.act_dtype, help="activations and raw records (default bf16)")
     g.add_argument("--state-dtype", choices=sorted(STATE_DTYPES), default=d.state_dtype, help="checkpoints (default fp32)")
     g.add_argument("--device", type=device_name, default=None, help="cpu, cuda or cuda:N (default cuda when available, else cpu)")
     g.add_argument("--backend", choices=BACKENDS, default=d.backend, help="ops backend (default auto: Triton on CUDA)")
     g.add_argument("--strategies", type=name_list(STRATEGY_NAMES, allow_none=True), default=STRATEGY_NAMES, help="comma-separated (default snapshot,fold,circular)")
     g.add_argument("--no-control", action="store_true", help="skip the open-loop control")
-    g.add_argument("--decay-range", type=_decay_range, default=d.decay_range,
-                   help="MIN,MAX mean per-token decay -g of the heads, spread log-uniformly (default 0.001,0.5)")
-    g.add_argument("--key-correlation", type=float, default=d.key_correlation,
-                   help=f"correlation of consecutive keys (default {d.key_correlation})")
-    g.add_argument("--seed", type=int, default=d.seed, help="seed of the inputs, window lengths and acceptance (default 0)")
+    g.add_argument("--seed", type=int, default=d.seed,
+                   help="seed of the window lengths and acceptance, and of random inputs (default 0)")
+    i = parser.add_argument_group("the layer's inputs")
+    i.add_argument("--inputs", choices=INPUTS, default=d.inputs,
+                   help="model: a trained model's GDN layer over held-out standard-library text; random: synthetic "
+                        f"inputs (default {d.inputs})")
+    i.add_argument("--model", default=None,
+                   help=f"model inputs: the checkpoint (default {DEFAULT_MODEL}, the shipped model)")
+    i.add_argument("--layer", type=_non_negative_int, default=None,
+                   help="model inputs: which GDN layer, counted among the GDN layers from 0 (default the last)")
+    i.add_argument("--shape", choices=sorted(SHAPES), default=None,
+                   help="random inputs: GDN layer shape (default qwen3.5 = H16 HV32 K128 V128 on CUDA, "
+                        "tiny = H2 HV4 K16 V16 on the CPU)")
+    i.add_argument("--decay-range", type=_decay_range, default=None,
+                   help="random inputs: MIN,MAX mean per-token decay -g of the heads, spread log-uniformly "
+                        f"(default {','.join(f'{x:g}' for x in DEFAULT_DECAY_RANGE)})")
+    i.add_argument("--key-correlation", type=float, default=None,
+                   help=f"random inputs: correlation of consecutive keys (default {DEFAULT_KEY_CORRELATION})")
     j = parser.add_argument_group("judging")
     j.add_argument("--growth-factor", type=positive_float, default=d.growth_factor,
                    help=f"late/early error ratio that counts as growth (default {d.growth_factor})")
@@ -59,12 +81,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args) -> DriftConfig:
     device = args.device if args.device not in (None, "auto") else ("cuda" if torch.cuda.is_available() else "cpu")
-    shape = args.shape or ("qwen3.5" if torch.device(device).type == "cuda" else "tiny")
     every = args.every if args.every is not None else max(1, args.tokens // 128)
     return DriftConfig(
         tokens=args.tokens, requests=args.requests, window=args.window, ring_len=args.ring_len, every=every,
-        shape=shape, act_dtype=args.act_dtype, state_dtype=args.state_dtype, device=device, backend=args.backend,
-        strategies=tuple(args.strategies), control=not args.no_control, decay_range=tuple(args.decay_range),
+        inputs=args.inputs, model=args.model, layer=args.layer, shape=args.shape, act_dtype=args.act_dtype,
+        state_dtype=args.state_dtype, device=device, backend=args.backend,
+        strategies=tuple(args.strategies), control=not args.no_control,
+        decay_range=None if args.decay_range is None else tuple(args.decay_range),
         key_correlation=args.key_correlation, growth_factor=args.growth_factor, min_slope=args.min_slope,
         excess_factor=args.excess_factor, seed=args.seed,
     )

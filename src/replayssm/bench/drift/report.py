@@ -20,6 +20,17 @@ def _slope(x: float | None) -> str:
     return "-" if x is None else ("inf" if math.isinf(x) else f"{x:+.2f}")
 
 
+def describe_inputs(inputs: dict) -> str:
+    """One line on where the layer's inputs came from."""
+    if inputs["kind"] == "model":
+        return (f"GDN layer {inputs['layer']} of {inputs['gdn_layers']} (decoder layer {inputs['decoder_layer']}) "
+                f"of {inputs['model']}, teacher-forced over {inputs['text']} ({inputs['stream_tokens']} tokens; "
+                f"contexts of {inputs['context']} tokens; model time {inputs.get('model_s', 0.0):.1f} s)")
+    lo, hi = inputs["decay_range"]
+    return (f"random ({inputs['shape']} shape, mean decays {lo:g}..{hi:g}, "
+            f"key correlation {inputs['key_correlation']:g})")
+
+
 def print_report(result: dict, file=None) -> None:
     file = file or sys.stdout
     c, sh = result["config"], result["shape"]
@@ -30,6 +41,7 @@ def print_report(result: dict, file=None) -> None:
         f"({result['environment']['backend']}), {result['elapsed_s']:.1f} s",
         file=file,
     )
+    print(f"inputs: {describe_inputs(result['inputs'])}", file=file)
     print(
         "committed-state error vs float64 (median of first / last 10% of samples), growth = last/first, "
         "slope of log-log fit, x plain = last / fp32 recurrence's last",
@@ -48,9 +60,10 @@ def print_report(result: dict, file=None) -> None:
             file=file,
         )
     if result["variants"][PLAIN]["assessment"]["state"]["grows"]:
+        remedy = "run longer" + (" or raise the --decay-range minimum" if result["inputs"]["kind"] == "random" else "")
         print(
             "note: the fp32 recurrence's own error still grows over this run (heads with memories longer than "
-            "the run); run longer or raise the --decay-range minimum",
+            f"the run); {remedy}",
             file=file,
         )
     if result["failed"]:

@@ -4,6 +4,7 @@ sample their errors against the float64 oracle, and judge each series."""
 from __future__ import annotations
 
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -16,6 +17,7 @@ from ..progress import ProgressBar
 from .config import ACT_DTYPES, PLAIN, SERIES, SHAPES, DriftConfig
 from .inputs import InputStream, gate_params
 from .judge import assess, verdict
+from .model_inputs import ModelInputStream
 from .oracle import Oracle64
 from .variants import OpenLoopControl, PlainRecurrence, StrategyVariant, Variant
 
@@ -36,26 +38,46 @@ def _state_errors(S: torch.Tensor, S64: torch.Tensor) -> tuple[float, float]:
     return total, per_head.max().item()
 
 
+def _inputs(cfg: DriftConfig, progress: bool):
+    """``(shape, params, stream, info)`` of ``cfg``'s inputs: the layer's shape, its
+    ``A_log``, ``dt_bias``, ``conv_weight`` for the pools, the window stream
+    (``window_inputs()``, ``accept(k, accepted)``) and what the inputs are, for the
+    report."""
+    act = ACT_DTYPES[cfg.act_dtype]
+    if cfg.inputs == "model":
+        from ...engine.loading import resolve_model_path
+
+        if progress:
+            print(f"drift: loading {cfg.model_name} and the held-out text", file=sys.stderr, flush=True)
+        stream = ModelInputStream(resolve_model_path(cfg.model_name), cfg.layer, cfg.requests, cfg.window, act,
+                                  cfg.device, model_name=cfg.model_name)
+        return stream.shape, stream.params, stream, stream.info
+    shape = SHAPES[cfg.random_shape]
+    A_log, dt_bias = gate_params(shape.num_value_heads, cfg.random_decay_range)
+    conv_gen = torch.Generator().manual_seed(cfg.seed + 1)
+    # The conv is not part of this experiment (it is copied exactly, not folded); the
+    # pool still wants taps, so it gets random ones that are never used.
+    params = {"A_log": A_log, "dt_bias": dt_bias,
+              "conv_weight": torch.randn(shape.conv_dim, shape.conv_kernel, generator=conv_gen)}
+    stream = InputStream(shape, cfg.requests, cfg.window, act, cfg.device, cfg.seed, cfg.random_key_correlation)
+    info = {"kind": "random", "shape": cfg.random_shape, "decay_range": list(cfg.random_decay_range),
+            "key_correlation": cfg.random_key_correlation}
+    return shape, params, stream, info
+
+
 def run_drift(cfg: DriftConfig, *, progress: bool = True) -> dict:
     """Run the drift experiment of ``cfg``; returns the JSON-ready result (see the
     module doc for what is measured and how it is judged)."""
     cfg.check()
-    shape = SHAPES[cfg.shape]
     device = torch.device(cfg.device)
-    act = ACT_DTYPES[cfg.act_dtype]
-    A_log, dt_bias = gate_params(shape.num_value_heads, cfg.decay_range)
-    conv_gen = torch.Generator().manual_seed(cfg.seed + 1)
-    # The conv is not part of this experiment (it is copied exactly, not folded); the
-    # pool still wants taps, so it gets random ones that are never used.
-    params = {"A_log": A_log, "dt_bias": dt_bias, "conv_weight": torch.randn(shape.conv_dim, shape.conv_kernel, generator=conv_gen)}
+    shape, params, stream, inputs = _inputs(cfg, progress)
 
-    variants: list[Variant] = [StrategyVariant(name, cfg, params) for name in cfg.strategies]
+    variants: list[Variant] = [StrategyVariant(name, cfg, shape, params) for name in cfg.strategies]
     if cfg.control:
-        variants.append(OpenLoopControl(cfg, params))
-    plain = PlainRecurrence(cfg, params)
+        variants.append(OpenLoopControl(cfg, shape, params))
+    plain = PlainRecurrence(cfg, shape, params)
     everyone = variants + [plain]
-    oracle = Oracle64(shape, cfg.requests, A_log, dt_bias, device)
-    stream = InputStream(shape, cfg.requests, cfg.window, act, device, cfg.seed, cfg.key_correlation)
+    oracle = Oracle64(shape, cfg.requests, params["A_log"], params["dt_bias"], device)
     host = torch.Generator().manual_seed(cfg.seed + 2)  # window lengths and acceptance
 
     series = {v.name: Series() for v in everyone}
@@ -151,12 +173,16 @@ def run_drift(cfg: DriftConfig, *, progress: bool = True) -> dict:
         exit_code = 3
     else:
         exit_code = 0
+    if isinstance(stream, ModelInputStream):
+        inputs["model_s"] = stream.read_s  # part of elapsed_s: the model reads as the run goes
     mean_decay = (-oracle.g_sum / int(committed.sum())).tolist()
     return {
         "tool": "replayssm drift",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "config": {**asdict(cfg), "strategies": list(cfg.strategies), "decay_range": list(cfg.decay_range)},
+        "config": {**asdict(cfg), "strategies": list(cfg.strategies),
+                   "decay_range": None if cfg.decay_range is None else list(cfg.decay_range)},
         "environment": environment(device, cfg.backend),
+        "inputs": inputs,
         "shape": {"H": shape.num_heads, "HV": shape.num_value_heads, "K": shape.head_k_dim, "V": shape.head_v_dim},
         "gates": {
             "mean_decay_per_head": mean_decay,

@@ -7,9 +7,9 @@ import numpy as np
 import torch
 
 from ...ops import gdn_recurrence
-from ...state import StatePool
+from ...state import GDNShape, StatePool
 from ...strategies.open_loop import OpenLoopControlStrategy
-from .config import ACT_DTYPES, CONTROL, PLAIN, SHAPES, STATE_DTYPES, DriftConfig
+from .config import ACT_DTYPES, CONTROL, PLAIN, STATE_DTYPES, DriftConfig
 
 
 class Variant:
@@ -31,10 +31,9 @@ class Variant:
 class StrategyVariant(Variant):
     """A strategy behind its own single-layer :class:`StatePool`."""
 
-    def __init__(self, name: str, cfg: DriftConfig, params: dict, strategy=None):
+    def __init__(self, name: str, cfg: DriftConfig, shape: GDNShape, params: dict, strategy=None):
         self.name = name
         self.claims_exact = True
-        shape = SHAPES[cfg.shape]
         self.pool = StatePool(
             shape, 1, cfg.requests, strategy=strategy or name, window=cfg.window, ring_len=cfg.ring_len,
             state_dtype=STATE_DTYPES[cfg.state_dtype], act_dtype=ACT_DTYPES[cfg.act_dtype], device=cfg.device,
@@ -71,18 +70,18 @@ class OpenLoopControl(StrategyVariant):
     """The ``circular`` ring with an open-loop flush (the control; see the package doc
     and :class:`replayssm.strategies.open_loop.OpenLoopControlStrategy`)."""
 
-    def __init__(self, cfg: DriftConfig, params: dict):
-        super().__init__(CONTROL, cfg, params, strategy=OpenLoopControlStrategy)
+    def __init__(self, cfg: DriftConfig, shape: GDNShape, params: dict):
+        super().__init__(CONTROL, cfg, shape, params, strategy=OpenLoopControlStrategy)
         self.claims_exact = False
 
 
 class PlainRecurrence(Variant):
     """The float32 recurrence over the accepted tokens only (plain decoding)."""
 
-    def __init__(self, cfg: DriftConfig, params: dict):
+    def __init__(self, cfg: DriftConfig, shape: GDNShape, params: dict):
         self.name = PLAIN
         self.claims_exact = None
-        s = SHAPES[cfg.shape]
+        s = shape
         self.device = torch.device(cfg.device)
         self.backend = cfg.backend
         self.A_log, self.dt_bias = params["A_log"].to(self.device), params["dt_bias"].to(self.device)
