@@ -3,7 +3,8 @@
 #
 #   scripts/gpu_run.sh tests bench        # kernel GPU tests, then the kernel benchmark
 #   scripts/gpu_run.sh tests-engine       # engine and tool GPU tests
-#   scripts/gpu_run.sh drift e2e          # the 32768-token drift run, end-to-end tok/s
+#   scripts/gpu_run.sh drift e2e          # the 32768-token drift run (DRIFT_ARGS, default --inputs random:
+#                                         # the synthetic inputs BENCHMARKS.md cites), end-to-end tok/s
 #   scripts/gpu_run.sh profile            # each op of a step timed alone (PROFILE_ARGS="--variants ...")
 #   scripts/gpu_run.sh train              # replayssm train --size default (TRAIN_MINUTES, default 8.5;
 #                                         # TRAIN_ARGS adds options), checkpoint into $TRAIN_OUT
@@ -77,7 +78,7 @@ for what in "$@"; do
         bench) stage "kernels_$TAG" "${BENCH_LIMIT:-240}" env OUT_JSON="$RESULTS/kernels_$TAG.json" PYTHON="$PYTHON" RING_SWEEP=0 scripts/gpu_bench.sh ;;
         profile) stage "profile_ops_$TAG" "${PROFILE_LIMIT:-300}" "$PYTHON" scripts/gpu_profile_ops.py --batches 1,16,64,256 \
                    --json "$RESULTS/profile_ops_$TAG.json" ${PROFILE_ARGS:-} ;;
-        drift) stage drift "${DRIFT_LIMIT:-300}" "$PYTHON" -m replayssm.cli drift --json "$RESULTS/drift_$TAG.json" --plot "$RESULTS/drift_$TAG.png" --quiet ;;
+        drift) stage drift "${DRIFT_LIMIT:-300}" "$PYTHON" -m replayssm.cli drift ${DRIFT_ARGS:---inputs random} --json "$RESULTS/drift_$TAG.json" --plot "$RESULTS/drift_$TAG.png" --quiet ;;
         e2e) stage e2e "${E2E_LIMIT:-240}" "$PYTHON" -m replayssm.cli bench e2e --json "$RESULTS/e2e_$TAG.json" --plot "$RESULTS/e2e_$TAG.png" ${E2E_ARGS:-} ;;
         train) mkdir -p "$(dirname "$TRAIN_OUT")"
                stage "train_$TAG" "${TRAIN_LIMIT:-590}" "$PYTHON" -m replayssm.cli train --size default \
