@@ -26,7 +26,7 @@ import os
 
 import torch
 
-from . import _checks
+from . import _checks, tuning
 from .dispatch import pick, register
 from .gates import expand_heads, l2_normalize
 from .fold import replay_records
@@ -236,30 +236,17 @@ try:
 except ImportError:  # the reference above works without Triton
     triton = None
 
-# Knobs of the window kernel (the chosen values and what they were measured against:
-# BENCHMARKS.md, tuning notes). Products: the big one, S x_r ([BV, K] x [K, 2T]),
-# decides the kernel's speed; as fp32 FMA ("ieee") it makes the kernel
-# instruction-bound, on tensor cores ("tf32") it is not. tf32 rounds the fp32 operand
-# (the state, and the history's u) to 11 significant bits, a relative error of ~2^-12 in
-# a product over K = 128 terms, 8x below the rounding of a bf16 output (2^-9); the
-# 16-bit keys and queries are exact in tf32. So: "tf32" when the activations are 16-bit,
-# "ieee" for fp32 activations (CPU tests, fp32 models), where tf32 would show. The
-# window's small solve ([BV, 2T] x [2T, 2T]) always runs in "ieee". REPLAYSSM_CHUNKED_DOT
-# overrides the choice of the big products ("ieee", "tf32", "tf32x3").
+# Precision of the window kernel's big products, S x_r ([BV, K] x [K, 2T]), which decide
+# its speed: as fp32 FMA ("ieee") they make the kernel instruction-bound, on tensor cores
+# ("tf32") they do not. tf32 rounds the fp32 operand (the state, and the history's u) to
+# 11 significant bits, a relative error of ~2^-12 in a product over K = 128 terms, 8x
+# below the rounding of a bf16 output (2^-9); the 16-bit keys and queries are exact in
+# tf32. So: "tf32" when the activations are 16-bit, "ieee" for fp32 activations (CPU
+# tests, fp32 models), where tf32 would show. The window's small solve ([BV, 2T] x
+# [2T, 2T]) always runs in "ieee". REPLAYSSM_CHUNKED_DOT overrides the choice of the big
+# products ("ieee", "tf32", "tf32x3"). Block sizes and warps of both kernels come from
+# the shape table (ops/tuning.py: "products", "window").
 _DOT_PRECISION = os.environ.get("REPLAYSSM_CHUNKED_DOT", "")
-# Window kernel: K columns per step of its pass (all of K at once, so that its loads go
-# out together), rows of V per program (one program per head amortises the window's
-# per-head work), warps (2: its small products and reductions then need fewer
-# cross-warp exchanges).
-_K_CHUNK = int(os.environ.get("REPLAYSSM_CHUNKED_KC", "128"))
-_BLOCK_V_MAX = int(os.environ.get("REPLAYSSM_CHUNKED_BV", "128"))
-_NUM_WARPS = int(os.environ.get("REPLAYSSM_CHUNKED_WARPS", "2"))
-# Products kernel: the same three knobs and its pipeline stages (state chunks stream into
-# shared memory by async copies while the previous chunk's product runs).
-_P_K_CHUNK = int(os.environ.get("REPLAYSSM_PRODUCTS_KC", "64"))
-_P_BLOCK_V = int(os.environ.get("REPLAYSSM_PRODUCTS_BV", "64"))
-_P_NUM_WARPS = int(os.environ.get("REPLAYSSM_PRODUCTS_WARPS", "4"))
-_P_NUM_STAGES = int(os.environ.get("REPLAYSSM_PRODUCTS_STAGES", "2"))
 #: Longest window the kernel takes (the stacked window block is 2 * max(8, T) rows).
 MAX_WINDOW_TRITON = 16
 
@@ -469,24 +456,27 @@ def launch_products(q, k, checkpoint, slots, cu_seqlens, bt: int) -> torch.Tenso
     batch = slots.shape[0]
     sx = torch.empty(batch, hv, 2 * bt, vd, dtype=torch.float32, device=q.device)
     bk = triton.next_power_of_2(kd)
-    bv = block_rows(vd, batch * hv, q.device, _P_BLOCK_V, least=16)
+    cfg = tuning.lookup("products", K=kd, V=vd, state_dtype=checkpoint.dtype, batch=batch)
+    bv = block_rows(vd, batch * hv, q.device, cfg["block_v"], least=16)
     _window_products_kernel[(triton.cdiv(vd, bv), batch, hv)](
         q, k, checkpoint, slots, cu_seqlens, sx,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        H=h, HV=hv, K=kd, V=vd, BT=bt, BK=bk, KC=max(16, min(_P_K_CHUNK, bk)), BV=bv,
-        DOT_PRECISION=product_precision(q.dtype), NUM_STAGES=_P_NUM_STAGES, num_warps=_P_NUM_WARPS,
+        H=h, HV=hv, K=kd, V=vd, BT=bt, BK=bk, KC=max(16, min(cfg["k_chunk"], bk)), BV=bv,
+        DOT_PRECISION=product_precision(q.dtype), NUM_STAGES=cfg["num_stages"], num_warps=cfg["num_warps"],
     )
     return sx
 
 
 def launch_window(q, k, v, a, b, A_log, dt_bias, ring, ring_u, slots, cu_seqlens, write_pos, cache_base,
-                  is_flush, o, sx, bt: int, L: int, max_len: int) -> None:
-    """Launch the window kernel on validated arguments, from the products ``sx``."""
+                  is_flush, o, sx, bt: int, L: int, max_len: int, state_dtype: torch.dtype = torch.float32) -> None:
+    """Launch the window kernel on validated arguments, from the products ``sx``
+    (``state_dtype``, the checkpoint's, only keys the shape table)."""
     h, kd = q.shape[1], q.shape[2]
     hv, vd = v.shape[1], v.shape[2]
     batch = slots.shape[0]
     bk = triton.next_power_of_2(kd)
-    bv = block_rows(vd, batch * hv, q.device, _BLOCK_V_MAX, least=16)
+    cfg = tuning.lookup("window", K=kd, V=vd, state_dtype=state_dtype, batch=batch)
+    bv = block_rows(vd, batch * hv, q.device, cfg["block_v"], least=16)
     _chunked_window_kernel[(triton.cdiv(vd, bv), batch, hv)](
         q, k, v, a, b, A_log, dt_bias,
         ring.k, ring.v, ring.g, ring.beta, ring_u,
@@ -495,8 +485,8 @@ def launch_window(q, k, v, a, b, A_log, dt_bias, ring, ring_u, slots, cu_seqlens
         kd**-0.5, NORM_EPS,
         H=h, HV=hv, K=kd, V=vd, L=L, LOG_T=max(1, (max_len - 1).bit_length()),
         # tl.dot wants sides of 16: the stacked window has 2 * max(8, T) rows, the history 16.
-        BT=bt, BH=max(16, L), BK=bk, KC=max(16, min(_K_CHUNK, bk)), BV=bv,
-        DOT_PRECISION=product_precision(q.dtype), num_warps=_NUM_WARPS,
+        BT=bt, BH=max(16, L), BK=bk, KC=max(16, min(cfg["k_chunk"], bk)), BV=bv,
+        DOT_PRECISION=product_precision(q.dtype), num_warps=cfg["num_warps"],
     )
 
 
@@ -566,5 +556,5 @@ def gdn_chunked_window_triton(
     bt = max(8, triton.next_power_of_2(max_len))
     sx = launch_products(q, k, checkpoint, slots, cu_seqlens, bt)
     launch_window(q, k, v, a, b, A_log, dt_bias, ring, ring_u, slots, cu_seqlens, write_pos, cache_base,
-                  is_flush, o, sx, bt, L, max_len)
+                  is_flush, o, sx, bt, L, max_len, checkpoint.dtype)
     return o

@@ -1,0 +1,110 @@
+"""Launch parameters of the Triton kernels, looked up by shape in one table.
+
+Each kernel family has a list of rows ``(key, params)``; :func:`lookup` returns the
+``params`` of the first row whose key matches the call, so specific rows go before the
+catch-all row that ends every list. A key names any of
+
+    K, V          head dimensions (ints)
+    state_dtype   the checkpoint's dtype (``torch.float32`` / ``torch.bfloat16``)
+    min_batch, max_batch   the windows (requests) of the call, inclusive bounds
+
+and a missing field matches anything. This replaces per-knob environment variables:
+the values live next to the shapes they were measured at (BENCHMARKS.md, tuning notes:
+all at Qwen3.5 shapes, ``K = V = 128``), and a tuning run changes them for a block of
+code with :func:`override` (``scripts/gpu_profile_ops.py --variants``).
+
+Block heights are upper bounds: :func:`~replayssm.ops.triton_common.block_rows` still
+halves them while a call would not fill the GPU, and rows are independent, so no entry
+changes any number a kernel computes (the exact kernels' ``BK`` and warps are fixed by
+the exactness rule in :mod:`~replayssm.ops.triton_common` and are not in the table).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+#: Families and the parameters each one takes.
+PARAMS = {
+    # Exact kernels that write states (snapshots, state updates, the fold and the flush):
+    # tall enough to amortise a token's key loads and normalisation over many rows, short
+    # enough to keep the four-part tile in registers.
+    "exact_write": ("block_v",),
+    # The read-only exact verify: no state to write back, so a taller tile holds fewer
+    # live registers per row and amortises the per-token loads further.
+    "exact_read_only": ("block_v",),
+    # circular's products kernel (S x for the window's keys and queries): rows of V and
+    # columns of K per step, warps, pipeline stages of its state chunks.
+    "products": ("block_v", "k_chunk", "num_warps", "num_stages"),
+    # circular's window solve: all of K per step (its loads go out together), one
+    # program per head (amortises the per-head work), 2 warps (fewer cross-warp
+    # exchanges in its small products).
+    "window": ("block_v", "k_chunk", "num_warps"),
+}
+
+_KEY_FIELDS = ("K", "V", "state_dtype", "min_batch", "max_batch")
+
+#: The table (see the module notes). Values measured on an H200 at Qwen3.5 shapes.
+TABLE: dict[str, list[tuple[dict, dict]]] = {
+    "exact_write": [({}, dict(block_v=64))],
+    "exact_read_only": [({}, dict(block_v=128))],
+    "products": [({}, dict(block_v=64, k_chunk=64, num_warps=4, num_stages=2))],
+    "window": [({}, dict(block_v=128, k_chunk=128, num_warps=2))],
+}
+
+
+def _matches(key: dict, K: int, V: int, state_dtype: torch.dtype, batch: int) -> bool:
+    return (
+        key.get("K", K) == K
+        and key.get("V", V) == V
+        and key.get("state_dtype", state_dtype) == state_dtype
+        and key.get("min_batch", batch) <= batch <= key.get("max_batch", batch)
+    )
+
+
+def _check_family(family: str):
+    if family not in PARAMS:
+        raise ValueError(f"unknown kernel family {family!r}; known: {', '.join(PARAMS)}")
+
+
+def lookup(family: str, *, K: int, V: int, state_dtype: torch.dtype, batch: int) -> dict:
+    """Parameters of ``family`` for a call on heads ``K x V``, states of ``state_dtype``
+    and ``batch`` windows: the first matching row of :data:`TABLE` (a copy)."""
+    _check_family(family)
+    for key, params in TABLE[family]:
+        if _matches(key, K, V, state_dtype, batch):
+            return dict(params)
+    raise ValueError(f"no row of the {family!r} table matches K={K}, V={V}, {state_dtype}, batch {batch}")
+
+
+def check_row(family: str, key: dict, params: dict):
+    """Raise ``ValueError`` unless ``(key, params)`` is a valid row of ``family``."""
+    _check_family(family)
+    bad_key = set(key) - set(_KEY_FIELDS)
+    if bad_key:
+        raise ValueError(f"unknown key fields {sorted(bad_key)} in the {family!r} table; known: {_KEY_FIELDS}")
+    bad = set(params) - set(PARAMS[family])
+    if bad:
+        raise ValueError(f"unknown parameters {sorted(bad)} for {family!r}; known: {PARAMS[family]}")
+    for name, value in params.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{family}.{name} must be a positive int, got {value!r}")
+
+
+@contextlib.contextmanager
+def override(family: str, **params):
+    """Within the block, ``family``'s lookups return ``params`` on top of their row
+    (any shape): how tuning runs try values without editing the table."""
+    check_row(family, {}, params)
+    saved = TABLE[family]
+    TABLE[family] = [(key, {**row, **params}) for key, row in saved]
+    try:
+        yield
+    finally:
+        TABLE[family] = saved
+
+
+for _family, _rows in TABLE.items():
+    for _key, _params in _rows:
+        check_row(_family, _key, _params)
