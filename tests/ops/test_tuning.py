@@ -59,7 +59,7 @@ def test_bad_rows_and_names_raise():
     with pytest.raises(ValueError, match="unknown parameters"):
         with tuning.override("window", num_stages=2):
             pass
-    with pytest.raises(ValueError, match="positive int"):
+    with pytest.raises(ValueError, match="int >= 1"):
         tuning.check_row("window", {}, {"num_warps": 0})
     with pytest.raises(ValueError, match="unknown key fields"):
         tuning.check_row("window", {"batch": 1}, {})
@@ -69,3 +69,18 @@ def test_no_row_matches_raises(monkeypatch):
     monkeypatch.setitem(tuning.TABLE, "window", [({"K": 64}, {"block_v": 16})])
     with pytest.raises(ValueError, match="no row"):
         tuning.lookup("window", K=128, V=128, state_dtype=F32, batch=1)
+
+
+def test_circular_small_batch_row_by_device():
+    """circular's small-batch switch: on CUDA up to a batch, never on the CPU (the
+    interpreter's tests cover the closed form unless they override it); 0 is allowed."""
+    at = dict(K=128, V=128, state_dtype=F32)
+    cuda = tuning.lookup("circular", **at, batch=1, device="cuda")["replay_max_batch"]
+    assert cuda >= 1
+    assert tuning.lookup("circular", **at, batch=1, device="cpu")["replay_max_batch"] == 0
+    with tuning.override("circular", replay_max_batch=0):
+        assert tuning.lookup("circular", **at, batch=1, device="cuda")["replay_max_batch"] == 0
+    with tuning.override("circular", replay_max_batch=7):
+        assert tuning.lookup("circular", **at, batch=1, device="cpu")["replay_max_batch"] == 7
+    with pytest.raises(ValueError, match="int >= 0"):
+        tuning.check_row("circular", {}, {"replay_max_batch": -1})

@@ -85,6 +85,18 @@ def window_closed_form(S_k, S_q, q_hat, k_hat, v, g, beta):
     return U, o
 
 
+#: Ways to compute a window (the Triton op's ``method``): ``"closed_form"`` (flush
+#: launch, products, window solve: DESIGN.md section 2) and ``"replay"`` (one launch:
+#: the committed history and then the window stepped through the exact recurrence, for
+#: small batches). Both fold a flush row's history into the same checkpoint, bit for bit.
+METHODS = ("closed_form", "replay")
+
+
+def check_method(method):
+    if method is not None and method not in METHODS:
+        raise ValueError(f"method must be None or one of {METHODS}, got {method!r}")
+
+
 def check_cursors(num_slots: int, **cursors: torch.Tensor):
     for name, x in cursors.items():
         _checks.tensor(name, x, ndim=1, dtypes=(torch.int32, torch.int64))
@@ -144,6 +156,7 @@ def gdn_chunked_window_reference(
     is_flush: torch.Tensor,
     *,
     max_len: int | None = None,
+    method: str | None = None,
 ) -> torch.Tensor:
     """Outputs of a packed batch of windows in closed form, writing their records.
 
@@ -158,10 +171,15 @@ def gdn_chunked_window_reference(
         write_pos, cache_base, is_flush: ``[num_slots]`` int32 cursors (read only).
         max_len: ``T``, the longest window allowed (the pool's ``window``); ``None``
             bounds windows by the ring length only.
+        method: ``None`` (the shape table decides), ``"closed_form"`` or ``"replay"``:
+            how the Triton op computes the window (see :data:`METHODS`). Validated
+            here; this reference always evaluates the closed form, which both methods
+            match to rounding (the committed states they leave are identical).
 
     Returns:
         ``o``: ``[N, HV, V]`` in the dtype of ``v``; padding rows are zero.
     """
+    check_method(method)
     n, ns, L = check_window_args(
         q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos, cache_base, is_flush,
         max_len, state_dtypes=(torch.float32, torch.bfloat16, torch.float64), u_dtypes=(torch.float32, torch.float64),
@@ -251,6 +269,16 @@ _DOT_PRECISION = os.environ.get("REPLAYSSM_CHUNKED_DOT", "")
 MAX_WINDOW_TRITON = 16
 
 
+def replays_window(batch: int, *, kd: int, vd: int, state_dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a call of ``batch`` windows runs the small-batch path (the exact
+    recurrence in one launch, see ``_replay_window_kernel``) instead of the closed form:
+    ``batch <= replay_max_batch`` of the shape table's ``circular`` row. The
+    ``circular`` strategy asks the same question at commit, to flush at every step
+    while the batch is this small. Both paths leave the same committed states."""
+    cfg = tuning.lookup("circular", K=kd, V=vd, state_dtype=state_dtype, batch=batch, device=device.type)
+    return batch <= cfg["replay_max_batch"]
+
+
 def product_precision(act_dtype: torch.dtype) -> str:
     """``input_precision`` of the window kernel's big products for an activation dtype."""
     if _DOT_PRECISION:
@@ -266,9 +294,13 @@ if triton is not None:
         check_inner_contiguous,
         check_max_len,
     )
-    from .fold import launch_fold
-    from .triton_common import NORM_EPS, block_rows, device_fn as _tl_device_fn, gdn_gates as _tl_gdn_gates
-    from .triton_common import row_sum as _tl_row_sum, to_rtne as _tl_to_rtne, window_program as _tl_window_program
+    from .fold import _load_record as _fold_load_record, launch_fold
+    from .recurrent import _load_token as _rec_load_token, pick_block_v, exact_block_k
+    from .triton_common import EXACT_NUM_WARPS, NORM_EPS, block_rows, device_fn as _tl_device_fn
+    from .triton_common import gdn_gates as _tl_gdn_gates, gdn_state_step as _tl_state_step
+    from .triton_common import load_parts as _tl_load_parts, mask_and as _tl_mask_and, normalized as _tl_normalized
+    from .triton_common import row_dot as _tl_row_dot, row_sum as _tl_row_sum, store_parts as _tl_store_parts
+    from .triton_common import to_rtne as _tl_to_rtne, window_program as _tl_window_program
 
     @_tl_device_fn
     def _window_rows(bos, length, BT: tl.constexpr):
@@ -448,6 +480,137 @@ if triton is not None:
                  mask=mask_v[:, None] & x_ok[None, :])
 
 
+    # ---- small batches: one launch, the exact recurrence all the way ("replay")
+    # At a few requests every kernel is latency-bound: the time is the length of each
+    # program's dependent chain plus one launch overhead per kernel, not bytes. There the
+    # closed form's three launches (flush, products, window solve with its per-head
+    # chain) cost more than stepping the recurrence: one program per (V block, window,
+    # value head) loads its checkpoint tile once, replays the row's committed history
+    # through the exact step (the fold kernel's helpers, loads and order: a flush row
+    # stores the tile back, bit for bit the fold's checkpoint), then steps the window's
+    # tokens on the tile in registers for the outputs and the records (u is the step's
+    # own corrected delta). Paired with a flush at every commit (``is_flush`` raised by
+    # ``advance_cursors(..., flush_every=True)``), a row's history is the last step's
+    # accepted tokens, so a program's chain is at most 2T steps.
+
+    @_tl_device_fn
+    def _window_step(S0, S1, S2, S3, k0, k1, k2, k3, v, g, beta):
+        """:func:`~replayssm.ops.triton_common.gdn_state_step` that also returns the
+        step's corrected delta ``u [BV]`` (the ring keeps it for the closed form)."""
+        e = tl.exp(g)
+        S0 = e * S0
+        S1 = e * S1
+        S2 = e * S2
+        S3 = e * S3
+        u = beta * (v - _tl_row_dot(S0, S1, S2, S3, k0, k1, k2, k3))
+        return (tl.fma(u[:, None], k0[None, :], S0), tl.fma(u[:, None], k1[None, :], S1),
+                tl.fma(u[:, None], k2[None, :], S2), tl.fma(u[:, None], k3[None, :], S3), u)
+
+    @triton.jit
+    def _replay_window_kernel(
+        q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr,
+        ckpt_ptr, rk_ptr, rv_ptr, rg_ptr, rb_ptr, ru_ptr,
+        slots_ptr, cu_ptr, wp_ptr, base_ptr, flush_ptr, o_ptr,
+        stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+        stride_a_tok, stride_b_tok,
+        scale, eps,
+        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
+        BK: tl.constexpr, BV: tl.constexpr, T: tl.constexpr, ROUND_STATE: tl.constexpr,
+    ):
+        i_v, i_b, i_hv, i_h, slot, bos, length = _tl_window_program(slots_ptr, cu_ptr, H, HV)
+        KQ: tl.constexpr = BK // 4
+        offs_c = tl.arange(0, KQ)  # key index within a part
+        all_c = offs_c >= 0
+        offs_v = i_v * BV + tl.arange(0, BV)
+        mask_v = offs_v < V
+        o_row = o_ptr + (bos * HV + i_hv) * V + offs_v  # o is a fresh contiguous [N, HV, V]
+
+        if slot < 0:
+            # Padding row: zero outputs, nothing else.
+            for i in range(0, T):
+                tl.store(o_row + i * HV * V, tl.full([BV], 0, o_ptr.dtype.element_ty), mask=_tl_mask_and(mask_v, i < length))
+            return
+
+        wp = tl.load(wp_ptr + slot).to(tl.int64)
+        base = tl.load(base_ptr + slot).to(tl.int64)
+        flush = tl.load(flush_ptr + slot) != 0
+        ring_at = slot * L  # flat record index of the slot's ring
+        tile = offs_v[:, None] * K + offs_c[None, :]
+        ckpt_at = ckpt_ptr + (slot * HV + i_hv) * (V * K)
+        S0, S1, S2, S3 = _tl_load_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ)
+
+        # ---- the committed history, exactly as the fold kernel replays it (record c + 1
+        # loads during step c). Unused ring entries may hold NaN: masked loads give 0.
+        count = tl.minimum(wp, L)
+        valid_n = count > 0
+        k0n, k1n, k2n, k3n, v_n, g_n, b_n = _fold_load_record(
+            rk_ptr, rv_ptr, rg_ptr, rb_ptr, ring_at + base % L, valid_n, offs_c, _tl_mask_and(all_c, valid_n),
+            _tl_mask_and(mask_v, valid_n), i_h, i_hv, offs_v, H, HV, K, V, KQ,
+        )
+        for c in range(0, count):
+            k0, k1, k2, k3, v, g, beta = k0n, k1n, k2n, k3n, v_n, g_n, b_n
+            valid_n = c + 1 < count
+            k0n, k1n, k2n, k3n, v_n, g_n, b_n = _fold_load_record(
+                rk_ptr, rv_ptr, rg_ptr, rb_ptr, ring_at + (base + c + 1) % L, valid_n, offs_c,
+                _tl_mask_and(all_c, valid_n), _tl_mask_and(mask_v, valid_n), i_h, i_hv, offs_v, H, HV, K, V, KQ,
+            )
+            k0, k1, k2, k3 = _tl_normalized(k0, k1, k2, k3, eps, 1.0)
+            S0, S1, S2, S3 = _tl_state_step(S0, S1, S2, S3, k0, k1, k2, k3, v, g, beta)
+        # A flush row's checkpoint becomes the folded state (the fold's store, bit for bit);
+        # every other row's checkpoint is read only.
+        _tl_store_parts(ckpt_at, tile, _tl_mask_and(mask_v, flush & (count > 0))[:, None], offs_c[None, :], K, KQ,
+                        S0, S1, S2, S3)
+        if ROUND_STATE:
+            # The committed state is what a fold stores (16-bit): the window starts from it.
+            S0 = _tl_to_rtne(S0, ckpt_ptr.dtype.element_ty).to(tl.float32)
+            S1 = _tl_to_rtne(S1, ckpt_ptr.dtype.element_ty).to(tl.float32)
+            S2 = _tl_to_rtne(S2, ckpt_ptr.dtype.element_ty).to(tl.float32)
+            S3 = _tl_to_rtne(S3, ckpt_ptr.dtype.element_ty).to(tl.float32)
+
+        # ---- the window, token by token (next token's loads ahead of this token's step)
+        A_log = tl.load(A_log_ptr + i_hv)
+        dt_bias = tl.load(dt_bias_ptr + i_hv)
+        k_writer = (i_hv % (HV // H) == 0) & (i_v == 0)  # raw k once per key head
+        valid_n = 0 < length
+        mc_n = _tl_mask_and(all_c, valid_n)
+        mv_n = _tl_mask_and(mask_v, valid_n)
+        q0n, q1n, q2n, q3n, k0n, k1n, k2n, k3n, xv_n, a_n, b_n = _rec_load_token(
+            q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, bos, valid_n, mc_n, mv_n, i_h, i_hv, offs_c, offs_v,
+            stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, stride_a_tok, stride_b_tok,
+            K, KQ,
+        )
+        for i in range(0, T):
+            valid, mc, mv = valid_n, mc_n, mv_n
+            q0, q1, q2, q3, k0, k1, k2, k3, xv, a, b = q0n, q1n, q2n, q3n, k0n, k1n, k2n, k3n, xv_n, a_n, b_n
+            valid_n = i + 1 < length
+            mc_n = _tl_mask_and(all_c, valid_n)
+            mv_n = _tl_mask_and(mask_v, valid_n)
+            q0n, q1n, q2n, q3n, k0n, k1n, k2n, k3n, xv_n, a_n, b_n = _rec_load_token(
+                q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, bos + i + 1, valid_n, mc_n, mv_n, i_h, i_hv, offs_c, offs_v,
+                stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+                stride_a_tok, stride_b_tok, K, KQ,
+            )
+            g, beta = _tl_gdn_gates(a, b, A_log, dt_bias)
+            kh0, kh1, kh2, kh3 = _tl_normalized(k0, k1, k2, k3, eps, 1.0)
+            qh0, qh1, qh2, qh3 = _tl_normalized(q0, q1, q2, q3, eps, scale)
+            # Positions past the row's end keep the state (nothing of theirs is stored).
+            N0, N1, N2, N3, u = _window_step(S0, S1, S2, S3, kh0, kh1, kh2, kh3, xv.to(tl.float32), g, beta)
+            S0 = tl.where(valid, N0, S0)
+            S1 = tl.where(valid, N1, S1)
+            S2 = tl.where(valid, N2, S2)
+            S3 = tl.where(valid, N3, S3)
+            o = _tl_row_dot(S0, S1, S2, S3, qh0, qh1, qh2, qh3)
+            tl.store(o_row + i * HV * V, _tl_to_rtne(o, o_ptr.dtype.element_ty), mask=mv)
+            # The record at logical position write_pos + i (physical after cache_base).
+            rec = ring_at + (base + wp + i) % L
+            _tl_store_parts(rk_ptr, (rec * H + i_h) * K + offs_c, _tl_mask_and(mc, k_writer), offs_c, K, KQ,
+                            k0, k1, k2, k3)
+            tl.store(rv_ptr + (rec * HV + i_hv) * V + offs_v, xv.to(rv_ptr.dtype.element_ty), mask=mv)
+            tl.store(ru_ptr + (rec * HV + i_hv) * V + offs_v, u, mask=mv)
+            tl.store(rg_ptr + rec * HV + i_hv, g, mask=valid & (i_v == 0))
+            tl.store(rb_ptr + rec * HV + i_hv, beta, mask=valid & (i_v == 0))
+
+
 def launch_products(q, k, checkpoint, slots, cu_seqlens, bt: int) -> torch.Tensor:
     """Launch the products kernel on validated arguments; return ``sx [B, HV, 2 bt, V]``
     (float32; entries of tokens past a window's end are not written)."""
@@ -490,6 +653,26 @@ def launch_window(q, k, v, a, b, A_log, dt_bias, ring, ring_u, slots, cu_seqlens
     )
 
 
+def launch_replay_window(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos,
+                         cache_base, is_flush, o, max_len: int) -> None:
+    """Launch the small-batch kernel (history replayed, then the window stepped; one
+    launch, flush included) on validated arguments."""
+    h, kd = q.shape[1], q.shape[2]
+    hv, vd = v.shape[1], v.shape[2]
+    batch = slots.shape[0]
+    # It writes states (flush rows), so it takes the exact writers' tile height.
+    bv = pick_block_v(kd, vd, batch, hv, checkpoint.dtype, q.device)
+    _replay_window_kernel[(triton.cdiv(vd, bv), batch, hv)](
+        q, k, v, a, b, A_log, dt_bias,
+        checkpoint, ring.k, ring.v, ring.g, ring.beta, ring_u,
+        slots, cu_seqlens, write_pos, cache_base, is_flush, o,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
+        kd**-0.5, NORM_EPS,
+        H=h, HV=hv, K=kd, V=vd, L=ring.ring_len, BK=exact_block_k(kd), BV=bv, T=max_len,
+        ROUND_STATE=checkpoint.dtype != torch.float32, num_warps=EXACT_NUM_WARPS,
+    )
+
+
 @register("chunked", "triton")
 def gdn_chunked_window_triton(
     q: torch.Tensor,
@@ -509,6 +692,7 @@ def gdn_chunked_window_triton(
     is_flush: torch.Tensor,
     *,
     max_len: int | None = None,
+    method: str | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`gdn_chunked_window_reference` (same arguments and results).
 
@@ -526,7 +710,17 @@ def gdn_chunked_window_triton(
     agree with the reference to fp32 rounding for fp32 activations; for 16-bit
     activations the big products run on tensor cores in tf32 (see
     :func:`product_precision`), ~2^-12 relative, below the output's own rounding.
+
+    Method (``None``: ``"replay"`` when :func:`replays_window` says the batch is small,
+    else ``"closed_form"``). ``"replay"`` is one launch: each row's committed history
+    (raw records) and then its window go through the exact recurrence step, so its
+    outputs are the recurrence's (fp32 FMA, no tf32 at any activation dtype) and its
+    ``u`` the recurrence's corrected deltas; a non-flush row with a long history costs a
+    step per record, which is why the strategy pairs it with a flush at every commit.
+    It reads the history's raw records, the closed form the history's ``u``: the two
+    agree when ``ring_u`` holds the records' deltas, as every verify leaves it.
     """
+    check_method(method)
     if max_len is None:
         raise ValueError("max_len is required by the triton backend: pass the pool's window")
     check_max_len(max_len)
@@ -550,6 +744,13 @@ def gdn_chunked_window_triton(
     )
     o = torch.empty(n, v.shape[1], v.shape[2], dtype=v.dtype, device=v.device)
     if slots.shape[0] == 0:
+        return o
+    if method is None:
+        small = replays_window(slots.shape[0], kd=q.shape[2], vd=v.shape[2], state_dtype=checkpoint.dtype, device=q.device)
+        method = "replay" if small else "closed_form"
+    if method == "replay":
+        launch_replay_window(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos,
+                             cache_base, is_flush, o, max_len)
         return o
     # The flush (rows with is_flush), then the window from the folded checkpoints.
     launch_fold(checkpoint[None], *(getattr(ring, f)[None] for f in ring._fields), slots, cache_base, write_pos, is_flush)

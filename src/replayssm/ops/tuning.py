@@ -7,6 +7,8 @@ catch-all row that ends every list. A key names any of
     K, V          head dimensions (ints)
     state_dtype   the checkpoint's dtype (``torch.float32`` / ``torch.bfloat16``)
     min_batch, max_batch   the windows (requests) of the call, inclusive bounds
+    device        the device type (``"cuda"``, ``"cpu"``; CPU runs are the Triton
+                  interpreter's correctness runs)
 
 and a missing field matches anything. This replaces per-knob environment variables:
 the values live next to the shapes they were measured at (BENCHMARKS.md, tuning notes:
@@ -41,22 +43,36 @@ PARAMS = {
     # program per head (amortises the per-head work), 2 warps (fewer cross-warp
     # exchanges in its small products).
     "window": ("block_v", "k_chunk", "num_warps"),
+    # circular's small-batch path (ops/chunked.py): at batch <= replay_max_batch its
+    # verify replays the exact recurrence in one launch and its commit flushes every
+    # step, instead of the closed form's three launches. 0 turns it off.
+    "circular": ("replay_max_batch",),
 }
 
-_KEY_FIELDS = ("K", "V", "state_dtype", "min_batch", "max_batch")
+_KEY_FIELDS = ("K", "V", "state_dtype", "min_batch", "max_batch", "device")
+#: Parameters that may be 0 (the others are sizes, at least 1).
+_MAY_BE_ZERO = ("replay_max_batch",)
 
-#: The table (see the module notes). Values measured on an H200 at Qwen3.5 shapes.
+#: The table (see the module notes). Values chosen by measurement at Qwen3.5 shapes
+#: (BENCHMARKS.md, tuning notes).
 TABLE: dict[str, list[tuple[dict, dict]]] = {
     "exact_write": [({}, dict(block_v=64))],
     "exact_read_only": [({}, dict(block_v=128))],
     "products": [({}, dict(block_v=64, k_chunk=64, num_warps=4, num_stages=2))],
     "window": [({}, dict(block_v=128, k_chunk=128, num_warps=2))],
+    # Small batches are latency-bound: one launch with a chain of n + T exact steps
+    # beats three launches and the window solve's per-head chain there (the estimate
+    # from the parts' timings, and how to find the switch: BENCHMARKS.md, issue 11).
+    # On the CPU the closed form stays the default so that the interpreter's tests
+    # cover the history; tests turn the path on with override().
+    "circular": [({"device": "cpu"}, dict(replay_max_batch=0)), ({}, dict(replay_max_batch=16))],
 }
 
 
-def _matches(key: dict, K: int, V: int, state_dtype: torch.dtype, batch: int) -> bool:
+def _matches(key: dict, K: int, V: int, state_dtype: torch.dtype, batch: int, device: str) -> bool:
     return (
-        key.get("K", K) == K
+        key.get("device", device) == device
+        and key.get("K", K) == K
         and key.get("V", V) == V
         and key.get("state_dtype", state_dtype) == state_dtype
         and key.get("min_batch", batch) <= batch <= key.get("max_batch", batch)
@@ -68,14 +84,15 @@ def _check_family(family: str):
         raise ValueError(f"unknown kernel family {family!r}; known: {', '.join(PARAMS)}")
 
 
-def lookup(family: str, *, K: int, V: int, state_dtype: torch.dtype, batch: int) -> dict:
-    """Parameters of ``family`` for a call on heads ``K x V``, states of ``state_dtype``
-    and ``batch`` windows: the first matching row of :data:`TABLE` (a copy)."""
+def lookup(family: str, *, K: int, V: int, state_dtype: torch.dtype, batch: int, device: str = "cuda") -> dict:
+    """Parameters of ``family`` for a call on heads ``K x V``, states of ``state_dtype``,
+    ``batch`` windows and a ``device`` type: the first matching row of :data:`TABLE`
+    (a copy)."""
     _check_family(family)
     for key, params in TABLE[family]:
-        if _matches(key, K, V, state_dtype, batch):
+        if _matches(key, K, V, state_dtype, batch, device):
             return dict(params)
-    raise ValueError(f"no row of the {family!r} table matches K={K}, V={V}, {state_dtype}, batch {batch}")
+    raise ValueError(f"no row of the {family!r} table matches K={K}, V={V}, {state_dtype}, batch {batch}, {device}")
 
 
 def check_row(family: str, key: dict, params: dict):
@@ -88,8 +105,9 @@ def check_row(family: str, key: dict, params: dict):
     if bad:
         raise ValueError(f"unknown parameters {sorted(bad)} for {family!r}; known: {PARAMS[family]}")
     for name, value in params.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{family}.{name} must be a positive int, got {value!r}")
+        least = 0 if name in _MAY_BE_ZERO else 1
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise ValueError(f"{family}.{name} must be an int >= {least}, got {value!r}")
 
 
 @contextlib.contextmanager
