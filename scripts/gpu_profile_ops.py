@@ -127,16 +127,19 @@ def main() -> int:
                     attempt(f"[{vname}] snapshot verify T=4 (4 snapshot writes)", batch, lambda: gdn_recurrence(
                         *argsT, ckpt, slots, cu, snapshots=snaps, max_len=T), sb)
                     del snaps
-                for label, w, f in (("empty history", 0, 0), ("history 24", 24, 0), ("flush 27", 27, 1),
-                                    ("mixed: 1/9 flush 27, rest history 12", None, None)):
+                for label, w, f in (("flush 3 (every step)", 3, 1), ("empty history", 0, 0), ("history 24", 24, 0),
+                                    ("flush 27", 27, 1), ("mixed: 1/9 flush 27, rest history 12", None, None)):
                     if w is None:
                         fl.copy_((torch.arange(batch, device="cuda") % 9 == 0).int())
                         wp.copy_(torch.where(fl.bool(), 27, 12).int())
                     else:
                         wp.fill_(w)
                         fl.fill_(f)
-                    attempt(f"[{vname}] chunked {label}", batch, lambda: chunked.gdn_chunked_window_triton(
-                        *argsT, ckpt, ring, ring_u, slots, cu, wp, base, fl, max_len=T), sb)
+                    # Both methods of circular's verify; the small-batch path ("replay")
+                    # runs with a flush at every step, i.e. the first case.
+                    for method in ("closed_form", "replay"):
+                        attempt(f"[{vname}] chunked {method} {label}", batch, lambda: chunked.gdn_chunked_window_triton(
+                            *argsT, ckpt, ring, ring_u, slots, cu, wp, base, fl, max_len=T, method=method), sb)
                 # The parts, with the last cursors (mixed): flush launch, products, window solve.
                 attempt(f"[{vname}] part: flush launch, mixed", batch, lambda: fold.launch_fold(
                     ckpt[None], *(t[None] for t in ring), slots, base, wp, fl), sb)
