@@ -14,7 +14,7 @@ def test_defaults_are_the_measured_values():
     at = dict(K=128, V=128, state_dtype=F32, batch=256)
     assert tuning.lookup("exact_write", **at) == {"block_v": 64}
     assert tuning.lookup("exact_read_only", **at) == {"block_v": 128}
-    assert tuning.lookup("window", **at) == {"block_v": 128, "k_chunk": 128, "num_warps": 2}
+    assert tuning.lookup("window", **at) == {"block_v": 128, "k_chunk": 128, "num_warps": 2, "heads_per_program": 1}
     assert tuning.lookup("products", **at) == {"block_v": 64, "k_chunk": 64, "num_warps": 4, "num_stages": 2}
 
 

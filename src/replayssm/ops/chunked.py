@@ -22,6 +22,7 @@ stay outside ``write_pos`` and are overwritten by the next window.
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -241,10 +242,12 @@ def gdn_chunked_window(*args, backend: str = "auto", **kwargs) -> torch.Tensor:
 #  * The products: S x_r for the window's stacked raw keys and queries, the only
 #    product that reads the checkpoint, as a plain streaming kernel (one read, at the
 #    copy bandwidth) into a small fp32 scratch.
-#  * The window: one program per (V block, window, value head). One pass over K
+#  * The window: one program per (V block, window, value head), or per group of value
+#    heads sharing a key head (the shape table's heads_per_program). One pass over K
 #    computes the products that do not need the state (the window's Gram matrix, the
-#    history keys' products with it); the window is solved in a small BX x BX space
-#    (DESIGN.md section 2) and its records go to the ring.
+#    history keys' products with it), which depend on the key head only; each value head
+#    then solves its window in a small BX x BX space (DESIGN.md section 2) and writes
+#    its records to the ring.
 # Branches on request data are masks or device control flow: the host never reads the
 # device and the launches can be captured in a CUDA graph.
 
@@ -327,6 +330,26 @@ if triton is not None:
                     mask=xq_ok[:, None] & mask_k[None, :], other=0.0)
         return k, k.to(tl.float32) + q.to(tl.float32)
 
+    @_tl_device_fn
+    def _value_head_loads(a_ptr, b_ptr, v_ptr, rg_ptr, ru_ptr, sx_ptr, i_b, i_hv, rec_h, hist, p_tok, offs_x, x_ok, xk_ok,
+                          offs_v, mask_v, stride_a_tok, stride_b_tok, stride_v_tok, stride_v_head,
+                          HV: tl.constexpr, V: tl.constexpr, BX: tl.constexpr):
+        """What the window solve reads for one value head: the history's gates ``g_h``
+        and deltas ``u_h [BV, BH]``, the window's raw gates ``a``, ``b``, values
+        ``v [BV, BX]`` (key columns) and products ``S x_r [BV, BX]``. None of it depends
+        on the K pass, so a program issues the first head's loads before it."""
+        # (Unused ring entries may hold NaN: masked loads give 0 instead.)
+        g_h = tl.load(rg_ptr + rec_h * HV + i_hv, mask=hist, other=0.0)
+        u_h = tl.load(ru_ptr + (rec_h[None, :] * HV + i_hv) * V + offs_v[:, None], mask=mask_v[:, None] & hist[None, :],
+                      other=0.0)
+        a_x = tl.load(a_ptr + p_tok * stride_a_tok + i_hv, mask=x_ok, other=0.0)
+        b_x = tl.load(b_ptr + p_tok * stride_b_tok + i_hv, mask=x_ok, other=0.0)
+        v_x = tl.load(v_ptr + p_tok[None, :] * stride_v_tok + i_hv * stride_v_head + offs_v[:, None],
+                      mask=mask_v[:, None] & xk_ok[None, :], other=0.0)
+        SX = tl.load(sx_ptr + ((i_b * HV + i_hv) * BX + offs_x[None, :]) * V + offs_v[:, None],
+                     mask=mask_v[:, None] & x_ok[None, :], other=0.0)
+        return g_h, u_h, a_x, b_x, v_x, SX
+
     @triton.jit
     def _chunked_window_kernel(
         q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr,
@@ -337,19 +360,30 @@ if triton is not None:
         scale, eps,
         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
         LOG_T: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr,
-        BV: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        BV: tl.constexpr, VH: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ):
+        """One program per (V block, window, VH value heads of one key head): the K pass
+        (the key head's products, which need no state) once, then each value head's
+        solve in turn (VH = 1: a program per value head)."""
         BX: tl.constexpr = 2 * BT
-        i_v, i_b, i_hv, i_h, slot, bos, length = _tl_window_program(slots_ptr, cu_ptr, H, HV)
+        i_v = tl.program_id(0)
+        i_b = tl.program_id(1)
+        hv0 = tl.program_id(2) * VH  # the program's first value head
+        i_h = hv0 // (HV // H)  # VH divides the group, so all VH heads read this key head
+        slot = tl.load(slots_ptr + i_b).to(tl.int64)
+        bos = tl.load(cu_ptr + i_b).to(tl.int64)
+        length = tl.load(cu_ptr + i_b + 1).to(tl.int64) - bos
         offs_v = i_v * BV + tl.arange(0, BV)
         mask_v = offs_v < V
         offs_x, is_k, is_q, tok, p_tok, x_ok, xk_ok, xq_ok = _window_rows(bos, length, BT)
         # o is a fresh contiguous [N, HV, V]; column r >= BT of the [BV, BX] block is token r - BT
-        p_o = o_ptr + (p_tok[None, :] * HV + i_hv) * V + offs_v[:, None]
+        p_o = o_ptr + (p_tok[None, :] * HV + hv0) * V + offs_v[:, None]
 
         if (slot < 0) | (length <= 0):
             # Padding row: zero outputs, nothing else.
-            tl.store(p_o, tl.zeros([BV, BX], dtype=o_ptr.dtype.element_ty), mask=mask_v[:, None] & xq_ok[None, :])
+            for j in tl.static_range(VH):
+                tl.store(p_o + j * V, tl.zeros([BV, BX], dtype=o_ptr.dtype.element_ty),
+                         mask=mask_v[:, None] & xq_ok[None, :])
             return
 
         wp = tl.load(wp_ptr + slot).to(tl.int64)
@@ -366,18 +400,10 @@ if triton is not None:
         rec_h = ring_at + (base + offs_h) % L
         rec_w = ring_at + (base + wp + tok) % L  # the window's records: logical write_pos + i
         # Raw keys go to the ring once per key head: by the group's first value head, first V block.
-        k_store = is_k & (tok < tl.where((i_hv % (HV // H) == 0) & (i_v == 0), length, 0))
-        # Loads that do not depend on the K pass go out first: their latency overlaps it.
-        # (Unused ring entries may hold NaN: masked loads give 0 instead.)
-        g_h = tl.load(rg_ptr + rec_h * HV + i_hv, mask=hist, other=0.0)
-        u_h = tl.load(ru_ptr + (rec_h[None, :] * HV + i_hv) * V + offs_v[:, None], mask=mask_v[:, None] & hist[None, :],
-                      other=0.0)
-        a_x = tl.load(a_ptr + p_tok * stride_a_tok + i_hv, mask=x_ok, other=0.0)
-        b_x = tl.load(b_ptr + p_tok * stride_b_tok + i_hv, mask=x_ok, other=0.0)
-        v_x = tl.load(v_ptr + p_tok[None, :] * stride_v_tok + i_hv * stride_v_head + offs_v[:, None],
-                      mask=mask_v[:, None] & xk_ok[None, :], other=0.0)  # [BV, BX], key columns
-        SX = tl.load(sx_ptr + ((i_b * HV + i_hv) * BX + offs_x[None, :]) * V + offs_v[:, None],
-                     mask=mask_v[:, None] & x_ok[None, :], other=0.0)
+        k_store = is_k & (tok < tl.where((hv0 % (HV // H) == 0) & (i_v == 0), length, 0))
+        # The first value head's loads go out before the K pass: their latency overlaps it.
+        first = _value_head_loads(a_ptr, b_ptr, v_ptr, rg_ptr, ru_ptr, sx_ptr, i_b, hv0, rec_h, hist, p_tok, offs_x, x_ok,
+                                  xk_ok, offs_v, mask_v, stride_a_tok, stride_b_tok, stride_v_tok, stride_v_head, HV, V, BX)
         offs_c = tl.arange(0, KC)
         P = tl.zeros([BX, BX], dtype=tl.float32)
         HX = tl.zeros([BH, BX], dtype=tl.float32)
@@ -399,54 +425,63 @@ if triton is not None:
         eye = offs_x[:, None] == offs_x[None, :]
         r_x = tl.div_rn(tl.where(is_q, scale, 1.0), tl.sqrt_rn(_tl_row_sum(tl.where(eye, P, 0.0), 1) + eps))  # 1/|x_r| (q: x scale)
         r_h = tl.where(hist, tl.div_rn(tl.full([BH], 1.0, tl.float32), tl.sqrt_rn(hh + eps)), 0.0)
-        SX = SX * r_x[None, :]  # S x^_r
         P = P * r_x[:, None] * r_x[None, :]  # x^_r . x^_c
         HX = HX * r_h[:, None] * r_x[None, :]  # k^_c . x^_r
-
-        # ---- committed history (0 records for flush rows), never built:
-        #   S x = exp(Gtot) S0 x + sum_c exp(Gtot - G_c) u_c (k^_c . x),
-        # exp(Gtot - G_c) = exp(g_{c+1} + ... + g_h): a suffix sum, no cancellation.
-        g_h = tl.where(hist, g_h, 0.0)
-        w_h = tl.where(hist, tl.exp(_tl_row_sum(tl.where(offs_h[None, :] > offs_h[:, None], g_h[None, :], 0.0), 1)), 0.0)
-        u_h = tl.where(hist[None, :], u_h, 0.0) * w_h[None, :]  # [BV, BH]
-        SX = tl.exp(_tl_row_sum(g_h, 0)) * SX + tl.dot(u_h, HX, input_precision=DOT_PRECISION)
-
-        # ---- gates per row (a row's token), G_r = g_1 + ... + g_tok(r)
-        g, beta = _tl_gdn_gates(a_x, b_x, tl.load(A_log_ptr + i_hv), tl.load(dt_bias_ptr + i_hv))
-        g = tl.where(xk_ok, g, 0.0)  # on the key rows only, so that a row sum runs over tokens
-        beta = tl.where(x_ok, beta, 0.0)
-        G = _tl_row_sum(tl.where(offs_x[None, :] <= tok[:, None], g[None, :], 0.0), 1)
-        e_G = tl.exp(G)
-
-        # ---- the window in closed form (DESIGN.md section 2) in the BX x BX space; a
-        # column c < BT is token j = c (its k^), a row is token i (k-row: A, q-row: output)
-        #   R_j = beta_j (v_j - exp(G_j) S k^_j)
-        #   A_ij = beta_i exp(G_i - G_j) (k^_i . k^_j), j < i;  (I + A) U = R
-        #   o_i = exp(G_i) S q^_i + sum_{j<=i} exp(G_i - G_j) (k^_j . q^_i) U_j
-        R = tl.where(xk_ok[None, :], beta[None, :] * (v_x.to(tl.float32) - e_G[None, :] * SX), 0.0)
         pair = x_ok[:, None] & xk_ok[None, :] & (tok[None, :] <= tok[:, None])
-        # Mask before exp: G_i - G_j > 0 for j > i could overflow.
-        decay = tl.where(pair, tl.exp(tl.where(pair, G[:, None] - G[None, :], 0.0)), 0.0)
-        A = tl.where(is_k[:, None] & (offs_x[None, :] < offs_x[:, None]), beta[:, None] * decay * P, 0.0)
-        M = tl.where(is_q[:, None], decay * P, 0.0)
-        # A is strictly lower triangular (A^BT = 0): (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...
-        inv = tl.where(eye, 1.0, 0.0) - A
-        A_pow = A
-        for _ in tl.static_range(LOG_T - 1):
-            A_pow = tl.dot(A_pow, A_pow, input_precision="ieee")
-            inv = inv + tl.dot(inv, A_pow, input_precision="ieee")
-        U = tl.dot(R, tl.trans(inv), input_precision="ieee")  # [BV, BX], zero on q columns
-        out = e_G[None, :] * SX + tl.dot(U, tl.trans(M), input_precision="ieee")
-        tl.store(p_o, _tl_to_rtne(out, o_ptr.dtype.element_ty), mask=mask_v[:, None] & xq_ok[None, :])
-
-        # ---- the window's records (raw k went out in the K pass)
-        rec = (rec_w[None, :] * HV + i_hv) * V + offs_v[:, None]
         vk_ok = mask_v[:, None] & xk_ok[None, :]
-        tl.store(rv_ptr + rec, v_x.to(rv_ptr.dtype.element_ty), mask=vk_ok)
-        tl.store(ru_ptr + rec, U, mask=vk_ok)
         first_v = xk_ok & (tok < tl.where(i_v == 0, length, 0))  # gates once per value head
-        tl.store(rg_ptr + rec_w * HV + i_hv, g, mask=first_v)
-        tl.store(rb_ptr + rec_w * HV + i_hv, beta, mask=first_v)
+
+        for j in tl.static_range(VH):
+            i_hv = hv0 + j
+            if j == 0:
+                g_h, u_h, a_x, b_x, v_x, SX = first
+            else:
+                g_h, u_h, a_x, b_x, v_x, SX = _value_head_loads(
+                    a_ptr, b_ptr, v_ptr, rg_ptr, ru_ptr, sx_ptr, i_b, i_hv, rec_h, hist, p_tok, offs_x, x_ok, xk_ok,
+                    offs_v, mask_v, stride_a_tok, stride_b_tok, stride_v_tok, stride_v_head, HV, V, BX)
+            SX = SX * r_x[None, :]  # S x^_r
+
+            # ---- committed history (0 records for flush rows), never built:
+            #   S x = exp(Gtot) S0 x + sum_c exp(Gtot - G_c) u_c (k^_c . x),
+            # exp(Gtot - G_c) = exp(g_{c+1} + ... + g_h): a suffix sum, no cancellation.
+            g_h = tl.where(hist, g_h, 0.0)
+            w_h = tl.where(hist, tl.exp(_tl_row_sum(tl.where(offs_h[None, :] > offs_h[:, None], g_h[None, :], 0.0), 1)), 0.0)
+            u_h = tl.where(hist[None, :], u_h, 0.0) * w_h[None, :]  # [BV, BH]
+            SX = tl.exp(_tl_row_sum(g_h, 0)) * SX + tl.dot(u_h, HX, input_precision=DOT_PRECISION)
+
+            # ---- gates per row (a row's token), G_r = g_1 + ... + g_tok(r)
+            g, beta = _tl_gdn_gates(a_x, b_x, tl.load(A_log_ptr + i_hv), tl.load(dt_bias_ptr + i_hv))
+            g = tl.where(xk_ok, g, 0.0)  # on the key rows only, so that a row sum runs over tokens
+            beta = tl.where(x_ok, beta, 0.0)
+            G = _tl_row_sum(tl.where(offs_x[None, :] <= tok[:, None], g[None, :], 0.0), 1)
+            e_G = tl.exp(G)
+
+            # ---- the window in closed form (DESIGN.md section 2) in the BX x BX space; a
+            # column c < BT is token j = c (its k^), a row is token i (k-row: A, q-row: output)
+            #   R_j = beta_j (v_j - exp(G_j) S k^_j)
+            #   A_ij = beta_i exp(G_i - G_j) (k^_i . k^_j), j < i;  (I + A) U = R
+            #   o_i = exp(G_i) S q^_i + sum_{j<=i} exp(G_i - G_j) (k^_j . q^_i) U_j
+            R = tl.where(xk_ok[None, :], beta[None, :] * (v_x.to(tl.float32) - e_G[None, :] * SX), 0.0)
+            # Mask before exp: G_i - G_j > 0 for j > i could overflow.
+            decay = tl.where(pair, tl.exp(tl.where(pair, G[:, None] - G[None, :], 0.0)), 0.0)
+            A = tl.where(is_k[:, None] & (offs_x[None, :] < offs_x[:, None]), beta[:, None] * decay * P, 0.0)
+            M = tl.where(is_q[:, None], decay * P, 0.0)
+            # A is strictly lower triangular (A^BT = 0): (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...
+            inv = tl.where(eye, 1.0, 0.0) - A
+            A_pow = A
+            for _ in tl.static_range(LOG_T - 1):
+                A_pow = tl.dot(A_pow, A_pow, input_precision="ieee")
+                inv = inv + tl.dot(inv, A_pow, input_precision="ieee")
+            U = tl.dot(R, tl.trans(inv), input_precision="ieee")  # [BV, BX], zero on q columns
+            out = e_G[None, :] * SX + tl.dot(U, tl.trans(M), input_precision="ieee")
+            tl.store(p_o + j * V, _tl_to_rtne(out, o_ptr.dtype.element_ty), mask=mask_v[:, None] & xq_ok[None, :])
+
+            # ---- the window's records (raw k went out in the K pass)
+            rec = (rec_w[None, :] * HV + i_hv) * V + offs_v[:, None]
+            tl.store(rv_ptr + rec, v_x.to(rv_ptr.dtype.element_ty), mask=vk_ok)
+            tl.store(ru_ptr + rec, U, mask=vk_ok)
+            tl.store(rg_ptr + rec_w * HV + i_hv, g, mask=first_v)
+            tl.store(rb_ptr + rec_w * HV + i_hv, beta, mask=first_v)
 
 
     @triton.jit
@@ -639,8 +674,11 @@ def launch_window(q, k, v, a, b, A_log, dt_bias, ring, ring_u, slots, cu_seqlens
     batch = slots.shape[0]
     bk = triton.next_power_of_2(kd)
     cfg = tuning.lookup("window", K=kd, V=vd, state_dtype=state_dtype, batch=batch)
-    bv = block_rows(vd, batch * hv, q.device, cfg["block_v"], least=16)
-    _chunked_window_kernel[(triton.cdiv(vd, bv), batch, hv)](
+    # Value heads per program: they share a key head (GQA), so its K pass runs once for
+    # all of them; at most the group, and a divisor of it.
+    vh = math.gcd(cfg["heads_per_program"], hv // h)
+    bv = block_rows(vd, batch * hv // vh, q.device, cfg["block_v"], least=16)
+    _chunked_window_kernel[(triton.cdiv(vd, bv), batch, hv // vh)](
         q, k, v, a, b, A_log, dt_bias,
         ring.k, ring.v, ring.g, ring.beta, ring_u,
         slots, cu_seqlens, write_pos, cache_base, is_flush, o, sx,
@@ -648,7 +686,7 @@ def launch_window(q, k, v, a, b, A_log, dt_bias, ring, ring_u, slots, cu_seqlens
         kd**-0.5, NORM_EPS,
         H=h, HV=hv, K=kd, V=vd, L=L, LOG_T=max(1, (max_len - 1).bit_length()),
         # tl.dot wants sides of 16: the stacked window has 2 * max(8, T) rows, the history 16.
-        BT=bt, BH=max(16, L), BK=bk, KC=max(16, min(cfg["k_chunk"], bk)), BV=bv,
+        BT=bt, BH=max(16, L), BK=bk, KC=max(16, min(cfg["k_chunk"], bk)), BV=bv, VH=vh,
         DOT_PRECISION=product_precision(q.dtype), num_warps=cfg["num_warps"],
     )
 

@@ -41,8 +41,9 @@ PARAMS = {
     "products": ("block_v", "k_chunk", "num_warps", "num_stages"),
     # circular's window solve: all of K per step (its loads go out together), one
     # program per head (amortises the per-head work), 2 warps (fewer cross-warp
-    # exchanges in its small products).
-    "window": ("block_v", "k_chunk", "num_warps"),
+    # exchanges in its small products); heads_per_program value heads of one key head
+    # share a program and its K pass (the key head's products), capped at the GQA group.
+    "window": ("block_v", "k_chunk", "num_warps", "heads_per_program"),
     # circular's small-batch path (ops/chunked.py): at batch <= replay_max_batch its
     # verify replays the exact recurrence in one launch and its commit flushes every
     # step, instead of the closed form's three launches. 0 turns it off.
@@ -59,7 +60,7 @@ TABLE: dict[str, list[tuple[dict, dict]]] = {
     "exact_write": [({}, dict(block_v=64))],
     "exact_read_only": [({}, dict(block_v=128))],
     "products": [({}, dict(block_v=64, k_chunk=64, num_warps=4, num_stages=2))],
-    "window": [({}, dict(block_v=128, k_chunk=128, num_warps=2))],
+    "window": [({}, dict(block_v=128, k_chunk=128, num_warps=2, heads_per_program=1))],
     # Small batches are latency-bound: one launch with a chain of n + T exact steps
     # beats three launches and the window solve's per-head chain there (the estimate
     # from the parts' timings, and how to find the switch: BENCHMARKS.md, issue 11).
