@@ -9,6 +9,12 @@ checkpoint at its next verify by replaying the raw records through the exact
 recurrence, so the committed state equals the recurrence's bit for bit; the outputs
 come from the closed form and agree with the recurrence to rounding.
 
+Small batches (the shape table's ``circular.replay_max_batch``, by the step's row
+count): verify runs as one launch that replays each row's history and then its window
+through the exact recurrence (a flush row's fold included, the same bits), and commit
+flags every row for a flush, so the next history is one step's accepted tokens. The
+cursors, records and committed states follow the same rules either way.
+
 Open steps. A flush row's verify folds its history into layer ``l``'s checkpoint at
 layer ``l``'s verify, while the cursors still count that history until commit. The
 logical committed state of a layer is therefore
