@@ -8,9 +8,10 @@ call is printed next to the one-read floor ``Sb / copy bandwidth``.
 
     PYTHONPATH=src python3 scripts/gpu_profile_ops.py --batches 64,256 [--variants ...]
 
-Variants are given as ``NAME=MODULE.GLOBAL:VALUE,...`` and set tuning globals of the op
-modules (e.g. ``chunked._K_CHUNK:64``, ``recurrent._BLOCK_V_MAX:64``) before the calls;
-every op is timed under every variant.
+Variants are given as ``NAME=FAMILY.PARAM:VALUE,...`` and override rows of the kernels'
+shape table (``replayssm/ops/tuning.py``, e.g. ``window.k_chunk:64``,
+``exact_write.block_v:32``) for the calls; ``chunked._DOT_PRECISION:tf32`` (a module
+global) is taken too. Every op is timed under every variant.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ import torch
 
 from replayssm.bench import common
 from replayssm.bench.args import int_list, output_path, positive_int
-from replayssm.ops import chunked, fold, gdn_fold, gdn_recurrence, recurrent
+import contextlib
+
+from replayssm.ops import chunked, fold, gdn_fold, gdn_recurrence, recurrent, tuning
 from replayssm.ops.records import RawRecords
 
 
@@ -55,7 +58,7 @@ def main() -> int:
     p.add_argument("--batches", type=int_list, default=(64, 256), help="requests per op call, comma-separated (default 64,256)")
     p.add_argument("--reps", type=positive_int, default=10, help="calls captured per CUDA graph (default 10)")
     p.add_argument("--variants", nargs="*", default=[],
-                   help="tuning variants, each NAME=MODULE.GLOBAL:VALUE,... (space-separated; default: none)")
+                   help="tuning variants, each NAME=FAMILY.PARAM:VALUE,... (space-separated; default: none)")
     p.add_argument("--json", type=output_path(".json"), default=None, help="write every timed row here")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -78,13 +81,19 @@ def main() -> int:
              if k.startswith("_") and not k.startswith("__") and k[1:].isupper()}
 
     def apply(env):
+        """Module globals of ``env`` set, its table overrides entered on the returned stack."""
         for key, value in saved.items():
             m, k = key.split(".")
             setattr(modules[m], k, value)
+        stack = contextlib.ExitStack()
         for key, value in env.items():
             m, k = key.split(".")
-            old = saved[key]
-            setattr(modules[m], k, value != "0" if isinstance(old, bool) else type(old)(value))
+            if key in saved:
+                old = saved[key]
+                setattr(modules[m], k, value != "0" if isinstance(old, bool) else type(old)(value))
+            else:
+                stack.enter_context(tuning.override(m, **{k: int(value)}))
+        return stack
 
     def attempt(name, batch, fn, sb):
         try:
@@ -106,37 +115,40 @@ def main() -> int:
         base = torch.zeros_like(wp)
         fl = torch.zeros_like(wp)
         for vname, env in variants:
-            apply(env)
-            attempt(f"[{vname}] plain decode (1 token, update_state)", batch, lambda: gdn_recurrence(
-                *args1, ckpt, slots, one, update_state=True, max_len=1), sb)
-            attempt(f"[{vname}] fold verify T=4 (+raw records)", batch, lambda: gdn_recurrence(
-                *argsT, ckpt, slots, cu, records=rec4, max_len=T), sb)
-            attempt(f"[{vname}] fold commit, count=3", batch, lambda: gdn_fold(
-                ckpt[None], *(t[None] for t in rec4), slots, start, count), sb)
-            if batch <= 64:
-                snaps = torch.empty(batch, T, *ckpt.shape[1:], device="cuda")
-                attempt(f"[{vname}] snapshot verify T=4 (4 snapshot writes)", batch, lambda: gdn_recurrence(
-                    *argsT, ckpt, slots, cu, snapshots=snaps, max_len=T), sb)
-                del snaps
-            for label, w, f in (("empty history", 0, 0), ("history 24", 24, 0), ("flush 27", 27, 1),
-                                ("mixed: 1/9 flush 27, rest history 12", None, None)):
-                if w is None:
-                    fl.copy_((torch.arange(batch, device="cuda") % 9 == 0).int())
-                    wp.copy_(torch.where(fl.bool(), 27, 12).int())
-                else:
-                    wp.fill_(w)
-                    fl.fill_(f)
-                attempt(f"[{vname}] chunked {label}", batch, lambda: chunked.gdn_chunked_window_triton(
-                    *argsT, ckpt, ring, ring_u, slots, cu, wp, base, fl, max_len=T), sb)
-            # The parts, with the last cursors (mixed): flush launch, products, window solve.
-            attempt(f"[{vname}] part: flush launch, mixed", batch, lambda: fold.launch_fold(
-                ckpt[None], *(t[None] for t in ring), slots, base, wp, fl), sb)
-            attempt(f"[{vname}] part: products kernel", batch, lambda: chunked.launch_products(
-                argsT[0], argsT[1], ckpt, slots, cu, 8), sb)
-            sx = chunked.launch_products(argsT[0], argsT[1], ckpt, slots, cu, 8)
-            o = torch.empty_like(argsT[2])
-            attempt(f"[{vname}] part: window solve from sx, mixed", batch, lambda: chunked.launch_window(
-                *argsT, ring, ring_u, slots, cu, wp, base, fl, o, sx, 8, L, T), sb)
+            with apply(env):
+                attempt(f"[{vname}] plain decode (1 token, update_state)", batch, lambda: gdn_recurrence(
+                    *args1, ckpt, slots, one, update_state=True, max_len=1), sb)
+                attempt(f"[{vname}] fold verify T=4 (+raw records)", batch, lambda: gdn_recurrence(
+                    *argsT, ckpt, slots, cu, records=rec4, max_len=T), sb)
+                attempt(f"[{vname}] fold commit, count=3", batch, lambda: gdn_fold(
+                    ckpt[None], *(t[None] for t in rec4), slots, start, count), sb)
+                if batch <= 64:
+                    snaps = torch.empty(batch, T, *ckpt.shape[1:], device="cuda")
+                    attempt(f"[{vname}] snapshot verify T=4 (4 snapshot writes)", batch, lambda: gdn_recurrence(
+                        *argsT, ckpt, slots, cu, snapshots=snaps, max_len=T), sb)
+                    del snaps
+                for label, w, f in (("flush 3 (every step)", 3, 1), ("empty history", 0, 0), ("history 24", 24, 0),
+                                    ("flush 27", 27, 1), ("mixed: 1/9 flush 27, rest history 12", None, None)):
+                    if w is None:
+                        fl.copy_((torch.arange(batch, device="cuda") % 9 == 0).int())
+                        wp.copy_(torch.where(fl.bool(), 27, 12).int())
+                    else:
+                        wp.fill_(w)
+                        fl.fill_(f)
+                    # Both methods of circular's verify; the small-batch path ("replay")
+                    # runs with a flush at every step, i.e. the first case.
+                    for method in ("closed_form", "replay"):
+                        attempt(f"[{vname}] chunked {method} {label}", batch, lambda: chunked.gdn_chunked_window_triton(
+                            *argsT, ckpt, ring, ring_u, slots, cu, wp, base, fl, max_len=T, method=method), sb)
+                # The parts, with the last cursors (mixed): flush launch, products, window solve.
+                attempt(f"[{vname}] part: flush launch, mixed", batch, lambda: fold.launch_fold(
+                    ckpt[None], *(t[None] for t in ring), slots, base, wp, fl), sb)
+                attempt(f"[{vname}] part: products kernel", batch, lambda: chunked.launch_products(
+                    argsT[0], argsT[1], ckpt, slots, cu, 8), sb)
+                sx = chunked.launch_products(argsT[0], argsT[1], ckpt, slots, cu, 8)
+                o = torch.empty_like(argsT[2])
+                attempt(f"[{vname}] part: window solve from sx, mixed", batch, lambda: chunked.launch_window(
+                    *argsT, ring, ring_u, slots, cu, wp, base, fl, o, sx, 8, L, T), sb)
         apply({})
     if args.json:
         with open(args.json, "w") as fh:

@@ -81,19 +81,23 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
-                    help="set an int tuning global of a replayssm.ops module first (e.g. recurrent._BLOCK_V_MAX_READ_ONLY=64)")
+    ap.add_argument("--set", action="append", default=[], metavar="FAMILY.PARAM=VALUE",
+                    help="override a row of the kernels' shape table (replayssm/ops/tuning.py) for the whole run "
+                         "(e.g. exact_read_only.block_v=64)")
     args = ap.parse_args()
-    import importlib
+    import contextlib
 
+    from replayssm.ops import tuning
+
+    overrides = contextlib.ExitStack()
     for item in args.set:
-        target, value = item.split("=")
-        module, name = target.rsplit(".", 1)
-        mod = importlib.import_module(f"replayssm.ops.{module}")
-        if not hasattr(mod, name):
-            ap.error(f"replayssm.ops.{module} has no {name}")
-        setattr(mod, name, int(value))
-        print(f"set replayssm.ops.{module}.{name} = {value}")
+        target, _, value = item.partition("=")
+        family, _, param = target.partition(".")
+        try:
+            overrides.enter_context(tuning.override(family, **{param: int(value)}))
+        except ValueError as e:
+            ap.error(str(e))
+        print(f"set {family}.{param} = {value}")
     model = build_tiny_model("qwen3_5", seed=0, dtype=torch.bfloat16, device="cuda", **QWEN35_SHAPES)
     out = [profile(model, m, int(b), args.num_draft, args.reps, args.top)
            for b in args.batches.split(",") for m in args.modes.split(",")]

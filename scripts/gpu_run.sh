@@ -21,7 +21,7 @@
 # cites; $TAG, default h200, names the card):
 #   tests         gpu_tests_kernels_$TAG.log
 #   tests-engine  gpu_tests_engine_$TAG.log
-#   bench         kernels_$TAG.log, kernels_$TAG.json (+ _ring16/_ring64.json)
+#   bench         kernels_$TAG.log, kernels_$TAG.json (+ _i11_*.json, issue 11's table)
 #   drift         drift.log, drift_$TAG.json, drift_$TAG.png
 #   e2e           e2e.log, e2e_$TAG.json, e2e_$TAG.png
 #   profile       profile_ops_$TAG.log, profile_ops_$TAG.json
@@ -75,7 +75,7 @@ for what in "$@"; do
         tests-engine) stage "gpu_tests_engine_$TAG" "${TESTS_LIMIT:-300}" "$PYTHON" -m pytest -m gpu -p no:cacheprovider -v --tb=short -rfE \
                    tests/gpu/test_engine_gpu.py tests/gpu/test_graphed_engine.py tests/bench
                require_passed "gpu_tests_engine_$TAG" ;;
-        bench) stage "kernels_$TAG" "${BENCH_LIMIT:-240}" env OUT_JSON="$RESULTS/kernels_$TAG.json" PYTHON="$PYTHON" RING_SWEEP=0 scripts/gpu_bench.sh ;;
+        bench) stage "kernels_$TAG" "${BENCH_LIMIT:-300}" env OUT_JSON="$RESULTS/kernels_$TAG.json" PYTHON="$PYTHON" RING_SWEEP=0 scripts/gpu_bench.sh ;;
         profile) stage "profile_ops_$TAG" "${PROFILE_LIMIT:-300}" "$PYTHON" scripts/gpu_profile_ops.py --batches 1,16,64,256 \
                    --json "$RESULTS/profile_ops_$TAG.json" ${PROFILE_ARGS:-} ;;
         drift) stage drift "${DRIFT_LIMIT:-300}" "$PYTHON" -m replayssm.cli drift ${DRIFT_ARGS:---inputs random} --json "$RESULTS/drift_$TAG.json" --plot "$RESULTS/drift_$TAG.png" --quiet ;;

@@ -77,6 +77,23 @@ def test_subset_and_no_baselines(tmp_path):
     assert [(r["strategy"], r["batch"]) for r in rows] == [("fold", 2)]
 
 
+def test_tune_overrides_the_shape_table_for_the_run(tmp_path, monkeypatch):
+    """--tune: the run sees the table row changed (here: circular's small-batch mode,
+    which makes every commit flush), the JSON records it, the table is restored."""
+    from replayssm.ops import chunked, tuning
+
+    seen = []
+    real = chunked.replays_window
+    monkeypatch.setattr("replayssm.strategies.circular.replays_window",
+                        lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+    path = tmp_path / "k.json"
+    rc = kernels.main(tiny_args("--batches", "2", "--strategies", "circular", "--baselines", "none",
+                                "--tune", "circular.replay_max_batch=4", "--json", str(path)))
+    assert rc == 0 and seen and all(seen)
+    assert json.loads(path.read_text())["config"]["tune"] == ["circular.replay_max_batch=4"]
+    assert tuning.lookup("circular", K=16, V=16, state_dtype=torch.float32, batch=2, device="cpu")["replay_max_batch"] == 0
+
+
 def test_conv_in_the_step_counts_its_bytes(tmp_path):
     path = tmp_path / "k.json"
     rc = kernels.main(tiny_args("--batches", "1", "--strategies", "snapshot", "--baselines", "none", "--conv", "--json", str(path)))
@@ -97,6 +114,11 @@ def test_conv_in_the_step_counts_its_bytes(tmp_path):
         (("--ring-len", "4"), "--ring-len"),
         (("--ring-len", "big"), "--ring-len"),
         (("--heads", "3", "--value-heads", "4"), "--value-heads"),
+        (("--tune", "circular.replay_max_batch"), "--tune"),
+        (("--tune", "circular=3"), "--tune"),
+        (("--tune", "window.nope=3"), "--tune"),
+        (("--tune", "nope.block_v=3"), "--tune"),
+        (("--tune", "window.block_v=0"), "--tune"),
     ],
 )
 def test_bad_options_raise_naming_the_option(argv, match):

@@ -34,7 +34,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from replayssm.ops import RawRecords, advance_cursors, gdn_chunked_window, gdn_fold
+from replayssm.ops import RawRecords, advance_cursors, gdn_chunked_window, gdn_fold, tuning
+from replayssm.ops.gates import expand_heads, l2_normalize
 from replayssm.state import GDNShape, StatePool
 
 pytestmark = pytest.mark.gpu
@@ -110,11 +111,33 @@ def make_case(hv, t, batch, state_dtype, act_dtype, *, flush="mixed", pad=True):
     )
 
 
-def run(case, backend, dtype=None):
+def with_consistent_u(case):
+    """The case with every history record's ``u`` the recurrence's own corrected delta
+    (float64, from the checkpoint through the raw records, as a pool's verifies leave
+    it): the closed form reads the history by ``u``, the replay method by raw records,
+    and on such a ring they describe the same committed state."""
+    ring, ring_u = case["ring"], case["ring_u"].clone()
+    _, _, write_pos, cache_base, _ = case["cursors"]
+    ns, hv = ring_u.shape[0], ring_u.shape[2]
+    rows = torch.arange(ns, device=DEV)
+    S = case["checkpoint"].double()
+    for c in range(int(write_pos.max())):
+        pos = (cache_base.long() + c) % L
+        live = c < write_pos
+        k_hat = expand_heads(l2_normalize(ring.k[rows, pos].double().nan_to_num(0.0)), hv)  # [ns, HV, K]
+        g, beta = ring.g[rows, pos].double().nan_to_num(0.0), ring.beta[rows, pos].double().nan_to_num(0.0)
+        S2 = torch.exp(g)[..., None, None] * S
+        u = beta[..., None] * (ring.v[rows, pos].double().nan_to_num(0.0) - torch.einsum("nhvk,nhk->nhv", S2, k_hat))
+        S = torch.where(live[:, None, None, None], S2 + u[..., None] * k_hat[:, :, None, :], S)
+        ring_u[rows[live], pos[live]] = u[live].float()
+    return dict(case, ring_u=ring_u)
+
+
+def run(case, backend, dtype=None, method=None):
     cv = (lambda y: y.clone()) if dtype is None else (lambda y: y.to(dtype))
     ins = [case["x"][n] if dtype is None else case["x"][n].to(dtype) for n in ("q", "k", "v", "a", "b", "A_log", "dt_bias")]
     ckpt, ring, ring_u = cv(case["checkpoint"]), RawRecords(*(cv(y) for y in case["ring"])), cv(case["ring_u"])
-    o = gdn_chunked_window(*ins, ckpt, ring, ring_u, *case["cursors"], max_len=case["t"], backend=backend)
+    o = gdn_chunked_window(*ins, ckpt, ring, ring_u, *case["cursors"], max_len=case["t"], method=method, backend=backend)
     return o, ckpt, ring, ring_u
 
 
@@ -130,10 +153,14 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("method", ["closed_form", "replay"])
 @pytest.mark.parametrize("hv,t,batch,state_dtype,act_dtype", CASES)
-def test_chunked_window_matches_float64_oracle(hv, t, batch, state_dtype, act_dtype):
-    case = make_case(hv, t, batch, state_dtype, act_dtype)
-    o_t, ck_t, ring_t, u_t = run(case, "triton")
+def test_chunked_window_matches_float64_oracle(hv, t, batch, state_dtype, act_dtype, method):
+    """Both methods against the float64 closed form, on rings whose ``u`` agree with
+    their records (the replay method reads the records; see :func:`with_consistent_u`).
+    The replay method's products are fp32 FMA at every activation dtype."""
+    case = with_consistent_u(make_case(hv, t, batch, state_dtype, act_dtype))
+    o_t, ck_t, ring_t, u_t = run(case, "triton", method=method)
     o_64, ck_64, ring_64, u_64 = run(case, "reference", torch.float64)
     torch.testing.assert_close(o_t.double(), o_64, **tol(o_64, state_dtype, act_dtype))
     slots, cu = case["cursors"][0].tolist(), case["cursors"][1].tolist()
@@ -158,12 +185,14 @@ def test_chunked_window_matches_float64_oracle(hv, t, batch, state_dtype, act_dt
             assert torch.equal(ck_t[s], case["checkpoint"][s]), f"checkpoint of slot {s} changed"
 
 
+@pytest.mark.parametrize("method", ["closed_form", "replay"])
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("act_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_flush_fold_is_the_fold_kernel_bit_for_bit(state_dtype, act_dtype):
-    """Every row flushes: the folded checkpoints equal the fold kernel's on the same records."""
+def test_flush_fold_is_the_fold_kernel_bit_for_bit(state_dtype, act_dtype, method):
+    """Every row flushes: the folded checkpoints equal the fold kernel's on the same
+    records, with either method (the replay method folds in its own kernel)."""
     case = make_case(HV_POOL, 4, 64, state_dtype, act_dtype, flush="all", pad=False)
-    _, ck_t, _, _ = run(case, "triton")
+    _, ck_t, _, _ = run(case, "triton", method=method)
     slots, _, write_pos, cache_base, _ = case["cursors"]
     ck_f = case["checkpoint"].clone()
     r = case["ring"]
@@ -173,13 +202,24 @@ def test_flush_fold_is_the_fold_kernel_bit_for_bit(state_dtype, act_dtype):
     assert not torch.equal(ck_t, case["checkpoint"])
 
 
+@pytest.mark.parametrize("state_dtype,replay_max_batch", [(torch.float32, 0), (torch.float32, 256), (torch.bfloat16, 256)],
+                         ids=["fp32-closed_form", "fp32-replay", "bf16-replay"])
 @pytest.mark.parametrize("act_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_circular_committed_state_equals_fold_strategy_bit_for_bit(act_dtype):
+def test_circular_committed_state_equals_fold_strategy_bit_for_bit(act_dtype, state_dtype, replay_max_batch):
     """Two Triton pools, ``circular`` and ``fold``, fed the same tokens and acceptances
     for STEPS steps (several flushes per request): the committed states are identical at
     every step. Circular's checkpoint is folded by this kernel at flushes and the rest of
     its history by the fold kernel; fold's by the fold kernel at every commit; both
-    replay the same raw records through the same exact step."""
+    replay the same raw records through the same exact step. ``replay``: circular's
+    small-batch mode forced on (one-launch verify, a flush at every commit). bf16 states
+    only there: a 16-bit checkpoint is rounded where it is stored, after every commit's
+    records for fold and for circular's small-batch mode, after a whole history for its
+    closed-form mode, so that mode matches fold bit for bit in fp32 only."""
+    with tuning.override("circular", replay_max_batch=replay_max_batch):
+        _circular_vs_fold(act_dtype, state_dtype)
+
+
+def _circular_vs_fold(act_dtype, state_dtype):
     hv, window, requests = HV_POOL, 4, REQUESTS
     shape = GDNShape(num_heads=H, num_value_heads=hv, head_k_dim=K, head_v_dim=V)
     pools = {}
@@ -189,11 +229,11 @@ def test_circular_committed_state_equals_fold_strategy_bit_for_bit(act_dtype):
     )
     for name in ("circular", "fold"):
         pool = StatePool(shape, 1, requests, strategy=name, window=window, ring_len=L, act_dtype=act_dtype,
-                         device=DEV, backend="triton")
+                         state_dtype=state_dtype, device=DEV, backend="triton")
         pool.set_layer_params(0, **params)
         pools[name] = pool
         slots = [pool.alloc() for _ in range(requests)]
-    init = torch.randn_like(pools["fold"].buffers["checkpoints"]) * 0.1
+    init = (torch.randn(pools["fold"].buffers["checkpoints"].shape, device=DEV) * 0.1).to(state_dtype)
     for pool in pools.values():
         pool.buffers["checkpoints"].copy_(init)
     flushes = 0
@@ -215,10 +255,11 @@ def test_circular_committed_state_equals_fold_strategy_bit_for_bit(act_dtype):
     assert flushes >= requests, "every request should have flushed at least once"
 
 
-def test_cuda_graph_replay_of_a_circular_step():
+@pytest.mark.parametrize("method", ["closed_form", "replay"])
+def test_cuda_graph_replay_of_a_circular_step(method):
     """One circular layer-step (this kernel) plus the commit's cursor update, captured in
     a CUDA graph and replayed on fresh inputs: outputs and every buffer equal the eager
-    twin's bit for bit, flushes included."""
+    twin's bit for bit, flushes included (``replay``: with a flush at every commit)."""
     hv, t, batch = 32, 4, 16
     case = make_case(hv, t, batch, torch.float32, torch.bfloat16, pad=True)
     slots, cu, write_pos, cache_base, is_flush = case["cursors"]
@@ -234,8 +275,10 @@ def test_cuda_graph_replay_of_a_circular_step():
 
     def step(st):
         o = gdn_chunked_window(ins["q"], ins["k"], ins["v"], ins["a"], ins["b"], A_log, dt_bias, st["ckpt"], st["ring"],
-                               st["ring_u"], slots, cu, st["wp"], st["base"], st["fl"], max_len=t, backend="triton")
-        advance_cursors(st["wp"], st["base"], st["fl"], slots, accepted, t, L, backend="triton")
+                               st["ring_u"], slots, cu, st["wp"], st["base"], st["fl"], max_len=t, method=method,
+                               backend="triton")
+        advance_cursors(st["wp"], st["base"], st["fl"], slots, accepted, t, L, flush_every=method == "replay",
+                        backend="triton")
         return o
 
     def clone(st):

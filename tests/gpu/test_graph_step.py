@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from replayssm import cli
+from replayssm.ops import tuning
 from replayssm.state import GDNShape, StatePool
 from replayssm.strategies import STRATEGIES
 
@@ -52,8 +53,13 @@ def _make_pool(strategy: str, act_dtype: torch.dtype):
 
 @pytest.mark.parametrize("conv", [False, True], ids=["state", "conv+state"])
 @pytest.mark.parametrize("act_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES) + ["circular-closed-form"])
 def test_graph_replay_equals_eager(strategy, act_dtype, conv):
+    """``circular`` at this batch takes its small-batch path (one-launch verify, a flush
+    at every commit); ``circular-closed-form`` turns it off in the shape table."""
+    if strategy == "circular-closed-form":
+        with tuning.override("circular", replay_max_batch=0):
+            return test_graph_replay_equals_eager("circular", act_dtype, conv)
     pool, slots = _make_pool(strategy, act_dtype)
     # A padding row, ragged windows; row 0 takes full windows and accepts them all so
     # that circular flushes within STEPS steps.

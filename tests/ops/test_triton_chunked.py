@@ -31,6 +31,8 @@ triton = pytest.importorskip("triton")
 
 from replayssm.ops import RawRecords, gdn_chunked_window, gdn_fold, triton_common  # noqa: E402
 from replayssm.ops import chunked as chunked_ops  # noqa: E402
+from replayssm.ops import tuning  # noqa: E402
+from replayssm.ops.gates import expand_heads, l2_normalize  # noqa: E402
 from replayssm.state import GDNShape, StatePool  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -102,6 +104,23 @@ class Case:
                 self.ring.beta[s, p] = torch.rand(hv, device=DEVICE)
                 self.ring_u[s, p] = torch.randn(hv, vd, device=DEVICE) * 0.5
 
+    def with_consistent_u(self):
+        """This case with every history record's ``u`` the recurrence's own corrected
+        delta (float64 from the checkpoint through the raw records, as a pool's verifies
+        leave it), so that reading the history by ``u`` (closed form) or by raw records
+        (replay) describe the same committed state."""
+        ring_u = self.ring_u.clone()
+        for s in range(self.checkpoint.shape[0]):
+            S = self.checkpoint[s].double()
+            for c in range(int(self.write_pos[s])):
+                p = (int(self.cache_base[s]) + c) % self.L
+                k_hat = expand_heads(l2_normalize(self.ring.k[s, p].double()), self.hv)  # [HV, K]
+                S = torch.exp(self.ring.g[s, p].double())[:, None, None] * S
+                u = self.ring.beta[s, p].double()[:, None] * (self.ring.v[s, p].double() - torch.einsum("hvk,hk->hv", S, k_hat))
+                S = S + u[:, :, None] * k_hat[:, None, :]
+                ring_u[s, p] = u.float()
+        return self.but(ring_u=ring_u)
+
     def buffers(self, dtype=None):
         """Fresh copies of the mutable buffers (optionally converted, for the oracle)."""
         cv = (lambda x: x.clone()) if dtype is None else (lambda x: x.to(dtype))
@@ -115,9 +134,10 @@ class Case:
     def cursors(self):
         return self.slots, self.cu, self.write_pos, self.cache_base, self.is_flush
 
-    def run(self, backend, dtype=None):
+    def run(self, backend, dtype=None, method=None):
         ckpt, ring, ring_u = self.buffers(dtype)
-        o = gdn_chunked_window(*self.inputs(dtype), ckpt, ring, ring_u, *self.cursors(), max_len=self.t, backend=backend)
+        o = gdn_chunked_window(*self.inputs(dtype), ckpt, ring, ring_u, *self.cursors(), max_len=self.t,
+                               method=method, backend=backend)
         return o, ckpt, ring, ring_u
 
     def but(self, **changes):
@@ -143,10 +163,10 @@ def assert_close_nan(actual, expected, **tol):
     torch.testing.assert_close(actual[fin], expected[fin], **tol)
 
 
-def check_against_reference(case: Case):
+def check_against_reference(case: Case, method=None):
     o_r, ck_r, ring_r, u_r = case.run("reference")
     cursors = [c.clone() for c in case.cursors()]
-    o_t, ck_t, ring_t, u_t = case.run("triton")
+    o_t, ck_t, ring_t, u_t = case.run("triton", method=method)
     for before, after in zip(cursors, case.cursors()):
         assert torch.equal(before, after), "cursors are read only"
 
@@ -189,6 +209,72 @@ def test_chunked_window_matches_reference(h, group, kd, vd, t, L):
     histories of 0..L-T committed records, flush and non-flush rows, a padding row and
     NaN/inf in every unused ring entry."""
     check_against_reference(Case(h, group, kd, vd, t, L))
+
+
+@pytest.mark.parametrize("h,group,kd,vd,t,L", [c for c in CONFIGS if c[1] > 1])
+def test_value_heads_per_program(h, group, kd, vd, t, L):
+    """The window kernel with the value heads of a key head in one program (their K pass
+    shared; the shape table's ``window.heads_per_program``, capped at the group) against
+    the reference, and the same numbers as one program per value head (same operations
+    per head; bit for bit under the interpreter)."""
+    case = Case(h, group, kd, vd, t, L)
+    o_1, ck_1, ring_1, u_1 = case.run("triton", method="closed_form")
+    with tuning.override("window", heads_per_program=4):
+        check_against_reference(case, method="closed_form")
+        o_g, ck_g, ring_g, u_g = case.run("triton", method="closed_form")
+    exact = DEVICE.type == "cpu"
+    for a, b in ((o_g, o_1), (ck_g, ck_1), (u_g, u_1), *zip(ring_g, ring_1)):
+        assert same(a, b) if exact else torch.allclose(a.nan_to_num(0.0), b.nan_to_num(0.0), **TOL)
+
+
+@pytest.mark.parametrize("h,group,kd,vd,t,L", CONFIGS)
+def test_replay_method_matches_reference(h, group, kd, vd, t, L):
+    """The small-batch method (history and window through the exact recurrence, one
+    launch) against the closed-form reference, on cases whose ring ``u`` agree with
+    their raw records: same outputs, records and folded checkpoints to fp32 rounding,
+    untouched non-flush checkpoints, cursors read only."""
+    check_against_reference(Case(h, group, kd, vd, t, L).with_consistent_u(), method="replay")
+
+
+def test_replay_flush_equals_fold_kernel_bit_for_bit():
+    """The replay method's flush is the fold kernel's, bit for bit (fp32 and bf16 states)."""
+    for state_dtype in (torch.float32, torch.bfloat16):
+        case = Case(2, 2, 16, 24, 3, 8, pad_row=False, rows=3, max_hist=5)
+        case.is_flush = torch.ones_like(case.is_flush)
+        case.checkpoint = case.checkpoint.to(state_dtype)
+        _, ck_t, _, _ = case.run("triton", method="replay")
+        ck_f, ring, _ = case.buffers()
+        gdn_fold(ck_f[None], ring.k[None], ring.v[None], ring.g[None], ring.beta[None], case.slots,
+                 case.cache_base[case.slots.long()], case.write_pos[case.slots.long()], backend="triton")
+        assert torch.equal(ck_t, ck_f), state_dtype
+        assert not torch.equal(ck_t, case.checkpoint)
+
+
+def test_method_dispatch_follows_the_table(monkeypatch):
+    """``method=None`` takes the replay path exactly when the table's ``circular`` row
+    allows the batch (0 on the CPU by default: the interpreter's tests cover the closed
+    form unless they ask)."""
+    case = Case(1, 2, 16, 16, 2, 8, rows=3)
+    calls = []
+    monkeypatch.setattr(chunked_ops, "launch_replay_window", lambda *a, **k: calls.append("replay"))
+    monkeypatch.setattr(chunked_ops, "launch_products", lambda *a, **k: calls.append("closed_form"))
+    monkeypatch.setattr(chunked_ops, "launch_window", lambda *a, **k: None)
+    monkeypatch.setattr(chunked_ops, "launch_fold", lambda *a, **k: None)
+    case.run("triton")
+    with tuning.override("circular", replay_max_batch=3):
+        case.run("triton")
+    with tuning.override("circular", replay_max_batch=2):
+        case.run("triton")
+        case.run("triton", method="replay")
+    with tuning.override("circular", replay_max_batch=3):
+        case.run("triton", method="closed_form")
+    assert calls == ["closed_form", "replay", "closed_form", "replay", "closed_form"]
+    assert chunked_ops.replays_window(16, kd=128, vd=128, state_dtype=torch.float32, device=torch.device("cuda"))
+    assert not chunked_ops.replays_window(17, kd=128, vd=128, state_dtype=torch.float32, device=torch.device("cuda"))
+    with pytest.raises(ValueError, match="method"):
+        case.run("triton", method="fast")
+    with pytest.raises(ValueError, match="method"):
+        case.run("reference", method="fast")
 
 
 def test_chunked_window_against_float64_oracle():
@@ -330,13 +416,26 @@ def committed_by_reference_fold(pool, slots):
     return state
 
 
-def test_lifecycle_256_steps_triton_pool_tracks_reference_pool():
+@pytest.mark.parametrize("small_batch", [False, True], ids=["closed_form", "replay"])
+def test_lifecycle_256_steps_triton_pool_tracks_reference_pool(small_batch):
     """256 verify -> random accept -> commit steps on a Triton ``circular`` pool and a
     reference one fed the same tokens (1 layer, 2 requests, ring of 8 for window 3, so
     a request flushes every few steps). At every step outputs and committed states agree
     to fp32 rounding and the difference does not grow. Every flush writes exactly (bit
     for bit) the committed state that the fold kernel computes from the same checkpoint
-    and records (the pool's own ``committed_state`` before that step)."""
+    and records (the pool's own ``committed_state`` before that step).
+
+    ``replay``: the same with the small-batch path on (table override): the Triton
+    verify replays the exact recurrence in one launch and both pools flush every row
+    at every commit."""
+    if small_batch:
+        with tuning.override("circular", replay_max_batch=64):
+            run_lifecycle(expect_flush_every=True)
+    else:
+        run_lifecycle(expect_flush_every=False)
+
+
+def run_lifecycle(expect_flush_every):
     shape = GDNShape(num_heads=1, num_value_heads=1, head_k_dim=16, head_v_dim=8)
     window, ring_len, steps = 3, 8, 256
     pools = {
@@ -369,6 +468,7 @@ def test_lifecycle_256_steps_triton_pool_tracks_reference_pool():
         accepted = [int(torch.randint(1, n + 1, ())) for n in lengths]
         for be, pool in pools.items():
             pool.strategy.commit(batches[be], accepted)
+        assert bool(trit.buffers["is_flush"][live].all()) or not expect_flush_every
         s_r = pools["reference"].strategy.committed_state(0, live)
         s_t = committed_by_reference_fold(trit, live)
         torch.testing.assert_close(s_t, s_r, **TOL, msg=f"committed state, step {step}")

@@ -288,6 +288,32 @@ def test_cursors_match_reference_over_many_commits(dtype):
     assert cur_t[1].any(), "no cache_base moved"
 
 
+def test_cursors_flush_every_matches_reference():
+    """``flush_every`` (circular's small-batch mode): every committed row is flagged, and
+    the next commit moves its base past its history; other slots are untouched."""
+    ns, window, ring_len = 6, 3, 16
+    cur_r = [torch.zeros(ns, dtype=torch.int32, device=DEVICE) for _ in range(3)]
+    cur_t = [c.clone() for c in cur_r]
+    for step in range(8):
+        slots, _, _ = rand_batch(4, 1, ns)
+        acc = torch.randint(1, window + 1, (4,), dtype=torch.int32, device=DEVICE)
+        before = [c.clone() for c in cur_t]
+        advance_cursors(*cur_r, slots, acc, window, ring_len, flush_every=True, backend="reference")
+        advance_cursors(*cur_t, slots, acc, window, ring_len, flush_every=True, backend="triton")
+        assert all(torch.equal(a, b) for a, b in zip(cur_t, cur_r)), f"step {step}"
+        for i, s in enumerate(slots.tolist()):
+            if s < 0:
+                continue
+            assert cur_t[2][s] == 1 and cur_t[0][s] == acc[i]  # flagged; history = this step's tokens
+            if before[2][s]:
+                assert cur_t[1][s] == (before[1][s] + before[0][s]) % ring_len
+        untouched = [s for s in range(ns) if s not in slots.tolist()]
+        for c, b in zip(cur_t, before):
+            assert torch.equal(c[untouched], b[untouched])
+    with pytest.raises(TypeError, match="flush_every"):
+        advance_cursors(*cur_t, slots, acc, window, ring_len, flush_every=1, backend="triton")
+
+
 # ---------------------------------------------------------------------------- conv
 @pytest.mark.parametrize("c,w,t,with_bias", [(40, 4, 4, True), (24, 2, 3, False), (300, 4, 2, True)])
 def test_conv_verify_matches_reference(c, w, t, with_bias):

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from replayssm.lifecycle import Lifecycle
+from replayssm.ops import tuning
 from replayssm.state import GDNShape, StatePool, StepProtocolError
 
 STRATEGIES = ["snapshot", "fold", "circular"]
@@ -117,7 +118,7 @@ def test_alloc_a_given_slot():
     assert [pool.alloc() for _ in range(3)] == [0, 1, 3]
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", STRATEGIES + ["circular-small-batch"])
 def test_abort_and_committed_state_at_any_time(strategy):
     """Guards: committed_state between circular's verify and commit applied a flushing
     row's history twice (0.49 relative error); there was no way to abandon a step.
@@ -127,7 +128,11 @@ def test_abort_and_committed_state_at_any_time(strategy):
     committed state of every layer must be unchanged by verify (after each layer) and by
     abort (bit for bit: the logical state is the same replay of the same records), and
     the lifecycle's float64 oracle, which never sees the aborted steps, must still agree
-    with the pool afterwards."""
+    with the pool afterwards. ``circular-small-batch``: circular with its small-batch
+    mode on (a flush at every commit)."""
+    if strategy == "circular-small-batch":
+        with tuning.override("circular", replay_max_batch=8):
+            return test_abort_and_committed_state_at_any_time("circular")
     pool, lc = make(strategy, requests=3, slots=5, layers=3, window=4, ring_len=8, seed=5)
     gen = torch.Generator().manual_seed(11)
     aborts = flush_aborts = 0
@@ -159,9 +164,14 @@ def test_abort_and_committed_state_at_any_time(strategy):
         assert flush_aborts >= 5, "the test must abort steps of flushing rows"
 
 
-def test_abort_with_the_triton_fold_keeps_the_oracle():
+@pytest.mark.parametrize("small_batch", [False, True], ids=["closed_form", "replay"])
+def test_abort_with_the_triton_fold_keeps_the_oracle(small_batch):
     """The same for circular on the Triton backend (interpreter): abort's fold of the
-    layers the step did not reach is the Triton fold; the float64 oracle keeps agreeing."""
+    layers the step did not reach is the Triton fold; the float64 oracle keeps agreeing.
+    ``replay``: with the small-batch path (one-launch verify, a flush at every commit)."""
+    if small_batch:
+        with tuning.override("circular", replay_max_batch=8):
+            return test_abort_with_the_triton_fold_keeps_the_oracle(False)
     pool, lc = make("circular", requests=2, slots=3, layers=2, window=2, ring_len=4, seed=2, backend="triton")
     gen = torch.Generator().manual_seed(3)
     for step in range(10):

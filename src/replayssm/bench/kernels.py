@@ -38,6 +38,7 @@ median/min/max, blocks, steps per block, rotated copies).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import platform
 import sys
@@ -96,6 +97,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--no-graph", action="store_true", help="time eager steps with the wall clock instead of CUDA graphs")
     r.add_argument("--repeats", type=positive_int, default=None, help="timed blocks per configuration (default 30 on CUDA, 3 on the CPU)")
     r.add_argument("--seed", type=int, default=0, help="seed of the random states and inputs")
+    r.add_argument("--tune", action="append", default=[], metavar="FAMILY.PARAM=VALUE",
+                   help="override a row of the kernels' shape table (replayssm/ops/tuning.py) for the run, e.g. "
+                        "circular.replay_max_batch=0 (circular's closed form at every batch); repeatable")
     r.add_argument("--json", type=output_path(".json"), default=None, help="write the rows as JSON to this path")
     r.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
 
@@ -125,6 +129,7 @@ class BenchConfig:
     conv: bool
     repeats: int
     seed: int
+    tune: tuple[tuple[str, str, int], ...] = ()
 
     @property
     def smoke(self) -> bool:
@@ -214,12 +219,33 @@ def resolve_config(args: argparse.Namespace) -> BenchConfig:
         if ring_len < 2 * window or ring_len & (ring_len - 1):
             raise ValueError(f"--ring-len must be a power of two >= 2 * --window = {2 * window}, got {ring_len}")
         ring_len_source = "given"
+    tune = tuple(_tune_item(item) for item in args.tune)
     return BenchConfig(
+        tune=tune,
         device=device, backend=backend, graph=graph, heads=heads, value_heads=value_heads, head_k_dim=head_k_dim,
         head_v_dim=head_v_dim, layers=layers, batches=batches, strategies=strategies, baselines=baselines,
         window=window, accept=accept, ring_len=ring_len, ring_len_source=ring_len_source, state_dtype=state_dtype,
         act_dtype=act_dtype, conv=bool(args.conv), repeats=repeats, seed=int(args.seed),
     )
+
+
+def _tune_item(item: str) -> tuple[str, str, int]:
+    """``FAMILY.PARAM=VALUE`` of ``--tune``, checked against the shape table."""
+    from ..ops import tuning
+
+    target, eq, value = str(item).partition("=")
+    family, dot, param = target.partition(".")
+    try:
+        number = int(value)
+    except ValueError:
+        number = None
+    if not (eq and dot) or number is None:
+        raise ValueError(f"--tune takes FAMILY.PARAM=INT, got {item!r}")
+    try:
+        tuning.check_row(family, {}, {param: number})
+    except ValueError as e:
+        raise ValueError(f"--tune {item}: {e}") from None
+    return family, param, number
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -518,9 +544,16 @@ def main(args: argparse.Namespace) -> int:
               f"floor = one read of a layer's states at that bandwidth", file=out)
     out.flush()
 
+    if cfg.tune:
+        print("shape table overrides: " + ", ".join(f"{f}.{p}={v}" for f, p, v in cfg.tune), file=out)
     progress = ProgressBar(len(names) * len(cfg.batches), "bench kernels", unit="config", enabled=not args.quiet)
     rows, errors = [], []
-    with progress:
+    from ..ops import tuning
+
+    overrides = contextlib.ExitStack()
+    for family, param, value in cfg.tune:
+        overrides.enter_context(tuning.override(family, **{param: value}))
+    with overrides, progress:
         for batch in cfg.batches:
             for name in names:
                 label = f"{name} batch {batch}"
@@ -559,6 +592,7 @@ def main(args: argparse.Namespace) -> int:
                 "ring_len": cfg.ring_len, "ring_len_source": cfg.ring_len_source,
                 "state_dtype": str(cfg.state_dtype)[6:], "act_dtype": str(cfg.act_dtype)[6:], "conv": cfg.conv,
                 "repeats": cfg.repeats, "seed": cfg.seed, "l2_rotation_factor": common.L2_ROTATION_FACTOR,
+                "tune": [f"{f}.{p}={v}" for f, p, v in cfg.tune],
             },
             "byte_model": BYTE_MODEL,
             "rows": rows,

@@ -22,11 +22,12 @@ stay outside ``write_pos`` and are overwritten by the next window.
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
 
-from . import _checks
+from . import _checks, tuning
 from .dispatch import pick, register
 from .gates import expand_heads, l2_normalize
 from .fold import replay_records
@@ -83,6 +84,18 @@ def window_closed_form(S_k, S_q, q_hat, k_hat, v, g, beta):
     kq = torch.einsum("jhk,ihk->ijh", k_hat, q_hat)  # (k^_j . q^_i)
     o = torch.exp(G)[:, :, None] * S_q + torch.einsum("ijh,jhv->ihv", decay * kq, U)
     return U, o
+
+
+#: Ways to compute a window (the Triton op's ``method``): ``"closed_form"`` (flush
+#: launch, products, window solve: DESIGN.md section 2) and ``"replay"`` (one launch:
+#: the committed history and then the window stepped through the exact recurrence, for
+#: small batches). Both fold a flush row's history into the same checkpoint, bit for bit.
+METHODS = ("closed_form", "replay")
+
+
+def check_method(method):
+    if method is not None and method not in METHODS:
+        raise ValueError(f"method must be None or one of {METHODS}, got {method!r}")
 
 
 def check_cursors(num_slots: int, **cursors: torch.Tensor):
@@ -144,6 +157,7 @@ def gdn_chunked_window_reference(
     is_flush: torch.Tensor,
     *,
     max_len: int | None = None,
+    method: str | None = None,
 ) -> torch.Tensor:
     """Outputs of a packed batch of windows in closed form, writing their records.
 
@@ -158,10 +172,15 @@ def gdn_chunked_window_reference(
         write_pos, cache_base, is_flush: ``[num_slots]`` int32 cursors (read only).
         max_len: ``T``, the longest window allowed (the pool's ``window``); ``None``
             bounds windows by the ring length only.
+        method: ``None`` (the shape table decides), ``"closed_form"`` or ``"replay"``:
+            how the Triton op computes the window (see :data:`METHODS`). Validated
+            here; this reference always evaluates the closed form, which both methods
+            match to rounding (the committed states they leave are identical).
 
     Returns:
         ``o``: ``[N, HV, V]`` in the dtype of ``v``; padding rows are zero.
     """
+    check_method(method)
     n, ns, L = check_window_args(
         q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos, cache_base, is_flush,
         max_len, state_dtypes=(torch.float32, torch.bfloat16, torch.float64), u_dtypes=(torch.float32, torch.float64),
@@ -223,10 +242,12 @@ def gdn_chunked_window(*args, backend: str = "auto", **kwargs) -> torch.Tensor:
 #  * The products: S x_r for the window's stacked raw keys and queries, the only
 #    product that reads the checkpoint, as a plain streaming kernel (one read, at the
 #    copy bandwidth) into a small fp32 scratch.
-#  * The window: one program per (V block, window, value head). One pass over K
+#  * The window: one program per (V block, window, value head), or per group of value
+#    heads sharing a key head (the shape table's heads_per_program). One pass over K
 #    computes the products that do not need the state (the window's Gram matrix, the
-#    history keys' products with it); the window is solved in a small BX x BX space
-#    (DESIGN.md section 2) and its records go to the ring.
+#    history keys' products with it), which depend on the key head only; each value head
+#    then solves its window in a small BX x BX space (DESIGN.md section 2) and writes
+#    its records to the ring.
 # Branches on request data are masks or device control flow: the host never reads the
 # device and the launches can be captured in a CUDA graph.
 
@@ -236,32 +257,29 @@ try:
 except ImportError:  # the reference above works without Triton
     triton = None
 
-# Knobs of the window kernel (the chosen values and what they were measured against:
-# BENCHMARKS.md, tuning notes). Products: the big one, S x_r ([BV, K] x [K, 2T]),
-# decides the kernel's speed; as fp32 FMA ("ieee") it makes the kernel
-# instruction-bound, on tensor cores ("tf32") it is not. tf32 rounds the fp32 operand
-# (the state, and the history's u) to 11 significant bits, a relative error of ~2^-12 in
-# a product over K = 128 terms, 8x below the rounding of a bf16 output (2^-9); the
-# 16-bit keys and queries are exact in tf32. So: "tf32" when the activations are 16-bit,
-# "ieee" for fp32 activations (CPU tests, fp32 models), where tf32 would show. The
-# window's small solve ([BV, 2T] x [2T, 2T]) always runs in "ieee". REPLAYSSM_CHUNKED_DOT
-# overrides the choice of the big products ("ieee", "tf32", "tf32x3").
+# Precision of the window kernel's big products, S x_r ([BV, K] x [K, 2T]), which decide
+# its speed: as fp32 FMA ("ieee") they make the kernel instruction-bound, on tensor cores
+# ("tf32") they do not. tf32 rounds the fp32 operand (the state, and the history's u) to
+# 11 significant bits, a relative error of ~2^-12 in a product over K = 128 terms, 8x
+# below the rounding of a bf16 output (2^-9); the 16-bit keys and queries are exact in
+# tf32. So: "tf32" when the activations are 16-bit, "ieee" for fp32 activations (CPU
+# tests, fp32 models), where tf32 would show. The window's small solve ([BV, 2T] x
+# [2T, 2T]) always runs in "ieee". REPLAYSSM_CHUNKED_DOT overrides the choice of the big
+# products ("ieee", "tf32", "tf32x3"). Block sizes and warps of both kernels come from
+# the shape table (ops/tuning.py: "products", "window").
 _DOT_PRECISION = os.environ.get("REPLAYSSM_CHUNKED_DOT", "")
-# Window kernel: K columns per step of its pass (all of K at once, so that its loads go
-# out together), rows of V per program (one program per head amortises the window's
-# per-head work), warps (2: its small products and reductions then need fewer
-# cross-warp exchanges).
-_K_CHUNK = int(os.environ.get("REPLAYSSM_CHUNKED_KC", "128"))
-_BLOCK_V_MAX = int(os.environ.get("REPLAYSSM_CHUNKED_BV", "128"))
-_NUM_WARPS = int(os.environ.get("REPLAYSSM_CHUNKED_WARPS", "2"))
-# Products kernel: the same three knobs and its pipeline stages (state chunks stream into
-# shared memory by async copies while the previous chunk's product runs).
-_P_K_CHUNK = int(os.environ.get("REPLAYSSM_PRODUCTS_KC", "64"))
-_P_BLOCK_V = int(os.environ.get("REPLAYSSM_PRODUCTS_BV", "64"))
-_P_NUM_WARPS = int(os.environ.get("REPLAYSSM_PRODUCTS_WARPS", "4"))
-_P_NUM_STAGES = int(os.environ.get("REPLAYSSM_PRODUCTS_STAGES", "2"))
 #: Longest window the kernel takes (the stacked window block is 2 * max(8, T) rows).
 MAX_WINDOW_TRITON = 16
+
+
+def replays_window(batch: int, *, kd: int, vd: int, state_dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a call of ``batch`` windows runs the small-batch path (the exact
+    recurrence in one launch, see ``_replay_window_kernel``) instead of the closed form:
+    ``batch <= replay_max_batch`` of the shape table's ``circular`` row. The
+    ``circular`` strategy asks the same question at commit, to flush at every step
+    while the batch is this small. Both paths leave the same committed states."""
+    cfg = tuning.lookup("circular", K=kd, V=vd, state_dtype=state_dtype, batch=batch, device=device.type)
+    return batch <= cfg["replay_max_batch"]
 
 
 def product_precision(act_dtype: torch.dtype) -> str:
@@ -279,9 +297,13 @@ if triton is not None:
         check_inner_contiguous,
         check_max_len,
     )
-    from .fold import launch_fold
-    from .triton_common import NORM_EPS, block_rows, device_fn as _tl_device_fn, gdn_gates as _tl_gdn_gates
-    from .triton_common import row_sum as _tl_row_sum, to_rtne as _tl_to_rtne, window_program as _tl_window_program
+    from .fold import _load_record as _fold_load_record, launch_fold
+    from .recurrent import _load_token as _rec_load_token, pick_block_v, exact_block_k
+    from .triton_common import EXACT_NUM_WARPS, NORM_EPS, block_rows, device_fn as _tl_device_fn
+    from .triton_common import gdn_gates as _tl_gdn_gates, gdn_state_step as _tl_state_step
+    from .triton_common import load_parts as _tl_load_parts, mask_and as _tl_mask_and, normalized as _tl_normalized
+    from .triton_common import row_dot as _tl_row_dot, row_sum as _tl_row_sum, store_parts as _tl_store_parts
+    from .triton_common import to_rtne as _tl_to_rtne, window_program as _tl_window_program
 
     @_tl_device_fn
     def _window_rows(bos, length, BT: tl.constexpr):
@@ -308,6 +330,26 @@ if triton is not None:
                     mask=xq_ok[:, None] & mask_k[None, :], other=0.0)
         return k, k.to(tl.float32) + q.to(tl.float32)
 
+    @_tl_device_fn
+    def _value_head_loads(a_ptr, b_ptr, v_ptr, rg_ptr, ru_ptr, sx_ptr, i_b, i_hv, rec_h, hist, p_tok, offs_x, x_ok, xk_ok,
+                          offs_v, mask_v, stride_a_tok, stride_b_tok, stride_v_tok, stride_v_head,
+                          HV: tl.constexpr, V: tl.constexpr, BX: tl.constexpr):
+        """What the window solve reads for one value head: the history's gates ``g_h``
+        and deltas ``u_h [BV, BH]``, the window's raw gates ``a``, ``b``, values
+        ``v [BV, BX]`` (key columns) and products ``S x_r [BV, BX]``. None of it depends
+        on the K pass, so a program issues the first head's loads before it."""
+        # (Unused ring entries may hold NaN: masked loads give 0 instead.)
+        g_h = tl.load(rg_ptr + rec_h * HV + i_hv, mask=hist, other=0.0)
+        u_h = tl.load(ru_ptr + (rec_h[None, :] * HV + i_hv) * V + offs_v[:, None], mask=mask_v[:, None] & hist[None, :],
+                      other=0.0)
+        a_x = tl.load(a_ptr + p_tok * stride_a_tok + i_hv, mask=x_ok, other=0.0)
+        b_x = tl.load(b_ptr + p_tok * stride_b_tok + i_hv, mask=x_ok, other=0.0)
+        v_x = tl.load(v_ptr + p_tok[None, :] * stride_v_tok + i_hv * stride_v_head + offs_v[:, None],
+                      mask=mask_v[:, None] & xk_ok[None, :], other=0.0)
+        SX = tl.load(sx_ptr + ((i_b * HV + i_hv) * BX + offs_x[None, :]) * V + offs_v[:, None],
+                     mask=mask_v[:, None] & x_ok[None, :], other=0.0)
+        return g_h, u_h, a_x, b_x, v_x, SX
+
     @triton.jit
     def _chunked_window_kernel(
         q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr,
@@ -318,19 +360,30 @@ if triton is not None:
         scale, eps,
         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
         LOG_T: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr,
-        BV: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        BV: tl.constexpr, VH: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ):
+        """One program per (V block, window, VH value heads of one key head): the K pass
+        (the key head's products, which need no state) once, then each value head's
+        solve in turn (VH = 1: a program per value head)."""
         BX: tl.constexpr = 2 * BT
-        i_v, i_b, i_hv, i_h, slot, bos, length = _tl_window_program(slots_ptr, cu_ptr, H, HV)
+        i_v = tl.program_id(0)
+        i_b = tl.program_id(1)
+        hv0 = tl.program_id(2) * VH  # the program's first value head
+        i_h = hv0 // (HV // H)  # VH divides the group, so all VH heads read this key head
+        slot = tl.load(slots_ptr + i_b).to(tl.int64)
+        bos = tl.load(cu_ptr + i_b).to(tl.int64)
+        length = tl.load(cu_ptr + i_b + 1).to(tl.int64) - bos
         offs_v = i_v * BV + tl.arange(0, BV)
         mask_v = offs_v < V
         offs_x, is_k, is_q, tok, p_tok, x_ok, xk_ok, xq_ok = _window_rows(bos, length, BT)
         # o is a fresh contiguous [N, HV, V]; column r >= BT of the [BV, BX] block is token r - BT
-        p_o = o_ptr + (p_tok[None, :] * HV + i_hv) * V + offs_v[:, None]
+        p_o = o_ptr + (p_tok[None, :] * HV + hv0) * V + offs_v[:, None]
 
         if (slot < 0) | (length <= 0):
             # Padding row: zero outputs, nothing else.
-            tl.store(p_o, tl.zeros([BV, BX], dtype=o_ptr.dtype.element_ty), mask=mask_v[:, None] & xq_ok[None, :])
+            for j in tl.static_range(VH):
+                tl.store(p_o + j * V, tl.zeros([BV, BX], dtype=o_ptr.dtype.element_ty),
+                         mask=mask_v[:, None] & xq_ok[None, :])
             return
 
         wp = tl.load(wp_ptr + slot).to(tl.int64)
@@ -347,18 +400,10 @@ if triton is not None:
         rec_h = ring_at + (base + offs_h) % L
         rec_w = ring_at + (base + wp + tok) % L  # the window's records: logical write_pos + i
         # Raw keys go to the ring once per key head: by the group's first value head, first V block.
-        k_store = is_k & (tok < tl.where((i_hv % (HV // H) == 0) & (i_v == 0), length, 0))
-        # Loads that do not depend on the K pass go out first: their latency overlaps it.
-        # (Unused ring entries may hold NaN: masked loads give 0 instead.)
-        g_h = tl.load(rg_ptr + rec_h * HV + i_hv, mask=hist, other=0.0)
-        u_h = tl.load(ru_ptr + (rec_h[None, :] * HV + i_hv) * V + offs_v[:, None], mask=mask_v[:, None] & hist[None, :],
-                      other=0.0)
-        a_x = tl.load(a_ptr + p_tok * stride_a_tok + i_hv, mask=x_ok, other=0.0)
-        b_x = tl.load(b_ptr + p_tok * stride_b_tok + i_hv, mask=x_ok, other=0.0)
-        v_x = tl.load(v_ptr + p_tok[None, :] * stride_v_tok + i_hv * stride_v_head + offs_v[:, None],
-                      mask=mask_v[:, None] & xk_ok[None, :], other=0.0)  # [BV, BX], key columns
-        SX = tl.load(sx_ptr + ((i_b * HV + i_hv) * BX + offs_x[None, :]) * V + offs_v[:, None],
-                     mask=mask_v[:, None] & x_ok[None, :], other=0.0)
+        k_store = is_k & (tok < tl.where((hv0 % (HV // H) == 0) & (i_v == 0), length, 0))
+        # The first value head's loads go out before the K pass: their latency overlaps it.
+        first = _value_head_loads(a_ptr, b_ptr, v_ptr, rg_ptr, ru_ptr, sx_ptr, i_b, hv0, rec_h, hist, p_tok, offs_x, x_ok,
+                                  xk_ok, offs_v, mask_v, stride_a_tok, stride_b_tok, stride_v_tok, stride_v_head, HV, V, BX)
         offs_c = tl.arange(0, KC)
         P = tl.zeros([BX, BX], dtype=tl.float32)
         HX = tl.zeros([BH, BX], dtype=tl.float32)
@@ -380,54 +425,63 @@ if triton is not None:
         eye = offs_x[:, None] == offs_x[None, :]
         r_x = tl.div_rn(tl.where(is_q, scale, 1.0), tl.sqrt_rn(_tl_row_sum(tl.where(eye, P, 0.0), 1) + eps))  # 1/|x_r| (q: x scale)
         r_h = tl.where(hist, tl.div_rn(tl.full([BH], 1.0, tl.float32), tl.sqrt_rn(hh + eps)), 0.0)
-        SX = SX * r_x[None, :]  # S x^_r
         P = P * r_x[:, None] * r_x[None, :]  # x^_r . x^_c
         HX = HX * r_h[:, None] * r_x[None, :]  # k^_c . x^_r
-
-        # ---- committed history (0 records for flush rows), never built:
-        #   S x = exp(Gtot) S0 x + sum_c exp(Gtot - G_c) u_c (k^_c . x),
-        # exp(Gtot - G_c) = exp(g_{c+1} + ... + g_h): a suffix sum, no cancellation.
-        g_h = tl.where(hist, g_h, 0.0)
-        w_h = tl.where(hist, tl.exp(_tl_row_sum(tl.where(offs_h[None, :] > offs_h[:, None], g_h[None, :], 0.0), 1)), 0.0)
-        u_h = tl.where(hist[None, :], u_h, 0.0) * w_h[None, :]  # [BV, BH]
-        SX = tl.exp(_tl_row_sum(g_h, 0)) * SX + tl.dot(u_h, HX, input_precision=DOT_PRECISION)
-
-        # ---- gates per row (a row's token), G_r = g_1 + ... + g_tok(r)
-        g, beta = _tl_gdn_gates(a_x, b_x, tl.load(A_log_ptr + i_hv), tl.load(dt_bias_ptr + i_hv))
-        g = tl.where(xk_ok, g, 0.0)  # on the key rows only, so that a row sum runs over tokens
-        beta = tl.where(x_ok, beta, 0.0)
-        G = _tl_row_sum(tl.where(offs_x[None, :] <= tok[:, None], g[None, :], 0.0), 1)
-        e_G = tl.exp(G)
-
-        # ---- the window in closed form (DESIGN.md section 2) in the BX x BX space; a
-        # column c < BT is token j = c (its k^), a row is token i (k-row: A, q-row: output)
-        #   R_j = beta_j (v_j - exp(G_j) S k^_j)
-        #   A_ij = beta_i exp(G_i - G_j) (k^_i . k^_j), j < i;  (I + A) U = R
-        #   o_i = exp(G_i) S q^_i + sum_{j<=i} exp(G_i - G_j) (k^_j . q^_i) U_j
-        R = tl.where(xk_ok[None, :], beta[None, :] * (v_x.to(tl.float32) - e_G[None, :] * SX), 0.0)
         pair = x_ok[:, None] & xk_ok[None, :] & (tok[None, :] <= tok[:, None])
-        # Mask before exp: G_i - G_j > 0 for j > i could overflow.
-        decay = tl.where(pair, tl.exp(tl.where(pair, G[:, None] - G[None, :], 0.0)), 0.0)
-        A = tl.where(is_k[:, None] & (offs_x[None, :] < offs_x[:, None]), beta[:, None] * decay * P, 0.0)
-        M = tl.where(is_q[:, None], decay * P, 0.0)
-        # A is strictly lower triangular (A^BT = 0): (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...
-        inv = tl.where(eye, 1.0, 0.0) - A
-        A_pow = A
-        for _ in tl.static_range(LOG_T - 1):
-            A_pow = tl.dot(A_pow, A_pow, input_precision="ieee")
-            inv = inv + tl.dot(inv, A_pow, input_precision="ieee")
-        U = tl.dot(R, tl.trans(inv), input_precision="ieee")  # [BV, BX], zero on q columns
-        out = e_G[None, :] * SX + tl.dot(U, tl.trans(M), input_precision="ieee")
-        tl.store(p_o, _tl_to_rtne(out, o_ptr.dtype.element_ty), mask=mask_v[:, None] & xq_ok[None, :])
-
-        # ---- the window's records (raw k went out in the K pass)
-        rec = (rec_w[None, :] * HV + i_hv) * V + offs_v[:, None]
         vk_ok = mask_v[:, None] & xk_ok[None, :]
-        tl.store(rv_ptr + rec, v_x.to(rv_ptr.dtype.element_ty), mask=vk_ok)
-        tl.store(ru_ptr + rec, U, mask=vk_ok)
         first_v = xk_ok & (tok < tl.where(i_v == 0, length, 0))  # gates once per value head
-        tl.store(rg_ptr + rec_w * HV + i_hv, g, mask=first_v)
-        tl.store(rb_ptr + rec_w * HV + i_hv, beta, mask=first_v)
+
+        for j in tl.static_range(VH):
+            i_hv = hv0 + j
+            if j == 0:
+                g_h, u_h, a_x, b_x, v_x, SX = first
+            else:
+                g_h, u_h, a_x, b_x, v_x, SX = _value_head_loads(
+                    a_ptr, b_ptr, v_ptr, rg_ptr, ru_ptr, sx_ptr, i_b, i_hv, rec_h, hist, p_tok, offs_x, x_ok, xk_ok,
+                    offs_v, mask_v, stride_a_tok, stride_b_tok, stride_v_tok, stride_v_head, HV, V, BX)
+            SX = SX * r_x[None, :]  # S x^_r
+
+            # ---- committed history (0 records for flush rows), never built:
+            #   S x = exp(Gtot) S0 x + sum_c exp(Gtot - G_c) u_c (k^_c . x),
+            # exp(Gtot - G_c) = exp(g_{c+1} + ... + g_h): a suffix sum, no cancellation.
+            g_h = tl.where(hist, g_h, 0.0)
+            w_h = tl.where(hist, tl.exp(_tl_row_sum(tl.where(offs_h[None, :] > offs_h[:, None], g_h[None, :], 0.0), 1)), 0.0)
+            u_h = tl.where(hist[None, :], u_h, 0.0) * w_h[None, :]  # [BV, BH]
+            SX = tl.exp(_tl_row_sum(g_h, 0)) * SX + tl.dot(u_h, HX, input_precision=DOT_PRECISION)
+
+            # ---- gates per row (a row's token), G_r = g_1 + ... + g_tok(r)
+            g, beta = _tl_gdn_gates(a_x, b_x, tl.load(A_log_ptr + i_hv), tl.load(dt_bias_ptr + i_hv))
+            g = tl.where(xk_ok, g, 0.0)  # on the key rows only, so that a row sum runs over tokens
+            beta = tl.where(x_ok, beta, 0.0)
+            G = _tl_row_sum(tl.where(offs_x[None, :] <= tok[:, None], g[None, :], 0.0), 1)
+            e_G = tl.exp(G)
+
+            # ---- the window in closed form (DESIGN.md section 2) in the BX x BX space; a
+            # column c < BT is token j = c (its k^), a row is token i (k-row: A, q-row: output)
+            #   R_j = beta_j (v_j - exp(G_j) S k^_j)
+            #   A_ij = beta_i exp(G_i - G_j) (k^_i . k^_j), j < i;  (I + A) U = R
+            #   o_i = exp(G_i) S q^_i + sum_{j<=i} exp(G_i - G_j) (k^_j . q^_i) U_j
+            R = tl.where(xk_ok[None, :], beta[None, :] * (v_x.to(tl.float32) - e_G[None, :] * SX), 0.0)
+            # Mask before exp: G_i - G_j > 0 for j > i could overflow.
+            decay = tl.where(pair, tl.exp(tl.where(pair, G[:, None] - G[None, :], 0.0)), 0.0)
+            A = tl.where(is_k[:, None] & (offs_x[None, :] < offs_x[:, None]), beta[:, None] * decay * P, 0.0)
+            M = tl.where(is_q[:, None], decay * P, 0.0)
+            # A is strictly lower triangular (A^BT = 0): (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...
+            inv = tl.where(eye, 1.0, 0.0) - A
+            A_pow = A
+            for _ in tl.static_range(LOG_T - 1):
+                A_pow = tl.dot(A_pow, A_pow, input_precision="ieee")
+                inv = inv + tl.dot(inv, A_pow, input_precision="ieee")
+            U = tl.dot(R, tl.trans(inv), input_precision="ieee")  # [BV, BX], zero on q columns
+            out = e_G[None, :] * SX + tl.dot(U, tl.trans(M), input_precision="ieee")
+            tl.store(p_o + j * V, _tl_to_rtne(out, o_ptr.dtype.element_ty), mask=mask_v[:, None] & xq_ok[None, :])
+
+            # ---- the window's records (raw k went out in the K pass)
+            rec = (rec_w[None, :] * HV + i_hv) * V + offs_v[:, None]
+            tl.store(rv_ptr + rec, v_x.to(rv_ptr.dtype.element_ty), mask=vk_ok)
+            tl.store(ru_ptr + rec, U, mask=vk_ok)
+            tl.store(rg_ptr + rec_w * HV + i_hv, g, mask=first_v)
+            tl.store(rb_ptr + rec_w * HV + i_hv, beta, mask=first_v)
 
 
     @triton.jit
@@ -461,6 +515,137 @@ if triton is not None:
                  mask=mask_v[:, None] & x_ok[None, :])
 
 
+    # ---- small batches: one launch, the exact recurrence all the way ("replay")
+    # At a few requests every kernel is latency-bound: the time is the length of each
+    # program's dependent chain plus one launch overhead per kernel, not bytes. There the
+    # closed form's three launches (flush, products, window solve with its per-head
+    # chain) cost more than stepping the recurrence: one program per (V block, window,
+    # value head) loads its checkpoint tile once, replays the row's committed history
+    # through the exact step (the fold kernel's helpers, loads and order: a flush row
+    # stores the tile back, bit for bit the fold's checkpoint), then steps the window's
+    # tokens on the tile in registers for the outputs and the records (u is the step's
+    # own corrected delta). Paired with a flush at every commit (``is_flush`` raised by
+    # ``advance_cursors(..., flush_every=True)``), a row's history is the last step's
+    # accepted tokens, so a program's chain is at most 2T steps.
+
+    @_tl_device_fn
+    def _window_step(S0, S1, S2, S3, k0, k1, k2, k3, v, g, beta):
+        """:func:`~replayssm.ops.triton_common.gdn_state_step` that also returns the
+        step's corrected delta ``u [BV]`` (the ring keeps it for the closed form)."""
+        e = tl.exp(g)
+        S0 = e * S0
+        S1 = e * S1
+        S2 = e * S2
+        S3 = e * S3
+        u = beta * (v - _tl_row_dot(S0, S1, S2, S3, k0, k1, k2, k3))
+        return (tl.fma(u[:, None], k0[None, :], S0), tl.fma(u[:, None], k1[None, :], S1),
+                tl.fma(u[:, None], k2[None, :], S2), tl.fma(u[:, None], k3[None, :], S3), u)
+
+    @triton.jit
+    def _replay_window_kernel(
+        q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr,
+        ckpt_ptr, rk_ptr, rv_ptr, rg_ptr, rb_ptr, ru_ptr,
+        slots_ptr, cu_ptr, wp_ptr, base_ptr, flush_ptr, o_ptr,
+        stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+        stride_a_tok, stride_b_tok,
+        scale, eps,
+        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
+        BK: tl.constexpr, BV: tl.constexpr, T: tl.constexpr, ROUND_STATE: tl.constexpr,
+    ):
+        i_v, i_b, i_hv, i_h, slot, bos, length = _tl_window_program(slots_ptr, cu_ptr, H, HV)
+        KQ: tl.constexpr = BK // 4
+        offs_c = tl.arange(0, KQ)  # key index within a part
+        all_c = offs_c >= 0
+        offs_v = i_v * BV + tl.arange(0, BV)
+        mask_v = offs_v < V
+        o_row = o_ptr + (bos * HV + i_hv) * V + offs_v  # o is a fresh contiguous [N, HV, V]
+
+        if slot < 0:
+            # Padding row: zero outputs, nothing else.
+            for i in range(0, T):
+                tl.store(o_row + i * HV * V, tl.full([BV], 0, o_ptr.dtype.element_ty), mask=_tl_mask_and(mask_v, i < length))
+            return
+
+        wp = tl.load(wp_ptr + slot).to(tl.int64)
+        base = tl.load(base_ptr + slot).to(tl.int64)
+        flush = tl.load(flush_ptr + slot) != 0
+        ring_at = slot * L  # flat record index of the slot's ring
+        tile = offs_v[:, None] * K + offs_c[None, :]
+        ckpt_at = ckpt_ptr + (slot * HV + i_hv) * (V * K)
+        S0, S1, S2, S3 = _tl_load_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ)
+
+        # ---- the committed history, exactly as the fold kernel replays it (record c + 1
+        # loads during step c). Unused ring entries may hold NaN: masked loads give 0.
+        count = tl.minimum(wp, L)
+        valid_n = count > 0
+        k0n, k1n, k2n, k3n, v_n, g_n, b_n = _fold_load_record(
+            rk_ptr, rv_ptr, rg_ptr, rb_ptr, ring_at + base % L, valid_n, offs_c, _tl_mask_and(all_c, valid_n),
+            _tl_mask_and(mask_v, valid_n), i_h, i_hv, offs_v, H, HV, K, V, KQ,
+        )
+        for c in range(0, count):
+            k0, k1, k2, k3, v, g, beta = k0n, k1n, k2n, k3n, v_n, g_n, b_n
+            valid_n = c + 1 < count
+            k0n, k1n, k2n, k3n, v_n, g_n, b_n = _fold_load_record(
+                rk_ptr, rv_ptr, rg_ptr, rb_ptr, ring_at + (base + c + 1) % L, valid_n, offs_c,
+                _tl_mask_and(all_c, valid_n), _tl_mask_and(mask_v, valid_n), i_h, i_hv, offs_v, H, HV, K, V, KQ,
+            )
+            k0, k1, k2, k3 = _tl_normalized(k0, k1, k2, k3, eps, 1.0)
+            S0, S1, S2, S3 = _tl_state_step(S0, S1, S2, S3, k0, k1, k2, k3, v, g, beta)
+        # A flush row's checkpoint becomes the folded state (the fold's store, bit for bit);
+        # every other row's checkpoint is read only.
+        _tl_store_parts(ckpt_at, tile, _tl_mask_and(mask_v, flush & (count > 0))[:, None], offs_c[None, :], K, KQ,
+                        S0, S1, S2, S3)
+        if ROUND_STATE:
+            # The committed state is what a fold stores (16-bit): the window starts from it.
+            S0 = _tl_to_rtne(S0, ckpt_ptr.dtype.element_ty).to(tl.float32)
+            S1 = _tl_to_rtne(S1, ckpt_ptr.dtype.element_ty).to(tl.float32)
+            S2 = _tl_to_rtne(S2, ckpt_ptr.dtype.element_ty).to(tl.float32)
+            S3 = _tl_to_rtne(S3, ckpt_ptr.dtype.element_ty).to(tl.float32)
+
+        # ---- the window, token by token (next token's loads ahead of this token's step)
+        A_log = tl.load(A_log_ptr + i_hv)
+        dt_bias = tl.load(dt_bias_ptr + i_hv)
+        k_writer = (i_hv % (HV // H) == 0) & (i_v == 0)  # raw k once per key head
+        valid_n = 0 < length
+        mc_n = _tl_mask_and(all_c, valid_n)
+        mv_n = _tl_mask_and(mask_v, valid_n)
+        q0n, q1n, q2n, q3n, k0n, k1n, k2n, k3n, xv_n, a_n, b_n = _rec_load_token(
+            q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, bos, valid_n, mc_n, mv_n, i_h, i_hv, offs_c, offs_v,
+            stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, stride_a_tok, stride_b_tok,
+            K, KQ,
+        )
+        for i in range(0, T):
+            valid, mc, mv = valid_n, mc_n, mv_n
+            q0, q1, q2, q3, k0, k1, k2, k3, xv, a, b = q0n, q1n, q2n, q3n, k0n, k1n, k2n, k3n, xv_n, a_n, b_n
+            valid_n = i + 1 < length
+            mc_n = _tl_mask_and(all_c, valid_n)
+            mv_n = _tl_mask_and(mask_v, valid_n)
+            q0n, q1n, q2n, q3n, k0n, k1n, k2n, k3n, xv_n, a_n, b_n = _rec_load_token(
+                q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, bos + i + 1, valid_n, mc_n, mv_n, i_h, i_hv, offs_c, offs_v,
+                stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+                stride_a_tok, stride_b_tok, K, KQ,
+            )
+            g, beta = _tl_gdn_gates(a, b, A_log, dt_bias)
+            kh0, kh1, kh2, kh3 = _tl_normalized(k0, k1, k2, k3, eps, 1.0)
+            qh0, qh1, qh2, qh3 = _tl_normalized(q0, q1, q2, q3, eps, scale)
+            # Positions past the row's end keep the state (nothing of theirs is stored).
+            N0, N1, N2, N3, u = _window_step(S0, S1, S2, S3, kh0, kh1, kh2, kh3, xv.to(tl.float32), g, beta)
+            S0 = tl.where(valid, N0, S0)
+            S1 = tl.where(valid, N1, S1)
+            S2 = tl.where(valid, N2, S2)
+            S3 = tl.where(valid, N3, S3)
+            o = _tl_row_dot(S0, S1, S2, S3, qh0, qh1, qh2, qh3)
+            tl.store(o_row + i * HV * V, _tl_to_rtne(o, o_ptr.dtype.element_ty), mask=mv)
+            # The record at logical position write_pos + i (physical after cache_base).
+            rec = ring_at + (base + wp + i) % L
+            _tl_store_parts(rk_ptr, (rec * H + i_h) * K + offs_c, _tl_mask_and(mc, k_writer), offs_c, K, KQ,
+                            k0, k1, k2, k3)
+            tl.store(rv_ptr + (rec * HV + i_hv) * V + offs_v, xv.to(rv_ptr.dtype.element_ty), mask=mv)
+            tl.store(ru_ptr + (rec * HV + i_hv) * V + offs_v, u, mask=mv)
+            tl.store(rg_ptr + rec * HV + i_hv, g, mask=valid & (i_v == 0))
+            tl.store(rb_ptr + rec * HV + i_hv, beta, mask=valid & (i_v == 0))
+
+
 def launch_products(q, k, checkpoint, slots, cu_seqlens, bt: int) -> torch.Tensor:
     """Launch the products kernel on validated arguments; return ``sx [B, HV, 2 bt, V]``
     (float32; entries of tokens past a window's end are not written)."""
@@ -469,25 +654,31 @@ def launch_products(q, k, checkpoint, slots, cu_seqlens, bt: int) -> torch.Tenso
     batch = slots.shape[0]
     sx = torch.empty(batch, hv, 2 * bt, vd, dtype=torch.float32, device=q.device)
     bk = triton.next_power_of_2(kd)
-    bv = block_rows(vd, batch * hv, q.device, _P_BLOCK_V, least=16)
+    cfg = tuning.lookup("products", K=kd, V=vd, state_dtype=checkpoint.dtype, batch=batch)
+    bv = block_rows(vd, batch * hv, q.device, cfg["block_v"], least=16)
     _window_products_kernel[(triton.cdiv(vd, bv), batch, hv)](
         q, k, checkpoint, slots, cu_seqlens, sx,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        H=h, HV=hv, K=kd, V=vd, BT=bt, BK=bk, KC=max(16, min(_P_K_CHUNK, bk)), BV=bv,
-        DOT_PRECISION=product_precision(q.dtype), NUM_STAGES=_P_NUM_STAGES, num_warps=_P_NUM_WARPS,
+        H=h, HV=hv, K=kd, V=vd, BT=bt, BK=bk, KC=max(16, min(cfg["k_chunk"], bk)), BV=bv,
+        DOT_PRECISION=product_precision(q.dtype), NUM_STAGES=cfg["num_stages"], num_warps=cfg["num_warps"],
     )
     return sx
 
 
 def launch_window(q, k, v, a, b, A_log, dt_bias, ring, ring_u, slots, cu_seqlens, write_pos, cache_base,
-                  is_flush, o, sx, bt: int, L: int, max_len: int) -> None:
-    """Launch the window kernel on validated arguments, from the products ``sx``."""
+                  is_flush, o, sx, bt: int, L: int, max_len: int, state_dtype: torch.dtype = torch.float32) -> None:
+    """Launch the window kernel on validated arguments, from the products ``sx``
+    (``state_dtype``, the checkpoint's, only keys the shape table)."""
     h, kd = q.shape[1], q.shape[2]
     hv, vd = v.shape[1], v.shape[2]
     batch = slots.shape[0]
     bk = triton.next_power_of_2(kd)
-    bv = block_rows(vd, batch * hv, q.device, _BLOCK_V_MAX, least=16)
-    _chunked_window_kernel[(triton.cdiv(vd, bv), batch, hv)](
+    cfg = tuning.lookup("window", K=kd, V=vd, state_dtype=state_dtype, batch=batch)
+    # Value heads per program: they share a key head (GQA), so its K pass runs once for
+    # all of them; at most the group, and a divisor of it.
+    vh = math.gcd(cfg["heads_per_program"], hv // h)
+    bv = block_rows(vd, batch * hv // vh, q.device, cfg["block_v"], least=16)
+    _chunked_window_kernel[(triton.cdiv(vd, bv), batch, hv // vh)](
         q, k, v, a, b, A_log, dt_bias,
         ring.k, ring.v, ring.g, ring.beta, ring_u,
         slots, cu_seqlens, write_pos, cache_base, is_flush, o, sx,
@@ -495,8 +686,28 @@ def launch_window(q, k, v, a, b, A_log, dt_bias, ring, ring_u, slots, cu_seqlens
         kd**-0.5, NORM_EPS,
         H=h, HV=hv, K=kd, V=vd, L=L, LOG_T=max(1, (max_len - 1).bit_length()),
         # tl.dot wants sides of 16: the stacked window has 2 * max(8, T) rows, the history 16.
-        BT=bt, BH=max(16, L), BK=bk, KC=max(16, min(_K_CHUNK, bk)), BV=bv,
-        DOT_PRECISION=product_precision(q.dtype), num_warps=_NUM_WARPS,
+        BT=bt, BH=max(16, L), BK=bk, KC=max(16, min(cfg["k_chunk"], bk)), BV=bv, VH=vh,
+        DOT_PRECISION=product_precision(q.dtype), num_warps=cfg["num_warps"],
+    )
+
+
+def launch_replay_window(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos,
+                         cache_base, is_flush, o, max_len: int) -> None:
+    """Launch the small-batch kernel (history replayed, then the window stepped; one
+    launch, flush included) on validated arguments."""
+    h, kd = q.shape[1], q.shape[2]
+    hv, vd = v.shape[1], v.shape[2]
+    batch = slots.shape[0]
+    # It writes states (flush rows), so it takes the exact writers' tile height.
+    bv = pick_block_v(kd, vd, batch, hv, checkpoint.dtype, q.device)
+    _replay_window_kernel[(triton.cdiv(vd, bv), batch, hv)](
+        q, k, v, a, b, A_log, dt_bias,
+        checkpoint, ring.k, ring.v, ring.g, ring.beta, ring_u,
+        slots, cu_seqlens, write_pos, cache_base, is_flush, o,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
+        kd**-0.5, NORM_EPS,
+        H=h, HV=hv, K=kd, V=vd, L=ring.ring_len, BK=exact_block_k(kd), BV=bv, T=max_len,
+        ROUND_STATE=checkpoint.dtype != torch.float32, num_warps=EXACT_NUM_WARPS,
     )
 
 
@@ -519,6 +730,7 @@ def gdn_chunked_window_triton(
     is_flush: torch.Tensor,
     *,
     max_len: int | None = None,
+    method: str | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`gdn_chunked_window_reference` (same arguments and results).
 
@@ -536,7 +748,17 @@ def gdn_chunked_window_triton(
     agree with the reference to fp32 rounding for fp32 activations; for 16-bit
     activations the big products run on tensor cores in tf32 (see
     :func:`product_precision`), ~2^-12 relative, below the output's own rounding.
+
+    Method (``None``: ``"replay"`` when :func:`replays_window` says the batch is small,
+    else ``"closed_form"``). ``"replay"`` is one launch: each row's committed history
+    (raw records) and then its window go through the exact recurrence step, so its
+    outputs are the recurrence's (fp32 FMA, no tf32 at any activation dtype) and its
+    ``u`` the recurrence's corrected deltas; a non-flush row with a long history costs a
+    step per record, which is why the strategy pairs it with a flush at every commit.
+    It reads the history's raw records, the closed form the history's ``u``: the two
+    agree when ``ring_u`` holds the records' deltas, as every verify leaves it.
     """
+    check_method(method)
     if max_len is None:
         raise ValueError("max_len is required by the triton backend: pass the pool's window")
     check_max_len(max_len)
@@ -561,10 +783,17 @@ def gdn_chunked_window_triton(
     o = torch.empty(n, v.shape[1], v.shape[2], dtype=v.dtype, device=v.device)
     if slots.shape[0] == 0:
         return o
+    if method is None:
+        small = replays_window(slots.shape[0], kd=q.shape[2], vd=v.shape[2], state_dtype=checkpoint.dtype, device=q.device)
+        method = "replay" if small else "closed_form"
+    if method == "replay":
+        launch_replay_window(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos,
+                             cache_base, is_flush, o, max_len)
+        return o
     # The flush (rows with is_flush), then the window from the folded checkpoints.
     launch_fold(checkpoint[None], *(getattr(ring, f)[None] for f in ring._fields), slots, cache_base, write_pos, is_flush)
     bt = max(8, triton.next_power_of_2(max_len))
     sx = launch_products(q, k, checkpoint, slots, cu_seqlens, bt)
     launch_window(q, k, v, a, b, A_log, dt_bias, ring, ring_u, slots, cu_seqlens, write_pos, cache_base,
-                  is_flush, o, sx, bt, L, max_len)
+                  is_flush, o, sx, bt, L, max_len, checkpoint.dtype)
     return o

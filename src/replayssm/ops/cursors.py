@@ -11,6 +11,8 @@ tokens (bonus included) and window ``T``:
 ``is_flush`` is raised one window early, so a window never overwrites history: after a
 non-flush commit ``write_pos + T <= L``. A flush row folds its history into the
 checkpoint at its next verify. Rolling back rejected tokens is simply not counting them.
+With ``flush_every`` (the strategy's small-batch mode) ``is_flush`` is raised at every
+commit instead, so a history is never longer than one step's accepted tokens.
 """
 
 from __future__ import annotations
@@ -35,6 +37,11 @@ def check_cursor_args(write_pos, cache_base, is_flush, slots, accepted=None):
     return ns
 
 
+def check_flush_every(flush_every):
+    if not isinstance(flush_every, bool):
+        raise TypeError(f"flush_every must be a bool, got {type(flush_every).__name__}")
+
+
 @register("advance_cursors", "reference")
 def advance_cursors_reference(
     write_pos: torch.Tensor,
@@ -44,6 +51,8 @@ def advance_cursors_reference(
     accepted: torch.Tensor,
     window: int,
     ring_len: int,
+    *,
+    flush_every: bool = False,
 ) -> None:
     """Commit ``accepted[i]`` tokens for every row ``i`` with ``slots[i] >= 0``, in place.
 
@@ -54,8 +63,11 @@ def advance_cursors_reference(
             here: the strategy validates it once per step).
         window: ``T``, the largest window.
         ring_len: ``L``, a power of two with ``L >= 2 T``.
+        flush_every: raise ``is_flush`` for every committed row (fold the history at
+            the next verify), not only when the ring is about to fill.
     """
     check_cursor_args(write_pos, cache_base, is_flush, slots, accepted)
+    check_flush_every(flush_every)
     live = slots >= 0
     s = slots[live].long()
     n = accepted[live].to(write_pos.dtype)
@@ -64,7 +76,7 @@ def advance_cursors_reference(
     new_wp = torch.where(flush, n, wp + n)
     write_pos[s] = new_wp
     cache_base[s] = new_base
-    is_flush[s] = (new_wp + 2 * window > ring_len).to(is_flush.dtype)
+    is_flush[s] = ((new_wp + 2 * window > ring_len) | flush_every).to(is_flush.dtype)
 
 
 @register("reset_cursors", "reference")
@@ -101,7 +113,8 @@ if triton is not None:
 
     @triton.jit
     def _advance_cursors_kernel(
-        wp_ptr, base_ptr, flush_ptr, slots_ptr, acc_ptr, batch, window, ring_len, BLOCK: tl.constexpr
+        wp_ptr, base_ptr, flush_ptr, slots_ptr, acc_ptr, batch, window, ring_len,
+        BLOCK: tl.constexpr, FLUSH_EVERY: tl.constexpr,
     ):
         rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         slot = tl.load(slots_ptr + rows, mask=rows < batch, other=-1).to(tl.int64)
@@ -115,7 +128,11 @@ if triton is not None:
         new_wp = tl.where(flush, n, wp + n)
         tl.store(wp_ptr + at, new_wp, mask=live)
         tl.store(base_ptr + at, new_base.to(base_ptr.dtype.element_ty), mask=live)
-        tl.store(flush_ptr + at, (new_wp + 2 * window > ring_len).to(flush_ptr.dtype.element_ty), mask=live)
+        if FLUSH_EVERY:
+            new_flush = live
+        else:
+            new_flush = new_wp + 2 * window > ring_len
+        tl.store(flush_ptr + at, new_flush.to(flush_ptr.dtype.element_ty), mask=live)
 
     @triton.jit
     def _reset_cursors_kernel(wp_ptr, base_ptr, flush_ptr, slots_ptr, batch, BLOCK: tl.constexpr):
@@ -141,6 +158,8 @@ def advance_cursors_triton(
     accepted: torch.Tensor,
     window: int,
     ring_len: int,
+    *,
+    flush_every: bool = False,
 ) -> None:
     """Triton version of :func:`advance_cursors_reference` (same arguments and results).
 
@@ -148,6 +167,7 @@ def advance_cursors_triton(
     row per slot, as :meth:`~replayssm.state.StatePool.batch` guarantees).
     """
     check_cursor_args(write_pos, cache_base, is_flush, slots, accepted)
+    check_flush_every(flush_every)
     _check_cursor_launch(write_pos, cache_base, is_flush, slots, accepted)
     for name, value in (("window", window), ("ring_len", ring_len)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -157,7 +177,8 @@ def advance_cursors_triton(
     if batch == 0:
         return
     _advance_cursors_kernel[(triton.cdiv(batch, CURSOR_BLOCK),)](
-        write_pos, cache_base, is_flush, slots, accepted, batch, window, ring_len, BLOCK=CURSOR_BLOCK, num_warps=4
+        write_pos, cache_base, is_flush, slots, accepted, batch, window, ring_len,
+        BLOCK=CURSOR_BLOCK, FLUSH_EVERY=flush_every, num_warps=4,
     )
 
 

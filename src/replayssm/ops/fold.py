@@ -209,7 +209,7 @@ if triton is not None:
         batch = slots.shape[0]
         if batch == 0 or nl == 0 or r == 0:
             return
-        bv = pick_block_v(vd, batch * nl * hv, checkpoints.device)
+        bv = pick_block_v(kd, vd, batch, hv, checkpoints.dtype, checkpoints.device, layers=nl)
         grid = (triton.cdiv(vd, bv), batch, nl * hv)
         _fold_kernel[grid](
             checkpoints, ring_k, ring_v, ring_g, ring_beta, slots, start, count, count if flush is None else flush,

@@ -18,11 +18,9 @@ It also holds the Triton kernel (fp32/bf16, end of the file), built from the hel
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from . import _checks
+from . import _checks, tuning
 from .dispatch import pick, register
 from .gates import expand_heads, gdn_gates, l2_normalize
 from .records import RawRecords, check_varlen
@@ -225,23 +223,17 @@ def window_bound(max_len: int | None, *shape_bounds: int | None) -> int:
     return t if t <= 16 else triton.next_power_of_2(t)
 
 
-#: Largest state tile height on CUDA for kernels that write states (snapshots, state
-#: updates, the fold): tall enough to amortise a token's key loads and normalisation over
-#: many rows, short enough to keep the four-part tile in registers.
-#: ``REPLAYSSM_BLOCK_V`` overrides it for tuning runs (BENCHMARKS.md, tuning notes).
-_BLOCK_V_MAX = int(os.environ.get("REPLAYSSM_BLOCK_V", "64"))
-#: The same for the read-only verify: with no state to write back, a taller tile holds
-#: fewer live registers per row, so it can take twice the rows and amortise the per-token
-#: key and query loads further. ``REPLAYSSM_BLOCK_V_READ_ONLY`` overrides it.
-_BLOCK_V_MAX_READ_ONLY = int(os.environ.get("REPLAYSSM_BLOCK_V_READ_ONLY", "128"))
-
-
-def pick_block_v(vd: int, rows: int, device: torch.device, *, read_only: bool = False) -> int:
-    """Rows ``BV`` of an exact kernel's state tile (:func:`~replayssm.ops.triton_common.block_rows`
-    with this module's limits). 16 is the height that one pass of
+def pick_block_v(kd: int, vd: int, batch: int, hv: int, state_dtype: torch.dtype, device: torch.device, *,
+                 read_only: bool = False, layers: int = 1) -> int:
+    """Rows ``BV`` of an exact kernel's state tile for ``batch`` windows of ``hv`` value
+    heads (times ``layers`` for the fold): the height of the shape table
+    (:mod:`~replayssm.ops.tuning`, ``exact_read_only`` or ``exact_write``) through
+    :func:`~replayssm.ops.triton_common.block_rows`. 16 is the height that one pass of
     :data:`~replayssm.ops.triton_common.EXACT_NUM_WARPS` warps covers in a four-part tile
     (4 rows per warp), so no tile holds a row twice."""
-    return block_rows(vd, rows, device, _BLOCK_V_MAX_READ_ONLY if read_only else _BLOCK_V_MAX)
+    family = "exact_read_only" if read_only else "exact_write"
+    most = tuning.lookup(family, K=kd, V=vd, state_dtype=state_dtype, batch=batch)["block_v"]
+    return block_rows(vd, batch * hv * layers, device, most)
 
 
 def exact_block_k(kd: int) -> int:
@@ -438,7 +430,7 @@ def gdn_recurrence_triton(
         return o
     t = window_bound(max_len, snap_len, ring_len)
     bk = exact_block_k(kd)
-    bv = pick_block_v(vd, batch * hv, q.device, read_only=snapshots is None and not update_state)
+    bv = pick_block_v(kd, vd, batch, hv, state.dtype, q.device, read_only=snapshots is None and not update_state)
     dummy = o  # stands in for absent optional buffers; never dereferenced
     rec = records if records is not None else RawRecords(dummy, dummy, dummy, dummy)
     grid = (triton.cdiv(vd, bv), batch, hv)

@@ -9,6 +9,12 @@ checkpoint at its next verify by replaying the raw records through the exact
 recurrence, so the committed state equals the recurrence's bit for bit; the outputs
 come from the closed form and agree with the recurrence to rounding.
 
+Small batches (the shape table's ``circular.replay_max_batch``, by the step's row
+count): verify runs as one launch that replays each row's history and then its window
+through the exact recurrence (a flush row's fold included, the same bits), and commit
+flags every row for a flush, so the next history is one step's accepted tokens. The
+cursors, records and committed states follow the same rules either way.
+
 Open steps. A flush row's verify folds its history into layer ``l``'s checkpoint at
 layer ``l``'s verify, while the cursors still count that history until commit. The
 logical committed state of a layer is therefore
@@ -32,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from ..ops import _checks
-from ..ops.chunked import gdn_chunked_window
+from ..ops.chunked import gdn_chunked_window, replays_window
 from ..ops.cursors import advance_cursors
 from ..ops.fold import gdn_fold
 from ..state.layout import BufferSpec, StepProtocolError
@@ -75,19 +81,37 @@ class CircularStrategy(Strategy):
             specs[name] = BufferSpec((), torch.int32, per_layer=False, fill=0)
         return specs
 
+    #: Whether small batches take the one-launch path (ops/chunked.py ``"replay"``, with a
+    #: flush at every commit); the open-loop control keeps the closed form and its flushes.
+    small_batch_path = True
+
     def _verify(self, layer, q, k, v, a, b, A_log, dt_bias, batch):
         buf = self.buf
         return gdn_chunked_window(
             q, k, v, a, b, A_log, dt_bias, self.pool.checkpoints[layer], buf.layer(layer), buf.ring_u[layer],
             batch.slots, batch.cu_seqlens, buf.write_pos, buf.cache_base, buf.is_flush,
-            max_len=self.pool.window, backend=self.pool.backend,
+            max_len=self.pool.window, method=None if self.small_batch_path else "closed_form",
+            backend=self.pool.backend,
         )
 
     def _commit_states(self, batch, accepted):
         buf = self.buf
         advance_cursors(
             buf.write_pos, buf.cache_base, buf.is_flush, batch.slots, accepted,
-            self.pool.window, self.pool.ring_len, backend=self.pool.backend,
+            self.pool.window, self.pool.ring_len, flush_every=self._small_batch(batch), backend=self.pool.backend,
+        )
+
+    def _small_batch(self, batch) -> bool:
+        """Whether a step of this many rows runs the small-batch path: verify replays the
+        exact recurrence in one launch (ops/chunked.py), so commit flushes every row at
+        every step, keeping each history to one step's tokens. Decided by the shape
+        table from the batch's row count, a host value, as the verify's choice is."""
+        if not self.small_batch_path:
+            return False
+        s = self.pool.shape
+        return replays_window(
+            int(batch.slots.shape[0]), kd=s.head_k_dim, vd=s.head_v_dim,
+            state_dtype=self.pool.checkpoints.dtype, device=self.pool.device,
         )
 
     def _abort_states(self, batch):

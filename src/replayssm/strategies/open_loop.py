@@ -55,6 +55,7 @@ class OpenLoopControlStrategy(CircularStrategy):
 
     name = "open-loop"
     exact_outputs = False
+    small_batch_path = False  # the seed's schedule: closed-form reads of u, flushes when the ring fills
 
     def _history(self, layer: int, slot: int):
         buf, L = self.buf, self.pool.ring_len

@@ -1,0 +1,129 @@
+"""Launch parameters of the Triton kernels, looked up by shape in one table.
+
+Each kernel family has a list of rows ``(key, params)``; :func:`lookup` returns the
+``params`` of the first row whose key matches the call, so specific rows go before the
+catch-all row that ends every list. A key names any of
+
+    K, V          head dimensions (ints)
+    state_dtype   the checkpoint's dtype (``torch.float32`` / ``torch.bfloat16``)
+    min_batch, max_batch   the windows (requests) of the call, inclusive bounds
+    device        the device type (``"cuda"``, ``"cpu"``; CPU runs are the Triton
+                  interpreter's correctness runs)
+
+and a missing field matches anything. This replaces per-knob environment variables:
+the values live next to the shapes they were measured at (BENCHMARKS.md, tuning notes:
+all at Qwen3.5 shapes, ``K = V = 128``), and a tuning run changes them for a block of
+code with :func:`override` (``scripts/gpu_profile_ops.py --variants``).
+
+Block heights are upper bounds: :func:`~replayssm.ops.triton_common.block_rows` still
+halves them while a call would not fill the GPU, and rows are independent, so no entry
+changes any number a kernel computes (the exact kernels' ``BK`` and warps are fixed by
+the exactness rule in :mod:`~replayssm.ops.triton_common` and are not in the table).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+#: Families and the parameters each one takes.
+PARAMS = {
+    # Exact kernels that write states (snapshots, state updates, the fold and the flush):
+    # tall enough to amortise a token's key loads and normalisation over many rows, short
+    # enough to keep the four-part tile in registers.
+    "exact_write": ("block_v",),
+    # The read-only exact verify: no state to write back, so a taller tile holds fewer
+    # live registers per row and amortises the per-token loads further.
+    "exact_read_only": ("block_v",),
+    # circular's products kernel (S x for the window's keys and queries): rows of V and
+    # columns of K per step, warps, pipeline stages of its state chunks.
+    "products": ("block_v", "k_chunk", "num_warps", "num_stages"),
+    # circular's window solve: all of K per step (its loads go out together), one
+    # program per head (amortises the per-head work), 2 warps (fewer cross-warp
+    # exchanges in its small products); heads_per_program value heads of one key head
+    # share a program and its K pass (the key head's products), capped at the GQA group.
+    "window": ("block_v", "k_chunk", "num_warps", "heads_per_program"),
+    # circular's small-batch path (ops/chunked.py): at batch <= replay_max_batch its
+    # verify replays the exact recurrence in one launch and its commit flushes every
+    # step, instead of the closed form's three launches. 0 turns it off.
+    "circular": ("replay_max_batch",),
+}
+
+_KEY_FIELDS = ("K", "V", "state_dtype", "min_batch", "max_batch", "device")
+#: Parameters that may be 0 (the others are sizes, at least 1).
+_MAY_BE_ZERO = ("replay_max_batch",)
+
+#: The table (see the module notes). Values chosen by measurement at Qwen3.5 shapes
+#: (BENCHMARKS.md, tuning notes).
+TABLE: dict[str, list[tuple[dict, dict]]] = {
+    "exact_write": [({}, dict(block_v=64))],
+    "exact_read_only": [({}, dict(block_v=128))],
+    "products": [({}, dict(block_v=64, k_chunk=64, num_warps=4, num_stages=2))],
+    "window": [({}, dict(block_v=128, k_chunk=128, num_warps=2, heads_per_program=1))],
+    # Small batches are latency-bound: one launch with a chain of n + T exact steps
+    # beats three launches and the window solve's per-head chain there (the estimate
+    # from the parts' timings, and how to find the switch: BENCHMARKS.md, issue 11).
+    # On the CPU the closed form stays the default so that the interpreter's tests
+    # cover the history; tests turn the path on with override().
+    "circular": [({"device": "cpu"}, dict(replay_max_batch=0)), ({}, dict(replay_max_batch=16))],
+}
+
+
+def _matches(key: dict, K: int, V: int, state_dtype: torch.dtype, batch: int, device: str) -> bool:
+    return (
+        key.get("device", device) == device
+        and key.get("K", K) == K
+        and key.get("V", V) == V
+        and key.get("state_dtype", state_dtype) == state_dtype
+        and key.get("min_batch", batch) <= batch <= key.get("max_batch", batch)
+    )
+
+
+def _check_family(family: str):
+    if family not in PARAMS:
+        raise ValueError(f"unknown kernel family {family!r}; known: {', '.join(PARAMS)}")
+
+
+def lookup(family: str, *, K: int, V: int, state_dtype: torch.dtype, batch: int, device: str = "cuda") -> dict:
+    """Parameters of ``family`` for a call on heads ``K x V``, states of ``state_dtype``,
+    ``batch`` windows and a ``device`` type: the first matching row of :data:`TABLE`
+    (a copy)."""
+    _check_family(family)
+    for key, params in TABLE[family]:
+        if _matches(key, K, V, state_dtype, batch, device):
+            return dict(params)
+    raise ValueError(f"no row of the {family!r} table matches K={K}, V={V}, {state_dtype}, batch {batch}, {device}")
+
+
+def check_row(family: str, key: dict, params: dict):
+    """Raise ``ValueError`` unless ``(key, params)`` is a valid row of ``family``."""
+    _check_family(family)
+    bad_key = set(key) - set(_KEY_FIELDS)
+    if bad_key:
+        raise ValueError(f"unknown key fields {sorted(bad_key)} in the {family!r} table; known: {_KEY_FIELDS}")
+    bad = set(params) - set(PARAMS[family])
+    if bad:
+        raise ValueError(f"unknown parameters {sorted(bad)} for {family!r}; known: {PARAMS[family]}")
+    for name, value in params.items():
+        least = 0 if name in _MAY_BE_ZERO else 1
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise ValueError(f"{family}.{name} must be an int >= {least}, got {value!r}")
+
+
+@contextlib.contextmanager
+def override(family: str, **params):
+    """Within the block, ``family``'s lookups return ``params`` on top of their row
+    (any shape): how tuning runs try values without editing the table."""
+    check_row(family, {}, params)
+    saved = TABLE[family]
+    TABLE[family] = [(key, {**row, **params}) for key, row in saved]
+    try:
+        yield
+    finally:
+        TABLE[family] = saved
+
+
+for _family, _rows in TABLE.items():
+    for _key, _params in _rows:
+        check_row(_family, _key, _params)

@@ -1,0 +1,86 @@
+"""The kernels' shape-keyed launch table (ops/tuning.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from replayssm.ops import tuning
+
+F32, BF16 = torch.float32, torch.bfloat16
+
+
+def test_defaults_are_the_measured_values():
+    at = dict(K=128, V=128, state_dtype=F32, batch=256)
+    assert tuning.lookup("exact_write", **at) == {"block_v": 64}
+    assert tuning.lookup("exact_read_only", **at) == {"block_v": 128}
+    assert tuning.lookup("window", **at) == {"block_v": 128, "k_chunk": 128, "num_warps": 2, "heads_per_program": 1}
+    assert tuning.lookup("products", **at) == {"block_v": 64, "k_chunk": 64, "num_warps": 4, "num_stages": 2}
+
+
+def test_first_matching_row_wins(monkeypatch):
+    rows = [({"K": 128, "state_dtype": BF16, "max_batch": 4}, {"block_v": 16}),
+            ({"min_batch": 64}, {"block_v": 32}),
+            ({}, {"block_v": 64})]
+    for key, params in rows:
+        tuning.check_row("exact_write", key, params)
+    monkeypatch.setitem(tuning.TABLE, "exact_write", rows)
+    pick = lambda **kw: tuning.lookup("exact_write", **{"K": 128, "V": 128, "state_dtype": F32, "batch": 1, **kw})  # noqa: E731
+    assert pick(state_dtype=BF16)["block_v"] == 16
+    assert pick(state_dtype=BF16, K=64)["block_v"] == 64  # K does not match
+    assert pick(state_dtype=BF16, batch=5)["block_v"] == 64  # above max_batch
+    assert pick(batch=64)["block_v"] == 32
+    assert pick(state_dtype=BF16, batch=64)["block_v"] == 32
+    assert pick(batch=63)["block_v"] == 64
+
+
+def test_lookup_returns_a_copy():
+    at = dict(K=128, V=128, state_dtype=F32, batch=1)
+    tuning.lookup("window", **at)["block_v"] = 1
+    assert tuning.lookup("window", **at)["block_v"] == 128
+
+
+def test_override_is_scoped():
+    at = dict(K=32, V=32, state_dtype=BF16, batch=3)
+    with tuning.override("window", num_warps=4):
+        assert tuning.lookup("window", **at)["num_warps"] == 4
+        assert tuning.lookup("window", **at)["block_v"] == 128
+    assert tuning.lookup("window", **at)["num_warps"] == 2
+    with pytest.raises(RuntimeError):
+        with tuning.override("exact_write", block_v=16):
+            raise RuntimeError
+    assert tuning.lookup("exact_write", **at)["block_v"] == 64
+
+
+def test_bad_rows_and_names_raise():
+    at = dict(K=128, V=128, state_dtype=F32, batch=1)
+    with pytest.raises(ValueError, match="unknown kernel family"):
+        tuning.lookup("nope", **at)
+    with pytest.raises(ValueError, match="unknown parameters"):
+        with tuning.override("window", num_stages=2):
+            pass
+    with pytest.raises(ValueError, match="int >= 1"):
+        tuning.check_row("window", {}, {"num_warps": 0})
+    with pytest.raises(ValueError, match="unknown key fields"):
+        tuning.check_row("window", {"batch": 1}, {})
+
+
+def test_no_row_matches_raises(monkeypatch):
+    monkeypatch.setitem(tuning.TABLE, "window", [({"K": 64}, {"block_v": 16})])
+    with pytest.raises(ValueError, match="no row"):
+        tuning.lookup("window", K=128, V=128, state_dtype=F32, batch=1)
+
+
+def test_circular_small_batch_row_by_device():
+    """circular's small-batch switch: on CUDA up to a batch, never on the CPU (the
+    interpreter's tests cover the closed form unless they override it); 0 is allowed."""
+    at = dict(K=128, V=128, state_dtype=F32)
+    cuda = tuning.lookup("circular", **at, batch=1, device="cuda")["replay_max_batch"]
+    assert cuda >= 1
+    assert tuning.lookup("circular", **at, batch=1, device="cpu")["replay_max_batch"] == 0
+    with tuning.override("circular", replay_max_batch=0):
+        assert tuning.lookup("circular", **at, batch=1, device="cuda")["replay_max_batch"] == 0
+    with tuning.override("circular", replay_max_batch=7):
+        assert tuning.lookup("circular", **at, batch=1, device="cpu")["replay_max_batch"] == 7
+    with pytest.raises(ValueError, match="int >= 0"):
+        tuning.check_row("circular", {}, {"replay_max_batch": -1})
