@@ -56,7 +56,8 @@ def test_cpu_smoke_run_writes_one_row_per_strategy_and_batch(tmp_path, capsys):
         assert math.isclose(r["us_per_step"], r["us_per_layer_step"] * r["layers"], rel_tol=1e-9)
         assert r["timing"]["method"] == "eager-wallclock" and r["timing"]["blocks"] == 1
         # the bytes in the row are the byte model's for this shape
-        expected = common.step_bytes(r["strategy"], cfg.step_shape(r["batch"]))
+        expected = common.step_bytes(r["strategy"], cfg.step_shape(r["batch"]),
+                                     circular_replay=r.get("circular_method") == "replay")
         assert r["bytes_per_layer_step"]["total"] == pytest.approx(expected.total)
         assert r["achieved_GBps"] == pytest.approx(expected.total / (r["us_per_layer_step"] * 1e-6) / 1e9)
         if r["kind"] == "strategy":
@@ -233,6 +234,31 @@ def test_state_traffic_matches_design_section_4():
         b = common.step_bytes(k, s)
         assert b.total == pytest.approx(b.state + b.records_read + b.records_write + b.activations)
         assert b.as_dict()["total"] == b.total
+
+
+def test_circular_replay_moves_two_state_passes_and_one_steps_records():
+    """circular's small-batch path flushes every step: its verify reads and writes every
+    row's state, and its history is the last step's n raw records."""
+    s = _shape()
+    sb, t, n, b = s.state_bytes, s.window, s.accept, s.batch
+    closed, replay = common.step_bytes("circular", s), common.step_bytes("circular", s, circular_replay=True)
+    assert replay.state_read == sb and replay.state_write == sb
+    assert replay.records_read == b * n * s.raw_record_bytes
+    assert replay.records_write == closed.records_write == b * t * (s.raw_record_bytes + s.u_record_bytes)
+    assert replay.state > closed.state  # a closed-form flush comes once per cursor cycle only
+    with pytest.raises(ValueError, match="circular_replay"):
+        common.step_bytes("fold", s, circular_replay=True)
+
+
+def test_rows_name_circulars_method_by_the_table(tmp_path):
+    path = tmp_path / "kernels.json"
+    rc = cli.main(["bench", "kernels", "--device", "cpu", "--batches", "1,3", "--layers", "2", "--ring-len", "16",
+                   "--repeats", "1", "--quiet", "--strategies", "circular", "--baselines", "none",
+                   "--tune", "circular.replay_max_batch=2", "--json", str(path)])
+    assert rc == 0
+    by_batch = {r["batch"]: r for r in json.loads(path.read_text())["rows"]}
+    assert by_batch[1]["circular_method"] == "replay" and by_batch[3]["circular_method"] == "closed_form"
+    assert by_batch[1]["cursor_cycle_steps"] == 1 and by_batch[3]["cursor_cycle_steps"] > 1
 
 
 def test_bytes_scale_linearly_with_batch():

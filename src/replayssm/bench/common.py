@@ -268,7 +268,7 @@ class StepBytes:
         return d
 
 
-def step_bytes(kind: str, shape: StepShape) -> StepBytes:
+def step_bytes(kind: str, shape: StepShape, *, circular_replay: bool = False) -> StepBytes:
     """The bytes a layer-step of ``kind`` has to move, DESIGN.md section 4.
 
     With ``Sb`` = :attr:`StepShape.state_bytes`, ``T`` the window and ``n`` accepted:
@@ -281,6 +281,9 @@ def step_bytes(kind: str, shape: StepShape) -> StepBytes:
       record) and writes ``T`` records with their ``u``; a flush, once per cursor cycle,
       reads the folded raw records and writes ``Sb`` (counted as fused with the verify's
       read, the least a flush can cost). Averaged over :func:`cursor_cycle`.
+      With ``circular_replay`` (its small-batch path, ``ops.chunked.replays_window``):
+      a flush at every step, so verify reads ``Sb`` and the last step's ``n`` raw
+      records, writes ``Sb`` and ``T`` records with their ``u``.
     - ``plain_decode``: one token: reads ``Sb``, writes ``Sb``.
     - ``snapshot_verify``: the snapshot strategy's verify alone: reads ``Sb``, writes
       ``T Sb``.
@@ -292,6 +295,8 @@ def step_bytes(kind: str, shape: StepShape) -> StepBytes:
         raise ValueError(f"kind must be one of {STEP_KINDS}, got {kind!r}")
     if not isinstance(shape, StepShape):
         raise TypeError(f"shape must be a StepShape, got {type(shape).__name__}")
+    if circular_replay and kind != "circular":
+        raise ValueError(f"circular_replay applies to the circular kind only, got {kind!r}")
     sb, b, t, n = shape.state_bytes, shape.batch, shape.window, shape.accept
     tokens = b if kind == "plain_decode" else b * t
     act = shape.activation_bytes(tokens) + (0 if kind in ("plain_decode", "snapshot_verify") else shape.conv_bytes())
@@ -303,6 +308,9 @@ def step_bytes(kind: str, shape: StepShape) -> StepBytes:
     if kind == "circular":
         if not shape.ring_len:
             raise ValueError("shape.ring_len must be set for the circular strategy")
+        if circular_replay:
+            return StepBytes(state_read=sb, state_write=sb, records_read=b * n * raw,
+                             records_write=b * t * (raw + shape.u_record_bytes), activations=act)
         cyc = cursor_cycle(t, shape.ring_len, n)
         return StepBytes(
             state_read=sb,

@@ -407,6 +407,15 @@ def _generator(cfg: BenchConfig, *key) -> torch.Generator:
     return gen
 
 
+def circular_replays(cfg: BenchConfig, batch: int) -> bool:
+    """Whether ``circular`` at ``batch`` runs its small-batch path (one launch, a flush
+    at every step) under the shape table as it stands (``--tune`` included)."""
+    from ..ops.chunked import replays_window
+
+    return replays_window(batch, kd=cfg.head_k_dim, vd=cfg.head_v_dim, state_dtype=cfg.state_dtype,
+                          device=cfg.device)
+
+
 def measure(cfg: BenchConfig, name: str, batch: int, *, copy_bw: float | None, l2_bytes: int | None,
             progress: ProgressBar | None = None) -> dict:
     """Time one (strategy or baseline, batch) configuration and return its JSON row."""
@@ -414,8 +423,10 @@ def measure(cfg: BenchConfig, name: str, batch: int, *, copy_bw: float | None, l
     if not is_strategy and name not in BASELINE_NAMES:
         raise ValueError(f"name must be one of {STRATEGY_NAMES + BASELINE_NAMES}, got {name!r}")
     shape = cfg.step_shape(batch, conv=cfg.conv and is_strategy)
-    nbytes = common.step_bytes(name, shape)
-    cycle = common.cursor_cycle(cfg.window, cfg.ring_len, cfg.accept).steps if name == "circular" else 1
+    replay = name == "circular" and circular_replays(cfg, batch)
+    nbytes = common.step_bytes(name, shape, circular_replay=replay)
+    cycle = (common.cursor_cycle(cfg.window, cfg.ring_len, cfg.accept).steps if name == "circular" and not replay
+             else 1)
     copies = 1
     if cfg.graph and l2_bytes:
         copies = common.rotation_copies(shape.state_bytes * cfg.layers, l2_bytes)
@@ -459,6 +470,7 @@ def make_row(cfg: BenchConfig, name: str, batch: int, timing: Timing, nbytes: co
         "accepted_per_request": committed,
         "ring_len": cfg.ring_len if name == "circular" else None,
         "cursor_cycle_steps": cycle if name == "circular" else None,
+        "circular_method": ("replay" if circular_replays(cfg, batch) else "closed_form") if name == "circular" else None,
         "exact_outputs": STRATEGIES[name].exact_outputs if name in STRATEGY_NAMES else True,
         "us_per_step": timing.us_per_step,
         "us_per_layer_step": us,
