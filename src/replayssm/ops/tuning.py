@@ -62,10 +62,9 @@ TABLE: dict[str, list[tuple[dict, dict]]] = {
     "products": [({}, dict(block_v=64, k_chunk=64, num_warps=4, num_stages=2))],
     "window": [({}, dict(block_v=128, k_chunk=128, num_warps=2, heads_per_program=1))],
     # Small batches are latency-bound: one launch with a chain of n + T exact steps
-    # beats three launches and the window solve's per-head chain there. Measured on an
-    # H200 (fp32 states, T=4, n=3, L=16; BENCHMARKS.md, issue 11): replay 11.4/18.9/
-    # 21.8/28.3 us per layer-step at batch 1/2/4/8 against the closed form's 17.1/21.3/
-    # 23.5/32.1, but 51.8 against 40.7 at batch 16, so the switch sits at 8.
+    # beats three launches and the window solve's per-head chain there. The switch sits
+    # at the largest batch where replay measured faster (BENCHMARKS.md, issue 11:
+    # "Where circular switches method").
     # On the CPU the closed form stays the default so that the interpreter's tests
     # cover the history; tests turn the path on with override().
     "circular": [({"device": "cpu"}, dict(replay_max_batch=0)), ({}, dict(replay_max_batch=8))],
