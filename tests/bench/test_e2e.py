@@ -130,6 +130,7 @@ def test_compare_tokens_classification():
     (["--model", "/nonexistent/checkpoint"], "checkpoint directory"),
     (["--strategies", "none", "--no-plain", "--no-hf"], "nothing to run"),
     (["--acceptance", "0.5,1.5"], "probabilities"),
+    (["--random", "tiny", "--model", "embedded"], "--random"),
 ])
 def test_cli_rejects_bad_settings(argv, message, capsys):
     rc = cli.main(["bench", "e2e", "--device", "cpu", "--quiet", *argv])

@@ -32,15 +32,14 @@ DRAFTERS = ("ngram", "mtp", "model")
 GENERATOR_OF = {"ngram": "static", "mtp": "static", "model": "eager"}
 
 
-def heldout_prompts(tokenizer, count: int, prompt_len: int) -> tuple[list[list[int]], list[str]]:
-    """``count`` prompts of ``prompt_len`` tokens, one per held-out file (path order,
-    files too short skipped), each cut from a third of the way into its file (past
-    the licence header and module docstring most files open with). Returns the token
-    lists and the files' relative paths."""
-    from ..train.data import load_corpus
-
+def heldout_prompts(tokenizer, files, count: int, prompt_len: int) -> tuple[list[list[int]], list[str]]:
+    """``count`` prompts of ``prompt_len`` tokens, one per file of ``files`` (the
+    held-out ones, :func:`replayssm.train.data.heldout_files`; path order, files too
+    short skipped), each cut from a third of the way into its file (past the licence
+    header and module docstring most files open with). Returns the token lists and the
+    files' relative paths."""
     prompts, names = [], []
-    for f in load_corpus(heldout_percent=5.0).heldout:
+    for f in files:
         ids = tokenizer.encode(f.text, add_special_tokens=False)
         if len(ids) < 3 * prompt_len:
             continue
@@ -56,14 +55,15 @@ def heldout_prompts(tokenizer, count: int, prompt_len: int) -> tuple[list[list[i
 
 
 @torch.no_grad()
-def heldout_loss(model, tokenizer, *, windows: int, seq_len: int = 512) -> float:
+def heldout_loss(model, tokenizer, *, windows: int, seq_len: int = 512, files=None) -> float:
     """Mean next-token cross-entropy (nats/token) of ``model`` over ``windows`` windows
-    of ``seq_len`` tokens spread evenly over the held-out stream (files joined by the
-    end-of-text token, as in training)."""
-    from ..train import data as D
+    of ``seq_len`` tokens spread evenly over the held-out stream (``files``, default
+    :func:`replayssm.train.data.heldout_files`, joined by the end-of-text token as in
+    training)."""
+    from ..train.data import heldout_stream
     from ..train.run import heldout_windows
 
-    stream = D.encode_files(tokenizer, D.load_corpus(heldout_percent=5.0).heldout)
+    stream = heldout_stream(tokenizer, files)
     w = heldout_windows(stream, windows, seq_len + 1).to(model.device)
     total = 0.0
     for i in range(0, w.shape[0], 8):
@@ -105,10 +105,13 @@ def run_acceptance(args, progress_enabled: bool = True) -> dict:
     from .common import environment
     from .progress import ProgressBar
 
+    from ..train.data import heldout_files
+
     tok = load_tokenizer(args.model)
-    prompts, files = heldout_prompts(tok, args.prompts, args.prompt_len)
+    held = heldout_files()
+    prompts, files = heldout_prompts(tok, held, args.prompts, args.prompt_len)
     model = load_model(args.model, dtype=args.dtype, device=args.device)
-    loss = heldout_loss(model, tok, windows=args.heldout_windows)
+    loss = heldout_loss(model, tok, windows=args.heldout_windows, files=held)
     runs = [(d, t) for d in args.drafters for t in args.windows]
     rows = []
     # Plain decoding through the same loop as each drafter: the graphed static step for

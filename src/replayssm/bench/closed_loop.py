@@ -203,9 +203,9 @@ def build_inputs(args):
     if args.prompt:
         texts = list(args.prompt)
     else:
-        from ..train.data import load_corpus
+        from ..train.data import heldout_files
 
-        held = load_corpus(heldout_percent=5.0).heldout
+        held = heldout_files()
         texts = [f.text for f in held[: args.requests]]
     prompts = [tok.encode(t, add_special_tokens=False)[: args.prompt_len] for t in texts][: args.requests]
     if any(not p or max(p) >= vocab for p in prompts):

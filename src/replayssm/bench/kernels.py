@@ -450,11 +450,11 @@ def measure(cfg: BenchConfig, name: str, batch: int, *, copy_bw: float | None, l
         gc.collect()
         if cfg.device.type == "cuda":
             torch.cuda.empty_cache()
-    return make_row(cfg, name, batch, timing, nbytes, shape, copy_bw, cycle)
+    return make_row(cfg, name, batch, timing, nbytes, shape, copy_bw, cycle, replay)
 
 
 def make_row(cfg: BenchConfig, name: str, batch: int, timing: Timing, nbytes: common.StepBytes, shape: StepShape,
-             copy_bw: float | None, cycle: int) -> dict:
+             copy_bw: float | None, cycle: int, replay: bool = False) -> dict:
     """The JSON row of one configuration (fields: see the module docstring)."""
     from ..strategies import STRATEGIES
 
@@ -470,7 +470,7 @@ def make_row(cfg: BenchConfig, name: str, batch: int, timing: Timing, nbytes: co
         "accepted_per_request": committed,
         "ring_len": cfg.ring_len if name == "circular" else None,
         "cursor_cycle_steps": cycle if name == "circular" else None,
-        "circular_method": ("replay" if circular_replays(cfg, batch) else "closed_form") if name == "circular" else None,
+        "circular_method": ("replay" if replay else "closed_form") if name == "circular" else None,
         "exact_outputs": STRATEGIES[name].exact_outputs if name in STRATEGY_NAMES else True,
         "us_per_step": timing.us_per_step,
         "us_per_layer_step": us,

@@ -531,21 +531,16 @@ class HybridEngine:
                 mixer = self.mixers[j]
                 mixed, z, a, b = mixer.project(x)
                 mixed, a, b = mixed[:n], a[:n], b[:n]
+                mixed = (strat.conv_verify if verify else strat.conv_prefill)(j, mixed, batch)
+                q, k, v = mixer.split(mixed)
+                if self.gdn_inputs_hook is not None:
+                    self.gdn_inputs_hook(j, q, k, v, a, b)
                 if verify:
-                    mixed = strat.conv_verify(j, mixed, batch)
-                    q, k, v = mixer.split(mixed)
-                    if self.gdn_inputs_hook is not None:
-                        self.gdn_inputs_hook(j, q, k, v, a, b)
                     o = strat.verify(j, q, k, v, a, b, batch)
+                elif chunked and self.chunk_kernel is not None:
+                    o = self._chunk_prefill(j, q, k, v, a, b, batch)
                 else:
-                    mixed = strat.conv_prefill(j, mixed, batch)
-                    q, k, v = mixer.split(mixed)
-                    if self.gdn_inputs_hook is not None:
-                        self.gdn_inputs_hook(j, q, k, v, a, b)
-                    if chunked and self.chunk_kernel is not None:
-                        o = self._chunk_prefill(j, q, k, v, a, b, batch)
-                    else:
-                        o = strat.prefill(j, q, k, v, a, b, batch)
+                    o = strat.prefill(j, q, k, v, a, b, batch)
                 x = mixer.finish(_pad_rows(o, rows), z)
             else:
                 x = attention_forward(layer.self_attn, x, cos, sin, self.kv, j, layout)

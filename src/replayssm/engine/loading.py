@@ -23,7 +23,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 #: tokenizer.
 EMBEDDED_MODELS = {"embedded": "default", "embedded-draft": "draft"}
 EMBEDDED = "embedded"
-EMBEDDED_DRAFT = "embedded-draft"
 #: How each shipped checkpoint is made (``replayssm train`` on a GPU; see BENCHMARKS.md).
 _TRAIN_COMMANDS = {
     "default": "replayssm train --size default --minutes 4 --out {path}",
@@ -60,13 +59,8 @@ def resolve_model_path(name: str | os.PathLike) -> str:
 def model_label(path: str | os.PathLike) -> str:
     """How reports name a checkpoint: ``"embedded"`` / ``"embedded-draft"`` for the
     shipped ones (not where the package happens to be installed), else ``path`` as given."""
-    for name in EMBEDDED_MODELS:
-        try:
-            if Path(path).resolve() == embedded_model_dir(name).resolve():
-                return name
-        except OSError:
-            break
-    return os.fspath(path)
+    resolved = Path(path).resolve()
+    return next((name for name in EMBEDDED_MODELS if embedded_model_dir(name) == resolved), os.fspath(path))
 
 
 def resolve_device(device: str | None) -> torch.device:

@@ -23,6 +23,7 @@ import os
 import sys
 
 from ..bench.args import device_name, nonneg_float, positive_float, positive_int
+from .data import HELDOUT_PERCENT
 from .model import SIZES
 
 
@@ -50,8 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="weight of the MTP head's loss in the total (default 0.5)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and of the window sampling")
     parser.add_argument("--device", type=device_name, default="auto", help="auto, cpu, cuda, cuda:N (default auto)")
-    parser.add_argument("--heldout-percent", type=positive_float, default=5.0,
-                        help="share of files held out, chosen by a hash of their path (default 5)")
+    parser.add_argument("--heldout-percent", type=positive_float, default=HELDOUT_PERCENT,
+                        help=f"share of files held out, chosen by a hash of their path (default {HELDOUT_PERCENT:g}; "
+                             "the evaluation tools read the default's held-out files)")
     parser.add_argument("--eval-every", type=positive_int, default=100, help="steps between held-out evaluations")
     parser.add_argument("--eval-windows", type=positive_int, default=64, help="held-out windows per evaluation")
     parser.add_argument("--max-files", type=positive_int, default=None,

@@ -85,7 +85,12 @@ def list_sources(root: str | os.PathLike | None = None) -> list[str]:
     return sorted(out)
 
 
-def load_corpus(root: str | os.PathLike | None = None, *, heldout_percent: float = 5.0,
+#: The share of files ``replayssm train`` holds out by default; the evaluation tools
+#: (acceptance, closed-loop, drift) read the same held-out files.
+HELDOUT_PERCENT = 5.0
+
+
+def load_corpus(root: str | os.PathLike | None = None, *, heldout_percent: float = HELDOUT_PERCENT,
                 max_files: int | None = None) -> Corpus:
     """Read and split the sources under ``root``.
 
@@ -166,3 +171,15 @@ def bytes_per_token(tokenizer, files: list[SourceFile]) -> float:
     n_tok = sum(len(e.ids) for e in tokenizer.backend_tokenizer.encode_batch([f.text for f in files],
                                                                              add_special_tokens=False))
     return n_bytes / max(1, n_tok)
+
+
+def heldout_files() -> list[SourceFile]:
+    """The standard library's held-out files (:data:`HELDOUT_PERCENT`, the files the
+    shipped models never trained on), in path order."""
+    return load_corpus(heldout_percent=HELDOUT_PERCENT).heldout
+
+
+def heldout_stream(tokenizer, files: list[SourceFile] | None = None) -> torch.Tensor:
+    """``files`` (default :func:`heldout_files`) as one int64 token stream, joined by the
+    end-of-text token as in training."""
+    return encode_files(tokenizer, heldout_files() if files is None else files).long()

@@ -35,7 +35,7 @@ class TrainConfig:
     mtp_weight: float = 0.5
     seed: int = 0
     device: str = "auto"
-    heldout_percent: float = 5.0
+    heldout_percent: float = D.HELDOUT_PERCENT
     eval_every: int = 100
     eval_windows: int = 64
     max_files: int | None = None

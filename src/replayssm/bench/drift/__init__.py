@@ -68,7 +68,8 @@ from .command import add_arguments, check_args, config_from_args, main
 from .config import (A_SCALE, ACT_DTYPES, B_SCALE, CONTROL, INPUTS, PLAIN, SERIES, SHAPES, STATE_DTYPES,
                      STRATEGY_NAMES, DriftConfig)
 from .inputs import InputStream, gate_params
-from .model_inputs import ModelInputStream, heldout_stream
+from ...train.data import heldout_stream
+from .model_inputs import ModelInputStream
 from .judge import assess, verdict
 from .oracle import Oracle64
 from .report import print_report

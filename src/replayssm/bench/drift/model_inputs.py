@@ -44,21 +44,13 @@ def gdn_layer_count(model_dir: str) -> int | None:
     return None if types is None else sum(t == "linear_attention" for t in types)
 
 
-def heldout_stream(tokenizer) -> torch.Tensor:
-    """The held-out standard-library files (the 5% that training never saw) as one
-    int64 token stream, files joined by the end-of-text token as in training."""
-    from ...train.data import encode_files, load_corpus
-
-    return encode_files(tokenizer, load_corpus(heldout_percent=5.0).heldout).long()
-
-
 class ModelInputStream:
     """The inputs of GDN layer ``layer`` of the model at ``model_dir`` over held-out text,
     served in windows of ``B = requests`` requests.
 
     ``layer`` counts among the GDN layers (``None``: the last, the one that reads the
     output of every layer below it). Request ``i`` reads its own contiguous stretch of ``stream`` (default
-    :func:`heldout_stream`), from token ``i * len(stream) // B`` on, wrapping around at
+    :func:`replayssm.train.data.heldout_stream`), from token ``i * len(stream) // B`` on, wrapping around at
     the end, in contexts of at most :data:`MAX_CONTEXT` tokens. The model runs in
     float32 (on ``device``, the reference ops on the CPU), whatever ``act_dtype``; the
     layer's inputs are recorded once per token, rounded to ``act_dtype``, up to a
@@ -84,6 +76,7 @@ class ModelInputStream:
                  max_context: int = MAX_CONTEXT):
         from ...engine.adapter import HybridEngine
         from ...engine.loading import load_model, load_tokenizer
+        from ...train.data import heldout_stream
 
         self.device = torch.device(device)
         self.B, self.T, self.act_dtype, self.chunk = requests, window, act_dtype, chunk
