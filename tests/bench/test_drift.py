@@ -15,6 +15,7 @@ from replayssm.ops import gdn_recurrence_reference
 from replayssm.state import GDNShape
 from replayssm.ops.gates import expand_heads, gdn_gates, l2_normalize
 from replayssm.strategies.fold import FoldStrategy
+from replayssm.train.data import heldout_stream
 
 # A few hundred tokens of the tiny shape: a minute of CPU at most. Memories are kept
 # short (decay 0.05..0.5 per token) so that the fp32 recurrence's own error has
@@ -134,7 +135,7 @@ def heldout():
     from replayssm.engine.loading import load_tokenizer, resolve_model_path
 
     path = resolve_model_path("embedded")
-    return path, drift.heldout_stream(load_tokenizer(path))
+    return path, heldout_stream(load_tokenizer(path))
 
 
 @torch.no_grad()

@@ -68,7 +68,6 @@ from .command import add_arguments, check_args, config_from_args, main
 from .config import (A_SCALE, ACT_DTYPES, B_SCALE, CONTROL, INPUTS, PLAIN, SERIES, SHAPES, STATE_DTYPES,
                      STRATEGY_NAMES, DriftConfig)
 from .inputs import InputStream, gate_params
-from ...train.data import heldout_stream
 from .model_inputs import ModelInputStream
 from .judge import assess, verdict
 from .oracle import Oracle64
@@ -81,5 +80,5 @@ __all__ = [
     "A_SCALE", "ACT_DTYPES", "B_SCALE", "CONTROL", "INPUTS", "PLAIN", "SERIES", "SHAPES", "STATE_DTYPES",
     "STRATEGY_NAMES", "DriftConfig", "InputStream", "ModelInputStream", "Oracle64", "OpenLoopControl",
     "PlainRecurrence", "StrategyVariant", "Variant", "add_arguments", "assess", "check_args", "config_from_args",
-    "gate_params", "heldout_stream", "main", "open_loop_fold", "print_report", "run_drift", "verdict",
+    "gate_params", "main", "open_loop_fold", "print_report", "run_drift", "verdict",
 ]
