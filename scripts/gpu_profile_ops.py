@@ -9,9 +9,8 @@ call is printed next to the one-read floor ``Sb / copy bandwidth``.
     PYTHONPATH=src python3 scripts/gpu_profile_ops.py --batches 64,256 [--variants ...]
 
 Variants are given as ``NAME=FAMILY.PARAM:VALUE,...`` and override rows of the kernels'
-shape table (``replayssm/ops/tuning.py``, e.g. ``window.k_chunk:64``,
-``exact_write.block_v:32``) for the calls; ``chunked._DOT_PRECISION:tf32`` (a module
-global) is taken too. Every op is timed under every variant.
+shape table (``replayssm/ops/tuning.py``, e.g. ``closed_form.k_chunk:32``,
+``exact_write.block_v:32``) for the calls. Every op is timed under every variant.
 """
 
 from __future__ import annotations
@@ -37,14 +36,14 @@ def timed(fn, reps: int) -> float:
     return t.us_per_step / reps
 
 
-def make(batch, hv=32, h=16, kd=128, vd=128, T=4, L=32, seed=0):
+def make(batch, hv=32, h=16, kd=128, vd=128, T=4, L=32, seed=0, state_dtype=torch.float32):
     g = torch.Generator(device="cuda").manual_seed(seed)
     dev, bf = "cuda", torch.bfloat16
     n = batch * T
     r = lambda *s, dt=bf, sc=1.0: (torch.randn(*s, generator=g, device=dev) * sc).to(dt)  # noqa: E731
     x = dict(q=r(n, h, kd), k=r(n, h, kd), v=r(n, hv, vd), a=r(n, hv), b=r(n, hv, sc=2.0),
              A_log=r(hv, dt=torch.float32, sc=0.5), dt_bias=r(hv, dt=torch.float32, sc=0.5))
-    ckpt = r(batch, hv, vd, kd, dt=torch.float32, sc=0.1)
+    ckpt = r(batch, hv, vd, kd, dt=state_dtype, sc=0.1)
     ring = RawRecords(r(batch, L, h, kd), r(batch, L, hv, vd), -torch.rand(batch, L, hv, generator=g, device=dev) * 0.1,
                       torch.rand(batch, L, hv, generator=g, device=dev))
     ring_u = r(batch, L, hv, vd, dt=torch.float32, sc=0.1)
@@ -59,6 +58,8 @@ def main() -> int:
     p.add_argument("--reps", type=positive_int, default=10, help="calls captured per CUDA graph (default 10)")
     p.add_argument("--variants", nargs="*", default=[],
                    help="tuning variants, each NAME=FAMILY.PARAM:VALUE,... (space-separated; default: none)")
+    p.add_argument("--only", default="", help="time only the ops whose name contains this text (default: all)")
+    p.add_argument("--state-dtype", choices=("float32", "bfloat16"), default="float32", help="checkpoint dtype (default float32)")
     p.add_argument("--json", type=output_path(".json"), default=None, help="write every timed row here")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -71,7 +72,7 @@ def main() -> int:
         rows.append(dict(op=name, batch=batch, us=us, floor_us=floor, ratio=us / floor))
         print(f"{name:48s} b={batch:4d} {us:9.2f} us  floor {floor:8.2f}  x{us / floor:6.2f}", flush=True)
 
-    T, L = 4, 32
+    T, L = 4, 16
     modules = {"chunked": chunked, "recurrent": recurrent}
     variants = [("default", {})]
     for spec in args.variants:
@@ -96,14 +97,16 @@ def main() -> int:
         return stack
 
     def attempt(name, batch, fn, sb):
+        if args.only not in name:
+            return
         try:
             report(name, batch, timed(fn, args.reps), sb)
         except Exception as e:  # report and go on: a variant may not compile
             print(f"{name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
 
     for batch in args.batches:
-        x, ckpt, ring, ring_u, slots, cu = make(batch, T=T, L=L)
-        sb = ckpt.numel() * 4
+        x, ckpt, ring, ring_u, slots, cu = make(batch, T=T, L=L, state_dtype=getattr(torch, args.state_dtype))
+        sb = ckpt.numel() * ckpt.element_size()
         one = torch.arange(0, batch + 1, dtype=torch.int32, device="cuda")
         xs1 = {k: (v[::T].contiguous() if v.shape[0] == batch * T else v) for k, v in x.items()}
         args1 = [xs1[k] for k in ("q", "k", "v", "a", "b", "A_log", "dt_bias")]
@@ -123,32 +126,25 @@ def main() -> int:
                 attempt(f"[{vname}] fold commit, count=3", batch, lambda: gdn_fold(
                     ckpt[None], *(t[None] for t in rec4), slots, start, count), sb)
                 if batch <= 64:
-                    snaps = torch.empty(batch, T, *ckpt.shape[1:], device="cuda")
+                    snaps = torch.empty(batch, T, *ckpt.shape[1:], device="cuda", dtype=ckpt.dtype)
                     attempt(f"[{vname}] snapshot verify T=4 (4 snapshot writes)", batch, lambda: gdn_recurrence(
                         *argsT, ckpt, slots, cu, snapshots=snaps, max_len=T), sb)
                     del snaps
-                for label, w, f in (("flush 3 (every step)", 3, 1), ("empty history", 0, 0), ("history 24", 24, 0),
-                                    ("flush 27", 27, 1), ("mixed: 1/9 flush 27, rest history 12", None, None)):
+                # circular's verify at the peer table's cursors (T=4, L=16, 3 tokens a
+                # commit: write_pos cycles 3, 6, 9 and the rows at 9 flush), each method.
+                phase = torch.arange(batch, device="cuda") % 3
+                for label, w, f in (("empty history", 0, 0), ("history 6", 6, 0), ("flush 9 (every row)", 9, 1),
+                                    ("flush 3 (every row, the replay method's case)", 3, 1),
+                                    ("mixed: 1/3 flush 9, rest history 3 or 6", None, None)):
                     if w is None:
-                        fl.copy_((torch.arange(batch, device="cuda") % 9 == 0).int())
-                        wp.copy_(torch.where(fl.bool(), 27, 12).int())
+                        fl.copy_((phase == 2).int())
+                        wp.copy_((3 * (phase + 1)).int())
                     else:
                         wp.fill_(w)
                         fl.fill_(f)
-                    # Both methods of circular's verify; the small-batch path ("replay")
-                    # runs with a flush at every step, i.e. the first case.
                     for method in ("closed_form", "replay"):
                         attempt(f"[{vname}] chunked {method} {label}", batch, lambda: chunked.gdn_chunked_window_triton(
                             *argsT, ckpt, ring, ring_u, slots, cu, wp, base, fl, max_len=T, method=method), sb)
-                # The parts, with the last cursors (mixed): flush launch, products, window solve.
-                attempt(f"[{vname}] part: flush launch, mixed", batch, lambda: fold.launch_fold(
-                    ckpt[None], *(t[None] for t in ring), slots, base, wp, fl), sb)
-                attempt(f"[{vname}] part: products kernel", batch, lambda: chunked.launch_products(
-                    argsT[0], argsT[1], ckpt, slots, cu, 8), sb)
-                sx = chunked.launch_products(argsT[0], argsT[1], ckpt, slots, cu, 8)
-                o = torch.empty_like(argsT[2])
-                attempt(f"[{vname}] part: window solve from sx, mixed", batch, lambda: chunked.launch_window(
-                    *argsT, ring, ring_u, slots, cu, wp, base, fl, o, sx, 8, L, T), sb)
         apply({})
     if args.json:
         with open(args.json, "w") as fh:

@@ -304,3 +304,13 @@ def test_cuda_graph_replay_of_a_circular_step(method):
             pairs = zip(graphed[k], eager[k]) if k == "ring" else [(graphed[k], eager[k])]
             assert all(same(a, b) for a, b in pairs), f"{k} differs between replay and eager"
     assert flushed > 0, "the replays must include a flush"
+
+
+@pytest.mark.parametrize("warps", [4, 8])
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_closed_form_flush_bit_for_bit_at_any_warp_count(state_dtype, warps):
+    """The closed form's flush stage with the shape table's ``closed_form.num_warps``: a
+    four-part tile keeps one row's layout whatever the warps along rows, so the folded
+    checkpoints are the fold kernel's bit for bit (the table may pick the warps by speed)."""
+    with tuning.override("closed_form", num_warps=warps):
+        test_flush_fold_is_the_fold_kernel_bit_for_bit(state_dtype, torch.bfloat16, "closed_form")

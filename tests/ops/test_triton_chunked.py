@@ -211,22 +211,6 @@ def test_chunked_window_matches_reference(h, group, kd, vd, t, L):
     check_against_reference(Case(h, group, kd, vd, t, L))
 
 
-@pytest.mark.parametrize("h,group,kd,vd,t,L", [c for c in CONFIGS if c[1] > 1])
-def test_value_heads_per_program(h, group, kd, vd, t, L):
-    """The window kernel with the value heads of a key head in one program (their K pass
-    shared; the shape table's ``window.heads_per_program``, capped at the group) against
-    the reference, and the same numbers as one program per value head (same operations
-    per head; bit for bit under the interpreter)."""
-    case = Case(h, group, kd, vd, t, L)
-    o_1, ck_1, ring_1, u_1 = case.run("triton", method="closed_form")
-    with tuning.override("window", heads_per_program=4):
-        check_against_reference(case, method="closed_form")
-        o_g, ck_g, ring_g, u_g = case.run("triton", method="closed_form")
-    exact = DEVICE.type == "cpu"
-    for a, b in ((o_g, o_1), (ck_g, ck_1), (u_g, u_1), *zip(ring_g, ring_1)):
-        assert same(a, b) if exact else torch.allclose(a.nan_to_num(0.0), b.nan_to_num(0.0), **TOL)
-
-
 @pytest.mark.parametrize("h,group,kd,vd,t,L", CONFIGS)
 def test_replay_method_matches_reference(h, group, kd, vd, t, L):
     """The small-batch method (history and window through the exact recurrence, one
@@ -257,9 +241,7 @@ def test_method_dispatch_follows_the_table(monkeypatch):
     case = Case(1, 2, 16, 16, 2, 8, rows=3)
     calls = []
     monkeypatch.setattr(chunked_ops, "launch_replay_window", lambda *a, **k: calls.append("replay"))
-    monkeypatch.setattr(chunked_ops, "launch_products", lambda *a, **k: calls.append("closed_form"))
-    monkeypatch.setattr(chunked_ops, "launch_window", lambda *a, **k: None)
-    monkeypatch.setattr(chunked_ops, "launch_fold", lambda *a, **k: None)
+    monkeypatch.setattr(chunked_ops, "launch_closed_form", lambda *a, **k: calls.append("closed_form"))
     case.run("triton")
     with tuning.override("circular", replay_max_batch=3):
         case.run("triton")

@@ -14,8 +14,7 @@ def test_defaults_are_the_measured_values():
     at = dict(K=128, V=128, state_dtype=F32, batch=256)
     assert tuning.lookup("exact_write", **at) == {"block_v": 64}
     assert tuning.lookup("exact_read_only", **at) == {"block_v": 128}
-    assert tuning.lookup("window", **at) == {"block_v": 128, "k_chunk": 128, "num_warps": 2, "heads_per_program": 1}
-    assert tuning.lookup("products", **at) == {"block_v": 64, "k_chunk": 64, "num_warps": 4, "num_stages": 2}
+    assert tuning.lookup("closed_form", **at) == {"block_v": 64, "k_chunk": 64, "num_stages": 2, "num_warps": 4}
 
 
 def test_first_matching_row_wins(monkeypatch):
@@ -36,16 +35,16 @@ def test_first_matching_row_wins(monkeypatch):
 
 def test_lookup_returns_a_copy():
     at = dict(K=128, V=128, state_dtype=F32, batch=1)
-    tuning.lookup("window", **at)["block_v"] = 1
-    assert tuning.lookup("window", **at)["block_v"] == 128
+    tuning.lookup("closed_form", **at)["block_v"] = 1
+    assert tuning.lookup("closed_form", **at)["block_v"] == 64
 
 
 def test_override_is_scoped():
     at = dict(K=32, V=32, state_dtype=BF16, batch=3)
-    with tuning.override("window", num_warps=4):
-        assert tuning.lookup("window", **at)["num_warps"] == 4
-        assert tuning.lookup("window", **at)["block_v"] == 128
-    assert tuning.lookup("window", **at)["num_warps"] == 2
+    with tuning.override("closed_form", num_stages=3):
+        assert tuning.lookup("closed_form", **at)["num_stages"] == 3
+        assert tuning.lookup("closed_form", **at)["block_v"] == 64
+    assert tuning.lookup("closed_form", **at)["num_stages"] == 2
     with pytest.raises(RuntimeError):
         with tuning.override("exact_write", block_v=16):
             raise RuntimeError
@@ -57,18 +56,18 @@ def test_bad_rows_and_names_raise():
     with pytest.raises(ValueError, match="unknown kernel family"):
         tuning.lookup("nope", **at)
     with pytest.raises(ValueError, match="unknown parameters"):
-        with tuning.override("window", num_stages=2):
+        with tuning.override("closed_form", heads_per_program=2):
             pass
     with pytest.raises(ValueError, match="int >= 1"):
-        tuning.check_row("window", {}, {"num_warps": 0})
+        tuning.check_row("closed_form", {}, {"num_stages": 0})
     with pytest.raises(ValueError, match="unknown key fields"):
-        tuning.check_row("window", {"batch": 1}, {})
+        tuning.check_row("closed_form", {"batch": 1}, {})
 
 
 def test_no_row_matches_raises(monkeypatch):
-    monkeypatch.setitem(tuning.TABLE, "window", [({"K": 64}, {"block_v": 16})])
+    monkeypatch.setitem(tuning.TABLE, "closed_form", [({"K": 64}, {"block_v": 16})])
     with pytest.raises(ValueError, match="no row"):
-        tuning.lookup("window", K=128, V=128, state_dtype=F32, batch=1)
+        tuning.lookup("closed_form", K=128, V=128, state_dtype=F32, batch=1)
 
 
 def test_circular_small_batch_row_by_device():

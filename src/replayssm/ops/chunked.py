@@ -22,9 +22,6 @@ stay outside ``write_pos`` and are overwritten by the next window.
 
 from __future__ import annotations
 
-import math
-import os
-
 import torch
 
 from . import _checks, tuning
@@ -232,24 +229,25 @@ def gdn_chunked_window(*args, backend: str = "auto", **kwargs) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- Triton
-# Three launches per layer (fusing products and window was slower: BENCHMARKS.md,
-# tuning notes).
-#  * The flush: rows with is_flush fold their committed raw records into the checkpoint
-#    with the fold kernel (the exact recurrence step, shared with the recurrence: the
-#    folded checkpoint is theirs, bit for bit); every other row's program exits at once.
-#    Kept apart so that the window's kernels are free to pick tiles and warps for their
-#    products rather than the exact step's layout.
-#  * The products: S x_r for the window's stacked raw keys and queries, the only
-#    product that reads the checkpoint, as a plain streaming kernel (one read, at the
-#    copy bandwidth) into a small fp32 scratch.
-#  * The window: one program per (V block, window, value head), or per group of value
-#    heads sharing a key head (the shape table's heads_per_program). One pass over K
-#    computes the products that do not need the state (the window's Gram matrix, the
-#    history keys' products with it), which depend on the key head only; each value head
-#    then solves its window in a small BX x BX space (DESIGN.md section 2) and writes
-#    its records to the ring.
+# One launch per layer, one program per (V block, window, value head), in three stages:
+#  1. The flush (rows with is_flush only): the program folds its rows of the checkpoint
+#     through the row's committed raw records with the exact step (the fold kernel's
+#     tile, helpers and loads, so the folded checkpoint is the fold's, bit for bit) and
+#     stores them. The window then starts from the stored checkpoint, read back in stage
+#     2, so a 16-bit checkpoint is rounded where it is stored, as everywhere else. A
+#     flush row's state is read once and written once; the others skip the stage.
+#  2. The products: one pass over K streams the program's rows of the checkpoint into
+#     S x_r for the window's stacked raw keys and queries (the only product that reads a
+#     state), together with the window's Gram matrix and the history keys' products
+#     with it (which need no state).
+#  3. The window in closed form (DESIGN.md section 2), arranged so that the work that
+#     depends on V is three small matrix products: everything that depends only on the
+#     keys, gates and history (normalisation, decays, (I + A)^-1, the output map) is
+#     first folded into coefficient matrices in the BX x BX space,
+#         [U | o] = (S0 x_r) C1 + u_h Z + v D,
+#     and the program multiplies its rows by them and stores outputs and records.
 # Branches on request data are masks or device control flow: the host never reads the
-# device and the launches can be captured in a CUDA graph.
+# device and the launch can be captured in a CUDA graph.
 
 try:
     import triton
@@ -257,17 +255,6 @@ try:
 except ImportError:  # the reference above works without Triton
     triton = None
 
-# Precision of the window kernel's big products, S x_r ([BV, K] x [K, 2T]), which decide
-# its speed: as fp32 FMA ("ieee") they make the kernel instruction-bound, on tensor cores
-# ("tf32") they do not. tf32 rounds the fp32 operand (the state, and the history's u) to
-# 11 significant bits, a relative error of ~2^-12 in a product over K = 128 terms, 8x
-# below the rounding of a bf16 output (2^-9); the 16-bit keys and queries are exact in
-# tf32. So: "tf32" when the activations are 16-bit, "ieee" for fp32 activations (CPU
-# tests, fp32 models), where tf32 would show. The window's small solve ([BV, 2T] x
-# [2T, 2T]) always runs in "ieee". REPLAYSSM_CHUNKED_DOT overrides the choice of the big
-# products ("ieee", "tf32", "tf32x3"). Block sizes and warps of both kernels come from
-# the shape table (ops/tuning.py: "products", "window").
-_DOT_PRECISION = os.environ.get("REPLAYSSM_CHUNKED_DOT", "")
 #: Longest window the kernel takes (the stacked window block is 2 * max(8, T) rows).
 MAX_WINDOW_TRITON = 16
 
@@ -283,9 +270,16 @@ def replays_window(batch: int, *, kd: int, vd: int, state_dtype: torch.dtype, de
 
 
 def product_precision(act_dtype: torch.dtype) -> str:
-    """``input_precision`` of the window kernel's big products for an activation dtype."""
-    if _DOT_PRECISION:
-        return _DOT_PRECISION
+    """``input_precision`` of the closed form's products with the state, ``S x_r``
+    (``[BV, K] x [K, 2T]``), and of the window's Gram matrices, for an activation dtype.
+
+    On tensor cores ("tf32") these cost nothing next to the state's read; as fp32 FMA
+    ("ieee") they are most of the kernel's instructions. tf32 rounds the fp32 state to
+    11 significant bits, a relative error of ~2^-12 in a product over K = 128 terms, 8x
+    below the rounding of a bf16 output (2^-9); 16-bit keys and queries are exact in
+    tf32, and their Gram matrices accumulate in fp32. So: "tf32" for 16-bit
+    activations, "ieee" for fp32 activations (CPU tests, fp32 models), where tf32 would
+    show. The small coefficient products always run in "ieee"."""
     return "ieee" if act_dtype == torch.float32 else "tf32"
 
 
@@ -297,7 +291,7 @@ if triton is not None:
         check_inner_contiguous,
         check_max_len,
     )
-    from .fold import _load_record as _fold_load_record, launch_fold
+    from .fold import _load_record as _fold_load_record
     from .recurrent import _load_token as _rec_load_token, pick_block_v, exact_block_k
     from .triton_common import EXACT_NUM_WARPS, NORM_EPS, block_rows, device_fn as _tl_device_fn
     from .triton_common import gdn_gates as _tl_gdn_gates, gdn_state_step as _tl_state_step
@@ -330,87 +324,94 @@ if triton is not None:
                     mask=xq_ok[:, None] & mask_k[None, :], other=0.0)
         return k, k.to(tl.float32) + q.to(tl.float32)
 
-    @_tl_device_fn
-    def _value_head_loads(a_ptr, b_ptr, v_ptr, rg_ptr, ru_ptr, sx_ptr, i_b, i_hv, rec_h, hist, p_tok, offs_x, x_ok, xk_ok,
-                          offs_v, mask_v, stride_a_tok, stride_b_tok, stride_v_tok, stride_v_head,
-                          HV: tl.constexpr, V: tl.constexpr, BX: tl.constexpr):
-        """What the window solve reads for one value head: the history's gates ``g_h``
-        and deltas ``u_h [BV, BH]``, the window's raw gates ``a``, ``b``, values
-        ``v [BV, BX]`` (key columns) and products ``S x_r [BV, BX]``. None of it depends
-        on the K pass, so a program issues the first head's loads before it."""
-        # (Unused ring entries may hold NaN: masked loads give 0 instead.)
-        g_h = tl.load(rg_ptr + rec_h * HV + i_hv, mask=hist, other=0.0)
-        u_h = tl.load(ru_ptr + (rec_h[None, :] * HV + i_hv) * V + offs_v[:, None], mask=mask_v[:, None] & hist[None, :],
-                      other=0.0)
-        a_x = tl.load(a_ptr + p_tok * stride_a_tok + i_hv, mask=x_ok, other=0.0)
-        b_x = tl.load(b_ptr + p_tok * stride_b_tok + i_hv, mask=x_ok, other=0.0)
-        v_x = tl.load(v_ptr + p_tok[None, :] * stride_v_tok + i_hv * stride_v_head + offs_v[:, None],
-                      mask=mask_v[:, None] & xk_ok[None, :], other=0.0)
-        SX = tl.load(sx_ptr + ((i_b * HV + i_hv) * BX + offs_x[None, :]) * V + offs_v[:, None],
-                     mask=mask_v[:, None] & x_ok[None, :], other=0.0)
-        return g_h, u_h, a_x, b_x, v_x, SX
+    @triton.jit
+    def _replay_history(ckpt_at, tile, rk_ptr, rv_ptr, rg_ptr, rb_ptr, ring_at, base, count, offs_c, offs_v, mask_v,
+                        i_h, i_hv, eps,
+                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
+                        KQ: tl.constexpr):
+        """Load a ``[BV, K]`` checkpoint tile as four parts and replay ``count`` raw
+        records from ring position ``base`` through the exact step, as the fold kernel
+        does (record c + 1 loads during step c; unused ring entries may hold NaN: masked
+        loads give 0). Returns the tile's parts."""
+        S0, S1, S2, S3 = _tl_load_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ)
+        all_c = offs_c >= 0
+        valid_n = count > 0
+        k0n, k1n, k2n, k3n, v_n, g_n, b_n = _fold_load_record(
+            rk_ptr, rv_ptr, rg_ptr, rb_ptr, ring_at + base % L, valid_n, offs_c, _tl_mask_and(all_c, valid_n),
+            _tl_mask_and(mask_v, valid_n), i_h, i_hv, offs_v, H, HV, K, V, KQ,
+        )
+        for c in range(0, count):
+            k0, k1, k2, k3, v, g, beta = k0n, k1n, k2n, k3n, v_n, g_n, b_n
+            valid_n = c + 1 < count
+            k0n, k1n, k2n, k3n, v_n, g_n, b_n = _fold_load_record(
+                rk_ptr, rv_ptr, rg_ptr, rb_ptr, ring_at + (base + c + 1) % L, valid_n, offs_c,
+                _tl_mask_and(all_c, valid_n), _tl_mask_and(mask_v, valid_n), i_h, i_hv, offs_v, H, HV, K, V, KQ,
+            )
+            k0, k1, k2, k3 = _tl_normalized(k0, k1, k2, k3, eps, 1.0)
+            S0, S1, S2, S3 = _tl_state_step(S0, S1, S2, S3, k0, k1, k2, k3, v, g, beta)
+        return S0, S1, S2, S3
 
     @triton.jit
-    def _chunked_window_kernel(
+    def _closed_form_kernel(
         q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr,
-        rk_ptr, rv_ptr, rg_ptr, rb_ptr, ru_ptr,
-        slots_ptr, cu_ptr, wp_ptr, base_ptr, flush_ptr, o_ptr, sx_ptr,
+        ckpt_ptr, rk_ptr, rv_ptr, rg_ptr, rb_ptr, ru_ptr,
+        slots_ptr, cu_ptr, wp_ptr, base_ptr, flush_ptr, o_ptr,
         stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
         stride_a_tok, stride_b_tok,
         scale, eps,
         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
         LOG_T: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr,
-        BV: tl.constexpr, VH: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        BV: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
     ):
-        """One program per (V block, window, VH value heads of one key head): the K pass
-        (the key head's products, which need no state) once, then each value head's
-        solve in turn (VH = 1: a program per value head)."""
         BX: tl.constexpr = 2 * BT
-        i_v = tl.program_id(0)
-        i_b = tl.program_id(1)
-        hv0 = tl.program_id(2) * VH  # the program's first value head
-        i_h = hv0 // (HV // H)  # VH divides the group, so all VH heads read this key head
-        slot = tl.load(slots_ptr + i_b).to(tl.int64)
-        bos = tl.load(cu_ptr + i_b).to(tl.int64)
-        length = tl.load(cu_ptr + i_b + 1).to(tl.int64) - bos
+        i_v, i_b, i_hv, i_h, slot, bos, length = _tl_window_program(slots_ptr, cu_ptr, H, HV)
         offs_v = i_v * BV + tl.arange(0, BV)
         mask_v = offs_v < V
         offs_x, is_k, is_q, tok, p_tok, x_ok, xk_ok, xq_ok = _window_rows(bos, length, BT)
-        # o is a fresh contiguous [N, HV, V]; column r >= BT of the [BV, BX] block is token r - BT
-        p_o = o_ptr + (p_tok[None, :] * HV + hv0) * V + offs_v[:, None]
-
+        # o is a fresh contiguous [N, HV, V]; column r >= BT of a [BV, BX] block is token r - BT
+        p_o = o_ptr + (p_tok[None, :] * HV + i_hv) * V + offs_v[:, None]
         if (slot < 0) | (length <= 0):
             # Padding row: zero outputs, nothing else.
-            for j in tl.static_range(VH):
-                tl.store(p_o + j * V, tl.zeros([BV, BX], dtype=o_ptr.dtype.element_ty),
-                         mask=mask_v[:, None] & xq_ok[None, :])
+            tl.store(p_o, tl.zeros([BV, BX], dtype=o_ptr.dtype.element_ty), mask=mask_v[:, None] & xq_ok[None, :])
             return
 
         wp = tl.load(wp_ptr + slot).to(tl.int64)
         base = tl.load(base_ptr + slot).to(tl.int64)
-        flush = tl.load(flush_ptr + slot) != 0  # folded by the flush launch just before
+        flush = tl.load(flush_ptr + slot) != 0
         ring_at = slot * L  # flat record index of the slot's ring
-        n_hist = tl.where(flush, 0, wp)  # a flush row starts with an empty history
+        ckpt_at = ckpt_ptr + (slot * HV + i_hv) * (V * K)
 
-        # ---- S x_r from the products kernel, then one pass over K in chunks of KC for
-        #   P = x_r . x_c,  HX = k_c . x_r (history keys),  |k_c|^2
-        # normalised afterwards (k^ = k / sqrt(|k|^2 + eps)), so no [*, K] block stays live.
+        # ---- 1. the flush: fold the committed history into these rows of the checkpoint
+        count = tl.where(flush, tl.minimum(wp, L), 0)
+        if count > 0:
+            KQ: tl.constexpr = BK // 4
+            offs_q = tl.arange(0, KQ)
+            tile = offs_v[:, None] * K + offs_q[None, :]
+            S0, S1, S2, S3 = _replay_history(ckpt_at, tile, rk_ptr, rv_ptr, rg_ptr, rb_ptr, ring_at, base, count,
+                                             offs_q, offs_v, mask_v, i_h, i_hv, eps, H, HV, K, V, L, KQ)
+            _tl_store_parts(ckpt_at, tile, mask_v[:, None], offs_q[None, :], K, KQ, S0, S1, S2, S3)
+        # Stage 2 reads rows that other threads of this program just stored.
+        tl.debug_barrier()
+
+        # ---- 2. one pass over K, in chunks of KC:
+        #   SX = S0 x_r^T (raw x),  P = x_r . x_c,  HX = k_c . x_r (history keys),  |k_c|^2
+        n_hist = tl.where(flush, 0, wp)  # a flush row starts from an empty history
         offs_h = tl.arange(0, BH)
         hist = offs_h < n_hist
         rec_h = ring_at + (base + offs_h) % L
         rec_w = ring_at + (base + wp + tok) % L  # the window's records: logical write_pos + i
         # Raw keys go to the ring once per key head: by the group's first value head, first V block.
-        k_store = is_k & (tok < tl.where((hv0 % (HV // H) == 0) & (i_v == 0), length, 0))
-        # The first value head's loads go out before the K pass: their latency overlaps it.
-        first = _value_head_loads(a_ptr, b_ptr, v_ptr, rg_ptr, ru_ptr, sx_ptr, i_b, hv0, rec_h, hist, p_tok, offs_x, x_ok,
-                                  xk_ok, offs_v, mask_v, stride_a_tok, stride_b_tok, stride_v_tok, stride_v_head, HV, V, BX)
+        k_store = is_k & (tok < tl.where((i_hv % (HV // H) == 0) & (i_v == 0), length, 0))
         offs_c = tl.arange(0, KC)
+        SX = tl.zeros([BV, BX], dtype=tl.float32)
         P = tl.zeros([BX, BX], dtype=tl.float32)
         HX = tl.zeros([BH, BX], dtype=tl.float32)
         hh = tl.zeros([BH], dtype=tl.float32)
-        for kc in tl.static_range(0, BK, KC):
+        for kc in tl.range(0, BK, KC, num_stages=NUM_STAGES):
             offs_k = kc + offs_c
             mask_k = offs_k < K
+            S_c = tl.load(ckpt_at + offs_v[:, None] * K + offs_k[None, :], mask=mask_v[:, None] & mask_k[None, :],
+                          other=0.0).to(tl.float32)
             k_c, x_c = _load_window_x(q_ptr, k_ptr, p_tok, i_h, offs_k, mask_k, xk_ok, xq_ok,
                                       stride_q_tok, stride_q_head, stride_k_tok, stride_k_head)
             tl.store(rk_ptr + (rec_w[:, None] * H + i_h) * K + offs_k[None, :], k_c.to(rk_ptr.dtype.element_ty),
@@ -418,108 +419,85 @@ if triton is not None:
             # Unused ring entries may hold NaN: masked loads give 0 instead.
             h_c = tl.load(rk_ptr + (rec_h[:, None] * H + i_h) * K + offs_k[None, :],
                           mask=hist[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
-            # Keys and queries are exact in tf32 when 16-bit: these two lose nothing.
+            SX = tl.dot(S_c, tl.trans(x_c), SX, input_precision=DOT_PRECISION)
+            # Keys and queries are exact in tf32 when 16-bit: these lose nothing.
             P = tl.dot(x_c, tl.trans(x_c), P, input_precision=DOT_PRECISION)
             HX = tl.dot(h_c, tl.trans(x_c), HX, input_precision=DOT_PRECISION)
             hh += _tl_row_sum(h_c * h_c, 1)
+
+        # ---- 3. the window in closed form (DESIGN.md section 2), in the BX x BX space: a
+        # column c < BT is token j = c (its k^), a row is token i (k-row: A, q-row: output).
         eye = offs_x[:, None] == offs_x[None, :]
         r_x = tl.div_rn(tl.where(is_q, scale, 1.0), tl.sqrt_rn(_tl_row_sum(tl.where(eye, P, 0.0), 1) + eps))  # 1/|x_r| (q: x scale)
         r_h = tl.where(hist, tl.div_rn(tl.full([BH], 1.0, tl.float32), tl.sqrt_rn(hh + eps)), 0.0)
         P = P * r_x[:, None] * r_x[None, :]  # x^_r . x^_c
         HX = HX * r_h[:, None] * r_x[None, :]  # k^_c . x^_r
+
+        # Committed history (no records for flush rows), never built:
+        #   S x = exp(Gtot) S0 x + sum_c exp(Gtot - G_c) u_c (k^_c . x),
+        # exp(Gtot - G_c) = exp(g_{c+1} + ... + g_h): a suffix sum, no cancellation.
+        g_h = tl.load(rg_ptr + rec_h * HV + i_hv, mask=hist, other=0.0)
+        w_h = tl.where(hist, tl.exp(_tl_row_sum(tl.where(offs_h[None, :] > offs_h[:, None], g_h[None, :], 0.0), 1)), 0.0)
+        e_Gh = tl.exp(_tl_row_sum(g_h, 0))
+
+        # Gates per row (a row's token), G_r = g_1 + ... + g_tok(r).
+        a_x = tl.load(a_ptr + p_tok * stride_a_tok + i_hv, mask=x_ok, other=0.0)
+        b_x = tl.load(b_ptr + p_tok * stride_b_tok + i_hv, mask=x_ok, other=0.0)
+        g, beta = _tl_gdn_gates(a_x, b_x, tl.load(A_log_ptr + i_hv), tl.load(dt_bias_ptr + i_hv))
+        g = tl.where(xk_ok, g, 0.0)  # on the key rows only, so that a row sum runs over tokens
+        beta = tl.where(xk_ok, beta, 0.0)
+        G = _tl_row_sum(tl.where(offs_x[None, :] <= tok[:, None], g[None, :], 0.0), 1)
+        e_G = tl.exp(G)
+
+        #   A_ij = beta_i exp(G_i - G_j) (k^_i . k^_j), j < i;   M_ij = exp(G_i - G_j) (q^_i . k^_j), j <= i
         pair = x_ok[:, None] & xk_ok[None, :] & (tok[None, :] <= tok[:, None])
+        # Mask before exp: G_i - G_j > 0 for j > i could overflow.
+        decay = tl.where(pair, tl.exp(tl.where(pair, G[:, None] - G[None, :], 0.0)), 0.0)
+        A = tl.where(is_k[:, None] & (offs_x[None, :] < offs_x[:, None]), beta[:, None] * decay * P, 0.0)
+        M = tl.where(is_q[:, None], decay * P, 0.0)
+        # A is strictly lower triangular (A^T = 0): (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...
+        inv = tl.where(eye, 1.0, 0.0) - A
+        A_pow = A
+        for _ in tl.static_range(LOG_T - 1):
+            A_pow = tl.dot(A_pow, A_pow, input_precision="ieee")
+            inv = inv + tl.dot(inv, A_pow, input_precision="ieee")
+        # The window's corrected deltas and outputs are linear in S x^_r and v:
+        #   U_i = sum_j (I + A)^-1_ij beta_j (v_j - exp(G_j) S k^_j)
+        #   o_i = exp(G_i) S q^_i + sum_j M_ij U_j
+        # so with E = ((I + A)^-1)^T on the key block, [U | o] = (S x^) C + v D where
+        #   D = diag(beta) E (I + M^T),  C = -diag(beta e^G) E (I + M^T) + diag(e^G on q rows).
+        E = tl.where(is_k[:, None] & is_k[None, :], tl.trans(inv), 0.0)
+        MT = tl.trans(M)
+        D = beta[:, None] * E
+        D = D + tl.dot(D, MT, input_precision="ieee")
+        C = -(beta * e_G)[:, None] * E
+        C = C + tl.dot(C, MT, input_precision="ieee") + tl.where(eye & xq_ok[:, None], e_G[:, None], 0.0)
+        # S x^_r = exp(Gtot) r_x S0 x_r + sum_c w_c u_c (k^_c . x^_r): the history's u
+        # enter through Z = diag(w) HX C, the checkpoint through C1 = diag(exp(Gtot) r_x) C.
+        C1 = (e_Gh * r_x)[:, None] * C
+        Z = tl.dot(w_h[:, None] * HX, C, input_precision="ieee")
+
+        # ---- the rows' share: three small products, then outputs and records
+        u_h = tl.load(ru_ptr + (rec_h[None, :] * HV + i_hv) * V + offs_v[:, None], mask=mask_v[:, None] & hist[None, :],
+                      other=0.0)
         vk_ok = mask_v[:, None] & xk_ok[None, :]
+        v_x = tl.load(v_ptr + p_tok[None, :] * stride_v_tok + i_hv * stride_v_head + offs_v[:, None], mask=vk_ok, other=0.0)
+        out = tl.dot(SX, C1, input_precision="ieee")
+        out = tl.dot(u_h, Z, out, input_precision="ieee")
+        out = tl.dot(v_x.to(tl.float32), D, out, input_precision="ieee")  # [BV, BX]: U on key columns, o on query columns
+        tl.store(p_o, _tl_to_rtne(out, o_ptr.dtype.element_ty), mask=mask_v[:, None] & xq_ok[None, :])
+        rec = (rec_w[None, :] * HV + i_hv) * V + offs_v[:, None]
+        tl.store(rv_ptr + rec, v_x.to(rv_ptr.dtype.element_ty), mask=vk_ok)
+        tl.store(ru_ptr + rec, out, mask=vk_ok)
         first_v = xk_ok & (tok < tl.where(i_v == 0, length, 0))  # gates once per value head
-
-        for j in tl.static_range(VH):
-            i_hv = hv0 + j
-            if j == 0:
-                g_h, u_h, a_x, b_x, v_x, SX = first
-            else:
-                g_h, u_h, a_x, b_x, v_x, SX = _value_head_loads(
-                    a_ptr, b_ptr, v_ptr, rg_ptr, ru_ptr, sx_ptr, i_b, i_hv, rec_h, hist, p_tok, offs_x, x_ok, xk_ok,
-                    offs_v, mask_v, stride_a_tok, stride_b_tok, stride_v_tok, stride_v_head, HV, V, BX)
-            SX = SX * r_x[None, :]  # S x^_r
-
-            # ---- committed history (0 records for flush rows), never built:
-            #   S x = exp(Gtot) S0 x + sum_c exp(Gtot - G_c) u_c (k^_c . x),
-            # exp(Gtot - G_c) = exp(g_{c+1} + ... + g_h): a suffix sum, no cancellation.
-            g_h = tl.where(hist, g_h, 0.0)
-            w_h = tl.where(hist, tl.exp(_tl_row_sum(tl.where(offs_h[None, :] > offs_h[:, None], g_h[None, :], 0.0), 1)), 0.0)
-            u_h = tl.where(hist[None, :], u_h, 0.0) * w_h[None, :]  # [BV, BH]
-            SX = tl.exp(_tl_row_sum(g_h, 0)) * SX + tl.dot(u_h, HX, input_precision=DOT_PRECISION)
-
-            # ---- gates per row (a row's token), G_r = g_1 + ... + g_tok(r)
-            g, beta = _tl_gdn_gates(a_x, b_x, tl.load(A_log_ptr + i_hv), tl.load(dt_bias_ptr + i_hv))
-            g = tl.where(xk_ok, g, 0.0)  # on the key rows only, so that a row sum runs over tokens
-            beta = tl.where(x_ok, beta, 0.0)
-            G = _tl_row_sum(tl.where(offs_x[None, :] <= tok[:, None], g[None, :], 0.0), 1)
-            e_G = tl.exp(G)
-
-            # ---- the window in closed form (DESIGN.md section 2) in the BX x BX space; a
-            # column c < BT is token j = c (its k^), a row is token i (k-row: A, q-row: output)
-            #   R_j = beta_j (v_j - exp(G_j) S k^_j)
-            #   A_ij = beta_i exp(G_i - G_j) (k^_i . k^_j), j < i;  (I + A) U = R
-            #   o_i = exp(G_i) S q^_i + sum_{j<=i} exp(G_i - G_j) (k^_j . q^_i) U_j
-            R = tl.where(xk_ok[None, :], beta[None, :] * (v_x.to(tl.float32) - e_G[None, :] * SX), 0.0)
-            # Mask before exp: G_i - G_j > 0 for j > i could overflow.
-            decay = tl.where(pair, tl.exp(tl.where(pair, G[:, None] - G[None, :], 0.0)), 0.0)
-            A = tl.where(is_k[:, None] & (offs_x[None, :] < offs_x[:, None]), beta[:, None] * decay * P, 0.0)
-            M = tl.where(is_q[:, None], decay * P, 0.0)
-            # A is strictly lower triangular (A^BT = 0): (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...
-            inv = tl.where(eye, 1.0, 0.0) - A
-            A_pow = A
-            for _ in tl.static_range(LOG_T - 1):
-                A_pow = tl.dot(A_pow, A_pow, input_precision="ieee")
-                inv = inv + tl.dot(inv, A_pow, input_precision="ieee")
-            U = tl.dot(R, tl.trans(inv), input_precision="ieee")  # [BV, BX], zero on q columns
-            out = e_G[None, :] * SX + tl.dot(U, tl.trans(M), input_precision="ieee")
-            tl.store(p_o + j * V, _tl_to_rtne(out, o_ptr.dtype.element_ty), mask=mask_v[:, None] & xq_ok[None, :])
-
-            # ---- the window's records (raw k went out in the K pass)
-            rec = (rec_w[None, :] * HV + i_hv) * V + offs_v[:, None]
-            tl.store(rv_ptr + rec, v_x.to(rv_ptr.dtype.element_ty), mask=vk_ok)
-            tl.store(ru_ptr + rec, U, mask=vk_ok)
-            tl.store(rg_ptr + rec_w * HV + i_hv, g, mask=first_v)
-            tl.store(rb_ptr + rec_w * HV + i_hv, beta, mask=first_v)
-
-
-    @triton.jit
-    def _window_products_kernel(
-        q_ptr, k_ptr, ckpt_ptr, slots_ptr, cu_ptr, sx_ptr,
-        stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
-        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-        BT: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr, BV: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
-    ):
-        """``S x_r`` (raw keys and queries) of every window into ``sx [B, HV, 2 BT, V]``:
-        the only product that reads the checkpoint, as a plain streaming kernel."""
-        BX: tl.constexpr = 2 * BT
-        i_v, i_b, i_hv, i_h, slot, bos, length = _tl_window_program(slots_ptr, cu_ptr, H, HV)
-        if (slot < 0) | (length <= 0):
-            return
-        offs_v = i_v * BV + tl.arange(0, BV)
-        mask_v = offs_v < V
-        offs_x, _, _, _, p_tok, x_ok, xk_ok, xq_ok = _window_rows(bos, length, BT)
-        ckpt_at = ckpt_ptr + (slot * HV + i_hv) * (V * K)
-        offs_c = tl.arange(0, KC)
-        SX = tl.zeros([BV, BX], dtype=tl.float32)
-        for kc in tl.range(0, BK, KC, num_stages=NUM_STAGES):
-            offs_k = kc + offs_c
-            mask_k = offs_k < K
-            S_c = tl.load(ckpt_at + offs_v[:, None] * K + offs_k[None, :], mask=mask_v[:, None] & mask_k[None, :], other=0.0)
-            k_c, x_c = _load_window_x(q_ptr, k_ptr, p_tok, i_h, offs_k, mask_k, xk_ok, xq_ok,
-                                      stride_q_tok, stride_q_head, stride_k_tok, stride_k_head)
-            SX = tl.dot(S_c.to(tl.float32), tl.trans(x_c), SX, input_precision=DOT_PRECISION)
-        tl.store(sx_ptr + ((i_b * HV + i_hv) * BX + offs_x[None, :]) * V + offs_v[:, None], SX,
-                 mask=mask_v[:, None] & x_ok[None, :])
-
+        tl.store(rg_ptr + rec_w * HV + i_hv, g, mask=first_v)
+        tl.store(rb_ptr + rec_w * HV + i_hv, beta, mask=first_v)
 
     # ---- small batches: one launch, the exact recurrence all the way ("replay")
     # At a few requests every kernel is latency-bound: the time is the length of each
     # program's dependent chain plus one launch overhead per kernel, not bytes. There the
-    # closed form's three launches (flush, products, window solve with its per-head
-    # chain) cost more than stepping the recurrence: one program per (V block, window,
+    # closed form's flush and window solve (two dependent chains in one program) cost more
+    # than stepping the recurrence: one program per (V block, window,
     # value head) loads its checkpoint tile once, replays the row's committed history
     # through the exact step (the fold kernel's helpers, loads and order: a flush row
     # stores the tile back, bit for bit the fold's checkpoint), then steps the window's
@@ -572,25 +550,10 @@ if triton is not None:
         ring_at = slot * L  # flat record index of the slot's ring
         tile = offs_v[:, None] * K + offs_c[None, :]
         ckpt_at = ckpt_ptr + (slot * HV + i_hv) * (V * K)
-        S0, S1, S2, S3 = _tl_load_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ)
-
-        # ---- the committed history, exactly as the fold kernel replays it (record c + 1
-        # loads during step c). Unused ring entries may hold NaN: masked loads give 0.
+        # ---- the committed history, exactly as the fold kernel replays it
         count = tl.minimum(wp, L)
-        valid_n = count > 0
-        k0n, k1n, k2n, k3n, v_n, g_n, b_n = _fold_load_record(
-            rk_ptr, rv_ptr, rg_ptr, rb_ptr, ring_at + base % L, valid_n, offs_c, _tl_mask_and(all_c, valid_n),
-            _tl_mask_and(mask_v, valid_n), i_h, i_hv, offs_v, H, HV, K, V, KQ,
-        )
-        for c in range(0, count):
-            k0, k1, k2, k3, v, g, beta = k0n, k1n, k2n, k3n, v_n, g_n, b_n
-            valid_n = c + 1 < count
-            k0n, k1n, k2n, k3n, v_n, g_n, b_n = _fold_load_record(
-                rk_ptr, rv_ptr, rg_ptr, rb_ptr, ring_at + (base + c + 1) % L, valid_n, offs_c,
-                _tl_mask_and(all_c, valid_n), _tl_mask_and(mask_v, valid_n), i_h, i_hv, offs_v, H, HV, K, V, KQ,
-            )
-            k0, k1, k2, k3 = _tl_normalized(k0, k1, k2, k3, eps, 1.0)
-            S0, S1, S2, S3 = _tl_state_step(S0, S1, S2, S3, k0, k1, k2, k3, v, g, beta)
+        S0, S1, S2, S3 = _replay_history(ckpt_at, tile, rk_ptr, rv_ptr, rg_ptr, rb_ptr, ring_at, base, count,
+                                         offs_c, offs_v, mask_v, i_h, i_hv, eps, H, HV, K, V, L, KQ)
         # A flush row's checkpoint becomes the folded state (the fold's store, bit for bit);
         # every other row's checkpoint is read only.
         _tl_store_parts(ckpt_at, tile, _tl_mask_and(mask_v, flush & (count > 0))[:, None], offs_c[None, :], K, KQ,
@@ -646,48 +609,29 @@ if triton is not None:
             tl.store(rb_ptr + rec * HV + i_hv, beta, mask=valid & (i_v == 0))
 
 
-def launch_products(q, k, checkpoint, slots, cu_seqlens, bt: int) -> torch.Tensor:
-    """Launch the products kernel on validated arguments; return ``sx [B, HV, 2 bt, V]``
-    (float32; entries of tokens past a window's end are not written)."""
-    h, kd = q.shape[1], q.shape[2]
-    _, hv, vd, _ = checkpoint.shape
-    batch = slots.shape[0]
-    sx = torch.empty(batch, hv, 2 * bt, vd, dtype=torch.float32, device=q.device)
-    bk = triton.next_power_of_2(kd)
-    cfg = tuning.lookup("products", K=kd, V=vd, state_dtype=checkpoint.dtype, batch=batch)
-    bv = block_rows(vd, batch * hv, q.device, cfg["block_v"], least=16)
-    _window_products_kernel[(triton.cdiv(vd, bv), batch, hv)](
-        q, k, checkpoint, slots, cu_seqlens, sx,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        H=h, HV=hv, K=kd, V=vd, BT=bt, BK=bk, KC=max(16, min(cfg["k_chunk"], bk)), BV=bv,
-        DOT_PRECISION=product_precision(q.dtype), NUM_STAGES=cfg["num_stages"], num_warps=cfg["num_warps"],
-    )
-    return sx
-
-
-def launch_window(q, k, v, a, b, A_log, dt_bias, ring, ring_u, slots, cu_seqlens, write_pos, cache_base,
-                  is_flush, o, sx, bt: int, L: int, max_len: int, state_dtype: torch.dtype = torch.float32) -> None:
-    """Launch the window kernel on validated arguments, from the products ``sx``
-    (``state_dtype``, the checkpoint's, only keys the shape table)."""
+def launch_closed_form(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos,
+                       cache_base, is_flush, o, max_len: int) -> None:
+    """Launch the closed-form kernel (flush, products and window in one launch) on
+    validated arguments."""
     h, kd = q.shape[1], q.shape[2]
     hv, vd = v.shape[1], v.shape[2]
     batch = slots.shape[0]
-    bk = triton.next_power_of_2(kd)
-    cfg = tuning.lookup("window", K=kd, V=vd, state_dtype=state_dtype, batch=batch)
-    # Value heads per program: they share a key head (GQA), so its K pass runs once for
-    # all of them; at most the group, and a divisor of it.
-    vh = math.gcd(cfg["heads_per_program"], hv // h)
-    bv = block_rows(vd, batch * hv // vh, q.device, cfg["block_v"], least=16)
-    _chunked_window_kernel[(triton.cdiv(vd, bv), batch, hv // vh)](
+    bk = exact_block_k(kd)
+    cfg = tuning.lookup("closed_form", K=kd, V=vd, state_dtype=checkpoint.dtype, batch=batch)
+    # It writes states (flush rows) with the exact step, so its tile follows the exact
+    # writers' rule (rows are free, BK and warps are not).
+    bv = block_rows(vd, batch * hv, q.device, cfg["block_v"], least=16)
+    L = ring.ring_len
+    _closed_form_kernel[(triton.cdiv(vd, bv), batch, hv)](
         q, k, v, a, b, A_log, dt_bias,
-        ring.k, ring.v, ring.g, ring.beta, ring_u,
-        slots, cu_seqlens, write_pos, cache_base, is_flush, o, sx,
+        checkpoint, ring.k, ring.v, ring.g, ring.beta, ring_u,
+        slots, cu_seqlens, write_pos, cache_base, is_flush, o,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
         kd**-0.5, NORM_EPS,
         H=h, HV=hv, K=kd, V=vd, L=L, LOG_T=max(1, (max_len - 1).bit_length()),
         # tl.dot wants sides of 16: the stacked window has 2 * max(8, T) rows, the history 16.
-        BT=bt, BH=max(16, L), BK=bk, KC=max(16, min(cfg["k_chunk"], bk)), BV=bv, VH=vh,
-        DOT_PRECISION=product_precision(q.dtype), num_warps=cfg["num_warps"],
+        BT=max(8, triton.next_power_of_2(max_len)), BH=max(16, L), BK=bk, KC=max(16, min(cfg["k_chunk"], bk)), BV=bv,
+        DOT_PRECISION=product_precision(q.dtype), NUM_STAGES=cfg["num_stages"], num_warps=cfg["num_warps"],
     )
 
 
@@ -790,10 +734,6 @@ def gdn_chunked_window_triton(
         launch_replay_window(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos,
                              cache_base, is_flush, o, max_len)
         return o
-    # The flush (rows with is_flush), then the window from the folded checkpoints.
-    launch_fold(checkpoint[None], *(getattr(ring, f)[None] for f in ring._fields), slots, cache_base, write_pos, is_flush)
-    bt = max(8, triton.next_power_of_2(max_len))
-    sx = launch_products(q, k, checkpoint, slots, cu_seqlens, bt)
-    launch_window(q, k, v, a, b, A_log, dt_bias, ring, ring_u, slots, cu_seqlens, write_pos, cache_base,
-                  is_flush, o, sx, bt, L, max_len, checkpoint.dtype)
+    launch_closed_form(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos,
+                       cache_base, is_flush, o, max_len)
     return o

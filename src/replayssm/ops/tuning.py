@@ -36,14 +36,12 @@ PARAMS = {
     # The read-only exact verify: no state to write back, so a taller tile holds fewer
     # live registers per row and amortises the per-token loads further.
     "exact_read_only": ("block_v",),
-    # circular's products kernel (S x for the window's keys and queries): rows of V and
-    # columns of K per step, warps, pipeline stages of its state chunks.
-    "products": ("block_v", "k_chunk", "num_warps", "num_stages"),
-    # circular's window solve: all of K per step (its loads go out together), one
-    # program per head (amortises the per-head work), 2 warps (fewer cross-warp
-    # exchanges in its small products); heads_per_program value heads of one key head
-    # share a program and its K pass (the key head's products), capped at the GQA group.
-    "window": ("block_v", "k_chunk", "num_warps", "heads_per_program"),
+    # circular's closed-form verify (ops/chunked.py, one launch: flush, products, window):
+    # rows of V per program, columns of K per step of its pass over the checkpoint,
+    # pipeline stages of that pass, warps. Its flush is an exact writer: a four-part tile
+    # keeps one row's layout (8 lanes x 4 keys) for any warp count that splits rows, which
+    # the GPU tests check bit for bit against the fold kernel.
+    "closed_form": ("block_v", "k_chunk", "num_stages", "num_warps"),
     # circular's small-batch path (ops/chunked.py): at batch <= replay_max_batch its
     # verify replays the exact recurrence in one launch and its commit flushes every
     # step, instead of the closed form's three launches. 0 turns it off.
@@ -59,8 +57,7 @@ _MAY_BE_ZERO = ("replay_max_batch",)
 TABLE: dict[str, list[tuple[dict, dict]]] = {
     "exact_write": [({}, dict(block_v=64))],
     "exact_read_only": [({}, dict(block_v=128))],
-    "products": [({}, dict(block_v=64, k_chunk=64, num_warps=4, num_stages=2))],
-    "window": [({}, dict(block_v=128, k_chunk=128, num_warps=2, heads_per_program=1))],
+    "closed_form": [({}, dict(block_v=64, k_chunk=64, num_stages=2, num_warps=4))],
     # Small batches are latency-bound: one launch with a chain of n + T exact steps
     # beats three launches and the window solve's per-head chain there. The switch sits
     # at the largest batch where replay measured faster (BENCHMARKS.md, issue 11:
