@@ -58,7 +58,7 @@ def main() -> int:
     p.add_argument("--reps", type=positive_int, default=10, help="calls captured per CUDA graph (default 10)")
     p.add_argument("--variants", nargs="*", default=[],
                    help="tuning variants, each NAME=FAMILY.PARAM:VALUE,... (space-separated; default: none)")
-    p.add_argument("--only", default="", help="time only the ops whose name contains this text (default: all)")
+    p.add_argument("--only", default="", help="time only the ops whose name contains one of these comma-separated texts (default: all)")
     p.add_argument("--state-dtype", choices=("float32", "bfloat16"), default="float32", help="checkpoint dtype (default float32)")
     p.add_argument("--json", type=output_path(".json"), default=None, help="write every timed row here")
     args = p.parse_args()
@@ -97,7 +97,7 @@ def main() -> int:
         return stack
 
     def attempt(name, batch, fn, sb):
-        if args.only not in name:
+        if args.only and not any(part in name for part in args.only.split(",")):
             return
         try:
             report(name, batch, timed(fn, args.reps), sb)
@@ -145,6 +145,20 @@ def main() -> int:
                     for method in ("closed_form", "replay"):
                         attempt(f"[{vname}] chunked {method} {label}", batch, lambda: chunked.gdn_chunked_window_triton(
                             *argsT, ckpt, ring, ring_u, slots, cu, wp, base, fl, max_len=T, method=method), sb)
+                # The closed form's three kernels alone, at the last (mixed) cursors.
+                if not hasattr(chunked, "launch_coefficients"):
+                    continue  # an older tree (a before-and-after run): its parts differ
+                q, k, v, a, b, A_log, dt_bias = argsT
+                attempt(f"[{vname}] closed_form part: flush, mixed", batch,
+                        lambda: chunked.launch_flush(ckpt, ring, slots, wp, base, fl), sb)
+                attempt(f"[{vname}] closed_form part: coefficients, mixed", batch,
+                        lambda: chunked.launch_coefficients(q, k, a, b, A_log, dt_bias, ckpt, ring, slots, cu, wp, base,
+                                                            fl, T), sb)
+                coef = chunked.launch_coefficients(q, k, a, b, A_log, dt_bias, ckpt, ring, slots, cu, wp, base, fl, T)
+                o = torch.empty_like(v)
+                attempt(f"[{vname}] closed_form part: outputs, mixed", batch,
+                        lambda: chunked.launch_window_outputs(q, k, v, ckpt, ring, ring_u, slots, cu, wp, base, fl, coef,
+                                                              o, T), sb)
         apply({})
     if args.json:
         with open(args.json, "w") as fh:

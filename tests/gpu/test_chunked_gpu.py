@@ -306,11 +306,17 @@ def test_cuda_graph_replay_of_a_circular_step(method):
     assert flushed > 0, "the replays must include a flush"
 
 
-@pytest.mark.parametrize("warps", [4, 8])
-@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_closed_form_flush_bit_for_bit_at_any_warp_count(state_dtype, warps):
-    """The closed form's flush stage with the shape table's ``closed_form.num_warps``: a
-    four-part tile keeps one row's layout whatever the warps along rows, so the folded
-    checkpoints are the fold kernel's bit for bit (the table may pick the warps by speed)."""
-    with tuning.override("closed_form", num_warps=warps):
-        test_flush_fold_is_the_fold_kernel_bit_for_bit(state_dtype, torch.bfloat16, "closed_form")
+
+@pytest.mark.parametrize("hv,t,batch,state_dtype", [(32, 4, 64, torch.float32), (32, 8, 256, torch.bfloat16)])
+def test_closed_form_with_tf32_coefficients(hv, t, batch, state_dtype):
+    """The outputs kernel's small products with the coefficients on tensor cores
+    (``closed_form.tf32_coefficients``, 16-bit activations only): outputs within the bf16
+    tolerance of the float64 oracle, and the window's fp32 ``u`` within the tf32 bound of
+    the module notes (4e-3)."""
+    case = with_consistent_u(make_case(hv, t, batch, state_dtype, torch.bfloat16))
+    with tuning.override("closed_form", tf32_coefficients=1):
+        o_t, _, _, u_t = run(case, "triton", method="closed_form")
+    o_64, _, _, u_64 = run(case, "reference", torch.float64)
+    torch.testing.assert_close(o_t.double(), o_64, **tol(o_64, state_dtype, torch.bfloat16))
+    assert torch.equal(u_t.isnan(), u_64.isnan())
+    torch.testing.assert_close(u_t.double().nan_to_num(0.0), u_64.nan_to_num(0.0), rtol=4e-3, atol=4e-3)

@@ -211,6 +211,23 @@ def test_chunked_window_matches_reference(h, group, kd, vd, t, L):
     check_against_reference(Case(h, group, kd, vd, t, L))
 
 
+@pytest.mark.parametrize("h,group,kd,vd,t,L", [c for c in CONFIGS if c[1] > 1])
+def test_coefficient_programs_per_key_head(h, group, kd, vd, t, L):
+    """The coefficient kernel with the value heads of a key head in one program (their K
+    pass shared; the shape table's ``closed_form.heads_per_program``, capped at the
+    group) against the reference, and the same numbers as one program per value head
+    (same operations per head; bit for bit under the interpreter)."""
+    case = Case(h, group, kd, vd, t, L)
+    with tuning.override("closed_form", heads_per_program=1):
+        o_1, ck_1, ring_1, u_1 = case.run("triton", method="closed_form")
+    with tuning.override("closed_form", heads_per_program=8):
+        check_against_reference(case, method="closed_form")
+        o_g, ck_g, ring_g, u_g = case.run("triton", method="closed_form")
+    exact = DEVICE.type == "cpu"
+    for a, b in ((o_g, o_1), (ck_g, ck_1), (u_g, u_1), *zip(ring_g, ring_1)):
+        assert same(a, b) if exact else torch.allclose(a.nan_to_num(0.0), b.nan_to_num(0.0), **TOL)
+
+
 @pytest.mark.parametrize("h,group,kd,vd,t,L", CONFIGS)
 def test_replay_method_matches_reference(h, group, kd, vd, t, L):
     """The small-batch method (history and window through the exact recurrence, one

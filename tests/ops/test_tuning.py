@@ -14,7 +14,10 @@ def test_defaults_are_the_measured_values():
     at = dict(K=128, V=128, state_dtype=F32, batch=256)
     assert tuning.lookup("exact_write", **at) == {"block_v": 64}
     assert tuning.lookup("exact_read_only", **at) == {"block_v": 128}
-    assert tuning.lookup("closed_form", **at) == {"block_v": 64, "k_chunk": 64, "num_stages": 2, "num_warps": 4}
+    assert tuning.lookup("exact_read_only", **dict(at, state_dtype=BF16)) == {"block_v": 64}
+    assert tuning.lookup("closed_form", **dict(at, batch=16))["heads_per_program"] == 1
+    assert tuning.lookup("closed_form", **at) == {"block_v": 64, "k_chunk": 64, "num_stages": 2, "num_warps": 4, "tf32_coefficients": 1,
+                                                        "coef_warps": 1, "heads_per_program": 8, "flush_block_v": 32}
 
 
 def test_first_matching_row_wins(monkeypatch):
@@ -56,7 +59,7 @@ def test_bad_rows_and_names_raise():
     with pytest.raises(ValueError, match="unknown kernel family"):
         tuning.lookup("nope", **at)
     with pytest.raises(ValueError, match="unknown parameters"):
-        with tuning.override("closed_form", heads_per_program=2):
+        with tuning.override("closed_form", overlap=2):
             pass
     with pytest.raises(ValueError, match="int >= 1"):
         tuning.check_row("closed_form", {}, {"num_stages": 0})

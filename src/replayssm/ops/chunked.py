@@ -22,6 +22,8 @@ stay outside ``write_pos`` and are overwritten by the next window.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import _checks, tuning
@@ -229,25 +231,22 @@ def gdn_chunked_window(*args, backend: str = "auto", **kwargs) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- Triton
-# One launch per layer, one program per (V block, window, value head), in three stages:
-#  1. The flush (rows with is_flush only): the program folds its rows of the checkpoint
-#     through the row's committed raw records with the exact step (the fold kernel's
-#     tile, helpers and loads, so the folded checkpoint is the fold's, bit for bit) and
-#     stores them. The window then starts from the stored checkpoint, read back in stage
-#     2, so a 16-bit checkpoint is rounded where it is stored, as everywhere else. A
-#     flush row's state is read once and written once; the others skip the stage.
-#  2. The products: one pass over K streams the program's rows of the checkpoint into
-#     S x_r for the window's stacked raw keys and queries (the only product that reads a
-#     state), together with the window's Gram matrix and the history keys' products
-#     with it (which need no state).
-#  3. The window in closed form (DESIGN.md section 2), arranged so that the work that
-#     depends on V is three small matrix products: everything that depends only on the
-#     keys, gates and history (normalisation, decays, (I + A)^-1, the output map) is
-#     first folded into coefficient matrices in the BX x BX space,
-#         [U | o] = (S0 x_r) C1 + u_h Z + v D,
-#     and the program multiplies its rows by them and stores outputs and records.
+# Three launches per layer, in the order of the work:
+#  1. The flush: rows with is_flush fold their committed raw records into the checkpoint
+#     with the fold kernel (the exact step shared with the recurrence: the folded
+#     checkpoint is theirs, bit for bit); the other rows' programs exit at once.
+#  2. The coefficients, one program per (window, value head): everything of the closed
+#     form that depends on keys, gates and the history but not on V (DESIGN.md section
+#     2: normalisation, decays, (I + A)^-1, the output map), folded into three small
+#     matrices such that  [U | o] = (S0 x_r) C1 + u_h Z + v D;  plus the window's raw
+#     keys and gates to the ring. This chain is latency-bound: it runs once per head,
+#     outside the state's pass.
+#  3. The outputs, per (V block, window, value head): one pass over K streams the rows
+#     of the (folded) checkpoint into S0 x_r for the window's raw keys and queries, the
+#     only product that reads a state; three small products with the coefficients give
+#     the rows' outputs and corrected deltas, stored with the raw values.
 # Branches on request data are masks or device control flow: the host never reads the
-# device and the launch can be captured in a CUDA graph.
+# device and the launches can be captured in a CUDA graph.
 
 try:
     import triton
@@ -291,7 +290,7 @@ if triton is not None:
         check_inner_contiguous,
         check_max_len,
     )
-    from .fold import _load_record as _fold_load_record
+    from .fold import launch_fold, replay_history as _replay_history
     from .recurrent import _load_token as _rec_load_token, pick_block_v, exact_block_k
     from .triton_common import EXACT_NUM_WARPS, NORM_EPS, block_rows, device_fn as _tl_device_fn
     from .triton_common import gdn_gates as _tl_gdn_gates, gdn_state_step as _tl_state_step
@@ -325,114 +324,71 @@ if triton is not None:
         return k, k.to(tl.float32) + q.to(tl.float32)
 
     @triton.jit
-    def _replay_history(ckpt_at, tile, rk_ptr, rv_ptr, rg_ptr, rb_ptr, ring_at, base, count, offs_c, offs_v, mask_v,
-                        i_h, i_hv, eps,
-                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
-                        KQ: tl.constexpr):
-        """Load a ``[BV, K]`` checkpoint tile as four parts and replay ``count`` raw
-        records from ring position ``base`` through the exact step, as the fold kernel
-        does (record c + 1 loads during step c; unused ring entries may hold NaN: masked
-        loads give 0). Returns the tile's parts."""
-        S0, S1, S2, S3 = _tl_load_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ)
-        all_c = offs_c >= 0
-        valid_n = count > 0
-        k0n, k1n, k2n, k3n, v_n, g_n, b_n = _fold_load_record(
-            rk_ptr, rv_ptr, rg_ptr, rb_ptr, ring_at + base % L, valid_n, offs_c, _tl_mask_and(all_c, valid_n),
-            _tl_mask_and(mask_v, valid_n), i_h, i_hv, offs_v, H, HV, K, V, KQ,
-        )
-        for c in range(0, count):
-            k0, k1, k2, k3, v, g, beta = k0n, k1n, k2n, k3n, v_n, g_n, b_n
-            valid_n = c + 1 < count
-            k0n, k1n, k2n, k3n, v_n, g_n, b_n = _fold_load_record(
-                rk_ptr, rv_ptr, rg_ptr, rb_ptr, ring_at + (base + c + 1) % L, valid_n, offs_c,
-                _tl_mask_and(all_c, valid_n), _tl_mask_and(mask_v, valid_n), i_h, i_hv, offs_v, H, HV, K, V, KQ,
-            )
-            k0, k1, k2, k3 = _tl_normalized(k0, k1, k2, k3, eps, 1.0)
-            S0, S1, S2, S3 = _tl_state_step(S0, S1, S2, S3, k0, k1, k2, k3, v, g, beta)
-        return S0, S1, S2, S3
-
-    @triton.jit
-    def _closed_form_kernel(
-        q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr,
-        ckpt_ptr, rk_ptr, rv_ptr, rg_ptr, rb_ptr, ru_ptr,
-        slots_ptr, cu_ptr, wp_ptr, base_ptr, flush_ptr, o_ptr,
-        stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
-        stride_a_tok, stride_b_tok,
+    def _coefficients_kernel(
+        q_ptr, k_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, rk_ptr, rg_ptr, rb_ptr,
+        slots_ptr, cu_ptr, wp_ptr, base_ptr, flush_ptr, coef_ptr,
+        stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_a_tok, stride_b_tok,
         scale, eps,
-        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
-        LOG_T: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr,
-        BV: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
+        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, L: tl.constexpr, LOG_T: tl.constexpr, BT: tl.constexpr,
+        BH: tl.constexpr, BK: tl.constexpr, VH: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ):
+        """Grid ``(windows, HV / VH)``: the coefficients ``coef [B, HV, 2 BX + BH, BX]`` (rows:
+        C1, Z, D) of ``VH`` value heads of one key head (GQA: they share the normalised
+        window and history keys, so the K pass runs once for all of them), and the
+        window's gates and (once per key head) raw keys. Coordinates in the BX x BX space:
+        a column c < BT is token j = c (its k^), a row is token i (k-row: A, q-row:
+        output)."""
         BX: tl.constexpr = 2 * BT
-        i_v, i_b, i_hv, i_h, slot, bos, length = _tl_window_program(slots_ptr, cu_ptr, H, HV)
-        offs_v = i_v * BV + tl.arange(0, BV)
-        mask_v = offs_v < V
-        offs_x, is_k, is_q, tok, p_tok, x_ok, xk_ok, xq_ok = _window_rows(bos, length, BT)
-        # o is a fresh contiguous [N, HV, V]; column r >= BT of a [BV, BX] block is token r - BT
-        p_o = o_ptr + (p_tok[None, :] * HV + i_hv) * V + offs_v[:, None]
-        if (slot < 0) | (length <= 0):
-            # Padding row: zero outputs, nothing else.
-            tl.store(p_o, tl.zeros([BV, BX], dtype=o_ptr.dtype.element_ty), mask=mask_v[:, None] & xq_ok[None, :])
-            return
-
-        wp = tl.load(wp_ptr + slot).to(tl.int64)
-        base = tl.load(base_ptr + slot).to(tl.int64)
-        flush = tl.load(flush_ptr + slot) != 0
-        ring_at = slot * L  # flat record index of the slot's ring
-        ckpt_at = ckpt_ptr + (slot * HV + i_hv) * (V * K)
-
-        # ---- 1. the flush: fold the committed history into these rows of the checkpoint
-        count = tl.where(flush, tl.minimum(wp, L), 0)
-        if count > 0:
-            KQ: tl.constexpr = BK // 4
-            offs_q = tl.arange(0, KQ)
-            tile = offs_v[:, None] * K + offs_q[None, :]
-            S0, S1, S2, S3 = _replay_history(ckpt_at, tile, rk_ptr, rv_ptr, rg_ptr, rb_ptr, ring_at, base, count,
-                                             offs_q, offs_v, mask_v, i_h, i_hv, eps, H, HV, K, V, L, KQ)
-            _tl_store_parts(ckpt_at, tile, mask_v[:, None], offs_q[None, :], K, KQ, S0, S1, S2, S3)
-        # Stage 2 reads rows that other threads of this program just stored.
-        tl.debug_barrier()
-
-        # ---- 2. one pass over K, in chunks of KC:
-        #   SX = S0 x_r^T (raw x),  P = x_r . x_c,  HX = k_c . x_r (history keys),  |k_c|^2
-        n_hist = tl.where(flush, 0, wp)  # a flush row starts from an empty history
-        offs_h = tl.arange(0, BH)
-        hist = offs_h < n_hist
-        rec_h = ring_at + (base + offs_h) % L
-        rec_w = ring_at + (base + wp + tok) % L  # the window's records: logical write_pos + i
-        # Raw keys go to the ring once per key head: by the group's first value head, first V block.
-        k_store = is_k & (tok < tl.where((i_hv % (HV // H) == 0) & (i_v == 0), length, 0))
-        offs_c = tl.arange(0, KC)
-        SX = tl.zeros([BV, BX], dtype=tl.float32)
-        P = tl.zeros([BX, BX], dtype=tl.float32)
-        HX = tl.zeros([BH, BX], dtype=tl.float32)
-        hh = tl.zeros([BH], dtype=tl.float32)
-        for kc in tl.range(0, BK, KC, num_stages=NUM_STAGES):
-            offs_k = kc + offs_c
+        i_b = tl.program_id(0)
+        hv0 = tl.program_id(1) * VH  # the program's first value head; VH divides the group
+        i_h = hv0 // (HV // H)
+        slot = tl.load(slots_ptr + i_b).to(tl.int64)
+        bos = tl.load(cu_ptr + i_b).to(tl.int64)
+        length = tl.load(cu_ptr + i_b + 1).to(tl.int64) - bos
+        if (slot >= 0) & (length > 0):
+            wp = tl.load(wp_ptr + slot).to(tl.int64)
+            base = tl.load(base_ptr + slot).to(tl.int64)
+            n_hist = tl.where(tl.load(flush_ptr + slot) != 0, 0, wp)  # a flush row starts from an empty history
+            ring_at = slot * L
+            offs_x, is_k, is_q, tok, p_tok, x_ok, xk_ok, xq_ok = _window_rows(bos, length, BT)
+            offs_h = tl.arange(0, BH)
+            hist = offs_h < n_hist
+            rec_h = ring_at + (base + offs_h) % L
+            rec_w = ring_at + (base + wp + tok) % L  # the window's records: logical write_pos + i
+            offs_k = tl.arange(0, BK)
             mask_k = offs_k < K
-            S_c = tl.load(ckpt_at + offs_v[:, None] * K + offs_k[None, :], mask=mask_v[:, None] & mask_k[None, :],
-                          other=0.0).to(tl.float32)
-            k_c, x_c = _load_window_x(q_ptr, k_ptr, p_tok, i_h, offs_k, mask_k, xk_ok, xq_ok,
+            k_raw, x = _load_window_x(q_ptr, k_ptr, p_tok, i_h, offs_k, mask_k, xk_ok, xq_ok,
                                       stride_q_tok, stride_q_head, stride_k_tok, stride_k_head)
-            tl.store(rk_ptr + (rec_w[:, None] * H + i_h) * K + offs_k[None, :], k_c.to(rk_ptr.dtype.element_ty),
+            k_store = _tl_mask_and(xk_ok, hv0 % (HV // H) == 0)  # by the group's first program
+            tl.store(rk_ptr + (rec_w[:, None] * H + i_h) * K + offs_k[None, :], k_raw.to(rk_ptr.dtype.element_ty),
                      mask=k_store[:, None] & mask_k[None, :])
             # Unused ring entries may hold NaN: masked loads give 0 instead.
-            h_c = tl.load(rk_ptr + (rec_h[:, None] * H + i_h) * K + offs_k[None, :],
-                          mask=hist[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
-            SX = tl.dot(S_c, tl.trans(x_c), SX, input_precision=DOT_PRECISION)
+            h = tl.load(rk_ptr + (rec_h[:, None] * H + i_h) * K + offs_k[None, :],
+                        mask=hist[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
             # Keys and queries are exact in tf32 when 16-bit: these lose nothing.
-            P = tl.dot(x_c, tl.trans(x_c), P, input_precision=DOT_PRECISION)
-            HX = tl.dot(h_c, tl.trans(x_c), HX, input_precision=DOT_PRECISION)
-            hh += _tl_row_sum(h_c * h_c, 1)
+            P = tl.dot(x, tl.trans(x), input_precision=DOT_PRECISION)  # x_r . x_c
+            HX = tl.dot(h, tl.trans(x), input_precision=DOT_PRECISION)  # k_c . x_r (history keys)
+            hh = _tl_row_sum(h * h, 1)
+            eye = offs_x[:, None] == offs_x[None, :]
+            r_x = tl.div_rn(tl.where(is_q, scale, 1.0), tl.sqrt_rn(_tl_row_sum(tl.where(eye, P, 0.0), 1) + eps))  # 1/|x_r| (q: x scale)
+            r_h = tl.where(hist, tl.div_rn(tl.full([BH], 1.0, tl.float32), tl.sqrt_rn(hh + eps)), 0.0)
+            P = P * r_x[:, None] * r_x[None, :]  # x^_r . x^_c
+            HX = HX * r_h[:, None] * r_x[None, :]  # k^_c . x^_r
+            pair = x_ok[:, None] & xk_ok[None, :] & (tok[None, :] <= tok[:, None])
+            a_at = a_ptr + p_tok * stride_a_tok
+            b_at = b_ptr + p_tok * stride_b_tok
+            for j in tl.static_range(VH):
+                _head_coefficients(a_at, b_at, A_log_ptr, dt_bias_ptr, rg_ptr, rb_ptr, coef_ptr, i_b, hv0 + j,
+                                   P, HX, r_x, offs_x, is_k, is_q, tok, x_ok, xk_ok, xq_ok, eye, pair, offs_h, hist,
+                                   rec_h, rec_w, HV, LOG_T, BT, BH)
 
-        # ---- 3. the window in closed form (DESIGN.md section 2), in the BX x BX space: a
-        # column c < BT is token j = c (its k^), a row is token i (k-row: A, q-row: output).
-        eye = offs_x[:, None] == offs_x[None, :]
-        r_x = tl.div_rn(tl.where(is_q, scale, 1.0), tl.sqrt_rn(_tl_row_sum(tl.where(eye, P, 0.0), 1) + eps))  # 1/|x_r| (q: x scale)
-        r_h = tl.where(hist, tl.div_rn(tl.full([BH], 1.0, tl.float32), tl.sqrt_rn(hh + eps)), 0.0)
-        P = P * r_x[:, None] * r_x[None, :]  # x^_r . x^_c
-        HX = HX * r_h[:, None] * r_x[None, :]  # k^_c . x^_r
-
+    @triton.jit
+    def _head_coefficients(a_at, b_at, A_log_ptr, dt_bias_ptr, rg_ptr, rb_ptr, coef_ptr, i_b, i_hv,
+                           P, HX, r_x, offs_x, is_k, is_q, tok, x_ok, xk_ok, xq_ok, eye, pair, offs_h, hist, rec_h, rec_w,
+                           HV: tl.constexpr, LOG_T: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr):
+        """One value head's C1, Z, D (see the module notes) from its key head's normalised
+        Gram matrix ``P`` and history products ``HX``; its window gates go to the ring."""
+        BX: tl.constexpr = 2 * BT
         # Committed history (no records for flush rows), never built:
         #   S x = exp(Gtot) S0 x + sum_c exp(Gtot - G_c) u_c (k^_c . x),
         # exp(Gtot - G_c) = exp(g_{c+1} + ... + g_h): a suffix sum, no cancellation.
@@ -441,16 +397,17 @@ if triton is not None:
         e_Gh = tl.exp(_tl_row_sum(g_h, 0))
 
         # Gates per row (a row's token), G_r = g_1 + ... + g_tok(r).
-        a_x = tl.load(a_ptr + p_tok * stride_a_tok + i_hv, mask=x_ok, other=0.0)
-        b_x = tl.load(b_ptr + p_tok * stride_b_tok + i_hv, mask=x_ok, other=0.0)
+        a_x = tl.load(a_at + i_hv, mask=x_ok, other=0.0)
+        b_x = tl.load(b_at + i_hv, mask=x_ok, other=0.0)
         g, beta = _tl_gdn_gates(a_x, b_x, tl.load(A_log_ptr + i_hv), tl.load(dt_bias_ptr + i_hv))
         g = tl.where(xk_ok, g, 0.0)  # on the key rows only, so that a row sum runs over tokens
         beta = tl.where(xk_ok, beta, 0.0)
+        tl.store(rg_ptr + rec_w * HV + i_hv, g, mask=xk_ok)
+        tl.store(rb_ptr + rec_w * HV + i_hv, beta, mask=xk_ok)
         G = _tl_row_sum(tl.where(offs_x[None, :] <= tok[:, None], g[None, :], 0.0), 1)
         e_G = tl.exp(G)
 
         #   A_ij = beta_i exp(G_i - G_j) (k^_i . k^_j), j < i;   M_ij = exp(G_i - G_j) (q^_i . k^_j), j <= i
-        pair = x_ok[:, None] & xk_ok[None, :] & (tok[None, :] <= tok[:, None])
         # Mask before exp: G_i - G_j > 0 for j > i could overflow.
         decay = tl.where(pair, tl.exp(tl.where(pair, G[:, None] - G[None, :], 0.0)), 0.0)
         A = tl.where(is_k[:, None] & (offs_x[None, :] < offs_x[:, None]), beta[:, None] * decay * P, 0.0)
@@ -472,26 +429,76 @@ if triton is not None:
         D = D + tl.dot(D, MT, input_precision="ieee")
         C = -(beta * e_G)[:, None] * E
         C = C + tl.dot(C, MT, input_precision="ieee") + tl.where(eye & xq_ok[:, None], e_G[:, None], 0.0)
-        # S x^_r = exp(Gtot) r_x S0 x_r + sum_c w_c u_c (k^_c . x^_r): the history's u
-        # enter through Z = diag(w) HX C, the checkpoint through C1 = diag(exp(Gtot) r_x) C.
+        # S x^_r = exp(Gtot) r_x S0 x_r + sum_c w_c u_c (k^_c . x^_r): the checkpoint enters
+        # through C1 = diag(exp(Gtot) r_x) C, the history's u through Z = diag(w) HX C.
         C1 = (e_Gh * r_x)[:, None] * C
         Z = tl.dot(w_h[:, None] * HX, C, input_precision="ieee")
+        coef_at = coef_ptr + (i_b * HV + i_hv) * ((2 * BX + BH) * BX)
+        tl.store(coef_at + offs_x[:, None] * BX + offs_x[None, :], C1)
+        tl.store(coef_at + (BX + offs_h[:, None]) * BX + offs_x[None, :], Z)
+        tl.store(coef_at + (BX + BH + offs_x[:, None]) * BX + offs_x[None, :], D)
 
-        # ---- the rows' share: three small products, then outputs and records
+    @triton.jit
+    def _window_outputs_kernel(
+        q_ptr, k_ptr, v_ptr, ckpt_ptr, rv_ptr, ru_ptr,
+        slots_ptr, cu_ptr, wp_ptr, base_ptr, flush_ptr, coef_ptr, o_ptr,
+        stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
+        BT: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr, BV: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, COEF_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
+    ):
+        """Outputs and corrected deltas of V block ``i_v`` of a (window, value head), from
+        its rows of the (folded) checkpoint and the coefficients."""
+        BX: tl.constexpr = 2 * BT
+        i_v, i_b, i_hv, i_h, slot, bos, length = _tl_window_program(slots_ptr, cu_ptr, H, HV)
+        offs_v = i_v * BV + tl.arange(0, BV)
+        mask_v = offs_v < V
+        offs_x, is_k, is_q, tok, p_tok, x_ok, xk_ok, xq_ok = _window_rows(bos, length, BT)
+        # o is a fresh contiguous [N, HV, V]; column r >= BT of a [BV, BX] block is token r - BT
+        p_o = o_ptr + (p_tok[None, :] * HV + i_hv) * V + offs_v[:, None]
+        if (slot < 0) | (length <= 0):
+            # Padding row: zero outputs, nothing else.
+            tl.store(p_o, tl.zeros([BV, BX], dtype=o_ptr.dtype.element_ty), mask=mask_v[:, None] & xq_ok[None, :])
+            return
+        wp = tl.load(wp_ptr + slot).to(tl.int64)
+        base = tl.load(base_ptr + slot).to(tl.int64)
+        n_hist = tl.where(tl.load(flush_ptr + slot) != 0, 0, wp)
+        ring_at = slot * L
+        ckpt_at = ckpt_ptr + (slot * HV + i_hv) * (V * K)
+
+        # S0 x_r for the stacked raw keys and queries: the state's one read.
+        offs_c = tl.arange(0, KC)
+        SX = tl.zeros([BV, BX], dtype=tl.float32)
+        for kc in tl.range(0, BK, KC, num_stages=NUM_STAGES):
+            offs_k = kc + offs_c
+            mask_k = offs_k < K
+            S_c = tl.load(ckpt_at + offs_v[:, None] * K + offs_k[None, :], mask=mask_v[:, None] & mask_k[None, :],
+                          other=0.0).to(tl.float32)
+            _, x_c = _load_window_x(q_ptr, k_ptr, p_tok, i_h, offs_k, mask_k, xk_ok, xq_ok,
+                                    stride_q_tok, stride_q_head, stride_k_tok, stride_k_head)
+            SX = tl.dot(S_c, tl.trans(x_c), SX, input_precision=DOT_PRECISION)
+
+        # [U | o] = (S0 x_r) C1 + u_h Z + v D
+        offs_h = tl.arange(0, BH)
+        hist = offs_h < n_hist
+        rec_h = ring_at + (base + offs_h) % L
+        rec_w = ring_at + (base + wp + tok) % L
+        coef_at = coef_ptr + (i_b * HV + i_hv) * ((2 * BX + BH) * BX)
+        C1 = tl.load(coef_at + offs_x[:, None] * BX + offs_x[None, :])
+        Z = tl.load(coef_at + (BX + offs_h[:, None]) * BX + offs_x[None, :])
+        D = tl.load(coef_at + (BX + BH + offs_x[:, None]) * BX + offs_x[None, :])
+        # (Unused ring entries may hold NaN: masked loads give 0 instead.)
         u_h = tl.load(ru_ptr + (rec_h[None, :] * HV + i_hv) * V + offs_v[:, None], mask=mask_v[:, None] & hist[None, :],
                       other=0.0)
         vk_ok = mask_v[:, None] & xk_ok[None, :]
         v_x = tl.load(v_ptr + p_tok[None, :] * stride_v_tok + i_hv * stride_v_head + offs_v[:, None], mask=vk_ok, other=0.0)
-        out = tl.dot(SX, C1, input_precision="ieee")
-        out = tl.dot(u_h, Z, out, input_precision="ieee")
-        out = tl.dot(v_x.to(tl.float32), D, out, input_precision="ieee")  # [BV, BX]: U on key columns, o on query columns
+        out = tl.dot(SX, C1, input_precision=COEF_PRECISION)
+        out = tl.dot(u_h, Z, out, input_precision=COEF_PRECISION)
+        out = tl.dot(v_x.to(tl.float32), D, out, input_precision=COEF_PRECISION)  # U on key columns, o on query columns
         tl.store(p_o, _tl_to_rtne(out, o_ptr.dtype.element_ty), mask=mask_v[:, None] & xq_ok[None, :])
         rec = (rec_w[None, :] * HV + i_hv) * V + offs_v[:, None]
         tl.store(rv_ptr + rec, v_x.to(rv_ptr.dtype.element_ty), mask=vk_ok)
         tl.store(ru_ptr + rec, out, mask=vk_ok)
-        first_v = xk_ok & (tok < tl.where(i_v == 0, length, 0))  # gates once per value head
-        tl.store(rg_ptr + rec_w * HV + i_hv, g, mask=first_v)
-        tl.store(rb_ptr + rec_w * HV + i_hv, beta, mask=first_v)
 
     # ---- small batches: one launch, the exact recurrence all the way ("replay")
     # At a few requests every kernel is latency-bound: the time is the length of each
@@ -609,30 +616,76 @@ if triton is not None:
             tl.store(rb_ptr + rec * HV + i_hv, beta, mask=valid & (i_v == 0))
 
 
-def launch_closed_form(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos,
-                       cache_base, is_flush, o, max_len: int) -> None:
-    """Launch the closed-form kernel (flush, products and window in one launch) on
-    validated arguments."""
+def launch_flush(checkpoint, ring, slots, write_pos, cache_base, is_flush) -> None:
+    """Launch the closed form's flush on validated arguments: the fold kernel on the rows
+    with ``is_flush`` (their committed records, from ``cache_base``), the others exit."""
+    kd, vd = checkpoint.shape[3], checkpoint.shape[2]
+    cfg = tuning.lookup("closed_form", K=kd, V=vd, state_dtype=checkpoint.dtype, batch=slots.shape[0])
+    launch_fold(checkpoint[None], *(getattr(ring, f)[None] for f in ring._fields), slots, cache_base, write_pos, is_flush,
+                block_v=cfg["flush_block_v"])
+
+
+def launch_coefficients(q, k, a, b, A_log, dt_bias, checkpoint, ring, slots, cu_seqlens, write_pos, cache_base,
+                        is_flush, max_len: int) -> torch.Tensor:
+    """Launch the closed form's coefficient kernel on validated arguments; return the
+    coefficients ``[B, HV, 2 BX + BH, BX]`` (float32). It writes the window's raw keys
+    and gates to the ring."""
+    h, kd = q.shape[1], q.shape[2]
+    _, hv, vd, _ = checkpoint.shape
+    batch = slots.shape[0]
+    bt, bh = _window_blocks(max_len, ring.ring_len)
+    cfg = tuning.lookup("closed_form", K=kd, V=vd, state_dtype=checkpoint.dtype, batch=batch)
+    coef = torch.empty(batch, hv, 4 * bt + bh, 2 * bt, dtype=torch.float32, device=q.device)
+    # Value heads per program: they share a key head, so its K pass runs once for all of
+    # them; at most the group, and a divisor of it.
+    vh = math.gcd(cfg["heads_per_program"], hv // h)
+    _coefficients_kernel[(batch, hv // vh)](
+        q, k, a, b, A_log, dt_bias, ring.k, ring.g, ring.beta,
+        slots, cu_seqlens, write_pos, cache_base, is_flush, coef,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), a.stride(0), b.stride(0),
+        kd**-0.5, NORM_EPS,
+        H=h, HV=hv, K=kd, L=ring.ring_len, LOG_T=max(1, (max_len - 1).bit_length()), BT=bt, BH=bh,
+        BK=exact_block_k(kd), VH=vh, DOT_PRECISION=product_precision(q.dtype), num_warps=cfg["coef_warps"],
+    )
+    return coef
+
+
+def launch_window_outputs(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos, cache_base, is_flush, coef,
+                          o, max_len: int) -> None:
+    """Launch the closed form's second kernel (outputs and corrected deltas from the
+    checkpoint and ``coef``) on validated arguments."""
     h, kd = q.shape[1], q.shape[2]
     hv, vd = v.shape[1], v.shape[2]
     batch = slots.shape[0]
+    bt, bh = _window_blocks(max_len, ring.ring_len)
     bk = exact_block_k(kd)
     cfg = tuning.lookup("closed_form", K=kd, V=vd, state_dtype=checkpoint.dtype, batch=batch)
-    # It writes states (flush rows) with the exact step, so its tile follows the exact
-    # writers' rule (rows are free, BK and warps are not).
     bv = block_rows(vd, batch * hv, q.device, cfg["block_v"], least=16)
-    L = ring.ring_len
-    _closed_form_kernel[(triton.cdiv(vd, bv), batch, hv)](
-        q, k, v, a, b, A_log, dt_bias,
-        checkpoint, ring.k, ring.v, ring.g, ring.beta, ring_u,
-        slots, cu_seqlens, write_pos, cache_base, is_flush, o,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
-        kd**-0.5, NORM_EPS,
-        H=h, HV=hv, K=kd, V=vd, L=L, LOG_T=max(1, (max_len - 1).bit_length()),
-        # tl.dot wants sides of 16: the stacked window has 2 * max(8, T) rows, the history 16.
-        BT=max(8, triton.next_power_of_2(max_len)), BH=max(16, L), BK=bk, KC=max(16, min(cfg["k_chunk"], bk)), BV=bv,
-        DOT_PRECISION=product_precision(q.dtype), NUM_STAGES=cfg["num_stages"], num_warps=cfg["num_warps"],
+    coef_precision = "tf32" if cfg["tf32_coefficients"] and q.dtype != torch.float32 else "ieee"
+    _window_outputs_kernel[(triton.cdiv(vd, bv), batch, hv)](
+        q, k, v, checkpoint, ring.v, ring_u,
+        slots, cu_seqlens, write_pos, cache_base, is_flush, coef, o,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        H=h, HV=hv, K=kd, V=vd, L=ring.ring_len, BT=bt, BH=bh, BK=bk, KC=max(16, min(cfg["k_chunk"], bk)), BV=bv,
+        DOT_PRECISION=product_precision(q.dtype), COEF_PRECISION=coef_precision, NUM_STAGES=cfg["num_stages"],
+        num_warps=cfg["num_warps"],
     )
+
+
+def _window_blocks(max_len: int, ring_len: int) -> tuple[int, int]:
+    """``(BT, BH)``: tl.dot wants sides of 16, so the stacked window has 2 * max(8, T)
+    rows and the history max(16, L)."""
+    return max(8, triton.next_power_of_2(max_len)), max(16, ring_len)
+
+
+def launch_closed_form(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos,
+                       cache_base, is_flush, o, max_len: int) -> None:
+    """Launch the closed form (flush, coefficients, outputs) on validated arguments."""
+    launch_flush(checkpoint, ring, slots, write_pos, cache_base, is_flush)
+    coef = launch_coefficients(q, k, a, b, A_log, dt_bias, checkpoint, ring, slots, cu_seqlens, write_pos, cache_base,
+                               is_flush, max_len)
+    launch_window_outputs(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos, cache_base, is_flush, coef,
+                          o, max_len)
 
 
 def launch_replay_window(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos,

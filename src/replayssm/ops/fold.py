@@ -141,6 +141,36 @@ if triton is not None:
         return k0, k1, k2, k3, v, g, beta
 
     @triton.jit
+    def replay_history(ckpt_at, tile, rk_ptr, rv_ptr, rg_ptr, rb_ptr, ring_at, base, count, offs_c, offs_v, mask_v,
+                        i_h, i_hv, eps,
+                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
+                        KQ: tl.constexpr):
+        """Load a ``[BV, K]`` checkpoint tile as four parts and replay ``count`` raw
+        records from position ``base`` of the ring at flat record ``ring_at`` through the
+        exact step; return the tile's parts. Every exact replay (the fold, circular's
+        flush and small-batch path) is this loop. Same hand pipelining as the
+        recurrence: record c + 1 loads during step c, and only step c + 1 reads it
+        (normalising it right after its load would make every step wait for the next
+        record's load). Unused ring entries may hold NaN: masked loads give 0."""
+        S0, S1, S2, S3 = _tl_load_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ)
+        all_c = offs_c >= 0
+        valid_n = count > 0
+        k0n, k1n, k2n, k3n, v_n, g_n, b_n = _load_record(
+            rk_ptr, rv_ptr, rg_ptr, rb_ptr, ring_at + base % L, valid_n, offs_c, _tl_mask_and(all_c, valid_n),
+            _tl_mask_and(mask_v, valid_n), i_h, i_hv, offs_v, H, HV, K, V, KQ,
+        )
+        for c in range(0, count):
+            k0, k1, k2, k3, v, g, beta = k0n, k1n, k2n, k3n, v_n, g_n, b_n
+            valid_n = c + 1 < count
+            k0n, k1n, k2n, k3n, v_n, g_n, b_n = _load_record(
+                rk_ptr, rv_ptr, rg_ptr, rb_ptr, ring_at + (base + c + 1) % L, valid_n, offs_c,
+                _tl_mask_and(all_c, valid_n), _tl_mask_and(mask_v, valid_n), i_h, i_hv, offs_v, H, HV, K, V, KQ,
+            )
+            k0, k1, k2, k3 = _tl_normalized(k0, k1, k2, k3, eps, 1.0)
+            S0, S1, S2, S3 = _tl_state_step(S0, S1, S2, S3, k0, k1, k2, k3, v, g, beta)
+        return S0, S1, S2, S3
+
+    @triton.jit
     def _fold_kernel(
         ckpt_ptr, rk_ptr, rv_ptr, rg_ptr, rb_ptr, slots_ptr, start_ptr, count_ptr, flush_ptr,
         num_slots, eps,
@@ -175,41 +205,27 @@ if triton is not None:
         mask_v = offs_v < V
         tile = offs_v[:, None] * K + offs_c[None, :]
         ckpt_at = ckpt_ptr + (ls * HV + i_hv) * (V * K)
-        S0, S1, S2, S3 = _tl_load_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ)
-
-        # Same hand pipelining as the recurrence: record c + 1 loads during step c, and
-        # only step c + 1 reads it; normalising it right after its load would make every
-        # step wait for the next record's load.
-        all_c = offs_c >= 0
-        k0n, k1n, k2n, k3n, v_n, g_n, b_n = _load_record(
-            rk_ptr, rv_ptr, rg_ptr, rb_ptr, ls * R + start % R, count > 0, offs_c, all_c, mask_v,
-            i_h, i_hv, offs_v, H, HV, K, V, KQ,
-        )
-        for c in range(0, count):
-            k0, k1, k2, k3, v, g, beta = k0n, k1n, k2n, k3n, v_n, g_n, b_n
-            valid_n = c + 1 < count
-            k0n, k1n, k2n, k3n, v_n, g_n, b_n = _load_record(
-                rk_ptr, rv_ptr, rg_ptr, rb_ptr, ls * R + (start + c + 1) % R, valid_n, offs_c,
-                _tl_mask_and(all_c, valid_n), _tl_mask_and(mask_v, valid_n), i_h, i_hv, offs_v, H, HV, K, V, KQ,
-            )
-            k0, k1, k2, k3 = _tl_normalized(k0, k1, k2, k3, eps, 1.0)
-            S0, S1, S2, S3 = _tl_state_step(S0, S1, S2, S3, k0, k1, k2, k3, v, g, beta)
+        S0, S1, S2, S3 = replay_history(ckpt_at, tile, rk_ptr, rv_ptr, rg_ptr, rb_ptr, ls * R, start, count,
+                                        offs_c, offs_v, mask_v, i_h, i_hv, eps, H, HV, K, V, R, KQ)
         _tl_store_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ, S0, S1, S2, S3)
 
-    def launch_fold(checkpoints, ring_k, ring_v, ring_g, ring_beta, slots, start, count, flush=None) -> None:
+    def launch_fold(checkpoints, ring_k, ring_v, ring_g, ring_beta, slots, start, count, flush=None, *,
+                    block_v: int | None = None) -> None:
         """Launch the fold kernel on validated, contiguous 5-D buffers (one launch).
 
         Without ``flush``: row ``i`` folds ``count[i]`` records from ``start[i]``. With
         ``flush`` (``[num_slots]``): ``start``, ``count`` and ``flush`` are per-slot
         cursors (``cache_base``, ``write_pos``, ``is_flush``) and only rows whose slot
-        has ``flush`` set fold; the other rows exit at once.
+        has ``flush`` set fold; the other rows exit at once. ``block_v`` caps the tile
+        height (default: the shape table's ``exact_write`` row); rows are independent, so
+        it changes no number.
         """
         nl, ns, hv, vd, kd = checkpoints.shape
         h, r = ring_k.shape[3], ring_k.shape[2]
         batch = slots.shape[0]
         if batch == 0 or nl == 0 or r == 0:
             return
-        bv = pick_block_v(kd, vd, batch, hv, checkpoints.dtype, checkpoints.device, layers=nl)
+        bv = pick_block_v(kd, vd, batch, hv, checkpoints.dtype, checkpoints.device, layers=nl, most=block_v)
         grid = (triton.cdiv(vd, bv), batch, nl * hv)
         _fold_kernel[grid](
             checkpoints, ring_k, ring_v, ring_g, ring_beta, slots, start, count, count if flush is None else flush,

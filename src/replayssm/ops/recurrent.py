@@ -224,15 +224,16 @@ def window_bound(max_len: int | None, *shape_bounds: int | None) -> int:
 
 
 def pick_block_v(kd: int, vd: int, batch: int, hv: int, state_dtype: torch.dtype, device: torch.device, *,
-                 read_only: bool = False, layers: int = 1) -> int:
+                 read_only: bool = False, layers: int = 1, most: int | None = None) -> int:
     """Rows ``BV`` of an exact kernel's state tile for ``batch`` windows of ``hv`` value
     heads (times ``layers`` for the fold): the height of the shape table
     (:mod:`~replayssm.ops.tuning`, ``exact_read_only`` or ``exact_write``) through
     :func:`~replayssm.ops.triton_common.block_rows`. 16 is the height that one pass of
     :data:`~replayssm.ops.triton_common.EXACT_NUM_WARPS` warps covers in a four-part tile
-    (4 rows per warp), so no tile holds a row twice."""
+    (4 rows per warp), so no tile holds a row twice. ``most`` replaces the table's height."""
     family = "exact_read_only" if read_only else "exact_write"
-    most = tuning.lookup(family, K=kd, V=vd, state_dtype=state_dtype, batch=batch)["block_v"]
+    if most is None:
+        most = tuning.lookup(family, K=kd, V=vd, state_dtype=state_dtype, batch=batch)["block_v"]
     return block_rows(vd, batch * hv * layers, device, most)
 
 

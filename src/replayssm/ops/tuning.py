@@ -36,12 +36,15 @@ PARAMS = {
     # The read-only exact verify: no state to write back, so a taller tile holds fewer
     # live registers per row and amortises the per-token loads further.
     "exact_read_only": ("block_v",),
-    # circular's closed-form verify (ops/chunked.py, one launch: flush, products, window):
-    # rows of V per program, columns of K per step of its pass over the checkpoint,
-    # pipeline stages of that pass, warps. Its flush is an exact writer: a four-part tile
-    # keeps one row's layout (8 lanes x 4 keys) for any warp count that splits rows, which
-    # the GPU tests check bit for bit against the fold kernel.
-    "closed_form": ("block_v", "k_chunk", "num_stages", "num_warps"),
+    # circular's closed form (ops/chunked.py). Its outputs kernel: rows of V per program,
+    # columns of K per step of its pass over the checkpoint, pipeline stages of that
+    # pass, warps, and whether its small products with the coefficients run on tensor
+    # cores (tf32) when the activations are 16-bit (1) or as fp32 FMA (0). Its
+    # coefficient kernel: warps, and value heads per program (those of one key head share
+    # its K pass; capped at the GQA group). Its flush (the fold kernel on the flush rows):
+    # tile height, which may differ from the fold's (rows are independent).
+    "closed_form": ("block_v", "k_chunk", "num_stages", "num_warps", "tf32_coefficients", "coef_warps",
+                    "heads_per_program", "flush_block_v"),
     # circular's small-batch path (ops/chunked.py): at batch <= replay_max_batch its
     # verify replays the exact recurrence in one launch and its commit flushes every
     # step, instead of the closed form's three launches. 0 turns it off.
@@ -50,14 +53,21 @@ PARAMS = {
 
 _KEY_FIELDS = ("K", "V", "state_dtype", "min_batch", "max_batch", "device")
 #: Parameters that may be 0 (the others are sizes, at least 1).
-_MAY_BE_ZERO = ("replay_max_batch",)
+_MAY_BE_ZERO = ("replay_max_batch", "tf32_coefficients")
 
 #: The table (see the module notes). Values chosen by measurement at Qwen3.5 shapes
 #: (BENCHMARKS.md, tuning notes).
 TABLE: dict[str, list[tuple[dict, dict]]] = {
     "exact_write": [({}, dict(block_v=64))],
-    "exact_read_only": [({}, dict(block_v=128))],
-    "closed_form": [({}, dict(block_v=64, k_chunk=64, num_stages=2, num_warps=4))],
+    # 16-bit states: a 64-row read-only tile runs at twice the programs per SM (the tile
+    # is fp32 in registers whatever the storage), which the halved bytes need.
+    "exact_read_only": [({"state_dtype": torch.bfloat16}, dict(block_v=64)), ({}, dict(block_v=128))],
+    # Small batches are latency-bound: one value head per coefficient program keeps its
+    # chain short; large ones share the key head's K pass.
+    "closed_form": [({"max_batch": 32}, dict(block_v=64, k_chunk=64, num_stages=2, num_warps=4, tf32_coefficients=1,
+                                             coef_warps=1, heads_per_program=1, flush_block_v=32)),
+                    ({}, dict(block_v=64, k_chunk=64, num_stages=2, num_warps=4, tf32_coefficients=1, coef_warps=1,
+                              heads_per_program=8, flush_block_v=32))],
     # Small batches are latency-bound: one launch with a chain of n + T exact steps
     # beats three launches and the window solve's per-head chain there. The switch sits
     # at the largest batch where replay measured faster (BENCHMARKS.md, issue 11:

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The state kernels beside the peer's (SGLang 0.5.23), in one run on one GPU: for each of
+# the peer's benchmark configurations (6 layers per graph, bf16 activations, batches
+# 1/16/64/256) the peer's runner and `replayssm bench kernels`, then one table of floor
+# multiples (scripts/peer_table.py). Needs the peer folder (its README) at PEER.
+#
+#   PEER=.peer RESULTS=benchmarks/results scripts/gpu_peer_bench.sh [extra bench kernels options]
+#
+# Configurations: fp32 state T=4 n=3 L=16, bf16 state T=4 n=3 L=16, fp32 state T=8 n=6
+# L=32 (override with CONFIGS="name dtype T n L; ..."). Writes
+# RESULTS/kernels_h200_<cfg>.json, RESULTS/kernels_peer_h200_<cfg>.json and
+# RESULTS/kernels_peer_table_h200.md. About 1.5 minutes per configuration.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PYTHON=${PYTHON:-python3}
+PEER=${PEER:-.peer}
+RESULTS=${RESULTS:-benchmarks/results}
+CONFIGS=${CONFIGS:-"fp32_t4 float32 4 3 16; bf16_t4 bfloat16 4 3 16; fp32_t8 float32 8 6 32"}
+BATCHES=${BATCHES:-1,16,64,256}
+export PYTHONPATH="${SRC:-$PWD/src}${PYTHONPATH:+:$PYTHONPATH}"
+mkdir -p "$RESULTS"
+rc=0
+table=()
+IFS=';' read -ra cfgs <<< "$CONFIGS"
+for cfg in "${cfgs[@]}"; do
+    read -r name sdt T n L <<< "$cfg"
+    echo "=== $name: state $sdt, T=$T, n=$n, L=$L"
+    "$PYTHON" "$PEER/bench_peer.py" --sglang "$PEER/sglang_0523" --state-dtype "$sdt" --T "$T" --accept "$n" --ring "$L" \
+        --batches "$BATCHES" --out "$RESULTS/kernels_peer_h200_$name.json" | tail -n 6 || rc=$?
+    "$PYTHON" -m replayssm.cli bench kernels --layers 6 --state-dtype "$sdt" --window "$T" --accept "$n" --ring-len "$L" \
+        --batches "$BATCHES" --quiet --json "$RESULTS/kernels_h200_$name.json" "$@" | tail -n 12 || rc=$?
+    table+=("$name=$RESULTS/kernels_h200_$name.json,$RESULTS/kernels_peer_h200_$name.json")
+done
+"$PYTHON" scripts/peer_table.py "${table[@]}" | tee "$RESULTS/kernels_peer_table_h200.md" || rc=$?
+exit "$rc"
