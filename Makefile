@@ -1,12 +1,13 @@
 # `make run`  : create the environment if needed, then run the main job.
 # `make test` : create the environment if needed, then run the test suite.
+# `make docs` : build the API reference from the docstrings into site/ (warnings are errors).
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 # GPU machines bring their own torch; CPU machines get the pinned CPU build.
 HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: run test env clean
+.PHONY: run test docs env clean
 
 env: $(VENV)/.installed
 
@@ -25,5 +26,8 @@ run: env
 test: env
 	$(PY) -m pytest -q
 
+docs: env
+	$(PY) -m mkdocs build --strict
+
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) site

@@ -22,7 +22,7 @@ import sys
 import torch
 
 from replayssm.bench import common
-from replayssm.bench.args import int_list, output_path, positive_int
+from replayssm.cli.args import int_list, output_path, positive_int
 import contextlib
 
 from replayssm.ops import chunked, fold, gdn_fold, gdn_recurrence, recurrent, tuning

@@ -23,7 +23,7 @@ from replayssm.bench.e2e import QWEN35_SHAPES
 from replayssm.engine.adapter import HybridEngine
 from replayssm.engine.device_drafters import OracleDrafter
 from replayssm.engine.generator import StepGenerator, _Request
-from replayssm.engine.tiny import build_tiny_model
+from replayssm.engine.random_model import build_tiny_model
 
 
 def profile(model, mode: str, batch: int, k: int, reps: int, top: int) -> dict:

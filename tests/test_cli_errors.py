@@ -5,25 +5,47 @@ option has a help text, the top-level help names every command in plain text, th
 list options are comma lists, and CPU runs get their thread count from one place."""
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
 from replayssm import cli
-from replayssm.engine.tiny import save_tiny_checkpoint
+from replayssm.testing.checkpoints import save_tiny_checkpoint
 
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a CUDA device")
 
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
-    """A tiny checkpoint without an MTP head, and a directory holding a config of an
-    unsupported model type."""
+    """A tiny checkpoint without an MTP head, a directory holding a config of an
+    unsupported model type, and copies of the checkpoint each broken in one way."""
     ck = tmp_path_factory.mktemp("ck")
     save_tiny_checkpoint(ck, "qwen3_5", seed=int(torch.initial_seed() % 1000), with_mtp=False)
     other = tmp_path_factory.mktemp("llama")
     (other / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    return {"ck": str(ck), "llama": str(other), "missing": str(other / "nope")}
+    config = json.loads((ck / "config.json").read_text())
+
+    def variant(name, drop=(), **config_changes):
+        path = tmp_path_factory.mktemp(name)
+        for f in ck.iterdir():
+            if f.name not in drop:
+                shutil.copy(f, path / f.name)
+        if config_changes:
+            (path / "config.json").write_text(json.dumps({**config, **config_changes}))
+        return str(path)
+
+    corrupt = variant("corrupt")
+    (Path(corrupt) / "config.json").write_text('{"model_type": "qwen3_5_text", "vocab_size": 26')
+    return {
+        "ck": str(ck), "llama": str(other), "missing": str(other / "nope"), "corrupt": corrupt,
+        "noweights": variant("noweights", drop=("model.safetensors",)),
+        "notokenizer": variant("notokenizer", drop=("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")),
+        "bigtokenizer": variant("bigtokenizer", vocab_size=200),  # the byte tokenizer has 257 tokens
+        # positions far past anything a KV cache could hold: the memory check must speak first
+        "longctx": variant("longctx", max_position_embeddings=2**50),
+    }
 
 
 CASES = [
@@ -60,6 +82,33 @@ CASES = [
     ("generate", ["--model", "{ck}", "--prompt", "x", "--draft", "mtp"], "mtp"),
     ("generate", ["--model", "{ck}", "--prompt", "x", "--num-draft", "0"], "--num-draft"),
     ("generate", ["--model", "{ck}", "--prompt", "x", "--strategy", "nope"], "--strategy"),
+    # the user's cases: each a one-line error before anything is loaded
+    ("generate", ["--model", "{ck}", "--prompt", "ab\udcffc"], "--prompt: not UTF-8 text (byte 0xff at position 2)"),
+    ("generate", ["--model", "{noweights}", "--prompt", "x"], "holds no weights"),
+    ("generate", ["--model", "{bigtokenizer}", "--prompt", "x"], "257 tokens, more than the model's vocabulary of 200"),
+    ("generate", ["--model", "{notokenizer}", "--prompt", "x"], "has no tokenizer files"),
+    ("generate", ["--model", "{corrupt}", "--prompt", "x"], "cannot read {corrupt}/config.json"),
+    ("generate", ["--model", "{ck}/config.json", "--prompt", "x"], "is a file; a checkpoint is a directory"),
+    ("generate", ["--model", "{ck}", "--prompt", "x", "--max-new-tokens", "100000000"],
+     "exceed the model's max_position_embeddings 8192"),
+    ("generate", ["--model", "{ck}", "--prompt", "x" * 8000, "--max-new-tokens", "193"],
+     "the longest prompt (8000 tokens) + 193 new tokens exceed the model's max_position_embeddings 8192"),
+    ("generate", ["--model", "{longctx}", "--prompt", "x", "--max-new-tokens", "100000000000"],
+     "--max-new-tokens 100000000000: the KV cache (1 slots x 100000000006 tokens"),
+    ("generate", ["--model", "{ck}", "--prompt", "x", "--num-draft", "100"], "at most 15"),
+    ("generate", ["--model", "{ck}", "--prompt", "x", "--num-draft", "16"], "at most 15"),
+    ("run", ["--num-draft", "100"], "at most 15"),
+    ("closed-loop", ["--num-draft", "100"], "at most 15"),
+    ("bench e2e", ["--num-draft", "100"], "at most 15"),
+    ("bench acceptance", ["--windows", "2,32"], "at most 16"),
+    ("bench kernels", ["--device", "cpu", "--backend", "triton", "--window", "17"], "circular's Triton window kernel"),
+    ("drift", ["--device", "cpu", "--backend", "triton", "--window", "17", "--ring-len", "64"],
+     "circular's Triton window kernel"),
+    ("bench e2e", ["--model", "{noweights}"], "holds no weights"),
+    ("bench acceptance", ["--model", "{corrupt}"], "cannot read {corrupt}/config.json"),
+    ("closed-loop", ["--model", "{notokenizer}"], "has no tokenizer files"),
+    ("drift", ["--model", "{ck}/config.json"], "is a file"),
+    ("closed-loop", ["--model", "{ck}", "--tokens", "9000"], "max_position_embeddings 8192"),
     # run
     ("run", ["--strategies", "fold", "circular"], "unrecognized arguments: circular"),
     ("run", ["--strategies", "fold,ring"], "--strategies"),
@@ -133,6 +182,7 @@ CUDA_CASES = [
 def _check_one_line_error(cmd, argv, expect, model_dirs, tmp_path, capsys):
     paths = {**model_dirs, "tmp": str(tmp_path)}
     argv = [a.format(**paths) for a in argv]
+    expect = expect.format(**paths)
     rc = cli.main([*cmd.split(), *argv])
     out, err = capsys.readouterr()
     assert rc == 2, (argv, out, err)
@@ -167,6 +217,22 @@ def test_a_missing_embedded_checkpoint_is_one_line_naming_the_train_command(cmd,
     assert rc == 2 and len(err) == 1, err
     assert err[0].startswith(f"replayssm {cmd.split()[0]}: error: "), err
     assert "the embedded checkpoint is missing" in err[0] and "replayssm train" in err[0], err
+
+
+def test_the_kv_cache_check_names_the_figure_and_the_free_memory(model_dirs, capsys):
+    """Before the allocation, not inside it: 47 TiB of KV cache (2 slots of 10^11
+    positions, 1 attention layer of 2 KV heads x 16, fp32 keys and values) is refused
+    with both figures, and the figure is the cache's size."""
+    from replayssm.engine.kv_cache import free_memory
+
+    rc = cli.main(["generate", "--model", model_dirs["longctx"], "--prompt", "x", "--max-new-tokens", "100000000000",
+                   "--device", "cpu"])
+    err = capsys.readouterr().err.splitlines()
+    assert rc == 2 and len(err) == 1, err
+    need = 2 * 1 * 2 * 2 * 100000000006 * 16 * 4 + 2 * 8
+    assert f"needs {need / 2**30:.2f} GiB but cpu has " in err[0], err
+    free = float(err[0].split(" has ")[1].split(" GiB free")[0])
+    assert abs(free - free_memory("cpu") / 2**30) < 0.5 * free_memory("cpu") / 2**30, err  # a live figure
 
 
 def test_a_bad_command_is_one_line(capsys):

@@ -10,6 +10,7 @@ import torch
 
 from replayssm import cli
 from replayssm.bench import common, kernels
+from replayssm.cli import bench_kernels as cli_kernels
 from replayssm.ops import advance_cursors_reference, gdn_recurrence_reference
 
 ALL = kernels.STRATEGY_NAMES + kernels.BASELINE_NAMES
@@ -47,7 +48,7 @@ def test_cpu_smoke_run_writes_one_row_per_strategy_and_batch(tmp_path, capsys):
     rows = data["rows"]
     keys = [(r["strategy"], r["batch"]) for r in rows]
     assert sorted(keys) == sorted((n, b) for n in ALL for b in (1, 3))
-    cfg = kernels.resolve_config(tiny_args("--batches", "1,3"))
+    cfg = cli_kernels.resolve_config(tiny_args("--batches", "1,3"))
     for r in rows:
         for f in ROW_FIELDS:
             assert f in r, f"row {r['strategy']}/{r['batch']} lacks {f}"
@@ -72,7 +73,7 @@ def test_cpu_smoke_run_writes_one_row_per_strategy_and_batch(tmp_path, capsys):
 
 def test_subset_and_no_baselines(tmp_path):
     path = tmp_path / "k.json"
-    rc = kernels.main(tiny_args("--batches", "2", "--strategies", "fold", "--baselines", "none", "--json", str(path)))
+    rc = cli_kernels.main(tiny_args("--batches", "2", "--strategies", "fold", "--baselines", "none", "--json", str(path)))
     assert rc == 0
     rows = json.loads(path.read_text())["rows"]
     assert [(r["strategy"], r["batch"]) for r in rows] == [("fold", 2)]
@@ -88,7 +89,7 @@ def test_tune_overrides_the_shape_table_for_the_run(tmp_path, monkeypatch):
     monkeypatch.setattr("replayssm.strategies.circular.replays_window",
                         lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
     path = tmp_path / "k.json"
-    rc = kernels.main(tiny_args("--batches", "2", "--strategies", "circular", "--baselines", "none",
+    rc = cli_kernels.main(tiny_args("--batches", "2", "--strategies", "circular", "--baselines", "none",
                                 "--tune", "circular.replay_max_batch=4", "--json", str(path)))
     assert rc == 0 and seen and all(seen)
     assert json.loads(path.read_text())["config"]["tune"] == ["circular.replay_max_batch=4"]
@@ -97,10 +98,10 @@ def test_tune_overrides_the_shape_table_for_the_run(tmp_path, monkeypatch):
 
 def test_conv_in_the_step_counts_its_bytes(tmp_path):
     path = tmp_path / "k.json"
-    rc = kernels.main(tiny_args("--batches", "1", "--strategies", "snapshot", "--baselines", "none", "--conv", "--json", str(path)))
+    rc = cli_kernels.main(tiny_args("--batches", "1", "--strategies", "snapshot", "--baselines", "none", "--conv", "--json", str(path)))
     assert rc == 0
     row = json.loads(path.read_text())["rows"][0]
-    cfg = kernels.resolve_config(tiny_args("--conv"))
+    cfg = cli_kernels.resolve_config(tiny_args("--conv"))
     with_conv = common.step_bytes("snapshot", cfg.step_shape(1)).total
     without = common.step_bytes("snapshot", cfg.step_shape(1, conv=False)).total
     assert with_conv > without
@@ -126,7 +127,7 @@ def test_bad_options_raise_naming_the_option(argv, match):
     """The checks that need several options; single-option ranges are argument types
     (tests/test_cli_errors.py runs both through the command line)."""
     with pytest.raises(ValueError, match=match):
-        kernels.resolve_config(tiny_args(*argv))
+        cli_kernels.resolve_config(tiny_args(*argv))
 
 
 @pytest.mark.parametrize("argv", [("--batches", "1,x"), ("--batches", "0"), ("--batches", "2,2"), ("--strategies", "ring"), ("--baselines", "fold")])
@@ -140,7 +141,7 @@ def _cfg(name_batches=(2,), **over):
     args = tiny_args("--batches", ",".join(map(str, name_batches)))
     for k, v in over.items():
         setattr(args, k, v)
-    return kernels.resolve_config(args)
+    return cli_kernels.resolve_config(args)
 
 
 @pytest.mark.parametrize("strategy", kernels.STRATEGY_NAMES)

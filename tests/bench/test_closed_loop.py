@@ -11,6 +11,7 @@ import torch
 
 from replayssm import cli
 from replayssm.bench.closed_loop import CONTROL, OpenLoopCircular, first_divergence, run_closed_loop
+from replayssm.cli.closed_loop import config_from_args
 
 
 def test_exact_strategies_never_diverge_over_2048_tokens():
@@ -18,7 +19,7 @@ def test_exact_strategies_never_diverge_over_2048_tokens():
     args = cli.parse(["closed-loop", "--model", "tiny", "--tokens", "2048", "--requests", "2", "--every", "512", "--seed", str(seed),
                       "--device", "cpu", "--quiet"])
     cli.set_cpu_threads(args)
-    result = run_closed_loop(args, progress_enabled=False)
+    result = run_closed_loop(config_from_args(args), progress_enabled=False)
     v = result["variants"]
     assert list(v) == ["plain", "snapshot", "fold", "circular", CONTROL]
     plain = v["plain"]["tokens"]
@@ -45,7 +46,7 @@ def test_the_control_departs_from_the_exact_fold():
     """Same windows, same accepted counts: in bf16 the control's committed state
     differs from circular's (exact) once the ring has flushed, but stays near it."""
     from replayssm.engine.adapter import HybridEngine
-    from replayssm.engine.tiny import build_tiny_model
+    from replayssm.engine.random_model import build_tiny_model
 
     model = build_tiny_model(seed=random.randrange(10**6), dtype=torch.bfloat16)
     engines = [HybridEngine(model, strategy="circular", num_slots=1, window=4, max_len=512) for _ in range(2)]

@@ -11,11 +11,12 @@ import torch
 
 from replayssm import cli
 from replayssm.bench import drift
+from replayssm.cli import drift as cli_drift
 from replayssm.ops import gdn_recurrence_reference
 from replayssm.state import GDNShape
 from replayssm.ops.gates import expand_heads, gdn_gates, l2_normalize
 from replayssm.strategies.fold import FoldStrategy
-from replayssm.train.data import heldout_stream
+from replayssm.corpus import heldout_stream
 
 # A few hundred tokens of the tiny shape: a minute of CPU at most. Memories are kept
 # short (decay 0.05..0.5 per token) so that the fp32 recurrence's own error has
@@ -114,13 +115,13 @@ def test_a_strategy_that_leaves_the_recurrence_fails(monkeypatch, tmp_path, caps
 
 def test_defaults_are_the_issue_s():
     args = cli.build_parser().parse_args(["drift"])
-    cfg = drift.config_from_args(args)
+    cfg = cli_drift.config_from_args(args)
     assert cfg.tokens == 32768 and cfg.every == 256 and cfg.act_dtype == "bf16" and cfg.state_dtype == "fp32"
     assert cfg.strategies == drift.STRATEGY_NAMES and cfg.control
     # issue 13: the trained model's real inputs by default; its last GDN layer
     assert cfg.inputs == "model" and cfg.model_name == "embedded" and cfg.layer is None
     assert cfg.shape is cfg.decay_range is cfg.key_correlation is None
-    random_cfg = drift.config_from_args(cli.build_parser().parse_args(["drift", "--inputs", "random"]))
+    random_cfg = cli_drift.config_from_args(cli.build_parser().parse_args(["drift", "--inputs", "random"]))
     assert random_cfg.random_shape == ("qwen3.5" if torch.cuda.is_available() else "tiny")
     assert random_cfg.random_decay_range == (1e-3, 0.5) and random_cfg.random_key_correlation == 0.5
     assert drift.SHAPES["qwen3.5"].num_value_heads == 32 and drift.SHAPES["qwen3.5"].head_k_dim == 128

@@ -65,7 +65,7 @@ def test_ngram_drafter_without_hf(tmp_path):
 
 def test_checkpoint_with_its_mtp_head(tmp_path):
     """A local checkpoint drafted by its own MTP head (inside the static step)."""
-    from replayssm.engine.tiny import save_tiny_checkpoint
+    from replayssm.testing.checkpoints import save_tiny_checkpoint
 
     ckpt = tmp_path / "ckpt"
     save_tiny_checkpoint(ckpt, seed=random.randint(0, 1000), with_mtp=True)
@@ -127,7 +127,7 @@ def test_compare_tokens_classification():
 
 @pytest.mark.parametrize("argv,message", [
     (["--batches", "0"], "batches"),
-    (["--model", "/nonexistent/checkpoint"], "checkpoint directory"),
+    (["--model", "/nonexistent/checkpoint"], "does not exist"),
     (["--strategies", "none", "--no-plain", "--no-hf"], "nothing to run"),
     (["--acceptance", "0.5,1.5"], "probabilities"),
     (["--random", "tiny", "--model", "embedded"], "--random"),

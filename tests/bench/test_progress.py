@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 
-from replayssm.bench.progress import ProgressBar, json_safe, write_json
+from replayssm.progress import ProgressBar, json_safe, write_json
 
 
 def test_bar_counts_clamp_and_end_at_the_real_count():

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from replayssm.engine.adapter import HybridEngine
-from replayssm.engine.tiny import build_tiny_model
+from replayssm.engine.random_model import build_tiny_model
 
 FAMILIES = ("qwen3_5", "qwen3_next")
 TOL = 2e-5  # logits are O(1); fp32 with different summation orders

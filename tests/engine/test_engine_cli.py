@@ -1,15 +1,13 @@
 """Command line: ``replayssm generate`` on local checkpoints saved by the test, and the
 main job (``replayssm run``'s module) on the embedded default."""
 
-import argparse
-
 import pytest
 import torch
 
 from replayssm import cli
-from replayssm.engine import main_job
 from replayssm.engine.loading import eos_token_ids, load_model, load_tokenizer
-from replayssm.engine.tiny import random_mtp_state, save_tiny_checkpoint, tiny_config, tiny_tokenizer
+from replayssm.engine.random_model import random_mtp_state, tiny_config
+from replayssm.testing.checkpoints import save_tiny_checkpoint, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -90,9 +88,7 @@ def test_multimodal_qwen35_checkpoint_with_mtp(tmp_path, capsys, seed):
 
 
 def test_main_job(capsys):
-    parser = argparse.ArgumentParser()
-    main_job.add_arguments(parser)
-    rc = main_job.main(parser.parse_args(["--max-new-tokens", "96", "--batch", "2"]))
+    rc = cli.main(["run", "--max-new-tokens", "96", "--batch", "2"])
     out = capsys.readouterr().out
     assert rc == 0, out
     for strategy in ("snapshot", "fold", "circular"):

@@ -23,7 +23,8 @@ from replayssm.engine.generator import SpeculativeGenerator
 from replayssm.engine.kv_cache import KVCache, WindowLayout
 from replayssm.engine.loading import load_model
 from replayssm.engine.sampling import SamplingParams
-from replayssm.engine.tiny import build_tiny_model, save_tiny_checkpoint
+from replayssm.engine.random_model import build_tiny_model
+from replayssm.testing.checkpoints import save_tiny_checkpoint
 
 K = 3
 

@@ -16,7 +16,7 @@ import torch
 from replayssm.engine.adapter import HybridEngine
 from replayssm.engine.drafters import NgramDrafter
 from replayssm.engine.generator import SpeculativeGenerator
-from replayssm.engine.tiny import build_tiny_model
+from replayssm.engine.random_model import build_tiny_model
 
 FAMILIES = ("qwen3_5", "qwen3_next")
 STRATEGIES = ("snapshot", "fold", "circular")

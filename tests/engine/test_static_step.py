@@ -15,7 +15,7 @@ from replayssm.engine.generator import SpeculativeGenerator, StepGenerator
 from replayssm.engine.norms import norm_eps, norm_kind, rms_norm
 from replayssm.engine.sampling import (SamplingParams, accept_greedy_static, accept_sampled_static, greedy_accept,
                                        warp_probs)
-from replayssm.engine.tiny import build_tiny_model
+from replayssm.engine.random_model import build_tiny_model
 
 FAMILIES = ("qwen3_5", "qwen3_next")
 
@@ -183,7 +183,7 @@ def test_device_mtp_drafts_what_the_host_mtp_drafter_does(family, tmp_path, seed
     from replayssm.engine.drafters import MTPDrafter, load_mtp_head
     from replayssm.engine.loading import load_model
     from replayssm.engine.sampling import greedy_accept
-    from replayssm.engine.tiny import save_tiny_checkpoint
+    from replayssm.testing.checkpoints import save_tiny_checkpoint
 
     save_tiny_checkpoint(tmp_path, family, seed=seed, with_mtp=True)
     model = load_model(str(tmp_path), dtype=torch.float32, device="cpu")
@@ -249,7 +249,7 @@ def test_sampled_mtp_drafts_in_the_static_step(tmp_path, seed, rng):
     from replayssm.engine.device_drafters import DeviceMTPDrafter
     from replayssm.engine.drafters import load_mtp_head
     from replayssm.engine.loading import load_model
-    from replayssm.engine.tiny import save_tiny_checkpoint
+    from replayssm.testing.checkpoints import save_tiny_checkpoint
 
     save_tiny_checkpoint(tmp_path, "qwen3_5", seed=seed, with_mtp=True)
     model = load_model(str(tmp_path), dtype=torch.float32, device="cpu")

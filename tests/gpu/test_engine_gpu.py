@@ -31,7 +31,7 @@ import torch
 from replayssm.engine.adapter import HybridEngine, load_chunk_kernel
 from replayssm.engine.drafters import NgramDrafter
 from replayssm.engine.generator import SpeculativeGenerator
-from replayssm.engine.tiny import build_tiny_model
+from replayssm.engine.random_model import build_tiny_model
 
 pytestmark = pytest.mark.gpu
 

@@ -26,7 +26,7 @@ from replayssm.engine.adapter import HybridEngine
 from replayssm.engine.device_drafters import DeviceNgramDrafter, OracleDrafter
 from replayssm.engine.generator import StepGenerator
 from replayssm.engine.sampling import SamplingParams
-from replayssm.engine.tiny import build_tiny_model
+from replayssm.engine.random_model import build_tiny_model
 from replayssm.strategies import STRATEGY_NAMES
 
 pytestmark = pytest.mark.gpu
@@ -119,7 +119,7 @@ def test_mtp_drafting_inside_the_graph_equals_eager(family, tmp_path):
     from replayssm.engine.device_drafters import DeviceMTPDrafter
     from replayssm.engine.drafters import load_mtp_head
     from replayssm.engine.loading import load_model
-    from replayssm.engine.tiny import save_tiny_checkpoint
+    from replayssm.testing.checkpoints import save_tiny_checkpoint
 
     save_tiny_checkpoint(tmp_path, family, seed=12, with_mtp=True)
     model = load_model(str(tmp_path), dtype=torch.bfloat16, device="cuda")
@@ -139,7 +139,7 @@ def test_sampled_mtp_drafts_and_rejection_inside_the_graph(tmp_path):
     from replayssm.engine.device_drafters import DeviceMTPDrafter
     from replayssm.engine.drafters import load_mtp_head
     from replayssm.engine.loading import load_model
-    from replayssm.engine.tiny import save_tiny_checkpoint
+    from replayssm.testing.checkpoints import save_tiny_checkpoint
 
     save_tiny_checkpoint(tmp_path, "qwen3_5", seed=13, with_mtp=True)
     model = load_model(str(tmp_path), dtype=torch.bfloat16, device="cuda")

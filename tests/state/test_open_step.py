@@ -9,7 +9,7 @@ bound (1e-5 relative, fp32 rounding of a contractive recurrence; tests/strategie
 import pytest
 import torch
 
-from replayssm.lifecycle import Lifecycle
+from replayssm.testing.lifecycle import Lifecycle
 from replayssm.ops import tuning
 from replayssm.state import GDNShape, StatePool, StepProtocolError
 

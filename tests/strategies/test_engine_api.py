@@ -8,7 +8,7 @@ Oracle bounds: fp32 against float64 on a few contractive steps (|exp(g)| <= 1, b
 import pytest
 import torch
 
-from replayssm.lifecycle import Lifecycle
+from replayssm.testing.lifecycle import Lifecycle
 from replayssm.ops.recurrent import gdn_recurrence_reference
 from replayssm.state import GDNShape, StatePool, StepProtocolError
 

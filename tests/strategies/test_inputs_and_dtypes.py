@@ -9,7 +9,7 @@ ring gates (as before) the replayed gates were rounded to fp32 and the error was
 import pytest
 import torch
 
-from replayssm.lifecycle import Lifecycle
+from replayssm.testing.lifecycle import Lifecycle
 from replayssm.ops.conv import causal_conv_verify_reference
 from replayssm.state import GDNShape, StatePool
 

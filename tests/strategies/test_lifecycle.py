@@ -16,7 +16,7 @@ stay within the same 1e-5 of the oracle as the recurrence's own outputs do.
 import pytest
 import torch
 
-from replayssm.lifecycle import Lifecycle
+from replayssm.testing.lifecycle import Lifecycle
 from replayssm.state import GDNShape, StatePool
 from replayssm.strategies import StepProtocolError
 

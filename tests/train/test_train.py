@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from replayssm import corpus as C
 from replayssm.train import data as D
 from replayssm.train.model import DEFAULT_BUDGET_BYTES, SIZES, build_model, losses, mtp_forward, train_config
 from replayssm.train.run import TrainConfig, read_log, run_training, save_checkpoint
@@ -20,7 +21,7 @@ HELDOUT = 25.0
 
 @pytest.fixture(scope="module")
 def corpus():
-    return D.load_corpus(max_files=MAX_FILES, heldout_percent=HELDOUT)
+    return C.load_corpus(max_files=MAX_FILES, heldout_percent=HELDOUT)
 
 
 def test_split_is_by_file_and_deterministic(corpus):
@@ -28,29 +29,29 @@ def test_split_is_by_file_and_deterministic(corpus):
     held = {f.rel for f in corpus.heldout}
     assert train and held
     assert not train & held
-    again = D.load_corpus(max_files=MAX_FILES, heldout_percent=HELDOUT)
+    again = C.load_corpus(max_files=MAX_FILES, heldout_percent=HELDOUT)
     assert {f.rel for f in again.heldout} == held
     # The rule is the path's hash alone: fresh random paths land on the same side twice,
     # and about the asked share of them is held out.
     rng = random.Random()
     paths = [f"pkg{rng.randrange(10**9)}/mod{rng.randrange(10**9)}.py" for _ in range(4000)]
-    flags = [D.is_heldout(p, 10.0) for p in paths]
-    assert flags == [D.is_heldout(p, 10.0) for p in paths]
+    flags = [C.is_heldout(p, 10.0) for p in paths]
+    assert flags == [C.is_heldout(p, 10.0) for p in paths]
     assert 0.07 < sum(flags) / len(flags) < 0.13
-    assert not any(D.is_heldout(p, 0.0) for p in paths)
+    assert not any(C.is_heldout(p, 0.0) for p in paths)
 
 
 def test_tokenizer_trains_to_its_size_and_round_trips(corpus):
     tok = D.train_tokenizer([f.text for f in corpus.train], 400)
     assert len(tok) == 400
-    assert tok.convert_tokens_to_ids(D.EOS_TOKEN) == 0 and tok.eos_token == D.EOS_TOKEN
+    assert tok.convert_tokens_to_ids(C.EOS_TOKEN) == 0 and tok.eos_token == C.EOS_TOKEN
     for f in corpus.heldout:  # byte-level: unseen text encodes and decodes exactly
         assert tok.decode(tok.encode(f.text, add_special_tokens=False)) == f.text
     # Merges compress code: well over one byte per token even at 400 tokens, and
     # a byte-only tokenizer (258) is exactly one.
     assert D.bytes_per_token(tok, corpus.heldout) > 1.5
     assert D.bytes_per_token(D.train_tokenizer([f.text for f in corpus.train], 258), corpus.heldout) == 1.0
-    stream = D.encode_files(tok, corpus.heldout)
+    stream = C.encode_files(tok, corpus.heldout)
     assert stream.dtype == torch.int32 and int((stream == 0).sum()) == len(corpus.heldout)
 
 

@@ -3,7 +3,7 @@
 For each drafter (n-gram prompt lookup, the checkpoint's MTP head, the draft model) and
 each verify window ``T`` (``T - 1`` drafts per step), greedy decoding of held-out
 prompts (cuts of standard-library files the model never trained on, see
-:mod:`replayssm.train.data`) under one strategy reports:
+:mod:`replayssm.corpus`) under one strategy reports:
 
 * **tokens per step**: tokens emitted per request per target step, ``accepted + 1``
   (the verify window's bonus token); at most ``T``;
@@ -19,22 +19,37 @@ knowing how good the model is.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
-
-from ..strategies import STRATEGY_NAMES
-from .args import device_name, int_list, name_list, output_path, positive_int
 
 DRAFTERS = ("ngram", "mtp", "model")
 GENERATOR_OF = {"ngram": "static", "mtp": "static", "model": "eager"}
 
 
+@dataclass(frozen=True)
+class AcceptanceConfig:
+    """One acceptance run: the checkpoints (directories), the drafters and windows, the
+    held-out prompts and the held-out loss's windows, the strategy, dtype and device."""
+
+    model: str
+    draft_model: str | None = None
+    drafters: tuple[str, ...] = DRAFTERS
+    windows: tuple[int, ...] = (2, 4, 8)
+    prompts: int = 8
+    prompt_len: int = 128
+    max_new_tokens: int = 128
+    heldout_windows: int = 32
+    strategy: str = "fold"
+    dtype: str = "auto"
+    device: str = "auto"
+
+
 def heldout_prompts(tokenizer, files, count: int, prompt_len: int) -> tuple[list[list[int]], list[str]]:
     """``count`` prompts of ``prompt_len`` tokens, one per file of ``files`` (the
-    held-out ones, :func:`replayssm.train.data.heldout_files`; path order, files too
+    held-out ones, :func:`replayssm.corpus.heldout_files`; path order, files too
     short skipped), each cut from a third of the way into its file (past the licence
     header and module docstring most files open with). Returns the token lists and the
     files' relative paths."""
@@ -58,10 +73,9 @@ def heldout_prompts(tokenizer, files, count: int, prompt_len: int) -> tuple[list
 def heldout_loss(model, tokenizer, *, windows: int, seq_len: int = 512, files=None) -> float:
     """Mean next-token cross-entropy (nats/token) of ``model`` over ``windows`` windows
     of ``seq_len`` tokens spread evenly over the held-out stream (``files``, default
-    :func:`replayssm.train.data.heldout_files`, joined by the end-of-text token as in
+    :func:`replayssm.corpus.heldout_files`, joined by the end-of-text token as in
     training)."""
-    from ..train.data import heldout_stream
-    from ..train.run import heldout_windows
+    from ..corpus import heldout_stream, heldout_windows
 
     stream = heldout_stream(tokenizer, files)
     w = heldout_windows(stream, windows, seq_len + 1).to(model.device)
@@ -81,10 +95,10 @@ def measure(model, model_dir: str, prompts: list[list[int]], *, drafter: str, wi
     (and plain decoding with ``eager``) runs the eager loop, the others the static step.
     Returns the tokens and the statistics of one row of the table."""
     from ..engine.adapter import HybridEngine
-    from ..engine.generate import make_drafter
+    from ..engine.factory import engine_max_len, make_drafter
     from ..engine.generator import SpeculativeGenerator, StepGenerator
 
-    max_len = max(len(p) for p in prompts) + max_new_tokens + window + 2
+    max_len = engine_max_len(max(len(p) for p in prompts), max_new_tokens, window)
     engine = HybridEngine(model, strategy=strategy, num_slots=len(prompts), window=window, max_len=max_len)
     kind = "none" if window == 1 else drafter
     d = make_drafter(kind, engine, model_dir=model_dir, draft_model_dir=draft_model_dir, batch=len(prompts),
@@ -100,12 +114,14 @@ def measure(model, model_dir: str, prompts: list[list[int]], *, drafter: str, wi
                 drafted=r.drafted, accepted=r.accepted, seconds=time.perf_counter() - t0)
 
 
-def run_acceptance(args, progress_enabled: bool = True) -> dict:
+def run_acceptance(args: AcceptanceConfig, progress_enabled: bool = True) -> dict:
+    """Every (drafter, window) row of ``args`` plus plain decoding through each loop the
+    drafters use, the held-out loss, the configuration and the environment: the JSON
+    result of ``replayssm bench acceptance``."""
+    from ..corpus import heldout_files
     from ..engine.loading import load_model, load_tokenizer, model_label
+    from ..progress import ProgressBar
     from .common import environment
-    from .progress import ProgressBar
-
-    from ..train.data import heldout_files
 
     tok = load_tokenizer(args.model)
     held = heldout_files()
@@ -158,66 +174,3 @@ def print_table(result: dict, file=None) -> None:
         rate = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.0%}"
         print(f"{r['drafter']:<8} {r['window']:>2} {r['tokens_per_step']:>11.2f} {r['accepted_per_step']:>13.2f} "
               f"{rate:>10} {r['steps']:>6} {'yes' if r['equals_plain'] else 'NO':>8}", file=file)
-
-
-# ---------------------------------------------------------------------- command line
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="embedded",
-                        help="checkpoint directory, or 'embedded' (the trained model in the package; default)")
-    parser.add_argument("--draft-model", default="embedded-draft",
-                        help="draft model for the 'model' drafter (default 'embedded-draft', shipped beside it)")
-    parser.add_argument("--drafters", type=name_list(DRAFTERS), default=DRAFTERS,
-                        help=f"comma-separated (default {','.join(DRAFTERS)})")
-    parser.add_argument("--windows", type=int_list, default=(2, 4, 8),
-                        help="verify windows T (T - 1 drafts per step; default 2,4,8)")
-    parser.add_argument("--prompts", type=positive_int, default=8, help="held-out prompts (default 8)")
-    parser.add_argument("--prompt-len", type=positive_int, default=128, help="tokens per prompt (default 128)")
-    parser.add_argument("--max-new-tokens", type=positive_int, default=128, help="greedy tokens per prompt (default 128)")
-    parser.add_argument("--heldout-windows", type=positive_int, default=32,
-                        help="held-out windows of 512 tokens for the loss (default 32)")
-    parser.add_argument("--strategy", choices=STRATEGY_NAMES, default="fold", help="strategy (default fold)")
-    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
-                        help="model dtype (auto: bf16 on CUDA, fp32 on the CPU)")
-    parser.add_argument("--device", type=device_name, default="auto", help="auto, cpu, cuda, cuda:N (default auto)")
-    parser.add_argument("--json", type=output_path(".json"), default=None, help="write the result here")
-    parser.add_argument("--plot", type=output_path(".png"), default=None, help="write the plot here")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
-
-
-def check_args(args) -> None:
-    from ..engine.generate import _check_model_dir
-    from ..engine.loading import load_tokenizer, resolve_model_path
-
-    if any(t < 2 for t in args.windows):
-        raise ValueError(f"--windows must all be at least 2 (one draft per step), got {args.windows}")
-    args.model = resolve_model_path(args.model)
-    _check_model_dir("--model", args.model)
-    if "model" in args.drafters:
-        args.draft_model = resolve_model_path(args.draft_model)
-        _check_model_dir("--draft-model", args.draft_model)
-        if load_tokenizer(args.draft_model).get_vocab() != load_tokenizer(args.model).get_vocab():
-            raise ValueError(f"--draft-model {args.draft_model!r} does not share the target's tokenizer")
-    if "mtp" in args.drafters:
-        from ..engine.generate import _has_mtp_weights
-
-        if not _has_mtp_weights(args.model):
-            raise ValueError(f"--drafters mtp: {args.model!r} has no mtp.* weights")
-    if args.plot is not None:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise ValueError("--plot needs matplotlib (pip install 'replayssm[plot]')") from None
-    args.checked = True
-
-
-def main(args) -> int:
-    if not getattr(args, "checked", False):
-        check_args(args)
-    result = run_acceptance(args, progress_enabled=not args.quiet)
-    print_table(result)
-    from .progress import write_outputs
-
-    write_outputs(result, args.json, args.plot, "acceptance")
-    if result["exit_code"]:
-        print("FAIL: an exact strategy's speculative tokens differ from plain greedy decoding", file=sys.stderr)
-    return result["exit_code"]

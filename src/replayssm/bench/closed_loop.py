@@ -34,22 +34,42 @@ from plain decoding; 1 when one does (the contract of DESIGN.md section 5 broken
 
 from __future__ import annotations
 
-import argparse
 import copy
-import os
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
 from ..strategies import STRATEGY_NAMES
 from ..strategies.open_loop import OpenLoopControlStrategy
-from .args import device_name, name_list, nonneg_int, output_path, positive_int
 
 CONTROL = "open-loop"
 PLAIN = "plain"
 EXACT_OUTPUTS = ("snapshot", "fold")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: The ``model`` of a run on the tiny random model (random prompts) instead of a checkpoint.
+TINY = "tiny"
+
+
+@dataclass(frozen=True)
+class ClosedLoopConfig:
+    """One closed-loop run. ``model``: a checkpoint directory, or :data:`TINY`;
+    ``prompts``: texts for a checkpoint (``()``: the beginnings of held-out files)."""
+
+    model: str = TINY
+    tokens: int = 2048
+    requests: int = 2
+    prompt_len: int = 16
+    prompts: tuple[str, ...] = ()
+    every: int = 64
+    strategies: tuple[str, ...] = STRATEGY_NAMES
+    control: bool = True
+    num_draft: int = 3
+    generator: str = "static"
+    dtype: str = "float32"
+    device: torch.device = torch.device("cpu")
+    seed: int = 0
 
 
 # ---------------------------------------------------------------------- the control
@@ -182,45 +202,43 @@ def first_divergence(tokens: list[int], plain: list[int]) -> int | None:
 
 
 # ---------------------------------------------------------------------- the run
-def build_inputs(args):
+def build_inputs(args: ClosedLoopConfig):
     """``(model, prompts, description)`` for the arguments: the tiny random model with
-    random prompts, or a checkpoint with prompts from ``--prompt`` or the beginnings of
+    random prompts, or a checkpoint with prompts from ``prompts`` or the beginnings of
     held-out standard-library files."""
-    from ..engine.loading import load_model, load_tokenizer, resolve_model_path
+    from ..engine.loading import load_model, load_tokenizer, model_label
 
     dtype = DTYPES[args.dtype]
     g = torch.Generator().manual_seed(args.seed)
-    if args.model == "tiny":
-        from ..engine.tiny import build_tiny_model
+    if args.model == TINY:
+        from ..engine.random_model import build_tiny_model
 
-        model = build_tiny_model(seed=args.seed, dtype=dtype, device=args.device_resolved)
+        model = build_tiny_model(seed=args.seed, dtype=dtype, device=args.device)
         prompts = [torch.randint(0, 256, (args.prompt_len,), generator=g).tolist() for _ in range(args.requests)]
         return model, prompts, f"tiny random model (seed {args.seed})"
-    path = resolve_model_path(args.model)
-    model = load_model(path, dtype=dtype, device=str(args.device_resolved))
+    path = args.model
+    model = load_model(path, dtype=dtype, device=str(args.device))
     tok = load_tokenizer(path)
     vocab = model.config.vocab_size
-    if args.prompt:
-        texts = list(args.prompt)
+    if args.prompts:
+        texts = list(args.prompts)
     else:
-        from ..train.data import heldout_files
+        from ..corpus import heldout_files
 
         held = heldout_files()
         texts = [f.text for f in held[: args.requests]]
     prompts = [tok.encode(t, add_special_tokens=False)[: args.prompt_len] for t in texts][: args.requests]
     if any(not p or max(p) >= vocab for p in prompts):
         raise ValueError("a prompt encodes to no tokens (or to ids outside the model's vocabulary)")
-    from ..engine.loading import model_label
-
     return model, prompts, model_label(path)
 
 
-def run_closed_loop(args, progress_enabled: bool = True) -> dict:
+def run_closed_loop(args: ClosedLoopConfig, progress_enabled: bool = True) -> dict:
     """Every variant over the same prompts; the JSON-ready result."""
-    from .progress import ProgressBar
+    from ..progress import ProgressBar
 
     model, prompts, desc = build_inputs(args)
-    variants = [PLAIN, *args.strategies] + ([] if args.no_control else [CONTROL])
+    variants = [PLAIN, *args.strategies] + ([CONTROL] if args.control else [])
     max_len = max(len(p) for p in prompts) + args.tokens + 2
     reference = Float64Reference(model, len(prompts), max_len)
     out: dict = {}
@@ -249,10 +267,10 @@ def run_closed_loop(args, progress_enabled: bool = True) -> dict:
     from .common import environment
 
     return dict(
-        config=dict(model=desc, dtype=args.dtype, device=str(args.device_resolved), requests=len(prompts),
+        config=dict(model=desc, dtype=args.dtype, device=str(args.device), requests=len(prompts),
                     prompt_lengths=[len(p) for p in prompts], tokens=args.tokens, every=args.every,
                     num_draft=args.num_draft, generator=args.generator, seed=args.seed),
-        environment=environment(args.device_resolved, "auto"), variants=rows, failed=failed,
+        environment=environment(args.device, "auto"), variants=rows, failed=failed,
         control_diverged=rows[CONTROL]["diverged"] if CONTROL in rows else None, exit_code=1 if failed else 0,
     )
 
@@ -286,60 +304,3 @@ def print_report(result: dict, file=None) -> None:
         print(f"result: {', '.join(result['failed'])} diverged from plain decoding", file=file)
     else:
         print("result: no strategy with exact outputs diverges from plain decoding", file=file)
-
-
-# ---------------------------------------------------------------------- command line
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="embedded",
-                        help="'embedded' (the trained checkpoint in the package; default), a checkpoint directory, "
-                             "or 'tiny' (random weights, built in process)")
-    parser.add_argument("--tokens", type=positive_int, default=2048, help="greedy tokens per request (default 2048)")
-    parser.add_argument("--requests", type=positive_int, default=2, help="prompts decoded together (default 2)")
-    parser.add_argument("--prompt-len", type=positive_int, default=16,
-                        help="prompt tokens (random ids for tiny; a cut of each prompt otherwise; default 16)")
-    parser.add_argument("--prompt", action="append",
-                        help="prompt text for a checkpoint (repeatable; default: held-out standard-library files)")
-    parser.add_argument("--every", type=positive_int, default=64, help="committed tokens between state samples")
-    parser.add_argument("--strategies", type=name_list(STRATEGY_NAMES), default=STRATEGY_NAMES,
-                        help=f"strategies to run (default {','.join(STRATEGY_NAMES)})")
-    parser.add_argument("--no-control", action="store_true", help="leave out the open-loop control")
-    parser.add_argument("--num-draft", type=positive_int, default=3, help="n-gram draft tokens per step (default 3)")
-    parser.add_argument("--generator", choices=("static", "eager"), default="static",
-                        help="the strategies' decoding loop: StepGenerator (static, default) or SpeculativeGenerator")
-    parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
-                        help="model dtype (default float32; bfloat16 makes the control round u to bf16)")
-    parser.add_argument("--device", type=device_name, default="auto", help="auto, cpu, cuda, cuda:N (default auto)")
-    parser.add_argument("--seed", type=nonneg_int, default=0, help="seed of the tiny model and its prompts")
-    parser.add_argument("--json", type=output_path(".json"), default=None, help="write the full result here")
-    parser.add_argument("--plot", type=output_path(".png"), default=None, help="write the plot here")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
-
-
-def check_args(args) -> None:
-    from ..engine.loading import resolve_device, resolve_model_path
-
-    if args.model != "tiny":
-        path = resolve_model_path(args.model)  # 'embedded' without a checkpoint: say how to make one
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            raise ValueError(f"--model {args.model!r} is neither 'tiny', 'embedded' nor a checkpoint directory")
-    elif args.prompt:
-        raise ValueError("--prompt needs a checkpoint --model (the tiny model has random prompts)")
-    if args.every > args.tokens:
-        raise ValueError(f"--every {args.every} exceeds --tokens {args.tokens}")
-    args.device_resolved = resolve_device(args.device)
-    if args.plot is not None:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise ValueError("--plot needs matplotlib (pip install 'replayssm[plot]')") from None
-
-
-def main(args) -> int:
-    if not hasattr(args, "device_resolved"):
-        check_args(args)
-    result = run_closed_loop(args, progress_enabled=not args.quiet)
-    print_report(result)
-    from .progress import write_outputs
-
-    write_outputs(result, args.json, args.plot, "closed_loop")
-    return result["exit_code"]

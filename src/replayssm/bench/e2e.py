@@ -36,7 +36,6 @@ hidden 2048). On the CPU the numbers only prove the code path.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import statistics
 import sys
@@ -49,9 +48,9 @@ import torch
 
 from ..ops.dispatch import BACKENDS
 from ..strategies import STRATEGY_NAMES
-from .args import check_device, device_name, int_list, name_list, output_path, positive_int
+from ..engine.loading import check_device
+from ..progress import ProgressBar
 from .common import environment
-from .progress import ProgressBar, write_outputs
 
 STRICT_DTYPES = ("fp32",)  # model dtypes in which an exact strategy must match plain
 PLAIN = "plain"
@@ -152,7 +151,7 @@ def load_model(cfg: E2EConfig):
     """``(model, description, tokenizer or None)`` for ``cfg``."""
     dtype, device = DTYPES[cfg.dtype], torch.device(cfg.device)
     if cfg.model is None:
-        from ..engine.tiny import build_tiny_model
+        from ..engine.random_model import build_tiny_model
 
         overrides = QWEN35_SHAPES if cfg.random_model == "qwen3.5-shapes" else {}
         model = build_tiny_model("qwen3_5", seed=cfg.seed, dtype=dtype, device=device, **overrides)
@@ -344,7 +343,7 @@ def make_drafter(cfg: E2EConfig, engine, model):
     if cfg.model is not None:
         head = drafters.load_mtp_head(engine, cfg.model)
     else:  # the random model has no trained head: random weights time the drafting, accept little
-        from ..engine.tiny import random_mtp_state
+        from ..engine.random_model import random_mtp_state
 
         state = random_mtp_state(model, seed=cfg.seed)
         head = drafters.build_mtp_head(engine, {k[len("mtp."):]: v for k, v in state.items()})
@@ -422,75 +421,7 @@ def _own_references(gen, prompts, warm, cfg: E2EConfig):
     return gen.generate(prompts, cfg.max_new_tokens).tokens, gen.generate(warm, cfg.max_new_tokens).tokens
 
 
-# ---------------------------------------------------------------------- command line
-def _probabilities(text: str) -> tuple[float, ...]:
-    try:
-        values = tuple(float(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated probabilities, got {text!r}") from None
-    if not values or any(not 0 <= v <= 1 for v in values) or len(set(values)) != len(values):
-        raise argparse.ArgumentTypeError(f"expected distinct probabilities in [0, 1], got {text!r}")
-    return values
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    d = E2EConfig()
-    parser.add_argument("--model", default=None,
-                        help="local Hugging Face checkpoint directory, or 'embedded': the trained checkpoint in the "
-                             "package (the default unless --random)")
-    parser.add_argument("--random", choices=RANDOM_MODELS, default=None,
-                        help="instead of --model, a random-weight model built in process, for shape benchmarks: "
-                             "qwen3.5-shapes (Qwen3.5-35B-A3B's GDN and attention geometry) or tiny")
-    parser.add_argument("--strategies", type=name_list(STRATEGY_NAMES, allow_none=True), default=STRATEGY_NAMES,
-                        help="comma-separated, or 'none' (default all three)")
-    parser.add_argument("--no-plain", action="store_true", help="skip our plain decoding")
-    parser.add_argument("--no-hf", action="store_true", help="skip the Hugging Face generate baseline")
-    parser.add_argument("--batches", type=int_list, default=None, help="batch sizes (default 1,16,64 on CUDA, 2 on the CPU)")
-    parser.add_argument("--num-draft", type=positive_int, default=d.num_draft, help=f"draft tokens per step (default {d.num_draft})")
-    parser.add_argument("--max-new-tokens", type=positive_int, default=None, help="generated tokens per request (default 128; 12 on the CPU)")
-    parser.add_argument("--prompt-len", type=positive_int, default=None, help="prompt tokens per request (default 64; 8 on the CPU)")
-    parser.add_argument("--drafter", choices=DRAFTERS, default=d.drafter,
-                        help="ngram (prompt lookup), oracle (set acceptance, see --acceptance) or the checkpoint's mtp head")
-    parser.add_argument("--acceptance", type=_probabilities, default=d.acceptance,
-                        help="oracle drafter: probabilities of keeping each draft token (default 0,0.5,0.8,0.95)")
-    parser.add_argument("--device", type=device_name, default=None, help="default cuda when available, else cpu")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="model dtype (default bf16 on CUDA, fp32 on the CPU)")
-    parser.add_argument("--backend", choices=BACKENDS, default=d.backend, help="op backend (auto: Triton on CUDA)")
-    parser.add_argument("--no-graphs", action="store_true", help="run the static steps eagerly on CUDA (no graphs)")
-    parser.add_argument("--repeats", type=positive_int, default=None, help="timed generations per configuration (default 3; 1 on the CPU)")
-    parser.add_argument("--seed", type=int, default=d.seed, help="seed of the random model and the prompts")
-    parser.add_argument("--json", type=output_path(".json"), default=None, help="write the rows here")
-    parser.add_argument("--plot", type=output_path(".png"), default=None, help="write a PNG of tokens/s against acceptance here")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
-
-
-def config_from_args(args) -> E2EConfig:
-    device = args.device if args.device not in (None, "auto") else ("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        cuda = torch.device(device).type == "cuda"
-    except (RuntimeError, TypeError):
-        cuda = False  # check() reports the bad device
-
-    def pick(value, gpu, cpu):
-        return value if value is not None else (gpu if cuda else cpu)
-
-    if args.random is not None and args.model is not None:
-        raise ValueError(f"--random {args.random} builds a model in process; it takes no --model")
-    model = None
-    if args.random is None:
-        from ..engine.loading import EMBEDDED, resolve_model_path
-
-        model = resolve_model_path(args.model or EMBEDDED)  # "embedded": the trained checkpoint in the package
-    return E2EConfig(
-        model=model, random_model=args.random or "tiny", strategies=tuple(args.strategies),
-        plain=not args.no_plain, hf=not args.no_hf, batches=tuple(pick(args.batches, (1, 16, 64), (2,))),
-        num_draft=args.num_draft, max_new_tokens=pick(args.max_new_tokens, 128, 12),
-        prompt_len=pick(args.prompt_len, 64, 8), drafter=args.drafter, acceptance=tuple(args.acceptance),
-        device=device, dtype=pick(args.dtype, "bf16", "fp32"), backend=args.backend, graphs=not args.no_graphs,
-        repeats=pick(args.repeats, 3, 1), seed=args.seed,
-    )
-
-
+# ---------------------------------------------------------------------- report
 def _label(row: dict) -> str:
     if row["acceptance"] is None:
         return row["mode"]
@@ -583,24 +514,3 @@ def _same_cell(row: dict) -> str:
 def _pct(x: float) -> str:
     """``x`` as a percentage with one decimal; below 1 never shown as 100.0%."""
     return f"{min(x * 100, 99.9) if x < 1 else 100:.1f}%"
-
-
-def check_args(args) -> None:
-    """Cross-option checks before any work (``cli`` turns the ValueError into one line)."""
-    config_from_args(args).check()
-
-
-def main(args) -> int:
-    try:
-        cfg = config_from_args(args)
-        cfg.check()
-    except ValueError as e:
-        print(f"replayssm bench e2e: error: {e}", file=sys.stderr)
-        return 2
-    result = run_e2e(cfg, progress=not args.quiet)
-    print_table(result)
-    write_outputs(result, args.json, None, "")
-    if args.plot is not None:
-        plot_e2e(result, args.plot)
-        print(f"wrote {args.plot}")
-    return 1 if result["mismatches"] else 0

@@ -37,7 +37,6 @@ median/min/max, blocks, steps per block, rotated copies).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gc
 import platform
@@ -51,8 +50,7 @@ import torch
 
 from . import common
 from ..strategies import STRATEGY_NAMES
-from .args import device_name, int_list, name_list, output_path, positive_int
-from .progress import ProgressBar, write_json
+from ..progress import ProgressBar
 from .common import StepShape, Timing
 
 BASELINE_NAMES = ("plain_decode", "snapshot_verify")
@@ -62,46 +60,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # CPU smoke run, where the reference ops loop on the host.
 CUDA_DEFAULTS = dict(heads=16, value_heads=32, head_k_dim=128, head_v_dim=128, layers=8, batches=(1, 16, 64, 256), repeats=30, act_dtype="bfloat16")
 CPU_DEFAULTS = dict(heads=2, value_heads=4, head_k_dim=16, head_v_dim=16, layers=2, batches=(1, 2), repeats=3, act_dtype="float32")
-
-
-# ---------------------------------------------------------------------- arguments
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("what to time")
-    g.add_argument("--batches", type=int_list, default=None,
-                   help="requests per step, comma-separated (default 1,16,64,256 on CUDA; 1,2 in the CPU smoke run)")
-    g.add_argument("--strategies", type=name_list(STRATEGY_NAMES), default=tuple(STRATEGY_NAMES),
-                   help="strategies to time (default snapshot,fold,circular)")
-    g.add_argument("--baselines", type=name_list(BASELINE_NAMES, allow_none=True), default=tuple(BASELINE_NAMES),
-                   help="reference steps to time, or 'none' (default plain_decode,snapshot_verify)")
-    g.add_argument("--layers", type=positive_int, default=None,
-                   help="GDN layers per captured step (default 8 on CUDA, 2 on the CPU); small batches "
-                        "additionally rotate among independent copies so that the states exceed L2")
-    g.add_argument("--window", type=positive_int, default=4, help="T, tokens verified per request (default 4)")
-    g.add_argument("--accept", type=positive_int, default=3, help="n, tokens committed per request, bonus included (default 3)")
-    g.add_argument("--ring-len", default="auto",
-                   help="L for circular: a power of two >= 2T, or 'auto' for the length that moves the fewest "
-                        "bytes per layer-step in the byte model (32 at the default shape)")
-    g.add_argument("--conv", action="store_true", help="include the causal conv's verify and commit in the step")
-    s = parser.add_argument_group("shapes and dtypes")
-    s.add_argument("--heads", type=positive_int, default=None, help="H, key heads (default 16 on CUDA)")
-    s.add_argument("--value-heads", type=positive_int, default=None, help="HV, value heads (default 32 on CUDA)")
-    s.add_argument("--head-k-dim", type=positive_int, default=None, help="K (default 128 on CUDA)")
-    s.add_argument("--head-v-dim", type=positive_int, default=None, help="V (default 128 on CUDA)")
-    s.add_argument("--state-dtype", choices=("float32", "bfloat16"), default="float32", help="state dtype (default float32)")
-    s.add_argument("--act-dtype", choices=("bfloat16", "float16", "float32"), default=None,
-                   help="activation dtype (default bfloat16 on CUDA, float32 on the CPU)")
-    r = parser.add_argument_group("how to run")
-    r.add_argument("--device", type=device_name, default=None, help="cuda, cuda:N or cpu (default cuda when available)")
-    r.add_argument("--backend", choices=("auto", "reference", "triton"), default="auto",
-                   help="ops backend (default auto: Triton on CUDA, the reference on the CPU)")
-    r.add_argument("--no-graph", action="store_true", help="time eager steps with the wall clock instead of CUDA graphs")
-    r.add_argument("--repeats", type=positive_int, default=None, help="timed blocks per configuration (default 30 on CUDA, 3 on the CPU)")
-    r.add_argument("--seed", type=int, default=0, help="seed of the random states and inputs")
-    r.add_argument("--tune", action="append", default=[], metavar="FAMILY.PARAM=VALUE",
-                   help="override a row of the kernels' shape table (replayssm/ops/tuning.py) for the run, e.g. "
-                        "circular.replay_max_batch=0 (circular's closed form at every batch); repeatable")
-    r.add_argument("--json", type=output_path(".json"), default=None, help="write the rows as JSON to this path")
-    r.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
 
 
 # ---------------------------------------------------------------------- configuration
@@ -150,108 +108,6 @@ class BenchConfig:
             act_elem=torch.empty((), dtype=self.act_dtype).element_size(),
             ring_len=self.ring_len, conv_dim=self.gdn_shape().conv_dim if conv else 0,
         )
-
-
-def _positive(name: str, value) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return value
-
-
-def resolve_config(args: argparse.Namespace) -> BenchConfig:
-    """Turn parsed arguments into a :class:`BenchConfig`, applying the device-dependent
-    defaults; raises ``ValueError`` naming the offending option."""
-    from ..ops.dispatch import resolve
-
-    if args.device in (None, "auto"):
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    else:
-        try:
-            device = torch.device(args.device)
-        except RuntimeError as e:
-            raise ValueError(f"--device: {e}") from None
-        if device.type not in ("cuda", "cpu"):
-            raise ValueError(f"--device must be cuda, cuda:N or cpu, got {args.device!r}")
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"--device {args.device}: no CUDA device is available")
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    d = CUDA_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS
-
-    def pick(name):
-        value = getattr(args, name)
-        return d[name] if value is None else value
-
-    heads = _positive("--heads", pick("heads"))
-    value_heads = _positive("--value-heads", pick("value_heads"))
-    if value_heads % heads:
-        raise ValueError(f"--value-heads ({value_heads}) must be a multiple of --heads ({heads})")
-    head_k_dim = _positive("--head-k-dim", pick("head_k_dim"))
-    head_v_dim = _positive("--head-v-dim", pick("head_v_dim"))
-    layers = _positive("--layers", pick("layers"))
-    batches = tuple(_positive("--batches", b) for b in pick("batches"))
-    window = _positive("--window", args.window)
-    accept = _positive("--accept", args.accept)
-    if accept > window:
-        raise ValueError(f"--accept must be in [1, --window = {window}], got {accept}")
-    repeats = _positive("--repeats", pick("repeats"))
-    strategies = tuple(args.strategies)
-    baselines = tuple(args.baselines)
-    if not strategies and not baselines:
-        raise ValueError("--strategies and --baselines select nothing to time")
-    state_dtype = DTYPES[args.state_dtype]
-    act_dtype = DTYPES[pick("act_dtype")]
-    graph = device.type == "cuda" and not args.no_graph
-    backend = args.backend
-    if graph and resolve(backend, device) != "triton":
-        raise ValueError("--backend reference cannot be captured in a CUDA graph (its ops read values on the host); add --no-graph")
-
-    probe = StepShape(batch=1, num_heads=heads, num_value_heads=value_heads, head_k_dim=head_k_dim, head_v_dim=head_v_dim,
-                      window=window, accept=accept, state_elem=torch.empty((), dtype=state_dtype).element_size(),
-                      act_elem=torch.empty((), dtype=act_dtype).element_size())
-    if str(args.ring_len).strip().lower() == "auto":
-        ring_len, ring_len_source = common.best_ring_len(probe), "auto: fewest bytes per layer-step in the byte model"
-    else:
-        try:
-            ring_len = int(args.ring_len)
-        except ValueError:
-            raise ValueError(f"--ring-len must be 'auto' or an integer, got {args.ring_len!r}") from None
-        if ring_len < 2 * window or ring_len & (ring_len - 1):
-            raise ValueError(f"--ring-len must be a power of two >= 2 * --window = {2 * window}, got {ring_len}")
-        ring_len_source = "given"
-    tune = tuple(_tune_item(item) for item in args.tune)
-    return BenchConfig(
-        tune=tune,
-        device=device, backend=backend, graph=graph, heads=heads, value_heads=value_heads, head_k_dim=head_k_dim,
-        head_v_dim=head_v_dim, layers=layers, batches=batches, strategies=strategies, baselines=baselines,
-        window=window, accept=accept, ring_len=ring_len, ring_len_source=ring_len_source, state_dtype=state_dtype,
-        act_dtype=act_dtype, conv=bool(args.conv), repeats=repeats, seed=int(args.seed),
-    )
-
-
-def _tune_item(item: str) -> tuple[str, str, int]:
-    """``FAMILY.PARAM=VALUE`` of ``--tune``, checked against the shape table."""
-    from ..ops import tuning
-
-    target, eq, value = str(item).partition("=")
-    family, dot, param = target.partition(".")
-    try:
-        number = int(value)
-    except ValueError:
-        number = None
-    if not (eq and dot) or number is None:
-        raise ValueError(f"--tune takes FAMILY.PARAM=INT, got {item!r}")
-    try:
-        tuning.check_row(family, {}, {param: number})
-    except ValueError as e:
-        raise ValueError(f"--tune {item}: {e}") from None
-    return family, param, number
-
-
-def check_args(args: argparse.Namespace) -> None:
-    """Validate the options together (``ValueError`` naming the option); the command
-    line calls this before any work."""
-    resolve_config(args)
 
 
 # ---------------------------------------------------------------------- steps
@@ -510,7 +366,7 @@ def _versions() -> dict:
         out["triton"] = triton.__version__
     except ImportError:
         out["triton"] = None
-    from .. import __version__
+    from ..version import __version__
 
     out["replayssm"] = __version__
     return out
@@ -525,91 +381,72 @@ BYTE_MODEL = (
 )
 
 
-def main(args: argparse.Namespace) -> int:
-    cfg = resolve_config(args)
-    out = sys.stdout
-    copy_bw = l2 = None
-    device_info = {"type": cfg.device.type, "name": platform.processor() or platform.machine()}
-    if cfg.device.type == "cuda":
-        props = torch.cuda.get_device_properties(cfg.device)
-        device_info = {"type": "cuda", "name": props.name, "capability": f"{props.major}.{props.minor}",
-                       "memory_bytes": props.total_memory}
-        l2 = common.l2_cache_bytes(cfg.device)
-        copy_bw = common.copy_bandwidth(cfg.device)
-        device_info.update(l2_bytes=l2, copy_GBps=copy_bw / 1e9)
-    from ..ops.dispatch import resolve
+def device_facts(cfg: BenchConfig) -> tuple[dict, float | None, int | None]:
+    """``(device info, copy bandwidth in B/s, L2 bytes)`` of ``cfg``'s device (the last
+    two ``None`` without CUDA: no floor is claimed there)."""
+    if cfg.device.type != "cuda":
+        return {"type": cfg.device.type, "name": platform.processor() or platform.machine()}, None, None
+    props = torch.cuda.get_device_properties(cfg.device)
+    l2 = common.l2_cache_bytes(cfg.device)
+    copy_bw = common.copy_bandwidth(cfg.device)
+    info = {"type": "cuda", "name": props.name, "capability": f"{props.major}.{props.minor}",
+            "memory_bytes": props.total_memory, "l2_bytes": l2, "copy_GBps": copy_bw / 1e9}
+    return info, copy_bw, l2
 
-    backend = resolve(cfg.backend, cfg.device)
-    names = list(cfg.strategies) + list(cfg.baselines)
-    print(f"replayssm bench kernels on {device_info['name']} ({cfg.device}), backend {backend}, "
-          f"{'CUDA graphs' if cfg.graph else 'eager steps'}", file=out)
-    print(f"shape H={cfg.heads} HV={cfg.value_heads} K={cfg.head_k_dim} V={cfg.head_v_dim}, window T={cfg.window}, "
-          f"accepted n={cfg.accept}, {cfg.layers} layers per step, state {str(cfg.state_dtype)[6:]}, "
-          f"activations {str(cfg.act_dtype)[6:]}, conv {'on' if cfg.conv else 'off'}", file=out)
-    print(f"circular ring_len L={cfg.ring_len} ({cfg.ring_len_source}; cursor cycle "
-          f"{common.cursor_cycle(cfg.window, cfg.ring_len, cfg.accept).steps} steps)", file=out)
-    if cfg.smoke:
-        print("SMOKE RUN: no CUDA device; tiny shape, reference ops, wall-clock timing of eager steps. "
-              "These numbers are not measurements and no floor is claimed.", file=out)
-    else:
-        print(f"measured copy bandwidth {copy_bw / 1e12:.3f} TB/s (read + write), L2 {l2 / 2**20:.0f} MiB; "
-              f"floor = one read of a layer's states at that bandwidth", file=out)
-    out.flush()
 
-    if cfg.tune:
-        print("shape table overrides: " + ", ".join(f"{f}.{p}={v}" for f, p, v in cfg.tune), file=out)
-    progress = ProgressBar(len(names) * len(cfg.batches), "bench kernels", unit="config", enabled=not args.quiet)
-    rows, errors = [], []
+def run_configs(cfg: BenchConfig, *, copy_bw: float | None, l2_bytes: int | None,
+                progress: ProgressBar | None = None) -> tuple[list[dict], list[dict]]:
+    """Every (batch, strategy or reference step) of ``cfg`` under its shape-table
+    overrides: ``(rows, errors)``. A configuration that fails is recorded (and its
+    traceback printed on stderr) and the others still run."""
     from ..ops import tuning
 
+    rows, errors = [], []
     overrides = contextlib.ExitStack()
     for family, param, value in cfg.tune:
         overrides.enter_context(tuning.override(family, **{param: value}))
-    with overrides, progress:
+    with overrides:
         for batch in cfg.batches:
-            for name in names:
+            for name in list(cfg.strategies) + list(cfg.baselines):
                 label = f"{name} batch {batch}"
-                progress.set_description(label)
+                if progress:
+                    progress.set_description(label)
                 try:
-                    row = measure(cfg, name, batch, copy_bw=copy_bw, l2_bytes=l2, progress=progress)
+                    row = measure(cfg, name, batch, copy_bw=copy_bw, l2_bytes=l2_bytes, progress=progress)
                 except Exception as e:  # keep going: one broken configuration must not hide the others
                     errors.append({"strategy": name, "batch": batch, "error": f"{type(e).__name__}: {e}"})
-                    progress.write(f"{label}: FAILED {type(e).__name__}: {e}")
+                    if progress:
+                        progress.write(f"{label}: FAILED {type(e).__name__}: {e}")
                     traceback.print_exc(file=sys.stderr)
                 else:
                     rows.append(row)
                     ratio = "" if row["floor_ratio"] is None else f", {row['floor_ratio']:.2f}x floor"
-                    progress.write(f"{label}: {row['us_per_layer_step']:.2f} us/layer-step{ratio}")
-                progress.update(1)
+                    if progress:
+                        progress.write(f"{label}: {row['us_per_layer_step']:.2f} us/layer-step{ratio}")
+                if progress:
+                    progress.update(1)
+    return rows, errors
 
-    print(file=out)
-    print(format_table(rows), file=out)
-    if errors:
-        print(f"\n{len(errors)} configuration(s) failed:", file=out)
-        for e in errors:
-            print(f"  {e['strategy']} batch {e['batch']}: {e['error']}", file=out)
 
-    if args.json is not None:
-        payload = {
-            "benchmark": "kernels",
-            "schema": 1,
-            "smoke": cfg.smoke,
-            "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "versions": _versions(),
-            "device": device_info,
-            "config": {
-                "backend": backend, "cuda_graph": cfg.graph, "heads": cfg.heads, "value_heads": cfg.value_heads,
-                "head_k_dim": cfg.head_k_dim, "head_v_dim": cfg.head_v_dim, "layers_per_step": cfg.layers,
-                "batches": list(cfg.batches), "window": cfg.window, "accepted_per_request": cfg.accept,
-                "ring_len": cfg.ring_len, "ring_len_source": cfg.ring_len_source,
-                "state_dtype": str(cfg.state_dtype)[6:], "act_dtype": str(cfg.act_dtype)[6:], "conv": cfg.conv,
-                "repeats": cfg.repeats, "seed": cfg.seed, "l2_rotation_factor": common.L2_ROTATION_FACTOR,
-                "tune": [f"{f}.{p}={v}" for f, p, v in cfg.tune],
-            },
-            "byte_model": BYTE_MODEL,
-            "rows": rows,
-            "errors": errors,
-        }
-        path = write_json(args.json, payload)
-        print(f"\nwrote {path}", file=out)
-    return 1 if errors else 0
+def result_payload(cfg: BenchConfig, backend: str, device_info: dict, rows: list[dict], errors: list[dict]) -> dict:
+    """The ``--json`` document of a run (schema 1)."""
+    return {
+        "benchmark": "kernels",
+        "schema": 1,
+        "smoke": cfg.smoke,
+        "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "versions": _versions(),
+        "device": device_info,
+        "config": {
+            "backend": backend, "cuda_graph": cfg.graph, "heads": cfg.heads, "value_heads": cfg.value_heads,
+            "head_k_dim": cfg.head_k_dim, "head_v_dim": cfg.head_v_dim, "layers_per_step": cfg.layers,
+            "batches": list(cfg.batches), "window": cfg.window, "accepted_per_request": cfg.accept,
+            "ring_len": cfg.ring_len, "ring_len_source": cfg.ring_len_source,
+            "state_dtype": str(cfg.state_dtype)[6:], "act_dtype": str(cfg.act_dtype)[6:], "conv": cfg.conv,
+            "repeats": cfg.repeats, "seed": cfg.seed, "l2_rotation_factor": common.L2_ROTATION_FACTOR,
+            "tune": [f"{f}.{p}={v}" for f, p, v in cfg.tune],
+        },
+        "byte_model": BYTE_MODEL,
+        "rows": rows,
+        "errors": errors,
+    }

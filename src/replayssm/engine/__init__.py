@@ -14,8 +14,8 @@
 * :class:`SpeculativeGenerator` (``generator``): the eager decoding loop (host-side
   drafters, the draft model), with greedy acceptance or distribution-preserving
   rejection sampling (``sampling``).
-* ``loading`` (local checkpoints), ``tiny`` (random tiny models), and the ``generate``
-  and ``run`` commands (``generate``, ``main_job``).
+* ``loading`` (local checkpoints and their checks), ``factory`` (drafters by name),
+  ``random_model`` (random-weight models for shape benchmarks).
 
 Example::
 

@@ -102,7 +102,8 @@ def check_generator_args(engine, drafter, drafter_cls: type, sampling, num_draft
 def check_requests(engine: HybridEngine, prompts, max_new_tokens) -> tuple[list[list[int]], list[int]]:
     """Validated ``(prompts, budgets)`` of a ``generate`` call (``ValueError`` naming the
     request at fault): non-empty prompts of token ids, positive budgets, room for each
-    request within the engine's ``max_len``."""
+    request within the engine's ``max_len`` and the model's ``max_position_embeddings``
+    (positions past it were never trained: the rotary embedding extrapolates)."""
     prompts = [list(p) for p in prompts]
     if not prompts:
         raise ValueError("prompts is empty")
@@ -110,11 +111,15 @@ def check_requests(engine: HybridEngine, prompts, max_new_tokens) -> tuple[list[
     if len(budgets) != len(prompts):
         raise ValueError(f"max_new_tokens has {len(budgets)} entries for {len(prompts)} prompts")
     vocab = engine.vocab_size
+    limit = getattr(engine.config, "max_position_embeddings", None)
     for i, (p, m) in enumerate(zip(prompts, budgets)):
         if not p or any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in p):
             raise ValueError(f"prompts[{i}] must be a non-empty list of token ids in [0, {vocab})")
         if isinstance(m, bool) or not isinstance(m, int) or m < 1:
             raise ValueError(f"max_new_tokens must be positive ints, got {m!r} for request {i}")
+        if limit is not None and len(p) + m > limit:
+            raise ValueError(f"request {i}: prompt {len(p)} + max_new_tokens {m} exceeds the model's "
+                             f"max_position_embeddings {limit}")
         if len(p) + m + engine.window > engine.max_len:
             raise ValueError(f"request {i}: prompt {len(p)} + max_new_tokens {m} + window {engine.window} "
                              f"exceeds the engine's max_len {engine.max_len}")

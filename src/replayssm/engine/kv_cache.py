@@ -10,10 +10,62 @@ models roll back by truncating each request's KV length").
 
 from __future__ import annotations
 
+import os
 from typing import Sequence
 
 import torch
 import torch.nn.functional as F
+
+GIB = 2**30
+
+
+def kv_cache_nbytes(num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, max_len: int,
+                    dtype: torch.dtype) -> int:
+    """Bytes of a :class:`KVCache` of these dimensions: keys and values of ``num_slots
+    + 1`` slots (the sink included) and the device lengths."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * (num_slots + 1) * num_kv_heads * max_len * head_dim * elem + (num_slots + 1) * 8
+
+
+def free_memory(device: str | torch.device) -> int | None:
+    """Bytes that can be allocated on ``device`` now: CUDA's free memory, or the host's
+    available memory (``MemAvailable`` of ``/proc/meminfo``, else free pages) for the
+    CPU; ``None`` where it cannot be known (the ``meta`` device, other platforms)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def check_fits(nbytes: int, device: str | torch.device, what: str) -> None:
+    """``ValueError`` when ``nbytes`` exceed what ``device`` has free: it names the
+    figure (``what``, e.g. "the KV cache (2 slots x 4096 tokens)") and the free memory,
+    so that a too-large request fails before the allocation, not inside it."""
+    free = free_memory(device)
+    if free is not None and nbytes > free:
+        raise ValueError(f"{what} needs {nbytes / GIB:.2f} GiB but {torch.device(device)} has "
+                         f"{free / GIB:.2f} GiB free")
+
+
+def check_kv_cache_fits(num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, max_len: int,
+                        dtype: torch.dtype, device: str | torch.device) -> None:
+    """:func:`check_fits` for a :class:`KVCache` of these dimensions (what its
+    constructor checks before it allocates)."""
+    nbytes = kv_cache_nbytes(num_layers, num_slots, num_kv_heads, head_dim, max_len, dtype)
+    check_fits(nbytes, device, f"the KV cache ({num_slots} slots x {max_len} tokens x {num_layers} attention "
+                               f"layers x {num_kv_heads} KV heads x {head_dim}, {str(dtype).replace('torch.', '')})")
 
 
 class KVCache:
@@ -46,6 +98,7 @@ class KVCache:
         self.num_slots = num_slots
         self.max_len = max_len
         self.device = torch.device(device)
+        check_kv_cache_fits(num_layers, num_slots, num_kv_heads, head_dim, max_len, dtype, self.device)
         shape = (num_layers, num_slots + 1, num_kv_heads, max_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=self.device)
         self.v = torch.zeros(shape, dtype=dtype, device=self.device)

@@ -81,8 +81,29 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return DTYPES[dtype]
 
 
+#: Files of which a checkpoint must hold at least one: its weights.
+WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
+#: Files of which a checkpoint must hold at least one: its tokenizer's vocabulary
+#: (fast tokenizers, SentencePiece models, byte-level BPE vocabularies).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def check_device(name: str) -> torch.device:
+    """``torch.device(name)``, or a ``ValueError`` saying why it cannot be used here
+    (not a device name; CUDA without a CUDA device)."""
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device {name!r} is not a torch device: {e}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} asked for, but CUDA is not available")
+    return dev
+
+
 def _check_dir(model_dir) -> str:
     model_dir = os.fspath(model_dir)
+    if os.path.isfile(model_dir):
+        raise ValueError(f"{model_dir!r} is a file; a checkpoint is a directory (config.json, weights, tokenizer files)")
     if not os.path.isdir(model_dir):
         raise ValueError(f"model directory {model_dir!r} does not exist (only local checkpoints are supported)")
     if not os.path.exists(os.path.join(model_dir, "config.json")):
@@ -90,36 +111,127 @@ def _check_dir(model_dir) -> str:
     return model_dir
 
 
+def read_config(model_dir) -> dict:
+    """The checkpoint's ``config.json`` as a dict; ``ValueError`` naming the file when
+    it cannot be read or is not a JSON object."""
+    path = os.path.join(_check_dir(model_dir), "config.json")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            config = json.load(fh)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read {path}: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} is not a JSON object")
+    return config
+
+
+def text_config(config: dict) -> dict:
+    """The language model's fields of a ``config.json`` dict (multimodal checkpoints
+    keep them under ``text_config``)."""
+    inner = config.get("text_config")
+    return inner if isinstance(inner, dict) else config
+
+
+def attention_geometry(config: dict) -> tuple[int, int, int]:
+    """``(full-attention layers, KV heads, head dim)`` of a ``config.json`` dict: the
+    dimensions of the model's KV cache, known before any weight is loaded."""
+    c = text_config(config)
+    layers = c.get("num_hidden_layers", 0)
+    types = c.get("layer_types")
+    if isinstance(types, list):
+        count = types.count("full_attention")
+    else:  # released configs without the list: every ``full_attention_interval``-th layer
+        every = c.get("full_attention_interval", 4)
+        count = sum((i + 1) % every == 0 for i in range(layers))
+    heads = c.get("num_attention_heads", 1)
+    head_dim = c.get("head_dim") or c.get("hidden_size", heads) // heads
+    return count, c.get("num_key_value_heads", heads), head_dim
+
+
 def model_type(model_dir) -> str:
-    with open(os.path.join(_check_dir(model_dir), "config.json")) as fh:
-        return json.load(fh).get("model_type", "")
+    return read_config(model_dir).get("model_type", "")
+
+
+def weight_files(model_dir) -> list[str]:
+    """The weight files of a checkpoint directory (names, sorted)."""
+    root = Path(model_dir)
+    return sorted({p.name for pattern in WEIGHT_GLOBS for p in root.glob(pattern)})
+
+
+def check_model_dir(model_dir, *, tokenizer: bool = True) -> str:
+    """Check what a checkpoint directory must hold before anything is loaded, and
+    return it: a readable ``config.json`` of a supported model type, weight files
+    and (with ``tokenizer``) tokenizer files whose vocabulary fits the model's.
+    ``ValueError`` says what is missing or wrong; nothing is loaded but the tokenizer."""
+    config = read_config(model_dir)
+    model_dir = os.fspath(model_dir)
+    mtype = config.get("model_type", "")
+    if mtype not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"{model_dir!r} holds a {mtype!r} model; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    if not weight_files(model_dir):
+        raise ValueError(f"{model_dir!r} holds no weights (no {' or '.join(WEIGHT_GLOBS)} file)")
+    if tokenizer:
+        check_tokenizer(model_dir, config)
+    return model_dir
+
+
+def check_tokenizer(model_dir, config: dict | None = None):
+    """The checkpoint's tokenizer, after checking that its files are there and that
+    every id it produces indexes the model's embedding (``len(tokenizer) <=
+    vocab_size``); ``ValueError`` otherwise."""
+    model_dir = os.fspath(model_dir)
+    if not any(os.path.isfile(os.path.join(model_dir, name)) for name in TOKENIZER_FILES):
+        raise ValueError(f"{model_dir!r} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)})")
+    tok = load_tokenizer(model_dir)
+    vocab = text_config(config if config is not None else read_config(model_dir)).get("vocab_size")
+    if isinstance(vocab, int) and len(tok) > vocab:
+        raise ValueError(f"the tokenizer of {model_dir!r} has {len(tok)} tokens, more than the model's vocabulary "
+                         f"of {vocab} (config.json vocab_size): ids from {vocab} on have no embedding")
+    return tok
+
+
+def has_mtp_weights(model_dir) -> bool:
+    """Whether the checkpoint's safetensors hold ``mtp.*`` tensors (keys only: nothing
+    is read into memory)."""
+    from safetensors import safe_open
+
+    model_dir = os.fspath(model_dir)
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as fh:
+            return any(k.startswith("mtp.") for k in json.load(fh).get("weight_map", {}))
+    for name in sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors")):
+        with safe_open(os.path.join(model_dir, name), framework="pt") as fh:
+            if any(k.startswith("mtp.") for k in fh.keys()):
+                return True
+    return False
 
 
 def load_model(model_dir, *, dtype: str | torch.dtype | None = "auto", device: str | None = "auto"):
-    """A Qwen3.5 / Qwen3-Next causal LM from a local directory, in eval mode on
-    ``device``. ``mtp.*`` weights are left out by transformers; see
-    :func:`replayssm.engine.drafters.load_mtp_head`."""
+    """A Qwen3.5 / Qwen3-Next causal LM from a local directory (or ``"embedded"`` /
+    ``"embedded-draft"``, the shipped checkpoints), in eval mode on ``device``.
+    ``mtp.*`` weights are left out by transformers; see
+    :func:`replayssm.engine.drafters.load_mtp_head`. ``ValueError`` (before any weight
+    is read) for a directory :func:`check_model_dir` refuses."""
     from transformers import AutoModelForCausalLM
 
-    model_dir = _check_dir(model_dir)
-    mtype = model_type(model_dir)
-    if mtype not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"{model_dir!r} holds a {mtype!r} model; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    model_dir = check_model_dir(resolve_model_path(model_dir), tokenizer=False)
     dev = resolve_device(device)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=resolve_dtype(dtype, dev))
     return model.to(dev).eval()
 
 
 def load_tokenizer(model_dir):
+    """The checkpoint's tokenizer (``"embedded"`` names the shipped checkpoint)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(_check_dir(model_dir))
+    return AutoTokenizer.from_pretrained(_check_dir(resolve_model_path(model_dir)))
 
 
 def eos_token_ids(model_dir, tokenizer=None) -> list[int]:
     """End-of-sequence ids: ``generation_config.json``, else ``config.json``, else the
     tokenizer's."""
-    model_dir = _check_dir(model_dir)
+    model_dir = _check_dir(resolve_model_path(model_dir))
     ids: list[int] = []
     for name in ("generation_config.json", "config.json"):
         path = os.path.join(model_dir, name)

@@ -25,17 +25,23 @@ import torch
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How tokens are chosen.
+    """How tokens are chosen, and (for :meth:`replayssm.LLM.generate`) how many.
 
     Attributes:
         temperature: ``0`` for greedy decoding, else the softmax temperature (> 0).
         top_p: nucleus mass in ``(0, 1]``; ``1`` keeps every token.
         top_k: keep the ``k`` most likely tokens; ``0`` keeps every token.
+        max_tokens: tokens to generate per request (at most; an end-of-sequence token
+            stops earlier). Read by :class:`replayssm.LLM`; the generators take their
+            budget as an argument.
+        ignore_eos: keep generating past end-of-sequence tokens (:class:`replayssm.LLM`).
     """
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    max_tokens: int = 16
+    ignore_eos: bool = False
 
     def __post_init__(self):
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or self.temperature < 0:
@@ -44,6 +50,10 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an int >= 0, got {self.top_k!r}")
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise TypeError(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}")
 
     @property
     def greedy(self) -> bool:

@@ -225,9 +225,38 @@ def gdn_chunked_window_reference(
     return o
 
 
-def gdn_chunked_window(*args, backend: str = "auto", **kwargs) -> torch.Tensor:
-    """Dispatching front of :func:`gdn_chunked_window_reference` (same arguments)."""
-    return pick("chunked", backend, args[0] if args else kwargs["q"])(*args, **kwargs)
+def gdn_chunked_window(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    checkpoint: torch.Tensor,
+    ring: RawRecords,
+    ring_u: torch.Tensor,
+    slots: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    write_pos: torch.Tensor,
+    cache_base: torch.Tensor,
+    is_flush: torch.Tensor,
+    *,
+    max_len: int | None = None,
+    method: str | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """``circular``'s verify of a batch of windows: outputs ``o [N, HV, V]`` in closed
+    form from each slot's checkpoint, committed ring history and window (flush rows fold
+    their records first). Arguments, shapes and results: :func:`gdn_chunked_window_reference`;
+    the Triton version's limits: :func:`gdn_chunked_window_triton`.
+
+    ``backend``: ``"reference"``, ``"triton"`` or ``"auto"`` (Triton for CUDA tensors, the
+    reference elsewhere; an explicit backend that cannot run raises, there is no silent
+    fallback).
+    """
+    return pick("chunked", backend, q)(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens,
+                                       write_pos, cache_base, is_flush, max_len=max_len, method=method)
 
 
 # --------------------------------------------------------------------------- Triton

@@ -138,14 +138,43 @@ def causal_conv_commit_reference(
         conv_state[:, s] = hist[:, -w1:].transpose(1, 2)
 
 
-def causal_conv_verify(*args, backend: str = "auto", **kwargs) -> torch.Tensor:
-    """Dispatching front of :func:`causal_conv_verify_reference` (same arguments)."""
-    return pick("conv_verify", backend, args[0] if args else kwargs["x"])(*args, **kwargs)
+def causal_conv_verify(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    slots: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    window_buf: torch.Tensor | None = None,
+    update_state: bool = False,
+    max_len: int | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """The depthwise causal conv (with SiLU) over packed windows ``x [N, C] -> [N, C]``,
+    each window continuing its slot's ``conv_state``. Arguments, shapes and results:
+    :func:`causal_conv_verify_reference`.
+
+    ``backend``: ``"reference"``, ``"triton"`` or ``"auto"`` (Triton for CUDA tensors, the
+    reference elsewhere; an explicit backend that cannot run raises, there is no silent
+    fallback).
+    """
+    return pick("conv_verify", backend, x)(x, conv_state, weight, bias, slots, cu_seqlens, window_buf=window_buf,
+                                           update_state=update_state, max_len=max_len)
 
 
-def causal_conv_commit(*args, backend: str = "auto", **kwargs) -> None:
-    """Dispatching front of :func:`causal_conv_commit_reference` (same arguments)."""
-    return pick("conv_commit", backend, args[0] if args else kwargs["conv_state"])(*args, **kwargs)
+def causal_conv_commit(
+    conv_state: torch.Tensor, window_buf: torch.Tensor, slots: torch.Tensor, accepted: torch.Tensor,
+    *, backend: str = "auto",
+) -> None:
+    """Advance each slot's ``conv_state`` over its ``accepted`` window tokens, as if they
+    had been decoded one by one. Arguments: :func:`causal_conv_commit_reference`.
+
+    ``backend``: ``"reference"``, ``"triton"`` or ``"auto"`` (Triton for CUDA tensors, the
+    reference elsewhere; an explicit backend that cannot run raises, there is no silent
+    fallback).
+    """
+    return pick("conv_commit", backend, conv_state)(conv_state, window_buf, slots, accepted)
 
 
 # ---------------------------------------------------------------------------- Triton

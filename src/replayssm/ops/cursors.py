@@ -88,14 +88,40 @@ def reset_cursors_reference(write_pos, cache_base, is_flush, slots) -> None:
         x[s] = 0
 
 
-def advance_cursors(*args, backend: str = "auto", **kwargs) -> None:
-    """Dispatching front of :func:`advance_cursors_reference` (same arguments)."""
-    return pick("advance_cursors", backend, args[0] if args else kwargs["write_pos"])(*args, **kwargs)
+def advance_cursors(
+    write_pos: torch.Tensor,
+    cache_base: torch.Tensor,
+    is_flush: torch.Tensor,
+    slots: torch.Tensor,
+    accepted: torch.Tensor,
+    window: int,
+    ring_len: int,
+    *,
+    flush_every: bool = False,
+    backend: str = "auto",
+) -> None:
+    """``circular``'s commit: move each slot's ring cursors past its ``accepted``
+    records (DESIGN.md section 3). Arguments: :func:`advance_cursors_reference`.
+
+    ``backend``: ``"reference"``, ``"triton"`` or ``"auto"`` (Triton for CUDA tensors, the
+    reference elsewhere; an explicit backend that cannot run raises, there is no silent
+    fallback).
+    """
+    return pick("advance_cursors", backend, write_pos)(write_pos, cache_base, is_flush, slots, accepted, window,
+                                                       ring_len, flush_every=flush_every)
 
 
-def reset_cursors(*args, backend: str = "auto", **kwargs) -> None:
-    """Dispatching front of :func:`reset_cursors_reference` (same arguments)."""
-    return pick("reset_cursors", backend, args[0] if args else kwargs["write_pos"])(*args, **kwargs)
+def reset_cursors(
+    write_pos: torch.Tensor, cache_base: torch.Tensor, is_flush: torch.Tensor, slots: torch.Tensor,
+    *, backend: str = "auto",
+) -> None:
+    """Empty the rings of ``slots`` (a new request). Arguments: :func:`reset_cursors_reference`.
+
+    ``backend``: ``"reference"``, ``"triton"`` or ``"auto"`` (Triton for CUDA tensors, the
+    reference elsewhere; an explicit backend that cannot run raises, there is no silent
+    fallback).
+    """
+    return pick("reset_cursors", backend, write_pos)(write_pos, cache_base, is_flush, slots)
 
 
 # ---------------------------------------------------------------------------- Triton

@@ -106,9 +106,26 @@ def gdn_fold_reference(
             checkpoints[layer, s] = S.to(checkpoints.dtype)
 
 
-def gdn_fold(*args, backend: str = "auto", **kwargs) -> None:
-    """Dispatching front of :func:`gdn_fold_reference` (same arguments)."""
-    return pick("fold", backend, args[0] if args else kwargs["checkpoints"])(*args, **kwargs)
+def gdn_fold(
+    checkpoints: torch.Tensor,
+    ring_k: torch.Tensor,
+    ring_v: torch.Tensor,
+    ring_g: torch.Tensor,
+    ring_beta: torch.Tensor,
+    slots: torch.Tensor,
+    start: torch.Tensor,
+    count: torch.Tensor,
+    *,
+    backend: str = "auto",
+) -> None:
+    """Fold ``count`` raw records per slot, from ``start``, into its checkpoint through
+    the exact recurrence, every layer at once. Arguments and shapes: :func:`gdn_fold_reference`.
+
+    ``backend``: ``"reference"``, ``"triton"`` or ``"auto"`` (Triton for CUDA tensors, the
+    reference elsewhere; an explicit backend that cannot run raises, there is no silent
+    fallback).
+    """
+    return pick("fold", backend, checkpoints)(checkpoints, ring_k, ring_v, ring_g, ring_beta, slots, start, count)
 
 
 # ---------------------------------------------------------------------------- Triton

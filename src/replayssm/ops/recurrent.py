@@ -181,14 +181,35 @@ def gdn_recurrence_reference(
     return o
 
 
-def gdn_recurrence(*args, backend: str = "auto", **kwargs) -> torch.Tensor:
-    """Dispatching front of :func:`gdn_recurrence_reference` (same arguments).
+def gdn_recurrence(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+    slots: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    snapshots: torch.Tensor | None = None,
+    records: RawRecords | None = None,
+    update_state: bool = False,
+    max_len: int | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """The exact GDN recurrence over packed windows: outputs ``o [N, HV, V]``, and
+    optionally per-token snapshots, raw records and the advanced state. Arguments,
+    shapes and results: :func:`gdn_recurrence_reference`.
 
-    ``backend``: ``"reference"``, ``"triton"`` or ``"auto"`` (Triton on CUDA tensors,
-    the reference elsewhere).
+    ``backend``: ``"reference"``, ``"triton"`` or ``"auto"`` (Triton for CUDA tensors, the
+    reference elsewhere; an explicit backend that cannot run raises, there is no silent
+    fallback).
     """
-    impl = pick("recurrence", backend, args[0] if args else kwargs["q"])
-    return impl(*args, **kwargs)
+    return pick("recurrence", backend, q)(q, k, v, a, b, A_log, dt_bias, state, slots, cu_seqlens,
+                                          snapshots=snapshots, records=records, update_state=update_state,
+                                          max_len=max_len)
 
 
 # ---------------------------------------------------------------------------- Triton

@@ -46,9 +46,18 @@ def snapshot_commit_reference(
     checkpoints[:, s] = snapshots[:, s, n - 1]
 
 
-def snapshot_commit(*args, backend: str = "auto", **kwargs) -> None:
-    """Dispatching front of :func:`snapshot_commit_reference` (same arguments)."""
-    return pick("snapshot_commit", backend, args[0] if args else kwargs["checkpoints"])(*args, **kwargs)
+def snapshot_commit(
+    checkpoints: torch.Tensor, snapshots: torch.Tensor, slots: torch.Tensor, accepted: torch.Tensor,
+    *, backend: str = "auto",
+) -> None:
+    """``snapshot``'s commit: copy each slot's snapshot after its ``accepted`` tokens into
+    its checkpoint. Arguments: :func:`snapshot_commit_reference`.
+
+    ``backend``: ``"reference"``, ``"triton"`` or ``"auto"`` (Triton for CUDA tensors, the
+    reference elsewhere; an explicit backend that cannot run raises, there is no silent
+    fallback).
+    """
+    return pick("snapshot_commit", backend, checkpoints)(checkpoints, snapshots, slots, accepted)
 
 
 # ---------------------------------------------------------------------------- Triton

@@ -70,7 +70,7 @@ TABLE: dict[str, list[tuple[dict, dict]]] = {
                               heads_per_program=8, flush_block_v=32))],
     # Small batches are latency-bound: one launch with a chain of n + T exact steps
     # beats three launches and the window solve's per-head chain there. The switch sits
-    # at the largest batch where replay measured faster (BENCHMARKS.md, issue 11:
+    # at the largest batch where replay measured faster (BENCHMARKS.md, kernels:
     # "Where circular switches method").
     # On the CPU the closed form stays the default so that the interpreter's tests
     # cover the history; tests turn the path on with override().

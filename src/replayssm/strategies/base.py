@@ -57,11 +57,22 @@ class SavedStates:
 
 
 class Strategy:
-    """Base class: validation, step bookkeeping and the conv; subclasses do the state.
+    """How a :class:`~replayssm.state.StatePool` verifies draft windows and rolls back:
+    the interface every strategy answers (``pool.strategy``), with the validation, the
+    step bookkeeping and the causal conv shared here.
 
-    Subclasses set :attr:`Buffers` and :meth:`buffer_specs`, implement :meth:`_verify`,
-    :meth:`_commit_states` and, where the checkpoint alone is not the committed state,
-    :meth:`committed_state` and :meth:`_abort_states`.
+    A speculative step, for a :class:`~replayssm.state.Batch` from ``pool.batch``:
+    in each GDN layer's forward, :meth:`conv_verify` then :meth:`verify` (outputs of
+    every window position; the committed state is not changed); after sampling, one
+    :meth:`commit` with the accepted count per request for all layers, or
+    :meth:`abort`. Prompts and plain decoding go through :meth:`conv_prefill` and
+    :meth:`prefill` (the exact recurrence, advancing the state). :meth:`committed_state`
+    reads a layer's committed states. Bad input raises before anything is written.
+
+    Subclasses set :attr:`name`, :attr:`Buffers` and :meth:`buffer_specs`, implement
+    :meth:`_verify`, :meth:`_commit_states` and, where the checkpoint alone is not the
+    committed state, :meth:`committed_state` and :meth:`_abort_states`; a subclass with a
+    new name registers with :func:`replayssm.state.register_strategy`.
     """
 
     name: str = ""

@@ -59,6 +59,24 @@ class CircularBuffers(RecordBuffers):
 
 
 class CircularStrategy(Strategy):
+    """The ReplaySSM ring: a frozen checkpoint plus a ring of ``L`` records per request
+    (``L`` a power of two, at least ``2 T``; the pool's ``ring_len``). Verify computes
+    the window's outputs in closed form from the checkpoint, the committed history and
+    the window, and writes the window's records after the history; commit only moves
+    cursors; when the ring would overflow, a flush folds the committed raw records into
+    the checkpoint through the exact recurrence at the next verify (DESIGN.md
+    section 3). At small batches (the shape table's ``circular.replay_max_batch``) the
+    verify replays history and window through the recurrence in one launch and commit
+    flushes at every step.
+
+    Committed states are exact (the fold replays raw records, bit for bit the
+    recurrence's); verify outputs agree with the recurrence to rounding
+    (``exact_outputs = False``), so a greedy near-tie can flip a token. Scratch per
+    request and layer: ``L`` raw records plus their corrected deltas ``u``
+    (:class:`CircularBuffers`). Select it with ``StatePool(..., strategy="circular",
+    ring_len=L)``.
+    """
+
     name = "circular"
     exact_outputs = False
     Buffers = CircularBuffers

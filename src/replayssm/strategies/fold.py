@@ -60,6 +60,17 @@ class RecordBuffers(StrategyBuffers):
 
 
 class FoldStrategy(Strategy):
+    """Fold every commit: verify runs the exact recurrence without writing any state
+    and records the window's raw inputs (pre-norm ``k``, ``v``, fp32 ``g``, ``beta``)
+    as a side channel; commit replays the first ``n`` records through the same
+    recurrence into the checkpoint, every layer in one launch.
+
+    Exact: committed states and verify outputs are the recurrence's, bit for bit (the
+    side channel changes no output). Scratch per request and layer: a ring of ``T``
+    raw records (:class:`RecordBuffers`), a small fraction of one state. Select it with
+    ``StatePool(..., strategy="fold")``.
+    """
+
     name = "fold"
     Buffers = RecordBuffers
     buf: RecordBuffers

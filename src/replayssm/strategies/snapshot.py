@@ -27,6 +27,16 @@ class SnapshotBuffers(StrategyBuffers):
 
 
 class SnapshotStrategy(Strategy):
+    """The baseline that engines ship: verify runs the exact recurrence over the window
+    and writes the state after every position to a scratch buffer; commit copies the
+    snapshot after the ``n``-th accepted token into the checkpoint.
+
+    Exact: committed states and verify outputs are the recurrence's, bit for bit.
+    Scratch per request and layer: ``T`` states (:class:`SnapshotBuffers`), which is
+    what makes it costly at large batch: ``T`` state writes per layer-step.
+    Select it with ``StatePool(..., strategy="snapshot")``.
+    """
+
     name = "snapshot"
     Buffers = SnapshotBuffers
     buf: SnapshotBuffers

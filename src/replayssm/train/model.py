@@ -37,7 +37,7 @@ def train_config(size: str, vocab_size: int, eos_token_id: int, *, max_position_
     (``tiny_config``'s layer pattern), tied input and output embeddings (at these
     sizes an untied LM head would be a fifth of the parameters), SDPA attention (its
     causal path needs no mask tensor, which the MTP head's training forward relies on)."""
-    from ..engine.tiny import tiny_config
+    from ..engine.random_model import tiny_config
 
     if size not in SIZES:
         raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from .. import corpus as C
 from . import data as D
 from .model import build_model, count_parameters, gdn_kernel_path, losses, mtp_checkpoint_state
 
@@ -35,7 +36,7 @@ class TrainConfig:
     mtp_weight: float = 0.5
     seed: int = 0
     device: str = "auto"
-    heldout_percent: float = D.HELDOUT_PERCENT
+    heldout_percent: float = C.HELDOUT_PERCENT
     eval_every: int = 100
     eval_windows: int = 64
     max_files: int | None = None
@@ -64,18 +65,6 @@ def sample_windows(stream: torch.Tensor, count: int, length: int, generator: tor
     if stream.numel() <= length:
         raise ValueError(f"the token stream ({stream.numel()} tokens) is shorter than a window ({length} + 1)")
     starts = torch.randint(0, stream.numel() - length, (count,), generator=generator)
-    return torch.stack([stream[s : s + length] for s in starts.tolist()]).long()
-
-
-def heldout_windows(stream: torch.Tensor, count: int, length: int) -> torch.Tensor:
-    """Up to ``count`` windows spread evenly over the held-out stream (the same every
-    evaluation, so the held-out curve has no sampling noise between points)."""
-    n = stream.numel() - length
-    if n <= 0:
-        raise ValueError(f"the held-out stream ({stream.numel()} tokens) is shorter than a window; hold out more "
-                         f"files (--heldout-percent) or shorten --seq-len")
-    count = min(count, n)
-    starts = torch.linspace(0, n - 1, count).long().unique()
     return torch.stack([stream[s : s + length] for s in starts.tolist()]).long()
 
 
@@ -111,7 +100,7 @@ def prepare_data(cfg: TrainConfig, log=print):
     """Corpus, tokenizer (trained, or reused from ``cfg.tokenizer``) and the two token
     streams. Returns ``(corpus, tokenizer, train_ids, heldout_ids, info)``."""
     t0 = time.perf_counter()
-    corpus = D.load_corpus(cfg.source, heldout_percent=cfg.heldout_percent, max_files=cfg.max_files)
+    corpus = C.load_corpus(cfg.source, heldout_percent=cfg.heldout_percent, max_files=cfg.max_files)
     s = corpus.summary()
     log(f"text: {s['train']['files']} training files ({s['train']['bytes'] / 1e6:.1f} MB), "
         f"{s['heldout']['files']} held out ({s['heldout']['bytes'] / 1e6:.1f} MB), "
@@ -126,8 +115,8 @@ def prepare_data(cfg: TrainConfig, log=print):
     else:
         tokenizer = D.train_tokenizer([f.text for f in corpus.train], cfg.vocab)
         origin = f"byte-level BPE trained on the training files, {cfg.vocab} tokens"
-    train_ids = D.encode_files(tokenizer, corpus.train)
-    heldout_ids = D.encode_files(tokenizer, corpus.heldout)
+    train_ids = C.encode_files(tokenizer, corpus.train)
+    heldout_ids = C.encode_files(tokenizer, corpus.heldout)
     bpt = D.bytes_per_token(tokenizer, corpus.heldout)
     log(f"tokenizer: {origin}; {len(tokenizer)} tokens, {bpt:.2f} bytes/token on held-out text; "
         f"{train_ids.numel():,} training tokens, {heldout_ids.numel():,} held out "
@@ -143,14 +132,14 @@ def prepare_data(cfg: TrainConfig, log=print):
 def run_training(cfg: TrainConfig, log=print) -> dict:
     """Train, save the checkpoint into ``cfg.out`` and return the log (also written as
     ``cfg.out/train_log.json``, with the plot ``cfg.out/loss.png``)."""
-    from ..bench.progress import ProgressBar, write_json
+    from ..progress import ProgressBar, write_json
     from ..engine.loading import resolve_device
 
     device = resolve_device(cfg.device)
     kernel = gdn_kernel_path(device)
     log(f"device {device}; GDN layers in training: {kernel}")
     corpus, tokenizer, train_ids, heldout_ids, info = prepare_data(cfg, log)
-    eos = tokenizer.convert_tokens_to_ids(D.EOS_TOKEN)
+    eos = tokenizer.convert_tokens_to_ids(C.EOS_TOKEN)
     model, head = build_model(cfg.size, len(tokenizer), eos, seed=cfg.seed)
     model.to(device), head.to(device)
     n_params = count_parameters(model) + count_parameters(head)
@@ -168,7 +157,7 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
     opt = torch.optim.AdamW(_param_groups([model, head], cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95),
                             eps=1e-8, fused=cuda)
     gen = torch.Generator().manual_seed(cfg.seed + 1)
-    evals_windows = heldout_windows(heldout_ids, cfg.eval_windows, cfg.seq_len + 1)
+    evals_windows = C.heldout_windows(heldout_ids, cfg.eval_windows, cfg.seq_len + 1)
     budget_s = cfg.minutes * 60
     steps_cap = cfg.steps
     history, evals = [], []

@@ -61,10 +61,9 @@ The package, by role: :mod:`.config` (shapes, dtypes, :class:`DriftConfig`),
 layer over held-out text), :mod:`.oracle` (the float64 recurrence,
 written independently of the library's ops), :mod:`.variants` (strategies, control,
 plain), :mod:`.judge` (growth and excess of a series), :mod:`.run` (the run),
-:mod:`.report` (the table) and :mod:`.command` (the command line).
+:mod:`.report` (the table); the command line is :mod:`replayssm.cli.drift`.
 """
 
-from .command import add_arguments, check_args, config_from_args, main
 from .config import (A_SCALE, ACT_DTYPES, B_SCALE, CONTROL, INPUTS, PLAIN, SERIES, SHAPES, STATE_DTYPES,
                      STRATEGY_NAMES, DriftConfig)
 from .inputs import InputStream, gate_params
@@ -79,6 +78,6 @@ from .variants import OpenLoopControl, PlainRecurrence, StrategyVariant, Variant
 __all__ = [
     "A_SCALE", "ACT_DTYPES", "B_SCALE", "CONTROL", "INPUTS", "PLAIN", "SERIES", "SHAPES", "STATE_DTYPES",
     "STRATEGY_NAMES", "DriftConfig", "InputStream", "ModelInputStream", "Oracle64", "OpenLoopControl",
-    "PlainRecurrence", "StrategyVariant", "Variant", "add_arguments", "assess", "check_args", "config_from_args",
-    "gate_params", "main", "open_loop_fold", "print_report", "run_drift", "verdict",
+    "PlainRecurrence", "StrategyVariant", "Variant", "assess", "gate_params", "open_loop_fold", "print_report",
+    "run_drift", "verdict",
 ]

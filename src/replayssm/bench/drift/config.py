@@ -10,7 +10,7 @@ from ...ops import triton_common
 from ...ops.dispatch import BACKENDS, triton_available
 from ...state import GDNShape
 from ...strategies import STRATEGY_NAMES
-from ..args import check_device
+from ...engine.loading import check_device
 
 PLAIN = "plain"
 CONTROL = "open-loop"
@@ -140,14 +140,13 @@ class DriftConfig:
             raise ValueError(f"key_correlation must be in [0, 1), got {self.key_correlation}")
 
     def _check_model(self) -> None:
-        from ...engine.loading import SUPPORTED_MODEL_TYPES, model_type, resolve_model_path
+        from ...engine.loading import check_model_dir, resolve_model_path
         from .model_inputs import gdn_layer_count
 
-        path = resolve_model_path(self.model_name)  # ValueError for a missing shipped checkpoint
-        mtype = model_type(path)  # ValueError for a missing directory or config.json
-        if mtype not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"--model {self.model_name!r} holds a {mtype!r} model; supported: "
-                             f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+        try:  # a missing shipped checkpoint, a missing directory, an unreadable config, ...
+            path = check_model_dir(resolve_model_path(self.model_name))
+        except ValueError as e:
+            raise ValueError(f"--model: {e}") from None
         if self.layer is None:
             return
         if isinstance(self.layer, bool) or not isinstance(self.layer, int) or self.layer < 0:

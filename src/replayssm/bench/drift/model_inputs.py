@@ -50,7 +50,7 @@ class ModelInputStream:
 
     ``layer`` counts among the GDN layers (``None``: the last, the one that reads the
     output of every layer below it). Request ``i`` reads its own contiguous stretch of ``stream`` (default
-    :func:`replayssm.train.data.heldout_stream`), from token ``i * len(stream) // B`` on, wrapping around at
+    :func:`replayssm.corpus.heldout_stream`), from token ``i * len(stream) // B`` on, wrapping around at
     the end, in contexts of at most :data:`MAX_CONTEXT` tokens. The model runs in
     float32 (on ``device``, the reference ops on the CPU), whatever ``act_dtype``; the
     layer's inputs are recorded once per token, rounded to ``act_dtype``, up to a
@@ -76,7 +76,7 @@ class ModelInputStream:
                  max_context: int = MAX_CONTEXT):
         from ...engine.adapter import HybridEngine
         from ...engine.loading import load_model, load_tokenizer
-        from ...train.data import heldout_stream
+        from ...corpus import heldout_stream
 
         self.device = torch.device(device)
         self.B, self.T, self.act_dtype, self.chunk = requests, window, act_dtype, chunk

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from ..common import environment
-from ..progress import ProgressBar
+from ...progress import ProgressBar
 from .config import ACT_DTYPES, PLAIN, SERIES, SHAPES, DriftConfig
 from .inputs import InputStream, gate_params
 from .judge import assess, verdict

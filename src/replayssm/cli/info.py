@@ -12,9 +12,9 @@ def add_arguments(parser) -> None:
 def main(args) -> int:
     import torch
 
-    from . import __version__
-    from .ops.dispatch import triton_available
-    from .strategies import STRATEGIES
+    from ..version import __version__
+    from ..ops.dispatch import triton_available
+    from ..strategies import STRATEGIES
 
     print(f"replayssm {__version__}  python {platform.python_version()}  torch {torch.__version__}")
     if triton_available():

@@ -1,8 +1,11 @@
 """Command line: replayssm run | generate | demo | drift | closed-loop | train | bench kernels|memory|e2e|acceptance | info.
 
-Each command lives in its own module, which provides ``add_arguments(parser)``,
-``main(args) -> int`` and optionally ``check_args(args)``; this file wires them up,
-importing a module when its command runs so that ``replayssm info`` stays instant.
+Each command has its own module in this package (``replayssm.cli.run``,
+``replayssm.cli.bench_kernels``, ...), which parses the command's options and prints
+its results: ``add_arguments(parser)``, ``main(args) -> int`` and optionally
+``check_args(args)``. The work itself is done by the library (``engine``, ``bench``,
+``train``), which knows nothing of argparse. This file wires the modules up,
+importing one when its command runs so that ``replayssm info`` stays instant.
 
 Bad input is reported the same way by every command, before any work starts: one line
 ``replayssm CMD: error: ...`` on stderr and exit status 2. Argument types catch what
@@ -17,26 +20,25 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import sys
 
-from .bench.args import positive_int
+from .args import positive_int
 
 # command -> (module, help); ``bench`` has sub-commands of its own.
 COMMANDS = {
-    "run": ("replayssm.engine.main_job", "the main job on the embedded default model (what make run calls)"),
-    "demo": ("replayssm.demo", "every strategy through a long lifecycle against the float64 oracle"),
-    "generate": ("replayssm.engine.generate", "speculative generation with a local Hugging Face checkpoint"),
-    "drift": ("replayssm.bench.drift", "long teacher-forced runs of every strategy against a float64 oracle"),
-    "closed-loop": ("replayssm.bench.closed_loop",
+    "run": ("replayssm.cli.run", "the main job on the embedded default model (what make run calls)"),
+    "demo": ("replayssm.cli.demo", "every strategy through a long lifecycle against the float64 oracle"),
+    "generate": ("replayssm.cli.generate", "speculative generation with a local Hugging Face checkpoint"),
+    "drift": ("replayssm.cli.drift", "long teacher-forced runs of every strategy against a float64 oracle"),
+    "closed-loop": ("replayssm.cli.closed_loop",
                     "greedy generation under every strategy against plain decoding: first divergence, state error"),
-    "train": ("replayssm.train", "train a small Qwen3.5-architecture model and its MTP head on the standard library"),
-    "info": ("replayssm.info", "versions, devices and backends"),
+    "train": ("replayssm.cli.train", "train a small Qwen3.5-architecture model and its MTP head on the standard library"),
+    "info": ("replayssm.cli.info", "versions, devices and backends"),
 }
 BENCH = {
-    "kernels": ("replayssm.bench.kernels", "time one captured step per strategy against the one-read floor"),
-    "memory": ("replayssm.bench.memory", "bytes per request and max concurrent requests per strategy"),
-    "e2e": ("replayssm.bench.e2e", "end-to-end tokens per second, plain decoding vs each strategy"),
-    "acceptance": ("replayssm.bench.acceptance", "accepted draft tokens per step of the trained model, per drafter and window"),
+    "kernels": ("replayssm.cli.bench_kernels", "time one captured step per strategy against the one-read floor"),
+    "memory": ("replayssm.cli.bench_memory", "bytes per request and max concurrent requests per strategy"),
+    "e2e": ("replayssm.cli.bench_e2e", "end-to-end tokens per second, plain decoding vs each strategy"),
+    "acceptance": ("replayssm.cli.bench_acceptance", "accepted draft tokens per step of the trained model, per drafter and window"),
 }
 
 #: Default CPU threads per command (``None``: leave torch's default). The compute
@@ -144,6 +146,3 @@ def main(argv: list[str] | None = None) -> int:
     set_cpu_threads(args)
     return int(importlib.import_module(args._module).main(args) or 0)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""Argument types shared by the commands (``type=`` functions for argparse).
+"""Argument types of the commands (``type=`` functions for argparse).
 
 Each one turns a bad value into ``argparse.ArgumentTypeError``, which argparse reports
 as ``replayssm CMD: error: argument --X: ...`` before the command does any work.
@@ -143,15 +143,25 @@ def device_name(text: str) -> str:
     return text
 
 
-def check_device(name: str):
-    """``torch.device(name)``, or a ``ValueError`` saying why it cannot be used here
-    (not a device name; CUDA without a CUDA device)."""
-    import torch
-
+def utf8_text(text: str) -> str:
+    """Text that encodes as UTF-8. Python hands over command-line bytes that are not
+    UTF-8 as lone surrogates (``surrogateescape``), which no tokenizer takes."""
     try:
-        dev = torch.device(name)
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(f"device {name!r} is not a torch device: {e}") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} asked for, but CUDA is not available")
-    return dev
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = ord(text[e.start])
+        byte = f"byte 0x{bad - 0xDC00:02x}" if 0xDC80 <= bad <= 0xDCFF else f"character U+{bad:04X}"
+        raise argparse.ArgumentTypeError(f"not UTF-8 text ({byte} at position {e.start})") from None
+    return text
+
+
+def num_draft(text: str) -> int:
+    """Draft tokens per step ``k``: the verify window ``k + 1`` must be at most
+    :data:`replayssm.engine.factory.MAX_WINDOW`."""
+    value = positive_int(text)
+    from ..engine.factory import MAX_WINDOW
+
+    if value + 1 > MAX_WINDOW:
+        raise argparse.ArgumentTypeError(f"at most {MAX_WINDOW - 1} (the verify window k + 1 is at most {MAX_WINDOW}, "
+                                         f"the longest the Triton window kernel takes), got {value}")
+    return value

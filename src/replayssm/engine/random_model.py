@@ -1,10 +1,11 @@
-"""Tiny random-weight Qwen3.5 / Qwen3-Next models, built in process.
+"""Random-weight Qwen3.5 / Qwen3-Next models, built in process.
 
-They serve as the embedded default of ``replayssm run``, as the CI models of the
-end-to-end tests and (with realistic GDN shapes) as the GPU benchmark model. A
-byte-level tokenizer (256 byte tokens + an end-of-text token) makes their output
-printable, and :func:`save_tiny_checkpoint` writes a local checkpoint directory (config,
-safetensors, tokenizer, optionally ``mtp.*`` weights) like the real ones.
+They are the shape benchmarks' models (``bench e2e --random``, ``closed-loop --model
+tiny``: timing and rounding need real geometry, not trained weights) and the base
+config of ``replayssm train``'s size presets. The trained default model is another
+thing: a checkpoint shipped in the package (:data:`replayssm.engine.loading.EMBEDDED`).
+Checkpoint directories of random models, with a byte-level tokenizer, are test
+fixtures: :mod:`replayssm.testing.checkpoints`.
 
 Random models under greedy decoding fall into short loops after a few dozen tokens,
 which is what lets prompt lookup (n-gram drafting) hit on them.
@@ -12,12 +13,9 @@ which is what lets prompt lookup (n-gram drafting) hit on them.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 FAMILIES = ("qwen3_5", "qwen3_next")
-EOS_TOKEN = "<|endoftext|>"
 # A plain-text chat template, so that ``generate --chat`` works on tiny checkpoints.
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -86,37 +84,6 @@ def build_tiny_model(family: str = "qwen3_5", *, seed: int = 0, dtype: torch.dty
     return model.to(device=device, dtype=dtype).eval()
 
 
-def tiny_tokenizer():
-    """A byte-level tokenizer: ids 0..255 are bytes, 256 is ``<|endoftext|>``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    byte_chars = _bytes_to_unicode()
-    vocab = {byte_chars[b]: b for b in range(256)}
-    assert set(vocab) == set(alphabet)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([EOS_TOKEN])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN)
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character table (the ByteLevel alphabet)."""
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
-
-
 def random_mtp_state(model, *, seed: int = 0, moe: bool | None = None) -> dict[str, torch.Tensor]:
     """Random ``mtp.*`` weights for ``model`` in checkpoint layout (MoE experts one by
     one, as released checkpoints store them), keys with the ``mtp.`` prefix."""
@@ -150,25 +117,3 @@ def random_mtp_state(model, *, seed: int = 0, moe: bool | None = None) -> dict[s
         else:
             out[f"mtp.{name}"] = t.contiguous()
     return {k: v.to(model.dtype) for k, v in out.items()}
-
-
-def save_tiny_checkpoint(path: str | os.PathLike, family: str = "qwen3_5", *, seed: int = 0,
-                         with_mtp: bool = False, **overrides):
-    """Write a local checkpoint directory (config, safetensors, tokenizer, generation
-    config; ``mtp.*`` tensors added to the weights file when ``with_mtp``). Returns the
-    model it saved."""
-    from safetensors.torch import load_file, save_file
-
-    path = os.fspath(path)
-    model = build_tiny_model(family, seed=seed, **overrides)
-    model.save_pretrained(path)
-    tiny_tokenizer().save_pretrained(path)
-    if with_mtp:
-        weights = os.path.join(path, "model.safetensors")
-        index = os.path.join(path, "model.safetensors.index.json")
-        if not os.path.exists(weights) or os.path.exists(index):
-            raise RuntimeError("expected a single model.safetensors file")
-        state = load_file(weights)
-        state.update(random_mtp_state(model, seed=seed + 7))
-        save_file(state, weights, metadata={"format": "pt"})
-    return model

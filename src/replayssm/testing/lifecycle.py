@@ -23,9 +23,9 @@ from typing import Callable
 
 import torch
 
-from .ops.conv import causal_conv_verify_reference
-from .ops.recurrent import gdn_recurrence_reference
-from .state import StatePool
+from ..ops.conv import causal_conv_verify_reference
+from ..ops.recurrent import gdn_recurrence_reference
+from ..state import StatePool
 
 
 def design_recurrence(x: dict[str, torch.Tensor], A_log, dt_bias, states: torch.Tensor, rows, lengths) -> torch.Tensor:

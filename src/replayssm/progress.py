@@ -1,5 +1,6 @@
-"""Output pieces shared by the user-facing tools: the one progress mechanism (a
-``tqdm`` bar on stderr) and the JSON result files.
+"""Output pieces shared by the tools (commands, training, benchmarks): the one
+progress mechanism (a ``tqdm`` bar on stderr) and the JSON result files. It depends on
+nothing else in the package.
 
 Progress never goes to stdout, where the results are; ``enabled=False`` (the tools'
 ``--quiet``) writes nothing. On a terminal the bar redraws in place about ten times a
@@ -117,16 +118,3 @@ def write_json(path: str | os.PathLike, payload: dict) -> Path:
     tmp.write_text(json.dumps(json_safe(payload), indent=1, allow_nan=False) + "\n")
     os.replace(tmp, path)
     return path
-
-
-def write_outputs(result: dict, json_path, plot_path, plot: str) -> None:
-    """The ``--json`` / ``--plot`` outputs of a command: ``result`` as JSON, and a PNG
-    drawn by ``replayssm.bench.plotting.<plot>(result, path)``; each path is printed."""
-    if json_path is not None:
-        write_json(json_path, result)
-        print(f"wrote {json_path}")
-    if plot_path is not None:
-        from . import plotting
-
-        getattr(plotting, plot)(result, plot_path)
-        print(f"wrote {plot_path}")

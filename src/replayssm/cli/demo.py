@@ -13,11 +13,11 @@ import time
 
 import torch
 
-from .bench.args import positive_int
-from .bench.progress import ProgressBar
-from .lifecycle import Lifecycle
-from .state import GDNShape, StatePool
-from .strategies import STRATEGIES
+from .args import positive_int
+from ..progress import ProgressBar
+from ..testing.lifecycle import Lifecycle
+from ..state import GDNShape, StatePool
+from ..strategies import STRATEGIES
 
 SHAPE = GDNShape(num_heads=2, num_value_heads=4, head_k_dim=16, head_v_dim=16)
 

@@ -20,8 +20,9 @@ import argparse
 import sys
 import time
 
-from ..bench.args import device_name, name_list, positive_int
 from ..strategies import STRATEGY_NAMES
+from . import common
+from .args import device_name, name_list, num_draft, positive_int
 
 PROMPTS = (
     'def read_config(path):\n    """Read the configuration file at *path* and return a dict."""\n',
@@ -32,49 +33,42 @@ PROMPTS = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="embedded",
-                        help="checkpoint directory, or 'embedded' (the trained model in the package; default)")
-    parser.add_argument("--draft-model", default="embedded-draft",
-                        help="draft model for the acceptance summary (default: the shipped 'embedded-draft')")
+    common.add_model_options(parser, draft_use="the acceptance summary")
     parser.add_argument("--strategies", type=name_list(STRATEGY_NAMES), default=STRATEGY_NAMES,
                         help=f"strategies to run, comma-separated (default {','.join(STRATEGY_NAMES)})")
     parser.add_argument("--max-new-tokens", type=positive_int, default=96, help="tokens per request (default 96)")
     parser.add_argument("--batch", type=positive_int, default=len(PROMPTS),
                         help=f"requests ({len(PROMPTS)} prompts, cycled; default {len(PROMPTS)})")
-    parser.add_argument("--num-draft", type=positive_int, default=3, help="draft tokens per step (default 3)")
+    parser.add_argument("--num-draft", type=num_draft, default=3, help="draft tokens per step, at most 15 (default 3)")
     parser.add_argument("--heldout-windows", type=positive_int, default=8,
                         help="held-out windows of 512 tokens for the loss in the summary (default 8)")
     parser.add_argument("--device", type=device_name, default="auto", help="auto, cpu, cuda, cuda:N (default auto)")
 
 
 def check_args(args) -> None:
-    from .generate import _check_model_dir, _has_mtp_weights
-    from .loading import load_tokenizer, resolve_model_path
+    args.model = common.check_model("--model", args.model)
+    common.check_mtp("--model", args.model)
+    args.draft_model = common.check_model("--draft-model", args.draft_model)
+    common.check_same_tokenizer("--draft-model", args.draft_model, args.model)
+    from ..engine.loading import load_tokenizer
 
-    args.model = resolve_model_path(args.model)
-    _check_model_dir("--model", args.model)
-    if not _has_mtp_weights(args.model):
-        raise ValueError(f"--model {args.model!r} has no mtp.* weights; the job drafts with the MTP head")
-    args.draft_model = resolve_model_path(args.draft_model)
-    _check_model_dir("--draft-model", args.draft_model)
-    if load_tokenizer(args.draft_model).get_vocab() != load_tokenizer(args.model).get_vocab():
-        raise ValueError(f"--draft-model {args.draft_model!r} does not share the model's tokenizer")
-    args.checked = True
+    tokenizer = load_tokenizer(args.model)
+    args.texts = [PROMPTS[i % len(PROMPTS)] for i in range(args.batch)]
+    args.prompt_ids = [tokenizer.encode(t, add_special_tokens=False) for t in args.texts]
+    args.max_len = common.check_lengths(args.model, args.prompt_ids, args.max_new_tokens, num_draft=args.num_draft,
+                                        dtype="auto", device=args.device)
 
 
 def main(args) -> int:
     from ..bench.acceptance import heldout_loss, measure
-    from .adapter import HybridEngine
-    from .generate import describe_memory, make_drafter
-    from .generator import StepGenerator
-    from .loading import load_model, load_tokenizer, model_label, resolve_device
+    from ..engine.adapter import HybridEngine
+    from ..engine.factory import make_drafter
+    from ..engine.generator import StepGenerator
+    from ..engine.loading import load_model, load_tokenizer, model_label, resolve_device
 
-    if not getattr(args, "checked", False):
-        check_args(args)
     device = resolve_device(args.device)
     tokenizer = load_tokenizer(args.model)
-    texts = [PROMPTS[i % len(PROMPTS)] for i in range(args.batch)]
-    prompts = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    texts, prompts = args.texts, args.prompt_ids
     model = load_model(args.model, device=str(device))
     cfg = model.config
     print(f"replayssm run: {model_label(args.model)} model\n  {cfg.num_hidden_layers} layers ({cfg.layer_types.count('linear_attention')} "
@@ -82,7 +76,7 @@ def main(args) -> int:
           f"HV={cfg.linear_num_value_heads} K={cfg.linear_key_head_dim} V={cfg.linear_value_head_dim}, "
           f"{cfg.vocab_size} tokens, {model.dtype}, {device}")
     print(f"{args.batch} requests x {args.max_new_tokens} tokens, greedy; drafts: the model's MTP head, k={args.num_draft}")
-    max_len = max(len(p) for p in prompts) + args.max_new_tokens + args.num_draft + 2
+    max_len = args.max_len
 
     def run(strategy: str | None):
         window = 1 if strategy is None else args.num_draft + 1
@@ -111,7 +105,7 @@ def main(args) -> int:
         print(f"[{strategy}] {res.num_generated} tokens in {res.steps} steps, accept length "
               f"{res.mean_accept_length:.2f}, {res.tokens_per_second:.1f} tok/s; greedy output "
               f"{'EQUALS' if agree else 'DIFFERS FROM'} plain decoding ({same}/{total} tokens)")
-        print(f"[{strategy}] state memory: {describe_memory(engine)}")
+        print(f"[{strategy}] state memory: {common.describe_memory(engine)}")
         rows.append((strategy, res, same, total, engine))
         if not agree and engine.strategy.exact_outputs:
             failed.append(strategy)
@@ -137,7 +131,7 @@ def main(args) -> int:
         r = measure(model, args.model, prompts, drafter=kind, window=window, max_new_tokens=args.max_new_tokens,
                     draft_model_dir=args.draft_model)
         print(f"{label:<12} {r['tokens_per_step']:>11.2f} {r['acceptance_rate']:>10.0%}")
-    print(f"(bench acceptance measures T = 2, 4, 8 on held-out prompts; BENCHMARKS.md has the H200 table)")
+    print("(bench acceptance measures T = 2, 4, 8 on held-out prompts; BENCHMARKS.md has the H200 table)")
 
     print(f"\ntotal {time.perf_counter() - t0:.1f}s")
     if failed:

@@ -1,4 +1,5 @@
-"""``replayssm drift``'s options, their checks, and the command."""
+"""``replayssm drift``: the options of :mod:`replayssm.bench.drift` (a
+:class:`~replayssm.bench.drift.DriftConfig`, which checks itself), and its report."""
 
 from __future__ import annotations
 
@@ -6,14 +7,12 @@ import argparse
 
 import torch
 
-from ...ops.dispatch import BACKENDS
-from ...strategies import STRATEGY_NAMES
-from ..args import device_name, name_list, output_path, positive_float, positive_int
-from ..progress import write_outputs
-from .config import (ACT_DTYPES, DEFAULT_DECAY_RANGE, DEFAULT_KEY_CORRELATION, DEFAULT_MODEL, INPUTS, SHAPES,
-                     STATE_DTYPES, DriftConfig)
-from .report import print_report
-from .run import run_drift
+from ..bench.drift.config import (ACT_DTYPES, DEFAULT_DECAY_RANGE, DEFAULT_KEY_CORRELATION, DEFAULT_MODEL, INPUTS,
+                                  SHAPES, STATE_DTYPES, DriftConfig)
+from ..ops.dispatch import BACKENDS
+from ..strategies import STRATEGY_NAMES
+from . import common
+from .args import device_name, name_list, nonneg_int, output_path, positive_float, positive_int
 
 
 def _decay_range(text: str) -> tuple[float, float]:
@@ -22,16 +21,6 @@ def _decay_range(text: str) -> tuple[float, float]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected MIN,MAX (two numbers), got {text!r}") from None
     return lo, hi
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         f"inputs (default {d.inputs})")
     i.add_argument("--model", default=None,
                    help=f"model inputs: the checkpoint (default {DEFAULT_MODEL}, the shipped model)")
-    i.add_argument("--layer", type=_non_negative_int, default=None,
+    i.add_argument("--layer", type=nonneg_int, default=None,
                    help="model inputs: which GDN layer, counted among the GDN layers from 0 (default the last)")
     i.add_argument("--shape", choices=sorted(SHAPES), default=None,
                    help="random inputs: GDN layer shape (default qwen3.5 = H16 HV32 K128 V128 on CUDA, "
@@ -95,12 +84,17 @@ def config_from_args(args) -> DriftConfig:
 
 def check_args(args) -> None:
     """Validate the whole configuration (``ValueError``) before the run."""
-    config_from_args(args).check()
+    cfg = config_from_args(args)
+    cfg.check()
+    common.check_triton_window("--window", cfg.window, backend=cfg.backend, device=cfg.device,
+                               strategies=tuple(cfg.strategies) + (("circular",) if cfg.control else ()))
 
 
 def main(args) -> int:
+    from ..bench.drift import print_report, run_drift
+
     cfg = config_from_args(args)
     result = run_drift(cfg, progress=not args.quiet)
     print_report(result)
-    write_outputs(result, args.json, args.plot, "plot_drift")
+    common.write_outputs(result, args.json, args.plot, "plot_drift")
     return result["exit_code"]

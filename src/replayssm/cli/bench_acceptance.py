@@ -1,0 +1,60 @@
+"""``replayssm bench acceptance``: the options of :mod:`replayssm.bench.acceptance`, and
+its table."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..bench.acceptance import DRAFTERS
+from ..strategies import STRATEGY_NAMES
+from . import common
+from .args import device_name, int_list, name_list, output_path, positive_int
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    common.add_model_options(parser, draft_use="the 'model' drafter")
+    parser.add_argument("--drafters", type=name_list(DRAFTERS), default=DRAFTERS,
+                        help=f"comma-separated (default {','.join(DRAFTERS)})")
+    parser.add_argument("--windows", type=int_list, default=(2, 4, 8),
+                        help="verify windows T (T - 1 drafts per step; default 2,4,8)")
+    parser.add_argument("--prompts", type=positive_int, default=8, help="held-out prompts (default 8)")
+    parser.add_argument("--prompt-len", type=positive_int, default=128, help="tokens per prompt (default 128)")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=128, help="greedy tokens per prompt (default 128)")
+    parser.add_argument("--heldout-windows", type=positive_int, default=32,
+                        help="held-out windows of 512 tokens for the loss (default 32)")
+    parser.add_argument("--strategy", choices=STRATEGY_NAMES, default="fold", help="strategy (default fold)")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                        help="model dtype (auto: bf16 on CUDA, fp32 on the CPU)")
+    parser.add_argument("--device", type=device_name, default="auto", help="auto, cpu, cuda, cuda:N (default auto)")
+    parser.add_argument("--json", type=output_path(".json"), default=None, help="write the result here")
+    parser.add_argument("--plot", type=output_path(".png"), default=None, help="write the plot here")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def check_args(args) -> None:
+    from ..engine.factory import MAX_WINDOW
+
+    if any(t < 2 for t in args.windows):
+        raise ValueError(f"--windows must all be at least 2 (one draft per step), got {args.windows}")
+    if any(t > MAX_WINDOW for t in args.windows):
+        raise ValueError(f"--windows must all be at most {MAX_WINDOW}, got {args.windows}")
+    args.model = common.check_model("--model", args.model)
+    if "model" in args.drafters:
+        args.draft_model = common.check_model("--draft-model", args.draft_model)
+        common.check_same_tokenizer("--draft-model", args.draft_model, args.model)
+    if "mtp" in args.drafters:
+        common.check_mtp("--drafters mtp", args.model)
+    common.check_plot(args.plot)
+
+
+def main(args) -> int:
+    from ..bench.acceptance import AcceptanceConfig, print_table, run_acceptance
+
+    cfg = common.config_from(AcceptanceConfig, args, drafters=tuple(args.drafters), windows=tuple(args.windows))
+    result = run_acceptance(cfg, progress_enabled=not args.quiet)
+    print_table(result)
+    common.write_outputs(result, args.json, args.plot, "acceptance")
+    if result["exit_code"]:
+        print("FAIL: an exact strategy's speculative tokens differ from plain greedy decoding", file=sys.stderr)
+    return result["exit_code"]

@@ -1,0 +1,101 @@
+"""``replayssm bench e2e``: the options of :mod:`replayssm.bench.e2e` (resolved into its
+:class:`~replayssm.bench.e2e.E2EConfig`, with the device's defaults), and its table."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from ..bench.e2e import DRAFTERS, DTYPES, RANDOM_MODELS, E2EConfig
+from ..ops.dispatch import BACKENDS
+from ..strategies import STRATEGY_NAMES
+from . import common
+from .args import device_name, int_list, name_list, num_draft, output_path, positive_int
+
+
+def _probabilities(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated probabilities, got {text!r}") from None
+    if not values or any(not 0 <= v <= 1 for v in values) or len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"expected distinct probabilities in [0, 1], got {text!r}")
+    return values
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = E2EConfig()
+    parser.add_argument("--model", default=None,
+                        help="local Hugging Face checkpoint directory, or 'embedded': the trained checkpoint in the "
+                             "package (the default unless --random)")
+    parser.add_argument("--random", choices=RANDOM_MODELS, default=None,
+                        help="instead of --model, a random-weight model built in process, for shape benchmarks: "
+                             "qwen3.5-shapes (Qwen3.5-35B-A3B's GDN and attention geometry) or tiny")
+    parser.add_argument("--strategies", type=name_list(STRATEGY_NAMES, allow_none=True), default=STRATEGY_NAMES,
+                        help="comma-separated, or 'none' (default all three)")
+    parser.add_argument("--no-plain", action="store_true", help="skip our plain decoding")
+    parser.add_argument("--no-hf", action="store_true", help="skip the Hugging Face generate baseline")
+    parser.add_argument("--batches", type=int_list, default=None, help="batch sizes (default 1,16,64 on CUDA, 2 on the CPU)")
+    parser.add_argument("--num-draft", type=num_draft, default=d.num_draft,
+                        help=f"draft tokens per step, at most 15 (default {d.num_draft})")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=None, help="generated tokens per request (default 128; 12 on the CPU)")
+    parser.add_argument("--prompt-len", type=positive_int, default=None, help="prompt tokens per request (default 64; 8 on the CPU)")
+    parser.add_argument("--drafter", choices=DRAFTERS, default=d.drafter,
+                        help="ngram (prompt lookup), oracle (set acceptance, see --acceptance) or the checkpoint's mtp head")
+    parser.add_argument("--acceptance", type=_probabilities, default=d.acceptance,
+                        help="oracle drafter: probabilities of keeping each draft token (default 0,0.5,0.8,0.95)")
+    parser.add_argument("--device", type=device_name, default=None, help="default cuda when available, else cpu")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="model dtype (default bf16 on CUDA, fp32 on the CPU)")
+    parser.add_argument("--backend", choices=BACKENDS, default=d.backend, help="op backend (auto: Triton on CUDA)")
+    parser.add_argument("--no-graphs", action="store_true", help="run the static steps eagerly on CUDA (no graphs)")
+    parser.add_argument("--repeats", type=positive_int, default=None, help="timed generations per configuration (default 3; 1 on the CPU)")
+    parser.add_argument("--seed", type=int, default=d.seed, help="seed of the random model and the prompts")
+    parser.add_argument("--json", type=output_path(".json"), default=None, help="write the rows here")
+    parser.add_argument("--plot", type=output_path(".png"), default=None, help="write a PNG of tokens/s against acceptance here")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def config_from_args(args):
+    device = args.device if args.device not in (None, "auto") else ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        cuda = torch.device(device).type == "cuda"
+    except (RuntimeError, TypeError):
+        cuda = False  # check() reports the bad device
+
+    def pick(value, gpu, cpu):
+        return value if value is not None else (gpu if cuda else cpu)
+
+    if args.random is not None and args.model is not None:
+        raise ValueError(f"--random {args.random} builds a model in process; it takes no --model")
+    model = None
+    if args.random is None:
+        from ..engine.loading import EMBEDDED
+
+        model = common.check_model("--model", args.model or EMBEDDED)  # "embedded": the checkpoint in the package
+    return E2EConfig(
+        model=model, random_model=args.random or "tiny", strategies=tuple(args.strategies),
+        plain=not args.no_plain, hf=not args.no_hf, batches=tuple(pick(args.batches, (1, 16, 64), (2,))),
+        num_draft=args.num_draft, max_new_tokens=pick(args.max_new_tokens, 128, 12),
+        prompt_len=pick(args.prompt_len, 64, 8), drafter=args.drafter, acceptance=tuple(args.acceptance),
+        device=device, dtype=pick(args.dtype, "bf16", "fp32"), backend=args.backend, graphs=not args.no_graphs,
+        repeats=pick(args.repeats, 3, 1), seed=args.seed,
+    )
+
+
+def check_args(args) -> None:
+    """Cross-option checks before any work (``cli`` turns the ValueError into one line)."""
+    config_from_args(args).check()
+
+
+def main(args) -> int:
+    from ..bench.e2e import plot_e2e, print_table, run_e2e
+
+    cfg = config_from_args(args)
+    result = run_e2e(cfg, progress=not args.quiet)
+    print_table(result)
+    common.write_outputs(result, args.json, None, "")
+    if args.plot is not None:
+        plot_e2e(result, args.plot)
+        print(f"wrote {args.plot}")
+    return 1 if result["mismatches"] else 0

@@ -1,0 +1,146 @@
+"""The Python API: ``replayssm.LLM`` on the shipped model (CPU), its outputs, its
+agreement with plain decoding, and its refusals; the stable surface of the package."""
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import replayssm
+from replayssm import LLM, SamplingParams
+from replayssm.testing.checkpoints import save_tiny_checkpoint
+
+PROMPTS = ["def read_config(path):\n", "class Stack:\n    def push(self, item):\n"]
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return LLM("embedded", drafter=None, max_num_seqs=2, max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    save_tiny_checkpoint(path, seed=int(torch.initial_seed() % 1000))
+    return path
+
+
+def test_the_stable_surface_resolves_and_import_stays_light():
+    for name in replayssm.__all__:
+        assert getattr(replayssm, name) is not None, name
+    assert set(replayssm.__all__) <= set(dir(replayssm))
+    code = "import sys, replayssm; print('transformers' in sys.modules, replayssm.__all__[0])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "LLM"]  # the engine (and transformers) load on first use
+    with pytest.raises(AttributeError):
+        replayssm.NoSuchThing  # noqa: B018
+
+
+def test_load_model_embedded():
+    model = replayssm.load_model("embedded", device="cpu")
+    assert model.config.vocab_size == len(replayssm.load_tokenizer("embedded"))
+
+
+@pytest.mark.parametrize("strategy", ["fold", "circular"])
+def test_speculative_generate_matches_plain_decoding(plain, strategy):
+    """Greedy: the exact strategy's tokens are plain decoding's one for one; circular's
+    agree to rounding, so at least their first tokens match. Per-prompt budgets hold."""
+    params = [SamplingParams(max_tokens=40, ignore_eos=True), SamplingParams(max_tokens=24, ignore_eos=True)]
+    ref = plain.generate(PROMPTS, params)
+    llm = LLM("embedded", strategy=strategy, drafter="mtp", num_draft=3, max_num_seqs=2, max_model_len=512)
+    out = llm.generate(PROMPTS, params)
+    assert [len(o.token_ids) for o in out] == [40, 24] and [o.finish_reason for o in out] == ["length"] * 2
+    for o, r, text in zip(out, ref, PROMPTS):
+        assert o.prompt == text and o.prompt_token_ids == llm.tokenizer.encode(text, add_special_tokens=False)
+        assert o.text == llm.tokenizer.decode(o.token_ids, skip_special_tokens=True)
+        if strategy == "fold":
+            assert o.token_ids == r.token_ids
+        else:
+            assert o.token_ids[:8] == r.token_ids[:8]
+        # the MTP head of the trained model is accepted often: more than one token a step
+        assert 1.0 < o.stats.tokens_per_step <= 4.0 and 0.0 < o.stats.acceptance_rate <= 1.0
+        assert o.stats.steps < len(o.token_ids) - 1
+        assert r.stats.tokens_per_step == 1.0 and r.stats.acceptance_rate is None
+
+
+def test_token_prompts_stop_tokens_and_sampling(plain):
+    ids = plain.tokenizer.encode(PROMPTS[0], add_special_tokens=False)
+    [greedy] = plain.generate([ids], SamplingParams(max_tokens=300))
+    assert greedy.prompt is None and greedy.prompt_token_ids == ids
+    eos = set(plain._eos)
+    if greedy.finish_reason == "stop":  # ended by an end-of-sequence token, which it keeps
+        assert greedy.token_ids[-1] in eos and len(greedy.token_ids) <= 300
+    else:
+        assert len(greedy.token_ids) == 300 and not eos & set(greedy.token_ids)
+    [sampled] = plain.generate(PROMPTS[0], SamplingParams(temperature=0.8, top_p=0.9, max_tokens=20, ignore_eos=True))
+    assert len(sampled.token_ids) == 20 and all(0 <= t < plain.engine.vocab_size for t in sampled.token_ids)
+    assert math.isclose(sampled.stats.tokens_per_step, 1.0)
+
+
+def test_more_prompts_than_slots(plain):
+    texts = [f"x = {i}\n" for i in range(5)]
+    out = plain.generate(texts, SamplingParams(max_tokens=6, ignore_eos=True))
+    assert [o.prompt for o in out] == texts and all(len(o.token_ids) == 6 for o in out)
+
+
+def test_bad_requests_raise_before_decoding(plain):
+    cases = [
+        (["ab\udcffc"], None, ValueError, "not UTF-8"),
+        ([""], None, ValueError, "encodes to no tokens"),
+        ([[1, 2, 10**6]], None, ValueError, "token ids in"),
+        ([], None, TypeError, "non-empty"),
+        (PROMPTS, SamplingParams(max_tokens=600), ValueError, "max_model_len 512"),
+        (PROMPTS, [SamplingParams()], TypeError, "list of 2"),
+    ]
+    for prompts, params, exc, text in cases:
+        with pytest.raises(exc, match=text):
+            plain.generate(prompts, params)
+    assert plain.engine.pool.num_free == plain.engine.pool.num_slots  # nothing was left allocated
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+
+
+def test_bad_construction_raises_before_loading(tiny, tmp_path):
+    cases = [
+        (dict(strategy="ring"), "strategy"),
+        (dict(drafter="oracle"), "drafter"),
+        (dict(num_draft=100), "at most 15"),
+        (dict(max_num_seqs=0), "max_num_seqs"),
+        (dict(drafter="mtp"), "no mtp"),
+        (dict(draft_model="embedded-draft"), "only used with drafter='model'"),
+        (dict(drafter="model"), "needs draft_model"),
+        (dict(max_model_len=10**6), "max_position_embeddings"),
+    ]
+    for kwargs, text in cases:
+        with pytest.raises(ValueError, match=text):
+            LLM(tiny, **kwargs)
+    broken = tmp_path / "noweights"
+    shutil.copytree(tiny, broken)
+    (broken / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match="holds no weights"):
+        LLM(broken)
+    with pytest.raises(ValueError, match="is a file"):
+        LLM(tiny / "config.json")
+    huge = tmp_path / "huge"
+    shutil.copytree(tiny, huge)
+    config = json.loads((huge / "config.json").read_text())
+    (huge / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2**50}))
+    with pytest.raises(ValueError, match=r"the KV cache .* needs .* GiB but cpu has .* GiB free"):
+        LLM(huge, max_model_len=2**40, device="cpu")
+
+
+def test_a_tiny_checkpoint_with_its_draft_model(tiny):
+    """The draft-model drafter (the eager loop, chunked by the engine's slots) on a
+    random checkpoint whose draft model is itself: every draft is accepted."""
+    llm = LLM(tiny, strategy="snapshot", drafter="model", draft_model=tiny, num_draft=2, max_num_seqs=2,
+              max_model_len=256)
+    out = llm.generate(["ab", "cd", "ef"], SamplingParams(max_tokens=12, ignore_eos=True))
+    ref = LLM(tiny, drafter=None, max_num_seqs=3, max_model_len=256).generate(
+        ["ab", "cd", "ef"], SamplingParams(max_tokens=12, ignore_eos=True))
+    assert [o.token_ids for o in out] == [r.token_ids for r in ref]
+    assert all(o.stats.acceptance_rate > 0.9 for o in out)  # the draft model is the target
+    assert "strategy='snapshot'" in repr(llm)
