@@ -244,7 +244,7 @@ def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
     """A 32-bit integer finalizer (xor-shift / multiply, C. Wellons' ``lowbias32``
-    constants) on int64 tensors holding values in ``[0, 2**32)``."""
+    constants) on int64 tensors, or Python ints, holding values in ``[0, 2**32)``."""
     x = x ^ (x >> 16)
     x = _mul32(x, 0x7FEB352D)
     x = x ^ (x >> 15)
