@@ -15,6 +15,9 @@ Claims (tiny random Qwen3.5 and Qwen3-Next models, bf16 unless said):
   and at P = 0 none.
 * Sampling (rejection of deterministic drafts) runs inside the graph and emits valid
   tokens.
+* The forced drafter (a seeded draw sets the accepted counts) gives the same counts in
+  graph replays as eagerly, for every strategy alike, and the replays' tokens equal the
+  eager steps'.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import pytest
 import torch
 
 from replayssm.engine.adapter import HybridEngine
-from replayssm.engine.device_drafters import DeviceNgramDrafter, OracleDrafter
+from replayssm.engine.device_drafters import DeviceNgramDrafter, ForcedDrafter, OracleDrafter
 from replayssm.engine.generator import StepGenerator
 from replayssm.engine.sampling import SamplingParams
 from replayssm.engine.random_model import build_tiny_model
@@ -100,6 +103,25 @@ def test_oracle_acceptance_extremes():
             assert sum(n == expect for n in lengths) >= len(lengths) - len(prompts)
         else:
             assert all(n == 1 for n in lengths)
+
+
+def test_forced_counts_in_the_graph_equal_eager_for_every_strategy():
+    model = build_tiny_model("qwen3_5", seed=10, dtype=torch.bfloat16, device="cuda")
+    prompts, budgets = _prompts(4, 10), _budgets(4, 10)
+    lengths = {}
+    for strategy in STRATEGY_NAMES:
+        runs = {}
+        for graphs in (False, True):
+            drafter = ForcedDrafter(0.7, model.config.vocab_size, seed=11)
+            runs[graphs] = StepGenerator(_engine(model, strategy, K + 1), drafter, num_draft=K,
+                                         graphs=graphs).generate(prompts, budgets)
+        assert runs[True].accept_lengths == runs[False].accept_lengths, strategy
+        assert runs[True].tokens == runs[False].tokens, f"{strategy}: graph replay differs from the eager steps"
+        lengths[strategy] = runs[True].accept_lengths
+        print(f"\n  forced P=0.7 {strategy}: {runs[True].steps} steps, accept length {runs[True].mean_accept_length:.2f}")
+    assert len({tuple(v) for v in lengths.values()}) == 1, "strategies saw different accepted counts"
+    # 1 + 0.7 + 0.49 + 0.343 = 2.53 tokens per step, less where budgets cut the last window
+    assert 2.2 < sum(lengths["fold"]) / len(lengths["fold"]) < 2.8
 
 
 def test_sampling_in_the_graph_emits_valid_tokens():

@@ -479,7 +479,9 @@ def plan_steps_per_block(est_us_per_step: float, cycle: int, copies: int, *, tar
 
 def environment(device: torch.device, backend: str) -> dict:
     """What a result depends on besides its config: Python, torch, Triton and
-    transformers versions, the device (and its name on CUDA), the resolved backend."""
+    transformers versions (and those of fla-core and causal-conv1d, whose kernels
+    Hugging Face's GDN layers run when installed), the device (and its name on CUDA),
+    the resolved backend."""
     import platform
 
     from ..ops.dispatch import resolve
@@ -488,9 +490,9 @@ def environment(device: torch.device, backend: str) -> dict:
            "backend": resolve(backend, device)}
     if device.type == "cuda":
         env["device_name"] = torch.cuda.get_device_name(device)
-    for name in ("triton", "transformers"):
+    for name in ("triton", "transformers", "fla", "causal_conv1d"):
         try:
-            env[name] = __import__(name).__version__
+            env[name] = getattr(__import__(name), "__version__", "installed")
         except ImportError:
             env[name] = None
     return env

@@ -7,7 +7,7 @@ import argparse
 
 import torch
 
-from ..bench.e2e import DRAFTERS, DTYPES, RANDOM_MODELS, E2EConfig
+from ..bench.e2e import DRAFTERS, DTYPES, HF_CACHES, RANDOM_MODELS, E2EConfig
 from ..ops.dispatch import BACKENDS
 from ..strategies import STRATEGY_NAMES
 from . import common
@@ -35,16 +35,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strategies", type=name_list(STRATEGY_NAMES, allow_none=True), default=STRATEGY_NAMES,
                         help="comma-separated, or 'none' (default all three)")
     parser.add_argument("--no-plain", action="store_true", help="skip our plain decoding")
-    parser.add_argument("--no-hf", action="store_true", help="skip the Hugging Face generate baseline")
+    parser.add_argument("--hf", type=name_list(tuple(HF_CACHES), allow_none=True), default=d.hf,
+                        help="Hugging Face generate baselines: dynamic (its default cache) and/or static "
+                             "(cache_implementation='static'), comma-separated, or 'none' (default both)")
+    parser.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baselines (= --hf none)")
+    parser.add_argument("--hf-max-batch", type=positive_int, default=None,
+                        help="time the Hugging Face baselines only at batches up to this (default all)")
     parser.add_argument("--batches", type=int_list, default=None, help="batch sizes (default 1,16,64 on CUDA, 2 on the CPU)")
     parser.add_argument("--num-draft", type=num_draft, default=d.num_draft,
                         help=f"draft tokens per step, at most 15 (default {d.num_draft})")
     parser.add_argument("--max-new-tokens", type=positive_int, default=None, help="generated tokens per request (default 128; 12 on the CPU)")
     parser.add_argument("--prompt-len", type=positive_int, default=None, help="prompt tokens per request (default 64; 8 on the CPU)")
     parser.add_argument("--drafter", choices=DRAFTERS, default=d.drafter,
-                        help="ngram (prompt lookup), oracle (set acceptance, see --acceptance) or the checkpoint's mtp head")
+                        help="ngram (prompt lookup), oracle (set acceptance on the strategy's own tokens), forced "
+                             "(a seeded draw sets how many drafts each step accepts, whatever the numerics; a "
+                             "benchmark of step cost) or the checkpoint's mtp head")
     parser.add_argument("--acceptance", type=_probabilities, default=d.acceptance,
-                        help="oracle drafter: probabilities of keeping each draft token (default 0,0.5,0.8,0.95)")
+                        help="oracle and forced drafters: probabilities of accepting each draft token after an "
+                             "accepted one, one run per value (default 0,0.5,0.8,0.95)")
     parser.add_argument("--device", type=device_name, default=None, help="default cuda when available, else cpu")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="model dtype (default bf16 on CUDA, fp32 on the CPU)")
     parser.add_argument("--backend", choices=BACKENDS, default=d.backend, help="op backend (auto: Triton on CUDA)")
@@ -75,7 +83,8 @@ def config_from_args(args):
         model = common.check_model("--model", args.model or EMBEDDED)  # "embedded": the checkpoint in the package
     return E2EConfig(
         model=model, random_model=args.random or "tiny", strategies=tuple(args.strategies),
-        plain=not args.no_plain, hf=not args.no_hf, batches=tuple(pick(args.batches, (1, 16, 64), (2,))),
+        plain=not args.no_plain, hf=() if args.no_hf else tuple(args.hf), hf_max_batch=args.hf_max_batch,
+        batches=tuple(pick(args.batches, (1, 16, 64), (2,))),
         num_draft=args.num_draft, max_new_tokens=pick(args.max_new_tokens, 128, 12),
         prompt_len=pick(args.prompt_len, 64, 8), drafter=args.drafter, acceptance=tuple(args.acceptance),
         device=device, dtype=pick(args.dtype, "bf16", "fp32"), backend=args.backend, graphs=not args.no_graphs,
@@ -91,8 +100,12 @@ def check_args(args) -> None:
 def main(args) -> int:
     from ..bench.e2e import plot_e2e, print_table, run_e2e
 
+    from ..progress import write_json
+
     cfg = config_from_args(args)
-    result = run_e2e(cfg, progress=not args.quiet)
+    # A run stopped at a time limit keeps its finished batches (marked "complete": false).
+    partial = None if args.json is None else (lambda r: write_json(args.json, r))
+    result = run_e2e(cfg, progress=not args.quiet, on_batch=partial)
     print_table(result)
     common.write_outputs(result, args.json, None, "")
     if args.plot is not None:

@@ -9,8 +9,8 @@
 * :class:`StepGenerator` (``generator``, ``graph_step``): continuous batching over
   static-shape steps, one CUDA graph replay per step on a GPU (forward, acceptance,
   commit and the next drafts on the device); drafters that run inside the step:
-  :class:`DeviceNgramDrafter`, :class:`DeviceMTPDrafter`, :class:`OracleDrafter`
-  (``device_drafters``).
+  :class:`DeviceNgramDrafter`, :class:`DeviceMTPDrafter`, and for benchmarks
+  :class:`OracleDrafter` and :class:`ForcedDrafter` (``device_drafters``).
 * :class:`SpeculativeGenerator` (``generator``): the eager decoding loop (host-side
   drafters, the draft model), with greedy acceptance or distribution-preserving
   rejection sampling (``sampling``).
@@ -30,7 +30,7 @@ Example::
 """
 
 from .adapter import HybridEngine, StepOutput
-from .device_drafters import DeviceDrafter, DeviceMTPDrafter, DeviceNgramDrafter, OracleDrafter
+from .device_drafters import DeviceDrafter, DeviceMTPDrafter, DeviceNgramDrafter, ForcedDrafter, OracleDrafter
 from .drafters import Draft, Drafter, MTPDrafter, MTPHead, ModelDrafter, NgramDrafter, load_mtp_head
 from .generator import GenerationResult, SpeculativeGenerator, StepGenerator
 from .kv_cache import KVCache
@@ -42,6 +42,7 @@ __all__ = [
     "DeviceNgramDrafter",
     "Draft",
     "Drafter",
+    "ForcedDrafter",
     "GenerationResult",
     "HybridEngine",
     "KVCache",

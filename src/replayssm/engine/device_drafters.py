@@ -11,9 +11,13 @@ padding rows write to) and offers:
   ``emitted [B, T]`` (``-1`` past ``accepted [B]``).
 * ``propose(slot_idx) -> [B, k]`` (graph-safe): ``k = window - 1`` draft tokens per row.
 
-Two drafters: :class:`DeviceNgramDrafter` (prompt lookup as tensor ops, the same
-proposals as :class:`replayssm.engine.drafters.NgramDrafter` whenever that finds a
-match) and :class:`OracleDrafter` (a set acceptance rate on any model, for benchmarks).
+Drafters: :class:`DeviceNgramDrafter` (prompt lookup as tensor ops, the same proposals
+as :class:`replayssm.engine.drafters.NgramDrafter` whenever that finds a match),
+:class:`DeviceMTPDrafter` (the checkpoint's MTP head), and two for benchmarks:
+:class:`OracleDrafter` (a set acceptance rate on any model whose greedy tokens
+reproduce a reference run) and :class:`ForcedDrafter` (a set acceptance on any model
+and any numerics: the step accepts a seeded random number of drafts instead of
+comparing them with the target's tokens, see :meth:`DeviceDrafter.forced_accepts`).
 Draft tokens are always ``k`` per row: where a drafter has nothing to propose it repeats
 the last token, which greedy acceptance treats like any other guess.
 """
@@ -61,6 +65,38 @@ class DeviceDrafter:
         """``[B, k, V]`` probabilities the current drafts were sampled from, or ``None``
         when they are deterministic (rejection sampling then takes ``q = onehot``)."""
         return None
+
+    #: whether :meth:`forced_accepts` overrides the step's acceptance (greedy steps only)
+    forces_acceptance = False
+
+    def forced_accepts(self, slot_idx: torch.Tensor) -> torch.Tensor | None:
+        """``[B]`` int64 drafts the step must accept for the current windows (graph-safe),
+        or ``None``: the target's tokens decide (every real drafter). Called before
+        :meth:`observe` of the same step."""
+        return None
+
+    def check_sampling(self, sampling) -> None:
+        """``ValueError`` when this drafter cannot serve steps that decode with
+        ``sampling`` (a :class:`~replayssm.engine.sampling.SamplingParams`)."""
+        if self.forces_acceptance and not sampling.greedy:
+            raise ValueError(f"the {self.name!r} drafter sets the accepted counts of greedy steps; sampling needs "
+                             "a drafter whose tokens the target verifies")
+
+
+class _SetAcceptance:
+    """A benchmark drafter's acceptance ``P``, kept on the device as well (``_p``, once
+    bound) so that steps captured in CUDA graphs follow a change."""
+
+    _p: torch.Tensor | None = None
+
+    def set_acceptance(self, acceptance: float) -> None:
+        """Change ``P``; steps already captured in CUDA graphs follow (they read it on the
+        device), so one set of graphs serves every acceptance."""
+        if isinstance(acceptance, bool) or not isinstance(acceptance, (int, float)) or not 0 <= acceptance <= 1:
+            raise ValueError(f"acceptance must be a number in [0, 1], got {acceptance!r}")
+        self.acceptance = float(acceptance)
+        if self._p is not None:
+            self._p.fill_(self.acceptance)
 
 
 class DeviceNgramDrafter(DeviceDrafter):
@@ -129,7 +165,7 @@ class DeviceNgramDrafter(DeviceDrafter):
         return seq.gather(1, src)
 
 
-class OracleDrafter(DeviceDrafter):
+class OracleDrafter(_SetAcceptance, DeviceDrafter):
     """Drafts with a set acceptance rate: each draft token is the reference greedy
     continuation's token with probability ``acceptance``, else a token that differs from
     it. On a model that reproduces the reference (greedy decoding of the same model),
@@ -151,20 +187,10 @@ class OracleDrafter(DeviceDrafter):
                  vocab_size: int, seed: int = 0):
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 2:
             raise ValueError(f"vocab_size must be an int >= 2, got {vocab_size!r}")
-        self._p = None  # the device copy, which captured steps read (see set_acceptance)
         self.set_acceptance(acceptance)
         self.vocab_size = vocab_size
         self.seed = seed
         self.set_references(references)
-
-    def set_acceptance(self, acceptance: float) -> None:
-        """Change ``P``; steps already captured in CUDA graphs follow (they read it on the
-        device), so one set of graphs serves every acceptance."""
-        if isinstance(acceptance, bool) or not isinstance(acceptance, (int, float)) or not 0 <= acceptance <= 1:
-            raise ValueError(f"acceptance must be a number in [0, 1], got {acceptance!r}")
-        self.acceptance = float(acceptance)
-        if self._p is not None:
-            self._p.fill_(self.acceptance)
 
     def set_references(self, references: dict[int, Sequence[int]] | Sequence[Sequence[int]]) -> None:
         """Replace the reference continuations (per request index) for later requests."""
@@ -205,6 +231,106 @@ class OracleDrafter(DeviceDrafter):
         keep = torch.rand((b, self.k), device=dev, generator=self.generator) < self._p
         shift = torch.randint(1, self.vocab_size, (b, self.k), device=dev, generator=self.generator)
         return torch.where(keep, right, (right + shift) % self.vocab_size)
+
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``x * c mod 2**32`` for int64 ``x`` in ``[0, 2**32)``, with no intermediate at or
+    above ``2**63`` (signed overflow): the constant is split into 16-bit halves."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _MASK32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finalizer (xor-shift / multiply, C. Wellons' ``lowbias32``
+    constants) on int64 tensors, or Python ints, holding values in ``[0, 2**32)``."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def counter_hash(seed: int, *counters: torch.Tensor) -> torch.Tensor:
+    """A counter-based random number: 32 uniform bits (int64 in ``[0, 2**32)``) per
+    element of the broadcast ``counters`` (non-negative int64), a pure function of
+    ``(seed, counters...)``. Elementwise integer ops only: identical on every device,
+    in eager steps and in CUDA graph replays, and independent of batch layout."""
+    h = _mix32(seed & _MASK32)  # a Python int: the same operators serve ints and tensors
+    for c in counters:
+        h = _mix32((c & _MASK32) ^ h)
+    return h
+
+
+class ForcedDrafter(_SetAcceptance, DeviceDrafter):
+    """A benchmark drafter whose acceptance does not depend on the model: the step
+    accepts a seeded random number of its drafts (:meth:`forced_accepts`) instead of
+    comparing them with the target's greedy tokens, so every strategy, whatever its
+    numerics, runs the same accepted counts and commits them through the same path.
+
+    Per step, draft ``i`` (0-based) is accepted when drafts ``0..i-1`` were and an
+    independent coin with probability ``P`` comes up: accepted drafts ``n`` follow the
+    truncated geometric law ``P(n = j) = P^j (1 - P)`` for ``j < k``, ``P(n = k) = P^k``.
+    The coins are :func:`counter_hash` of ``(seed, request, the request's step, i)``:
+    the same for a request whatever its slot, batch or strategy, on the CPU and on CUDA
+    (no generator state, nothing read on the host). The drafts themselves are
+    pseudo-random tokens from the same hash (varied tokens, as real text routes to
+    varied MoE experts); the step emits the accepted drafts and then the target's
+    greedy token at the first rejected position (or after the last draft), so the text
+    is the drafts' and the target's, not the model's own greedy continuation.
+
+    Greedy steps only; requests should not stop on end-of-sequence tokens (a drafted
+    one would end a request early, and differently per strategy where the target's
+    tokens differ).
+
+    Args:
+        acceptance: ``P``, the probability of accepting each draft after an accepted one.
+        vocab_size: the target's vocabulary (drafts are drawn from it).
+        seed: seed of the draws (and of the drafts).
+    """
+
+    name = "forced"
+    forces_acceptance = True
+
+    def __init__(self, acceptance: float, vocab_size: int, seed: int = 0):
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+            raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        self.set_acceptance(acceptance)
+        self.vocab_size = vocab_size
+        self.seed = seed
+
+    def bind(self, num_slots, num_draft, capacity, device):
+        self.k = num_draft
+        self._device = device
+        self.request = torch.zeros(num_slots + 1, dtype=torch.int64, device=device)  # request index per slot
+        self.step = torch.zeros(num_slots + 1, dtype=torch.int64, device=device)  # the request's steps so far
+        self._p = torch.full((), self.acceptance, dtype=torch.float32, device=device)
+        # counter 0..k-1: the acceptance coins of drafts 0..k-1; k..2k-1: the drafts' tokens
+        self._index = torch.arange(2 * num_draft, dtype=torch.int64, device=device)
+
+    def _bits(self, slot_idx: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """``[B, len(index)]`` hash bits of each row's ``(request, step, index)``."""
+        return counter_hash(self.seed, self.request[slot_idx][:, None], self.step[slot_idx][:, None], index[None])
+
+    def start(self, slot, tokens, request):
+        if isinstance(request, bool) or not isinstance(request, int) or request < 0:
+            raise ValueError(f"request must be a non-negative int, got {request!r}")
+        self.request[slot] = request
+        self.step[slot] = 0
+
+    def observe(self, slot_idx, emitted, accepted, *, hidden=None, positions=None):
+        self.step[slot_idx] = self.step[slot_idx] + 1
+
+    def propose(self, slot_idx):
+        return self._bits(slot_idx, self._index[self.k:]) % self.vocab_size
+
+    def forced_accepts(self, slot_idx):
+        # 24 uniform bits as a float32 in [0, 1), exactly; u < P has probability P
+        u = (self._bits(slot_idx, self._index[: self.k]) >> 8).to(torch.float32) * 2.0**-24
+        return (u < self._p).long().cumprod(1).sum(1)
 
 
 class DeviceMTPDrafter(DeviceDrafter):

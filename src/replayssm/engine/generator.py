@@ -370,6 +370,8 @@ class StepGenerator:
         from .device_drafters import DeviceDrafter
 
         check_generator_args(engine, drafter, DeviceDrafter, sampling, num_draft)
+        if drafter is not None:
+            drafter.check_sampling(sampling)
         graphs = engine.device.type == "cuda" if graphs is None else bool(graphs)
         if graphs and engine.device.type != "cuda":
             raise ValueError("graphs=True needs a CUDA engine")

@@ -10,7 +10,8 @@ host:
 2. the model forward (:meth:`HybridEngine.forward_static`: embeddings, every layer with
    GDN through the pool's strategy, attention over the slot cache, MLP or MoE, final
    norm, LM head);
-3. acceptance (greedy, or rejection sampling of deterministic drafts);
+3. acceptance (greedy, or rejection sampling of deterministic drafts; a benchmark
+   drafter may impose the accepted counts instead, :meth:`DeviceDrafter.forced_accepts`);
 4. the strategy's commit (GDN state, conv state) with the accepted counts, and the KV
    lengths advanced by them (plain decoding advanced the state in step 2);
 5. the drafter's update and its proposal of the next window, written back per slot;
@@ -55,6 +56,8 @@ class StaticStep:
             raise ValueError(f"a window of {t} tokens needs {'a' if t > 1 else 'no'} drafter")
         if t > engine.window:
             raise ValueError(f"window {t} exceeds the engine's window {engine.window}")
+        if drafter is not None:
+            drafter.check_sampling(sampling)
         if graph and engine.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA engine")
         self.engine, self.windows, self.drafter, self.sampling = engine, windows, drafter, sampling
@@ -107,7 +110,10 @@ class StaticStep:
         positions = starts[:, None] + self._steps
         logits, hidden = eng.forward_static(ids, positions, self.slot_idx, self.batch, verify=verify)
         logits = logits.view(self.rows, t, -1)
-        if self.sampling.greedy:
+        forced = self.drafter.forced_accepts(self.slot_idx) if verify else None
+        if forced is not None:  # a benchmark drafter sets the count; the target gives the next token
+            n, nxt = forced, logits.argmax(-1).gather(1, forced[:, None])[:, 0]
+        elif self.sampling.greedy:
             n, nxt = accept_greedy_static(logits, ids)
         else:
             n, nxt = accept_sampled_static(logits, ids, self.sampling, q=q)
