@@ -21,9 +21,14 @@ import sys
 
 import torch
 
-from replayssm.bench import common
-from replayssm.cli.args import int_list, output_path, positive_int
 import contextlib
+
+from replayssm.bench import common
+
+try:
+    from replayssm.cli.args import int_list, output_path, positive_int
+except ImportError:  # an older tree, for a before-and-after run
+    from replayssm.bench.args import int_list, output_path, positive_int
 
 from replayssm.ops import chunked, fold, gdn_fold, gdn_recurrence, recurrent, tuning
 from replayssm.ops.records import RawRecords

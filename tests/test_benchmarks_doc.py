@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 DOC = ROOT / "BENCHMARKS.md"
 # a result file's name as the document writes it: letters, digits, _, -, {alternatives}, *
-NAME = re.compile(r"[A-Za-z0-9_*{},-]+\.(?:json|log|png|\{[a-z,]+\})")
+NAME = re.compile(r"[A-Za-z0-9_*{},-]+\.(?:json|log|png|md|\{[a-z,]+\})")
 
 
 def expand(pattern: str) -> list[str]:

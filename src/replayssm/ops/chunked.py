@@ -85,8 +85,8 @@ def window_closed_form(S_k, S_q, q_hat, k_hat, v, g, beta):
     return U, o
 
 
-#: Ways to compute a window (the Triton op's ``method``): ``"closed_form"`` (flush
-#: launch, products, window solve: DESIGN.md section 2) and ``"replay"`` (one launch:
+#: Ways to compute a window (the Triton op's ``method``): ``"closed_form"`` (flush,
+#: coefficients, outputs: DESIGN.md section 2) and ``"replay"`` (one launch:
 #: the committed history and then the window stepped through the exact recurrence, for
 #: small batches). Both fold a flush row's history into the same checkpoint, bit for bit.
 METHODS = ("closed_form", "replay")
