@@ -27,7 +27,7 @@ import os
 
 import torch
 
-from . import _checks, tuning
+from . import _checks, guards, tuning
 from .dispatch import pick, register
 from .gates import expand_heads, l2_normalize
 from .fold import replay_records
@@ -758,6 +758,8 @@ def gdn_chunked_window_triton(
     It reads the history's raw records, the closed form the history's ``u``: the two
     agree when ``ring_u`` holds the records' deltas, as every verify leaves it.
     """
+    # Index values (slots, cu_seqlens, cursors) checked as the reference does: ops/guards.py.
+    slots, cu_seqlens = guards.check_window_call(q, checkpoint, ring, slots, cu_seqlens, write_pos, cache_base, max_len)
     check_method(method)
     if max_len is None:
         raise ValueError("max_len is required by the triton backend: pass the pool's window")

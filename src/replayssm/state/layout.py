@@ -66,13 +66,18 @@ class GDNShape:
 
 @dataclass(frozen=True)
 class BufferSpec:
-    """A buffer a strategy asks the pool for.
+    """A buffer of a pool: what the pool allocates, or what a caller's tensor must be.
 
     ``shape`` excludes the leading ``[num_layers, num_slots]`` (``per_layer``) or
     ``[num_slots]`` axes. ``fill`` is the initial value; float scratch starts as NaN so
     that a read of a never-written entry cannot go unnoticed. ``committed``: whether the
     buffer holds committed state between steps (saved and restored by
     ``Strategy.save_states``) or only a step's scratch.
+
+    Layout of a caller's tensor: ``packed`` is how many trailing axes of the full tensor
+    must be packed (row-major without gaps, the last of stride 1); every axis before
+    them may have any (nonzero) stride, e.g. the layer and slot strides of an engine
+    that interleaves layers or pages. ``why`` says which kernels need the packing.
     """
 
     shape: tuple[int, ...]
@@ -80,3 +85,21 @@ class BufferSpec:
     per_layer: bool = True
     fill: float = float("nan")
     committed: bool = True
+    packed: int = 0
+    why: str = ""
+
+    def full_shape(self, num_layers: int, num_slots: int) -> tuple[int, ...]:
+        """The shape of the whole buffer, leading axes included."""
+        return ((num_layers, num_slots) if self.per_layer else (num_slots,)) + tuple(self.shape)
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """What a strategy's buffers depend on (``Strategy.buffer_specs`` receives this, or
+    the pool itself, which has the same attributes)."""
+
+    shape: GDNShape
+    window: int
+    ring_len: int
+    state_dtype: torch.dtype
+    act_dtype: torch.dtype
