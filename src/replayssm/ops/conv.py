@@ -299,9 +299,12 @@ def causal_conv_verify_triton(
     if batch == 0 or c == 0:
         return y
     t = window_bound(max_len, buf_len)
+    given = slots
     slots, cu_seqlens = guards.check_indices(
         slots, cu_seqlens, num_slots=ns, num_tokens=n, max_len=min(b for b in (max_len, buf_len) if b),
     )
+    if slots is not given:
+        y.zero_()  # rewritten on the device: rows made padding zero only what they cover
     bc = min(CONV_BLOCK, triton.next_power_of_2(c))
     wbuf_strides = window_buf.stride() if window_buf is not None else (0, 0, 0)
     _conv_verify_kernel[(triton.cdiv(c, bc), batch)](

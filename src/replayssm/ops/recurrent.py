@@ -433,9 +433,12 @@ def gdn_recurrence_triton(
     if batch == 0:
         return o
     t = window_bound(max_len, snap_len, ring_len)
+    given = slots
     slots, cu_seqlens = guards.check_indices(
         slots, cu_seqlens, num_slots=num_slots, num_tokens=n, max_len=min(b for b in (max_len, snap_len, ring_len) if b),
     )
+    if slots is not given:
+        o.zero_()  # rewritten on the device: rows made padding zero only what they cover
     bk = exact_block_k(kd)
     bv = pick_block_v(kd, vd, batch, hv, state.dtype, q.device, read_only=snapshots is None and not update_state)
     dummy = o  # stands in for absent optional buffers; never dereferenced
