@@ -63,6 +63,31 @@ class GDNShape:
     def state_numel(self) -> int:
         return self.num_value_heads * self.head_v_dim * self.head_k_dim
 
+    def tp_shard(self, world_size: int) -> "GDNShape":
+        """The geometry one rank of ``world_size``-way tensor parallelism holds: ``H /
+        world_size`` key heads and ``HV / world_size`` value heads (DESIGN.md section 8).
+        A sharded pool is a pool of this smaller shape; nothing else changes."""
+        if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+            raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+        if self.num_heads % world_size:
+            raise ValueError(f"{self.num_heads} key heads do not split over {world_size} ranks")
+        return GDNShape(self.num_heads // world_size, self.num_value_heads // world_size, self.head_k_dim,
+                        self.head_v_dim, self.conv_kernel)
+
+    def tp_conv_channels(self, rank: int, world_size: int) -> list[int]:
+        """Which of the ``q|k|v`` conv channels rank ``rank`` holds, in its own order:
+        its key heads' slice of the ``q`` block, the same slice of the ``k`` block, then
+        its value heads' slice of the ``v`` block (the conv is depthwise, so a shard's
+        channels, taps and bias are those rows)."""
+        part = self.tp_shard(world_size)
+        if not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
+        qk = part.num_heads * self.head_k_dim
+        vv = part.num_value_heads * self.head_v_dim
+        key = self.num_heads * self.head_k_dim
+        return ([*range(rank * qk, (rank + 1) * qk)] + [*range(key + rank * qk, key + (rank + 1) * qk)]
+                + [*range(2 * key + rank * vv, 2 * key + (rank + 1) * vv)])
+
 
 @dataclass(frozen=True)
 class BufferSpec:
