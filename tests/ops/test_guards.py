@@ -37,7 +37,7 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 if DEVICE.type == "cpu" and not triton_common.INTERPRETER:
     pytest.skip("CPU run without TRITON_INTERPRET=1 at import time", allow_module_level=True)
 
-H, HV, K, V, NS = 1, 2, 8, 8, 3
+H, HV, K, V, NS = 1, 2, 16, 8, 3
 I32 = dict(dtype=torch.int32, device=DEVICE)
 
 

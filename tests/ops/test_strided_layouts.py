@@ -53,7 +53,7 @@ def test_conv_on_a_transposed_state_and_a_strided_window_buffer():
 
 
 def test_recurrence_and_snapshot_commit_with_a_slot_stride():
-    h, hv, kd, vd = 1, 2, 8, 8
+    h, hv, kd, vd = 1, 2, 16, 8
     slots = torch.tensor([3, 1], dtype=torch.int32, device=DEVICE)
     cu = torch.tensor([0, 2, 5], dtype=torch.int32, device=DEVICE)
     x = rand_layer(5, h, hv, kd, vd, device=DEVICE)
@@ -69,4 +69,4 @@ def test_recurrence_and_snapshot_commit_with_a_slot_stride():
     snapshot_commit(st_p[None], sn_p[None], slots, accepted, backend="triton")
     assert torch.equal(st_s, st_p) and torch.equal(st_s[1], sn_p[1, 2])
     with pytest.raises(ValueError, match="state must be packed over its last 3 axes"):
-        gdn_recurrence(*args(x), state.transpose(2, 3), slots, cu, max_len=T, backend="triton")
+        gdn_recurrence(*args(x), state.transpose(2, 3).contiguous().transpose(2, 3), slots, cu, max_len=T, backend="triton")

@@ -36,11 +36,11 @@ if DEVICE.type == "cpu" and not triton_common.INTERPRETER:
     pytest.skip("CPU run without TRITON_INTERPRET=1 at import time", allow_module_level=True)
 
 NL, SLOTS, T, STEPS = 2, 5, 3, 2
-SHAPE = GDNShape(num_heads=2, num_value_heads=2, head_k_dim=8, head_v_dim=8)
+SHAPE = GDNShape(num_heads=2, num_value_heads=2, head_k_dim=16, head_v_dim=8)
 ROWS = [3, -1, 1]  # SGLang's mamba cache indices of the step's requests (-1: padding)
-# fp32 kernels against float64 over a few steps of O(1) values: ~1e-6; a wrong slot,
-# head, position or stride is off by O(0.1).
-TOL = dict(rtol=2e-5, atol=2e-5)
+# fp32 kernels against float64 over a few steps of O(1) values: ~1e-6 (the compiled
+# kernels' exp/log are a few ulp off); a wrong slot, head, position or stride is off by O(0.1).
+TOL = dict(rtol=1e-4, atol=1e-4)
 
 
 def sglang_tensors(layout: str):
