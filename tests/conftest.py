@@ -28,3 +28,13 @@ def _seed(request):
     import zlib
 
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture
+def clear_error_words():
+    """Start and end with no error flagged by the kernels' device-side index guards."""
+    from replayssm.ops import guards
+
+    guards.clear_errors()
+    yield
+    guards.clear_errors()

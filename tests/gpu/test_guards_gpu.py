@@ -21,17 +21,10 @@ import torch
 from replayssm.ops import gdn_recurrence, guards
 from replayssm.state import GDNShape, StatePool
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("clear_error_words")]
 
 DEV = torch.device("cuda")
 H, HV, K, V, NS, T = 2, 4, 64, 64, 4, 3
-
-
-@pytest.fixture(autouse=True)
-def _clean_error_word():
-    guards.error_word(DEV).zero_()
-    yield
-    guards.error_word(DEV).zero_()
 
 
 def layer(n):

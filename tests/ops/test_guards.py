@@ -37,19 +37,14 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 if DEVICE.type == "cpu" and not triton_common.INTERPRETER:
     pytest.skip("CPU run without TRITON_INTERPRET=1 at import time", allow_module_level=True)
 
+pytestmark = pytest.mark.usefixtures("clear_error_words")
+
 H, HV, K, V, NS = 1, 2, 16, 8, 3
 I32 = dict(dtype=torch.int32, device=DEVICE)
 
 
 def idx(*values):
     return torch.tensor(values, **I32)
-
-
-@pytest.fixture(autouse=True)
-def _clean_error_word():
-    guards.error_word(DEVICE).zero_()
-    yield
-    guards.error_word(DEVICE).zero_()
 
 
 def layer(n):

@@ -151,6 +151,13 @@ def check_errors(device=None, *, wait: bool = True) -> None:
             raise DeviceCheckError(describe(bits))
 
 
+def clear_errors(device=None) -> None:
+    """Forget what device-side guards flagged (``None``: on every device), without
+    raising: after an error was handled, or between tests."""
+    for word in [_word(device)] if device is not None else list(_WORDS.values()):
+        word.clear()
+
+
 # ---------------------------------------------------------------------------- modes
 _FORCED = [False]
 
@@ -253,7 +260,13 @@ def mark_maintained(*tensors: torch.Tensor) -> None:
     ``write_pos`` / ``cache_base``: reset to 0 and advanced by clamped counts), so the
     chunked verify does not read them back to check them."""
     for x in tensors:
-        _MAINTAINED[id(x)] = weakref.ref(x)
+        key = id(x)
+
+        def forget(ref, key=key):
+            if _MAINTAINED.get(key) is ref:
+                del _MAINTAINED[key]
+
+        _MAINTAINED[key] = weakref.ref(x, forget)
 
 
 def _maintained(x: torch.Tensor) -> bool:
