@@ -175,8 +175,9 @@ def test_device_guard_of_cursors_liveness_and_accepted():
     that is not live, and accepted counts outside the windows."""
     slots, cu = idx(0, 1, 2), idx(0, 2, 4, 5)
     wp, base = idx(0, 7, 0), idx(0, 0, -1)
-    safe, safe_cu = guards.sanitize_window(slots, cu, num_slots=NS, num_tokens=5, max_len=4,
-                                           cursors=(wp, base, 8), live_mask=torch.tensor([True, True, False], device=DEVICE))
+    live_mask = torch.tensor([True, True, False], device=DEVICE)
+    safe, safe_cu = guards.sanitize_window(slots, cu, num_slots=NS, num_tokens=5, max_len=4, cursors=(wp, base, 8),
+                                           live_mask=live_mask)
     assert safe.tolist() == [0, -1, -1] and torch.equal(safe_cu, cu)
     with pytest.raises(guards.DeviceCheckError, match="cursors.*not allocated"):
         guards.check_errors(DEVICE)

@@ -69,4 +69,5 @@ def test_recurrence_and_snapshot_commit_with_a_slot_stride():
     snapshot_commit(st_p[None], sn_p[None], slots, accepted, backend="triton")
     assert torch.equal(st_s, st_p) and torch.equal(st_s[1], sn_p[1, 2])
     with pytest.raises(ValueError, match="state must be packed over its last 3 axes"):
-        gdn_recurrence(*args(x), state.transpose(2, 3).contiguous().transpose(2, 3), slots, cu, max_len=T, backend="triton")
+        unpacked = state.transpose(2, 3).contiguous().transpose(2, 3)  # same shape, [K, V] storage
+        gdn_recurrence(*args(x), unpacked, slots, cu, max_len=T, backend="triton")

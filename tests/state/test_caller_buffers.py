@@ -121,7 +121,8 @@ def test_buffer_specs_list_every_buffer_with_its_layout():
     assert fold["checkpoints"].full_shape(LAYERS, SLOTS) == (LAYERS, SLOTS, 4, 4, 8)
     assert fold["ring_k"].full_shape(LAYERS, SLOTS) == (LAYERS, SLOTS, WINDOW, 2, 8)
     assert fold["ring_g"].dtype == torch.float32 and fold["ring_k"].dtype == torch.bfloat16
-    assert (fold["checkpoints"].packed, fold["conv_state"].packed, fold["ring_k"].packed, fold["ring_g"].packed) == (3, 0, 1, 0)
+    packed = [fold[name].packed for name in ("checkpoints", "conv_state", "ring_k", "ring_g")]
+    assert packed == [3, 0, 1, 0]
     circ = buffer_specs(SHAPE, strategy="circular", window=WINDOW, ring_len=RING)
     assert circ["write_pos"].full_shape(LAYERS, SLOTS) == (SLOTS,) and circ["ring_k"].packed == 4
     pool = StatePool(SHAPE, LAYERS, SLOTS, strategy="fold", window=WINDOW)

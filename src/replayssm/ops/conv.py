@@ -300,9 +300,8 @@ def causal_conv_verify_triton(
         return y
     t = window_bound(max_len, buf_len)
     given = slots
-    slots, cu_seqlens = guards.check_indices(
-        slots, cu_seqlens, num_slots=ns, num_tokens=n, max_len=min(b for b in (max_len, buf_len) if b),
-    )
+    bound = min(b for b in (max_len, buf_len) if b)
+    slots, cu_seqlens = guards.check_indices(slots, cu_seqlens, num_slots=ns, num_tokens=n, max_len=bound)
     if slots is not given:
         y.zero_()  # rewritten on the device: rows made padding zero only what they cover
     bc = min(CONV_BLOCK, triton.next_power_of_2(c))

@@ -87,7 +87,9 @@ def check_varlen(
     return cu, sl
 
 
-def varlen_error(cu: list[int], sl: list[int], num_tokens: int, num_slots: int, max_len: int | None = None) -> str | None:
+def varlen_error(
+    cu: list[int], sl: list[int], num_tokens: int, num_slots: int, max_len: int | None = None
+) -> str | None:
     """What is wrong with a packed batch given as host lists (``None``: nothing).
 
     The one statement of the index contract, shared by the reference ops

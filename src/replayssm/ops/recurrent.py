@@ -434,9 +434,8 @@ def gdn_recurrence_triton(
         return o
     t = window_bound(max_len, snap_len, ring_len)
     given = slots
-    slots, cu_seqlens = guards.check_indices(
-        slots, cu_seqlens, num_slots=num_slots, num_tokens=n, max_len=min(b for b in (max_len, snap_len, ring_len) if b),
-    )
+    bound = min(b for b in (max_len, snap_len, ring_len) if b)
+    slots, cu_seqlens = guards.check_indices(slots, cu_seqlens, num_slots=num_slots, num_tokens=n, max_len=bound)
     if slots is not given:
         o.zero_()  # rewritten on the device: rows made padding zero only what they cover
     bk = exact_block_k(kd)

@@ -167,10 +167,14 @@ class StatePool:
         s = shape
         specs = buffer_specs(shape, strategy=strategy_cls, window=window, ring_len=ring_len,
                              state_dtype=state_dtype, act_dtype=act_dtype)
+        if buffers is not None and not isinstance(buffers, Mapping):
+            raise TypeError(f"buffers must be a mapping of name -> tensor, got {type(buffers).__name__}")
         given = dict(buffers or {})
         unknown = sorted(set(given) - set(specs))
         if unknown:
-            raise ValueError(f"buffers names {unknown}, which a {strategy_cls.name} pool does not hold (it has {list(specs)})")
+            raise ValueError(
+                f"buffers has {unknown}, which a {strategy_cls.name} pool does not hold (it holds {list(specs)})"
+            )
         self._specs: dict[str, BufferSpec] = specs
         self._buffers: dict[str, torch.Tensor] = {}
         for name, spec in specs.items():

@@ -38,15 +38,16 @@ def record_specs(pool, ring_len: int, *, committed: bool, slot_packed: str = "")
     """
     s = pool.shape
     gd = gate_dtype(pool)
-    packed = (lambda dims, inner: dims + 1) if slot_packed else (lambda dims, inner: inner)
+
+    def spec(shape, dtype, inner_packed):
+        packed = len(shape) + 1 if slot_packed else inner_packed
+        return BufferSpec(shape, dtype, committed=committed, packed=packed, why=slot_packed)
+
     return {
-        "ring_k": BufferSpec((ring_len, s.num_heads, s.head_k_dim), pool.act_dtype, committed=committed,
-                             packed=packed(3, 1), why=slot_packed),
-        "ring_v": BufferSpec((ring_len, s.num_value_heads, s.head_v_dim), pool.act_dtype, committed=committed,
-                             packed=packed(3, 1), why=slot_packed),
-        "ring_g": BufferSpec((ring_len, s.num_value_heads), gd, committed=committed, packed=packed(2, 0), why=slot_packed),
-        "ring_beta": BufferSpec((ring_len, s.num_value_heads), gd, committed=committed, packed=packed(2, 0),
-                                why=slot_packed),
+        "ring_k": spec((ring_len, s.num_heads, s.head_k_dim), pool.act_dtype, 1),
+        "ring_v": spec((ring_len, s.num_value_heads, s.head_v_dim), pool.act_dtype, 1),
+        "ring_g": spec((ring_len, s.num_value_heads), gd, 0),
+        "ring_beta": spec((ring_len, s.num_value_heads), gd, 0),
     }
 
 
