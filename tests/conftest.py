@@ -35,6 +35,8 @@ def clear_error_words():
     """Start and end with no error flagged by the kernels' device-side index guards."""
     from replayssm.ops import guards
 
+    if torch.cuda.is_available():
+        guards.error_word("cuda")  # created outside any graph capture
     guards.clear_errors()
     yield
     guards.clear_errors()

@@ -127,6 +127,11 @@ def _word(device) -> _ErrorWord:
     device = _device(device)
     word = _WORDS.get(device)
     if word is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"the index guards' error word of {device} must exist before a CUDA graph capture: call "
+                "replayssm.ops.guards.error_word(device) first (a StatePool or an eager warm-up call does)"
+            )
         word = _WORDS[device] = _ErrorWord(device)
     return word
 
