@@ -131,17 +131,16 @@ if triton is not None:
     from .triton_common import store_parts as _tl_store_parts
 
     @_tl_device_fn
-    def _load_record_at(rk_at, rv_at, rg_at, rb_at, pos, valid, offs_c, mask_c, mask_v, i_h, i_hv, offs_v,
-                        srk_pos, srk_head, srv_pos, srv_head, srg_pos, srg_head, srb_pos, srb_head,
-                        K: tl.constexpr, KQ: tl.constexpr):
-        """Record at ring position ``pos`` for one value head, from the buffers of one
-        (layer, slot) (``*_at``, any strides on the position and head axes): the raw
-        key's four parts (fp32), ``v`` (fp32), ``g``, ``beta``; zeros where ``valid``
-        (scalar) and the block masks (already including it) are off."""
-        k0, k1, k2, k3 = _tl_load_parts(rk_at, pos * srk_pos + i_h * srk_head + offs_c, mask_c, offs_c, K, KQ)
-        v = tl.load(rv_at + pos * srv_pos + i_hv * srv_head + offs_v, mask=mask_v, other=0.0).to(tl.float32)
-        g = tl.load(rg_at + pos * srg_pos + i_hv * srg_head, mask=valid, other=0.0)
-        beta = tl.load(rb_at + pos * srb_pos + i_hv * srb_head, mask=valid, other=0.0)
+    def _load_record_at(rk_at, rv_at, rg_at, rb_at, pos, valid, offs_c, mask_c, mask_v, offs_v,
+                        srk_pos, srv_pos, srg_pos, srb_pos, K: tl.constexpr, KQ: tl.constexpr):
+        """Record at ring position ``pos`` for one value head, from pointers already at its
+        (layer, slot, head) (``*_at``; any position strides): the raw key's four parts
+        (fp32), ``v`` (fp32), ``g``, ``beta``; zeros where ``valid`` (scalar) and the
+        block masks (already including it) are off."""
+        k0, k1, k2, k3 = _tl_load_parts(rk_at, pos * srk_pos + offs_c, mask_c, offs_c, K, KQ)
+        v = tl.load(rv_at + pos * srv_pos + offs_v, mask=mask_v, other=0.0).to(tl.float32)
+        g = tl.load(rg_at + pos * srg_pos, mask=valid, other=0.0)
+        beta = tl.load(rb_at + pos * srb_pos, mask=valid, other=0.0)
         return k0, k1, k2, k3, v, g, beta
 
     @_tl_device_fn
@@ -149,8 +148,8 @@ if triton is not None:
                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KQ: tl.constexpr):
         """Record ``rec`` (flat ``layer/slot/position`` index) of packed ring buffers, as
         :func:`_load_record_at` loads it."""
-        return _load_record_at(rk_ptr, rv_ptr, rg_ptr, rb_ptr, rec, valid, offs_c, mask_c, mask_v, i_h, i_hv, offs_v,
-                               H * K, K, HV * V, V, HV, 1, HV, 1, K, KQ)
+        return _load_record_at(rk_ptr + i_h * K, rv_ptr + i_hv * V, rg_ptr + i_hv, rb_ptr + i_hv, rec, valid, offs_c,
+                               mask_c, mask_v, offs_v, H * K, HV * V, HV, HV, K, KQ)
 
     @triton.jit
     def _fold_kernel(
@@ -182,10 +181,11 @@ if triton is not None:
         if count <= 0:
             return  # nothing to fold: the slice is neither read nor written
         start = ((start % R) + R) % R  # a negative start must not address before the ring
-        rk_at = rk_ptr + i_l * srk_layer + slot * srk_slot
-        rv_at = rv_ptr + i_l * srv_layer + slot * srv_slot
-        rg_at = rg_ptr + i_l * srg_layer + slot * srg_slot
-        rb_at = rb_ptr + i_l * srb_layer + slot * srb_slot
+        # This program's records: (layer, slot, head) offsets once, positions per record.
+        rk_at = rk_ptr + i_l * srk_layer + slot * srk_slot + i_h * srk_head
+        rv_at = rv_ptr + i_l * srv_layer + slot * srv_slot + i_hv * srv_head
+        rg_at = rg_ptr + i_l * srg_layer + slot * srg_slot + i_hv * srg_head
+        rb_at = rb_ptr + i_l * srb_layer + slot * srb_slot + i_hv * srb_head
 
         KQ: tl.constexpr = BK // 4
         offs_c = tl.arange(0, KQ)  # key index within a part
@@ -200,16 +200,16 @@ if triton is not None:
         # step wait for the next record's load.
         all_c = offs_c >= 0
         k0n, k1n, k2n, k3n, v_n, g_n, b_n = _load_record_at(
-            rk_at, rv_at, rg_at, rb_at, start, count > 0, offs_c, all_c, mask_v, i_h, i_hv, offs_v,
-            srk_pos, srk_head, srv_pos, srv_head, srg_pos, srg_head, srb_pos, srb_head, K, KQ,
+            rk_at, rv_at, rg_at, rb_at, start, count > 0, offs_c, all_c, mask_v, offs_v,
+            srk_pos, srv_pos, srg_pos, srb_pos, K, KQ,
         )
         for c in range(0, count):
             k0, k1, k2, k3, v, g, beta = k0n, k1n, k2n, k3n, v_n, g_n, b_n
             valid_n = c + 1 < count
             k0n, k1n, k2n, k3n, v_n, g_n, b_n = _load_record_at(
                 rk_at, rv_at, rg_at, rb_at, (start + c + 1) % R, valid_n, offs_c,
-                _tl_mask_and(all_c, valid_n), _tl_mask_and(mask_v, valid_n), i_h, i_hv, offs_v,
-                srk_pos, srk_head, srv_pos, srv_head, srg_pos, srg_head, srb_pos, srb_head, K, KQ,
+                _tl_mask_and(all_c, valid_n), _tl_mask_and(mask_v, valid_n), offs_v,
+                srk_pos, srv_pos, srg_pos, srb_pos, K, KQ,
             )
             k0, k1, k2, k3 = _tl_normalized(k0, k1, k2, k3, eps, 1.0)
             S0, S1, S2, S3 = _tl_state_step(S0, S1, S2, S3, k0, k1, k2, k3, v, g, beta)

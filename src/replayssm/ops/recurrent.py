@@ -320,6 +320,11 @@ if triton is not None:
         if HAS_RECORDS:
             # Raw k once per key head: by the group's first value head, first V block.
             k_writer = (i_hv % (HV // H) == 0) & (i_v == 0)
+            # This program's records (any slot and head strides), positions added per token.
+            rk_at = rec_k_ptr + slot * srk_slot + i_h * srk_head
+            rv_at = rec_v_ptr + slot * srv_slot + i_hv * srv_head
+            rg_at = rec_g_ptr + slot * srg_slot + i_hv * srg_head
+            rb_at = rec_beta_ptr + slot * srb_slot + i_hv * srb_head
 
         # Software pipelining by hand: the next token's loads are issued before this
         # token's step, so their latency hides behind the arithmetic. Masks that fold
@@ -360,13 +365,10 @@ if triton is not None:
             if HAS_RECORDS:
                 # Side channel only: stores, no change to the arithmetic above (the raw
                 # key's parts went through fp32 and back, which is lossless).
-                # Any strides on the slot, position and head axes (an engine's layout).
-                _tl_store_parts(rec_k_ptr, slot * srk_slot + i * srk_pos + i_h * srk_head + offs_c,
-                                _tl_mask_and(mc, k_writer), offs_c, K, KQ, k0, k1, k2, k3)
-                tl.store(rec_v_ptr + slot * srv_slot + i * srv_pos + i_hv * srv_head + offs_v,
-                         v.to(rec_v_ptr.dtype.element_ty), mask=mv)
-                tl.store(rec_g_ptr + slot * srg_slot + i * srg_pos + i_hv * srg_head, g, mask=valid & (i_v == 0))
-                tl.store(rec_beta_ptr + slot * srb_slot + i * srb_pos + i_hv * srb_head, beta, mask=valid & (i_v == 0))
+                _tl_store_parts(rk_at, i * srk_pos + offs_c, _tl_mask_and(mc, k_writer), offs_c, K, KQ, k0, k1, k2, k3)
+                tl.store(rv_at + i * srv_pos + offs_v, v.to(rec_v_ptr.dtype.element_ty), mask=mv)
+                tl.store(rg_at + i * srg_pos, g, mask=valid & (i_v == 0))
+                tl.store(rb_at + i * srb_pos, beta, mask=valid & (i_v == 0))
         if UPDATE_STATE:
             _tl_store_parts(state_at, tile, mask_v[:, None], offs_c[None, :], K, KQ, S0, S1, S2, S3)
 
