@@ -28,3 +28,15 @@ def _seed(request):
     import zlib
 
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture
+def clear_error_words():
+    """Start and end with no error flagged by the kernels' device-side index guards."""
+    from replayssm.ops import guards
+
+    if torch.cuda.is_available():
+        guards.error_word("cuda")  # created outside any graph capture
+    guards.clear_errors()
+    yield
+    guards.clear_errors()

@@ -371,7 +371,7 @@ def test_launchers_reject_bad_arguments_before_touching_state():
         gdn_recurrence(*args(x), state, slots, cu, update_state=True, backend="triton")
     with pytest.raises(TypeError, match="state"):
         gdn_recurrence(*args(x), state.double(), slots, cu, max_len=2, backend="triton")
-    with pytest.raises(ValueError, match="state must be contiguous"):
+    with pytest.raises(ValueError, match="state must be packed"):
         gdn_recurrence(*args(x), state.transpose(2, 3), slots, cu, max_len=2, backend="triton")
     with pytest.raises(ValueError, match="cu_seqlens"):
         gdn_recurrence(*args(x), state, slots, cu[:2], max_len=2, backend="triton")

@@ -101,15 +101,17 @@ def test_a_batch_whose_slot_changed_hands_cannot_open_a_step(strategy):
 
 def test_alloc_a_given_slot():
     """Engines that assign their own cache indices take a given free slot; it starts
-    reset. Out of range, taken, or not an int: ValueError, pool unchanged."""
+    reset. Out of range or taken: ValueError; not an integer: TypeError; pool unchanged."""
     pool = StatePool(SHAPE, 2, 4, strategy="circular", window=2, ring_len=4)
     assert pool.alloc(slot=2) == 2
     assert pool.live_slots == [2] and pool.num_free == 3
     pool.buffers["checkpoints"][:, 2].normal_()
     pool.buffers["write_pos"][2] = 3
     snap = clone_all(pool)
-    for bad, match in ((2, "not free"), (4, "slot must be"), (-1, "slot must be"), (True, "slot must be"), (1.0, "slot must be")):
-        with pytest.raises(ValueError, match=match):
+    for bad, exc, match in ((2, ValueError, "not free"), (4, ValueError, "slot must be"),
+                            (-1, ValueError, "slot must be"), (True, TypeError, "slot must be an integer"),
+                            (1.0, TypeError, "slot must be an integer")):
+        with pytest.raises(exc, match=match):
             pool.alloc(slot=bad)
         assert_unchanged(pool, snap)
     pool.free(2)

@@ -475,6 +475,7 @@ class StepGenerator:
                 result.steps += 1
                 active = _retire(self, active)
             result.decode_s = _elapsed(eng.device, t_start)
+            eng.pool.check_errors()  # what the graphed steps' device-side index checks found (one read)
         finally:
             _close(self, result, reqs)
         result.stats = stats

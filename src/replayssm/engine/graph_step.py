@@ -84,10 +84,8 @@ class StaticStep:
         self.batch.generations = tuple(pool.generation(s) if s >= 0 else 0 for s in slots)
         if slots == self.batch.host_slots:
             return
-        host = torch.tensor([[s, s if s >= 0 else sink] for s in slots], dtype=torch.int64)
-        self.batch.slots.copy_(host[:, 0].to(self.batch.slots.dtype))
-        self.slot_idx.copy_(host[:, 1])
-        self.batch.host_slots = slots
+        self.batch.set_slots(slots)
+        self.slot_idx.copy_(torch.tensor([s if s >= 0 else sink for s in slots], dtype=torch.int64))
 
     def run(self) -> torch.Tensor:
         """Take one step; returns the output buffer ``[rows, 1 + T]`` (column 0: tokens

@@ -13,6 +13,8 @@ import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
+#: integer dtypes accepted where values are read on the host (slots handed to a pool)
+INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 
 def tensor(name: str, x, *, ndim: int | None = None, dtypes: Sequence[torch.dtype] | None = None):
@@ -43,6 +45,23 @@ def contiguous(**named: torch.Tensor | None):
     for name, x in named.items():
         if x is not None and not x.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
+
+
+def packed(name: str, x: torch.Tensor, dims: int, why: str = ""):
+    """Check that the last ``dims`` axes of ``x`` are laid out packed (row-major with no
+    gaps, the last axis of stride 1); the axes before them may have any strides (a slot
+    or layer stride of an engine's layout). ``why`` ends the error message."""
+    if x is None or dims <= 0:
+        return
+    expected = 1
+    for axis in range(x.dim() - 1, x.dim() - 1 - min(dims, x.dim()), -1):
+        if x.shape[axis] > 1 and x.stride(axis) != expected:
+            inner = list(x.shape[x.dim() - dims:])
+            raise ValueError(
+                f"{name} must be packed over its last {dims} axes {inner} (strides {tuple(x.stride())})"
+                + (f": {why}" if why else "")
+            )
+        expected *= x.shape[axis]
 
 
 def power_of_two(name: str, value: int):

@@ -26,7 +26,7 @@ import math
 
 import torch
 
-from . import _checks, tuning
+from . import _checks, guards, tuning
 from .dispatch import pick, register
 from .gates import expand_heads, l2_normalize
 from .fold import replay_records
@@ -588,8 +588,10 @@ if triton is not None:
         ckpt_at = ckpt_ptr + (slot * HV + i_hv) * (V * K)
         # ---- the committed history, exactly as the fold kernel replays it
         count = tl.minimum(wp, L)
-        S0, S1, S2, S3 = _replay_history(ckpt_at, tile, rk_ptr, rv_ptr, rg_ptr, rb_ptr, ring_at, base, count,
-                                         offs_c, offs_v, mask_v, i_h, i_hv, eps, H, HV, K, V, L, KQ)
+        S0, S1, S2, S3 = _replay_history(
+            ckpt_at, tile, rk_ptr + ring_at * (H * K) + i_h * K, rv_ptr + ring_at * (HV * V) + i_hv * V,
+            rg_ptr + ring_at * HV + i_hv, rb_ptr + ring_at * HV + i_hv, base, count, offs_c, offs_v, mask_v,
+            H * K, HV * V, HV, HV, eps, K, L, KQ)
         # A flush row's checkpoint becomes the folded state (the fold's store, bit for bit);
         # every other row's checkpoint is read only.
         _tl_store_parts(ckpt_at, tile, _tl_mask_and(mask_v, flush & (count > 0))[:, None], offs_c[None, :], K, KQ,
@@ -784,6 +786,8 @@ def gdn_chunked_window_triton(
     It reads the history's raw records, the closed form the history's ``u``: the two
     agree when ``ring_u`` holds the records' deltas, as every verify leaves it.
     """
+    # Index values (slots, cu_seqlens, cursors) checked as the reference does: ops/guards.py.
+    slots, cu_seqlens = guards.check_window_call(q, checkpoint, ring, slots, cu_seqlens, write_pos, cache_base, max_len)
     check_method(method)
     if max_len is None:
         raise ValueError("max_len is required by the triton backend: pass the pool's window")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _checks
+from . import _checks, guards
 from .dispatch import pick, register
 from .records import check_varlen
 from .recurrent import check_index_pair, check_inner_contiguous, check_max_len, window_bound
@@ -196,9 +196,9 @@ if triton is not None:
     from .triton_common import mask_and as _tl_mask_and, to_rtne as _tl_to_rtne
 
     @triton.jit
-    def _shift_history(state_at, src_at, stride_src, n, mask_c, W: tl.constexpr, WP: tl.constexpr):
+    def _shift_history(state_at, stride_w, src_at, stride_src, n, mask_c, W: tl.constexpr, WP: tl.constexpr):
         """Shift ``n`` inputs (``src_at + t * stride_src``, ``t < n``) into histories of
-        ``W - 1`` entries (``state_at + p``). New entry ``p`` is input ``n - (W - 1) + p``
+        ``W - 1`` entries (``state_at + p * stride_w``). New entry ``p`` is input ``n - (W - 1) + p``
         when that is ``>= 0``, else old entry ``p + n``. Everything is loaded before
         anything is stored, with a barrier in between, so no thread can overwrite an
         entry that another thread has yet to read."""
@@ -208,16 +208,17 @@ if triton is not None:
         from_src = in_hist & (t >= 0)
         m = mask_c[:, None]
         xv = tl.load(src_at[:, None] + t[None, :] * stride_src, mask=m & from_src[None, :], other=0.0)
-        sv = tl.load(state_at[:, None] + (p + n)[None, :], mask=m & (in_hist & (t < 0))[None, :], other=0.0)
+        sv = tl.load(state_at[:, None] + ((p + n) * stride_w)[None, :], mask=m & (in_hist & (t < 0))[None, :],
+                     other=0.0)
         new = tl.where(from_src[None, :], xv.to(state_at.dtype.element_ty), sv)
         tl.debug_barrier()
-        tl.store(state_at[:, None] + p[None, :], new, mask=m & in_hist[None, :])
+        tl.store(state_at[:, None] + (p * stride_w)[None, :], new, mask=m & in_hist[None, :])
 
     @triton.jit
     def _conv_verify_kernel(
         x_ptr, state_ptr, w_ptr, bias_ptr, slots_ptr, cu_ptr, y_ptr, wbuf_ptr,
-        stride_x_tok, C,
-        W: tl.constexpr, WP: tl.constexpr, T: tl.constexpr, TB: tl.constexpr, BC: tl.constexpr,
+        stride_x_tok, C, ss_slot, ss_c, ss_w, sb_slot, sb_pos, sb_c,
+        W: tl.constexpr, WP: tl.constexpr, T: tl.constexpr, BC: tl.constexpr,
         HAS_BIAS: tl.constexpr, HAS_WBUF: tl.constexpr, UPDATE_STATE: tl.constexpr,
     ):
         i_c = tl.program_id(0)
@@ -233,7 +234,9 @@ if triton is not None:
                 tl.store(y_row + i * C, tl.full([BC], 0, y_ptr.dtype.element_ty), mask=_tl_mask_and(mask_c, i < length))
             return
 
-        state_at = state_ptr + (slot * C + offs_c) * (W - 1)  # [BC] rows of W - 1 inputs, oldest first
+        # [BC] rows of W - 1 inputs, oldest first; any strides (e.g. a [slots, W - 1, C]
+        # state passed transposed).
+        state_at = state_ptr + slot * ss_slot + offs_c * ss_c
         x_at = x_ptr + bos * stride_x_tok + offs_c
         for i in range(0, T):
             valid = i < length
@@ -245,41 +248,41 @@ if triton is not None:
             for j in tl.static_range(W):
                 t = i - (W - 1) + j  # window position of tap j; < 0 reads the conv state
                 xv = tl.load(x_at + t * stride_x_tok, mask=_tl_mask_and(mask_c, valid & (t >= 0)), other=0.0)
-                sv = tl.load(state_at + (W - 1 + t), mask=_tl_mask_and(mask_c, valid & (t < 0)), other=0.0)
+                sv = tl.load(state_at + (W - 1 + t) * ss_w, mask=_tl_mask_and(mask_c, valid & (t < 0)), other=0.0)
                 w = tl.load(w_ptr + offs_c * W + j, mask=mask_c, other=0.0).to(tl.float32)
                 acc = acc + w * tl.where(t >= 0, xv.to(tl.float32), sv.to(tl.float32))
             y = tl.div_rn(acc, 1.0 + tl.exp(-acc))  # SiLU
             tl.store(y_row + i * C, _tl_to_rtne(y, y_ptr.dtype.element_ty), mask=_tl_mask_and(mask_c, valid))
             if HAS_WBUF:
                 xi = tl.load(x_at + i * stride_x_tok, mask=_tl_mask_and(mask_c, valid), other=0.0)
-                tl.store(wbuf_ptr + (slot * TB + i) * C + offs_c, xi.to(wbuf_ptr.dtype.element_ty),
+                tl.store(wbuf_ptr + slot * sb_slot + i * sb_pos + offs_c * sb_c, xi.to(wbuf_ptr.dtype.element_ty),
                          mask=_tl_mask_and(mask_c, valid))
         if UPDATE_STATE:
             # The loop above read the old history; Triton may give those loads and the
             # stores below different thread layouts, so every thread must be done
             # reading before any thread overwrites.
             tl.debug_barrier()
-            _shift_history(state_at, x_at, stride_x_tok, length, mask_c, W, WP)
+            _shift_history(state_at, ss_w, x_at, stride_x_tok, length, mask_c, W, WP)
 
     @triton.jit
     def _conv_commit_kernel(
-        state_ptr, wbuf_ptr, slots_ptr, acc_ptr, num_slots, C,
+        state_ptr, wbuf_ptr, slots_ptr, acc_ptr, C,
+        ss_layer, ss_slot, ss_c, ss_w, sb_layer, sb_slot, sb_pos, sb_c,
         W: tl.constexpr, WP: tl.constexpr, TB: tl.constexpr, BC: tl.constexpr,
     ):
         i_c = tl.program_id(0)
         i_b = tl.program_id(1)
-        i_l = tl.program_id(2)
+        i_l = tl.program_id(2).to(tl.int64)
         slot = tl.load(slots_ptr + i_b).to(tl.int64)
         if slot < 0:
             return
         # Like the reference, n beyond the buffer shifts in the whole buffer.
         n = tl.minimum(tl.maximum(tl.load(acc_ptr + i_b).to(tl.int64), 0), TB)
-        ls = i_l * num_slots + slot
         offs_c = i_c * BC + tl.arange(0, BC)
         mask_c = offs_c < C
-        state_at = state_ptr + (ls * C + offs_c) * (W - 1)
-        wbuf_at = wbuf_ptr + ls * TB * C + offs_c
-        _shift_history(state_at, wbuf_at, C, n, mask_c, W, WP)
+        state_at = state_ptr + i_l * ss_layer + slot * ss_slot + offs_c * ss_c
+        wbuf_at = wbuf_ptr + i_l * sb_layer + slot * sb_slot + offs_c * sb_c
+        _shift_history(state_at, ss_w, wbuf_at, sb_pos, n, mask_c, W, WP)
 
 
 @register("conv_verify", "triton")
@@ -297,10 +300,12 @@ def causal_conv_verify_triton(
 ) -> torch.Tensor:
     """Triton version of :func:`causal_conv_verify_reference` (same arguments and results).
 
-    Differences: no float64; ``conv_state``, ``weight``, ``bias`` and ``window_buf``
-    contiguous, ``x`` contiguous along channels; ``slots`` / ``cu_seqlens`` values are
-    not read on the host: windows must be ``1..T`` tokens (``T`` from ``window_buf`` or
-    ``max_len``) and live slots unique and in range.
+    Differences: no float64. Layouts: ``conv_state`` and ``window_buf`` any strides (a
+    ``[slots, W - 1, C]`` state passed transposed, an engine's strided window buffer),
+    ``weight`` and ``bias`` contiguous, ``x`` contiguous along channels. Windows must
+    have ``1..T`` tokens (``T`` from ``window_buf`` or ``max_len``) and live slots be
+    unique and in range: :mod:`~replayssm.ops.guards` checks that once per step on the
+    host, or on the device inside a CUDA graph (bad rows run as padding).
     """
     n, c, w = check_conv_args(x, conv_state, weight, bias)
     ns = conv_state.shape[0]
@@ -308,7 +313,7 @@ def causal_conv_verify_triton(
         if t is not None:
             _checks.tensor(name, t, dtypes=CONV_DTYPES_TRITON)
     check_inner_contiguous(x=x)
-    _checks.contiguous(conv_state=conv_state, weight=weight, bias=bias, window_buf=window_buf)
+    _checks.contiguous(weight=weight, bias=bias)
     check_index_pair(slots, cu_seqlens)
     _checks.same_device(x, slots=slots, cu_seqlens=cu_seqlens)
     max_len = check_max_len(max_len)
@@ -323,12 +328,18 @@ def causal_conv_verify_triton(
     if batch == 0 or c == 0:
         return y
     t = window_bound(max_len, buf_len)
+    given = slots
+    bound = min(b for b in (max_len, buf_len) if b)
+    slots, cu_seqlens = guards.check_indices(slots, cu_seqlens, num_slots=ns, num_tokens=n, max_len=bound)
+    if slots is not given:
+        y.zero_()  # rewritten on the device: rows made padding zero only what they cover
     bc = min(CONV_BLOCK, triton.next_power_of_2(c))
+    wbuf_strides = window_buf.stride() if window_buf is not None else (0, 0, 0)
     _conv_verify_kernel[(triton.cdiv(c, bc), batch)](
         x, conv_state, weight, bias if bias is not None else weight, slots, cu_seqlens, y,
         window_buf if window_buf is not None else y,
-        x.stride(0), c,
-        W=w, WP=triton.next_power_of_2(w - 1), T=t, TB=buf_len or 1, BC=bc,
+        x.stride(0), c, *conv_state.stride(), *wbuf_strides,
+        W=w, WP=triton.next_power_of_2(w - 1), T=t, BC=bc,
         HAS_BIAS=bias is not None, HAS_WBUF=window_buf is not None, UPDATE_STATE=bool(update_state),
         num_warps=4,
     )
@@ -341,17 +352,20 @@ def causal_conv_commit_triton(
 ) -> None:
     """Triton version of :func:`causal_conv_commit_reference` (same arguments), one launch.
 
-    Contiguous buffers; ``slots`` / ``accepted`` values are not read on the host.
+    Buffers with any strides, index tensors contiguous. ``slots`` is checked by
+    :mod:`~replayssm.ops.guards` (once per step on the host; on the device inside a CUDA
+    graph); ``accepted`` is not read on the host (clamped to ``[0, T]``).
     """
     nl, ns, c, w1 = check_conv_commit_args(conv_state, window_buf, slots, accepted)
     _checks.tensor("conv_state", conv_state, dtypes=CONV_DTYPES_TRITON)
     _checks.tensor("window_buf", window_buf, dtypes=CONV_DTYPES_TRITON)
-    _checks.contiguous(conv_state=conv_state, window_buf=window_buf, slots=slots, accepted=accepted)
+    _checks.contiguous(slots=slots, accepted=accepted)
+    slots = guards.check_slots(slots, num_slots=ns)
     batch = slots.shape[0]
     if batch == 0 or nl == 0 or c == 0 or w1 == 0:
         return
     bc = min(CONV_BLOCK, triton.next_power_of_2(c))
     _conv_commit_kernel[(triton.cdiv(c, bc), batch, nl)](
-        conv_state, window_buf, slots, accepted, ns, c,
+        conv_state, window_buf, slots, accepted, c, *conv_state.stride(), *window_buf.stride(),
         W=w1 + 1, WP=triton.next_power_of_2(w1), TB=window_buf.shape[2], BC=bc, num_warps=4,
     )

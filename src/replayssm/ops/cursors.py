@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _checks
+from . import _checks, guards
 from .dispatch import pick, register
 
 
@@ -146,7 +146,9 @@ if triton is not None:
         slot = tl.load(slots_ptr + rows, mask=rows < batch, other=-1).to(tl.int64)
         live = slot >= 0
         at = tl.where(live, slot, 0)
-        n = tl.load(acc_ptr + rows, mask=live, other=0).to(wp_ptr.dtype.element_ty)
+        # Counts outside [0, window] are the caller's error (the strategy checks them once
+        # per step); clamped, they cannot move a cursor out of the ring.
+        n = tl.minimum(tl.maximum(tl.load(acc_ptr + rows, mask=live, other=0), 0), window).to(wp_ptr.dtype.element_ty)
         wp = tl.load(wp_ptr + at, mask=live, other=0)
         base = tl.load(base_ptr + at, mask=live, other=0)
         flush = tl.load(flush_ptr + at, mask=live, other=0) != 0
@@ -190,7 +192,9 @@ def advance_cursors_triton(
     """Triton version of :func:`advance_cursors_reference` (same arguments and results).
 
     Cursors and indices must be contiguous; live slots must be unique (one program
-    row per slot, as :meth:`~replayssm.state.StatePool.batch` guarantees).
+    row per slot, as :meth:`~replayssm.state.StatePool.batch` guarantees). ``slots`` is
+    checked by :mod:`~replayssm.ops.guards`; ``accepted`` is not read on the host and is
+    clamped to ``[0, window]`` (the reference takes it as given).
     """
     check_cursor_args(write_pos, cache_base, is_flush, slots, accepted)
     check_flush_every(flush_every)
@@ -199,6 +203,7 @@ def advance_cursors_triton(
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     _checks.power_of_two("ring_len", ring_len)
+    slots = guards.check_slots(slots, num_slots=write_pos.shape[0])
     batch = slots.shape[0]
     if batch == 0:
         return
@@ -213,6 +218,7 @@ def reset_cursors_triton(write_pos, cache_base, is_flush, slots) -> None:
     """Triton version of :func:`reset_cursors_reference` (same arguments and results)."""
     check_cursor_args(write_pos, cache_base, is_flush, slots)
     _check_cursor_launch(write_pos, cache_base, is_flush, slots)
+    slots = guards.check_slots(slots, num_slots=write_pos.shape[0])
     batch = slots.shape[0]
     if batch == 0:
         return

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import torch
 
-from . import _checks
+from . import _checks, guards
 from .dispatch import pick, register
 from .gates import expand_heads, l2_normalize
-from .recurrent import STATE_DTYPES_TRITON, exact_block_k, pick_block_v, state_update
+from .records import slots_error
+from .recurrent import STATE_DTYPES_TRITON, check_inner_contiguous, exact_block_k, pick_block_v, state_update
 
 
 def check_fold_args(checkpoints, ring_k, ring_v, ring_g, ring_beta, slots, start, count):
@@ -88,9 +89,10 @@ def gdn_fold_reference(
     """
     nl, ns, r = check_fold_args(checkpoints, ring_k, ring_v, ring_g, ring_beta, slots, start, count)
     sl, st, ct = slots.tolist(), start.tolist(), count.tolist()
+    error = slots_error(sl, ns, unique=False)
+    if error:
+        raise ValueError(error)
     for i, s in enumerate(sl):
-        if not -1 <= s < ns:
-            raise ValueError(f"slots[{i}] = {s} is outside [-1, {ns})")
         if s >= 0 and not 0 <= ct[i] <= r:
             raise ValueError(f"count[{i}] = {ct[i]} is outside [0, {r}]")
     dtype = _checks.compute_dtype(checkpoints, ring_v)
@@ -146,42 +148,51 @@ if triton is not None:
     from .triton_common import store_parts as _tl_store_parts
 
     @_tl_device_fn
-    def _load_record(rk_ptr, rv_ptr, rg_ptr, rb_ptr, rec, valid, offs_c, mask_c, mask_v, i_h, i_hv, offs_v,
-                     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KQ: tl.constexpr):
-        """Record ``rec`` (flat ``layer/slot/position`` index) for one value head: the raw
-        key's four parts (fp32), ``v`` (fp32), ``g``, ``beta``; zeros where ``valid``
-        (scalar) and the block masks (already including it) are off."""
-        k0, k1, k2, k3 = _tl_load_parts(rk_ptr, (rec * H + i_h) * K + offs_c, mask_c, offs_c, K, KQ)
-        v = tl.load(rv_ptr + (rec * HV + i_hv) * V + offs_v, mask=mask_v, other=0.0).to(tl.float32)
-        g = tl.load(rg_ptr + rec * HV + i_hv, mask=valid, other=0.0)
-        beta = tl.load(rb_ptr + rec * HV + i_hv, mask=valid, other=0.0)
+    def _load_record_at(rk_at, rv_at, rg_at, rb_at, pos, valid, offs_c, mask_c, mask_v, offs_v,
+                        srk_pos, srv_pos, srg_pos, srb_pos, K: tl.constexpr, KQ: tl.constexpr):
+        """Record at ring position ``pos`` for one value head, from pointers already at its
+        (layer, slot, head) (``*_at``; any position strides): the raw key's four parts
+        (fp32), ``v`` (fp32), ``g``, ``beta``; zeros where ``valid`` (scalar) and the
+        block masks (already including it) are off."""
+        k0, k1, k2, k3 = _tl_load_parts(rk_at, pos * srk_pos + offs_c, mask_c, offs_c, K, KQ)
+        v = tl.load(rv_at + pos * srv_pos + offs_v, mask=mask_v, other=0.0).to(tl.float32)
+        g = tl.load(rg_at + pos * srg_pos, mask=valid, other=0.0)
+        beta = tl.load(rb_at + pos * srb_pos, mask=valid, other=0.0)
         return k0, k1, k2, k3, v, g, beta
 
+    @_tl_device_fn
+    def _load_record(rk_ptr, rv_ptr, rg_ptr, rb_ptr, rec, valid, offs_c, mask_c, mask_v, i_h, i_hv, offs_v,
+                     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KQ: tl.constexpr):
+        """Record ``rec`` (flat ``layer/slot/position`` index) of packed ring buffers, as
+        :func:`_load_record_at` loads it."""
+        return _load_record_at(rk_ptr + i_h * K, rv_ptr + i_hv * V, rg_ptr + i_hv, rb_ptr + i_hv, rec, valid, offs_c,
+                               mask_c, mask_v, offs_v, H * K, HV * V, HV, HV, K, KQ)
+
     @triton.jit
-    def replay_history(ckpt_at, tile, rk_ptr, rv_ptr, rg_ptr, rb_ptr, ring_at, base, count, offs_c, offs_v, mask_v,
-                        i_h, i_hv, eps,
-                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
-                        KQ: tl.constexpr):
+    def replay_history(ckpt_at, tile, rk_at, rv_at, rg_at, rb_at, base, count, offs_c, offs_v, mask_v,
+                       srk_pos, srv_pos, srg_pos, srb_pos, eps, K: tl.constexpr, L: tl.constexpr, KQ: tl.constexpr):
         """Load a ``[BV, K]`` checkpoint tile as four parts and replay ``count`` raw
-        records from position ``base`` of the ring at flat record ``ring_at`` through the
-        exact step; return the tile's parts. Every exact replay (the fold, circular's
-        flush and small-batch path) is this loop. Same hand pipelining as the
-        recurrence: record c + 1 loads during step c, and only step c + 1 reads it
+        records from ring position ``base`` (of ``L``) through the exact step; return the
+        tile's parts. The records are read from pointers already at their (layer, slot,
+        head) with per-position strides (:func:`_load_record_at`). Every exact replay (the
+        fold, circular's flush and small-batch path) is this loop. Same hand pipelining as
+        the recurrence: record c + 1 loads during step c, and only step c + 1 reads it
         (normalising it right after its load would make every step wait for the next
         record's load). Unused ring entries may hold NaN: masked loads give 0."""
         S0, S1, S2, S3 = _tl_load_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ)
         all_c = offs_c >= 0
         valid_n = count > 0
-        k0n, k1n, k2n, k3n, v_n, g_n, b_n = _load_record(
-            rk_ptr, rv_ptr, rg_ptr, rb_ptr, ring_at + base % L, valid_n, offs_c, _tl_mask_and(all_c, valid_n),
-            _tl_mask_and(mask_v, valid_n), i_h, i_hv, offs_v, H, HV, K, V, KQ,
+        k0n, k1n, k2n, k3n, v_n, g_n, b_n = _load_record_at(
+            rk_at, rv_at, rg_at, rb_at, base % L, valid_n, offs_c, _tl_mask_and(all_c, valid_n),
+            _tl_mask_and(mask_v, valid_n), offs_v, srk_pos, srv_pos, srg_pos, srb_pos, K, KQ,
         )
         for c in range(0, count):
             k0, k1, k2, k3, v, g, beta = k0n, k1n, k2n, k3n, v_n, g_n, b_n
             valid_n = c + 1 < count
-            k0n, k1n, k2n, k3n, v_n, g_n, b_n = _load_record(
-                rk_ptr, rv_ptr, rg_ptr, rb_ptr, ring_at + (base + c + 1) % L, valid_n, offs_c,
-                _tl_mask_and(all_c, valid_n), _tl_mask_and(mask_v, valid_n), i_h, i_hv, offs_v, H, HV, K, V, KQ,
+            k0n, k1n, k2n, k3n, v_n, g_n, b_n = _load_record_at(
+                rk_at, rv_at, rg_at, rb_at, (base + c + 1) % L, valid_n, offs_c,
+                _tl_mask_and(all_c, valid_n), _tl_mask_and(mask_v, valid_n), offs_v,
+                srk_pos, srv_pos, srg_pos, srb_pos, K, KQ,
             )
             k0, k1, k2, k3 = _tl_normalized(k0, k1, k2, k3, eps, 1.0)
             S0, S1, S2, S3 = _tl_state_step(S0, S1, S2, S3, k0, k1, k2, k3, v, g, beta)
@@ -190,14 +201,16 @@ if triton is not None:
     @triton.jit
     def _fold_kernel(
         ckpt_ptr, rk_ptr, rv_ptr, rg_ptr, rb_ptr, slots_ptr, start_ptr, count_ptr, flush_ptr,
-        num_slots, eps,
+        sc_layer, sc_slot, srk_layer, srk_slot, srk_pos, srk_head, srv_layer, srv_slot, srv_pos, srv_head,
+        srg_layer, srg_slot, srg_pos, srg_head, srb_layer, srb_slot, srb_pos, srb_head,
+        eps,
         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
         BK: tl.constexpr, BV: tl.constexpr, R: tl.constexpr, PER_SLOT: tl.constexpr,
     ):
         i_v = tl.program_id(0)
         i_b = tl.program_id(1)
         i_lhv = tl.program_id(2)
-        i_l = i_lhv // HV
+        i_l = (i_lhv // HV).to(tl.int64)  # int64: layer strides of real pools pass 2**31
         i_hv = i_lhv % HV
         i_h = i_hv // (HV // H)
         slot = tl.load(slots_ptr + i_b).to(tl.int64)
@@ -214,21 +227,27 @@ if triton is not None:
         count = tl.minimum(count, R)
         if count <= 0:
             return  # nothing to fold: the slice is neither read nor written
-        ls = i_l * num_slots + slot  # int64: [layers, slots] flattened
+        start = ((start % R) + R) % R  # a negative start must not address before the ring
+        # This program's records: (layer, slot, head) offsets once, positions per record.
+        rk_at = rk_ptr + i_l * srk_layer + slot * srk_slot + i_h * srk_head
+        rv_at = rv_ptr + i_l * srv_layer + slot * srv_slot + i_hv * srv_head
+        rg_at = rg_ptr + i_l * srg_layer + slot * srg_slot + i_hv * srg_head
+        rb_at = rb_ptr + i_l * srb_layer + slot * srb_slot + i_hv * srb_head
 
         KQ: tl.constexpr = BK // 4
         offs_c = tl.arange(0, KQ)  # key index within a part
         offs_v = i_v * BV + tl.arange(0, BV)
         mask_v = offs_v < V
         tile = offs_v[:, None] * K + offs_c[None, :]
-        ckpt_at = ckpt_ptr + (ls * HV + i_hv) * (V * K)
-        S0, S1, S2, S3 = replay_history(ckpt_at, tile, rk_ptr, rv_ptr, rg_ptr, rb_ptr, ls * R, start, count,
-                                        offs_c, offs_v, mask_v, i_h, i_hv, eps, H, HV, K, V, R, KQ)
+        ckpt_at = ckpt_ptr + i_l * sc_layer + slot * sc_slot + i_hv * (V * K)  # [HV, V, K] packed
+        S0, S1, S2, S3 = replay_history(ckpt_at, tile, rk_at, rv_at, rg_at, rb_at, start, count, offs_c, offs_v, mask_v,
+                                        srk_pos, srv_pos, srg_pos, srb_pos, eps, K, R, KQ)
         _tl_store_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ, S0, S1, S2, S3)
 
     def launch_fold(checkpoints, ring_k, ring_v, ring_g, ring_beta, slots, start, count, flush=None, *,
                     block_v: int | None = None) -> None:
-        """Launch the fold kernel on validated, contiguous 5-D buffers (one launch).
+        """Launch the fold kernel on validated 5-D buffers (one launch): checkpoints packed
+        per (layer, slot), rings with any strides but a contiguous last axis.
 
         Without ``flush``: row ``i`` folds ``count[i]`` records from ``start[i]``. With
         ``flush`` (``[num_slots]``): ``start``, ``count`` and ``flush`` are per-slot
@@ -246,7 +265,8 @@ if triton is not None:
         grid = (triton.cdiv(vd, bv), batch, nl * hv)
         _fold_kernel[grid](
             checkpoints, ring_k, ring_v, ring_g, ring_beta, slots, start, count, count if flush is None else flush,
-            ns, NORM_EPS,
+            checkpoints.stride(0), checkpoints.stride(1), *ring_k.stride()[:4], *ring_v.stride()[:4],
+            *ring_g.stride(), *ring_beta.stride(), NORM_EPS,
             H=h, HV=hv, K=kd, V=vd, BK=exact_block_k(kd), BV=bv, R=r, PER_SLOT=flush is not None,
             num_warps=EXACT_NUM_WARPS,
         )
@@ -265,10 +285,13 @@ def gdn_fold_triton(
 ) -> None:
     """Triton version of :func:`gdn_fold_reference` (same arguments), one launch.
 
-    Differences: float32/bfloat16 checkpoints only, float32 gates, contiguous buffers;
-    ``slots`` / ``start`` / ``count`` values are not read on the host (no device
-    synchronisation): live slots must be unique and in range, ``start >= 0``; a count
-    above ``R`` folds ``R`` records.
+    Differences: float32/bfloat16 checkpoints only, float32 gates. Layouts: checkpoints
+    packed per (layer, slot) (``[HV, V, K]``; any layer and slot strides), the rings any
+    strides with ``ring_k`` / ``ring_v`` contiguous along their last axis, index tensors
+    contiguous. ``slots`` is checked by :mod:`~replayssm.ops.guards` (once per step on
+    the host; on the device inside a CUDA graph); live slots must be unique. ``start``
+    and ``count`` are not read on the host: a count above ``R`` folds ``R`` records, a
+    negative one none, and a start is taken modulo ``R``.
     """
     nl, ns, r = check_fold_args(checkpoints, ring_k, ring_v, ring_g, ring_beta, slots, start, count)
     _checks.tensor("checkpoints", checkpoints, dtypes=STATE_DTYPES_TRITON)
@@ -276,8 +299,8 @@ def gdn_fold_triton(
     _checks.tensor("ring_v", ring_v, dtypes=(torch.float16, torch.bfloat16, torch.float32))
     for name, x in (("ring_g", ring_g), ("ring_beta", ring_beta)):
         _checks.tensor(name, x, dtypes=(torch.float32,))
-    _checks.contiguous(
-        checkpoints=checkpoints, ring_k=ring_k, ring_v=ring_v, ring_g=ring_g, ring_beta=ring_beta,
-        slots=slots, start=start, count=count,
-    )
+    _checks.packed("checkpoints", checkpoints, 3)
+    check_inner_contiguous(ring_k=ring_k, ring_v=ring_v)
+    _checks.contiguous(slots=slots, start=start, count=count)
+    slots = guards.check_slots(slots, num_slots=ns)
     launch_fold(checkpoints, ring_k, ring_v, ring_g, ring_beta, slots, start, count)

@@ -81,18 +81,44 @@ def check_varlen(
         )
     cu = cu_seqlens.tolist()
     sl = slots.tolist()
+    error = varlen_error(cu, sl, num_tokens, num_slots, max_len)
+    if error:
+        raise ValueError(error)
+    return cu, sl
+
+
+def varlen_error(
+    cu: list[int], sl: list[int], num_tokens: int, num_slots: int, max_len: int | None = None
+) -> str | None:
+    """What is wrong with a packed batch given as host lists (``None``: nothing).
+
+    The one statement of the index contract, shared by the reference ops
+    (:func:`check_varlen`) and the Triton launchers' guards
+    (:mod:`replayssm.ops.guards`): ``cu`` starts at 0, never decreases and ends at
+    ``num_tokens``; with ``max_len`` every window has ``1..max_len`` tokens; slots lie in
+    ``[-1, num_slots)`` and live ones are unique.
+    """
+    if len(cu) != len(sl) + 1:
+        return f"cu_seqlens must have len(slots) + 1 = {len(sl) + 1} entries, got {len(cu)}"
     if cu[0] != 0 or cu[-1] != num_tokens:
-        raise ValueError(f"cu_seqlens must start at 0 and end at the token count {num_tokens}, got {cu}")
+        return f"cu_seqlens must start at 0 and end at the token count {num_tokens}, got {cu}"
     for i in range(len(sl)):
         n = cu[i + 1] - cu[i]
         if n < 0:
-            raise ValueError(f"cu_seqlens must be non-decreasing, got {cu}")
+            return f"cu_seqlens must be non-decreasing, got {cu}"
         if max_len is not None and not 1 <= n <= max_len:
-            raise ValueError(f"window {i} has {n} tokens, expected 1..{max_len}")
+            return f"window {i} has {n} tokens, expected 1..{max_len}"
+    return slots_error(sl, num_slots, unique=True)
+
+
+def slots_error(sl: list[int], num_slots: int, *, unique: bool) -> str | None:
+    """What is wrong with slot values given as a host list (``None``: nothing): each in
+    ``[-1, num_slots)``, and with ``unique`` no live slot twice."""
     for i, s in enumerate(sl):
         if not -1 <= s < num_slots:
-            raise ValueError(f"slots[{i}] = {s} is outside [-1, {num_slots})")
-    live = [s for s in sl if s >= 0]
-    if len(set(live)) != len(live):
-        raise ValueError(f"slots must be unique (apart from -1 padding), got {sl}")
-    return cu, sl
+            return f"slots[{i}] = {s} is outside [-1, {num_slots})"
+    if unique:
+        live = [s for s in sl if s >= 0]
+        if len(set(live)) != len(live):
+            return f"slots must be unique (apart from -1 padding), got {sl}"
+    return None

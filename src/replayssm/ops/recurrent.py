@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _checks, tuning
+from . import _checks, guards, tuning
 from .dispatch import pick, register
 from .gates import expand_heads, gdn_gates, l2_normalize
 from .records import RawRecords, check_varlen
@@ -311,11 +311,12 @@ if triton is not None:
         state_ptr, slots_ptr, cu_ptr, o_ptr,
         snap_ptr, rec_k_ptr, rec_v_ptr, rec_g_ptr, rec_beta_ptr,
         stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
-        stride_a_tok, stride_b_tok,
+        stride_a_tok, stride_b_tok, stride_state_slot, stride_snap_slot,
+        srk_slot, srk_pos, srk_head, srv_slot, srv_pos, srv_head, srg_slot, srg_pos, srg_head,
+        srb_slot, srb_pos, srb_head,
         scale, eps,
         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
         BK: tl.constexpr, BV: tl.constexpr, T: tl.constexpr,
-        SNAP_LEN: tl.constexpr, RING_LEN: tl.constexpr,
         HAS_SNAPSHOTS: tl.constexpr, HAS_RECORDS: tl.constexpr, UPDATE_STATE: tl.constexpr,
     ):
         i_v, i_b, i_hv, i_h, slot, bos, length = _tl_window_program(slots_ptr, cu_ptr, H, HV)
@@ -336,11 +337,16 @@ if triton is not None:
         A_log = tl.load(A_log_ptr + i_hv)
         dt_bias = tl.load(dt_bias_ptr + i_hv)
         tile = offs_v[:, None] * K + offs_c[None, :]
-        state_at = state_ptr + (slot * HV + i_hv) * (V * K)
+        state_at = state_ptr + slot * stride_state_slot + i_hv * (V * K)  # [HV, V, K] packed per slot
         S0, S1, S2, S3 = _tl_load_parts(state_at, tile, mask_v[:, None], offs_c[None, :], K, KQ)
         if HAS_RECORDS:
             # Raw k once per key head: by the group's first value head, first V block.
             k_writer = (i_hv % (HV // H) == 0) & (i_v == 0)
+            # This program's records (any slot and head strides), positions added per token.
+            rk_at = rec_k_ptr + slot * srk_slot + i_h * srk_head
+            rv_at = rec_v_ptr + slot * srv_slot + i_hv * srv_head
+            rg_at = rec_g_ptr + slot * srg_slot + i_hv * srg_head
+            rb_at = rec_beta_ptr + slot * srb_slot + i_hv * srb_head
 
         # Software pipelining by hand: the next token's loads are issued before this
         # token's step, so their latency hides behind the arithmetic. Masks that fold
@@ -376,17 +382,15 @@ if triton is not None:
             o = _tl_row_dot(S0, S1, S2, S3, qh0, qh1, qh2, qh3)
             tl.store(o_row + i * HV * V, _tl_to_rtne(o, o_ptr.dtype.element_ty), mask=mv)
             if HAS_SNAPSHOTS:
-                snap_at = snap_ptr + ((slot * SNAP_LEN + i) * HV + i_hv) * (V * K)
+                snap_at = snap_ptr + slot * stride_snap_slot + (i * HV + i_hv) * (V * K)
                 _tl_store_parts(snap_at, tile, mv[:, None], offs_c[None, :], K, KQ, S0, S1, S2, S3)
             if HAS_RECORDS:
                 # Side channel only: stores, no change to the arithmetic above (the raw
                 # key's parts went through fp32 and back, which is lossless).
-                rec = slot * RING_LEN + i
-                _tl_store_parts(rec_k_ptr, (rec * H + i_h) * K + offs_c, _tl_mask_and(mc, k_writer), offs_c, K, KQ,
-                                k0, k1, k2, k3)
-                tl.store(rec_v_ptr + (rec * HV + i_hv) * V + offs_v, v.to(rec_v_ptr.dtype.element_ty), mask=mv)
-                tl.store(rec_g_ptr + rec * HV + i_hv, g, mask=valid & (i_v == 0))
-                tl.store(rec_beta_ptr + rec * HV + i_hv, beta, mask=valid & (i_v == 0))
+                _tl_store_parts(rk_at, i * srk_pos + offs_c, _tl_mask_and(mc, k_writer), offs_c, K, KQ, k0, k1, k2, k3)
+                tl.store(rv_at + i * srv_pos + offs_v, v.to(rec_v_ptr.dtype.element_ty), mask=mv)
+                tl.store(rg_at + i * srg_pos, g, mask=valid & (i_v == 0))
+                tl.store(rb_at + i * srb_pos, beta, mask=valid & (i_v == 0))
         if UPDATE_STATE:
             _tl_store_parts(state_at, tile, mask_v[:, None], offs_c[None, :], K, KQ, S0, S1, S2, S3)
 
@@ -411,13 +415,15 @@ def gdn_recurrence_triton(
 ) -> torch.Tensor:
     """Triton version of :func:`gdn_recurrence_reference` (same arguments and results).
 
-    Differences: float64 is not supported (the reference is the float64 oracle); the
-    state and snapshots must be contiguous and the activations contiguous along their
-    last axis; ``slots`` / ``cu_seqlens`` values are not read on the host (no device
-    synchronisation, CUDA-graph capturable): windows must be ``1..T`` tokens with ``T``
-    the bound from ``snapshots``, ``records`` or ``max_len``, and live slots unique and
-    in range, as :meth:`~replayssm.state.StatePool.batch` guarantees. ``records.g`` and
-    ``records.beta`` must be float32.
+    Differences: float64 is not supported (the reference is the float64 oracle).
+    Layouts: ``state`` packed per slot (``[HV, V, K]``; any slot stride), ``snapshots``
+    packed per slot (``[T, HV, V, K]``), the records any strides on their slot, position
+    and head axes with the last axis contiguous (SGLang's ``[slots, heads, R, dim]``
+    rings, transposed, fit), activations contiguous along their last axis.
+    ``records.g`` and ``records.beta`` must be float32. Windows must have ``1..T``
+    tokens with ``T`` the bound from ``snapshots``, ``records`` or ``max_len``, and live
+    slots be unique and in range: :mod:`~replayssm.ops.guards` checks that once per step
+    on the host, or on the device inside a CUDA graph (bad rows run as padding).
     """
     n, h, kd, hv, vd = check_layer_inputs(q, k, v, a, b, A_log, dt_bias)
     for name, x in (("q", q), ("k", k), ("v", v), ("a", a), ("b", b)):
@@ -426,7 +432,7 @@ def gdn_recurrence_triton(
     _checks.tensor("state", state, ndim=4, dtypes=STATE_DTYPES_TRITON)
     num_slots = state.shape[0]
     _checks.shape("state", state, [num_slots, hv, vd, kd])
-    _checks.contiguous(state=state)
+    _checks.packed("state", state, 3)
     check_index_pair(slots, cu_seqlens)
     _checks.same_device(q, state=state, slots=slots, cu_seqlens=cu_seqlens)
     max_len = check_max_len(max_len)
@@ -434,7 +440,7 @@ def gdn_recurrence_triton(
     if snapshots is not None:
         _checks.tensor("snapshots", snapshots, ndim=5, dtypes=STATE_DTYPES_TRITON)
         _checks.shape("snapshots", snapshots, [num_slots, None, hv, vd, kd])
-        _checks.contiguous(snapshots=snapshots)
+        _checks.packed("snapshots", snapshots, 4)
         _checks.same_device(q, snapshots=snapshots)
         snap_len = snapshots.shape[1]
     if records is not None:
@@ -443,7 +449,7 @@ def gdn_recurrence_triton(
         records.check("records", num_slots, h, kd, hv, vd)
         for field in ("g", "beta"):
             _checks.tensor(f"records.{field}", getattr(records, field), dtypes=(torch.float32,))
-        _checks.contiguous(**{f"records.{f}": getattr(records, f) for f in records._fields})
+        check_inner_contiguous(**{f"records.{f}": getattr(records, f) for f in ("k", "v")})
         _checks.same_device(q, records=records.k)
         ring_len = records.ring_len
     o = torch.empty(n, hv, vd, dtype=v.dtype, device=v.device)
@@ -451,19 +457,25 @@ def gdn_recurrence_triton(
     if batch == 0:
         return o
     t = window_bound(max_len, snap_len, ring_len)
+    given = slots
+    bound = min(b for b in (max_len, snap_len, ring_len) if b)
+    slots, cu_seqlens = guards.check_indices(slots, cu_seqlens, num_slots=num_slots, num_tokens=n, max_len=bound)
+    if slots is not given:
+        o.zero_()  # rewritten on the device: rows made padding zero only what they cover
     bk = exact_block_k(kd)
     bv = pick_block_v(kd, vd, batch, hv, state.dtype, q.device, read_only=snapshots is None and not update_state)
     dummy = o  # stands in for absent optional buffers; never dereferenced
     rec = records if records is not None else RawRecords(dummy, dummy, dummy, dummy)
+    rec_strides = [x.stride(d) if records is not None else 0 for x in rec for d in range(3)]
     grid = (triton.cdiv(vd, bv), batch, hv)
     _recurrence_kernel[grid](
         q, k, v, a, b, A_log, dt_bias,
         state, slots, cu_seqlens, o,
         snapshots if snapshots is not None else dummy, rec.k, rec.v, rec.g, rec.beta,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
+        state.stride(0), snapshots.stride(0) if snapshots is not None else 0, *rec_strides,
         kd**-0.5, NORM_EPS,
         H=h, HV=hv, K=kd, V=vd, BK=bk, BV=bv, T=t,
-        SNAP_LEN=snap_len or 1, RING_LEN=ring_len or 1,
         HAS_SNAPSHOTS=snapshots is not None, HAS_RECORDS=records is not None, UPDATE_STATE=bool(update_state),
         num_warps=EXACT_NUM_WARPS,
     )

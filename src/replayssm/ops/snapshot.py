@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _checks
+from . import _checks, guards
 from .dispatch import pick, register
 
 
@@ -76,23 +76,23 @@ if triton is not None:
 
     @triton.jit
     def _snapshot_commit_kernel(
-        ckpt_ptr, snap_ptr, slots_ptr, acc_ptr, num_slots,
+        ckpt_ptr, snap_ptr, slots_ptr, acc_ptr, sc_layer, sc_slot, ss_layer, ss_slot,
         NUMEL: tl.constexpr, TS: tl.constexpr, BLOCK: tl.constexpr,
     ):
         i_x = tl.program_id(0)
         i_b = tl.program_id(1)
-        i_l = tl.program_id(2)
+        i_l = tl.program_id(2).to(tl.int64)
         slot = tl.load(slots_ptr + i_b).to(tl.int64)
         if slot < 0:
             return
         # 1 <= n <= T is the caller's contract; clamp so a bad value cannot address
         # outside this slot's snapshots.
         n = tl.minimum(tl.maximum(tl.load(acc_ptr + i_b).to(tl.int64), 1), TS)
-        ls = i_l * num_slots + slot
         offs = i_x * BLOCK + tl.arange(0, BLOCK)
         mask = offs < NUMEL
-        x = tl.load(snap_ptr + (ls * TS + n - 1) * NUMEL + offs, mask=mask)
-        tl.store(ckpt_ptr + ls * NUMEL + offs, x, mask=mask)
+        # Any layer and slot strides; a state (and a slot's T states) packed.
+        x = tl.load(snap_ptr + i_l * ss_layer + slot * ss_slot + (n - 1) * NUMEL + offs, mask=mask)
+        tl.store(ckpt_ptr + i_l * sc_layer + slot * sc_slot + offs, x, mask=mask)
 
 
 @register("snapshot_commit", "triton")
@@ -101,14 +101,19 @@ def snapshot_commit_triton(
 ) -> None:
     """Triton version of :func:`snapshot_commit_reference` (same arguments), one launch.
 
-    Differences: float32/bfloat16, contiguous buffers; ``slots`` / ``accepted`` values
-    are not read on the host (no device synchronisation); ``accepted`` is clamped to
-    ``[1, T]``.
+    Differences: float32/bfloat16. Layouts: any layer and slot strides, each state
+    (checkpoints) and each slot's ``T`` states (snapshots) packed; index tensors
+    contiguous. ``slots`` is checked by :mod:`~replayssm.ops.guards` (once per step on
+    the host; on the device inside a CUDA graph); ``accepted`` is not read on the host
+    and is clamped to ``[1, T]``.
     """
     check_snapshot_args(checkpoints, snapshots, slots, accepted)
     _checks.tensor("checkpoints", checkpoints, dtypes=(torch.float32, torch.bfloat16))
-    _checks.contiguous(checkpoints=checkpoints, snapshots=snapshots, slots=slots, accepted=accepted)
+    _checks.packed("checkpoints", checkpoints, 3)
+    _checks.packed("snapshots", snapshots, 4)
+    _checks.contiguous(slots=slots, accepted=accepted)
     nl, ns = checkpoints.shape[:2]
+    slots = guards.check_slots(slots, num_slots=ns)
     numel = checkpoints[0, 0].numel()
     batch = slots.shape[0]
     if batch == 0 or nl == 0 or numel == 0:
@@ -116,5 +121,6 @@ def snapshot_commit_triton(
     block = min(COPY_BLOCK, triton.next_power_of_2(numel))
     grid = (triton.cdiv(numel, block), batch, nl)
     _snapshot_commit_kernel[grid](
-        checkpoints, snapshots, slots, accepted, ns, NUMEL=numel, TS=snapshots.shape[2], BLOCK=block, num_warps=4
+        checkpoints, snapshots, slots, accepted, checkpoints.stride(0), checkpoints.stride(1),
+        snapshots.stride(0), snapshots.stride(1), NUMEL=numel, TS=snapshots.shape[2], BLOCK=block, num_warps=4
     )

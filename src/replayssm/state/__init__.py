@@ -5,8 +5,8 @@ register themselves (:mod:`.registry`) for ``StatePool(..., strategy=name)``.
 """
 
 from .batch import Batch
-from .layout import STATE_DTYPES, BufferSpec, GDNShape, PoolExhausted, StepProtocolError
-from .pool import StatePool
+from .layout import STATE_DTYPES, BufferSpec, GDNShape, PoolConfig, PoolExhausted, StepProtocolError
+from .pool import StatePool, as_index, buffer_specs
 from .registry import register_strategy, registered_strategies, strategy_class
 
 __all__ = [
@@ -14,9 +14,12 @@ __all__ = [
     "Batch",
     "BufferSpec",
     "GDNShape",
+    "PoolConfig",
     "PoolExhausted",
     "StatePool",
     "StepProtocolError",
+    "as_index",
+    "buffer_specs",
     "register_strategy",
     "registered_strategies",
     "strategy_class",

@@ -7,6 +7,8 @@ from typing import Sequence
 
 import torch
 
+from ..ops import guards
+
 
 @dataclass(eq=False)
 class Batch:
@@ -26,6 +28,10 @@ class Batch:
         generations: per row, the pool's allocation generation of the slot when the
             batch was built (``None``: unknown); a step refuses a slot that changed
             hands since.
+
+    A batch from :meth:`build` records the host copies of its index tensors for the
+    kernels' guards (:mod:`replayssm.ops.guards`), which therefore read nothing back;
+    change its slots only through :meth:`set_slots`.
     """
 
     slots: torch.Tensor
@@ -34,9 +40,29 @@ class Batch:
     host_slots: tuple[int, ...] | None = None
     generations: tuple[int, ...] | None = None
     max_len: int = field(init=False)
+    _device_lengths: torch.Tensor | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self):
         self.max_len = max(self.lengths, default=0)
+
+    @property
+    def device_lengths(self) -> torch.Tensor:
+        """``[B]`` int32 window lengths on the batch's device (from ``cu_seqlens``, built
+        once, without a host read)."""
+        if self._device_lengths is None:
+            self._device_lengths = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).to(torch.int32)
+        return self._device_lengths
+
+    def set_slots(self, slots: Sequence[int]) -> None:
+        """Rewrite the rows' slots in place (a static batch whose rows change between
+        steps, e.g. one a CUDA graph was captured with); the caller has checked them.
+        Keeps the recorded host copy in step with the device values."""
+        host = tuple(int(s) for s in slots)
+        if len(host) != self.size:
+            raise ValueError(f"need {self.size} slots, got {len(host)}")
+        self.slots.copy_(torch.tensor(host, dtype=self.slots.dtype))
+        self.host_slots = host
+        guards.record_host_values(self.slots, host)
 
     @property
     def size(self) -> int:
@@ -60,8 +86,8 @@ class Batch:
             cu.append(cu[-1] + n)
         host = tuple(int(s) for s in slots)
         return cls(
-            slots=torch.tensor(host, dtype=torch.int32, device=device),
-            cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=device),
+            slots=guards.host_index(host, device),
+            cu_seqlens=guards.host_index(cu, device),
             lengths=tuple(int(n) for n in lengths),
             host_slots=host,
             generations=None if generations is None else tuple(generations),

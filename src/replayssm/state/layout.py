@@ -63,16 +63,46 @@ class GDNShape:
     def state_numel(self) -> int:
         return self.num_value_heads * self.head_v_dim * self.head_k_dim
 
+    def tp_shard(self, world_size: int) -> "GDNShape":
+        """The geometry one rank of ``world_size``-way tensor parallelism holds: ``H /
+        world_size`` key heads and ``HV / world_size`` value heads (DESIGN.md section 8).
+        A sharded pool is a pool of this smaller shape; nothing else changes."""
+        if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+            raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+        if self.num_heads % world_size:
+            raise ValueError(f"{self.num_heads} key heads do not split over {world_size} ranks")
+        return GDNShape(self.num_heads // world_size, self.num_value_heads // world_size, self.head_k_dim,
+                        self.head_v_dim, self.conv_kernel)
+
+    def tp_conv_channels(self, rank: int, world_size: int) -> list[int]:
+        """Which of the ``q|k|v`` conv channels rank ``rank`` holds, in its own order:
+        its key heads' slice of the ``q`` block, the same slice of the ``k`` block, then
+        its value heads' slice of the ``v`` block (the conv is depthwise, so a shard's
+        channels, taps and bias are those rows)."""
+        part = self.tp_shard(world_size)
+        if not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
+        qk = part.num_heads * self.head_k_dim
+        vv = part.num_value_heads * self.head_v_dim
+        key = self.num_heads * self.head_k_dim
+        return ([*range(rank * qk, (rank + 1) * qk)] + [*range(key + rank * qk, key + (rank + 1) * qk)]
+                + [*range(2 * key + rank * vv, 2 * key + (rank + 1) * vv)])
+
 
 @dataclass(frozen=True)
 class BufferSpec:
-    """A buffer a strategy asks the pool for.
+    """A buffer of a pool: what the pool allocates, or what a caller's tensor must be.
 
     ``shape`` excludes the leading ``[num_layers, num_slots]`` (``per_layer``) or
     ``[num_slots]`` axes. ``fill`` is the initial value; float scratch starts as NaN so
     that a read of a never-written entry cannot go unnoticed. ``committed``: whether the
     buffer holds committed state between steps (saved and restored by
     ``Strategy.save_states``) or only a step's scratch.
+
+    Layout of a caller's tensor: ``packed`` is how many trailing axes of the full tensor
+    must be packed (row-major without gaps, the last of stride 1); every axis before
+    them may have any (nonzero) stride, e.g. the layer and slot strides of an engine
+    that interleaves layers or pages. ``why`` says which kernels need the packing.
     """
 
     shape: tuple[int, ...]
@@ -80,3 +110,21 @@ class BufferSpec:
     per_layer: bool = True
     fill: float = float("nan")
     committed: bool = True
+    packed: int = 0
+    why: str = ""
+
+    def full_shape(self, num_layers: int, num_slots: int) -> tuple[int, ...]:
+        """The shape of the whole buffer, leading axes included."""
+        return ((num_layers, num_slots) if self.per_layer else (num_slots,)) + tuple(self.shape)
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """What a strategy's buffers depend on (``Strategy.buffer_specs`` receives this, or
+    the pool itself, which has the same attributes)."""
+
+    shape: GDNShape
+    window: int
+    ring_len: int
+    state_dtype: torch.dtype
+    act_dtype: torch.dtype

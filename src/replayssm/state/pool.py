@@ -8,6 +8,13 @@ in :mod:`replayssm.state.registry`) declares the extra buffers it needs as
 :class:`BufferSpec` values; the pool allocates and accounts for them without knowing
 what they mean, and the strategy reads them through its own typed view.
 
+Caller-owned buffers. An engine that owns its memory hands its tensors in
+(``StatePool(..., buffers={"checkpoints": ssm_states, ...})``): the pool checks each
+against its :class:`BufferSpec` (:func:`buffer_specs` lists them before a pool exists)
+and works on it in place; it allocates only the buffers not handed in. Slot and layer
+strides are free wherever the kernels allow (``BufferSpec.packed``), so views into an
+engine's interleaved layout serve as they are.
+
 Open steps. Between a step's first ``verify`` / ``conv_verify`` and its ``commit`` (or
 ``abort``) the step's slots hold half-done work (scratch written, for ``circular`` some
 layers' histories already folded). The pool refuses to free, fork, reset or re-allocate
@@ -17,21 +24,76 @@ slot would otherwise receive the old request's commit.
 
 from __future__ import annotations
 
+import operator
 from types import MappingProxyType
 from typing import Iterable, Mapping, Sequence
 
+import numpy as np
 import torch
 
-from ..ops import _checks
-from ..ops.dispatch import BACKENDS
+from ..ops import _checks, guards
+from ..ops.dispatch import BACKENDS, resolve
 from .batch import Batch
-from .layout import STATE_DTYPES, BufferSpec, GDNShape, PoolExhausted, StepProtocolError
+from .layout import STATE_DTYPES, BufferSpec, GDNShape, PoolConfig, PoolExhausted, StepProtocolError
 from .registry import strategy_class
 
-__all__ = ["STATE_DTYPES", "BufferSpec", "GDNShape", "PoolExhausted", "StatePool", "StepProtocolError"]
+__all__ = [
+    "STATE_DTYPES", "BufferSpec", "GDNShape", "PoolExhausted", "StatePool", "StepProtocolError", "as_index",
+    "buffer_specs",
+]
 
 #: the pool's own buffers; a strategy's specs may not reuse these names
 CORE_BUFFERS = ("checkpoints", "conv_state", "conv_window")
+#: the committed state an engine may have written before a slot joins (``alloc(keep_state=True)``)
+STATE_BUFFERS = ("checkpoints", "conv_state")
+
+
+def as_index(name: str, value) -> int:
+    """``value`` as a Python int: ints, numpy integer scalars and one-element integer
+    tensors are accepted (a CUDA tensor is read, one synchronisation); bools, floats and
+    anything else raise ``TypeError`` naming ``name``."""
+    if isinstance(value, (bool, np.bool_)) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        raise TypeError(f"{name} must be an integer, got a bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__}") from None
+
+
+def buffer_specs(
+    shape: GDNShape,
+    *,
+    strategy: str | type = "circular",
+    window: int = 4,
+    ring_len: int = 16,
+    state_dtype: torch.dtype = torch.float32,
+    act_dtype: torch.dtype = torch.float32,
+) -> dict[str, BufferSpec]:
+    """Every buffer a pool of this configuration holds, by name: what an engine
+    allocates to hand its own tensors in (DESIGN.md, "Buffers an engine may own").
+
+    Each buffer is ``spec.full_shape(num_layers, num_slots)`` of ``spec.dtype``; its
+    first axes may have any strides, its last ``spec.packed`` axes must be packed.
+    """
+    strategy_cls = strategy_class(strategy)
+    cfg = PoolConfig(shape, window, ring_len, state_dtype, act_dtype)
+    s = shape
+    specs = {
+        "checkpoints": BufferSpec(
+            (s.num_value_heads, s.head_v_dim, s.head_k_dim), state_dtype, fill=0.0,
+            packed=strategy_cls.checkpoint_packed,
+            why=strategy_cls.packed_reason or "the kernels read and write a state [HV, V, K] as one packed block",
+        ),
+        # Any strides: a [slots, W - 1, C] state passed transposed serves as it is.
+        "conv_state": BufferSpec((s.conv_dim, s.conv_kernel - 1), act_dtype, fill=0.0),
+        "conv_window": BufferSpec((window, s.conv_dim), act_dtype, committed=False),
+    }
+    extra = dict(strategy_cls.buffer_specs(cfg))
+    for name, spec in extra.items():
+        if name in specs or not isinstance(name, str) or not isinstance(spec, BufferSpec):
+            raise ValueError(f"strategy {strategy_cls.__name__} declares an invalid or reserved buffer {name!r}")
+    specs.update(extra)
+    return specs
 class StatePool:
     """GDN recurrent state of ``num_slots`` requests over ``num_layers`` layers.
 
@@ -47,6 +109,9 @@ class StatePool:
         act_dtype: dtype of activations (conv state, raw records).
         device: where every buffer lives.
         backend: ``"auto"``, ``"reference"`` or ``"triton"`` for the strategy's ops.
+        buffers: tensors the caller owns, by buffer name (any subset of
+            :func:`buffer_specs`); the pool uses them in place, keeps their contents
+            (slots get their fill at :meth:`alloc`) and allocates the rest.
 
     Buffers (see :meth:`nbytes`): :attr:`checkpoints` ``[layers, slots, HV, V, K]``,
     :attr:`conv_state` ``[layers, slots, C, W - 1]``, :attr:`conv_window` ``[layers,
@@ -69,6 +134,7 @@ class StatePool:
         act_dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         backend: str = "auto",
+        buffers: Mapping[str, torch.Tensor] | None = None,
     ):
         if not isinstance(shape, GDNShape):
             raise TypeError(f"shape must be a GDNShape, got {type(shape).__name__}")
@@ -82,7 +148,8 @@ class StatePool:
             raise TypeError(f"act_dtype must be a float dtype, got {act_dtype}")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        strategy_cls.check_config(window=window, ring_len=ring_len)
+        device = torch.device(device)
+        strategy_cls.check_config(window=window, ring_len=ring_len, backend=resolve(backend, device))
 
         self.shape = shape
         self.num_layers = num_layers
@@ -98,21 +165,26 @@ class StatePool:
         self.backend = backend
 
         s = shape
-        specs = {
-            "checkpoints": BufferSpec((s.num_value_heads, s.head_v_dim, s.head_k_dim), state_dtype, fill=0.0),
-            "conv_state": BufferSpec((s.conv_dim, s.conv_kernel - 1), act_dtype, fill=0.0),
-            "conv_window": BufferSpec((window, s.conv_dim), act_dtype, committed=False),
-        }
-        extra = dict(strategy_cls.buffer_specs(self))
-        for name, spec in extra.items():
-            if name in specs or not isinstance(name, str) or not isinstance(spec, BufferSpec):
-                raise ValueError(f"strategy {strategy_cls.__name__} declares an invalid or reserved buffer {name!r}")
-        specs.update(extra)
+        specs = buffer_specs(shape, strategy=strategy_cls, window=window, ring_len=ring_len,
+                             state_dtype=state_dtype, act_dtype=act_dtype)
+        if buffers is not None and not isinstance(buffers, Mapping):
+            raise TypeError(f"buffers must be a mapping of name -> tensor, got {type(buffers).__name__}")
+        given = dict(buffers or {})
+        unknown = sorted(set(given) - set(specs))
+        if unknown:
+            raise ValueError(
+                f"buffers has {unknown}, which a {strategy_cls.name} pool does not hold (it holds {list(specs)})"
+            )
         self._specs: dict[str, BufferSpec] = specs
         self._buffers: dict[str, torch.Tensor] = {}
         for name, spec in specs.items():
-            lead = (num_layers, num_slots) if spec.per_layer else (num_slots,)
-            self._buffers[name] = torch.full(lead + spec.shape, spec.fill, dtype=spec.dtype, device=self.device)
+            full = spec.full_shape(num_layers, num_slots)
+            if name in given:
+                self._buffers[name] = self._check_given(name, spec, given[name], full)
+            else:
+                self._buffers[name] = torch.full(full, spec.fill, dtype=spec.dtype, device=self.device)
+        #: names of the buffers the caller handed in (the pool owns the others)
+        self.caller_buffers: frozenset[str] = frozenset(given)
         #: read-only view name -> tensor of every buffer (the tensors themselves are the
         #: live storage); for accounting, tests and tools. Strategies use typed access.
         self.buffers: Mapping[str, torch.Tensor] = MappingProxyType(self._buffers)
@@ -130,13 +202,39 @@ class StatePool:
         self._layer_views: list[MappingProxyType | None] = [None] * num_layers
         self._free: list[int] = list(range(num_slots))
         self._live: set[int] = set()
+        # Liveness on the device, for batches whose slots are checked there (graph capture).
+        self._live_mask = torch.zeros(num_slots, dtype=torch.bool, device=self.device)
+        guards.error_word(self.device)  # created now, not inside a later graph capture
         # Bumped whenever a slot changes hands (alloc, free): a batch remembers the
         # generations it was built for, so a step cannot open on a slot that was freed
         # (and maybe re-allocated to another request) since.
         self._generation: list[int] = [0] * num_slots
-        # Live slots of the open step (between its first verify and its commit/abort).
+        # Live slots of the open step (between its first verify and its commit/abort);
+        # a step whose slots were checked on the device only covers every slot.
         self._step_slots: frozenset[int] = frozenset()
+        self._step_covers_all = False
         self.strategy = strategy_cls(self)
+
+    def _check_given(self, name: str, spec: BufferSpec, x, full: tuple[int, ...]) -> torch.Tensor:
+        where = f"buffers[{name!r}]"
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{where} must be a torch.Tensor, got {type(x).__name__}")
+        if tuple(x.shape) != full:
+            raise ValueError(f"{where} must have shape {list(full)}, got {list(x.shape)}")
+        if x.dtype != spec.dtype:
+            raise TypeError(f"{where} must have dtype {spec.dtype}, got {x.dtype}")
+        if x.device != self.device:
+            raise ValueError(f"{where} is on {x.device}, the pool on {self.device}")
+        for axis, (n, st) in enumerate(zip(x.shape, x.stride())):
+            if n > 1 and st == 0:
+                raise ValueError(f"{where} has stride 0 on axis {axis}: its entries would share memory")
+        _checks.packed(where, x, spec.packed, spec.why)
+        return x
+
+    @property
+    def config(self) -> PoolConfig:
+        """What the strategy's buffers depend on."""
+        return PoolConfig(self.shape, self.window, self.ring_len, self.state_dtype, self.act_dtype)
 
     # ------------------------------------------------------------------ parameters
     def set_layer_params(
@@ -190,46 +288,56 @@ class StatePool:
     def live_slots(self) -> list[int]:
         return sorted(self._live)
 
-    def alloc(self, slot: int | None = None) -> int:
+    def alloc(self, slot: int | None = None, *, keep_state: bool = False) -> int:
         """Take a free slot and reset it (zero checkpoint and conv state, empty ring).
 
         Args:
-            slot: the slot to take (engines that assign their own cache indices), or
-                ``None`` for the next free one.
+            slot: the slot to take (engines that assign their own cache indices; any
+                integer type), or ``None`` for the next free one.
+            keep_state: keep the slot's checkpoints and conv state as they are (an
+                engine that wrote a request's state into its own buffers, e.g. from a
+                prefix cache); everything else (scratch, ring, cursors) is reset.
 
         Raises:
             PoolExhausted: ``slot`` is ``None`` and every slot is in use.
             ValueError: ``slot`` is out of range or not free.
         """
+        if not isinstance(keep_state, bool):
+            raise TypeError(f"keep_state must be a bool, got {type(keep_state).__name__}")
         if slot is None:
             if not self._free:
                 raise PoolExhausted(f"all {self.num_slots} slots are in use")
             slot = self._free[0]
         else:
-            self.check_slot(slot)
+            slot = self.check_slot(slot)
             if slot not in self._free:
                 raise ValueError(f"slot {slot} is not free (it is allocated to a request)")
         self._check_not_in_step(slot, "allocate")
-        self._reset_slots([slot])
+        self._reset_slots([slot], keep=STATE_BUFFERS if keep_state else ())
         self._free.remove(slot)
-        self._live.add(slot)
-        self._generation[slot] += 1
+        self._take(slot)
         return slot
+
+    def _take(self, slot: int) -> None:
+        self._live.add(slot)
+        self._live_mask[slot] = True
+        self._generation[slot] += 1
 
     def free(self, slot: int) -> None:
         """Return ``slot`` to the pool. Freeing a slot that is not live raises, and so
         does freeing a slot of an open step (commit or abort the step first)."""
-        self.check_slot(slot)
+        slot = self.check_slot(slot)
         if slot not in self._live:
             raise ValueError(f"slot {slot} is not allocated (double free?)")
         self._check_not_in_step(slot, "free")
         self._live.remove(slot)
+        self._live_mask[slot] = False
         self._free.append(slot)
         self._generation[slot] += 1
 
     def fork(self, src: int) -> int:
         """Copy request ``src`` (checkpoint, conv, ring, cursors) into a new slot."""
-        self.check_live(src)
+        src = self.check_live(src)
         self._check_not_in_step(src, "fork")
         if not self._free:
             raise PoolExhausted(f"all {self.num_slots} slots are in use")
@@ -239,19 +347,20 @@ class StatePool:
                 buf[:, dst] = buf[:, src]
             else:
                 buf[dst] = buf[src]
-        self._live.add(dst)
-        self._generation[dst] += 1
+        self._take(dst)
         return dst
 
     def reset(self, slot: int) -> None:
         """Restart a live request from the zero state."""
-        self.check_live(slot)
+        slot = self.check_live(slot)
         self._check_not_in_step(slot, "reset")
         self._reset_slots([slot])
 
-    def _reset_slots(self, slots: Iterable[int]) -> None:
+    def _reset_slots(self, slots: Iterable[int], keep: Sequence[str] = ()) -> None:
         idx = torch.tensor(list(slots), dtype=torch.long, device=self.device)
         for name, buf in self._buffers.items():
+            if name in keep:
+                continue
             spec = self._specs[name]
             if spec.per_layer:
                 buf[:, idx] = spec.fill
@@ -265,8 +374,7 @@ class StatePool:
 
     def generation(self, slot: int) -> int:
         """How many times ``slot`` changed hands (alloc, fork into it, free)."""
-        self.check_slot(slot)
-        return self._generation[slot]
+        return self._generation[self.check_slot(slot)]
 
     # ------------------------------------------------------------------ open steps
     @property
@@ -275,7 +383,7 @@ class StatePool:
         return self._step_slots
 
     def _check_not_in_step(self, slot: int, what: str) -> None:
-        if slot in self._step_slots:
+        if slot in self._step_slots or self._step_covers_all:
             raise StepProtocolError(
                 f"cannot {what} slot {slot}: it belongs to the open step (commit or abort the step first)"
             )
@@ -283,7 +391,11 @@ class StatePool:
     def open_step(self, batch: Batch) -> None:
         """Mark ``batch``'s live slots as in a step (called by the strategy at the
         step's first verify). Checks, on the host, that every slot is still held by the
-        request the batch was built for."""
+        request the batch was built for; a batch whose slots were checked on the device
+        (graph capture) covers every slot until the step ends."""
+        if batch.host_slots is None and guards.on_device(batch.slots):
+            self._step_slots, self._step_covers_all = frozenset(), True
+            return
         slots = batch.host_slots if batch.host_slots is not None else tuple(batch.slots.tolist())
         for i, s in enumerate(slots):
             if s < 0:
@@ -298,52 +410,95 @@ class StatePool:
 
     def close_step(self) -> None:
         """End the open step (called by the strategy at commit / abort)."""
-        self._step_slots = frozenset()
+        self._step_slots, self._step_covers_all = frozenset(), False
+
+    def check_errors(self, *, wait: bool = True) -> None:
+        """Raise :class:`~replayssm.ops.guards.DeviceCheckError` if a device-side check
+        (inside a CUDA graph, or of a CUDA ``accepted`` at commit) found bad index
+        values since the last check. ``wait=False`` reads nothing from the device (the
+        strategies look that way at every step); a graph-replaying engine calls this
+        after its per-step read."""
+        guards.check_errors(self.device, wait=wait)
 
     # ------------------------------------------------------------------ validation
     def check_layer(self, layer) -> None:
         if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < self.num_layers:
             raise ValueError(f"layer must be an int in [0, {self.num_layers}), got {layer!r}")
 
-    def check_slot(self, slot) -> None:
-        if not isinstance(slot, int) or isinstance(slot, bool) or not 0 <= slot < self.num_slots:
-            raise ValueError(f"slot must be an int in [0, {self.num_slots}), got {slot!r}")
+    def check_slot(self, slot, name: str = "slot") -> int:
+        """``slot`` as an int in ``[0, num_slots)`` (any integer type is accepted)."""
+        value = as_index(name, slot)
+        if not 0 <= value < self.num_slots:
+            raise ValueError(f"{name} must be an int in [0, {self.num_slots}), got {slot!r}")
+        return value
 
-    def check_live(self, slot) -> None:
-        self.check_slot(slot)
-        if slot not in self._live:
-            raise ValueError(f"slot {slot} is not allocated")
+    def check_live(self, slot, name: str = "slot") -> int:
+        """``slot`` as an int, which must be allocated."""
+        value = self.check_slot(slot, name)
+        if value not in self._live:
+            raise ValueError(f"slot {value} is not allocated")
+        return value
 
-    def batch(self, slots: Sequence[int], lengths: Sequence[int] | int, *, prefill: bool = False) -> Batch:
+    def batch(self, slots, lengths, *, prefill: bool = False) -> Batch:
         """Validate and pack a step's requests.
 
         Args:
-            slots: live slot per request, ``-1`` for padding rows.
+            slots: live slot per request, ``-1`` for padding rows: a sequence of any
+                integer type, a numpy integer array, or a 1-D integer tensor. A tensor on
+                the pool's device is read once (one synchronisation, the step's check);
+                inside CUDA graph capture it is checked on the device instead (bad rows
+                become padding, reported by :meth:`check_errors`) and ``lengths`` must
+                be one int.
             lengths: tokens per request (one int for all); ``1 <= n <= window`` unless
                 ``prefill`` (then any ``n >= 1``).
         """
-        slots = list(slots)
-        if isinstance(lengths, int):
-            lengths = [lengths] * len(slots)
-        lengths = list(lengths)
+        guards.check_errors(self.device, wait=False)
+        if isinstance(slots, torch.Tensor):
+            _checks.tensor("slots", slots, ndim=1, dtypes=_checks.INTEGER_DTYPES)
+            if slots.device.type != "cpu" and slots.device != self.device:
+                raise ValueError(f"slots is on {slots.device}, the pool on {self.device}")
+            if slots.device.type != "cpu" and guards.on_device(slots):
+                return self._device_batch(slots, lengths, prefill)
+            slots = slots.tolist()
+        elif isinstance(slots, np.ndarray) and slots.dtype.kind not in "iu":
+            raise TypeError(f"slots must hold integers, got a numpy array of {slots.dtype}")
+        slots = [as_index(f"slots[{i}]", s) for i, s in enumerate(slots)]
+        if isinstance(lengths, (int, np.integer)) and not isinstance(lengths, (bool, np.bool_)):
+            lengths = [int(lengths)] * len(slots)
+        lengths = [as_index(f"lengths[{i}]", n) for i, n in enumerate(lengths)]
         if len(lengths) != len(slots):
             raise ValueError(f"lengths has {len(lengths)} entries for {len(slots)} slots")
         seen = set()
         for i, s in enumerate(slots):
             if s == -1:
                 continue
-            if not isinstance(s, int) or isinstance(s, bool):
-                raise TypeError(f"slots[{i}] must be an int, got {type(s).__name__}")
-            self.check_live(s)
+            self.check_live(s, f"slots[{i}]")
             if s in seen:
                 raise ValueError(f"slot {s} appears twice in the batch")
             seen.add(s)
         for i, n in enumerate(lengths):
-            if not isinstance(n, int) or isinstance(n, bool) or n < 1 or (not prefill and n > self.window):
-                bound = "" if prefill else f" and <= window {self.window}"
-                raise ValueError(f"lengths[{i}] must be an int >= 1{bound}, got {n!r}")
+            self._check_length(i, n, prefill)
         generations = tuple(self._generation[s] if s >= 0 else 0 for s in slots)
         return Batch.build(slots, lengths, self.device, generations=generations)
+
+    def _check_length(self, i: int, n: int, prefill: bool) -> None:
+        if n < 1 or (not prefill and n > self.window):
+            bound = "" if prefill else f" and <= window {self.window}"
+            raise ValueError(f"lengths[{i}] must be an int >= 1{bound}, got {n!r}")
+
+    def _device_batch(self, slots: torch.Tensor, lengths, prefill: bool) -> Batch:
+        """A batch of device slots inside graph capture: checked by tensor ops (range,
+        repeats, liveness); the offsets are built on the device (uniform windows)."""
+        if not isinstance(lengths, int) or isinstance(lengths, bool):
+            raise TypeError("inside CUDA graph capture, lengths must be one int (every window the same length)")
+        self._check_length(0, lengths, prefill)
+        b = slots.shape[0]
+        cu = torch.arange(b + 1, dtype=torch.int32, device=self.device) * lengths
+        safe, cu = guards.sanitize_window(
+            slots.to(torch.int32), cu, num_slots=self.num_slots, num_tokens=b * lengths, max_len=lengths,
+            live_mask=self._live_mask,
+        )
+        return Batch(slots=safe, cu_seqlens=cu, lengths=(lengths,) * b)
 
     # ------------------------------------------------------------------ accounting
     def nbytes(self) -> dict[str, int]:

@@ -3,8 +3,10 @@
 The pool looks a strategy up here and never imports :mod:`replayssm.strategies`; the
 strategies register themselves with :func:`register_strategy` when their package is
 imported (``import replayssm`` does that). A strategy class provides ``name``,
-``check_config(window=, ring_len=)``, ``buffer_specs(pool) -> dict[str, BufferSpec]``
-and a constructor taking the pool.
+``check_config(window=, ring_len=, backend=)`` (``backend``: the concrete one),
+``buffer_specs(config) -> dict[str, BufferSpec]`` (a ``PoolConfig`` or the pool),
+``checkpoint_packed`` / ``packed_reason`` (the layout its kernels need of the
+checkpoints) and a constructor taking the pool.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
-from ..ops import _checks
+from ..ops import _checks, guards
 from ..ops.conv import causal_conv_commit, causal_conv_verify
 from ..ops.gates import expand_heads, gdn_gates
 from ..ops.recurrent import check_layer_inputs, gdn_recurrence
@@ -90,13 +90,20 @@ class Strategy:
         self._checked_inputs: tuple | None = None  # see _check_inputs
 
     # ------------------------------------------------------------------ config
-    @classmethod
-    def check_config(cls, *, window: int, ring_len: int) -> None:
-        """Raise ``ValueError`` if ``window`` / ``ring_len`` do not suit the strategy."""
+    #: how many trailing axes of ``checkpoints`` its kernels need packed (3: each state
+    #: ``[HV, V, K]``; any layer and slot strides), and why, if more
+    checkpoint_packed: int = 3
+    packed_reason: str = ""
 
     @classmethod
-    def buffer_specs(cls, pool: "StatePool") -> dict[str, BufferSpec]:
-        """The extra buffers the strategy needs, by name (the fields of :attr:`Buffers`)."""
+    def check_config(cls, *, window: int, ring_len: int, backend: str = "reference") -> None:
+        """Raise ``ValueError`` if ``window`` / ``ring_len`` do not suit the strategy on
+        ``backend`` (the concrete one, ``"reference"`` or ``"triton"``)."""
+
+    @classmethod
+    def buffer_specs(cls, pool) -> dict[str, BufferSpec]:
+        """The extra buffers the strategy needs, by name (the fields of :attr:`Buffers`);
+        ``pool`` is a :class:`~replayssm.state.layout.PoolConfig` (or the pool)."""
         return {}
 
     # ------------------------------------------------------------------ helpers
@@ -129,6 +136,7 @@ class Strategy:
         """Called by a step's first verify / conv_verify after validation, before any
         write: from here until commit / abort the pool guards the batch's slots."""
         if self._step_batch is None:
+            self.pool.check_errors(wait=False)
             self.pool.open_step(batch)
             self._step_batch = batch
 
@@ -240,6 +248,7 @@ class Strategy:
                 ``1 <= n <= length`` for live rows; ignored for padding rows.
         """
         self._check_batch(batch, step=True)
+        self.pool.check_errors(wait=False)
         if self._step_batch is None or self._verified != set(range(self.pool.num_layers)):
             missing = sorted(set(range(self.pool.num_layers)) - self._verified)
             raise StepProtocolError(f"commit needs every layer verified first; missing layers {missing}")
@@ -266,18 +275,27 @@ class Strategy:
         self._close_step()
 
     def _check_accepted(self, batch: Batch, accepted) -> torch.Tensor:
+        """``accepted`` as an int32 tensor on the pool's device, checked once per step.
+
+        Host values (a sequence, a CPU tensor) are checked on the host: a bad count
+        raises before anything changes. A tensor on an accelerator is checked there, so
+        commit does not synchronise: a live row's count outside ``[1, length]`` is
+        clamped into it and raises the error flag, which the next step's first call
+        (or :meth:`StatePool.check_errors`) reports.
+        """
         if not isinstance(accepted, torch.Tensor):
-            accepted = torch.tensor(list(accepted), dtype=torch.int32, device=self.pool.device)
+            accepted = torch.tensor([int(n) for n in accepted], dtype=torch.int32)
         _checks.tensor("accepted", accepted, ndim=1, dtypes=_checks.INDEX_DTYPES)
         _checks.shape("accepted", accepted, [batch.size])
-        _checks.same_device(batch.slots, accepted=accepted)
-        capturing = accepted.is_cuda and torch.cuda.is_current_stream_capturing()
-        if not capturing:  # a value check reads the device; skip it inside graph capture
-            slots = batch.host_slots if batch.host_slots is not None else batch.slots.tolist()
-            for i, (s, n, m) in enumerate(zip(slots, accepted.tolist(), batch.lengths)):
-                if s >= 0 and not 1 <= n <= m:
-                    raise ValueError(f"accepted[{i}] = {n} must be in [1, {m}] (the window length)")
-        return accepted.to(torch.int32)
+        if accepted.device.type != "cpu" or batch.slots.device.type == "cpu":
+            _checks.same_device(batch.slots, accepted=accepted)
+        if accepted.device.type != "cpu":
+            return guards.clamp_accepted(batch.slots, accepted, batch.device_lengths)
+        slots = batch.host_slots if batch.host_slots is not None else batch.slots.tolist()
+        for i, (s, n, m) in enumerate(zip(slots, accepted.tolist(), batch.lengths)):
+            if s >= 0 and not 1 <= n <= m:
+                raise ValueError(f"accepted[{i}] = {n} must be in [1, {m}] (the window length)")
+        return accepted.to(device=self.pool.device, dtype=torch.int32)
 
     def prefill(self, layer: int, q, k, v, a, b, batch: Batch) -> torch.Tensor:
         """Run prompt (or plain decode) tokens and advance the committed state.
@@ -399,9 +417,7 @@ class Strategy:
         :meth:`restore_states`. Only between steps."""
         if self.step_open:
             raise StepProtocolError("save_states between verify and commit: commit or abort the step first")
-        slots = tuple(slots)
-        for sl in slots:
-            self.pool.check_live(sl)
+        slots = tuple(self.pool.check_live(sl) for sl in slots)
         if len(set(slots)) != len(slots):
             raise ValueError(f"slots must be unique, got {list(slots)}")
         idx = torch.tensor(slots, dtype=torch.long, device=self.pool.device)
@@ -438,9 +454,8 @@ class Strategy:
         """A copy of the committed states ``[len(slots), HV, V, K]``, at any time
         (between steps, or between a step's verify and its commit / abort)."""
         self.pool.check_layer(layer)
-        for s in slots:
-            self.pool.check_live(s)
-        idx = torch.tensor(list(slots), dtype=torch.long, device=self.pool.device)
+        slots = [self.pool.check_live(s) for s in slots]
+        idx = torch.tensor(slots, dtype=torch.long, device=self.pool.device)
         return self.pool.checkpoints[layer, idx].clone()
 
     # ------------------------------------------------------------------ subclass hooks

@@ -37,8 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ops import _checks
-from ..ops.chunked import gdn_chunked_window, replays_window
+from ..ops import _checks, guards
+from ..ops.chunked import MAX_WINDOW_TRITON, gdn_chunked_window, replays_window
 from ..ops.cursors import advance_cursors
 from ..ops.fold import gdn_fold
 from ..state.layout import BufferSpec, StepProtocolError
@@ -82,22 +82,43 @@ class CircularStrategy(Strategy):
     Buffers = CircularBuffers
     buf: CircularBuffers
 
+    #: the chunked verify kernels (ops/chunked.py) address checkpoints and ring entries
+    #: by slot with packed strides
+    checkpoint_packed = 4
+    packed_reason = (
+        "circular's chunked verify kernels (ops/chunked.py) address states and ring entries by slot with packed "
+        "strides: hand in slot-packed tensors (any layer stride) or let the pool allocate them"
+    )
+
     @classmethod
-    def check_config(cls, *, window, ring_len):
+    def check_config(cls, *, window, ring_len, backend="reference"):
         if not isinstance(ring_len, int) or isinstance(ring_len, bool):
             raise ValueError(f"ring_len must be an int, got {ring_len!r}")
         _checks.power_of_two("ring_len", ring_len)
         if ring_len < 2 * window:
             raise ValueError(f"ring_len must be at least 2 * window = {2 * window}, got {ring_len}")
+        if backend == "triton" and window > MAX_WINDOW_TRITON:
+            raise ValueError(
+                f"window must be at most {MAX_WINDOW_TRITON} for circular on the triton backend (the chunked "
+                f"verify kernels hold a window block of 2 * max(8, T) rows), got {window}"
+            )
 
     @classmethod
     def buffer_specs(cls, pool):
         s = pool.shape
-        specs = record_specs(pool, pool.ring_len, committed=True)
-        specs["ring_u"] = BufferSpec((pool.ring_len, s.num_value_heads, s.head_v_dim), gate_dtype(pool))
+        specs = record_specs(pool, pool.ring_len, committed=True, slot_packed=cls.packed_reason)
+        specs["ring_u"] = BufferSpec((pool.ring_len, s.num_value_heads, s.head_v_dim), gate_dtype(pool), packed=4,
+                                     why=cls.packed_reason)
         for name in ("write_pos", "cache_base", "is_flush"):
-            specs[name] = BufferSpec((), torch.int32, per_layer=False, fill=0)
+            specs[name] = BufferSpec((), torch.int32, per_layer=False, fill=0, packed=1,
+                                     why="the cursor kernels index [slots] contiguously")
         return specs
+
+    def __init__(self, pool):
+        super().__init__(pool)
+        # Reset by the pool, advanced by the cursor kernels with clamped counts: the
+        # chunked verify's guard need not read them back (ops/guards.py).
+        guards.mark_maintained(self.buf.write_pos, self.buf.cache_base)
 
     #: Whether small batches take the one-launch path (ops/chunked.py ``"replay"``, with a
     #: flush at every commit); the open-loop control keeps the closed form and its flushes.
@@ -141,7 +162,7 @@ class CircularStrategy(Strategy):
             return
         idx = torch.tensor(live, dtype=torch.long, device=dev)
         wp, base, flush = buf.write_pos[idx], buf.cache_base[idx], buf.is_flush[idx] != 0
-        rows = idx.to(torch.int32)
+        rows = guards.host_index(live, dev)
         count = torch.where(flush, wp, torch.zeros_like(wp))
         # Finish the flush for the layers the step did not reach: the same exact fold
         # the verify of those layers would have run.
@@ -174,10 +195,11 @@ class CircularStrategy(Strategy):
     def committed_state(self, layer, slots):
         """Checkpoint + committed history, folded exactly into a copy (see the module
         notes for a flush row between its verify and its commit)."""
+        slots = [self.pool.check_live(s) for s in slots]
         state = super().committed_state(layer, slots)
         buf, dev = self.buf, self.pool.device
         idx = torch.tensor(list(slots), dtype=torch.long, device=dev)
-        local = torch.arange(len(idx), dtype=torch.int32, device=dev)
+        local = guards.host_index(range(len(idx)), dev)
         count = buf.write_pos[idx]
         if layer in self._verified:
             # This layer's verify already folded the history of the step's flush rows.

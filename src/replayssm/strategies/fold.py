@@ -28,15 +28,26 @@ def gate_dtype(pool) -> torch.dtype:
     return torch.float64 if pool.state_dtype == torch.float64 else torch.float32
 
 
-def record_specs(pool, ring_len: int, *, committed: bool) -> dict[str, BufferSpec]:
-    """Buffers of a raw-record ring of ``ring_len`` entries per request and layer."""
+def record_specs(pool, ring_len: int, *, committed: bool, slot_packed: str = "") -> dict[str, BufferSpec]:
+    """Buffers of a raw-record ring of ``ring_len`` entries per request and layer.
+
+    Layout: any strides on the layer, slot, position and head axes, ``k`` and ``v``
+    contiguous along their last axis (SGLang's ``[layers, slots, heads, R, dim]`` rings
+    fit as ``.transpose(2, 3)`` views). With ``slot_packed`` (the reason) everything
+    below the layer axis must be packed instead.
+    """
     s = pool.shape
     gd = gate_dtype(pool)
+
+    def spec(shape, dtype, inner_packed):
+        packed = len(shape) + 1 if slot_packed else inner_packed
+        return BufferSpec(shape, dtype, committed=committed, packed=packed, why=slot_packed)
+
     return {
-        "ring_k": BufferSpec((ring_len, s.num_heads, s.head_k_dim), pool.act_dtype, committed=committed),
-        "ring_v": BufferSpec((ring_len, s.num_value_heads, s.head_v_dim), pool.act_dtype, committed=committed),
-        "ring_g": BufferSpec((ring_len, s.num_value_heads), gd, committed=committed),
-        "ring_beta": BufferSpec((ring_len, s.num_value_heads), gd, committed=committed),
+        "ring_k": spec((ring_len, s.num_heads, s.head_k_dim), pool.act_dtype, 1),
+        "ring_v": spec((ring_len, s.num_value_heads, s.head_v_dim), pool.act_dtype, 1),
+        "ring_g": spec((ring_len, s.num_value_heads), gd, 0),
+        "ring_beta": spec((ring_len, s.num_value_heads), gd, 0),
     }
 
 

@@ -45,7 +45,8 @@ class SnapshotStrategy(Strategy):
     def buffer_specs(cls, pool):
         s = pool.shape
         shape = (pool.window, s.num_value_heads, s.head_v_dim, s.head_k_dim)
-        return {"snapshots": BufferSpec(shape, pool.state_dtype, committed=False)}
+        return {"snapshots": BufferSpec(shape, pool.state_dtype, committed=False, packed=4,
+                                        why="each slot's T states are written as one packed block")}
 
     def _verify(self, layer, q, k, v, a, b, A_log, dt_bias, batch):
         return gdn_recurrence(
