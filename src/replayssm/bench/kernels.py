@@ -49,6 +49,7 @@ from datetime import datetime, timezone
 import torch
 
 from . import common
+from ..ops import guards
 from ..strategies import STRATEGY_NAMES
 from ..progress import ProgressBar
 from .common import StepShape, Timing
@@ -235,8 +236,11 @@ class RecurrenceStep:
             torch.empty(L, batch, cfg.window, hv, vd, kd, dtype=cfg.state_dtype, device=dev) if name == "snapshot_verify" else None
         )
         self.A_log, self.dt_bias = _random_gates(gen, dev, L, hv)
-        self.slots = torch.arange(batch, dtype=torch.int32, device=dev)
-        self.cu_seqlens = torch.arange(0, batch * per_request + 1, per_request, dtype=torch.int32, device=dev)
+        # Index tensors built from host lists, as a pool's batches are: the launchers' guards
+        # check their recorded values on the host and add nothing to the captured step
+        # (a caller's own device indices are checked by tensor ops inside the graph).
+        self.slots = guards.host_index(list(range(batch)), dev)
+        self.cu_seqlens = guards.host_index(list(range(0, batch * per_request + 1, per_request)), dev)
         self.inputs = _LayerInputs(cfg, batch * per_request, gen, conv=False)
         self.outputs: list[torch.Tensor | None] = [None] * L
 
