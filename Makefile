@@ -23,8 +23,11 @@ endif
 run: env
 	$(PY) -m replayssm.cli run
 
+# Two pytest workers, one thread each (torch's default thread count collapses when the
+# workers share two cores); TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
 test: env
-	$(PY) -m pytest -q
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -n $(TEST_WORKERS)
 
 docs: env
 	$(PY) -m mkdocs build --strict
