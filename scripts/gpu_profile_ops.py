@@ -30,7 +30,7 @@ try:
 except ImportError:  # an older tree, for a before-and-after run
     from replayssm.bench.args import int_list, output_path, positive_int
 
-from replayssm.ops import chunked, fold, gdn_fold, gdn_recurrence, recurrent, tuning
+from replayssm.ops import chunked, gdn_fold, gdn_recurrence, recurrent, tuning
 from replayssm.ops.records import RawRecords
 
 

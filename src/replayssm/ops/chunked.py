@@ -322,8 +322,8 @@ if triton is not None:
     from .fold import launch_fold, replay_history as _replay_history
     from .recurrent import _load_token as _rec_load_token, pick_block_v, exact_block_k
     from .triton_common import EXACT_NUM_WARPS, NORM_EPS, block_rows, device_fn as _tl_device_fn
-    from .triton_common import gdn_gates as _tl_gdn_gates, gdn_state_step as _tl_state_step
-    from .triton_common import load_parts as _tl_load_parts, mask_and as _tl_mask_and, normalized as _tl_normalized
+    from .triton_common import gdn_gates as _tl_gdn_gates
+    from .triton_common import mask_and as _tl_mask_and, normalized as _tl_normalized
     from .triton_common import row_dot as _tl_row_dot, row_sum as _tl_row_sum, store_parts as _tl_store_parts
     from .triton_common import to_rtne as _tl_to_rtne, window_program as _tl_window_program
 
@@ -367,7 +367,6 @@ if triton is not None:
         window's gates and (once per key head) raw keys. Coordinates in the BX x BX space:
         a column c < BT is token j = c (its k^), a row is token i (k-row: A, q-row:
         output)."""
-        BX: tl.constexpr = 2 * BT
         i_b = tl.program_id(0)
         hv0 = tl.program_id(1) * VH  # the program's first value head; VH divides the group
         i_h = hv0 // (HV // H)
