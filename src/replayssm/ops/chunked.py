@@ -773,8 +773,10 @@ def gdn_chunked_window_triton(
     Precision: a flush row's folded checkpoint is the recurrence's, bit for bit on one
     device (the fold kernel replays the raw records). Outputs and the window's ``u``
     agree with the reference to fp32 rounding for fp32 activations; for 16-bit
-    activations the big products run on tensor cores in tf32 (see
-    :func:`product_precision`), ~2^-12 relative, below the output's own rounding.
+    activations the products with the state run on tensor cores in tf32 (see
+    :func:`product_precision`), ~2^-12 relative, below the output's own rounding, and so
+    do the outputs kernel's small products with the coefficients (the shape table's
+    ``closed_form.tf32_coefficients``).
 
     Method (``None``: ``"replay"`` when :func:`replays_window` says the batch is small,
     else ``"closed_form"``). ``"replay"`` is one launch: each row's committed history
