@@ -314,17 +314,31 @@ def test_history_and_flush_matter():
         assert (o2 - o).abs().max() > 1e-2 * o.abs().max(), name
 
 
-def test_flush_fold_equals_fold_kernel_bit_for_bit():
+@pytest.mark.parametrize("fuse_flush", [0, 1], ids=["fold_launch", "fused"])
+def test_flush_fold_equals_fold_kernel_bit_for_bit(fuse_flush):
     """A flush row's folded checkpoint is exactly what the fold kernel makes of the same
-    records (both replay them through the shared exact step)."""
-    case = Case(2, 2, 16, 24, 3, 8, pad_row=False, rows=3, max_hist=5)
-    case.is_flush = torch.ones_like(case.is_flush)
-    _, ck_t, _, _ = case.run("triton")
-    ck_f, ring, _ = case.buffers()
-    gdn_fold(ck_f[None], ring.k[None], ring.v[None], ring.g[None], ring.beta[None], case.slots,
-             case.cache_base[case.slots.long()], case.write_pos[case.slots.long()], backend="triton")
-    assert torch.equal(ck_t, ck_f)
-    assert not torch.equal(ck_t, case.checkpoint)
+    records (both replay them through the shared exact step), whether the closed form
+    runs the fold kernel first or folds inside its outputs kernel (the shape table's
+    ``closed_form.fuse_flush``); fp32 and bf16 states."""
+    for state_dtype in (torch.float32, torch.bfloat16):
+        case = Case(2, 2, 16, 24, 3, 8, pad_row=False, rows=3, max_hist=5)
+        case.is_flush = torch.ones_like(case.is_flush)
+        case.checkpoint = case.checkpoint.to(state_dtype)
+        with tuning.override("closed_form", fuse_flush=fuse_flush):
+            _, ck_t, _, _ = case.run("triton", method="closed_form")
+        ck_f, ring, _ = case.buffers()
+        gdn_fold(ck_f[None], ring.k[None], ring.v[None], ring.g[None], ring.beta[None], case.slots,
+                 case.cache_base[case.slots.long()], case.write_pos[case.slots.long()], backend="triton")
+        assert torch.equal(ck_t, ck_f), state_dtype
+        assert not torch.equal(ck_t, case.checkpoint)
+
+
+def test_flush_in_a_fold_launch_matches_reference():
+    """The closed form with its flush in a separate fold launch (the table's
+    ``closed_form.fuse_flush = 0``) against the reference; the fused default runs in
+    every other test of this module."""
+    with tuning.override("closed_form", fuse_flush=0):
+        check_against_reference(Case(2, 2, 24, 20, 3, 8), method="closed_form")
 
 
 def test_strided_inputs():

@@ -352,6 +352,16 @@ if triton is not None:
                     mask=xq_ok[:, None] & mask_k[None, :], other=0.0)
         return k, k.to(tl.float32) + q.to(tl.float32)
 
+    @_tl_device_fn
+    def _mm(a, b, INNER: tl.constexpr, PRECISION: tl.constexpr):
+        """``a @ b`` for fp32 blocks whose inner side is ``INNER``: tl.dot from 16 up (its
+        least inner side on every Triton this runs on), a broadcast sum below (the
+        stacked window of T <= 4 is 8 wide; its products are a few hundred FMAs)."""
+        if INNER >= 16:
+            return tl.dot(a, b, input_precision=PRECISION)
+        else:
+            return _tl_row_sum(a[:, :, None] * b[None, :, :], 1)
+
     @triton.jit
     def _coefficients_kernel(
         q_ptr, k_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, rk_ptr, rg_ptr, rb_ptr,
@@ -444,8 +454,8 @@ if triton is not None:
         inv = tl.where(eye, 1.0, 0.0) - A
         A_pow = A
         for _ in tl.static_range(LOG_T - 1):
-            A_pow = tl.dot(A_pow, A_pow, input_precision="ieee")
-            inv = inv + tl.dot(inv, A_pow, input_precision="ieee")
+            A_pow = _mm(A_pow, A_pow, BX, "ieee")
+            inv = inv + _mm(inv, A_pow, BX, "ieee")
         # The window's corrected deltas and outputs are linear in S x^_r and v:
         #   U_i = sum_j (I + A)^-1_ij beta_j (v_j - exp(G_j) S k^_j)
         #   o_i = exp(G_i) S q^_i + sum_j M_ij U_j
@@ -454,29 +464,70 @@ if triton is not None:
         E = tl.where(is_k[:, None] & is_k[None, :], tl.trans(inv), 0.0)
         MT = tl.trans(M)
         D = beta[:, None] * E
-        D = D + tl.dot(D, MT, input_precision="ieee")
+        D = D + _mm(D, MT, BX, "ieee")
         C = -(beta * e_G)[:, None] * E
-        C = C + tl.dot(C, MT, input_precision="ieee") + tl.where(eye & xq_ok[:, None], e_G[:, None], 0.0)
+        C = C + _mm(C, MT, BX, "ieee") + tl.where(eye & xq_ok[:, None], e_G[:, None], 0.0)
         # S x^_r = exp(Gtot) r_x S0 x_r + sum_c w_c u_c (k^_c . x^_r): the checkpoint enters
         # through C1 = diag(exp(Gtot) r_x) C, the history's u through Z = diag(w) HX C.
         C1 = (e_Gh * r_x)[:, None] * C
-        Z = tl.dot(w_h[:, None] * HX, C, input_precision="ieee")
+        Z = _mm(w_h[:, None] * HX, C, BX, "ieee")
         coef_at = coef_ptr + (i_b * HV + i_hv) * ((2 * BX + BH) * BX)
         tl.store(coef_at + offs_x[:, None] * BX + offs_x[None, :], C1)
         tl.store(coef_at + (BX + offs_h[:, None]) * BX + offs_x[None, :], Z)
         tl.store(coef_at + (BX + BH + offs_x[:, None]) * BX + offs_x[None, :], D)
 
     @triton.jit
+    def _flushed_window_products(q_ptr, k_ptr, ckpt_at, rk_at, rv_at, rg_at, rb_at, base, count, p_tok, i_h,
+                                 offs_v, mask_v, xk_ok, xq_ok,
+                                 stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, eps,
+                                 HK: tl.constexpr, HVV: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                                 L: tl.constexpr, BK: tl.constexpr, BX: tl.constexpr, BV: tl.constexpr,
+                                 ROUND_STATE: tl.constexpr, DOT_PRECISION: tl.constexpr, AHEAD: tl.constexpr):
+        """A flush row's ``S0' x_r [BV, BX]``: fold its ``count`` committed raw records
+        into the checkpoint tile (the fold kernel's replay: same helpers, tile and warps,
+        so the stored checkpoint is the fold's, bit for bit), store it, and multiply the
+        folded tile, as stored, by the stacked window."""
+        KQ: tl.constexpr = BK // 4
+        offs_c = tl.arange(0, KQ)
+        tile = offs_v[:, None] * K + offs_c[None, :]
+        S0, S1, S2, S3 = _replay_history(ckpt_at, tile, rk_at, rv_at, rg_at, rb_at, base, count, offs_c, offs_v, mask_v,
+                                         HK, HVV, HV, HV, eps, K, L, KQ, AHEAD)
+        _tl_store_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ, S0, S1, S2, S3)
+        if ROUND_STATE:
+            # The window starts from the checkpoint as stored (16-bit), as every other
+            # row's does.
+            S0 = _tl_to_rtne(S0, ckpt_at.dtype.element_ty).to(tl.float32)
+            S1 = _tl_to_rtne(S1, ckpt_at.dtype.element_ty).to(tl.float32)
+            S2 = _tl_to_rtne(S2, ckpt_at.dtype.element_ty).to(tl.float32)
+            S3 = _tl_to_rtne(S3, ckpt_at.dtype.element_ty).to(tl.float32)
+        _, x0 = _load_window_x(q_ptr, k_ptr, p_tok, i_h, offs_c, offs_c < K, xk_ok, xq_ok,
+                               stride_q_tok, stride_q_head, stride_k_tok, stride_k_head)
+        _, x1 = _load_window_x(q_ptr, k_ptr, p_tok, i_h, KQ + offs_c, KQ + offs_c < K, xk_ok, xq_ok,
+                               stride_q_tok, stride_q_head, stride_k_tok, stride_k_head)
+        _, x2 = _load_window_x(q_ptr, k_ptr, p_tok, i_h, 2 * KQ + offs_c, 2 * KQ + offs_c < K, xk_ok, xq_ok,
+                               stride_q_tok, stride_q_head, stride_k_tok, stride_k_head)
+        _, x3 = _load_window_x(q_ptr, k_ptr, p_tok, i_h, 3 * KQ + offs_c, 3 * KQ + offs_c < K, xk_ok, xq_ok,
+                               stride_q_tok, stride_q_head, stride_k_tok, stride_k_head)
+        SX = tl.dot(S0, tl.trans(x0), input_precision=DOT_PRECISION)
+        SX = tl.dot(S1, tl.trans(x1), SX, input_precision=DOT_PRECISION)
+        SX = tl.dot(S2, tl.trans(x2), SX, input_precision=DOT_PRECISION)
+        return tl.dot(S3, tl.trans(x3), SX, input_precision=DOT_PRECISION)
+
+    @triton.jit
     def _window_outputs_kernel(
-        q_ptr, k_ptr, v_ptr, ckpt_ptr, rv_ptr, ru_ptr,
+        q_ptr, k_ptr, v_ptr, ckpt_ptr, rk_ptr, rv_ptr, rg_ptr, rb_ptr, ru_ptr,
         slots_ptr, cu_ptr, wp_ptr, base_ptr, flush_ptr, coef_ptr, o_ptr,
-        stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+        stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, eps,
         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
-        BT: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr, BV: tl.constexpr,
+        BT: tl.constexpr, BTC: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr, BV: tl.constexpr,
         DOT_PRECISION: tl.constexpr, COEF_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
+        FUSE_FLUSH: tl.constexpr, ROUND_STATE: tl.constexpr, AHEAD: tl.constexpr,
     ):
         """Outputs and corrected deltas of V block ``i_v`` of a (window, value head), from
-        its rows of the (folded) checkpoint and the coefficients."""
+        its rows of the (folded) checkpoint and the coefficients. With ``FUSE_FLUSH`` a
+        flush row folds its history here (:func:`_flushed_window_products`), so its
+        checkpoint is read once for the fold and the window together; without it the
+        flush kernel has already run."""
         BX: tl.constexpr = 2 * BT
         i_v, i_b, i_hv, i_h, slot, bos, length = _tl_window_program(slots_ptr, cu_ptr, H, HV)
         offs_v = i_v * BV + tl.arange(0, BV)
@@ -490,31 +541,48 @@ if triton is not None:
             return
         wp = tl.load(wp_ptr + slot).to(tl.int64)
         base = tl.load(base_ptr + slot).to(tl.int64)
-        n_hist = tl.where(tl.load(flush_ptr + slot) != 0, 0, wp)
+        flush = tl.load(flush_ptr + slot) != 0
+        n_hist = tl.where(flush, 0, wp)
         ring_at = slot * L
         ckpt_at = ckpt_ptr + (slot * HV + i_hv) * (V * K)
 
-        # S0 x_r for the stacked raw keys and queries: the state's one read.
-        offs_c = tl.arange(0, KC)
-        SX = tl.zeros([BV, BX], dtype=tl.float32)
-        for kc in tl.range(0, BK, KC, num_stages=NUM_STAGES):
-            offs_k = kc + offs_c
-            mask_k = offs_k < K
-            S_c = tl.load(ckpt_at + offs_v[:, None] * K + offs_k[None, :], mask=mask_v[:, None] & mask_k[None, :],
-                          other=0.0).to(tl.float32)
-            _, x_c = _load_window_x(q_ptr, k_ptr, p_tok, i_h, offs_k, mask_k, xk_ok, xq_ok,
-                                    stride_q_tok, stride_q_head, stride_k_tok, stride_k_head)
-            SX = tl.dot(S_c, tl.trans(x_c), SX, input_precision=DOT_PRECISION)
+        folds = False
+        if FUSE_FLUSH:
+            folds = flush & (wp > 0)
+        if folds:
+            SX = _flushed_window_products(
+                q_ptr, k_ptr, ckpt_at, rk_ptr + ring_at * (H * K) + i_h * K, rv_ptr + ring_at * (HV * V) + i_hv * V,
+                rg_ptr + ring_at * HV + i_hv, rb_ptr + ring_at * HV + i_hv, base, tl.minimum(wp, L), p_tok, i_h,
+                offs_v, mask_v, xk_ok, xq_ok, stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, eps,
+                H * K, HV * V, HV, K, L, BK, BX, BV, ROUND_STATE, DOT_PRECISION, AHEAD)
+        else:
+            # S0 x_r for the stacked raw keys and queries: the state's one read.
+            offs_c = tl.arange(0, KC)
+            SX = tl.zeros([BV, BX], dtype=tl.float32)
+            for kc in tl.range(0, BK, KC, num_stages=NUM_STAGES):
+                offs_k = kc + offs_c
+                mask_k = offs_k < K
+                S_c = tl.load(ckpt_at + offs_v[:, None] * K + offs_k[None, :], mask=mask_v[:, None] & mask_k[None, :],
+                              other=0.0).to(tl.float32)
+                _, x_c = _load_window_x(q_ptr, k_ptr, p_tok, i_h, offs_k, mask_k, xk_ok, xq_ok,
+                                        stride_q_tok, stride_q_head, stride_k_tok, stride_k_head)
+                SX = tl.dot(S_c, tl.trans(x_c), SX, input_precision=DOT_PRECISION)
 
         # [U | o] = (S0 x_r) C1 + u_h Z + v D
         offs_h = tl.arange(0, BH)
         hist = offs_h < n_hist
         rec_h = ring_at + (base + offs_h) % L
         rec_w = ring_at + (base + wp + tok) % L
-        coef_at = coef_ptr + (i_b * HV + i_hv) * ((2 * BX + BH) * BX)
-        C1 = tl.load(coef_at + offs_x[:, None] * BX + offs_x[None, :])
-        Z = tl.load(coef_at + (BX + offs_h[:, None]) * BX + offs_x[None, :])
-        D = tl.load(coef_at + (BX + BH + offs_x[:, None]) * BX + offs_x[None, :])
+        # The coefficients were computed on the coefficient kernel's stacked window of
+        # 2 BTC rows (BTC <= BT): row r of this one is its row cx(r); the rest are zero.
+        BXC: tl.constexpr = 2 * BTC
+        cx = tok + tl.where(is_q, BTC, 0)
+        c_ok = tok < BTC
+        coef_at = coef_ptr + (i_b * HV + i_hv) * ((2 * BXC + BH) * BXC)
+        C1 = tl.load(coef_at + cx[:, None] * BXC + cx[None, :], mask=c_ok[:, None] & c_ok[None, :], other=0.0)
+        Z = tl.load(coef_at + (BXC + offs_h[:, None]) * BXC + cx[None, :], mask=c_ok[None, :], other=0.0)
+        D = tl.load(coef_at + (BXC + BH + cx[:, None]) * BXC + cx[None, :], mask=c_ok[:, None] & c_ok[None, :],
+                    other=0.0)
         # (Unused ring entries may hold NaN: masked loads give 0 instead.)
         u_h = tl.load(ru_ptr + (rec_h[None, :] * HV + i_hv) * V + offs_v[:, None], mask=mask_v[:, None] & hist[None, :],
                       other=0.0)
@@ -652,7 +720,7 @@ def launch_flush(checkpoint, ring, slots, write_pos, cache_base, is_flush) -> No
     kd, vd = checkpoint.shape[3], checkpoint.shape[2]
     cfg = tuning.lookup("closed_form", K=kd, V=vd, state_dtype=checkpoint.dtype, batch=slots.shape[0])
     launch_fold(checkpoint[None], *(getattr(ring, f)[None] for f in ring._fields), slots, cache_base, write_pos, is_flush,
-                block_v=cfg["flush_block_v"])
+                block_v=cfg["flush_block_v"], records_ahead=cfg["flush_records_ahead"])
 
 
 def launch_coefficients(q, k, a, b, A_log, dt_bias, checkpoint, ring, slots, cu_seqlens, write_pos, cache_base,
@@ -663,7 +731,7 @@ def launch_coefficients(q, k, a, b, A_log, dt_bias, checkpoint, ring, slots, cu_
     h, kd = q.shape[1], q.shape[2]
     _, hv, vd, _ = checkpoint.shape
     batch = slots.shape[0]
-    bt, bh = _window_blocks(max_len, ring.ring_len)
+    bt, bh = _coefficient_block(max_len), max(16, ring.ring_len)
     cfg = tuning.lookup("closed_form", K=kd, V=vd, state_dtype=checkpoint.dtype, batch=batch)
     coef = torch.empty(batch, hv, 4 * bt + bh, 2 * bt, dtype=torch.float32, device=q.device)
     # Value heads per program: they share a key head, so its K pass runs once for all of
@@ -692,26 +760,51 @@ def launch_window_outputs(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, 
     cfg = tuning.lookup("closed_form", K=kd, V=vd, state_dtype=checkpoint.dtype, batch=batch)
     bv = block_rows(vd, batch * hv, q.device, cfg["block_v"], least=16)
     coef_precision = "tf32" if cfg["tf32_coefficients"] and q.dtype != torch.float32 else "ieee"
+    fuse = fuses_flush(kd, vd, checkpoint.dtype, batch, q.device)
     _window_outputs_kernel[(triton.cdiv(vd, bv), batch, hv)](
-        q, k, v, checkpoint, ring.v, ring_u,
+        q, k, v, checkpoint, ring.k, ring.v, ring.g, ring.beta, ring_u,
         slots, cu_seqlens, write_pos, cache_base, is_flush, coef, o,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        H=h, HV=hv, K=kd, V=vd, L=ring.ring_len, BT=bt, BH=bh, BK=bk, KC=max(16, min(cfg["k_chunk"], bk)), BV=bv,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), NORM_EPS,
+        H=h, HV=hv, K=kd, V=vd, L=ring.ring_len, BT=bt, BTC=_coefficient_block(max_len), BH=bh, BK=bk,
+        KC=max(16, min(cfg["k_chunk"], bk)), BV=bv,
         DOT_PRECISION=product_precision(q.dtype), COEF_PRECISION=coef_precision, NUM_STAGES=cfg["num_stages"],
-        num_warps=cfg["num_warps"],
+        FUSE_FLUSH=fuse, ROUND_STATE=checkpoint.dtype != torch.float32, AHEAD=cfg["flush_records_ahead"],
+        # A fused flush is an exact replay: the exact kernels' warps (their layout
+        # decides the bits of every row sum).
+        num_warps=EXACT_NUM_WARPS if fuse else cfg["num_warps"],
     )
 
 
+def fuses_flush(kd: int, vd: int, state_dtype: torch.dtype, batch: int, device: torch.device) -> bool:
+    """Whether the closed form folds its flush rows inside the outputs kernel (one read
+    of a flush row's checkpoint for the fold and the window, one launch fewer) rather
+    than in a fold launch before it: the shape table's ``closed_form.fuse_flush``, on
+    heads whose four-part key blocks are tensor-core operands (``K >= 64``; the
+    interpreter takes any)."""
+    cfg = tuning.lookup("closed_form", K=kd, V=vd, state_dtype=state_dtype, batch=batch, device=device.type)
+    return bool(cfg["fuse_flush"]) and (device.type != "cuda" or exact_block_k(kd) // 4 >= 16)
+
+
 def _window_blocks(max_len: int, ring_len: int) -> tuple[int, int]:
-    """``(BT, BH)``: tl.dot wants sides of 16, so the stacked window has 2 * max(8, T)
-    rows and the history max(16, L)."""
+    """``(BT, BH)`` of the outputs kernel: tl.dot wants sides of 16, so its stacked
+    window has ``2 * max(8, T)`` rows and the history ``max(16, L)``."""
     return max(8, triton.next_power_of_2(max_len)), max(16, ring_len)
+
+
+def _coefficient_block(max_len: int) -> int:
+    """``BT`` of the coefficient kernel: its stacked window has ``2 * max(4, T)`` rows.
+    Its work grows with ``(2 BT)^3``, so a window of T <= 4 is not padded to 16 rows:
+    its products with an inner side of 8 are broadcast sums (:func:`_mm`), and the
+    outputs kernel reads the coefficients into its 16-row layout."""
+    return max(4, triton.next_power_of_2(max_len))
 
 
 def launch_closed_form(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos,
                        cache_base, is_flush, o, max_len: int) -> None:
-    """Launch the closed form (flush, coefficients, outputs) on validated arguments."""
-    launch_flush(checkpoint, ring, slots, write_pos, cache_base, is_flush)
+    """Launch the closed form (flush unless the outputs kernel fuses it, coefficients,
+    outputs) on validated arguments."""
+    if not fuses_flush(q.shape[2], v.shape[2], checkpoint.dtype, slots.shape[0], q.device):
+        launch_flush(checkpoint, ring, slots, write_pos, cache_base, is_flush)
     coef = launch_coefficients(q, k, a, b, A_log, dt_bias, checkpoint, ring, slots, cu_seqlens, write_pos, cache_base,
                                is_flush, max_len)
     launch_window_outputs(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos, cache_base, is_flush, coef,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _checks, guards
+from . import _checks, guards, tuning
 from .dispatch import pick, register
 from .gates import expand_heads, l2_normalize
 from .records import slots_error
@@ -170,15 +170,19 @@ if triton is not None:
 
     @triton.jit
     def replay_history(ckpt_at, tile, rk_at, rv_at, rg_at, rb_at, base, count, offs_c, offs_v, mask_v,
-                       srk_pos, srv_pos, srg_pos, srb_pos, eps, K: tl.constexpr, L: tl.constexpr, KQ: tl.constexpr):
+                       srk_pos, srv_pos, srg_pos, srb_pos, eps, K: tl.constexpr, L: tl.constexpr, KQ: tl.constexpr,
+                       AHEAD: tl.constexpr = 1):
         """Load a ``[BV, K]`` checkpoint tile as four parts and replay ``count`` raw
         records from ring position ``base`` (of ``L``) through the exact step; return the
         tile's parts. The records are read from pointers already at their (layer, slot,
         head) with per-position strides (:func:`_load_record_at`). Every exact replay (the
-        fold, circular's flush and small-batch path) is this loop. Same hand pipelining as
-        the recurrence: record c + 1 loads during step c, and only step c + 1 reads it
-        (normalising it right after its load would make every step wait for the next
-        record's load). Unused ring entries may hold NaN: masked loads give 0."""
+        fold, circular's flush and small-batch path) is this loop. Hand pipelining
+        ``AHEAD`` (1 or 2) records deep: record c + AHEAD loads during step c, and only
+        step c + AHEAD reads it (normalising a record right after its load would make
+        every step wait for it). Which depth is faster depends on the kernel around the
+        loop (registers against exposed load latency), so it is the caller's, from the
+        shape table. The depth changes no number. Unused ring entries may hold NaN:
+        masked loads give 0."""
         S0, S1, S2, S3 = _tl_load_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ)
         all_c = offs_c >= 0
         valid_n = count > 0
@@ -186,14 +190,26 @@ if triton is not None:
             rk_at, rv_at, rg_at, rb_at, base % L, valid_n, offs_c, _tl_mask_and(all_c, valid_n),
             _tl_mask_and(mask_v, valid_n), offs_v, srk_pos, srv_pos, srg_pos, srb_pos, K, KQ,
         )
+        if AHEAD == 2:
+            valid_nn = count > 1
+            k0nn, k1nn, k2nn, k3nn, v_nn, g_nn, b_nn = _load_record_at(
+                rk_at, rv_at, rg_at, rb_at, (base + 1) % L, valid_nn, offs_c, _tl_mask_and(all_c, valid_nn),
+                _tl_mask_and(mask_v, valid_nn), offs_v, srk_pos, srv_pos, srg_pos, srb_pos, K, KQ,
+            )
         for c in range(0, count):
             k0, k1, k2, k3, v, g, beta = k0n, k1n, k2n, k3n, v_n, g_n, b_n
-            valid_n = c + 1 < count
-            k0n, k1n, k2n, k3n, v_n, g_n, b_n = _load_record_at(
-                rk_at, rv_at, rg_at, rb_at, (base + c + 1) % L, valid_n, offs_c,
-                _tl_mask_and(all_c, valid_n), _tl_mask_and(mask_v, valid_n), offs_v,
+            if AHEAD == 2:
+                k0n, k1n, k2n, k3n, v_n, g_n, b_n = k0nn, k1nn, k2nn, k3nn, v_nn, g_nn, b_nn
+            valid_a = c + AHEAD < count
+            k0a, k1a, k2a, k3a, v_a, g_a, b_a = _load_record_at(
+                rk_at, rv_at, rg_at, rb_at, (base + c + AHEAD) % L, valid_a, offs_c,
+                _tl_mask_and(all_c, valid_a), _tl_mask_and(mask_v, valid_a), offs_v,
                 srk_pos, srv_pos, srg_pos, srb_pos, K, KQ,
             )
+            if AHEAD == 2:
+                k0nn, k1nn, k2nn, k3nn, v_nn, g_nn, b_nn = k0a, k1a, k2a, k3a, v_a, g_a, b_a
+            else:
+                k0n, k1n, k2n, k3n, v_n, g_n, b_n = k0a, k1a, k2a, k3a, v_a, g_a, b_a
             k0, k1, k2, k3 = _tl_normalized(k0, k1, k2, k3, eps, 1.0)
             S0, S1, S2, S3 = _tl_state_step(S0, S1, S2, S3, k0, k1, k2, k3, v, g, beta)
         return S0, S1, S2, S3
@@ -205,7 +221,7 @@ if triton is not None:
         srg_layer, srg_slot, srg_pos, srg_head, srb_layer, srb_slot, srb_pos, srb_head,
         eps,
         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-        BK: tl.constexpr, BV: tl.constexpr, R: tl.constexpr, PER_SLOT: tl.constexpr,
+        BK: tl.constexpr, BV: tl.constexpr, R: tl.constexpr, PER_SLOT: tl.constexpr, AHEAD: tl.constexpr,
     ):
         i_v = tl.program_id(0)
         i_b = tl.program_id(1)
@@ -241,11 +257,11 @@ if triton is not None:
         tile = offs_v[:, None] * K + offs_c[None, :]
         ckpt_at = ckpt_ptr + i_l * sc_layer + slot * sc_slot + i_hv * (V * K)  # [HV, V, K] packed
         S0, S1, S2, S3 = replay_history(ckpt_at, tile, rk_at, rv_at, rg_at, rb_at, start, count, offs_c, offs_v, mask_v,
-                                        srk_pos, srv_pos, srg_pos, srb_pos, eps, K, R, KQ)
+                                        srk_pos, srv_pos, srg_pos, srb_pos, eps, K, R, KQ, AHEAD)
         _tl_store_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ, S0, S1, S2, S3)
 
     def launch_fold(checkpoints, ring_k, ring_v, ring_g, ring_beta, slots, start, count, flush=None, *,
-                    block_v: int | None = None) -> None:
+                    block_v: int | None = None, records_ahead: int | None = None) -> None:
         """Launch the fold kernel on validated 5-D buffers (one launch): checkpoints packed
         per (layer, slot), rings with any strides but a contiguous last axis.
 
@@ -253,8 +269,8 @@ if triton is not None:
         ``flush`` (``[num_slots]``): ``start``, ``count`` and ``flush`` are per-slot
         cursors (``cache_base``, ``write_pos``, ``is_flush``) and only rows whose slot
         has ``flush`` set fold; the other rows exit at once. ``block_v`` caps the tile
-        height (default: the shape table's ``exact_write`` row); rows are independent, so
-        it changes no number.
+        height and ``records_ahead`` the replay's record prefetch depth (defaults: the
+        shape table's ``exact_write`` row); neither changes any number.
         """
         nl, ns, hv, vd, kd = checkpoints.shape
         h, r = ring_k.shape[3], ring_k.shape[2]
@@ -268,6 +284,8 @@ if triton is not None:
             checkpoints.stride(0), checkpoints.stride(1), *ring_k.stride()[:4], *ring_v.stride()[:4],
             *ring_g.stride(), *ring_beta.stride(), NORM_EPS,
             H=h, HV=hv, K=kd, V=vd, BK=exact_block_k(kd), BV=bv, R=r, PER_SLOT=flush is not None,
+            AHEAD=records_ahead or tuning.lookup("exact_write", K=kd, V=vd, state_dtype=checkpoints.dtype,
+                                                 batch=batch)["records_ahead"],
             num_warps=EXACT_NUM_WARPS,
         )
 

@@ -32,7 +32,9 @@ PARAMS = {
     # Exact kernels that write states (snapshots, state updates, the fold and the flush):
     # tall enough to amortise a token's key loads and normalisation over many rows, short
     # enough to keep the four-part tile in registers.
-    "exact_write": ("block_v",),
+    # ``records_ahead``: how many records the exact replay (the fold; ops/fold.py
+    # ``replay_history``) loads ahead of its step, 1 or 2.
+    "exact_write": ("block_v", "records_ahead"),
     # The read-only exact verify: no state to write back, so a taller tile holds fewer
     # live registers per row and amortises the per-token loads further.
     "exact_read_only": ("block_v",),
@@ -42,9 +44,12 @@ PARAMS = {
     # cores (tf32) when the activations are 16-bit (1) or as fp32 FMA (0). Its
     # coefficient kernel: warps, and value heads per program (those of one key head share
     # its K pass; capped at the GQA group). Its flush (the fold kernel on the flush rows):
-    # tile height, which may differ from the fold's (rows are independent).
+    # tile height, which may differ from the fold's (rows are independent), and whether
+    # the outputs kernel folds the flush rows itself (1: one read of their checkpoints;
+    # the flush tile height then is the outputs kernel's) or a fold launch runs first (0),
+    # and the flush's record prefetch depth (as exact_write.records_ahead).
     "closed_form": ("block_v", "k_chunk", "num_stages", "num_warps", "tf32_coefficients", "coef_warps",
-                    "heads_per_program", "flush_block_v"),
+                    "heads_per_program", "flush_block_v", "fuse_flush", "flush_records_ahead"),
     # circular's small-batch path (ops/chunked.py): at batch <= replay_max_batch its
     # verify replays the exact recurrence in one launch and its commit flushes every
     # step, instead of the closed form's three launches. 0 turns it off.
@@ -53,21 +58,25 @@ PARAMS = {
 
 _KEY_FIELDS = ("K", "V", "state_dtype", "min_batch", "max_batch", "device")
 #: Parameters that may be 0 (the others are sizes, at least 1).
-_MAY_BE_ZERO = ("replay_max_batch", "tf32_coefficients")
+_MAY_BE_ZERO = ("replay_max_batch", "tf32_coefficients", "fuse_flush")
+#: Parameters with a closed set of values.
+_CHOICES = {"tf32_coefficients": (0, 1), "fuse_flush": (0, 1), "records_ahead": (1, 2), "flush_records_ahead": (1, 2)}
 
 #: The table (see the module notes). Values chosen by measurement at Qwen3.5 shapes
 #: (BENCHMARKS.md, tuning notes).
 TABLE: dict[str, list[tuple[dict, dict]]] = {
-    "exact_write": [({}, dict(block_v=64))],
+    # Two records ahead: the fold's commit (3 records, every row) ran 8% faster than one
+    # ahead at batch 256 (BENCHMARKS.md, tuning notes).
+    "exact_write": [({}, dict(block_v=64, records_ahead=2))],
     # 16-bit states: a 64-row read-only tile runs at twice the programs per SM (the tile
     # is fp32 in registers whatever the storage), which the halved bytes need.
     "exact_read_only": [({"state_dtype": torch.bfloat16}, dict(block_v=64)), ({}, dict(block_v=128))],
     # Small batches are latency-bound: one value head per coefficient program keeps its
     # chain short; large ones share the key head's K pass.
     "closed_form": [({"max_batch": 32}, dict(block_v=64, k_chunk=64, num_stages=2, num_warps=4, tf32_coefficients=1,
-                                             coef_warps=1, heads_per_program=1, flush_block_v=32)),
+                                             coef_warps=1, heads_per_program=1, flush_block_v=32, fuse_flush=1, flush_records_ahead=1)),
                     ({}, dict(block_v=64, k_chunk=64, num_stages=2, num_warps=4, tf32_coefficients=1, coef_warps=1,
-                              heads_per_program=8, flush_block_v=32))],
+                              heads_per_program=8, flush_block_v=32, fuse_flush=1, flush_records_ahead=1))],
     # Small batches are latency-bound: one launch with a chain of n + T exact steps
     # beats three launches and the window solve's per-head chain there. The switch sits
     # at the largest batch where replay measured faster (BENCHMARKS.md, kernels:
@@ -117,6 +126,8 @@ def check_row(family: str, key: dict, params: dict):
         least = 0 if name in _MAY_BE_ZERO else 1
         if not isinstance(value, int) or isinstance(value, bool) or value < least:
             raise ValueError(f"{family}.{name} must be an int >= {least}, got {value!r}")
+        if name in _CHOICES and value not in _CHOICES[name]:
+            raise ValueError(f"{family}.{name} must be one of {_CHOICES[name]}, got {value!r}")
 
 
 @contextlib.contextmanager
