@@ -150,7 +150,8 @@ def main() -> int:
                     for method in ("closed_form", "replay"):
                         attempt(f"[{vname}] chunked {method} {label}", batch, lambda: chunked.gdn_chunked_window_triton(
                             *argsT, ckpt, ring, ring_u, slots, cu, wp, base, fl, max_len=T, method=method), sb)
-                # The closed form's three kernels alone, at the last (mixed) cursors.
+                # The closed form's kernels alone, at the last (mixed) cursors (the outputs kernel
+                # includes the flush rows' fold unless closed_form.fuse_flush is 0).
                 if not hasattr(chunked, "launch_coefficients"):
                     continue  # an older tree (a before-and-after run): its parts differ
                 q, k, v, a, b, A_log, dt_bias = argsT

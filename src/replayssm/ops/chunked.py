@@ -260,20 +260,22 @@ def gdn_chunked_window(
 
 
 # --------------------------------------------------------------------------- Triton
-# Three launches per layer, in the order of the work:
-#  1. The flush: rows with is_flush fold their committed raw records into the checkpoint
-#     with the fold kernel (the exact step shared with the recurrence: the folded
-#     checkpoint is theirs, bit for bit); the other rows' programs exit at once.
-#  2. The coefficients, one program per (window, value head): everything of the closed
-#     form that depends on keys, gates and the history but not on V (DESIGN.md section
-#     2: normalisation, decays, (I + A)^-1, the output map), folded into three small
-#     matrices such that  [U | o] = (S0 x_r) C1 + u_h Z + v D;  plus the window's raw
-#     keys and gates to the ring. This chain is latency-bound: it runs once per head,
-#     outside the state's pass.
-#  3. The outputs, per (V block, window, value head): one pass over K streams the rows
-#     of the (folded) checkpoint into S0 x_r for the window's raw keys and queries, the
-#     only product that reads a state; three small products with the coefficients give
-#     the rows' outputs and corrected deltas, stored with the raw values.
+# Two launches per layer (three with the shape table's closed_form.fuse_flush = 0):
+#  1. The coefficients, one program per (window, key head's value heads): everything of
+#     the closed form that depends on keys, gates and the history but not on V
+#     (DESIGN.md section 2: normalisation, decays, (I + A)^-1, the output map), folded
+#     into three small matrices such that  [U | o] = (S0 x_r) C1 + u_h Z + v D;  plus the
+#     window's raw keys and gates to the ring. This chain is latency-bound: it runs once
+#     per head, outside the state's pass, on a stacked window of 2 max(4, T) rows.
+#  2. The outputs, per (V block, window, value head). A flush row first folds its
+#     committed raw records into its checkpoint rows (the exact step shared with the
+#     recurrence and the fold kernel: the folded checkpoint is theirs, bit for bit) and
+#     stores them; every row then multiplies its (folded) checkpoint rows by the window's
+#     raw keys and queries, S0 x_r, the only product that reads a state (a flush row's
+#     from registers, the others' in one streamed pass over K); three small products
+#     with the coefficients give the rows' outputs and corrected deltas, stored with the
+#     raw values. Unfused, the fold kernel runs the flush rows first, as a launch of its
+#     own, and the outputs kernel reads their checkpoints again.
 # Branches on request data are masks or device control flow: the host never reads the
 # device and the launches can be captured in a CUDA graph.
 
@@ -283,7 +285,7 @@ try:
 except ImportError:  # the reference above works without Triton
     triton = None
 
-#: Longest window the kernel takes (the stacked window block is 2 * max(8, T) rows).
+#: Longest window the kernel takes (the outputs kernel's stacked window is 2 * max(8, T) rows).
 MAX_WINDOW_TRITON = 16
 
 
