@@ -384,10 +384,16 @@ class StepStats:
     prefills: list[PrefillPass] = field(default_factory=list)
 
     def percentile(self, q: float) -> float:
-        if not self.seconds:
-            return float("nan")
-        xs = sorted(self.seconds)
-        return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+        return percentile(self.seconds, q)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-quantile of ``values`` (``0 <= q <= 1``) as the value of rank
+    ``round(q (n - 1))`` in sorted order, ``nan`` when there are none (or any is)."""
+    xs = sorted(values)
+    if not xs or any(x != x for x in xs):
+        return float("nan")
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
 class StepGenerator:
