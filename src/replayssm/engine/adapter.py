@@ -78,6 +78,10 @@ def _family(gdn_module) -> str:
     raise TypeError(f"unrecognised GDN module {type(gdn_module).__name__}: no in_proj_qkvz/ba nor in_proj_qkv/z/a/b")
 
 
+#: how to get the chunked prompt kernel (the package's optional GPU extra)
+CHUNK_KERNEL_INSTALL = "pip install 'replayssm[gpu]' (fla-core)"
+
+
 def load_chunk_kernel() -> Callable | None:
     """fla-core's ``chunk_gated_delta_rule`` if importable, else ``None``."""
     try:
@@ -336,8 +340,9 @@ class HybridEngine:
         state_dtype: dtype of GDN checkpoints (float32 unless you know better).
         backend: op backend (``"auto"``: Triton on CUDA, the reference on the CPU).
         prefill: ``"recurrence"`` (the exact recurrence), ``"chunk"`` (a chunked
-            kernel; needs ``chunk_kernel`` or fla-core) or ``"auto"`` (chunk on CUDA in
-            bf16/fp16 when fla-core imports, else the recurrence). The choice is logged
+            kernel; needs ``chunk_kernel`` or fla-core, the ``gpu`` extra) or ``"auto"``
+            (chunk on CUDA in bf16/fp16 when fla-core imports, else the recurrence). The
+            choice is logged (a warning when a CUDA engine in 16 bits finds no fla-core)
             and kept in :attr:`prefill_kernel`.
         chunk_kernel: a callable with fla-core's ``chunk_gated_delta_rule`` signature.
         fixed_shape: ``(rows, window)`` to run every step of at most ``rows`` tokens
@@ -446,7 +451,8 @@ class HybridEngine:
         if prefill == "chunk":
             self.chunk_kernel = chunk_kernel or load_chunk_kernel()
             if self.chunk_kernel is None:
-                raise ValueError("prefill='chunk' needs fla-core (fla.ops.gated_delta_rule) or a chunk_kernel")
+                raise ValueError("prefill='chunk' needs fla-core (fla.ops.gated_delta_rule) or a chunk_kernel: "
+                                 + CHUNK_KERNEL_INSTALL)
             self.prefill_kernel = "chunk"
         elif prefill == "auto" and self.device.type == "cuda":
             if self.dtype not in (torch.bfloat16, torch.float16):
@@ -454,10 +460,14 @@ class HybridEngine:
             else:
                 self.chunk_kernel = chunk_kernel or load_chunk_kernel()
                 self.prefill_kernel = ("chunk (fla-core)" if self.chunk_kernel
-                                       else "recurrence (fla-core not importable)")
+                                       else f"recurrence (fla-core not importable: {CHUNK_KERNEL_INSTALL})")
         else:
             self.prefill_kernel = "recurrence"
-        log.info("prompt prefill of GDN layers: %s", self.prefill_kernel)
+        # A CUDA engine that could run prompts through the chunked kernel but cannot
+        # find it says so: the token-serial recurrence is many times slower on long prompts.
+        missing = self.device.type == "cuda" and prefill == "auto" and self.chunk_kernel is None
+        (log.warning if missing and self.dtype != torch.float32 else log.info)(
+            "prompt prefill of GDN layers: %s", self.prefill_kernel)
 
     # ------------------------------------------------------------------ slots
     @property
