@@ -149,3 +149,26 @@ def test_prefill_chunk_must_be_a_positive_int(seed):
     for bad in (0, -3, 2.5, True):
         with pytest.raises(ValueError, match="prefill_chunk"):
             StepGenerator(eng, prefill_chunk=bad)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_fresh_prompt_attention_equals_the_masked_cache_attention(batch, rng):
+    """A pass of fresh requests attends within each window with a causal mask only
+    (right-padded windows, grouped key heads); the general path (keys gathered from
+    the cache, an explicit mask) gives the same outputs, and both write the cache."""
+    from replayssm.engine.kv_cache import KVCache, WindowLayout, cached_attention
+
+    heads, kv_heads, d = 4, 2, 16
+    lengths = [int(n) for n in torch.randint(1, 12, (batch,), generator=rng)]
+    n = sum(lengths)
+    q, k, v = (torch.randn(n, h, d, generator=rng) for h in (heads, kv_heads, kv_heads))
+    outs, caches = [], []
+    for fresh in (True, False):
+        cache = KVCache(1, batch + 1, kv_heads, d, 16, dtype=torch.float32, device="cpu")
+        layout = WindowLayout(list(range(1, batch + 1)), [0] * batch, lengths, "cpu")
+        assert layout.fresh
+        layout.fresh = fresh
+        outs.append(cached_attention(cache, 0, layout, q, k, v, 0.3))
+        caches.append(cache.k.clone())
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-6)
+    assert torch.equal(caches[0], caches[1]) and caches[0].abs().sum() > 0
