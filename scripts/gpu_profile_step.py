@@ -6,9 +6,16 @@ For each (mode, batch) it sets up live requests, captures the step, and reports:
   work between them), against the wall time of a step as the generator takes it
   (replay plus the read of its output);
 * the step's kernels by total GPU time (torch profiler over a few replays), with the
-  count of kernels per step.
+  count of kernels per step;
+* for speculative modes, the drafter alone: its update and next proposal
+  (``observe`` + ``propose``, what the step runs after the commit) captured in a graph
+  of their own at the step's shapes, timed by replays, with its kernel count.
+
+Drafters: ``oracle`` (set acceptance 0.8, a few tensor ops) or ``mtp`` (the model's MTP
+head: the checkpoint's with ``--model``, a random-weight one on the random model).
 
     PYTHONPATH=src python3 scripts/gpu_profile_step.py --batches 1,64 --modes plain,fold,circular
+    PYTHONPATH=src python3 scripts/gpu_profile_step.py --model embedded --drafter mtp --modes plain,fold
 """
 
 from __future__ import annotations
@@ -19,22 +26,79 @@ import time
 
 import torch
 
-from replayssm.bench.e2e import QWEN35_SHAPES
+from replayssm.bench.e2e import E2EConfig, load_model, make_drafter
 from replayssm.engine.adapter import HybridEngine
 from replayssm.engine.device_drafters import OracleDrafter
 from replayssm.engine.generator import StepGenerator, _Request
-from replayssm.engine.random_model import build_tiny_model
 
 
-def profile(model, mode: str, batch: int, k: int, reps: int, top: int) -> dict:
+def _replay_ms(graph, reps: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def _kernels(graph) -> tuple[list, float, float]:
+    """(CUDA events, GPU us, kernels) per replay of ``graph``, over 5 profiled replays."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            graph.replay()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return events, sum(e.device_time_total for e in events) / 5, sum(e.count for e in events) / 5
+
+
+def drafter_alone(gen: StepGenerator, step, reps: int) -> dict:
+    """The drafter's share of a step: ``observe`` (every window position emitted, as
+    when all drafts are accepted) then ``propose``, on the step's rows and shapes, in
+    a CUDA graph of its own. The target's hidden states are random (the cost does not
+    depend on their values); the head's cache entries it writes lie past the
+    committed lengths."""
+    eng, drafter, b, t = gen.engine, gen.drafter, step.rows, step.window
+    slot_idx = step.slot_idx
+    emitted = gen.windows[slot_idx].clone()
+    accepted = torch.full((b,), t, dtype=torch.int64, device=eng.device)
+    positions = eng.kv.device_lengths[slot_idx][:, None] + torch.arange(t, device=eng.device)
+    g = torch.Generator(device=eng.device).manual_seed(0)
+    hidden = torch.randn(b * t, eng.config.hidden_size, device=eng.device, dtype=eng.dtype, generator=g)
+
+    def body():
+        drafter.observe(slot_idx, emitted, accepted, hidden=hidden, positions=positions)
+        drafter.propose(slot_idx)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            body()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    ms = _replay_ms(graph, reps)
+    _, total, count = _kernels(graph)
+    return {"drafter_gpu_ms": ms, "drafter_kernels": count, "drafter_profiled_ms": total / 1e3}
+
+
+def profile(model, mode: str, batch: int, k: int, reps: int, top: int, drafter_kind: str = "oracle",
+            cfg: E2EConfig | None = None) -> dict:
     window = 1 if mode == "plain" else k + 1
     engine = HybridEngine(model, strategy="fold" if mode == "plain" else mode, num_slots=batch, window=window,
                           max_len=64 + (reps + 40) * window + window)
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(batch)
-    prompts = torch.randint(0, 256, (batch, 64), generator=g).tolist()
-    refs = torch.randint(0, 256, (batch, 64 + (reps + 40) * window), generator=g).tolist()
-    drafter = None if mode == "plain" else OracleDrafter(refs, 0.8, vocab)
+    prompts = torch.randint(0, min(vocab, 256), (batch, 64), generator=g).tolist()
+    refs = torch.randint(0, min(vocab, 256), (batch, 64 + (reps + 40) * window), generator=g).tolist()
+    if mode == "plain":
+        drafter = None
+    elif drafter_kind == "mtp":
+        drafter = make_drafter(cfg, engine, model)
+    else:
+        drafter = OracleDrafter(refs, 0.8, vocab)
     gen = StepGenerator(engine, drafter, num_draft=k)
     with torch.inference_mode():
         reqs = [_Request(i, engine.alloc(), p, 10**6) for i, p in enumerate(prompts)]
@@ -48,29 +112,22 @@ def profile(model, mode: str, batch: int, k: int, reps: int, top: int) -> dict:
         for _ in range(10):
             step.run()[:batch].tolist()
         wall_ms = (time.perf_counter() - t0) / 10 * 1e3
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            step.graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        gpu_ms = start.elapsed_time(end) / reps
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
-                step.graph.replay()
-            torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-    total = sum(e.device_time_total for e in events) / 5
-    count = sum(e.count for e in events) / 5
+        gpu_ms = _replay_ms(step.graph, reps)
+        events, total, count = _kernels(step.graph)
+        alone = drafter_alone(gen, step, reps) if drafter is not None else {}
     kernels = sorted(events, key=lambda e: -e.device_time_total)[:top]
     rows = [{"kernel": e.key[:90], "us_per_step": e.device_time_total / 5, "calls_per_step": e.count / 5}
             for e in kernels]
     print(f"\n== {mode} batch {batch} (T={window}): GPU {gpu_ms:.3f} ms/step (graph replays), wall {wall_ms:.3f} "
           f"ms/step (replay + output read); profiled {total / 1e3:.3f} ms in {count:.0f} kernels per step")
+    if alone:
+        print(f"   drafter {drafter_kind} alone (observe + propose): GPU {alone['drafter_gpu_ms']:.3f} ms in "
+              f"{alone['drafter_kernels']:.0f} kernels, {alone['drafter_gpu_ms'] / gpu_ms:.0%} of the step")
     for r in rows:
         print(f"   {r['us_per_step']:8.1f} us  x{r['calls_per_step']:5.1f}  {r['kernel']}")
-    return {"mode": mode, "batch": batch, "window": window, "gpu_ms": gpu_ms, "wall_ms": wall_ms,
-            "kernels_per_step": count, "profiled_ms": total / 1e3, "top": rows}
+    return {"mode": mode, "batch": batch, "window": window, "drafter": None if mode == "plain" else drafter_kind,
+            "gpu_ms": gpu_ms, "wall_ms": wall_ms, "kernels_per_step": count, "profiled_ms": total / 1e3, "top": rows,
+            **alone}
 
 
 def main() -> None:
@@ -78,6 +135,9 @@ def main() -> None:
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--modes", default="plain,snapshot,fold,circular")
     ap.add_argument("--num-draft", type=int, default=3)
+    ap.add_argument("--model", default=None, help="a checkpoint directory or 'embedded' (default: the random "
+                                                   "qwen3.5-shapes model in bf16)")
+    ap.add_argument("--drafter", choices=("oracle", "mtp"), default="oracle")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--json", default=None)
@@ -98,12 +158,18 @@ def main() -> None:
         except ValueError as e:
             ap.error(str(e))
         print(f"set {family}.{param} = {value}")
-    model = build_tiny_model("qwen3_5", seed=0, dtype=torch.bfloat16, device="cuda", **QWEN35_SHAPES)
-    out = [profile(model, m, int(b), args.num_draft, args.reps, args.top)
+    model_dir = None
+    if args.model is not None:
+        from replayssm.engine.loading import resolve_model_path
+
+        model_dir = str(resolve_model_path(args.model))  # "embedded": the checkpoint in the package
+    cfg = E2EConfig(model=model_dir, random_model="qwen3.5-shapes", device="cuda", dtype="bf16", drafter=args.drafter)
+    model, description, _ = load_model(cfg)
+    out = [profile(model, m, int(b), args.num_draft, args.reps, args.top, args.drafter, cfg)
            for b in args.batches.split(",") for m in args.modes.split(",")]
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"card": torch.cuda.get_device_name(), "rows": out}, fh, indent=1)
+            json.dump({"card": torch.cuda.get_device_name(), "model": description, "rows": out}, fh, indent=1)
 
 
 if __name__ == "__main__":

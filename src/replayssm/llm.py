@@ -40,8 +40,8 @@ class OutputStats:
         acceptance_rate: accepted over drafted tokens, counted by the decoding loop
             over the requests decoded together with this one (``None`` without a
             drafter).
-        prefill_s, decode_s: wall time of that batch's first prefill and of its
-            decoding loop.
+        prefill_s, decode_s: wall time of that batch's prompt prefill passes and of the
+            rest of its generation.
     """
 
     steps: int

@@ -242,6 +242,11 @@ def test_compare_tokens_classification():
     (["--random", "tiny", "--model", "embedded"], "--random"),
     (["--hf", "dynamic,fast"], "--hf"),
     (["--hf-max-batch", "0"], "--hf-max-batch"),
+    (["--prompt-len", "9-4"], "--prompt-len"),
+    (["--prompt-len", "0"], "--prompt-len"),
+    (["--max-new-tokens", "8-x"], "--max-new-tokens"),
+    (["--prefill-chunk", "0"], "--prefill-chunk"),
+    (["--prefill", "fast"], "--prefill"),
 ])
 def test_cli_rejects_bad_settings(argv, message, capsys):
     rc = cli.main(["bench", "e2e", "--device", "cpu", "--quiet", *argv])
@@ -301,3 +306,104 @@ def test_gpu_forced_drafter(tmp_path):
     steps, mean = _forced_schedule(0.8, 3, 5, 3, 32)
     for m in e2e.STRATEGY_NAMES:
         assert rows[m]["steps"] == steps and rows[m]["mean_accept_length"] == pytest.approx(mean), rows[m]
+
+
+def test_length_ranges_ttft_latency_and_the_prefill_floor(tmp_path, capsys):
+    """Prompt lengths and budgets drawn per request from ranges: every mode (the HF
+    baselines included) emits each request's own budget; every row reports time to
+    first token before latency, its prefill time beside the batch's compute floor, and
+    its rates with and without the prefill; the tables print them."""
+    js = tmp_path / "e.json"
+    lo, hi, seed = random.randint(3, 6), random.randint(14, 20), random.randint(0, 10**6)
+    rc = cli.main(["bench", "e2e", "--random", "tiny", "--batches", "4", "--max-new-tokens", "5-12", "--prompt-len",
+                   f"{lo}-{hi}", "--quiet", "--strategies", random.choice(EXACT), "--drafter", "oracle",
+                   "--acceptance", "0.8", "--seed", str(seed), "--json", str(js)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    data = json.loads(js.read_text())
+    assert data["config"]["prompt_len"] == [lo, hi] and data["config"]["max_new_tokens"] == [5, 12]
+    cfg = e2e.E2EConfig(prompt_len=(lo, hi), max_new_tokens=(5, 12), seed=seed)
+    budgets = e2e.request_budgets(cfg, 4)
+    lengths = [len(p) for p in e2e.make_prompts(cfg, 4, 260, None)]
+    assert all(lo <= n <= hi for n in lengths) and all(5 <= b <= 12 for b in budgets)
+    assert data["mismatches"] == [] and len(data["rows"]) == 4
+    (floor,) = data["prefill_floors"]
+    assert floor["floor_ms"] == pytest.approx(1e3 * floor["flops"]["total"] / data["matmul"]["flops_per_s"])
+    for r in data["rows"]:
+        assert r["error"] is None and r["generated_tokens"] == sum(budgets), r["mode"]
+        assert 0 < r["ttft_ms_p50"] <= r["ttft_ms_p90"] < r["latency_ms_p90"]
+        assert r["ttft_ms_p50"] < r["latency_ms_p50"] <= r["latency_ms_p90"]
+        assert r["prefill_floor_ms"] == floor["floor_ms"] and r["prefill_vs_floor"] == pytest.approx(
+            r["prefill_ms"] / floor["floor_ms"])
+        assert r["tokens_per_s_with_prefill"] < r["tokens_per_s"]
+        assert r["speedup_vs_plain_with_prefill"] is not None
+    assert f"{lo}-{hi} prompt + 5-12 new tokens" in out and "TTFT p50" in out and "x floor" in out
+
+
+def test_hf_cuts_each_request_at_its_budget(tmp_path):
+    """Hugging Face generate runs the batch (left-padded prompts of several lengths) to
+    the longest budget; each request keeps its own budget's tokens, which are the
+    tokens that request alone gets (greedy, fp32), and its latency ends there."""
+    cfg = e2e.E2EConfig(random_model="tiny", batches=(3,), prompt_len=(4, 12), max_new_tokens=(3, 9), repeats=1,
+                        dtype="fp32", seed=random.randint(0, 10**6))
+    model, _, _ = e2e.load_model(cfg)
+    prompts = e2e.make_prompts(cfg, 3, 260, None)
+    budgets = e2e.request_budgets(cfg, 3)
+    row, tokens = e2e.run_hf(model, prompts, e2e.make_prompts(cfg, 3, 260, None, warmup=True), cfg)
+    assert row["error"] is None and [len(t) for t in tokens] == budgets
+    for p, b, t in zip(prompts, budgets, tokens):
+        alone = model.generate(torch.tensor([p]), max_new_tokens=b, min_new_tokens=b, do_sample=False,
+                               pad_token_id=0)[0, len(p):].tolist()
+        assert t == alone
+    assert row["ttft_ms_p50"] < row["latency_ms_p50"] <= row["latency_ms_p90"]
+
+
+def test_prefill_flops_follow_the_config():
+    """The module count of prefill_flops against the shapes written out from the
+    config, for a dense model and a MoE one (its router, shared expert and top-k
+    routed experts per token)."""
+    from replayssm.bench.compute_floor import prefill_flops
+    from replayssm.engine.random_model import build_tiny_model
+
+    lengths = [random.randint(1, 40) for _ in range(3)]
+    tokens, pairs = sum(lengths), sum(n * (n + 1) // 2 for n in lengths)
+    for family in ("qwen3_5", "qwen3_next"):
+        model = build_tiny_model(family)
+        c = model.config
+        h, hd = c.hidden_size, c.head_dim
+        kq, kv = c.linear_num_key_heads * c.linear_key_head_dim, c.linear_num_value_heads * c.linear_value_head_dim
+        gdn_proj = h * (2 * kq + kv) + h * kv + 2 * h * c.linear_num_value_heads + kv * h
+        attn_proj = h * 2 * c.num_attention_heads * hd + 2 * h * c.num_key_value_heads * hd + c.num_attention_heads * hd * h
+        if family == "qwen3_5":
+            mlp = 3 * h * c.intermediate_size
+        else:
+            mlp = (c.num_experts * h + c.num_experts_per_tok * 3 * h * c.moe_intermediate_size
+                   + 3 * h * c.shared_expert_intermediate_size + h)
+        n_gdn = sum(t == "linear_attention" for t in c.layer_types)
+        n_attn = len(c.layer_types) - n_gdn
+        got = prefill_flops(model, lengths)
+        assert got["linear"] == 2 * tokens * (n_gdn * gdn_proj + n_attn * attn_proj + len(c.layer_types) * mlp)
+        assert got["attention"] == n_attn * 4 * c.num_attention_heads * hd * pairs
+        assert got["gdn"] == n_gdn * 6 * tokens * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
+        assert got["lm_head"] == 2 * len(lengths) * c.vocab_size * h
+        assert got["total"] == sum(v for k, v in got.items() if k != "total")
+    with pytest.raises(ValueError, match="prompt_lengths"):
+        prefill_flops(model, [3, 0])
+
+
+def test_measured_matmul_rate_is_a_rate():
+    from replayssm.bench.compute_floor import measure_matmul_rate
+
+    m = measure_matmul_rate("cpu", torch.bfloat16, n=64, repeats=2)
+    assert m["dtype"] == "float32" and m["n"] == 64  # the CPU times fp32 whatever the model's dtype
+    assert m["flops_per_s"] == pytest.approx(2 * 64**3 / m["seconds"])
+
+
+def test_drawn_lengths_are_seeded_and_cover_the_range():
+    lo, hi, seed = random.randint(1, 50), random.randint(60, 100), random.randint(0, 10**6)
+    xs = e2e.draw_lengths((lo, hi), 400, seed)
+    assert xs == e2e.draw_lengths((lo, hi), 400, seed) and xs != e2e.draw_lengths((lo, hi), 400, seed + 1)
+    assert min(xs) == lo and max(xs) == hi  # 400 draws from at most 100 values reach both ends
+    assert e2e.draw_lengths(7, 3, seed) == [7, 7, 7]
+    cfg = e2e.E2EConfig(max_new_tokens=(lo, hi), seed=seed)
+    assert e2e.request_budgets(cfg, 5) != e2e.request_budgets(cfg, 5, warmup=True)

@@ -133,17 +133,18 @@ def _no_fla() -> bool:
 
 def fake_chunk_kernel(q, k, v, g, beta, *, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel):
     """fla-core's varlen ``chunk_gated_delta_rule`` contract, built from transformers'
-    chunked PyTorch implementation run per sequence: ``[1, N, HV, *]`` inputs, final
-    states ``[B, HV, K, V]``."""
+    chunked PyTorch implementation run per sequence: ``[1, N, HV, *]`` inputs, initial
+    and final states ``[B, HV, K, V]``."""
     from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
-    assert q.shape[0] == 1 and initial_state is None and output_final_state and use_qk_l2norm_in_kernel
+    assert q.shape[0] == 1 and output_final_state and use_qk_l2norm_in_kernel
     outs, finals = [], []
     cu = cu_seqlens.tolist()
     for i in range(len(cu) - 1):
         sl = slice(cu[i], cu[i + 1])
+        h0 = None if initial_state is None else initial_state[i : i + 1].float()
         o, s = torch_chunk_gated_delta_rule(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], chunk_size=8,
-                                            initial_state=None, output_final_state=True,
+                                            initial_state=h0, output_final_state=True,
                                             use_qk_l2norm_in_kernel=True)
         outs.append(o)
         finals.append(s)
@@ -170,15 +171,57 @@ def test_chunked_prompt_prefill_plumbing(family, rng, seed):
     torch.testing.assert_close(results[1][1], results[0][1], atol=TOL, rtol=0)
 
 
-def test_chunked_prefill_refuses_requests_with_history(seed):
+@pytest.mark.parametrize("strategy", ["snapshot", "fold", "circular"])
+def test_chunked_kernel_continues_prompts_prefilled_in_parts(strategy, rng, seed):
+    """A prompt prefilled in parts through the chunk kernel (each part after the first
+    starts from the committed state: the kernel's initial state) gives the logits of
+    the recurrence over the whole prompt at once, and the decoding after it agrees."""
     model = build_tiny_model("qwen3_5", seed=seed)
-    eng = HybridEngine(model, strategy="fold", num_slots=1, window=2, max_len=32, prefill="chunk",
-                       chunk_kernel=fake_chunk_kernel)
-    assert eng.prefill_kernel == "chunk"
-    s = eng.alloc()
-    eng.extend([s], [[1, 2, 3]], prompt=True)
-    with pytest.raises(ValueError, match="fresh requests"):
-        eng.extend([s], [[4, 5]], prompt=True)
+    prompts = [torch.randint(0, 256, (n,), generator=rng).tolist() for n in (21, 13)]
+    tail = [torch.randint(0, 256, (3,), generator=rng).tolist() for _ in prompts]
+    cut = [int(torch.randint(1, len(p), (1,), generator=rng)) for p in prompts]
+    whole = HybridEngine(model, strategy=strategy, num_slots=2, window=4, max_len=64, prefill="recurrence")
+    slots = [whole.alloc(), whole.alloc()]
+    ref_first = whole.extend(slots, prompts, prompt=True).logits
+    ref_next = whole.verify(slots, tail).logits
+    calls = []
+
+    def kernel(*args, initial_state, **kwargs):
+        calls.append(initial_state is not None)
+        return fake_chunk_kernel(*args, initial_state=initial_state, **kwargs)
+
+    parts = HybridEngine(model, strategy=strategy, num_slots=2, window=4, max_len=64, prefill="chunk",
+                         chunk_kernel=kernel)
+    slots = [parts.alloc(), parts.alloc()]
+    parts.extend(slots[:1], [prompts[0][: cut[0]]], prompt=True)  # request 0 alone, then both together
+    assert not any(calls)
+    first = parts.extend(slots, [prompts[0][cut[0]:], prompts[1]], prompt=True).logits
+    assert all(calls[len(calls) // 2:]) and parts.length(slots[0]) == len(prompts[0])
+    torch.testing.assert_close(first, ref_first, atol=TOL, rtol=0)
+    torch.testing.assert_close(parts.verify(slots, tail).logits, ref_next, atol=TOL, rtol=0)
+
+
+def test_prompt_kernel_gets_one_offsets_tensor_per_pass(seed, rng):
+    """Every GDN layer of a prompt pass hands the kernel the same ``cu_seqlens`` tensor
+    (fla-core caches what it derives from it, through a host read, by identity), and a
+    kernel that takes ``cu_seqlens_cpu`` gets the host copy."""
+    model = build_tiny_model("qwen3_5", seed=seed)
+    seen = []
+
+    def kernel(q, k, v, g, beta, *, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
+               cu_seqlens_cpu=None):
+        seen.append((cu_seqlens, cu_seqlens_cpu))
+        return fake_chunk_kernel(q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
+                                 cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True)
+
+    eng = HybridEngine(model, strategy="fold", num_slots=3, window=2, max_len=64, prefill="chunk", chunk_kernel=kernel)
+    lengths = [int(x) for x in torch.randint(1, 20, (3,), generator=rng)]
+    eng.extend([eng.alloc() for _ in lengths], [list(range(n)) for n in lengths], prompt=True)
+    gdn_layers = sum(kind == "gdn" for kind in eng.kinds)
+    assert len(seen) == gdn_layers > 1
+    assert all(cu is seen[0][0] for cu, _ in seen)
+    cu = [0, lengths[0], lengths[0] + lengths[1], sum(lengths)]
+    assert seen[0][0].tolist() == cu and seen[0][1].device.type == "cpu" and seen[0][1].tolist() == cu
 
 
 def test_save_and_restore_state(rng, seed):

@@ -237,3 +237,15 @@ def test_slots_of_any_integer_type():
         pool.free(np.bool_(True))
     pool.free(np.int64(2))
     assert pool.live_slots == [0]
+
+
+def test_an_error_word_first_made_under_inference_mode_clears_outside_it(monkeypatch):
+    """An engine built inside ``torch.inference_mode()`` makes the device's error word
+    there; clearing it afterwards, outside inference mode, must still work."""
+    monkeypatch.setattr(guards, "_WORDS", {})
+    with torch.inference_mode():
+        word = guards.error_word("cpu")
+        word.fill_(3)
+    assert not word.is_inference()
+    guards.clear_errors()
+    assert int(word.item()) == 0

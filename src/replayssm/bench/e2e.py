@@ -29,7 +29,18 @@ and ignores end-of-sequence tokens, so every mode emits ``--max-new-tokens`` tok
 request. Reported per row: decode tokens/s (prompt prefill excluded; also with it),
 p50/p90 step latency, tokens emitted per request-step, the draft acceptance rate, and
 speed-ups against ``plain`` and against the faster Hugging Face setting of the same
-batch (the table and the JSON name it).
+batch (the table and the JSON name it). A second table reports requests as users see
+them: time to first token (TTFT) and total latency per request, p50 and p90 (Hugging
+Face's from a streamer's time stamps: its first token, and the step that brought each
+request's last), the prefill time (ours: every prompt pass; Hugging Face's: its TTFT)
+beside the prefill's compute floor (:mod:`replayssm.bench.compute_floor`: the prompts'
+matmul FLOPs at the rate of a large ``torch.mm`` timed in the same run), and tokens/s
+counting the prefill.
+
+``--prompt-len`` and ``--max-new-tokens`` take one length or a range ``LO-HI``: each
+request then draws its own, uniformly and seeded (the warm-up requests other ones from
+the same range). Hugging Face ``generate`` takes the batch with left padding and runs
+to the longest budget; each request's tokens and latency end at its own budget.
 
 Tokens are compared with plain decoding's: an exact strategy (``snapshot``, ``fold``) in
 fp32 must match them (a difference fails the run, exit 1); ``circular`` (outputs in
@@ -59,6 +70,7 @@ import torch
 
 from ..ops.dispatch import BACKENDS
 from ..strategies import STRATEGY_NAMES
+from ..engine.adapter import PREFILL_MODES
 from ..engine.loading import check_device
 from ..progress import ProgressBar
 from .common import environment
@@ -108,8 +120,10 @@ class E2EConfig:
     hf_max_batch: int | None = None  # time HF only at batches up to this (None: all)
     batches: tuple[int, ...] = (1, 4, 16)
     num_draft: int = 3
-    max_new_tokens: int = 256
-    prompt_len: int = 64
+    max_new_tokens: int | tuple[int, int] = 256  # one budget, or (lo, hi): drawn per request
+    prompt_len: int | tuple[int, int] = 64  # likewise
+    prefill: str = "auto"  # the engine's GDN prompt kernel (HybridEngine's prefill)
+    prefill_chunk: int | None = None  # StepGenerator's prompt tokens per prefill pass (None: whole prompts)
     drafter: str = "ngram"
     acceptance: tuple[float, ...] = (0.0, 0.5, 0.8, 0.95)
     device: str = "cpu"
@@ -120,10 +134,17 @@ class E2EConfig:
     seed: int = 0
 
     def check(self) -> None:
-        for name in ("num_draft", "max_new_tokens", "prompt_len", "repeats"):
+        for name in ("num_draft", "repeats"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
+        for name in ("max_new_tokens", "prompt_len"):
+            check_length_spec(name, getattr(self, name))
+        if self.prefill not in PREFILL_MODES:
+            raise ValueError(f"prefill must be one of {PREFILL_MODES}, got {self.prefill!r}")
+        if self.prefill_chunk is not None and (isinstance(self.prefill_chunk, bool)
+                                               or not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 1):
+            raise ValueError(f"prefill_chunk must be a positive int or None, got {self.prefill_chunk!r}")
         if not self.batches or any(not isinstance(b, int) or b < 1 for b in self.batches):
             raise ValueError(f"batches must be positive ints, got {list(self.batches)}")
         bad = [s for s in self.strategies if s not in STRATEGY_NAMES]
@@ -171,6 +192,53 @@ class E2EConfig:
     def graphed(self) -> bool:
         return self.graphs and torch.device(self.device).type == "cuda"
 
+    @property
+    def longest(self) -> int:
+        """The most tokens a request may hold: the longest prompt plus the largest budget."""
+        return _high(self.prompt_len) + _high(self.max_new_tokens)
+
+
+def check_length_spec(name: str, spec) -> None:
+    """``ValueError`` naming ``name`` unless ``spec`` is a positive int or a pair
+    ``(lo, hi)`` of them with ``lo <= hi``."""
+    def positive(v):
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+    if positive(spec):
+        return
+    if isinstance(spec, (tuple, list)) and len(spec) == 2 and all(map(positive, spec)) and spec[0] <= spec[1]:
+        return
+    raise ValueError(f"{name} must be a positive int or a range (lo, hi) of them with lo <= hi, got {spec!r}")
+
+
+def _high(spec) -> int:
+    return spec if isinstance(spec, int) else spec[1]
+
+
+def spec_text(spec) -> str:
+    """``64`` or ``512-4096``: a length spec as the command line takes it."""
+    return str(spec) if isinstance(spec, int) else f"{spec[0]}-{spec[1]}"
+
+
+def draw_lengths(spec, count: int, seed: int) -> list[int]:
+    """``count`` lengths of ``spec``: all equal to an int, or drawn uniformly from
+    ``lo..hi`` (both included) by a generator seeded with ``seed``."""
+    if isinstance(spec, int):
+        return [spec] * count
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(spec[0], spec[1] + 1, (count,), generator=g).tolist()
+
+
+# Seeds of the drawn lengths, apart from each other and from the prompts' tokens.
+PROMPT_LEN_SALT, BUDGET_SALT = 1_000_003, 2_000_003
+
+
+def request_budgets(cfg: E2EConfig, batch: int, *, warmup: bool = False) -> list[int]:
+    """New tokens per request of the ``batch`` requests (:func:`draw_lengths` of
+    ``max_new_tokens``)."""
+    seed = cfg.seed + batch + (WARMUP_SEED_OFFSET if warmup else 0)
+    return draw_lengths(cfg.max_new_tokens, batch, seed + BUDGET_SALT)
+
 
 # ---------------------------------------------------------------------- model and prompts
 def load_model(cfg: E2EConfig):
@@ -190,21 +258,24 @@ def load_model(cfg: E2EConfig):
 
 
 def make_prompts(cfg: E2EConfig, batch: int, vocab: int, tokenizer, *, warmup: bool = False) -> list[list[int]]:
-    """``batch`` prompts of exactly ``prompt_len`` tokens: random token ids for the
-    random model, :data:`TEXT_PROMPTS` (repeated to length) for a checkpoint. The
-    ``warmup`` prompts differ from the timed ones."""
+    """``batch`` prompts of ``prompt_len`` tokens (each its own length, drawn, for a
+    range): random token ids for the random model, :data:`TEXT_PROMPTS` (repeated to
+    length) for a checkpoint. The ``warmup`` prompts differ from the timed ones."""
     seed = cfg.seed + batch + (WARMUP_SEED_OFFSET if warmup else 0)
+    lengths = draw_lengths(cfg.prompt_len, batch, seed + PROMPT_LEN_SALT)
     if tokenizer is None:
         g = torch.Generator().manual_seed(seed)
         # the random models' vocabulary is bytes + end of text: draw bytes only
-        return torch.randint(0, min(vocab, 256), (batch, cfg.prompt_len), generator=g).tolist()
+        if isinstance(cfg.prompt_len, int):
+            return torch.randint(0, min(vocab, 256), (batch, cfg.prompt_len), generator=g).tolist()
+        return [torch.randint(0, min(vocab, 256), (n,), generator=g).tolist() for n in lengths]
     out = []
-    for i in range(batch):
+    for i, n in enumerate(lengths):
         j = (i + (len(TEXT_PROMPTS) // 2 if warmup else 0)) % len(TEXT_PROMPTS)
         ids = tokenizer(("Once more: " if warmup else "") + TEXT_PROMPTS[j])["input_ids"]
-        while len(ids) < cfg.prompt_len:
+        while len(ids) < n:
             ids = ids + ids
-        out.append(ids[: cfg.prompt_len])
+        out.append(ids[:n])
     return out
 
 
@@ -253,13 +324,41 @@ def _summary(mode: str, runs: list, batch: int, drafter: str | None, acceptance:
     if stats is not None and stats.seconds:
         row["step_ms_p50"] = 1e3 * statistics.median(s.percentile(0.5) for s in (r.stats for r in runs))
         row["step_ms_p90"] = 1e3 * statistics.median(s.percentile(0.9) for s in (r.stats for r in runs))
+    row.update(request_times(runs))
     return row
+
+
+def request_times(runs: list) -> dict:
+    """Per-request figures of the timed runs, each the median over runs of one run's
+    percentile (as the step latencies): ``ttft_ms_p50/p90`` (time to first token) and
+    ``latency_ms_p50/p90`` (to the last token), plus ``prefill_ms``."""
+    from ..engine.generator import percentile
+
+    out = {"prefill_ms": 1e3 * statistics.median(r.prefill_s for r in runs)}
+    for name, attr in (("ttft", "ttft_s"), ("latency", "latency_s")):
+        for q in (50, 90):
+            out[f"{name}_ms_p{q}"] = 1e3 * statistics.median(percentile(getattr(r, attr), q / 100) for r in runs)
+    return out
+
+
+class _Stamps:
+    """A ``generate`` streamer that keeps the host time of every ``put``: the prompt,
+    then each step's tokens (read from the device: the time they exist)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
 
 
 def run_hf(model, prompts, warm, cfg: E2EConfig, cache: str = "dynamic",
            on_done=None) -> tuple[dict, list[list[int]] | None]:
-    """Hugging Face ``generate`` (greedy, exactly ``max_new_tokens`` new tokens) with its
-    ``cache`` setting (``dynamic``: the default cache; ``static``:
+    """Hugging Face ``generate`` (greedy, exactly the longest budget of new tokens, each
+    request's cut at its own) with its ``cache`` setting (``dynamic``: the default cache; ``static``:
     ``cache_implementation="static"``, which on a GPU also compiles the decode forward),
     once untimed on ``warm`` (compilation included) and then ``repeats`` times.
 
@@ -272,22 +371,30 @@ def run_hf(model, prompts, warm, cfg: E2EConfig, cache: str = "dynamic",
     mode = HF_CACHES[cache]
     extra = {"cache_implementation": "static"} if cache == "static" else {}
 
-    def once(ps):
-        ids = torch.tensor(ps, dtype=torch.long, device=device)
+    def once(ps, budgets):
+        longest, new = max(map(len, ps)), max(budgets)
+        # left padding: every prompt ends where generation starts (the mask hides the pads)
+        ids = torch.tensor([[0] * (longest - len(p)) + list(p) for p in ps], dtype=torch.long, device=device)
+        mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in ps], dtype=torch.long, device=device)
+        stamps = _Stamps()
         _sync(device)
         t0 = time.perf_counter()
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=cfg.max_new_tokens,
-                             min_new_tokens=cfg.max_new_tokens, do_sample=False, pad_token_id=0, **extra)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                             pad_token_id=0, streamer=stamps, **extra)
         _sync(device)
-        tokens = out[:, ids.shape[1]:].tolist()
-        return GenerationResult(tokens=tokens, finish_reasons=["length"] * len(ps), steps=cfg.max_new_tokens,
-                                accept_lengths=[1] * (len(ps) * cfg.max_new_tokens), decode_s=time.perf_counter() - t0)
+        total = time.perf_counter() - t0
+        tokens = [row[:b] for row, b in zip(out[:, longest:].tolist(), budgets)]
+        # stamps[0]: the prompt handed over; stamps[j]: token j of every request on the host
+        ttft = stamps.times[1] - t0
+        return GenerationResult(tokens=tokens, finish_reasons=["length"] * len(ps), steps=new,
+                                accept_lengths=[1] * sum(budgets), prefill_s=ttft, decode_s=total - ttft,
+                                ttft_s=[ttft] * len(ps), latency_s=[stamps.times[b] - t0 for b in budgets])
 
     runs = []
     try:
-        once(warm)
+        once(warm, request_budgets(cfg, len(warm), warmup=True))
         for _ in range(cfg.repeats):
-            runs.append(once(prompts))
+            runs.append(once(prompts, request_budgets(cfg, len(prompts))))
             if on_done:
                 on_done()
     except Exception as e:  # a baseline that fails is reported, not fatal
@@ -318,10 +425,12 @@ def run_mode(model, mode: str, prompts, warm, cfg: E2EConfig, *, on_done=None) -
     window = 1 if mode == PLAIN else cfg.num_draft + 1
     engine = HybridEngine(
         model, strategy="fold" if mode == PLAIN else mode, num_slots=len(prompts), window=window,
-        max_len=cfg.prompt_len + cfg.max_new_tokens + window, backend=cfg.backend,
+        max_len=cfg.longest + window, backend=cfg.backend, prefill=cfg.prefill,
     )
     drafter = None if mode == PLAIN else make_drafter(cfg, engine, model)
-    gen = StepGenerator(engine, drafter, num_draft=cfg.num_draft, eos_token_ids=(), graphs=cfg.graphed)
+    gen = StepGenerator(engine, drafter, num_draft=cfg.num_draft, eos_token_ids=(), graphs=cfg.graphed,
+                        prefill_chunk=cfg.prefill_chunk)
+    budgets, warm_budgets = request_budgets(cfg, len(prompts)), request_budgets(cfg, len(warm), warmup=True)
     gen.capture()  # every bucket now: requests finishing unevenly must not capture inside a timed run
     oracle = cfg.drafter == "oracle" and mode != PLAIN
     if oracle:
@@ -332,17 +441,18 @@ def run_mode(model, mode: str, prompts, warm, cfg: E2EConfig, *, on_done=None) -
             drafter.set_acceptance(p)
         if oracle:
             drafter.set_references(warm_references)
-        gen.generate(warm, cfg.max_new_tokens)  # untimed, other prompts, full length
+        gen.generate(warm, warm_budgets)  # untimed, other prompts, full length
         if oracle:
             drafter.set_references(references)
         runs = []
         for _ in range(cfg.repeats):
-            runs.append(gen.generate(prompts, cfg.max_new_tokens))
+            runs.append(gen.generate(prompts, budgets))
             if on_done:
                 on_done()
         row = _summary(mode, runs, len(prompts), None if mode == PLAIN else cfg.drafter, p, cfg.num_draft)
         row["graphed"] = gen.graphs
         row["state_bytes"] = engine.state_nbytes()
+        row["prefill_kernel"] = engine.prefill_kernel
         out.append((row, runs[-1].tokens))
     del gen, drafter
     del engine
@@ -428,11 +538,14 @@ def run_e2e(cfg: E2EConfig, *, progress: bool = True, on_batch=None) -> dict:
     """All rows of the benchmark (see the module doc); JSON-ready. ``on_batch(result)``,
     if given, receives the result so far (``"complete": False``) after each batch size,
     so that a run stopped by a time limit keeps the batches it finished."""
+    from .compute_floor import measure_matmul_rate, prefill_flops
+
     cfg.check()
     device = torch.device(cfg.device)
     model, description, tokenizer = load_model(cfg)
     vocab = model.get_output_embeddings().out_features
-    rows, mismatches, differences, baselines = [], [], [], []
+    rows, mismatches, differences, baselines, floors = [], [], [], [], []
+    matmul = measure_matmul_rate(device, DTYPES[cfg.dtype])
     runs = sum(len(cfg.acceptances) if m in cfg.strategies else 1 for b in cfg.batches for m in cfg.modes_at(b))
     bar = ProgressBar(runs * cfg.repeats, "e2e", unit="runs", enabled=progress)
     t0 = time.perf_counter()
@@ -469,15 +582,31 @@ def run_e2e(cfg: E2EConfig, *, progress: bool = True, on_batch=None) -> dict:
             best = add_speedups(rows[first:])
             if best is not None:
                 baselines.append({"batch": batch, "mode": best["mode"], "tokens_per_s": best["tokens_per_s"]})
+            floors.append(add_prefill_floor(rows[first:], prefill_flops(model, [len(p) for p in prompts]), matmul))
+            floors[-1]["batch"] = batch
             if on_batch is not None and batch != cfg.batches[-1]:
-                on_batch(_result(cfg, description, rows, baselines, mismatches, differences, t0, complete=False))
+                on_batch(_result(cfg, description, rows, baselines, mismatches, differences, t0, complete=False,
+                                 matmul=matmul, floors=floors))
     bar.close()
     _sync(device)
-    return _result(cfg, description, rows, baselines, mismatches, differences, t0, complete=True)
+    return _result(cfg, description, rows, baselines, mismatches, differences, t0, complete=True, matmul=matmul,
+                   floors=floors)
+
+
+def add_prefill_floor(rows: list[dict], flops: dict, matmul: dict) -> dict:
+    """The compute floor of one batch's prompts (``flops`` of
+    :func:`~replayssm.bench.compute_floor.prefill_flops` at ``matmul``'s measured rate)
+    beside each row's prefill time (in place: ``prefill_floor_ms``,
+    ``prefill_vs_floor``). Returns the batch's floor entry for the JSON."""
+    floor_ms = 1e3 * flops["total"] / matmul["flops_per_s"]
+    for r in rows:
+        r["prefill_floor_ms"] = floor_ms
+        r["prefill_vs_floor"] = r["prefill_ms"] / floor_ms if r.get("prefill_ms") else None
+    return {"flops": flops, "floor_ms": floor_ms}
 
 
 def _result(cfg: E2EConfig, description: str, rows, baselines, mismatches, differences, t0: float, *,
-            complete: bool) -> dict:
+            complete: bool, matmul: dict | None = None, floors: list | None = None) -> dict:
     device = torch.device(cfg.device)
     return {
         "tool": "replayssm bench e2e",
@@ -488,6 +617,8 @@ def _result(cfg: E2EConfig, description: str, rows, baselines, mismatches, diffe
         "smoke": device.type != "cuda",
         "rows": rows,
         "hf_baselines": baselines,  # per batch, the faster HF setting: the one speedup_vs_hf divides by
+        "matmul": matmul,  # the measured matmul rate the prefill floors divide by
+        "prefill_floors": floors or [],  # per batch: the prompts' matmul FLOPs by kind and their floor
         "mismatches": mismatches,  # strict rows (exact strategy, fp32) that differ: exit 1
         "differences": differences,  # other rows that differ: reported only
         "elapsed_s": time.perf_counter() - t0,
@@ -497,9 +628,11 @@ def _result(cfg: E2EConfig, description: str, rows, baselines, mismatches, diffe
 
 def add_speedups(rows: list[dict]) -> dict | None:
     """Speed-ups of one batch's ``rows`` (in place): ``speedup_vs_plain``;
-    ``speedup_vs_hf`` against the faster Hugging Face setting that ran, which
-    ``hf_baseline`` names; ``speedups_vs_hf`` against each one. Rows without a rate (a
-    failed baseline) get ``None``. Returns the HF row divided by, or ``None``."""
+    ``speedup_vs_hf`` against the faster Hugging Face setting that ran (by decode
+    rate), which ``hf_baseline`` names; ``speedups_vs_hf`` against each one;
+    ``speedup_vs_plain_with_prefill`` and ``speedup_vs_hf_with_prefill``, the first
+    two counting the prefill. Rows without a rate (a failed baseline) get ``None``.
+    Returns the HF row divided by, or ``None``."""
     plain = next((r for r in rows if r["mode"] == PLAIN and r["tokens_per_s"]), None)
     hf = [r for r in rows if r["mode"] in HF_CACHES.values() and r["tokens_per_s"]]
     best = max(hf, key=lambda r: r["tokens_per_s"], default=None)
@@ -509,6 +642,12 @@ def add_speedups(rows: list[dict]) -> dict | None:
         r["speedup_vs_hf"] = rate / best["tokens_per_s"] if rate and best else None
         r["hf_baseline"] = best["mode"] if best else None
         r["speedups_vs_hf"] = {h["mode"]: rate / h["tokens_per_s"] for h in hf} if rate else {}
+        # the same, counting the prefill (against the same rows)
+        full = r.get("tokens_per_s_with_prefill")
+        r["speedup_vs_plain_with_prefill"] = (full / plain["tokens_per_s_with_prefill"]
+                                              if full and plain and plain.get("tokens_per_s_with_prefill") else None)
+        r["speedup_vs_hf_with_prefill"] = (full / best["tokens_per_s_with_prefill"]
+                                           if full and best and best.get("tokens_per_s_with_prefill") else None)
     return best
 
 
@@ -525,7 +664,8 @@ def _own_references(gen, prompts, warm, cfg: E2EConfig):
     what that costs.
     """
     gen.drafter.set_acceptance(0.0)
-    return gen.generate(prompts, cfg.max_new_tokens).tokens, gen.generate(warm, cfg.max_new_tokens).tokens
+    return (gen.generate(prompts, request_budgets(cfg, len(prompts))).tokens,
+            gen.generate(warm, request_budgets(cfg, len(warm), warmup=True)).tokens)
 
 
 # ---------------------------------------------------------------------- report
@@ -541,10 +681,17 @@ def print_table(result: dict, file=None) -> None:
     env = result["environment"]
     print(
         f"replayssm bench e2e: {c['model']}, {c['dtype']}, {env.get('device_name', env['device'])} ({env['backend']}, "
-        f"{'CUDA graphs' if c['graphed'] else 'eager'}), {c['prompt_len']} prompt + {c['max_new_tokens']} new tokens "
+        f"{'CUDA graphs' if c['graphed'] else 'eager'}), {spec_text(c['prompt_len'])} prompt + "
+        f"{spec_text(c['max_new_tokens'])} new tokens "
         f"per request, {c['num_draft']} drafts ({c['drafter']}), greedy, median of {c['repeats']}",
         file=file,
     )
+    kernels = sorted({r["prefill_kernel"] for r in result["rows"] if r.get("prefill_kernel")})
+    if kernels:
+        chunk = c.get("prefill_chunk")
+        print(f"GDN prompt prefill: {'; '.join(kernels)}; "
+              f"{f'passes of at most {chunk} prompt tokens between decode steps' if chunk else 'whole prompts per pass'}",
+              file=file)
     if result["smoke"]:
         print("SMOKE RUN on the CPU: the numbers prove the code path, not the speed", file=file)
     print(f"{'mode':<16} {'batch':>5} {'tok/s':>9} {'vs plain':>8} {'vs hf':>7} {'step p50':>9} {'p90 ms':>7} "
@@ -561,6 +708,7 @@ def print_table(result: dict, file=None) -> None:
         p90 = "-" if r["step_ms_p90"] is None else f"{r['step_ms_p90']:.3f}"
         print(f"{_label(r):<16} {r['batch']:>5} {r['tokens_per_s']:>9.1f} {vs:>8} {vh:>7} {p50:>9} {p90:>7} "
               f"{r['mean_accept_length']:>8.2f} {acc:>8} {per:>7} {_same_cell(r):>9}", file=file)
+    print_requests(result, file)
     baselines: dict[str, list[str]] = {}
     for b in result.get("hf_baselines", []):
         baselines.setdefault(b["mode"], []).append(str(b["batch"]))
@@ -590,6 +738,37 @@ def print_table(result: dict, file=None) -> None:
         print(f"FAIL: greedy speculative decoding with an exact strategy in {c['dtype']} differs from plain decoding for "
               + ", ".join(f"{m['mode']} at batch {m['batch']} ({_pct(m['agreement'])} of tokens agree)"
                           for m in result["mismatches"]), file=file)
+
+
+def print_requests(result: dict, file=None) -> None:
+    """The requests' table: time to first token and latency (p50 / p90, ms), the
+    prefill time beside its compute floor, tokens/s counting the prefill and the
+    speed-ups counting it."""
+    file = file or sys.stdout
+    rows = [r for r in result["rows"] if not r.get("error") and r.get("ttft_ms_p50") is not None]
+    if not rows:
+        return
+    print(f"{'requests':<16} {'batch':>5} {'TTFT p50':>9} {'p90 ms':>8} {'latency p50':>11} {'p90 ms':>8} "
+          f"{'prefill ms':>10} {'floor ms':>8} {'x floor':>7} {'tok/s+pf':>9} {'vs plain':>8} {'vs hf':>7}",
+          file=file)
+
+    def cell(v, fmt, suffix=""):
+        return "-" if v is None else f"{v:{fmt}}{suffix}"
+
+    for r in rows:
+        print(f"{_label(r):<16} {r['batch']:>5} {r['ttft_ms_p50']:>9.2f} {r['ttft_ms_p90']:>8.2f} "
+              f"{r['latency_ms_p50']:>11.1f} {r['latency_ms_p90']:>8.1f} {r['prefill_ms']:>10.2f} "
+              f"{cell(r.get('prefill_floor_ms'), '.3f'):>8} {cell(r.get('prefill_vs_floor'), '.1f', 'x'):>7} "
+              f"{r['tokens_per_s_with_prefill']:>9.1f} {cell(r.get('speedup_vs_plain_with_prefill'), '.2f', 'x'):>8} "
+              f"{cell(r.get('speedup_vs_hf_with_prefill'), '.2f', 'x'):>7}", file=file)
+    m = result.get("matmul")
+    if m:
+        rate = m["flops_per_s"]
+        rate = f"{rate / 1e12:.1f} TFLOP/s" if rate >= 1e12 else f"{rate / 1e9:.1f} GFLOP/s"
+        print(f"floor: the prompts' matmul FLOPs (projections, causal attention, GDN state products, LM head on the "
+              f"last tokens) at {rate}, a {m['n']}^3 {m['dtype']} torch.mm timed in this "
+              "run; prefill: ours, every prompt pass; hf: its time to first token. tok/s+pf and the speed-ups after "
+              "it count the prefill", file=file)
 
 
 def plot_e2e(result: dict, path) -> Path:

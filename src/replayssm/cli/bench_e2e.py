@@ -8,6 +8,7 @@ import argparse
 import torch
 
 from ..bench.e2e import DRAFTERS, DTYPES, HF_CACHES, RANDOM_MODELS, E2EConfig
+from ..engine.adapter import PREFILL_MODES
 from ..ops.dispatch import BACKENDS
 from ..strategies import STRATEGY_NAMES
 from . import common
@@ -22,6 +23,20 @@ def _probabilities(text: str) -> tuple[float, ...]:
     if not values or any(not 0 <= v <= 1 for v in values) or len(set(values)) != len(values):
         raise argparse.ArgumentTypeError(f"expected distinct probabilities in [0, 1], got {text!r}")
     return values
+
+
+def _lengths(text: str) -> int | tuple[int, int]:
+    """``"64"`` -> 64; ``"512-4096"`` -> ``(512, 4096)``: a range each request draws its
+    length from (uniform, seeded)."""
+    lo, sep, hi = text.strip().partition("-")
+    try:
+        values = (int(lo),) if not sep else (int(lo), int(hi))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or a range LO-HI, got {text!r}") from None
+    if any(v < 1 for v in values) or (sep and values[0] > values[1]):
+        raise argparse.ArgumentTypeError(f"expected a positive integer or a range LO-HI with 1 <= LO <= HI, "
+                                         f"got {text!r}")
+    return values[0] if not sep else values
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,8 +59,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batches", type=int_list, default=None, help="batch sizes (default 1,16,64 on CUDA, 2 on the CPU)")
     parser.add_argument("--num-draft", type=num_draft, default=d.num_draft,
                         help=f"draft tokens per step, at most 15 (default {d.num_draft})")
-    parser.add_argument("--max-new-tokens", type=positive_int, default=None, help="generated tokens per request (default 128; 12 on the CPU)")
-    parser.add_argument("--prompt-len", type=positive_int, default=None, help="prompt tokens per request (default 64; 8 on the CPU)")
+    parser.add_argument("--max-new-tokens", type=_lengths, default=None,
+                        help="generated tokens per request, or a range LO-HI each request draws its own from "
+                             "(uniform, seeded; default 128; 12 on the CPU)")
+    parser.add_argument("--prompt-len", type=_lengths, default=None,
+                        help="prompt tokens per request, or a range LO-HI as for --max-new-tokens (default 64; 8 on "
+                             "the CPU)")
+    parser.add_argument("--prefill", choices=PREFILL_MODES, default=d.prefill,
+                        help="GDN prompt kernel: auto (fla-core's chunked kernel on CUDA in bf16/fp16 when it "
+                             "imports: the 'gpu' extra), chunk (that kernel, an error without it) or recurrence")
+    parser.add_argument("--prefill-chunk", type=positive_int, default=None,
+                        help="prompt tokens per prefill pass; passes then alternate with the running requests' "
+                             "decode steps (default: whole prompts per pass)")
     parser.add_argument("--drafter", choices=DRAFTERS, default=d.drafter,
                         help="ngram (prompt lookup), oracle (set acceptance on the strategy's own tokens), forced "
                              "(a seeded draw sets how many drafts each step accepts, whatever the numerics; a "
@@ -87,6 +112,7 @@ def config_from_args(args):
         batches=tuple(pick(args.batches, (1, 16, 64), (2,))),
         num_draft=args.num_draft, max_new_tokens=pick(args.max_new_tokens, 128, 12),
         prompt_len=pick(args.prompt_len, 64, 8), drafter=args.drafter, acceptance=tuple(args.acceptance),
+        prefill=args.prefill, prefill_chunk=args.prefill_chunk,
         device=device, dtype=pick(args.dtype, "bf16", "fp32"), backend=args.backend, graphs=not args.no_graphs,
         repeats=pick(args.repeats, 3, 1), seed=args.seed,
     )

@@ -22,6 +22,7 @@ tokens; tokens are packed ``[N = sum l_i]`` in request order, the layout of
 
 from __future__ import annotations
 
+import itertools
 import logging
 import sys
 from dataclasses import dataclass
@@ -75,6 +76,10 @@ def _family(gdn_module) -> str:
     if all(hasattr(gdn_module, n) for n in ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b")):
         return "qwen3_5"
     raise TypeError(f"unrecognised GDN module {type(gdn_module).__name__}: no in_proj_qkvz/ba nor in_proj_qkv/z/a/b")
+
+
+#: how to get the chunked prompt kernel (the package's optional GPU extra)
+CHUNK_KERNEL_INSTALL = "pip install 'replayssm[gpu]' (fla-core)"
 
 
 def load_chunk_kernel() -> Callable | None:
@@ -274,6 +279,53 @@ def is_moe(mlp) -> bool:
     return hasattr(mlp, "experts")
 
 
+def takes_host_offsets(kernel: Callable) -> bool:
+    """Whether ``kernel`` takes ``cu_seqlens_cpu`` (newer fla-core releases: the host
+    copy of the offsets, so that the kernel derives its chunk indices without reading
+    the device)."""
+    import inspect
+
+    try:
+        return "cu_seqlens_cpu" in inspect.signature(kernel).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+class _PromptKernel:
+    """The chunked kernel as one prompt pass calls it, layer after layer (the strategy's
+    ``chunk_prefill`` calls it with fla-core's signature).
+
+    * Every layer gets the same ``cu_seqlens`` tensor (of the values the strategy
+      passes): fla-core derives chunk indices from it with a host read and caches them
+      by tensor identity, so that read happens once per pass instead of once per
+      layer; a kernel that takes ``cu_seqlens_cpu`` gets the host copy and reads
+      nothing.
+    * Requests that hold committed tokens (a prompt prefilled in chunks) start from
+      their committed state: the kernel's ``initial_state`` ``[B, HV, K, V]``, the
+      layer's committed states (``[B, HV, V, K]`` in the pool) transposed; fresh
+      requests start from zero, which their committed state is.
+    """
+
+    def __init__(self, kernel: Callable, strategy, batch: Batch, starts: Sequence[int]):
+        self.kernel = kernel
+        self.strategy = strategy
+        self.slots = list(batch.host_slots)
+        self.history = any(starts)
+        self.cu_seqlens = batch.cu_seqlens.long()
+        self.extra = {}
+        if takes_host_offsets(kernel):
+            self.extra["cu_seqlens_cpu"] = torch.tensor(list(itertools.accumulate(batch.lengths, initial=0)))
+
+    def layer(self, j: int) -> Callable:
+        def call(q, k, v, g, beta, *, initial_state=None, cu_seqlens=None, **kwargs):
+            if self.history:
+                initial_state = self.strategy.committed_state(j, self.slots).transpose(-1, -2)
+            return self.kernel(q, k, v, g, beta, initial_state=initial_state, cu_seqlens=self.cu_seqlens,
+                               **kwargs, **self.extra)
+
+        return call
+
+
 class HybridEngine:
     """A Qwen3.5 / Qwen3-Next model whose GDN state lives in a :class:`StatePool`.
 
@@ -288,8 +340,9 @@ class HybridEngine:
         state_dtype: dtype of GDN checkpoints (float32 unless you know better).
         backend: op backend (``"auto"``: Triton on CUDA, the reference on the CPU).
         prefill: ``"recurrence"`` (the exact recurrence), ``"chunk"`` (a chunked
-            kernel; needs ``chunk_kernel`` or fla-core) or ``"auto"`` (chunk on CUDA in
-            bf16/fp16 when fla-core imports, else the recurrence). The choice is logged
+            kernel; needs ``chunk_kernel`` or fla-core, the ``gpu`` extra) or ``"auto"``
+            (chunk on CUDA in bf16/fp16 when fla-core imports, else the recurrence). The
+            choice is logged (a warning when a CUDA engine in 16 bits finds no fla-core)
             and kept in :attr:`prefill_kernel`.
         chunk_kernel: a callable with fla-core's ``chunk_gated_delta_rule`` signature.
         fixed_shape: ``(rows, window)`` to run every step of at most ``rows`` tokens
@@ -398,7 +451,8 @@ class HybridEngine:
         if prefill == "chunk":
             self.chunk_kernel = chunk_kernel or load_chunk_kernel()
             if self.chunk_kernel is None:
-                raise ValueError("prefill='chunk' needs fla-core (fla.ops.gated_delta_rule) or a chunk_kernel")
+                raise ValueError("prefill='chunk' needs fla-core (fla.ops.gated_delta_rule) or a chunk_kernel: "
+                                 + CHUNK_KERNEL_INSTALL)
             self.prefill_kernel = "chunk"
         elif prefill == "auto" and self.device.type == "cuda":
             if self.dtype not in (torch.bfloat16, torch.float16):
@@ -406,10 +460,14 @@ class HybridEngine:
             else:
                 self.chunk_kernel = chunk_kernel or load_chunk_kernel()
                 self.prefill_kernel = ("chunk (fla-core)" if self.chunk_kernel
-                                       else "recurrence (fla-core not importable)")
+                                       else f"recurrence (fla-core not importable: {CHUNK_KERNEL_INSTALL})")
         else:
             self.prefill_kernel = "recurrence"
-        log.info("prompt prefill of GDN layers: %s", self.prefill_kernel)
+        # A CUDA engine that could run prompts through the chunked kernel but cannot
+        # find it says so: the token-serial recurrence is many times slower on long prompts.
+        missing = self.device.type == "cuda" and prefill == "auto" and self.chunk_kernel is None
+        (log.warning if missing and self.dtype != torch.float32 else log.info)(
+            "prompt prefill of GDN layers: %s", self.prefill_kernel)
 
     # ------------------------------------------------------------------ slots
     @property
@@ -445,7 +503,9 @@ class HybridEngine:
             slots: live slot per request.
             windows: token ids per request (any length >= 1).
             all_logits: logits of every token (default: each request's last token).
-            prompt: allow the chunked prefill kernel (requests fresh from :meth:`alloc`).
+            prompt: prompt tokens: the chunked prefill kernel may run them (see
+                ``prefill``). A request may hold committed tokens already (a prompt
+                prefilled in chunks): the kernel then starts from its committed state.
         """
         return self._forward(slots, windows, verify=False, all_logits=all_logits, chunked=prompt)
 
@@ -511,8 +571,9 @@ class HybridEngine:
         batch = self.pool.batch(slots, lengths, prefill=not verify)  # validates slots and lengths
         self.kv.check_room(slots, lengths)
         starts = [self.kv.lengths[s] for s in slots]
-        if chunked and self.chunk_kernel is not None and any(starts):
-            raise ValueError("the chunked prompt kernel needs fresh requests (no committed tokens)")
+        prompt_kernel = None
+        if chunked and self.chunk_kernel is not None:
+            prompt_kernel = _PromptKernel(self.chunk_kernel, self.strategy, batch, starts)
         n = sum(lengths)
         rows, t_max, l_max = n, None, None
         fixed = self.fixed_shape
@@ -537,8 +598,8 @@ class HybridEngine:
                     self.gdn_inputs_hook(j, q, k, v, a, b)
                 if verify:
                     o = strat.verify(j, q, k, v, a, b, batch)
-                elif chunked and self.chunk_kernel is not None:
-                    o = self._chunk_prefill(j, q, k, v, a, b, batch)
+                elif prompt_kernel is not None:
+                    o = strat.chunk_prefill(j, q, k, v, a, b, batch, prompt_kernel.layer(j))
                 else:
                     o = strat.prefill(j, q, k, v, a, b, batch)
                 x = mixer.finish(_pad_rows(o, rows), z)
@@ -546,8 +607,13 @@ class HybridEngine:
                 x = attention_forward(layer.self_attn, x, cos, sin, self.kv, j, layout)
             h = residual + x
             residual = h
-            h = residual + mlp_forward(layer.mlp, layer.post_attention_layernorm(h),
-                                       token_by_token=n if t_max is not None else 0)
+            x = layer.post_attention_layernorm(h)
+            if chunked and t_max is None and self.moe_kernel == "grouped_mm" and is_moe(layer.mlp):
+                # the HF block loops over the experts a pass hits, which the host reads
+                # first (a synchronisation per layer); the grouped GEMM reads nothing
+                h = residual + static_moe_forward(layer.mlp, x, self.moe_kernel)
+            else:
+                h = residual + mlp_forward(layer.mlp, x, token_by_token=n if t_max is not None else 0)
         h = self.norm(h)
 
         offsets = [0]
@@ -635,8 +701,3 @@ class HybridEngine:
             pos = pos[None].expand(3, 1, -1)
         cos, sin = self.rotary(h[None], pos)
         return cos.reshape(h.shape[0], -1), sin.reshape(h.shape[0], -1)
-
-    def _chunk_prefill(self, j, q, k, v, a, b, batch) -> torch.Tensor:
-        """Prompt tokens of GDN layer ``j`` through the chunked kernel; the strategy keeps
-        the final states as the requests' committed states."""
-        return self.strategy.chunk_prefill(j, q, k, v, a, b, batch, self.chunk_kernel)

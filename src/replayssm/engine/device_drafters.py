@@ -402,11 +402,11 @@ class DeviceMTPDrafter(DeviceDrafter):
         """``k`` drafts from the head outputs ``h [B, H]`` of each request's last
         committed pair; later pairs go at ``next_pos [B]`` onwards. Sampled drafts keep
         their probabilities in :attr:`q`."""
-        tok, q = self._choose(self.engine.lm_head(h).float())
+        tok, q = self._choose(self.engine.lm_head(h))
         drafts, probs = [tok], [q]
         for j in range(1, self.k):
             h = self._layer(tok[:, None], h, slot_idx, (next_pos + j - 1)[:, None])
-            tok, q = self._choose(self.engine.lm_head(h).float())
+            tok, q = self._choose(self.engine.lm_head(h))
             drafts.append(tok)
             probs.append(q)
         if self.q is not None:
@@ -414,11 +414,14 @@ class DeviceMTPDrafter(DeviceDrafter):
         return torch.stack(drafts, 1)
 
     def _choose(self, logits: torch.Tensor):
+        """A draft per row of the head's logits ``[B, V]`` (model dtype): greedy drafts
+        take the argmax as it is (widening to fp32 is exact, so it changes no argmax,
+        and would copy ``B x V`` logits per draft); sampled ones warp fp32 logits."""
         from .sampling import sample_categorical, warp_probs
 
         if self.sampling is None:
             return logits.argmax(-1), None
-        q = warp_probs(logits, self.sampling)
+        q = warp_probs(logits.float(), self.sampling)
         return sample_categorical(q), q
 
     def draft_probs(self, slot_idx):

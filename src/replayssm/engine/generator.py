@@ -33,7 +33,14 @@ class GenerationResult:
         accept_lengths: tokens emitted per request-step (``accepted drafts + 1``), all
             requests and steps together.
         drafted, accepted: draft tokens proposed / accepted in total.
-        prefill_s, decode_s: wall time of the prompt prefill and of the decoding loop.
+        prefill_s, decode_s: wall time of the prompt prefill passes (every pass, later
+            joiners' and every chunk's included) and of the rest of the call (decode
+            steps and the host's work between them); together the call's wall time.
+        ttft_s: per request, seconds from the call's start to its first token (time to
+            first token; queueing for a slot and the prompt prefill included), taken on
+            the host once the device has produced the token. ``nan`` for a request that
+            never got one (an error ended the call).
+        latency_s: per request, seconds from the call's start to its last token.
     """
 
     tokens: list[list[int]]
@@ -45,6 +52,8 @@ class GenerationResult:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     stats: "StepStats | None" = None
+    ttft_s: list[float] = field(default_factory=list)
+    latency_s: list[float] = field(default_factory=list)
 
     @property
     def num_generated(self) -> int:
@@ -77,6 +86,11 @@ class _Request:
     max_new: int
     generated: list[int] = field(default_factory=list)
     finish: str | None = None
+    arrival: float = 0.0  # perf_counter() at the call's start: every request arrives then
+    ttft: float | None = None  # seconds from arrival to the first token
+    done_at: float | None = None  # seconds from arrival to the last token
+    filled: int = 0  # prompt tokens prefilled so far
+    hidden: list = field(default_factory=list)  # target hidden states of earlier prompt chunks
 
     @property
     def last(self) -> int:
@@ -137,6 +151,8 @@ def _close(gen, result: GenerationResult, reqs) -> None:
     gen._release([r for r in reqs if r.slot >= 0])
     result.tokens = [r.generated for r in reqs]
     result.finish_reasons = [r.finish or "length" for r in reqs]
+    result.ttft_s = [float("nan") if r.ttft is None else r.ttft for r in reqs]
+    result.latency_s = [float("nan") if r.done_at is None else r.done_at for r in reqs]
 
 
 def _elapsed(device: torch.device, t0: float) -> float:
@@ -182,7 +198,9 @@ class SpeculativeGenerator:
         return torch.multinomial(warp_probs(logits, self.sampling), 1, generator=self.generator)[:, 0].tolist()
 
     def _emit(self, req: _Request, new: list[int]) -> list[int]:
-        """Append tokens up to a stop; return what was appended."""
+        """Append tokens up to a stop; return what was appended. The host holds ``new``,
+        so the device has produced it: the request's first / last token times are
+        taken here."""
         kept = []
         for t in new:
             if len(req.generated) >= req.max_new:
@@ -191,9 +209,15 @@ class SpeculativeGenerator:
             kept.append(t)
             if t in self.eos:
                 req.finish = "eos"
-                return kept
-        if len(req.generated) >= req.max_new:
+                break
+        if req.finish is None and len(req.generated) >= req.max_new:
             req.finish = "length"
+        if kept or req.finish:
+            now = time.perf_counter() - req.arrival
+            if req.ttft is None and req.generated:
+                req.ttft = now
+            if req.finish and req.done_at is None:
+                req.done_at = now
         return kept
 
     # ------------------------------------------------------------------ loop
@@ -216,10 +240,10 @@ class SpeculativeGenerator:
 
     def _generate(self, prompts, budgets, on_tokens) -> GenerationResult:
         eng, drafter = self.engine, self.drafter
-        reqs = [_Request(i, eng.alloc(), p, m) for i, (p, m) in enumerate(zip(prompts, budgets))]
+        t0 = time.perf_counter()
+        reqs = [_Request(i, eng.alloc(), p, m, arrival=t0) for i, (p, m) in enumerate(zip(prompts, budgets))]
         result = GenerationResult(tokens=[], finish_reasons=[])
         try:
-            t0 = time.perf_counter()
             out = eng.extend([r.slot for r in reqs], [r.prompt for r in reqs], prompt=True)
             firsts = self._pick(out.logits)
             _sync(eng.device)
@@ -328,19 +352,48 @@ def default_buckets(num_slots: int) -> tuple[int, ...]:
 
 
 @dataclass
+class PrefillPass:
+    """One prompt-prefill forward of a :class:`StepGenerator` run.
+
+    Attributes:
+        after_step: decode steps the run had taken before this pass (the pass ran
+            between step ``after_step - 1`` and step ``after_step``).
+        requests: request indices whose prompt tokens the pass covered, in pass order.
+        tokens: prompt tokens of each of them in the pass.
+        completed: the requests whose prompt the pass completed (their first token was
+            emitted by it).
+        seconds: wall time of the pass (the device's work included).
+    """
+
+    after_step: int
+    requests: list[int]
+    tokens: list[int]
+    completed: list[int]
+    seconds: float
+
+
+@dataclass
 class StepStats:
     """Per-step figures of a :class:`StepGenerator` run: wall time of each decode step
-    (launch or replay plus the read of its output), live rows and tokens emitted."""
+    (launch or replay plus the read of its output), live rows and tokens emitted; and
+    every prompt-prefill pass (:class:`PrefillPass`), placed among the steps."""
 
     seconds: list[float] = field(default_factory=list)
     rows: list[int] = field(default_factory=list)
     emitted: list[int] = field(default_factory=list)
+    prefills: list[PrefillPass] = field(default_factory=list)
 
     def percentile(self, q: float) -> float:
-        if not self.seconds:
-            return float("nan")
-        xs = sorted(self.seconds)
-        return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+        return percentile(self.seconds, q)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-quantile of ``values`` (``0 <= q <= 1``) as the value of rank
+    ``round(q (n - 1))`` in sorted order, ``nan`` when there are none (or any is)."""
+    xs = sorted(values)
+    if not xs or any(x != x for x in xs):
+        return float("nan")
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
 class StepGenerator:
@@ -354,6 +407,17 @@ class StepGenerator:
     up (at most the engine's slots at once) and leave on an end-of-sequence token or
     their token budget. Plain decoding when ``drafter`` is ``None``.
 
+    Prompt prefill: the joining requests' prompts go through one packed forward
+    (:meth:`HybridEngine.extend`, ``cu_seqlens`` over the prompts), not one per request.
+    With ``prefill_chunk = n``, a prefill pass takes at most ``n`` prompt tokens (the
+    joiners in arrival order, the last one cut where the budget ends; a prompt longer
+    than ``n`` spans several passes), and while requests are decoding, passes and decode
+    steps alternate: one pass, then one step of the running requests, so a long prompt
+    joining does not stall them for its whole prefill (vLLM's chunked prefill, with the
+    chunk run beside the step instead of inside it). A request decodes from the step
+    after the pass that completes its prompt. Greedy outputs do not depend on the
+    chunking (up to the rounding of matmuls over other row counts).
+
     Args:
         engine: the target engine (window ``>= num_draft + 1``; slots = concurrency).
         drafter: a :class:`~replayssm.engine.device_drafters.DeviceDrafter` or ``None``.
@@ -362,16 +426,22 @@ class StepGenerator:
         eos_token_ids: tokens that end a request.
         graphs: capture CUDA graphs (default: on a CUDA engine).
         buckets: batch buckets (default 1, 2, 4, ... up to the engine's slots).
+        prefill_chunk: prompt tokens per prefill pass, or ``None`` (default): every
+            joiner's whole prompt in one pass before the next step.
     """
 
     def __init__(self, engine: HybridEngine, drafter=None, *, num_draft: int = 3,
                  sampling: SamplingParams = SamplingParams(), eos_token_ids: Sequence[int] = (),
-                 graphs: bool | None = None, buckets: Sequence[int] | None = None):
+                 graphs: bool | None = None, buckets: Sequence[int] | None = None,
+                 prefill_chunk: int | None = None):
         from .device_drafters import DeviceDrafter
 
         check_generator_args(engine, drafter, DeviceDrafter, sampling, num_draft)
         if drafter is not None:
             drafter.check_sampling(sampling)
+        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
+                                          or prefill_chunk < 1):
+            raise ValueError(f"prefill_chunk must be a positive int or None, got {prefill_chunk!r}")
         graphs = engine.device.type == "cuda" if graphs is None else bool(graphs)
         if graphs and engine.device.type != "cuda":
             raise ValueError("graphs=True needs a CUDA engine")
@@ -387,6 +457,7 @@ class StepGenerator:
         self.eos = {int(t) for t in eos_token_ids}
         self.graphs = graphs
         self.buckets = buckets
+        self.prefill_chunk = prefill_chunk
         self._steps: dict[int, object] = {}
         self._pool = None
         # the next window of every slot (last token, then drafts); the last row is the sink
@@ -415,8 +486,9 @@ class StepGenerator:
         """Generate for any number of prompts; at most the engine's slots run at once.
 
         Returns a :class:`GenerationResult` whose ``stats`` attribute holds the
-        :class:`StepStats`. ``decode_s`` is the wall time of the loop after the first
-        prefill (later joiners' prefills included); ``prefill_s`` that first prefill.
+        :class:`StepStats`. ``prefill_s`` is the wall time of every prefill pass,
+        ``decode_s`` the rest of the call; ``ttft_s`` and ``latency_s`` count from the
+        call's start (a request waiting for a slot waits from there).
         """
         eng = self.engine
         prompts, budgets = check_requests(eng, prompts, max_new_tokens)
@@ -427,80 +499,139 @@ class StepGenerator:
 
     def _generate(self, prompts, budgets, on_tokens) -> GenerationResult:
         eng = self.engine
-        queue = [_Request(i, -1, p, m) for i, (p, m) in enumerate(zip(prompts, budgets))]
+        t_start = time.perf_counter()
+        queue = [_Request(i, -1, p, m, arrival=t_start) for i, (p, m) in enumerate(zip(prompts, budgets))]
         reqs = list(queue)
         queue.reverse()  # pop() takes the next request
         result = GenerationResult(tokens=[], finish_reasons=[])
         stats = StepStats()
-        active: list[_Request] = []
-        t_start = time.perf_counter()
-        first_prefill = True
+        active: list[_Request] = []  # decoding
+        filling: list[_Request] = []  # holding a slot, prompt not yet fully prefilled
         try:
-            while queue or active:
-                joiners = []
-                while queue and len(active) + len(joiners) < eng.pool.num_slots:
+            while queue or active or filling:
+                while queue and len(active) + len(filling) < eng.pool.num_slots:
                     r = queue.pop()
                     r.slot = eng.alloc()
-                    joiners.append(r)
-                if joiners:
-                    t0 = time.perf_counter()
-                    self._prefill(joiners, on_tokens)
-                    if first_prefill:
-                        _sync(eng.device)
-                        result.prefill_s = time.perf_counter() - t0
-                        t_start = time.perf_counter()
-                        first_prefill = False
-                    self._release([r for r in joiners if r.finish])
-                    active += [r for r in joiners if r.finish is None]
-                if not active:
-                    continue
-                step = self._step(len(active))
-                step.set_rows([r.slot for r in active] + [-1] * (step.rows - len(active)))
-                t0 = time.perf_counter()
-                out = step.run()[: len(active)].tolist()  # the step's one host synchronisation
-                stats.seconds.append(time.perf_counter() - t0)
-                stats.rows.append(len(active))
-                eng.kv.advance_host([r.slot for r in active], [row[0] for row in out])
-                emitted = 0
-                for r, row in zip(active, out):
-                    n = row[0]
-                    kept = self._emit(r, row[1 : 1 + n])
-                    emitted += n
-                    result.accept_lengths.append(n)
-                    result.drafted += self.num_draft
-                    result.accepted += n - 1
-                    if on_tokens:
-                        on_tokens(r.index, kept)
-                stats.emitted.append(emitted)
-                result.steps += 1
-                active = _retire(self, active)
-            result.decode_s = _elapsed(eng.device, t_start)
+                    filling.append(r)
+                if filling:
+                    done = self._prefill_pass(filling, stats, on_tokens)
+                    result.prefill_s += stats.prefills[-1].seconds
+                    filling = [r for r in filling if r.filled < len(r.prompt)]
+                    self._release([r for r in done if r.finish])
+                    active += [r for r in done if r.finish is None]
+                if active:
+                    self._decode_step(active, result, stats, on_tokens)
+                    active = _retire(self, active)
+            result.decode_s = _elapsed(eng.device, t_start) - result.prefill_s
             eng.pool.check_errors()  # what the graphed steps' device-side index checks found (one read)
         finally:
             _close(self, result, reqs)
         result.stats = stats
         return result
 
-    def _prefill(self, joiners, on_tokens) -> None:
+    def _decode_step(self, active: list[_Request], result: GenerationResult, stats: StepStats, on_tokens) -> None:
+        """One static step of the decoding requests ``active``."""
         eng = self.engine
-        out = eng.extend([r.slot for r in joiners], [r.prompt for r in joiners], prompt=True)
+        step = self._step(len(active))
+        step.set_rows([r.slot for r in active] + [-1] * (step.rows - len(active)))
+        t0 = time.perf_counter()
+        out = step.run()[: len(active)].tolist()  # the step's one host synchronisation
+        stats.seconds.append(time.perf_counter() - t0)
+        stats.rows.append(len(active))
+        eng.kv.advance_host([r.slot for r in active], [row[0] for row in out])
+        emitted = 0
+        for r, row in zip(active, out):
+            n = row[0]
+            kept = self._emit(r, row[1 : 1 + n])
+            emitted += n
+            result.accept_lengths.append(n)
+            result.drafted += self.num_draft
+            result.accepted += n - 1
+            if on_tokens:
+                on_tokens(r.index, kept)
+        stats.emitted.append(emitted)
+        result.steps += 1
+
+    def _prefill_pass(self, filling: list[_Request], stats: StepStats, on_tokens) -> list[_Request]:
+        """One packed prefill forward over the next prompt tokens of ``filling`` (in
+        order, at most ``prefill_chunk`` tokens); the requests whose prompt it completed
+        get their first token and first drafts. Returns those requests."""
+        eng = self.engine
+        t0 = time.perf_counter()
+        left = self.prefill_chunk or sum(len(r.prompt) - r.filled for r in filling)
+        picked = []  # (request, first prompt position of the pass, tokens)
+        for r in filling:
+            if left == 0:
+                break
+            n = min(len(r.prompt) - r.filled, left)
+            picked.append((r, r.filled, n))
+            left -= n
+        out = eng.extend([r.slot for r, _, _ in picked], [r.prompt[s : s + n] for r, s, n in picked], prompt=True)
+        keep_hidden = self.drafter is not None and self.drafter.needs_hidden
+        done = []
+        for i, (r, s, n) in enumerate(picked):
+            r.filled += n
+            if keep_hidden and r.filled < len(r.prompt):  # a prompt over several passes: kept for the join
+                r.hidden.append(out.hidden[out.offsets[i] : out.offsets[i + 1]])
+            if r.filled == len(r.prompt):
+                done.append(i)
+        if done:
+            self._join([picked[i][0] for i in done], out, done, on_tokens)
+        _sync(eng.device)
+        stats.prefills.append(PrefillPass(
+            after_step=len(stats.seconds), requests=[r.index for r, _, _ in picked], tokens=[n for _, _, n in picked],
+            completed=[picked[i][0].index for i in done], seconds=time.perf_counter() - t0))
+        return [picked[i][0] for i in done]
+
+    def _join(self, joiners: list[_Request], out, rows: list[int], on_tokens) -> None:
+        """First tokens of ``joiners`` from rows ``rows`` of the pass's last-token
+        logits, into their windows; the drafter's first drafts; the tokens emitted."""
+        eng = self.engine
+        logits = out.logits if len(rows) == len(out.lengths) else out.logits[rows]
         if self.sampling.greedy:
-            firsts = out.logits.argmax(-1)
+            firsts = logits.argmax(-1)
         else:
             from .sampling import sample_categorical
 
-            firsts = sample_categorical(warp_probs(out.logits, self.sampling))
+            firsts = sample_categorical(warp_probs(logits, self.sampling))
         slots = torch.tensor([r.slot for r in joiners], dtype=torch.long, device=eng.device)
         self.windows[slots, 0] = firsts
         firsts = firsts.tolist()
         if self.drafter is not None:
+            hidden, offsets = None, None
+            if self.drafter.needs_hidden:
+                hidden, offsets = self._prompt_hidden(joiners, out, rows)
             self.windows[slots, 1:] = self.drafter.join(
                 [r.slot for r in joiners], [r.prompt for r in joiners], firsts, [r.index for r in joiners],
-                hidden=out.hidden if self.drafter.needs_hidden else None, offsets=out.offsets)
+                hidden=hidden, offsets=offsets)
         for r, tok in zip(joiners, firsts):
             kept = self._emit(r, [tok])
             if on_tokens:
                 on_tokens(r.index, kept)
+
+    @staticmethod
+    def _prompt_hidden(joiners: list[_Request], out, rows: list[int]):
+        """``(hidden [sum P, H], offsets)`` of the joiners' whole prompts: the pass's own
+        outputs when it held every prompt whole, else each prompt's earlier chunks and
+        this pass's part, concatenated."""
+        if len(rows) == len(out.lengths) and not any(r.hidden for r in joiners):
+            return out.hidden, out.offsets
+        parts, offsets = [], [0]
+        for r, i in zip(joiners, rows):
+            r.hidden.append(out.hidden[out.offsets[i] : out.offsets[i + 1]])
+            parts += r.hidden
+            r.hidden = []
+            offsets.append(offsets[-1] + len(r.prompt))
+        return torch.cat(parts), offsets
+
+    def _prefill(self, joiners: list[_Request], on_tokens) -> None:
+        """Prefill the whole prompts of ``joiners`` (slots allocated), in passes under
+        the token budget, and emit their first tokens (no decode steps between)."""
+        stats = StepStats()
+        filling = list(joiners)
+        while filling:
+            self._prefill_pass(filling, stats, on_tokens)
+            filling = [r for r in filling if r.filled < len(r.prompt)]
 
     _emit = SpeculativeGenerator._emit
 

@@ -10,6 +10,7 @@ models roll back by truncating each request's KV length").
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Sequence
 
@@ -187,10 +188,20 @@ class WindowLayout:
         self.positions = torch.tensor(pos, dtype=torch.long, device=device)  # [N] absolute position
         self.slot_of_token = torch.tensor([self.slots[r] for r in rows], dtype=torch.long, device=device)
         self.slot_index = torch.tensor(self.slots, dtype=torch.long, device=device)
-        # Query t of request b sees keys 0 .. start_b + t (causal across history + window).
-        key_pos = torch.arange(self.l_max, device=device)
-        q_pos = torch.tensor(self.starts, device=device)[:, None] + torch.arange(self.t_max, device=device)[None]
-        self.mask = (key_pos[None, None, :] <= q_pos[:, :, None])[:, None]  # [B, 1, Tmax, Lmax]
+        #: every request without history and no padding past the longest window: the
+        #: attention needs no cache read and no explicit mask (see cached_attention)
+        self.fresh = not any(self.starts) and t_max is None
+        self.device = device
+
+    @functools.cached_property
+    def mask(self) -> torch.Tensor:
+        """``[B, 1, Tmax, Lmax]`` bool: query ``t`` of request ``b`` sees keys ``0 ..
+        start_b + t`` (causal across history + window). Built at its first use (a pass
+        of fresh requests never needs it)."""
+        key_pos = torch.arange(self.l_max, device=self.device)
+        q_pos = (torch.tensor(self.starts, device=self.device)[:, None]
+                 + torch.arange(self.t_max, device=self.device)[None])
+        return (key_pos[None, None, :] <= q_pos[:, :, None])[:, None]
 
 
 def cached_attention(cache: KVCache, layer: int, layout: WindowLayout, q: torch.Tensor, k: torch.Tensor,
@@ -210,6 +221,8 @@ def cached_attention(cache: KVCache, layer: int, layout: WindowLayout, q: torch.
     kv_heads = k.shape[1]
     cache.k[layer][layout.slot_of_token, :, layout.positions] = k.to(cache.k.dtype)
     cache.v[layer][layout.slot_of_token, :, layout.positions] = v.to(cache.v.dtype)
+    if layout.fresh:
+        return _fresh_attention(layout, q, k, v, scale)
     keys = cache.k[layer][layout.slot_index, :, : layout.l_max]  # [B, kvH, Lmax, D]
     values = cache.v[layer][layout.slot_index, :, : layout.l_max]
     if heads != kv_heads:
@@ -221,3 +234,28 @@ def cached_attention(cache: KVCache, layer: int, layout: WindowLayout, q: torch.
         q_pad.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype), attn_mask=layout.mask, scale=scale
     )  # [B, heads, Tmax, D]
     return out.transpose(1, 2)[layout.row, layout.col]
+
+
+def _fresh_attention(layout: WindowLayout, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """:func:`cached_attention` of requests without history (a prompt pass of fresh
+    requests): each window attends to itself, so its keys need no gather from the
+    cache and the padded windows ``[B, Tmax]`` take a plain causal mask, which SDPA's
+    flash kernels serve (an explicit mask rules them out). Right padding is exact: a
+    real query's causal window ends at itself, before its row's padding."""
+    n, heads, d = q.shape
+    kv_heads = k.shape[1]
+    if heads != kv_heads:
+        k = k.repeat_interleave(heads // kv_heads, dim=1)
+        v = v.repeat_interleave(heads // kv_heads, dim=1)
+    if layout.batch == 1:
+        qs, ks, vs = q[None], k[None], v[None]
+    else:
+        qs, ks, vs = (x.new_zeros(layout.batch, layout.t_max, heads, d) for x in (q, k, v))
+        qs[layout.row, layout.col] = q
+        ks[layout.row, layout.col] = k.to(q.dtype)
+        vs[layout.row, layout.col] = v.to(q.dtype)
+    out = F.scaled_dot_product_attention(qs.transpose(1, 2), ks.transpose(1, 2).to(q.dtype),
+                                         vs.transpose(1, 2).to(q.dtype), is_causal=True, scale=scale)
+    out = out.transpose(1, 2)  # [B, Tmax, heads, D]
+    return out[0] if layout.batch == 1 else out[layout.row, layout.col]

@@ -79,8 +79,11 @@ class _ErrorWord:
     refreshed without synchronising after each eager device-side check."""
 
     def __init__(self, device: torch.device):
-        self.word = torch.zeros(1, dtype=torch.int32, device=device)
-        self.mirror = torch.zeros(1, dtype=torch.int32, pin_memory=True) if device.type == "cuda" else None
+        # a normal tensor even when the first user runs under inference mode (an engine
+        # built inside one): an inference tensor could not be cleared outside it
+        with torch.inference_mode(False):
+            self.word = torch.zeros(1, dtype=torch.int32, device=device)
+            self.mirror = torch.zeros(1, dtype=torch.int32, pin_memory=True) if device.type == "cuda" else None
         self.event = None
 
     def raise_bits(self, bits: torch.Tensor) -> None:

@@ -88,6 +88,7 @@ class Strategy:
         self._verified: set[int] = set()
         self._conv_verified: set[int] = set()
         self._checked_inputs: tuple | None = None  # see _check_inputs
+        self._index_memo: tuple | None = None  # see _device_index
 
     # ------------------------------------------------------------------ config
     #: how many trailing axes of ``checkpoints`` its kernels need packed (3: each state
@@ -397,10 +398,16 @@ class Strategy:
         self._check_fresh(live)
         if not live:
             return
-        dev = self.pool.device
-        idx = torch.tensor(live, dtype=torch.long, device=dev)
-        src = states[torch.tensor(rows, dtype=torch.long, device=dev)]
-        self.pool.checkpoints[layer, idx] = src.to(self.pool.state_dtype)
+        src = states if len(rows) == len(slots) else states[self._device_index(tuple(rows))]
+        self.pool.checkpoints[layer, self._device_index(tuple(live))] = src.to(self.pool.state_dtype)
+
+    def _device_index(self, values: tuple[int, ...]) -> torch.Tensor:
+        """``values`` as an int64 index on the pool's device, the last one kept: every
+        layer of a prompt pass asks for the same slots, and a new copy from host memory
+        to the device waits for the work queued before it (a synchronisation per layer)."""
+        if self._index_memo is None or self._index_memo[0] != values:
+            self._index_memo = (values, torch.tensor(values, dtype=torch.long, device=self.pool.device))
+        return self._index_memo[1]
 
     def _check_fresh(self, slots: list[int]) -> None:
         """Raise if a slot has committed history beyond its checkpoint (none between
@@ -454,9 +461,8 @@ class Strategy:
         """A copy of the committed states ``[len(slots), HV, V, K]``, at any time
         (between steps, or between a step's verify and its commit / abort)."""
         self.pool.check_layer(layer)
-        slots = [self.pool.check_live(s) for s in slots]
-        idx = torch.tensor(slots, dtype=torch.long, device=self.pool.device)
-        return self.pool.checkpoints[layer, idx].clone()
+        slots = tuple(self.pool.check_live(s) for s in slots)
+        return self.pool.checkpoints[layer, self._device_index(slots)].clone()
 
     # ------------------------------------------------------------------ subclass hooks
     def _verify(self, layer, q, k, v, a, b, A_log, dt_bias, batch: Batch) -> torch.Tensor:

@@ -1,0 +1,115 @@
+"""Prompt prefill on a CUDA GPU.
+
+Run on the GPU machine:  python -m pytest -q tests/gpu/test_prefill_gpu.py
+
+Claims checked:
+
+* A prompt pass synchronises the host a fixed number of times, whatever the number of
+  layers (no host read or blocking copy inside a layer): with the recurrence, with
+  fla-core's chunked kernel (its chunk indices derived once per pass), and with MoE
+  blocks (through the grouped GEMM, not the HF block's per-expert loop).
+* fla-core's kernel continues a prompt prefilled in parts from the committed state
+  (its ``initial_state``): the logits agree with the recurrence over the whole prompt.
+* Chunked prefill interleaved with graphed decode steps keeps the greedy tokens (fp32)
+  and places the joiner's passes between the running requests' steps.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from replayssm.engine.adapter import HybridEngine, load_chunk_kernel
+from replayssm.engine.generator import StepGenerator
+from replayssm.engine.random_model import build_tiny_model
+
+pytestmark = pytest.mark.gpu
+
+HEADS = dict(linear_key_head_dim=128, linear_value_head_dim=128)  # fla-core's kernels want real head sizes
+
+
+def _prompts(seed: int, lengths) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
+
+
+def _syncs_of_a_prompt_pass(model, prefill: str) -> int:
+    """Host synchronisations (torch's sync debug mode, as warnings) of one prompt pass
+    of three requests, the engine and its first pass already warmed up."""
+    eng = HybridEngine(model, strategy="fold", num_slots=3, window=4, max_len=256, prefill=prefill)
+    prompts = _prompts(3, (100, 37, 64))
+    with torch.inference_mode():
+        slots = [eng.alloc() for _ in prompts]
+        eng.extend(slots, prompts, prompt=True)  # Triton compiles, cuBLAS picks its kernels
+        for s in slots:
+            eng.free(s)
+        slots = [eng.alloc() for _ in prompts]
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                eng.extend(slots, prompts, prompt=True)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("family,prefill", [("qwen3_5", "recurrence"), ("qwen3_5", "chunk"), ("qwen3_next", "recurrence")])
+def test_prompt_pass_syncs_do_not_grow_with_the_layers(family, prefill):
+    if prefill == "chunk" and load_chunk_kernel() is None:
+        pytest.skip("fla-core is not importable here")
+    counts = []
+    for layers in (4, 8):
+        model = build_tiny_model(family, seed=2, dtype=torch.bfloat16, device="cuda", num_hidden_layers=layers,
+                                 **HEADS)
+        counts.append(_syncs_of_a_prompt_pass(model, prefill))
+    # the pass's own copies of host indices to the device (layout, token ids, lengths)
+    # synchronise too, once per pass; a layer adds none
+    print(f"\n  {family}/{prefill}: {counts[0]} synchronisations per prompt pass at 4 and 8 layers")
+    assert counts[0] == counts[1], counts
+
+
+def test_moe_prompt_pass_matches_hf():
+    """The grouped-GEMM MoE of prompt passes gives HF's logits (bf16 rounding)."""
+    model = build_tiny_model("qwen3_next", seed=6, dtype=torch.bfloat16, device="cuda")
+    eng = HybridEngine(model, strategy="fold", num_slots=1, window=2, max_len=128, prefill="recurrence")
+    if eng.moe_kernel != "grouped_mm":
+        pytest.skip(f"the MoE blocks run {eng.moe_kernel!r} here")
+    prompt = _prompts(4, (57,))[0]
+    with torch.inference_mode():
+        ours = eng.extend([eng.alloc()], [prompt], all_logits=True, prompt=True).logits
+        ref = model(torch.tensor([prompt], device="cuda"), use_cache=False).logits[0].float()
+    err = (ours - ref).abs().max().item()
+    assert err < 0.05 * ref.abs().max().item(), err
+
+
+def test_fla_continues_a_prompt_prefilled_in_parts():
+    if load_chunk_kernel() is None:
+        pytest.skip("fla-core is not importable here")
+    model = build_tiny_model("qwen3_5", seed=4, dtype=torch.bfloat16, device="cuda", **HEADS)
+    prompts = _prompts(9, (300, 130))
+    whole = HybridEngine(model, strategy="fold", num_slots=2, window=4, max_len=512, prefill="recurrence")
+    parts = HybridEngine(model, strategy="fold", num_slots=2, window=4, max_len=512, prefill="chunk")
+    with torch.inference_mode():
+        ref = whole.extend([whole.alloc(), whole.alloc()], prompts, prompt=True).logits.float()
+        slots = [parts.alloc(), parts.alloc()]
+        parts.extend(slots[:1], [prompts[0][:170]], prompt=True)
+        got = parts.extend(slots, [prompts[0][170:], prompts[1]], prompt=True).logits.float()
+    err = (got - ref).abs().max().item()
+    assert err < 0.05 * ref.abs().max().item(), err
+
+
+def test_graphed_decode_with_chunked_prefill_keeps_the_tokens():
+    model = build_tiny_model("qwen3_5", seed=8, dtype=torch.float32, device="cuda")
+    prompts = _prompts(12, (20, 9, 150))
+    budgets = [80, 5, 20]
+    runs = []
+    for chunk in (None, 32):
+        eng = HybridEngine(model, strategy="fold", num_slots=2, window=1, max_len=256)
+        runs.append(StepGenerator(eng, prefill_chunk=chunk).generate(prompts, budgets))
+    assert runs[1].tokens == runs[0].tokens
+    joiner = [p for p in runs[1].stats.prefills if 2 in p.requests]
+    assert len(joiner) == 5 and all(b.after_step == a.after_step + 1 for a, b in zip(joiner, joiner[1:]))
