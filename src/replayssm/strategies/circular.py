@@ -67,7 +67,8 @@ class CircularStrategy(Strategy):
     the checkpoint through the exact recurrence at the next verify (DESIGN.md
     section 3). At small batches (the shape table's ``circular.replay_max_batch``) the
     verify replays history and window through the recurrence in one launch and commit
-    flushes at every step.
+    flushes at every step. Plain decoding runs through the same ring
+    (:meth:`~Strategy.decode`: a window of one token, DESIGN.md section 9).
 
     Committed states are exact (the fold replays raw records, bit for bit the
     recurrence's); verify outputs agree with the recurrence to rounding
@@ -79,6 +80,7 @@ class CircularStrategy(Strategy):
 
     name = "circular"
     exact_outputs = False
+    ring_decode = True
     Buffers = CircularBuffers
     buf: CircularBuffers
 
@@ -129,9 +131,22 @@ class CircularStrategy(Strategy):
         return gdn_chunked_window(
             q, k, v, a, b, A_log, dt_bias, self.pool.checkpoints[layer], buf.layer(layer), buf.ring_u[layer],
             batch.slots, batch.cu_seqlens, buf.write_pos, buf.cache_base, buf.is_flush,
-            max_len=self.pool.window, method=None if self.small_batch_path else "closed_form",
+            max_len=self._kernel_window(batch), method=None if self.small_batch_path else "closed_form",
             backend=self.pool.backend,
         )
+
+    def _kernel_window(self, batch) -> int:
+        """``max_len`` of the step's window op: 1 when every window is one token (plain
+        decoding through the ring, :meth:`~Strategy.decode`), the window-1 closed form
+        without the pool window's masked positions; otherwise the pool's window, one
+        kernel specialisation for every speculative step. Flushes are the same fold
+        either way (bit for bit); outputs and records are bit for bit those of the
+        pool-window kernels while the window block is the same (pool windows up to 8),
+        to rounding beyond (tests/strategies/test_ring_decode_triton.py).
+
+        The cursors are not concerned: commit flags a flush one pool window early
+        whatever the step's window, so the next speculative window always fits."""
+        return 1 if batch.max_len == 1 else self.pool.window
 
     def _commit_states(self, batch, accepted):
         buf = self.buf
