@@ -145,6 +145,32 @@ def test_abort_of_a_decode_step_keeps_the_committed_state():
     check([lc.decode_step() for _ in range(6)])
 
 
+def test_fold_history_makes_requests_fresh_without_changing_their_state():
+    """After plain and speculative steps, ``fold_history`` folds each request's ring
+    into its checkpoints: the committed state is unchanged bit for bit, the checkpoint
+    now equals it, the ring is empty (prefill accepts the request), and the lifecycle
+    goes on exactly. Refused for a slot of an open step; a no-op without a ring."""
+    pool, lc = make(ring_len=16)
+    for i in range(7):
+        lc.decode_step() if i % 2 else lc.step()
+    before = committed(pool, lc.slots)
+    assert (pool.buffers["write_pos"][lc.slots] > 0).all()
+    assert not torch.equal(pool.buffers["checkpoints"][:, lc.slots], before), "the ring must hold history"
+    pool.strategy.fold_history(lc.slots[:2])
+    assert torch.equal(committed(pool, lc.slots), before)
+    assert torch.equal(pool.buffers["checkpoints"][:, lc.slots[:2]], before[:, :2])
+    assert (pool.buffers["write_pos"][lc.slots[:2]] == 0).all() and pool.buffers["write_pos"][lc.slots[2]] > 0
+    pool.strategy._check_fresh(lc.slots[:2])
+    check([lc.decode_step() if i % 2 else lc.step() for i in range(6)])
+    batch = pool.batch(lc.slots, 1)
+    x = lc.make_inputs(3)
+    pool.strategy.decode(0, x["q"], x["k"], x["v"], x["a"], x["b"], batch)
+    with pytest.raises(StepProtocolError, match="open step"):
+        pool.strategy.fold_history(lc.slots[:1])
+    with pytest.raises(ValueError, match="not allocated"):
+        make(strategy="fold")[0].strategy.fold_history([4])
+
+
 # ---------------------------------------------------------------------------- the call's contract
 class TestDecodeContract:
     @pytest.fixture

@@ -320,8 +320,9 @@ class HybridEngine:
             strategy's ring (:meth:`Strategy.decode`: the state is read once a step and
             written at a flush, DESIGN.md section 9) instead of the recurrence. Default
             (``None``): whenever the strategy has one (``circular``). ``True`` with a
-            strategy without a ring raises; ``False`` keeps the recurrence, which cannot
-            decode a request that has speculative history in a ring.
+            strategy without a ring raises; ``False`` keeps the recurrence. Steps
+            through the recurrence (prompts, windows of several tokens) first fold a
+            request's ring history into its checkpoint (:meth:`Strategy.fold_history`).
 
     A step is either :meth:`extend` (prompt prefill or plain decoding: the state
     advances over every token) or :meth:`verify` followed by :meth:`commit`.
@@ -471,7 +472,7 @@ class HybridEngine:
 
         A plain decoding step (not ``prompt``, one token per request) goes through the
         strategy's ring when :attr:`ring_decoding`; anything else through the
-        recurrence.
+        recurrence, from checkpoints into which any ring history was folded first.
 
         Args:
             slots: live slot per request.
@@ -568,6 +569,8 @@ class HybridEngine:
         starts = [self.kv.lengths[s] for s in slots]
         if ring:  # from here a failed forward leaves an open step for _ring_step to abort
             self._pending = (batch, slots, lengths)
+        elif not verify:  # the recurrence starts from the checkpoint: fold any ring history into it
+            self.strategy.fold_history(batch.live_slots)
         if chunked and self.chunk_kernel is not None and any(starts):
             raise ValueError("the chunked prompt kernel needs fresh requests (no committed tokens)")
         n = sum(lengths)

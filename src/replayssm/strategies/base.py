@@ -442,6 +442,23 @@ class Strategy:
         src = states[torch.tensor(rows, dtype=torch.long, device=dev)]
         self.pool.checkpoints[layer, idx] = src.to(self.pool.state_dtype)
 
+    def fold_history(self, slots: Sequence[int]) -> None:
+        """Make the checkpoints of ``slots`` (every layer) their committed state: a
+        strategy that keeps committed history outside the checkpoint (``circular``'s
+        ring, after :meth:`decode` or speculative steps) folds it in exactly, as a flush
+        would, and empties it; the committed state does not change. :meth:`prefill` and
+        :meth:`load_states` need fresh requests; this makes a request fresh without
+        losing its state. A no-op for strategies whose checkpoint is always the
+        committed state. Only for slots outside an open step."""
+        slots = [self.pool.check_live(s) for s in slots]
+        busy = sorted(set(slots) & self.pool.step_slots)
+        if busy:
+            raise StepProtocolError(f"slots {busy} belong to the open step: commit or abort it first")
+        self._fold_history(slots)
+
+    def _fold_history(self, slots: list[int]) -> None:
+        """Fold the committed history of live, validated ``slots`` into their checkpoints."""
+
     def _check_fresh(self, slots: list[int]) -> None:
         """Raise if a slot has committed history beyond its checkpoint (none between
         steps for strategies whose checkpoint is the committed state)."""
