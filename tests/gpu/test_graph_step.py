@@ -149,12 +149,12 @@ def test_bench_kernels_runs_captured_steps(tmp_path):
     assert rc == 0, data["errors"]
     assert data["smoke"] is False and data["config"]["cuda_graph"] is True
     assert data["device"]["copy_GBps"] > 100 and data["device"]["l2_bytes"] > 0
-    names = [*STRATEGIES.keys(), "plain_decode", "snapshot_verify"]
+    names = [*STRATEGIES.keys(), "plain_decode", "plain_ring", "snapshot_verify"]
     assert sorted((r["strategy"], r["batch"]) for r in data["rows"]) == sorted((n, b) for n in names for b in (1, 4))
     for r in data["rows"]:
         assert r["timing"]["method"] == "cuda-graph"
         assert r["floor_us"] > 0 and r["floor_ratio"] > 0 and r["achieved_GBps"] > 0 and r["us_per_layer_step"] > 0
         if r["batch"] == 1:  # 2 layers of 2 MiB states sit in L2: the step rotates among copies
             assert r["timing"]["rotated_copies"] > 1
-        if r["strategy"] == "circular":
+        if r["strategy"] in ("circular", "plain_ring"):
             assert r["timing"]["steps_per_block"] % r["cursor_cycle_steps"] == 0
