@@ -192,12 +192,14 @@ def static_attention_forward(attn, x: torch.Tensor, cos: torch.Tensor, sin: torc
     return attn.o_proj(o.reshape(b * t, -1) * torch.sigmoid(gate))
 
 
-def _check_plain_via_ring(plain_via_ring, strategy) -> bool:
-    """``HybridEngine``'s ``plain_via_ring`` resolved for ``strategy`` (a registered
-    name): ``None`` means whenever the strategy can decode through a ring."""
+def _resolve_plain_via_ring(plain_via_ring, strategy, window: int, ring_len) -> bool:
+    """``HybridEngine``'s ``plain_via_ring`` for ``strategy`` (a registered name) and its
+    pool: ``None`` means when the strategy can decode through a ring that holds more
+    than ``2 T`` records. With ``L = 2 T`` every plain step would flush (the flag keeps
+    room for two windows, DESIGN.md section 9): the recurrence then moves less."""
     ring = bool(getattr(strategy_class(strategy), "ring_decode", False))
     if plain_via_ring is None:
-        return ring
+        return ring and isinstance(ring_len, int) and ring_len > 2 * window
     if not isinstance(plain_via_ring, bool):
         raise TypeError(f"plain_via_ring must be a bool or None, got {type(plain_via_ring).__name__}")
     if plain_via_ring and not ring:
@@ -319,8 +321,10 @@ class HybridEngine:
             not a prompt; :meth:`forward_static` with ``verify=False``) go through the
             strategy's ring (:meth:`Strategy.decode`: the state is read once a step and
             written at a flush, DESIGN.md section 9) instead of the recurrence. Default
-            (``None``): whenever the strategy has one (``circular``). ``True`` with a
-            strategy without a ring raises; ``False`` keeps the recurrence. Steps
+            (``None``): whenever the strategy has one (``circular``) longer than
+            ``2 * window`` records (with ``ring_len = 2 * window``, the default, every
+            plain step would flush). ``True`` with a strategy without a ring raises;
+            ``False`` keeps the recurrence. Steps
             through the recurrence (prompts, windows of several tokens) first fold a
             request's ring history into its checkpoint (:meth:`Strategy.fold_history`).
 
@@ -334,7 +338,6 @@ class HybridEngine:
                  fixed_shape: tuple[int, int] | None = None, plain_via_ring: bool | None = None):
         if prefill not in PREFILL_MODES:
             raise ValueError(f"prefill must be one of {PREFILL_MODES}, got {prefill!r}")
-        self.plain_via_ring = _check_plain_via_ring(plain_via_ring, strategy)
         if not isinstance(window, int) or isinstance(window, bool) or window < 1:
             raise ValueError(f"window must be a positive int, got {window!r}")
         if fixed_shape is not None:
@@ -380,6 +383,7 @@ class HybridEngine:
         self.shape = GDNShape(m0.H, m0.HV, m0.K, m0.V, conv_kernel=m0.module.conv_kernel_size)
         if ring_len is None:
             ring_len = 1 << max(1, (2 * window - 1).bit_length())
+        self.plain_via_ring = _resolve_plain_via_ring(plain_via_ring, strategy, window, ring_len)
         self.strategy_name = strategy
         self.window = window
         self.pool = StatePool(
