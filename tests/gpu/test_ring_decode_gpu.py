@@ -16,7 +16,7 @@ import random
 
 import pytest
 import torch
-from test_graph_step import LAYERS, RING_LEN, SHAPE, WINDOW, _make_pool, _same
+from test_graph_step import LAYERS, RING_LEN, SHAPE, WINDOW, _make_pool, capture, check_replay
 
 from replayssm.engine.adapter import HybridEngine
 from replayssm.engine.generator import StepGenerator
@@ -42,20 +42,6 @@ def _inputs(n_tok, dt):
         a=[torch.randn(n_tok, SHAPE.num_value_heads, device=dev).to(dt) for _ in range(LAYERS)],
         b=[(torch.randn(n_tok, SHAPE.num_value_heads, device=dev) * 2).to(dt) for _ in range(LAYERS)],
     )
-
-
-def _capture(step):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # compile and settle (this really steps the pool)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step()
-    torch.cuda.synchronize()
-    return graph, outs
 
 
 @pytest.mark.parametrize("act_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -86,7 +72,7 @@ def test_graph_replay_of_the_plain_ring_step_equals_eager(path, act_dtype, mixed
 
         for _ in range(3):  # staggered cursor phases, as in serving
             spec_step()
-        graphs = {"plain": _capture(plain_step), "spec": _capture(spec_step)}
+        graphs = {"plain": capture(plain_step), "spec": capture(spec_step)}
         schedule = ["spec" if mixed and i % 4 == 3 else "plain" for i in range(STEPS)]
         start = {n: b.clone() for n, b in pool.buffers.items()}
         eager = []
@@ -102,11 +88,7 @@ def test_graph_replay_of_the_plain_ring_step_equals_eager(path, act_dtype, mixed
             graph, static_outs = graphs[kind]
             graph.replay()
             torch.cuda.synchronize()
-            e_outs, e_bufs = eager[i]
-            for layer in range(LAYERS):
-                assert _same(static_outs[layer], e_outs[layer]), f"step {i} ({kind}) layer {layer}: outputs differ"
-            for name, buf in pool.buffers.items():
-                assert _same(buf, e_bufs[name]), f"step {i} ({kind}): buffer {name} differs from the eager step"
+            check_replay(pool, f"step {i} ({kind})", static_outs, eager[i])
     assert flushed >= len(slots) * 2, "every request must flush during the replays"
     pad = plain_batch.host_slots.index(-1)
     for o in graphs["plain"][1]:
