@@ -141,8 +141,8 @@ class CircularStrategy(Strategy):
         without the pool window's masked positions; otherwise the pool's window, one
         kernel specialisation for every speculative step. Flushes are the same fold
         either way (bit for bit); outputs and records are bit for bit those of the
-        pool-window kernels while the window block is the same (pool windows up to 8),
-        to rounding beyond (tests/strategies/test_ring_decode_triton.py).
+        pool-window kernels while their window blocks are the same (pool windows up to
+        4 today), to rounding beyond (tests/strategies/test_ring_decode_triton.py).
 
         The cursors are not concerned: commit flags a flush one pool window early
         whatever the step's window, so the next speculative window always fits."""
