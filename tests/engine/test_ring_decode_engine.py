@@ -158,6 +158,12 @@ def test_a_failed_ring_step_leaves_no_trace(tiny, rng, monkeypatch):
         got = eng.extend(slots, [[9], [9]]).logits
         want = ref.extend(pairs[1][1], [[9], [9]]).logits
     assert torch.equal(got, want)
+    # a plain step while a speculative one is pending is refused, and leaves it pending
+    eng.verify(slots, [[1, 2], [3]])
+    with pytest.raises(RuntimeError, match="pending"):
+        eng.extend(slots, [[4], [5]])
+    assert strat.step_open
+    eng.commit([2, 1])
 
 
 def test_static_plain_steps_go_through_the_ring(tiny, rng):

@@ -492,12 +492,13 @@ class HybridEngine:
         """A plain decoding step through the ring: every GDN layer decodes (a window of
         one token from checkpoint + ring), then one commit keeps each request's token;
         a forward that fails halfway aborts the step, leaving every state as it was."""
+        before = self._pending  # a verified step left pending makes _forward refuse: keep it
         try:
             out = self._forward(slots, windows, verify=True, all_logits=all_logits, chunked=False, ring=True)
         except BaseException:
-            if self._pending is not None:  # the step opened: drop it
+            if self._pending is not None and self._pending is not before:  # this step opened: drop it
                 self.strategy.abort(self._pending[0])
-                self._pending = None
+                self._pending = before
             raise
         batch, slots, lengths = self._pending
         self._pending = None
