@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import sys
 
-ORDER = ("plain_decode", "snapshot_verify", "snapshot", "fold", "circular")
+ORDER = ("plain_decode", "plain_ring", "snapshot_verify", "snapshot", "fold", "circular")
 
 
 def main(argv: list[str]) -> int:

@@ -63,12 +63,15 @@ def test_cpu_smoke_run_writes_one_row_per_strategy_and_batch(tmp_path, capsys):
         assert r["achieved_GBps"] == pytest.approx(expected.total / (r["us_per_layer_step"] * 1e-6) / 1e9)
         if r["kind"] == "strategy":
             assert r["committed_tokens_per_us_per_layer"] == pytest.approx(r["batch"] * 3 / r["us_per_layer_step"])
-        elif r["strategy"] == "plain_decode":
+        elif r["strategy"] in ("plain_decode", "plain_ring"):
             assert r["committed_tokens_per_us_per_layer"] == pytest.approx(r["batch"] / r["us_per_layer_step"])
         else:
             assert r["committed_tokens_per_us_per_layer"] is None
     circ = [r for r in rows if r["strategy"] == "circular"]
     assert all(r["ring_len"] == 16 and r["timing"]["steps_per_block"] == 3 for r in circ)  # a whole cursor cycle
+    ring = [r for r in rows if r["strategy"] == "plain_ring"]  # one token a step: a flush every L - 2T + 1 = 9
+    assert all(r["ring_len"] == 16 and r["cursor_cycle_steps"] == r["timing"]["steps_per_block"] == 9 for r in ring)
+    assert all(r["window"] == 1 and r["accepted_per_request"] == 1 and r["exact_outputs"] is False for r in ring)
 
 
 def test_subset_and_no_baselines(tmp_path):
@@ -180,7 +183,33 @@ def test_circular_prepare_staggers_the_cursor_phases():
     assert len(set(wp)) > 1, f"all requests at the same phase: {wp}"
 
 
-@pytest.mark.parametrize("name", kernels.BASELINE_NAMES)
+def test_ring_decode_step_commits_one_token_per_request_through_the_ring():
+    """``plain_ring``'s timed step: after prepare (speculative steps on the same ring:
+    staggered cursor phases), one step commits one token per request, the committed
+    state the recurrence's from the one before, bit for bit; the cursors advanced."""
+    cfg = _cfg()
+    st = kernels.RingDecodeStep(cfg, "plain_ring", 16, torch.Generator().manual_seed(random.randrange(2**31)))
+    st.prepare()
+    buf = st.pool.buffers
+    slots = list(st.plain_batch.host_slots)
+    assert len(set(buf["write_pos"][slots].tolist())) > 1, "all requests at the same phase"
+    before = [st.pool.strategy.committed_state(layer, slots) for layer in range(cfg.layers)]
+    wp, flush = buf["write_pos"][slots].clone(), buf["is_flush"][slots].clone()
+    st.step()
+    x, rows = st.plain_inputs, torch.arange(len(slots), dtype=torch.int32)
+    for layer in range(cfg.layers):
+        ref = before[layer].clone()
+        p = st.pool.layer_params(layer)
+        gdn_recurrence_reference(x.q[layer], x.k[layer], x.v[layer], x.a[layer], x.b[layer], p["A_log"], p["dt_bias"],
+                                 ref, rows, torch.arange(len(slots) + 1, dtype=torch.int32), update_state=True)
+        assert torch.equal(st.pool.strategy.committed_state(layer, slots), ref), f"layer {layer}"
+        assert st.outputs[layer].shape == (len(slots), cfg.value_heads, cfg.head_v_dim)
+    assert torch.equal(buf["write_pos"][slots], torch.where(flush != 0, 1, wp + 1))
+    with pytest.raises(ValueError, match="plain_ring"):
+        kernels.RingDecodeStep(cfg, "circular", 2, torch.Generator())
+
+
+@pytest.mark.parametrize("name", ["plain_decode", "snapshot_verify"])
 def test_recurrence_baselines(name):
     cfg = _cfg()
     st = kernels.RecurrenceStep(cfg, name, 3, torch.Generator().manual_seed(random.randrange(2**31)))
@@ -249,6 +278,24 @@ def test_circular_replay_moves_two_state_passes_and_one_steps_records():
     assert replay.state > closed.state  # a closed-form flush comes once per cursor cycle only
     with pytest.raises(ValueError, match="circular_replay"):
         common.step_bytes("fold", s, circular_replay=True)
+
+
+def test_plain_ring_bytes_are_one_read_and_a_share_of_a_flush():
+    """A plain step through the ring reads every state and writes it once per plain
+    cursor cycle (L - 2T + 1 tokens from a fresh ring), plus one record per request; at
+    small batches (replay: a flush every step) two state passes, as plain decoding."""
+    s = _shape()
+    sb, b, t = s.state_bytes, s.batch, s.window
+    ring, replay = common.step_bytes("plain_ring", s), common.step_bytes("plain_ring", s, circular_replay=True)
+    plain = common.step_bytes("plain_decode", s)
+    assert common.cursor_cycle(t, s.ring_len, 1).steps == s.ring_len - 2 * t + 1
+    assert ring.state_read == sb and ring.state_write == pytest.approx(sb / (s.ring_len - 2 * t + 1))
+    assert ring.records_write == b * (s.raw_record_bytes + s.u_record_bytes)
+    assert ring.activations == plain.activations  # one token per request, no conv
+    assert replay.state == plain.state == 2 * sb and replay.records_read == b * s.raw_record_bytes
+    assert ring.state < plain.state
+    with pytest.raises(ValueError, match="ring_len"):
+        common.step_bytes("plain_ring", _shape(ring_len=0))
 
 
 def test_rows_name_circulars_method_by_the_table(tmp_path):

@@ -145,6 +145,22 @@ def test_table_counts_what_fits():
         assert per["plain"] < per["fold"] < per["circular"] < per["snapshot"]
 
 
+def test_rows_report_the_ring_bytes_per_request():
+    """``ring_bytes_per_request``: circular's L records (raw k, v in bf16, fp32 g, beta
+    and u) in every GDN layer plus three int32 cursors; fold's T raw records; none for
+    plain and snapshot. Counted by hand from DESIGN.md section 8's table."""
+    L, T = random.choice([8, 16, 32]), random.choice([2, 4])
+    cfg = memory.MemoryConfig(models=("qwen3.5-35b-a3b",), contexts=(1024,), window=T, ring_len=L, tp=1)
+    rows = {r["strategy"]: r for r in memory.memory_table(cfg, memory.MODELS)["rows"]}
+    m = memory.MODELS["qwen3.5-35b-a3b"]
+    h, hv, kd, vd = m.num_heads, m.num_value_heads, m.head_k_dim, m.head_v_dim
+    raw = (h * kd + hv * vd) * 2 + 2 * hv * 4
+    assert rows["circular"]["ring_bytes_per_request"] == m.gdn_layers * L * (raw + hv * vd * 4) + 3 * 4
+    assert rows["fold"]["ring_bytes_per_request"] == m.gdn_layers * T * raw
+    assert rows["plain"]["ring_bytes_per_request"] == rows["snapshot"]["ring_bytes_per_request"] == 0
+    assert rows["circular"]["ring_bytes_per_request"] < rows["circular"]["gdn_bytes_per_request"]
+
+
 def test_explicit_budget_and_tp():
     budget = random.uniform(1, 50)
     cfg = memory.MemoryConfig(models=("qwen3.5-35b-a3b",), contexts=(0,), budget_gib=budget, tp=2)

@@ -37,6 +37,34 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b)
 
 
+def capture(step):
+    """``(graph, its outputs)`` of one call of ``step`` captured in a CUDA graph, after two
+    eager calls on a side stream that compile and settle (they really step the pool;
+    the capture runs nothing)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    torch.cuda.synchronize()
+    return graph, outs
+
+
+def check_replay(pool, label: str, static_outs, eager_step) -> None:
+    """A replayed step's outputs and the pool's buffers after it equal the eager step's
+    (``eager_step``: its outputs and a copy of every buffer), bit for bit."""
+    e_outs, e_bufs = eager_step
+    for layer, (got, want) in enumerate(zip(static_outs, e_outs, strict=True)):
+        assert _same(got, want), f"{label} layer {layer}: outputs differ"
+    for name, buf in pool.buffers.items():
+        assert _same(buf, e_bufs[name]), f"{label}: buffer {name} differs from the eager step"
+
+
 def _make_pool(strategy: str, act_dtype: torch.dtype):
     pool = StatePool(SHAPE, LAYERS, 6, strategy=strategy, window=WINDOW, ring_len=RING_LEN,
                      act_dtype=act_dtype, device="cuda", backend="auto")
@@ -93,18 +121,7 @@ def test_graph_replay_equals_eager(strategy, act_dtype, conv):
         s.commit(batch, accepted)
         return outs
 
-    # Compile and settle on a side stream, then capture (capture runs nothing).
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_outs = step()
-    torch.cuda.synchronize()
+    graph, static_outs = capture(step)
 
     start = {name: buf.clone() for name, buf in pool.buffers.items()}
 
@@ -122,11 +139,7 @@ def test_graph_replay_equals_eager(strategy, act_dtype, conv):
     for i in range(STEPS):
         graph.replay()
         torch.cuda.synchronize()
-        e_outs, e_bufs = eager[i]
-        for layer in range(LAYERS):
-            assert _same(static_outs[layer], e_outs[layer]), f"step {i} layer {layer}: outputs differ"
-        for name, buf in pool.buffers.items():
-            assert _same(buf, e_bufs[name]), f"step {i}: buffer {name} differs from the eager step"
+        check_replay(pool, f"step {i}", static_outs, eager[i])
 
     # Teeth: the steps did something, and the padding row wrote nothing / output zeros.
     final = pool.buffers
@@ -149,12 +162,12 @@ def test_bench_kernels_runs_captured_steps(tmp_path):
     assert rc == 0, data["errors"]
     assert data["smoke"] is False and data["config"]["cuda_graph"] is True
     assert data["device"]["copy_GBps"] > 100 and data["device"]["l2_bytes"] > 0
-    names = [*STRATEGIES.keys(), "plain_decode", "snapshot_verify"]
+    names = [*STRATEGIES.keys(), "plain_decode", "plain_ring", "snapshot_verify"]
     assert sorted((r["strategy"], r["batch"]) for r in data["rows"]) == sorted((n, b) for n in names for b in (1, 4))
     for r in data["rows"]:
         assert r["timing"]["method"] == "cuda-graph"
         assert r["floor_us"] > 0 and r["floor_ratio"] > 0 and r["achieved_GBps"] > 0 and r["us_per_layer_step"] > 0
         if r["batch"] == 1:  # 2 layers of 2 MiB states sit in L2: the step rotates among copies
             assert r["timing"]["rotated_copies"] > 1
-        if r["strategy"] == "circular":
+        if r["strategy"] in ("circular", "plain_ring"):
             assert r["timing"]["steps_per_block"] % r["cursor_cycle_steps"] == 0

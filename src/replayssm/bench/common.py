@@ -30,8 +30,11 @@ import torch
 # see replayssm.strategies.fold.record_specs and replayssm.strategies.circular.
 _F32 = 4
 
-#: strategies of replayssm.strategies plus the two reference steps the issue compares to
-STEP_KINDS = ("snapshot", "fold", "circular", "plain_decode", "snapshot_verify")
+#: strategies of replayssm.strategies plus the reference steps they are compared to
+#: (``plain_ring``: plain decoding through circular's ring)
+STEP_KINDS = ("snapshot", "fold", "circular", "plain_decode", "plain_ring", "snapshot_verify")
+#: the kinds that run circular's ring (and its small-batch path)
+RING_KINDS = ("circular", "plain_ring")
 
 #: the rotated working set is made this many times larger than the L2 cache, so that a
 #: replay never finds the previous replay's states in L2
@@ -285,38 +288,45 @@ def step_bytes(kind: str, shape: StepShape, *, circular_replay: bool = False) ->
       a flush at every step, so verify reads ``Sb`` and the last step's ``n`` raw
       records, writes ``Sb`` and ``T`` records with their ``u``.
     - ``plain_decode``: one token: reads ``Sb``, writes ``Sb``.
+    - ``plain_ring``: one token through circular's ring (DESIGN.md section 9):
+      ``circular``'s count for a window of one token with one accepted, its flushes
+      averaged over the plain cursor cycle (the pool's window ``T`` in the cursor rule:
+      a flush every ``L - 2T + 1`` tokens), or with ``circular_replay`` one at every step.
     - ``snapshot_verify``: the snapshot strategy's verify alone: reads ``Sb``, writes
       ``T Sb``.
 
-    Activations (and the conv, if ``shape.conv_dim``) are added for every kind; the
-    plain decode step has one token per request, the others ``T``.
+    Activations (and the conv, if ``shape.conv_dim``, except for the reference steps)
+    are added for every kind; the plain steps have one token per request, the others ``T``.
     """
     if kind not in STEP_KINDS:
         raise ValueError(f"kind must be one of {STEP_KINDS}, got {kind!r}")
     if not isinstance(shape, StepShape):
         raise TypeError(f"shape must be a StepShape, got {type(shape).__name__}")
-    if circular_replay and kind != "circular":
-        raise ValueError(f"circular_replay applies to the circular kind only, got {kind!r}")
+    if circular_replay and kind not in RING_KINDS:
+        raise ValueError(f"circular_replay applies to the kinds {RING_KINDS} only, got {kind!r}")
     sb, b, t, n = shape.state_bytes, shape.batch, shape.window, shape.accept
-    tokens = b if kind == "plain_decode" else b * t
-    act = shape.activation_bytes(tokens) + (0 if kind in ("plain_decode", "snapshot_verify") else shape.conv_bytes())
+    plain = kind in ("plain_decode", "plain_ring")
+    tokens = b if plain else b * t
+    act = shape.activation_bytes(tokens) + (0 if plain or kind == "snapshot_verify" else shape.conv_bytes())
     raw = shape.raw_record_bytes
     if kind == "snapshot":
         return StepBytes(state_read=2 * sb, state_write=(t + 1) * sb, activations=act)
     if kind == "fold":
         return StepBytes(state_read=2 * sb, state_write=sb, records_read=b * n * raw, records_write=b * t * raw, activations=act)
-    if kind == "circular":
+    if kind in RING_KINDS:
         if not shape.ring_len:
-            raise ValueError("shape.ring_len must be set for the circular strategy")
+            raise ValueError(f"shape.ring_len must be set for {kind}")
+        # per request: tokens verified (records written) and accepted
+        m, n = (1, 1) if plain else (t, n)
         if circular_replay:
             return StepBytes(state_read=sb, state_write=sb, records_read=b * n * raw,
-                             records_write=b * t * (raw + shape.u_record_bytes), activations=act)
+                             records_write=b * m * (raw + shape.u_record_bytes), activations=act)
         cyc = cursor_cycle(t, shape.ring_len, n)
         return StepBytes(
             state_read=sb,
             state_write=cyc.flushes_per_step * sb,
             records_read=b * (cyc.mean_history * shape.history_record_bytes + cyc.mean_folded * raw),
-            records_write=b * t * (raw + shape.u_record_bytes),
+            records_write=b * m * (raw + shape.u_record_bytes),
             activations=act,
         )
     if kind == "plain_decode":

@@ -9,16 +9,21 @@ layer's states at the measured copy bandwidth), the ratio to that floor, the ban
 achieved on the bytes the strategy has to move (:func:`replayssm.bench.common.step_bytes`)
 and the committed tokens per microsecond per layer.
 
-Two reference steps are timed the same way: ``plain_decode`` (one token per request,
-the recurrence updating the state in place) and ``snapshot_verify`` (the ``snapshot``
-strategy's verify alone: the plain recurrence writing a snapshot per window position).
+Three reference steps are timed the same way: ``plain_decode`` (one token per request,
+the recurrence updating the state in place), ``plain_ring`` (one token per request
+through ``circular``'s ring: ``Strategy.decode`` in every layer, then one commit; the
+state is read once a step and written at a flush, DESIGN.md section 9) and
+``snapshot_verify`` (the ``snapshot`` strategy's verify alone: the plain recurrence
+writing a snapshot per window position).
 
 Small batches would find their states in L2 on the next replay (a Qwen3.5 layer holds
 2 MiB per request), so there the step is built several times over independent pools
 and the copies are replayed round-robin until their states exceed three times the L2
 cache. ``circular``'s requests are first put at different phases of the cursor cycle
 (eager steps with random accepted counts), and every timed block covers whole cycles, so
-its flushes are timed at their natural rate.
+its flushes are timed at their natural rate; ``plain_ring``'s likewise (speculative
+steps with random accepted counts on the same ring, then plain steps whose cycle is
+``L - 2T + 1`` tokens).
 
 Performance goals are not the library's business: ``scripts/check_kernel_targets.py``
 checks the ``--json`` output against ``benchmarks/kernel_targets.json`` (issue 3's).
@@ -54,7 +59,7 @@ from ..strategies import STRATEGY_NAMES
 from ..progress import ProgressBar
 from .common import StepShape, Timing
 
-BASELINE_NAMES = ("plain_decode", "snapshot_verify")
+BASELINE_NAMES = ("plain_decode", "plain_ring", "snapshot_verify")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 # Qwen3.5-35B-A3B GDN layers at TP1 (DESIGN.md section 6) on CUDA; a tiny shape for the
@@ -214,6 +219,43 @@ class StrategyStep:
             self.step(acc)
 
 
+class RingDecodeStep(StrategyStep):
+    """``plain_ring``: plain decoding through ``circular``'s ring on the pool its
+    speculative step uses (window ``T``, ring ``L``): every layer's
+    :meth:`~replayssm.strategies.Strategy.decode` of one token per request, then one
+    ``commit``. No causal conv, as in ``plain_decode``.
+
+    :meth:`prepare` first takes speculative steps with random accepted counts on the same
+    ring, so that the requests sit at different phases of the cursor cycle (plain and
+    speculative steps share the ring), then plain steps (compiling their kernels).
+    """
+
+    kind = "baseline"
+
+    def __init__(self, cfg: BenchConfig, name: str, batch: int, gen: torch.Generator):
+        if name != "plain_ring":
+            raise ValueError(f"name must be 'plain_ring', got {name!r}")
+        super().__init__(cfg, "circular", batch, gen)
+        self.name = name
+        self.plain_batch = self.pool.batch(list(self.batch.host_slots), 1)
+        self.plain_inputs = _LayerInputs(cfg, batch, gen, conv=False)
+
+    def step(self, accepted: torch.Tensor | None = None) -> None:
+        s, x = self.pool.strategy, self.plain_inputs
+        for layer in range(self.cfg.layers):
+            self.outputs[layer] = s.decode(layer, x.q[layer], x.k[layer], x.v[layer], x.a[layer], x.b[layer],
+                                           self.plain_batch)
+        s.commit(self.plain_batch)
+
+    def prepare(self) -> None:
+        for _ in range(max(4, self.cfg.ring_len // 2)):
+            acc = torch.randint(1, self.cfg.window + 1, self.accepted.shape, generator=self.gen, device=self.cfg.device,
+                                dtype=torch.int32)
+            super().step(acc)
+        for _ in range(2):
+            self.step()
+
+
 class RecurrenceStep:
     """A reference step built on the plain recurrence op, every layer of the graph.
 
@@ -283,14 +325,14 @@ def measure(cfg: BenchConfig, name: str, batch: int, *, copy_bw: float | None, l
     if not is_strategy and name not in BASELINE_NAMES:
         raise ValueError(f"name must be one of {STRATEGY_NAMES + BASELINE_NAMES}, got {name!r}")
     shape = cfg.step_shape(batch, conv=cfg.conv and is_strategy)
-    replay = name == "circular" and circular_replays(cfg, batch)
+    ring = name in common.RING_KINDS
+    replay = ring and circular_replays(cfg, batch)
     nbytes = common.step_bytes(name, shape, circular_replay=replay)
-    cycle = (common.cursor_cycle(cfg.window, cfg.ring_len, cfg.accept).steps if name == "circular" and not replay
-             else 1)
+    cycle = common.cursor_cycle(cfg.window, cfg.ring_len, committed_per_request(cfg, name)).steps if ring and not replay else 1
     copies = 1
     if cfg.graph and l2_bytes:
         copies = common.rotation_copies(shape.state_bytes * cfg.layers, l2_bytes)
-    cls = StrategyStep if is_strategy else RecurrenceStep
+    cls = StrategyStep if is_strategy else (RingDecodeStep if name == "plain_ring" else RecurrenceStep)
     runners = [cls(cfg, name, batch, _generator(cfg, name, batch, i)) for i in range(copies)]
     graphs = []
     try:
@@ -313,6 +355,13 @@ def measure(cfg: BenchConfig, name: str, batch: int, *, copy_bw: float | None, l
     return make_row(cfg, name, batch, timing, nbytes, shape, copy_bw, cycle, replay)
 
 
+def committed_per_request(cfg: BenchConfig, name: str) -> int | None:
+    """Tokens a step of ``name`` commits per request (``None``: it commits nothing)."""
+    if name in STRATEGY_NAMES:
+        return cfg.accept
+    return 1 if name in ("plain_decode", "plain_ring") else None
+
+
 def make_row(cfg: BenchConfig, name: str, batch: int, timing: Timing, nbytes: common.StepBytes, shape: StepShape,
              copy_bw: float | None, cycle: int, replay: bool = False) -> dict:
     """The JSON row of one configuration (fields: see the module docstring)."""
@@ -320,18 +369,20 @@ def make_row(cfg: BenchConfig, name: str, batch: int, timing: Timing, nbytes: co
 
     us = timing.us_per_step / cfg.layers
     floor_us = None if copy_bw is None else shape.state_bytes / copy_bw * 1e6
-    committed = cfg.accept if name in STRATEGY_NAMES else (1 if name == "plain_decode" else None)
+    committed = committed_per_request(cfg, name)
+    ring = name in common.RING_KINDS
+    exact = STRATEGIES["circular" if ring else name].exact_outputs if ring or name in STRATEGY_NAMES else True
     return {
         "strategy": name,
         "kind": "strategy" if name in STRATEGY_NAMES else "baseline",
         "batch": batch,
         "layers": cfg.layers,
-        "window": 1 if name == "plain_decode" else cfg.window,
+        "window": 1 if name in ("plain_decode", "plain_ring") else cfg.window,
         "accepted_per_request": committed,
-        "ring_len": cfg.ring_len if name == "circular" else None,
-        "cursor_cycle_steps": cycle if name == "circular" else None,
-        "circular_method": ("replay" if replay else "closed_form") if name == "circular" else None,
-        "exact_outputs": STRATEGIES[name].exact_outputs if name in STRATEGY_NAMES else True,
+        "ring_len": cfg.ring_len if ring else None,
+        "cursor_cycle_steps": cycle if ring else None,
+        "circular_method": ("replay" if replay else "closed_form") if ring else None,
+        "exact_outputs": exact,
         "us_per_step": timing.us_per_step,
         "us_per_layer_step": us,
         "floor_us": floor_us,
@@ -378,7 +429,8 @@ def _versions() -> dict:
 
 BYTE_MODEL = (
     "bytes per layer-step, whole batch: states (snapshot: 2 Sb read + (T+1) Sb written; fold: 2 Sb read + Sb "
-    "written; circular: Sb read + Sb written per flush, averaged over the cursor cycle), raw-record ring traffic "
+    "written; circular: Sb read + Sb written per flush, averaged over the cursor cycle; plain_ring: circular's for "
+    "one token per request, averaged over its cycle of L - 2T + 1 tokens), raw-record ring traffic "
     "(k, v in the activation dtype, fp32 g, beta; circular also fp32 u and the history's k, g, u read by the "
     "closed form), activations (q, k, v, a, b read, o written; the conv when enabled). Not counted: cursors, "
     "slot tables, gate parameters, conv taps. A flush is counted fused with the verify's read (its minimum)."

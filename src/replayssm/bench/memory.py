@@ -9,7 +9,10 @@ context length, and the number of concurrent requests that fit in a memory budge
 ``plain`` is decoding without speculation: checkpoint and conv state only. The
 strategies add what DESIGN.md section 4 says: ``snapshot`` a ``[T, HV, V, K]`` scratch,
 ``fold`` a ``T``-record raw ring, ``circular`` an ``L``-record ring plus the records'
-float32 ``u``; every speculative pool also keeps the window's conv inputs.
+float32 ``u``; every speculative pool also keeps the window's conv inputs. Each row
+also gives the ring's share (``ring/request``: the records of every GDN layer and the
+cursors), which is also what plain decoding through ``circular``'s ring (DESIGN.md
+section 9) costs a request beside its checkpoints.
 
 The budget is ``--budget-gib`` if given, else ``--mem-fraction`` of ``--gpu-gib`` minus
 the weights' share of one GPU (weights / TP). Not counted: activations, CUDA graphs,
@@ -32,6 +35,8 @@ from ..state import GDNShape, StatePool
 from ..strategies import STRATEGY_NAMES
 
 PLAIN = "plain"
+#: the buffers of a strategy's ring of records (and its cursors), DESIGN.md section 8
+RING_BUFFERS = ("ring_k", "ring_v", "ring_g", "ring_beta", "ring_u", "write_pos", "cache_base", "is_flush")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}
 GIB = 2**30
 MIB = 2**20
@@ -179,6 +184,13 @@ def gdn_bytes(shape: GDNShape, strategy: str, *, window: int, ring_len: int, sta
     }
 
 
+def ring_bytes(b: dict, gdn_layers: int) -> int:
+    """Bytes of the ring of records one request holds over ``gdn_layers`` layers, cursors
+    included, from a :func:`gdn_bytes` result (0 for a strategy without a ring)."""
+    per_layer = sum(b["per_layer"].get(n, 0) for n in RING_BUFFERS)
+    return gdn_layers * per_layer + sum(b["per_request"].get(n, 0) for n in RING_BUFFERS)
+
+
 def kv_bytes_per_token(model: ModelSpec, *, tp: int, kv_dtype) -> int:
     """KV cache bytes per token of one request, per GPU: K and V of every
     full-attention layer, ``ceil(kv_heads / tp)`` heads each (replicated past TP = heads)."""
@@ -285,6 +297,7 @@ def memory_table(cfg: MemoryConfig, specs: dict[str, ModelSpec]) -> dict:
                     "gdn_bytes_per_layer": b["per_layer_total"], "gdn_buffers_per_layer": b["per_layer"],
                     "gdn_bytes_per_request_fixed": b["per_request_total"],
                     "gdn_bytes_per_request": gdn, "kv_bytes_per_request": kv_tok * ctx,
+                    "ring_bytes_per_request": ring_bytes(b, model.gdn_layers),
                     "bytes_per_request": total, "budget_bytes": budget, "max_requests": int(max_req),
                 }
                 if s == "snapshot":
@@ -316,6 +329,8 @@ def print_table(result: dict, file=None) -> None:
         f"{cfg['act_dtype']} activations, {cfg['kv_dtype']} KV (figures per GPU)",
         file=file,
     )
+    print("ring/request: the ring of records and its cursors over every GDN layer (part of GDN/request); plain "
+          "decoding through circular's ring (bench e2e --plain-ring) holds circular's", file=file)
     for key, m in result["models"].items():
         sh = m["gdn_shape_per_gpu"]
         print(
@@ -325,15 +340,16 @@ def print_table(result: dict, file=None) -> None:
             file=file,
         )
         print(
-            f"  {'strategy':<9} {'context':>8} {'GDN/layer':>11} {'GDN/request':>12} {'KV/request':>11} "
-            f"{'total/request':>14} {'max requests':>13} {'vs snapshot':>12}",
+            f"  {'strategy':<9} {'context':>8} {'GDN/layer':>11} {'GDN/request':>12} {'ring/request':>13} "
+            f"{'KV/request':>11} {'total/request':>14} {'max requests':>13} {'vs snapshot':>12}",
             file=file,
         )
         for r in (r for r in result["rows"] if r["model_key"] == key):
             vs = "-" if r.get("vs_snapshot") is None else f"{r['vs_snapshot']:.2f}x"
+            ring = _gib(r["ring_bytes_per_request"]) if r["ring_bytes_per_request"] else "-"
             print(
                 f"  {r['strategy']:<9} {r['context']:>8} {_gib(r['gdn_bytes_per_layer']):>11} "
-                f"{_gib(r['gdn_bytes_per_request']):>12} {_gib(r['kv_bytes_per_request']):>11} "
+                f"{_gib(r['gdn_bytes_per_request']):>12} {ring:>13} {_gib(r['kv_bytes_per_request']):>11} "
                 f"{_gib(r['bytes_per_request']):>14} {r['max_requests']:>13} {vs:>12}",
                 file=file,
             )

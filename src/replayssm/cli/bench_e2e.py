@@ -50,6 +50,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strategies", type=name_list(STRATEGY_NAMES, allow_none=True), default=STRATEGY_NAMES,
                         help="comma-separated, or 'none' (default all three)")
     parser.add_argument("--no-plain", action="store_true", help="skip our plain decoding")
+    parser.add_argument("--plain-ring", action="store_true",
+                        help="also time plain decoding through circular's ring (mode plain-ring), on a pool of window "
+                             "--num-draft + 1 and ring --plain-ring-len")
+    parser.add_argument("--plain-ring-len", type=positive_int, default=d.plain_ring_len,
+                        help=f"ring length L of plain-ring: a power of two >= 2 (num_draft + 1); a flush every "
+                             f"L - 2 (num_draft + 1) + 1 tokens (default {d.plain_ring_len})")
     parser.add_argument("--hf", type=name_list(tuple(HF_CACHES), allow_none=True), default=d.hf,
                         help="Hugging Face generate baselines: dynamic (its default cache) and/or static "
                              "(cache_implementation='static'), comma-separated, or 'none' (default both)")
@@ -108,7 +114,8 @@ def config_from_args(args):
         model = common.check_model("--model", args.model or EMBEDDED)  # "embedded": the checkpoint in the package
     return E2EConfig(
         model=model, random_model=args.random or "tiny", strategies=tuple(args.strategies),
-        plain=not args.no_plain, hf=() if args.no_hf else tuple(args.hf), hf_max_batch=args.hf_max_batch,
+        plain=not args.no_plain, plain_ring=args.plain_ring, plain_ring_len=args.plain_ring_len,
+        hf=() if args.no_hf else tuple(args.hf), hf_max_batch=args.hf_max_batch,
         batches=tuple(pick(args.batches, (1, 16, 64), (2,))),
         num_draft=args.num_draft, max_new_tokens=pick(args.max_new_tokens, 128, 12),
         prompt_len=pick(args.prompt_len, 64, 8), drafter=args.drafter, acceptance=tuple(args.acceptance),

@@ -18,18 +18,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("what to time")
     g.add_argument("--batches", type=int_list, default=None,
                    help="requests per step, comma-separated (default 1,16,64,256 on CUDA; 1,2 in the CPU smoke run)")
-    g.add_argument("--strategies", type=name_list(STRATEGY_NAMES), default=tuple(STRATEGY_NAMES),
-                   help="strategies to time (default snapshot,fold,circular)")
+    g.add_argument("--strategies", type=name_list(STRATEGY_NAMES, allow_none=True), default=tuple(STRATEGY_NAMES),
+                   help="strategies to time, or 'none' (default snapshot,fold,circular)")
     g.add_argument("--baselines", type=name_list(BASELINE_NAMES, allow_none=True), default=tuple(BASELINE_NAMES),
-                   help="reference steps to time, or 'none' (default plain_decode,snapshot_verify)")
+                   help="reference steps to time, or 'none' (default plain_decode,plain_ring,snapshot_verify; "
+                        "plain_ring: plain decoding through circular's ring, with --window and --ring-len)")
     g.add_argument("--layers", type=positive_int, default=None,
                    help="GDN layers per captured step (default 8 on CUDA, 2 on the CPU); small batches "
                         "additionally rotate among independent copies so that the states exceed L2")
     g.add_argument("--window", type=positive_int, default=4, help="T, tokens verified per request (default 4)")
     g.add_argument("--accept", type=positive_int, default=3, help="n, tokens committed per request, bonus included (default 3)")
     g.add_argument("--ring-len", default="auto",
-                   help="L for circular: a power of two >= 2T, or 'auto' for the length that moves the fewest "
-                        "bytes per layer-step in the byte model (32 at the default shape)")
+                   help="L for circular and plain_ring: a power of two >= 2T, or 'auto' for the length that moves "
+                        "the fewest bytes per circular layer-step in the byte model (32 at the default shape)")
     g.add_argument("--conv", action="store_true", help="include the causal conv's verify and commit in the step")
     s = parser.add_argument_group("shapes and dtypes")
     s.add_argument("--heads", type=positive_int, default=None, help="H, key heads (default 16 on CUDA)")
@@ -125,7 +126,8 @@ def resolve_config(args: argparse.Namespace):
         ring_len_source = "given"
     from . import common as cli_common
 
-    cli_common.check_triton_window("--window", window, backend=backend, device=device, strategies=strategies)
+    ring_pool = ("circular",) if "plain_ring" in baselines else ()  # plain_ring runs on a circular pool of --window
+    cli_common.check_triton_window("--window", window, backend=backend, device=device, strategies=strategies + ring_pool)
     tune = tuple(_tune_item(item) for item in args.tune)
     return BenchConfig(
         tune=tune,
@@ -176,8 +178,10 @@ def main(args: argparse.Namespace) -> int:
     print(f"shape H={cfg.heads} HV={cfg.value_heads} K={cfg.head_k_dim} V={cfg.head_v_dim}, window T={cfg.window}, "
           f"accepted n={cfg.accept}, {cfg.layers} layers per step, state {str(cfg.state_dtype)[6:]}, "
           f"activations {str(cfg.act_dtype)[6:]}, conv {'on' if cfg.conv else 'off'}", file=out)
+    plain_cycle = (f"; plain_ring: a flush every {common.cursor_cycle(cfg.window, cfg.ring_len, 1).steps} tokens"
+                   if "plain_ring" in cfg.baselines else "")
     print(f"circular ring_len L={cfg.ring_len} ({cfg.ring_len_source}; cursor cycle "
-          f"{common.cursor_cycle(cfg.window, cfg.ring_len, cfg.accept).steps} steps)", file=out)
+          f"{common.cursor_cycle(cfg.window, cfg.ring_len, cfg.accept).steps} steps{plain_cycle})", file=out)
     if cfg.smoke:
         print("SMOKE RUN: no CUDA device; tiny shape, reference ops, wall-clock timing of eager steps. "
               "These numbers are not measurements and no floor is claimed.", file=out)

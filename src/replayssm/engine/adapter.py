@@ -30,7 +30,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..state import Batch, GDNShape, StatePool
+from ..state import Batch, GDNShape, StatePool, strategy_class
 from .attention import slot_attention
 from .kv_cache import KVCache, WindowLayout, cached_attention
 from .norms import norm_eps, norm_kind, rms_norm
@@ -197,6 +197,22 @@ def static_attention_forward(attn, x: torch.Tensor, cos: torch.Tensor, sin: torc
     return attn.o_proj(o.reshape(b * t, -1) * torch.sigmoid(gate))
 
 
+def _resolve_plain_via_ring(plain_via_ring, strategy, window: int, ring_len) -> bool:
+    """``HybridEngine``'s ``plain_via_ring`` for ``strategy`` (a registered name) and its
+    pool: ``None`` means when the strategy can decode through a ring that holds more
+    than ``2 T`` records. With ``L = 2 T`` every plain step would flush (the flag keeps
+    room for two windows, DESIGN.md section 9): the recurrence then moves less."""
+    ring = bool(getattr(strategy_class(strategy), "ring_decode", False))
+    if plain_via_ring is None:
+        return ring and isinstance(ring_len, int) and ring_len > 2 * window
+    if not isinstance(plain_via_ring, bool):
+        raise TypeError(f"plain_via_ring must be a bool or None, got {type(plain_via_ring).__name__}")
+    if plain_via_ring and not ring:
+        raise ValueError(f"plain_via_ring=True needs a strategy with a ring to decode through (circular), "
+                         f"got {strategy!r}")
+    return plain_via_ring
+
+
 def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     """``x [N, ...]`` with zero rows appended up to ``rows``."""
     if x.shape[0] == rows:
@@ -354,6 +370,16 @@ class HybridEngine:
             which GPU matmuls otherwise do not guarantee; two engines with the same
             ``fixed_shape`` (say plain decoding and speculative decoding) compute
             bit-identical logits for the same tokens. Costs speed; for exactness tests.
+        plain_via_ring: plain decoding steps (:meth:`extend` of one token per request,
+            not a prompt; :meth:`forward_static` with ``verify=False``) go through the
+            strategy's ring (:meth:`Strategy.decode`: the state is read once a step and
+            written at a flush, DESIGN.md section 9) instead of the recurrence. Default
+            (``None``): whenever the strategy has one (``circular``) longer than
+            ``2 * window`` records (with ``ring_len = 2 * window``, the default, every
+            plain step would flush). ``True`` with a strategy without a ring raises;
+            ``False`` keeps the recurrence. Steps
+            through the recurrence (prompts, windows of several tokens) first fold a
+            request's ring history into its checkpoint (:meth:`Strategy.fold_history`).
 
     A step is either :meth:`extend` (prompt prefill or plain decoding: the state
     advances over every token) or :meth:`verify` followed by :meth:`commit`.
@@ -362,7 +388,7 @@ class HybridEngine:
     def __init__(self, hf_model, *, strategy: str = "fold", num_slots: int = 1, window: int = 4,
                  max_len: int = 4096, ring_len: int | None = None, state_dtype: torch.dtype = torch.float32,
                  backend: str = "auto", prefill: str = "auto", chunk_kernel: Callable | None = None,
-                 fixed_shape: tuple[int, int] | None = None):
+                 fixed_shape: tuple[int, int] | None = None, plain_via_ring: bool | None = None):
         if prefill not in PREFILL_MODES:
             raise ValueError(f"prefill must be one of {PREFILL_MODES}, got {prefill!r}")
         if not isinstance(window, int) or isinstance(window, bool) or window < 1:
@@ -410,6 +436,7 @@ class HybridEngine:
         self.shape = GDNShape(m0.H, m0.HV, m0.K, m0.V, conv_kernel=m0.module.conv_kernel_size)
         if ring_len is None:
             ring_len = 1 << max(1, (2 * window - 1).bit_length())
+        self.plain_via_ring = _resolve_plain_via_ring(plain_via_ring, strategy, window, ring_len)
         self.strategy_name = strategy
         self.window = window
         self.pool = StatePool(
@@ -494,10 +521,20 @@ class HybridEngine:
         out["kv_cache"] = self.kv.nbytes()
         return out
 
+    @property
+    def ring_decoding(self) -> bool:
+        """Whether plain decoding steps run through the strategy's ring now
+        (``plain_via_ring`` and a strategy with ``ring_decode``)."""
+        return self.plain_via_ring and self.strategy.ring_decode
+
     # ------------------------------------------------------------------ steps
     def extend(self, slots: Sequence[int], windows: Sequence[Sequence[int]], *, all_logits: bool = False,
                prompt: bool = False) -> StepOutput:
         """Advance every request over its tokens: prompt prefill or plain decoding.
+
+        A plain decoding step (not ``prompt``, one token per request) goes through the
+        strategy's ring when :attr:`ring_decoding`; anything else through the
+        recurrence, from checkpoints into which any ring history was folded first.
 
         Args:
             slots: live slot per request.
@@ -507,7 +544,27 @@ class HybridEngine:
                 ``prefill``). A request may hold committed tokens already (a prompt
                 prefilled in chunks): the kernel then starts from its committed state.
         """
+        if not prompt and self.ring_decoding and all(len(w) == 1 for w in windows):
+            return self._ring_step(slots, windows, all_logits)
         return self._forward(slots, windows, verify=False, all_logits=all_logits, chunked=prompt)
+
+    def _ring_step(self, slots, windows, all_logits: bool) -> StepOutput:
+        """A plain decoding step through the ring: every GDN layer decodes (a window of
+        one token from checkpoint + ring), then one commit keeps each request's token;
+        a forward that fails halfway aborts the step, leaving every state as it was."""
+        before = self._pending  # a verified step left pending makes _forward refuse: keep it
+        try:
+            out = self._forward(slots, windows, verify=True, all_logits=all_logits, chunked=False, ring=True)
+        except BaseException:
+            if self._pending is not None and self._pending is not before:  # this step opened: drop it
+                self.strategy.abort(self._pending[0])
+                self._pending = before
+            raise
+        batch, slots, lengths = self._pending
+        self._pending = None
+        self.strategy.commit(batch)
+        self.kv.advance(slots, lengths)
+        return out
 
     def verify(self, slots: Sequence[int], windows: Sequence[Sequence[int]]) -> StepOutput:
         """Logits of every window token; nothing committed until :meth:`commit`.
@@ -565,12 +622,20 @@ class HybridEngine:
         return slots, flat
 
     @torch.inference_mode()
-    def _forward(self, slots, windows, *, verify: bool, all_logits: bool, chunked: bool) -> StepOutput:
+    def _forward(self, slots, windows, *, verify: bool, all_logits: bool, chunked: bool,
+                 ring: bool = False) -> StepOutput:
+        """One eager forward. ``verify``: the GDN layers verify (the step stays open for
+        :meth:`commit`); with ``ring`` they decode through the ring instead (one token
+        per request, the step open for :meth:`_ring_step`'s commit)."""
         slots, windows = self._check_step(slots, windows)
         lengths = [len(w) for w in windows]
         batch = self.pool.batch(slots, lengths, prefill=not verify)  # validates slots and lengths
         self.kv.check_room(slots, lengths)
         starts = [self.kv.lengths[s] for s in slots]
+        if ring:  # from here a failed forward leaves an open step for _ring_step to abort
+            self._pending = (batch, slots, lengths)
+        elif not verify:  # the recurrence starts from the checkpoint: fold any ring history into it
+            self.strategy.fold_history(batch.live_slots)
         prompt_kernel = None
         if chunked and self.chunk_kernel is not None:
             prompt_kernel = _PromptKernel(self.chunk_kernel, self.strategy, batch, starts)
@@ -596,7 +661,9 @@ class HybridEngine:
                 q, k, v = mixer.split(mixed)
                 if self.gdn_inputs_hook is not None:
                     self.gdn_inputs_hook(j, q, k, v, a, b)
-                if verify:
+                if ring:
+                    o = strat.decode(j, q, k, v, a, b, batch)
+                elif verify:
                     o = strat.verify(j, q, k, v, a, b, batch)
                 elif prompt_kernel is not None:
                     o = strat.chunk_prefill(j, q, k, v, a, b, batch, prompt_kernel.layer(j))
@@ -640,7 +707,7 @@ class HybridEngine:
         return Batch.build([-1] * rows, [window] * rows, self.device)
 
     def forward_static(self, ids: torch.Tensor, positions: torch.Tensor, slot_idx: torch.Tensor, batch: Batch,
-                       *, verify: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                       *, verify: bool, ring: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """One static-shape forward of ``B`` rows of ``T`` tokens, CUDA-graph safe.
 
         Args:
@@ -651,6 +718,9 @@ class HybridEngine:
             verify: ``True``: the GDN layers verify (commit follows, through the
                 strategy); ``False``: plain decoding, the state advances over every
                 token (``T`` is then 1 in practice).
+            ring: with ``verify=False`` and ``T = 1``: plain decoding through the
+                strategy's ring (:meth:`Strategy.decode`; the caller then commits with
+                ``strategy.commit(batch)``), see :attr:`ring_decoding`.
 
         Returns:
             ``(logits [B * T, vocab] float32, hidden [B * T, hidden])``. Nothing is
@@ -667,9 +737,9 @@ class HybridEngine:
             if kind == "gdn":
                 mixer = self.mixers[j]
                 mixed, z, a, bb = mixer.project(x)
-                if verify:
+                if verify or ring:
                     q, k, v = mixer.split(strat.conv_verify(j, mixed, batch))
-                    o = strat.verify(j, q, k, v, a, bb, batch)
+                    o = (strat.verify if verify else strat.decode)(j, q, k, v, a, bb, batch)
                 else:
                     q, k, v = mixer.split(strat.conv_prefill(j, mixed, batch))
                     o = strat.prefill(j, q, k, v, a, bb, batch)

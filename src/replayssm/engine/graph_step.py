@@ -13,7 +13,8 @@ host:
 3. acceptance (greedy, or rejection sampling of deterministic drafts; a benchmark
    drafter may impose the accepted counts instead, :meth:`DeviceDrafter.forced_accepts`);
 4. the strategy's commit (GDN state, conv state) with the accepted counts, and the KV
-   lengths advanced by them (plain decoding advanced the state in step 2);
+   lengths advanced by them (plain decoding advanced the state in step 2, or, through
+   the ring when the engine's ``ring_decoding``, commits its one token here);
 5. the drafter's update and its proposal of the next window, written back per slot;
 6. the emitted tokens and accepted counts into one output buffer ``[rows, 1 + T]``.
 
@@ -37,7 +38,8 @@ class StaticStep:
 
     Args:
         engine: the target engine (``T = 1`` uses plain decoding through the strategy's
-            ``prefill``; ``T > 1`` verifies and commits).
+            ``prefill``, or its ``decode`` and a commit when ``engine.ring_decoding`` at
+            construction; ``T > 1`` verifies and commits).
         windows: ``[slots + 1, T]`` int64, the next window of every slot (its last
             emitted token, then the drafts; the last row is the padding sink), shared by
             the engine's step shapes.
@@ -62,6 +64,8 @@ class StaticStep:
             raise ValueError("CUDA graphs need a CUDA engine")
         self.engine, self.windows, self.drafter, self.sampling = engine, windows, drafter, sampling
         self.rows, self.window = rows, t
+        #: plain steps through the strategy's ring (fixed here: a captured graph keeps its path)
+        self.ring = t == 1 and engine.ring_decoding
         dev = engine.device
         self.batch = engine.static_batch(rows, t)
         self.slot_idx = torch.full((rows,), engine.kv.sink, dtype=torch.int64, device=dev)
@@ -106,7 +110,7 @@ class StaticStep:
         q = self.drafter.draft_probs(self.slot_idx) if verify and not self.sampling.greedy else None
         starts = kv_len[self.slot_idx]
         positions = starts[:, None] + self._steps
-        logits, hidden = eng.forward_static(ids, positions, self.slot_idx, self.batch, verify=verify)
+        logits, hidden = eng.forward_static(ids, positions, self.slot_idx, self.batch, verify=verify, ring=self.ring)
         logits = logits.view(self.rows, t, -1)
         forced = self.drafter.forced_accepts(self.slot_idx) if verify else None
         if forced is not None:  # a benchmark drafter sets the count; the target gives the next token
@@ -118,6 +122,8 @@ class StaticStep:
         accepted = n + 1
         if verify:
             eng.strategy.commit(self.batch, accepted.to(torch.int32))
+        elif self.ring:
+            eng.strategy.commit(self.batch)  # the one token of every row
         kv_len[self.slot_idx] = starts + accepted
         kv_len[eng.kv.sink:].zero_()  # padding rows always start at position 0 (no host value in a graph)
         shifted = torch.cat([ids[:, 1:], nxt[:, None]], 1)

@@ -65,8 +65,8 @@ _CHOICES = {"tf32_coefficients": (0, 1), "fuse_flush": (0, 1), "records_ahead": 
 #: The table (see the module notes). Values chosen by measurement at Qwen3.5 shapes
 #: (BENCHMARKS.md, tuning notes).
 TABLE: dict[str, list[tuple[dict, dict]]] = {
-    # Two records ahead: the fold's commit (3 records, every row) ran 8% faster than one
-    # ahead at batch 256 (BENCHMARKS.md, tuning notes).
+    # Two records ahead: the fold's commit measured faster than with one (BENCHMARKS.md,
+    # "The flush inside the outputs kernel").
     "exact_write": [({}, dict(block_v=64, records_ahead=2))],
     # 16-bit states: a 64-row read-only tile runs at twice the programs per SM (the tile
     # is fp32 in registers whatever the storage), which the halved bytes need.

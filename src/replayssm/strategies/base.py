@@ -6,7 +6,10 @@ sampling, one ``commit(batch, accepted)`` for all layers, or ``abort(batch)`` to
 the step as if it never ran (a forward pass that failed halfway). Rejected tokens leave
 no trace. Prefill and plain decoding use ``conv_prefill`` / ``prefill`` (or
 ``chunk_prefill`` with an external chunked kernel, or ``load_states``), which advance
-the state.
+the state. Strategies with a ring of committed records (``ring_decode``: ``circular``)
+also decode plainly through it: a step of ``conv_verify`` and :meth:`Strategy.decode`
+(one token per request) in every layer, then ``commit(batch)``; such steps mix freely
+with speculative ones on the same requests.
 
 Strategies build on :mod:`replayssm.state` (never the other way round): each declares
 its buffers as :class:`~replayssm.state.BufferSpec` values and reads them back through
@@ -66,8 +69,10 @@ class Strategy:
     every window position; the committed state is not changed); after sampling, one
     :meth:`commit` with the accepted count per request for all layers, or
     :meth:`abort`. Prompts and plain decoding go through :meth:`conv_prefill` and
-    :meth:`prefill` (the exact recurrence, advancing the state). :meth:`committed_state`
-    reads a layer's committed states. Bad input raises before anything is written.
+    :meth:`prefill` (the exact recurrence, advancing the state); a strategy with
+    :attr:`ring_decode` decodes plainly through its ring instead (:meth:`decode`, a step
+    like a speculative one). :meth:`committed_state` reads a layer's committed states.
+    Bad input raises before anything is written.
 
     Subclasses set :attr:`name`, :attr:`Buffers` and :meth:`buffer_specs`, implement
     :meth:`_verify`, :meth:`_commit_states` and, where the checkpoint alone is not the
@@ -78,6 +83,9 @@ class Strategy:
     name: str = ""
     #: whether verify outputs equal the recurrence's bit for bit
     exact_outputs: bool = True
+    #: whether plain decoding can run through the strategy's ring of committed records
+    #: (:meth:`decode`) instead of the recurrence (:meth:`prefill`)
+    ring_decode: bool = False
     #: the typed view of the buffers that :meth:`buffer_specs` declares
     Buffers: type[StrategyBuffers] = StrategyBuffers
 
@@ -240,13 +248,43 @@ class Strategy:
         self._verified.add(layer)
         return o
 
-    def commit(self, batch: Batch, accepted: torch.Tensor | Sequence[int]) -> None:
+    def decode(self, layer: int, q, k, v, a, b, batch: Batch) -> torch.Tensor:
+        """Plain decoding of one token per request through the ring (strategies with
+        :attr:`ring_decode`): this token's output from the frozen checkpoint and the
+        committed records, and its record appended after them; the state is written only
+        when the ring flushes.
+
+        A decode step is a speculative step whose windows hold one token each (DESIGN.md
+        section 9): :meth:`conv_verify` (optional) and ``decode`` in every GDN layer,
+        then :meth:`commit` (``commit(batch)`` keeps every window's token) or
+        :meth:`abort`. Plain and speculative steps share the ring and its cursors, so a
+        request may switch between them at any step.
+
+        Args:
+            layer, q, k, v, a, b: as for :meth:`verify` (``N = B`` tokens).
+            batch: the step's :class:`Batch`, every window one token.
+
+        Returns:
+            ``o``: ``[B, HV, V]`` in the dtype of ``v``; padding rows are zero.
+        """
+        if not self.ring_decode:
+            raise TypeError(
+                f"strategy {self.name!r} keeps no ring to decode through (ring_decode is False): plain decoding "
+                "goes through prefill"
+            )
+        self._check_batch(batch, step=True)
+        if any(n != 1 for n in batch.lengths):
+            raise ValueError(f"batch: decode takes one token per request, got windows of {sorted(set(batch.lengths))}")
+        return self.verify(layer, q, k, v, a, b, batch)
+
+    def commit(self, batch: Batch, accepted: torch.Tensor | Sequence[int] | None = None) -> None:
         """Keep the first ``accepted[i]`` tokens of each window, for all layers.
 
         Args:
             batch: the batch every layer verified this step.
             accepted: ``[B]`` accepted tokens per request (bonus included),
-                ``1 <= n <= length`` for live rows; ignored for padding rows.
+                ``1 <= n <= length`` for live rows; ignored for padding rows. ``None``
+                keeps every window's tokens (a :meth:`decode` step: one per request).
         """
         self._check_batch(batch, step=True)
         self.pool.check_errors(wait=False)
@@ -255,7 +293,8 @@ class Strategy:
             raise StepProtocolError(f"commit needs every layer verified first; missing layers {missing}")
         if self._conv_verified and self._conv_verified != self._verified:
             raise StepProtocolError("conv_verify ran for some layers but not all")
-        accepted = self._check_accepted(batch, accepted)
+        # Whole windows need no check: the batch's lengths were validated when it was built.
+        accepted = batch.device_lengths if accepted is None else self._check_accepted(batch, accepted)
         if self._conv_verified:
             causal_conv_commit(self.pool.conv_state, self.pool.conv_window, batch.slots, accepted, backend=self.pool.backend)
         self._commit_states(batch, accepted)
@@ -301,7 +340,8 @@ class Strategy:
     def prefill(self, layer: int, q, k, v, a, b, batch: Batch) -> torch.Tensor:
         """Run prompt (or plain decode) tokens and advance the committed state.
 
-        Requests must have no pending history (true right after ``alloc``).
+        Requests must have no pending history (true right after ``alloc``); a strategy
+        with :attr:`ring_decode` decodes requests that have history with :meth:`decode`.
         """
         self._check_batch(batch, step=False)
         self._check_inputs(layer, q, k, v, a, b, batch)
@@ -408,6 +448,23 @@ class Strategy:
         if self._index_memo is None or self._index_memo[0] != values:
             self._index_memo = (values, torch.tensor(values, dtype=torch.long, device=self.pool.device))
         return self._index_memo[1]
+
+    def fold_history(self, slots: Sequence[int]) -> None:
+        """Make the checkpoints of ``slots`` (every layer) their committed state: a
+        strategy that keeps committed history outside the checkpoint (``circular``'s
+        ring, after :meth:`decode` or speculative steps) folds it in exactly, as a flush
+        would, and empties it; the committed state does not change. :meth:`prefill` and
+        :meth:`load_states` need fresh requests; this makes a request fresh without
+        losing its state. A no-op for strategies whose checkpoint is always the
+        committed state. Only for slots outside an open step."""
+        slots = [self.pool.check_live(s) for s in slots]
+        busy = sorted(set(slots) & self.pool.step_slots)
+        if busy:
+            raise StepProtocolError(f"slots {busy} belong to the open step: commit or abort it first")
+        self._fold_history(slots)
+
+    def _fold_history(self, slots: list[int]) -> None:
+        """Fold the committed history of live, validated ``slots`` into their checkpoints."""
 
     def _check_fresh(self, slots: list[int]) -> None:
         """Raise if a slot has committed history beyond its checkpoint (none between

@@ -67,7 +67,8 @@ class CircularStrategy(Strategy):
     the checkpoint through the exact recurrence at the next verify (DESIGN.md
     section 3). At small batches (the shape table's ``circular.replay_max_batch``) the
     verify replays history and window through the recurrence in one launch and commit
-    flushes at every step.
+    flushes at every step. Plain decoding runs through the same ring
+    (:meth:`~Strategy.decode`: a window of one token, DESIGN.md section 9).
 
     Committed states are exact (the fold replays raw records, bit for bit the
     recurrence's); verify outputs agree with the recurrence to rounding
@@ -79,6 +80,7 @@ class CircularStrategy(Strategy):
 
     name = "circular"
     exact_outputs = False
+    ring_decode = True
     Buffers = CircularBuffers
     buf: CircularBuffers
 
@@ -129,9 +131,22 @@ class CircularStrategy(Strategy):
         return gdn_chunked_window(
             q, k, v, a, b, A_log, dt_bias, self.pool.checkpoints[layer], buf.layer(layer), buf.ring_u[layer],
             batch.slots, batch.cu_seqlens, buf.write_pos, buf.cache_base, buf.is_flush,
-            max_len=self.pool.window, method=None if self.small_batch_path else "closed_form",
+            max_len=self._kernel_window(batch), method=None if self.small_batch_path else "closed_form",
             backend=self.pool.backend,
         )
+
+    def _kernel_window(self, batch) -> int:
+        """``max_len`` of the step's window op: 1 when every window is one token (plain
+        decoding through the ring, :meth:`~Strategy.decode`), the window-1 closed form
+        without the pool window's masked positions; otherwise the pool's window, one
+        kernel specialisation for every speculative step. Flushes are the same fold
+        either way (bit for bit); outputs and records are bit for bit those of the
+        pool-window kernels while their window blocks are the same (pool windows up to
+        4 today), to rounding beyond (tests/strategies/test_ring_decode_triton.py).
+
+        The cursors are not concerned: commit flags a flush one pool window early
+        whatever the step's window, so the next speculative window always fits."""
+        return 1 if batch.max_len == 1 else self.pool.window
 
     def _commit_states(self, batch, accepted):
         buf = self.buf
@@ -156,29 +171,43 @@ class CircularStrategy(Strategy):
     def _abort_states(self, batch):
         if not self._verified:
             return  # no layer folded anything: the cursors still describe every checkpoint
-        buf, dev = self.buf, self.pool.device
         live = batch.live_slots
         if not live:
             return
-        idx = torch.tensor(live, dtype=torch.long, device=dev)
-        wp, base, flush = buf.write_pos[idx], buf.cache_base[idx], buf.is_flush[idx] != 0
-        rows = guards.host_index(live, dev)
-        count = torch.where(flush, wp, torch.zeros_like(wp))
+        idx = torch.tensor(live, dtype=torch.long, device=self.pool.device)
         # Finish the flush for the layers the step did not reach: the same exact fold
         # the verify of those layers would have run.
-        for layer in range(self.pool.num_layers):
-            if layer in self._verified:
-                continue
-            one = slice(layer, layer + 1)
-            gdn_fold(
-                self.pool.checkpoints[one], *(x[one] for x in buf.all_layers()),
-                rows, base, count, backend=self.pool.backend,
-            )
-        # Every layer's checkpoint now holds the flush rows' history: move past it.
+        unverified = [layer for layer in range(self.pool.num_layers) if layer not in self._verified]
+        self._fold_rows(live, self.buf.is_flush[idx] != 0, unverified)
+
+    def _fold_history(self, slots):
+        if not slots:
+            return
+        idx = torch.tensor(slots, dtype=torch.long, device=self.pool.device)
+        has_history = self.buf.write_pos[idx] > 0
+        if bool(has_history.any()):  # one host read; fresh requests (the usual case) launch nothing
+            self._fold_rows(slots, has_history, range(self.pool.num_layers))
+
+    def _fold_rows(self, live, rows, layers) -> None:
+        """Fold the committed history of the ``live`` slots where ``rows`` (a bool mask)
+        into the checkpoints of ``layers`` (the other layers' already hold it) with the
+        exact fold, and move their cursors past it: every checkpoint is then the
+        committed state and the history is empty. The committed state does not change."""
+        buf, dev = self.buf, self.pool.device
+        idx = torch.tensor(live, dtype=torch.long, device=dev)
+        wp, base = buf.write_pos[idx], buf.cache_base[idx]
+        count = torch.where(rows, wp, torch.zeros_like(wp))
+        at = guards.host_index(live, dev)
+        layers = list(layers)
+        # one launch for every layer, else one per layer
+        parts = [slice(None)] if len(layers) == self.pool.num_layers else [slice(j, j + 1) for j in layers]
+        for one in parts:
+            gdn_fold(self.pool.checkpoints[one], *(x[one] for x in buf.all_layers()), at, base, count,
+                     backend=self.pool.backend)
         L = self.pool.ring_len
-        buf.cache_base[idx] = torch.where(flush, (base + wp) & (L - 1), base)
-        buf.write_pos[idx] = torch.where(flush, torch.zeros_like(wp), wp)
-        buf.is_flush[idx] = torch.zeros_like(buf.is_flush[idx])
+        buf.cache_base[idx] = torch.where(rows, (base + wp) & (L - 1), base)
+        buf.write_pos[idx] = torch.where(rows, torch.zeros_like(wp), wp)
+        buf.is_flush[idx] = torch.where(rows, torch.zeros_like(wp), buf.is_flush[idx])
 
     def _check_fresh(self, slots):
         if not slots:

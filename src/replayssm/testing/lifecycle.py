@@ -138,16 +138,30 @@ class Lifecycle:
             "b": self._rand(n, s.num_value_heads, scale=2.0),
         }
 
+    def _rows(self) -> list[int]:
+        """The step's rows: every request and the padding rows, in a random order."""
+        rows = list(self.slots) + [-1] * self.padding_rows
+        order = torch.randperm(len(rows), generator=self.generator).tolist()
+        return [rows[i] for i in order]
+
     def step(self, tamper: Callable[[StatePool, list[int], list[int]], None] | None = None) -> StepReport:
         """One verify -> accept -> commit step; ``tamper(pool, rows, accepted)`` runs
         between the last verify and the commit (to prove that the checks have teeth)."""
-        pool, g = self.pool, self.generator
-        T = pool.window
-        rows = list(self.slots) + [-1] * self.padding_rows
-        order = torch.randperm(len(rows), generator=g).tolist()
-        rows = [rows[i] for i in order]
+        g, T = self.generator, self.pool.window
+        rows = self._rows()
         lengths = [int(torch.randint(1, T + 1, (), generator=g)) if self.varlen else T for _ in rows]
         accepted = [int(torch.randint(1, m + 1, (), generator=g)) for m in lengths]
+        return self._run(rows, lengths, accepted, tamper, decode=False)
+
+    def decode_step(self, tamper: Callable[[StatePool, list[int], list[int]], None] | None = None) -> StepReport:
+        """One plain decoding step through the ring (``Strategy.decode`` in every layer,
+        then ``commit(batch)``): one token per request, kept. Checked against the same
+        references as :meth:`step`; the two mix freely on the same requests."""
+        rows = self._rows()
+        return self._run(rows, [1] * len(rows), [1] * len(rows), tamper, decode=True)
+
+    def _run(self, rows, lengths, accepted, tamper, *, decode: bool) -> StepReport:
+        pool = self.pool
         batch = pool.batch(rows, lengths)
         n_tok = sum(lengths)
         flush_rows = 0
@@ -158,11 +172,12 @@ class Lifecycle:
         for layer in range(pool.num_layers):
             x = self.make_inputs(n_tok)
             conv_out.append(pool.strategy.conv_verify(layer, x["x"], batch))
-            outputs.append(pool.strategy.verify(layer, x["q"], x["k"], x["v"], x["a"], x["b"], batch))
+            run = pool.strategy.decode if decode else pool.strategy.verify
+            outputs.append(run(layer, x["q"], x["k"], x["v"], x["a"], x["b"], batch))
             inputs.append(x)
         if tamper is not None:
             tamper(pool, rows, accepted)
-        pool.strategy.commit(batch, accepted)
+        pool.strategy.commit(batch, None if decode else accepted)
 
         # The accepted stream of each live request, in request order.
         req_of = {s: i for i, s in enumerate(self.slots)}

@@ -1,0 +1,57 @@
+"""``replayssm bench e2e --plain-ring``: plain decoding timed both ways, through the
+recurrence (``plain``) and through ``circular``'s ring (``plain-ring``), on the CPU."""
+
+import json
+import random
+
+import pytest
+import torch
+
+from replayssm import cli
+from replayssm.bench import e2e
+
+
+@pytest.fixture(autouse=True)
+def _seed_random(_seed):
+    random.seed(torch.initial_seed())
+
+
+def test_plain_decoding_both_ways(tmp_path):
+    js = tmp_path / "e.json"
+    new = random.randint(20, 30)  # more than one ring cycle: L = 16, T = 3 flushes every 11 tokens
+    rc = cli.main(["bench", "e2e", "--random", "tiny", "--batches", "1,2", "--max-new-tokens", str(new),
+                   "--prompt-len", "6", "--quiet", "--no-hf", "--strategies", "none", "--num-draft", "2",
+                   "--plain-ring", "--seed", str(random.randint(0, 10**6)), "--json", str(js)])
+    assert rc == 0
+    data = json.loads(js.read_text())
+    assert [(r["mode"], r["batch"]) for r in data["rows"]] == [(m, b) for b in (1, 2) for m in ("plain", "plain-ring")]
+    assert data["config"]["plain_ring"] is True and data["config"]["plain_ring_len"] == 16
+    for r in data["rows"]:
+        assert r["generated_tokens"] == r["batch"] * new and r["tokens_per_s"] > 0 and r["mean_accept_length"] == 1
+        if r["mode"] == "plain-ring":
+            assert r["window"] == 3 and r["ring_len"] == 16 and r["ring_decoding"] is True
+            assert r["exact_outputs"] is False and r["strict"] is False  # compared, a difference only reported
+            assert r["verdict"] in ("equal", "differs") and r["agreement"] is not None
+            assert r["speedup_vs_plain"] > 0
+    assert data["mismatches"] == []
+
+
+def test_config_checks_and_modes():
+    cfg = e2e.E2EConfig(plain_ring=True, strategies=("fold",), hf=())
+    assert cfg.modes == ("plain", "plain-ring", "fold")
+    assert e2e.E2EConfig(strategies=("fold",), hf=()).modes == ("plain", "fold")  # off by default
+    e2e.E2EConfig(plain=False, plain_ring=True, strategies=(), hf=()).check()  # plain-ring alone is something to run
+    for bad in (12, 4, 0, True):  # not a power of two >= 2 (num_draft + 1) = 8
+        with pytest.raises(ValueError, match="plain_ring_len"):
+            e2e.E2EConfig(plain_ring=True, plain_ring_len=bad).check()
+    e2e.E2EConfig(num_draft=15, plain_ring_len=16).check()  # unused: not checked
+    assert e2e.mode_engine_options("plain-ring", cfg) == {"strategy": "circular", "ring_len": 16, "plain_via_ring": True}
+    assert e2e.mode_engine_options("plain", cfg) == {"strategy": "fold"}
+    assert e2e.mode_engine_options("circular", cfg) == {"strategy": "circular"}
+
+
+def test_cli_rejects_a_bad_ring_length(capsys):
+    rc = cli.main(["bench", "e2e", "--random", "tiny", "--plain-ring", "--plain-ring-len", "24", "--quiet"])
+    assert rc == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("replayssm bench e2e: error: plain_ring_len must be a power of two")

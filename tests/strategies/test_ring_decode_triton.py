@@ -1,0 +1,120 @@
+"""Plain decoding through ``circular``'s ring on the Triton path (DESIGN.md section 9).
+
+Without a GPU these run under the Triton interpreter (tests/conftest.py sets
+``TRITON_INTERPRET=1``) in fp32 at small shapes; on a CUDA machine the compiled kernels.
+
+* The committed state of a Triton pool after every step (plain ring steps with a few
+  speculative ones between them, flushes included) equals the Triton recurrence run
+  over the committed tokens, bit for bit: a flush replays the raw records through the
+  exact step the recurrence kernel takes.
+* Outputs equal a reference pool's, fed the same tokens, within ``rtol = atol = 1e-5``
+  (the closed form in fp32 in another association order, and Triton's ``exp`` a few ulp
+  from torch's: ~1e-7 on these O(1) values; a wrong record is off by O(0.1)).
+* The window op with ``max_len = 1`` (what ``decode`` launches) gives the same bits as
+  with the pool's window on the same one-token windows, both methods.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from replayssm.ops import RawRecords, gdn_chunked_window, gdn_recurrence, triton_common, tuning  # noqa: E402
+from replayssm.state import GDNShape, StatePool  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+if DEVICE.type == "cpu" and not triton_common.INTERPRETER:
+    pytest.skip("CPU run without TRITON_INTERPRET=1 at import time", allow_module_level=True)
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+SHAPE = GDNShape(num_heads=1, num_value_heads=1, head_k_dim=16, head_v_dim=8)
+
+
+def rand_tokens(n, gen):
+    s = SHAPE
+    return [(torch.randn(n, *shape, generator=gen) * scale).to(DEVICE) for shape, scale in (
+        ((s.num_heads, s.head_k_dim), 1.0), ((s.num_heads, s.head_k_dim), 1.0),
+        ((s.num_value_heads, s.head_v_dim), 1.0), ((s.num_value_heads,), 1.0), ((s.num_value_heads,), 2.0))]
+
+
+@pytest.mark.parametrize("small_batch", [False, True], ids=["closed_form", "replay"])
+def test_triton_plain_ring_steps_are_the_triton_recurrence(small_batch):
+    """20 steps on 2 requests (T = 2, L = 8: a pure plain request flushes every 5
+    steps), every fourth step speculative with random acceptance. ``replay``: the
+    small-batch kernel (one launch, a flush at every commit)."""
+    gen = torch.Generator().manual_seed(11)
+    window, ring_len = 2, 8
+    pools = {be: StatePool(SHAPE, 1, 3, strategy="circular", window=window, ring_len=ring_len, backend=be,
+                           device=DEVICE) for be in ("reference", "triton")}
+    params = dict(A_log=torch.empty(1).uniform_(-2, -0.5, generator=gen), dt_bias=torch.randn(1, generator=gen) * 0.5,
+                  conv_weight=torch.randn(SHAPE.conv_dim, SHAPE.conv_kernel, generator=gen))
+    for pool in pools.values():
+        pool.set_layer_params(0, **params)
+        live = [pool.alloc(), pool.alloc()]
+    trit = pools["triton"]
+    p = trit.layer_params(0)
+    state = torch.zeros(2, 1, SHAPE.head_v_dim, SHAPE.head_k_dim, device=DEVICE)  # the recurrence's
+    rows = torch.tensor([0, 1], dtype=torch.int32, device=DEVICE)
+    flushes = 0
+    with tuning.override("circular", replay_max_batch=64 if small_batch else 0):
+        for step in range(20):
+            spec = step % 4 == 3
+            lengths = [int(torch.randint(1, window + 1, (), generator=gen)) for _ in live] if spec else [1, 1]
+            accepted = [int(torch.randint(1, n + 1, (), generator=gen)) for n in lengths]
+            x = rand_tokens(sum(lengths), gen)
+            flushes += int(trit.buffers["is_flush"][live].sum())
+            outs = {}
+            for be, pool in pools.items():
+                batch = pool.batch(live, lengths)
+                if spec:
+                    outs[be] = pool.strategy.verify(0, *x, batch)
+                    pool.strategy.commit(batch, accepted)
+                else:
+                    outs[be] = pool.strategy.decode(0, *x, batch)
+                    pool.strategy.commit(batch)
+            torch.testing.assert_close(outs["triton"], outs["reference"], **TOL, msg=f"outputs, step {step}")
+            keep = [t for i, n in enumerate(accepted) for t in range(sum(lengths[:i]), sum(lengths[:i]) + n)]
+            cu = torch.tensor([0, accepted[0], sum(accepted)], dtype=torch.int32, device=DEVICE)
+            gdn_recurrence(*(t[keep] for t in x), p["A_log"], p["dt_bias"], state, rows, cu, update_state=True,
+                           max_len=window, backend="triton")
+            got = trit.strategy.committed_state(0, live)
+            assert torch.equal(got, state), f"committed state, step {step}: {(got - state).abs().max().item():.2e}"
+            if small_batch:
+                assert bool(trit.buffers["is_flush"][live].all()), "the small-batch path flushes at every commit"
+    assert flushes >= (38 if small_batch else 6), flushes
+
+
+@pytest.mark.parametrize("method", ["closed_form", "replay"])
+def test_window_one_kernels_equal_the_pool_window_kernels(method):
+    """``gdn_chunked_window`` on one-token windows with ``max_len = 1`` and with the
+    pool's window 4: outputs, records, corrected deltas and flushed checkpoints bit for
+    bit, over histories of 0..4 records, flush and non-flush rows and a padding row."""
+    gen = torch.Generator().manual_seed(3)
+    h, hv, kd, vd, L, slots_n = 1, 2, 16, 8, 8, 5
+    slots = torch.tensor([3, -1, 0, 4, 1], dtype=torch.int32, device=DEVICE)
+    cu = torch.arange(len(slots) + 1, dtype=torch.int32, device=DEVICE)
+    x = [(torch.randn(len(slots), *sh, generator=gen) * sc).to(DEVICE)
+         for sh, sc in (((h, kd), 1.0), ((h, kd), 1.0), ((hv, vd), 1.0), ((hv,), 1.0), ((hv,), 2.0))]
+    A_log = torch.empty(hv).uniform_(-2, -0.5, generator=gen).to(DEVICE)
+    dt_bias = (torch.randn(hv, generator=gen) * 0.5).to(DEVICE)
+    checkpoint = (torch.randn(slots_n, hv, vd, kd, generator=gen) * 0.5).to(DEVICE)
+    ring = RawRecords(torch.randn(slots_n, L, h, kd, generator=gen), torch.randn(slots_n, L, hv, vd, generator=gen),
+                      -torch.empty(slots_n, L, hv).uniform_(0.02, 1.0, generator=gen),
+                      torch.rand(slots_n, L, hv, generator=gen))
+    ring = RawRecords(*(t.to(DEVICE) for t in ring))
+    ring_u = (torch.randn(slots_n, L, hv, vd, generator=gen) * 0.5).to(DEVICE)
+    write_pos = torch.tensor([4, 2, 0, 3, 1], dtype=torch.int32, device=DEVICE)
+    cache_base = torch.tensor([5, 1, 7, 0, 3], dtype=torch.int32, device=DEVICE)
+    is_flush = torch.tensor([1, 0, 1, 0, 1], dtype=torch.int32, device=DEVICE)
+    results = []
+    for max_len in (1, 4):
+        ck, rg, ru = checkpoint.clone(), RawRecords(*(t.clone() for t in ring)), ring_u.clone()
+        o = gdn_chunked_window(*x, A_log, dt_bias, ck, rg, ru, slots, cu, write_pos, cache_base, is_flush,
+                               max_len=max_len, method=method, backend="triton")
+        results.append((o, ck, *rg, ru))
+    for name, a, b in zip(("o", "checkpoint", "ring.k", "ring.v", "ring.g", "ring.beta", "ring_u"), *results):
+        assert torch.equal(a, b), name
+    assert not torch.equal(results[0][1], checkpoint), "the flush rows must fold"
+    assert not torch.equal(results[0][6], ring_u), "the window's record must be written"
