@@ -237,20 +237,6 @@ def test_replay_method_matches_reference(h, group, kd, vd, t, L):
     check_against_reference(Case(h, group, kd, vd, t, L).with_consistent_u(), method="replay")
 
 
-def test_replay_flush_equals_fold_kernel_bit_for_bit():
-    """The replay method's flush is the fold kernel's, bit for bit (fp32 and bf16 states)."""
-    for state_dtype in (torch.float32, torch.bfloat16):
-        case = Case(2, 2, 16, 24, 3, 8, pad_row=False, rows=3, max_hist=5)
-        case.is_flush = torch.ones_like(case.is_flush)
-        case.checkpoint = case.checkpoint.to(state_dtype)
-        _, ck_t, _, _ = case.run("triton", method="replay")
-        ck_f, ring, _ = case.buffers()
-        gdn_fold(ck_f[None], ring.k[None], ring.v[None], ring.g[None], ring.beta[None], case.slots,
-                 case.cache_base[case.slots.long()], case.write_pos[case.slots.long()], backend="triton")
-        assert torch.equal(ck_t, ck_f), state_dtype
-        assert not torch.equal(ck_t, case.checkpoint)
-
-
 def test_method_dispatch_follows_the_table(monkeypatch):
     """``method=None`` takes the replay path exactly when the table's ``circular`` row
     allows the batch (0 on the CPU by default: the interpreter's tests cover the closed
@@ -314,18 +300,19 @@ def test_history_and_flush_matter():
         assert (o2 - o).abs().max() > 1e-2 * o.abs().max(), name
 
 
-@pytest.mark.parametrize("fuse_flush", [0, 1], ids=["fold_launch", "fused"])
-def test_flush_fold_equals_fold_kernel_bit_for_bit(fuse_flush):
+@pytest.mark.parametrize("method,fuse_flush", [("closed_form", 0), ("closed_form", 1), ("replay", 1)],
+                         ids=["fold_launch", "fused", "replay"])
+def test_flush_fold_equals_fold_kernel_bit_for_bit(method, fuse_flush):
     """A flush row's folded checkpoint is exactly what the fold kernel makes of the same
-    records (both replay them through the shared exact step), whether the closed form
-    runs the fold kernel first or folds inside its outputs kernel (the shape table's
-    ``closed_form.fuse_flush``); fp32 and bf16 states."""
+    records (all replay them through the shared exact step): the closed form running the
+    fold kernel first or folding inside its outputs kernel (the shape table's
+    ``closed_form.fuse_flush``), and the small-batch replay method; fp32 and bf16 states."""
     for state_dtype in (torch.float32, torch.bfloat16):
         case = Case(2, 2, 16, 24, 3, 8, pad_row=False, rows=3, max_hist=5)
         case.is_flush = torch.ones_like(case.is_flush)
         case.checkpoint = case.checkpoint.to(state_dtype)
         with tuning.override("closed_form", fuse_flush=fuse_flush):
-            _, ck_t, _, _ = case.run("triton", method="closed_form")
+            _, ck_t, _, _ = case.run("triton", method=method)
         ck_f, ring, _ = case.buffers()
         gdn_fold(ck_f[None], ring.k[None], ring.v[None], ring.g[None], ring.beta[None], case.slots,
                  case.cache_base[case.slots.long()], case.write_pos[case.slots.long()], backend="triton")
