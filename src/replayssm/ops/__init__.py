@@ -5,7 +5,7 @@ reference elsewhere). The ``*_reference`` functions are float64-capable and run 
 the tests use them as the oracle.
 """
 
-from .chunked import gdn_chunked_window, gdn_chunked_window_reference
+from .chunked import gdn_chunked_window, gdn_chunked_window_reference, gdn_tree_window_reference
 from .conv import (
     causal_conv_commit,
     causal_conv_commit_reference,
@@ -18,8 +18,10 @@ from .gates import expand_heads, gdn_gates, l2_normalize
 from .records import RawRecords
 from .recurrent import gdn_recurrence, gdn_recurrence_reference, readout, state_update
 from .snapshot import snapshot_commit, snapshot_commit_reference
+from .trees import DraftTrees
 
 __all__ = [
+    "DraftTrees",
     "RawRecords",
     "advance_cursors",
     "advance_cursors_reference",
@@ -35,6 +37,7 @@ __all__ = [
     "gdn_gates",
     "gdn_recurrence",
     "gdn_recurrence_reference",
+    "gdn_tree_window_reference",
     "l2_normalize",
     "readout",
     "reset_cursors",

@@ -31,7 +31,8 @@ from .dispatch import pick, register
 from .gates import expand_heads, l2_normalize
 from .fold import replay_records
 from .recurrent import check_layer_inputs, prepare_window
-from .records import RawRecords, check_varlen
+from .records import RawRecords, check_varlen, slots_error
+from .trees import DraftTrees
 
 
 def apply_history(S0, u, k_hat, g, x):
@@ -57,6 +58,17 @@ def apply_history(S0, u, k_hat, g, x):
     return out + torch.einsum("mch,chv->mhv", scores, u)
 
 
+def committed_products(S0, ring, ring_u, slot, hist, k_hat, q_hat):
+    """``(S k^_i, S q^_i)``, each ``[m, HV, V]``, for ``S`` = checkpoint ``S0``
+    (``[HV, V, K]``, compute dtype) advanced by the records at ring positions ``hist``
+    of ``slot`` (:func:`apply_history`)."""
+    dtype = S0.dtype
+    u_h = ring_u[slot, hist].to(dtype)
+    k_h = expand_heads(l2_normalize(ring.k[slot, hist], dtype=dtype), S0.shape[0])
+    g_h = ring.g[slot, hist].to(dtype)
+    return apply_history(S0, u_h, k_h, g_h, k_hat), apply_history(S0, u_h, k_h, g_h, q_hat)
+
+
 def window_closed_form(S_k, S_q, q_hat, k_hat, v, g, beta):
     """The window's corrected deltas ``U`` and outputs ``o`` from ``S k^_i`` and ``S q^_i``.
 
@@ -68,13 +80,32 @@ def window_closed_form(S_k, S_q, q_hat, k_hat, v, g, beta):
         ``(U, o)``, each ``[m, HV, V]``.
     """
     m = g.shape[0]
-    G = torch.cumsum(g, 0)  # [m, HV]
     causal = torch.ones(m, m, dtype=torch.bool, device=g.device).tril()
+    return masked_closed_form(S_k, S_q, q_hat, k_hat, v, torch.cumsum(g, 0), beta, causal)
+
+
+def masked_closed_form(S_k, S_q, q_hat, k_hat, v, G, beta, mask):
+    """``(I + A) U = R`` and the outputs with ``A`` and the output sum masked to ``mask``.
+
+    A chain's ``mask`` is causal and ``G`` the prefix sums of ``g``; a tree's ``mask`` is
+    its ancestor-or-self mask and ``G_i`` the sum of ``g`` over node ``i``'s root path
+    (DESIGN.md section 2, "Trees"). ``mask`` must be lower triangular (topological order),
+    so forward substitution solves the system.
+
+    Args:
+        S_k, S_q: ``[m, HV, V]`` the start state applied to the keys / queries.
+        q_hat, k_hat: ``[m, HV, K]``; v: ``[m, HV, V]``; G, beta: ``[m, HV]``.
+        mask: ``[m, m]`` bool, ``mask[i, j]``: ``j`` is ``i`` or comes before it on its path.
+
+    Returns:
+        ``(U, o)``, each ``[m, HV, V]``.
+    """
+    m = G.shape[0]
     diff = G[:, None, :] - G[None, :, :]  # [i, j, HV]
-    # Mask before exp: G_i - G_j > 0 above the diagonal could overflow.
-    decay = torch.exp(torch.where(causal[:, :, None], diff, torch.full_like(diff, float("-inf"))))
+    # Mask before exp: G_i - G_j > 0 outside the mask could overflow.
+    decay = torch.exp(torch.where(mask[:, :, None], diff, torch.full_like(diff, float("-inf"))))
     kk = torch.einsum("ihk,jhk->ijh", k_hat, k_hat)
-    A = (beta[:, None, :] * decay * kk).masked_fill(~causal[:, :, None] | torch.eye(m, dtype=torch.bool, device=g.device)[:, :, None], 0.0)
+    A = (beta[:, None, :] * decay * kk).masked_fill(~mask[:, :, None] | torch.eye(m, dtype=torch.bool, device=G.device)[:, :, None], 0.0)
     R = beta[:, :, None] * (v - torch.exp(G)[:, :, None] * S_k)
     # Forward substitution through the strictly lower-triangular A: (I + A) U = R.
     U = torch.empty_like(R)
@@ -103,15 +134,11 @@ def check_cursors(num_slots: int, **cursors: torch.Tensor):
         _checks.shape(name, x, [num_slots])
 
 
-def check_window_args(
-    q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos, cache_base, is_flush,
-    max_len, *, state_dtypes, u_dtypes,
+def check_ring_state_args(
+    q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, *, state_dtypes, u_dtypes, **cursors,
 ) -> tuple[int, int, int]:
-    """Validate the metadata (shapes, dtypes, devices) of a chunked-window call.
-
-    Reads no tensor values, so it never synchronises with the device. Returns
-    ``(N, num_slots, L)``.
-    """
+    """Validate a layer's inputs, the checkpoints, the ring and the named cursors
+    (metadata only). Returns ``(N, num_slots, L)``."""
     n, h, kd, hv, vd = check_layer_inputs(q, k, v, a, b, A_log, dt_bias)
     _checks.tensor("checkpoint", checkpoint, ndim=4, dtypes=state_dtypes)
     ns = checkpoint.shape[0]
@@ -123,7 +150,23 @@ def check_window_args(
     _checks.power_of_two("ring length", L)
     _checks.tensor("ring_u", ring_u, ndim=4, dtypes=u_dtypes)
     _checks.shape("ring_u", ring_u, [ns, L, hv, vd])
-    check_cursors(ns, write_pos=write_pos, cache_base=cache_base, is_flush=is_flush)
+    check_cursors(ns, **cursors)
+    return n, ns, L
+
+
+def check_window_args(
+    q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos, cache_base, is_flush,
+    max_len, *, state_dtypes, u_dtypes,
+) -> tuple[int, int, int]:
+    """Validate the metadata (shapes, dtypes, devices) of a chunked-window call.
+
+    Reads no tensor values, so it never synchronises with the device. Returns
+    ``(N, num_slots, L)``.
+    """
+    n, ns, L = check_ring_state_args(
+        q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, state_dtypes=state_dtypes, u_dtypes=u_dtypes,
+        write_pos=write_pos, cache_base=cache_base, is_flush=is_flush,
+    )
     _checks.tensor("slots", slots, ndim=1, dtypes=_checks.INDEX_DTYPES)
     _checks.tensor("cu_seqlens", cu_seqlens, ndim=1, dtypes=_checks.INDEX_DTYPES)
     _checks.shape("cu_seqlens", cu_seqlens, [slots.shape[0] + 1])
@@ -206,16 +249,10 @@ def gdn_chunked_window_reference(
                 S = replay_records(checkpoint[s].to(dtype), ring.k[s, hist], ring.v[s, hist], ring.g[s, hist], ring.beta[s, hist])
                 checkpoint[s] = S.to(checkpoint.dtype)
             hist = []
-        S0 = checkpoint[s].to(dtype)
-        u_h = ring_u[s, hist].to(dtype)
-        k_h = expand_heads(l2_normalize(ring.k[s, hist], dtype=dtype), hv)
-        g_h = ring.g[s, hist].to(dtype)
-
         q_hat, k_hat, vv, g, beta = prepare_window(
             q[bos:eos], k[bos:eos], v[bos:eos], a[bos:eos], b[bos:eos], A_log, dt_bias, dtype
         )
-        S_k = apply_history(S0, u_h, k_h, g_h, k_hat)
-        S_q = apply_history(S0, u_h, k_h, g_h, q_hat)
+        S_k, S_q = committed_products(checkpoint[s].to(dtype), ring, ring_u, s, hist, k_hat, q_hat)
         U, out = window_closed_form(S_k, S_q, q_hat, k_hat, vv, g, beta)
         o[bos:eos] = out.to(o.dtype)
         for j in range(eos - bos):
@@ -257,6 +294,112 @@ def gdn_chunked_window(
     """
     return pick("chunked", backend, q)(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens,
                                        write_pos, cache_base, is_flush, max_len=max_len, method=method)
+
+
+def tree_gates(g: torch.Tensor, parents: list[int]) -> torch.Tensor:
+    """``G_i``: the sum of ``g`` over node ``i``'s root path, ``[m, HV]``.
+
+    Accumulated parent first, in path order, so that a chain gets exactly
+    ``torch.cumsum(g, 0)`` (the same additions in the same order).
+    """
+    G = torch.empty_like(g)
+    for i, p in enumerate(parents):
+        G[i] = g[i] if p < 0 else G[p] + g[i]
+    return G
+
+
+def gdn_tree_window_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    checkpoint: torch.Tensor,
+    ring: RawRecords,
+    ring_u: torch.Tensor,
+    slots: torch.Tensor,
+    write_pos: torch.Tensor,
+    cache_base: torch.Tensor,
+    trees: DraftTrees,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Outputs and corrected deltas of a batch of draft trees in closed form.
+
+    Per request, with ``S`` the committed state (checkpoint ``S0`` plus the ``write_pos``
+    committed records of the ring, applied as in :func:`apply_history`, never built),
+    ``P(i)`` the root path of node ``i`` (``i`` included) and ``G_i = sum_{j in P(i)} g_j``:
+
+        (I + A) U = R,  A_ij = beta_i exp(G_i - G_j) (k^_i . k^_j)  for j in P(i), j != i
+                        R_i  = beta_i (v_i - exp(G_i) S k^_i)
+        o_i = exp(G_i) S q^_i + sum_{j in P(i)} exp(G_i - G_j) (k^_j . q^_i) u_j
+
+    Node ``i``'s state would be ``S_i = exp(G_i) S + sum_{j in P(i)} exp(G_i - G_j) u_j
+    k^_j^T``: the recurrence run along ``P(i)``, so ``u_i`` and ``o_i`` are that path's
+    corrected delta and output. No ``S_i`` is materialised. A chain-shaped tree is the
+    window of :func:`gdn_chunked_window_reference`.
+
+    Args:
+        q, k: ``[B * N, H, K]``; v: ``[B * N, HV, V]``; a, b: ``[B * N, HV]``: node ``i`` of
+            request ``r`` at row ``r * N + i``, ``N = trees.max_nodes`` (padded nodes'
+            rows are read by nothing).
+        A_log, dt_bias: ``[HV]``.
+        checkpoint: ``[num_slots, HV, V, K]`` frozen states (float32/bfloat16/float64).
+        ring: raw-record ring ``[num_slots, L, ...]``, ``L`` a power of two.
+        ring_u: ``[num_slots, L, HV, V]`` corrected deltas of the records.
+        slots: ``[B]`` slot per request, ``-1`` for padding.
+        write_pos, cache_base: ``[num_slots]`` cursors: the committed history of slot
+            ``s`` is its records ``(cache_base[s] + c) & (L - 1)``, ``c < write_pos[s]``.
+        trees: the requests' :class:`DraftTrees` (``B`` trees of ``N`` nodes).
+
+    Returns:
+        ``(o, U)``: ``o`` ``[B * N, HV, V]`` in the dtype of ``v``; ``U`` ``[B * N, HV, V]``
+        in the compute dtype (float64 if an input is, else float32). Rows of padded nodes
+        and padding requests are zero. Nothing is written: not the checkpoint, not the
+        ring, whatever ``is_flush`` would say (a pending flush does not change the
+        committed state).
+    """
+    n, ns, L = check_ring_state_args(
+        q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, state_dtypes=(torch.float32, torch.bfloat16, torch.float64),
+        u_dtypes=(torch.float32, torch.float64), write_pos=write_pos, cache_base=cache_base,
+    )
+    if not isinstance(trees, DraftTrees):
+        raise TypeError(f"trees must be a DraftTrees, got {type(trees).__name__}")
+    nb, nn = trees.batch, trees.max_nodes
+    if n != nb * nn:
+        raise ValueError(f"q must have trees.batch * trees.max_nodes = {nb} * {nn} = {nb * nn} rows, got {n}")
+    hv, vd = v.shape[1], v.shape[2]
+    _checks.tensor("slots", slots, ndim=1, dtypes=_checks.INDEX_DTYPES)
+    _checks.shape("slots", slots, [nb])
+    _checks.same_device(q, checkpoint=checkpoint, ring=ring.k, ring_u=ring_u, slots=slots, write_pos=write_pos,
+                        cache_base=cache_base)
+    sl, wp_all, base_all = slots.tolist(), write_pos.tolist(), cache_base.tolist()
+    error = slots_error(sl, ns, unique=True)
+    if error:
+        raise ValueError(error)
+    for s in sl:
+        if s >= 0 and not 0 <= wp_all[s] <= L:
+            raise ValueError(f"write_pos[{s}] = {wp_all[s]} is outside [0, ring length {L}]")
+
+    dtype = _checks.compute_dtype(q, k, v, checkpoint)
+    o = torch.zeros(n, hv, vd, dtype=v.dtype, device=v.device)
+    U_all = torch.zeros(n, hv, vd, dtype=dtype, device=v.device)
+    ancestors = trees.ancestors().to(q.device)
+    for r, s in enumerate(sl):
+        if s < 0:
+            continue
+        m = int(trees.num_nodes[r])
+        bos = r * nn
+        hist = [(base_all[s] + c) & (L - 1) for c in range(wp_all[s])]
+        q_hat, k_hat, vv, g, beta = prepare_window(
+            q[bos:bos + m], k[bos:bos + m], v[bos:bos + m], a[bos:bos + m], b[bos:bos + m], A_log, dt_bias, dtype
+        )
+        S_k, S_q = committed_products(checkpoint[s].to(dtype), ring, ring_u, s, hist, k_hat, q_hat)
+        G = tree_gates(g, trees.parents[r, :m].tolist())
+        U, out = masked_closed_form(S_k, S_q, q_hat, k_hat, vv, G, beta, ancestors[r, :m, :m])
+        o[bos:bos + m] = out.to(o.dtype)
+        U_all[bos:bos + m] = U
+    return o, U_all
 
 
 # --------------------------------------------------------------------------- Triton

@@ -1,0 +1,158 @@
+"""Draft trees as data (DESIGN.md section 2, "Trees").
+
+A batch of ``B`` draft trees, each padded to the same ``N`` nodes so that a step's
+shapes stay static. Per request the nodes are in topological order: node 0 is the last
+committed token (the first token of the window, the root), and every other node's parent
+comes before it. Nodes ``num_nodes[b]..N-1`` of request ``b`` are padding: parent ``-1``,
+depth ``-1``, in no node's root path and masked everywhere.
+
+A chain of ``n`` tokens is the tree whose parents are ``i - 1``; its ancestor mask is the
+causal mask of a window.
+
+Trees are built and validated on the host (their values are read here); the tensors
+live on the CPU and may be moved to a device by the caller.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from . import _checks
+
+
+def _positive_int(name: str, value) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class DraftTrees:
+    """A validated batch of draft trees.
+
+    Attributes:
+        parents: ``[B, N]`` int64; ``parents[b, 0] == -1``, ``0 <= parents[b, i] < i`` for
+            a real node ``i > 0``, ``-1`` for padded nodes.
+        num_nodes: ``[B]`` int64, real nodes per request, ``1 <= num_nodes[b] <= N``.
+
+    Build one with :meth:`from_parents`, :meth:`from_branching` or :meth:`chain`; the
+    constructor validates its arguments and raises ``ValueError`` naming the bad one.
+    """
+
+    parents: torch.Tensor
+    num_nodes: torch.Tensor
+
+    def __post_init__(self):
+        _checks.tensor("parents", self.parents, ndim=2, dtypes=_checks.INDEX_DTYPES)
+        _checks.tensor("num_nodes", self.num_nodes, ndim=1, dtypes=_checks.INDEX_DTYPES)
+        b, n = self.parents.shape
+        if b < 1 or n < 1:
+            raise ValueError(f"parents must have at least one request and one node, got shape {[b, n]}")
+        _checks.shape("num_nodes", self.num_nodes, [b])
+        for r, (row, count) in enumerate(zip(self.parents.tolist(), self.num_nodes.tolist())):
+            if not 1 <= count <= n:
+                raise ValueError(f"num_nodes[{r}] = {count} is outside [1, max nodes {n}]")
+            if row[0] != -1:
+                raise ValueError(f"parents[{r}, 0] = {row[0]}: node 0 (the last committed token) must have parent -1")
+            for i in range(1, n):
+                if i < count and not 0 <= row[i] < i:
+                    raise ValueError(f"parents[{r}, {i}] = {row[i]} must lie in [0, {i}) (topological order)")
+                if i >= count and row[i] != -1:
+                    raise ValueError(f"parents[{r}, {i}] = {row[i]}: padded node (num_nodes {count}) must have parent -1")
+        # Frozen dataclass: normalise dtype and device once, on the host.
+        object.__setattr__(self, "parents", self.parents.to("cpu", torch.int64))
+        object.__setattr__(self, "num_nodes", self.num_nodes.to("cpu", torch.int64))
+
+    # -- constructors -------------------------------------------------------------------
+
+    @classmethod
+    def from_parents(cls, parents: Sequence[Sequence[int]], max_nodes: int | None = None) -> "DraftTrees":
+        """Trees from per-request parent lists (``[-1, p_1, ...]``), padded to ``max_nodes``
+        (default: the longest list)."""
+        if not isinstance(parents, (list, tuple)) or not parents:
+            raise ValueError("parents must be a non-empty list of per-request parent lists")
+        lengths = [len(p) for p in parents]
+        n = max(lengths) if max_nodes is None else _positive_int("max_nodes", max_nodes)
+        if max(lengths) > n:
+            raise ValueError(f"max_nodes = {n} is smaller than the largest tree ({max(lengths)} nodes)")
+        rows = [list(p) + [-1] * (n - len(p)) for p in parents]
+        return cls(torch.tensor(rows, dtype=torch.int64).reshape(len(rows), n), torch.tensor(lengths, dtype=torch.int64))
+
+    @classmethod
+    def from_branching(cls, branching: Sequence[int], batch: int = 1, max_nodes: int | None = None) -> "DraftTrees":
+        """The full tree with ``branching[d]`` children per node at depth ``d``, nodes in
+        breadth-first order; e.g. ``(3, 2, 1)``: 1 + 3 + 6 + 6 = 16 nodes, depth 3.
+        ``()`` is the root alone."""
+        if not isinstance(branching, (list, tuple)) or not all(
+            isinstance(c, int) and not isinstance(c, bool) and c >= 1 for c in branching
+        ):
+            raise ValueError(f"branching must be a sequence of ints >= 1 (children per depth), got {branching!r}")
+        parents, level = [-1], [0]
+        for children in branching:
+            nxt = []
+            for p in level:
+                for _ in range(children):
+                    nxt.append(len(parents))
+                    parents.append(p)
+            level = nxt
+        return cls.from_parents([parents] * _positive_int("batch", batch), max_nodes)
+
+    @classmethod
+    def chain(cls, length: int, batch: int = 1, max_nodes: int | None = None) -> "DraftTrees":
+        """A chain of ``length`` tokens (parents ``i - 1``): the window of today's verify."""
+        length = _positive_int("length", length)
+        return cls.from_parents([list(range(-1, length - 1))] * _positive_int("batch", batch), max_nodes)
+
+    # -- derived views ------------------------------------------------------------------
+
+    @property
+    def batch(self) -> int:
+        return self.parents.shape[0]
+
+    @property
+    def max_nodes(self) -> int:
+        return self.parents.shape[1]
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """``[B, N]`` bool: real (not padded) nodes."""
+        return torch.arange(self.max_nodes)[None, :] < self.num_nodes[:, None]
+
+    @property
+    def depth(self) -> torch.Tensor:
+        """``[B, N]`` int64: the root has depth 0, a child its parent's + 1, padding -1."""
+        depth = torch.full_like(self.parents, -1)
+        depth[:, 0] = 0
+        for i in range(1, self.max_nodes):
+            p = self.parents[:, i]
+            depth[:, i] = torch.where(p >= 0, depth.gather(1, p.clamp(min=0)[:, None])[:, 0] + 1, -1)
+        return depth
+
+    def ancestors(self) -> torch.Tensor:
+        """``[B, N, N]`` bool ancestor-or-self mask: ``[b, i, j]`` iff node ``j`` lies on
+        the root path of node ``i``; rows and columns of padded nodes are all false."""
+        b, n = self.parents.shape
+        mask = torch.zeros(b, n, n, dtype=torch.bool)
+        valid = self.valid
+        for i in range(n):
+            p = self.parents[:, i]
+            # Topological order: the parent's row is complete before node i's.
+            inherited = torch.where((p >= 0)[:, None], mask[torch.arange(b), p.clamp(min=0)], False)
+            mask[:, i] = inherited
+            mask[:, i, i] = valid[:, i]
+        return mask
+
+    def path(self, request: int, node: int) -> list[int]:
+        """Node indices of the root path of ``node`` in ``request``, root first."""
+        if not isinstance(request, int) or not 0 <= request < self.batch:
+            raise ValueError(f"request must be an int in [0, {self.batch}), got {request!r}")
+        count = int(self.num_nodes[request])
+        if not isinstance(node, int) or not 0 <= node < count:
+            raise ValueError(f"node must be an int in [0, num_nodes {count}), got {node!r}")
+        out, parents = [node], self.parents[request].tolist()
+        while parents[out[-1]] >= 0:
+            out.append(parents[out[-1]])
+        return out[::-1]
