@@ -39,19 +39,10 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=c
 "$PYTHON" -c "from replayssm.engine.adapter import CHUNK_KERNEL_INSTALL, load_chunk_kernel
 print('fla-core chunk kernel:', 'importable' if load_chunk_kernel() else 'MISSING: ' + CHUNK_KERNEL_INSTALL)"
 rc=0
-stage() {  # stage NAME CMD...: CMD's output into $RESULTS/NAME.log, its tail shown
-    local name=$1; shift
-    local t0=$(date +%s)
-    echo "=== $name (limit ${LIMIT}s)"
-    timeout "$LIMIT" "$@" > "$RESULTS/$name.log" 2>&1
-    local r=$?
-    tail -n 30 "$RESULTS/$name.log"
-    echo "=== $name: exit $r after $(( $(date +%s) - t0 ))s"
-    [ $r -eq 0 ] || rc=$r
-}
+. scripts/gpu_stage.sh  # stage NAME SECONDS CMD...
 e2e() {  # e2e NAME ARGS...: one `replayssm bench e2e` run, JSON and log under NAME
     local name=$1; shift
-    stage "${name}_$TAG" "$PYTHON" -m replayssm.cli bench e2e --quiet --json "$RESULTS/${name}_$TAG.json" "$@"
+    stage "${name}_$TAG" "$LIMIT" "$PYTHON" -m replayssm.cli bench e2e --quiet --json "$RESULTS/${name}_$TAG.json" "$@"
 }
 SHAPES=(--random qwen3.5-shapes --dtype bf16)
 ORACLE=(--strategies fold --drafter oracle --acceptance 0.8)
@@ -59,7 +50,7 @@ stages=("$@")
 [ ${#stages[@]} -gt 0 ] || stages=(tests prefill64 prefill2048 decode mtp profile mixed)
 for what in "${stages[@]}"; do
     case $what in
-        tests) stage "gpu_tests_prefill_$TAG" "$PYTHON" -m pytest -m gpu -p no:cacheprovider -v -s --tb=short -rfE \
+        tests) stage "gpu_tests_prefill_$TAG" "$LIMIT" "$PYTHON" -m pytest -m gpu -p no:cacheprovider -v -s --tb=short -rfE \
                    tests/gpu/test_prefill_gpu.py ;;
         prefill64) e2e e2e_prefill64 "${SHAPES[@]}" "${ORACLE[@]}" --batches 1 --prompt-len 64 --max-new-tokens 64 ;;
         prefill2048) e2e e2e_prefill2048 "${SHAPES[@]}" "${ORACLE[@]}" --batches 1,16 --prompt-len 2048 \
@@ -68,7 +59,7 @@ for what in "${stages[@]}"; do
                    --hf-max-batch 1 ;;
         mtp) e2e e2e_mtp --model embedded --drafter mtp --batches 1,16,64 --prompt-len 512 --max-new-tokens 256 \
                    --hf-max-batch 16 ;;
-        profile) stage "profile_step_mtp_$TAG" "$PYTHON" scripts/gpu_profile_step.py --model embedded --drafter mtp \
+        profile) stage "profile_step_mtp_$TAG" "$LIMIT" "$PYTHON" scripts/gpu_profile_step.py --model embedded --drafter mtp \
                    --modes plain,snapshot,fold,circular --batches 1,16,64 --json "$RESULTS/profile_step_mtp_$TAG.json" ;;
         mixed) e2e e2e_mixed "${SHAPES[@]}" "${ORACLE[@]}" --batches 16 --prompt-len 512-4096 \
                    --max-new-tokens 64-256 --no-hf

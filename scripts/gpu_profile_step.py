@@ -26,6 +26,7 @@ import time
 
 import torch
 
+from replayssm.bench import common
 from replayssm.bench.e2e import E2EConfig, load_model, make_drafter
 from replayssm.engine.adapter import HybridEngine
 from replayssm.engine.device_drafters import OracleDrafter
@@ -70,15 +71,7 @@ def drafter_alone(gen: StepGenerator, step, reps: int) -> dict:
         drafter.observe(slot_idx, emitted, accepted, hidden=hidden, positions=positions)
         drafter.propose(slot_idx)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            body()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        body()
+    graph = common.capture_graph(body, warmup_steps=2)
     ms = _replay_ms(graph, reps)
     _, total, count = _kernels(graph)
     return {"drafter_gpu_ms": ms, "drafter_kernels": count, "drafter_profiled_ms": total / 1e3}

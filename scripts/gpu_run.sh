@@ -51,16 +51,7 @@ fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 "$PYTHON" -m replayssm.cli info
 rc=0
-stage() {  # stage NAME SECONDS CMD...
-    local name=$1 limit=$2; shift 2
-    local t0=$(date +%s)
-    echo "=== $name (limit ${limit}s)"
-    timeout "$limit" "$@" > "$RESULTS/$name.log" 2>&1
-    local r=$?
-    tail -n 40 "$RESULTS/$name.log"
-    echo "=== $name: exit $r after $(( $(date +%s) - t0 ))s"
-    [ $r -eq 0 ] || rc=$r
-}
+. scripts/gpu_stage.sh  # stage NAME SECONDS CMD...
 require_passed() {  # require_passed NAME: the stage's pytest summary must count passed tests
     if ! grep -Eq '^=+ .*\b[0-9]+ passed' "$RESULTS/$1.log"; then
         echo "=== $1: FAILED: no GPU test passed (all skipped, or none collected)"

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from replayssm import cli
+from replayssm.bench import common
 from replayssm.ops import tuning
 from replayssm.state import GDNShape, StatePool
 from replayssm.strategies import STRATEGIES
@@ -38,21 +39,12 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def capture(step):
-    """``(graph, its outputs)`` of one call of ``step`` captured in a CUDA graph, after two
-    eager calls on a side stream that compile and settle (they really step the pool;
-    the capture runs nothing)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step()
-    torch.cuda.synchronize()
-    return graph, outs
+    """``(graph, its outputs)``: :func:`~replayssm.bench.common.capture_graph` of one call
+    of ``step`` after two eager calls (they really step the pool), keeping the captured
+    call's outputs."""
+    outs = []
+    graph = common.capture_graph(lambda: outs.append(step()), warmup_steps=2)
+    return graph, outs[-1]
 
 
 def check_replay(pool, label: str, static_outs, eager_step) -> None:

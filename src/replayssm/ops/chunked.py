@@ -894,9 +894,10 @@ def launch_coefficients(q, k, a, b, A_log, dt_bias, checkpoint, ring, slots, cu_
 
 
 def launch_window_outputs(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos, cache_base, is_flush, coef,
-                          o, max_len: int) -> None:
-    """Launch the closed form's second kernel (outputs and corrected deltas from the
-    checkpoint and ``coef``) on validated arguments."""
+                          o, max_len: int, *, fuse_flush: bool | None = None) -> None:
+    """Launch the closed form's outputs kernel (outputs and corrected deltas from the
+    checkpoint and ``coef``) on validated arguments; ``fuse_flush``: whether it folds the
+    flush rows itself (default: :func:`fuses_flush`)."""
     h, kd = q.shape[1], q.shape[2]
     hv, vd = v.shape[1], v.shape[2]
     batch = slots.shape[0]
@@ -905,7 +906,7 @@ def launch_window_outputs(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, 
     cfg = tuning.lookup("closed_form", K=kd, V=vd, state_dtype=checkpoint.dtype, batch=batch)
     bv = block_rows(vd, batch * hv, q.device, cfg["block_v"], least=16)
     coef_precision = "tf32" if cfg["tf32_coefficients"] and q.dtype != torch.float32 else "ieee"
-    fuse = fuses_flush(kd, vd, checkpoint.dtype, batch, q.device)
+    fuse = fuses_flush(kd, vd, checkpoint.dtype, batch, q.device) if fuse_flush is None else fuse_flush
     _window_outputs_kernel[(triton.cdiv(vd, bv), batch, hv)](
         q, k, v, checkpoint, ring.k, ring.v, ring.g, ring.beta, ring_u,
         slots, cu_seqlens, write_pos, cache_base, is_flush, coef, o,
@@ -948,12 +949,13 @@ def launch_closed_form(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, 
                        cache_base, is_flush, o, max_len: int) -> None:
     """Launch the closed form (flush unless the outputs kernel fuses it, coefficients,
     outputs) on validated arguments."""
-    if not fuses_flush(q.shape[2], v.shape[2], checkpoint.dtype, slots.shape[0], q.device):
+    fuse = fuses_flush(q.shape[2], v.shape[2], checkpoint.dtype, slots.shape[0], q.device)
+    if not fuse:
         launch_flush(checkpoint, ring, slots, write_pos, cache_base, is_flush)
     coef = launch_coefficients(q, k, a, b, A_log, dt_bias, checkpoint, ring, slots, cu_seqlens, write_pos, cache_base,
                                is_flush, max_len)
     launch_window_outputs(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos, cache_base, is_flush, coef,
-                          o, max_len)
+                          o, max_len, fuse_flush=fuse)
 
 
 def launch_replay_window(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos,
