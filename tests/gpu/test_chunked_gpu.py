@@ -36,6 +36,7 @@ import torch
 
 from replayssm.ops import RawRecords, advance_cursors, gdn_chunked_window, gdn_fold, tuning
 from replayssm.ops.gates import expand_heads, l2_normalize
+from replayssm.ops.ring_decode import gdn_ring_decode
 from replayssm.state import GDNShape, StatePool
 
 pytestmark = pytest.mark.gpu
@@ -137,7 +138,11 @@ def run(case, backend, dtype=None, method=None):
     cv = (lambda y: y.clone()) if dtype is None else (lambda y: y.to(dtype))
     ins = [case["x"][n] if dtype is None else case["x"][n].to(dtype) for n in ("q", "k", "v", "a", "b", "A_log", "dt_bias")]
     ckpt, ring, ring_u = cv(case["checkpoint"]), RawRecords(*(cv(y) for y in case["ring"])), cv(case["ring_u"])
-    o = gdn_chunked_window(*ins, ckpt, ring, ring_u, *case["cursors"], max_len=case["t"], method=method, backend=backend)
+    if method == "decode":  # one-token windows through the ring decoding op
+        o = gdn_ring_decode(*ins, ckpt, ring, ring_u, *case["cursors"], backend=backend)
+    else:
+        o = gdn_chunked_window(*ins, ckpt, ring, ring_u, *case["cursors"], max_len=case["t"], method=method,
+                               backend=backend)
     return o, ckpt, ring, ring_u
 
 
@@ -183,6 +188,27 @@ def test_chunked_window_matches_float64_oracle(hv, t, batch, state_dtype, act_dt
             torch.testing.assert_close(ck_t[s].double(), ck_64[s], **tol(ck_64[s], state_dtype, act_dtype))
         else:
             assert torch.equal(ck_t[s], case["checkpoint"][s]), f"checkpoint of slot {s} changed"
+
+
+@pytest.mark.parametrize("batch,state_dtype,act_dtype", [
+    (256, torch.float32, torch.bfloat16), (64, torch.bfloat16, torch.bfloat16), (5, torch.float32, torch.float32),
+    (1, torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("flush_rows", [32, 128])
+def test_ring_decode_matches_float64_oracle(batch, state_dtype, act_dtype, flush_rows):
+    """The ring decoding kernel (one token per request, histories of 0..L-1 records) against
+    the float64 closed form; its flushed checkpoints bit for bit against the window op's
+    (both the fold's replay), folding 32 rows at a time or the whole V block."""
+    case = with_consistent_u(make_case(HV_POOL, 1, batch, state_dtype, act_dtype))
+    with tuning.override("ring_decode", flush_block_v=flush_rows):
+        o_t, ck_t, ring_t, u_t = run(case, "triton", method="decode")
+    o_64, ck_64, ring_64, u_64 = run(case, "reference", torch.float64)
+    torch.testing.assert_close(o_t.double(), o_64, **tol(o_64, state_dtype, act_dtype))
+    torch.testing.assert_close(u_t.double().nan_to_num(0.0), u_64.nan_to_num(0.0), **tol(u_64, state_dtype, act_dtype))
+    assert same(ring_t.k.double(), ring_64.k) and same(ring_t.v.double(), ring_64.v)
+    assert torch.equal(ring_t.g.isnan(), ring_64.g.isnan())
+    _, ck_w, ring_w, _ = run(case, "triton", method="closed_form")
+    assert torch.equal(ck_t, ck_w)
+    assert same(ring_t.g, ring_w.g) and same(ring_t.beta, ring_w.beta)
 
 
 @pytest.mark.parametrize("method", ["closed_form", "replay"])

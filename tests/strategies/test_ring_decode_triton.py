@@ -10,8 +10,8 @@ Without a GPU these run under the Triton interpreter (tests/conftest.py sets
 * Outputs equal a reference pool's, fed the same tokens, within ``rtol = atol = 1e-5``
   (the closed form in fp32 in another association order, and Triton's ``exp`` a few ulp
   from torch's: ~1e-7 on these O(1) values; a wrong record is off by O(0.1)).
-* The window op with ``max_len = 1`` (what ``decode`` launches) gives the same bits as
-  with the pool's window on the same one-token windows, both methods.
+* The ring decoding kernel (what ``decode`` launches) against the window op on
+  one-token windows: flushed checkpoints bit for bit, outputs and records to rounding.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from replayssm.ops import RawRecords, gdn_chunked_window, gdn_recurrence, triton_common, tuning  # noqa: E402
+from replayssm.ops.ring_decode import gdn_ring_decode  # noqa: E402
 from replayssm.state import GDNShape, StatePool  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -86,14 +87,18 @@ def test_triton_plain_ring_steps_are_the_triton_recurrence(small_batch):
     assert flushes >= (38 if small_batch else 6), flushes
 
 
-@pytest.mark.parametrize("method", ["closed_form", "replay"])
-def test_window_one_kernels_equal_the_pool_window_kernels(method):
-    """``gdn_chunked_window`` on one-token windows with ``max_len = 1`` and with the
-    pool's window 4: outputs, records, corrected deltas and flushed checkpoints bit for
-    bit, over histories of 0..4 records, flush and non-flush rows and a padding row."""
+@pytest.mark.parametrize("flush_rows", [8, 16])
+def test_ring_decode_kernel_against_the_window_op(flush_rows):
+    """``gdn_ring_decode`` (Triton) on one-token windows over histories of 0..7 records,
+    flush and non-flush rows and a padding row (V = 24: two 16-row blocks, the flush
+    folding 8 rows at a time or 16), against ``gdn_chunked_window``: the
+    flushed checkpoints bit for bit against the Triton window op's (both the fold's
+    replay), outputs and ``u`` within ``TOL`` of the reference's (the history's sum in
+    another order; these values are O(1)), the raw records exactly (gates against the
+    Triton op: the same gate helper)."""
     gen = torch.Generator().manual_seed(3)
-    h, hv, kd, vd, L, slots_n = 1, 2, 16, 8, 8, 5
-    slots = torch.tensor([3, -1, 0, 4, 1], dtype=torch.int32, device=DEVICE)
+    h, hv, kd, vd, L, slots_n = 1, 2, 16, 24, 8, 6
+    slots = torch.tensor([3, -1, 0, 4, 1, 5], dtype=torch.int32, device=DEVICE)
     cu = torch.arange(len(slots) + 1, dtype=torch.int32, device=DEVICE)
     x = [(torch.randn(len(slots), *sh, generator=gen) * sc).to(DEVICE)
          for sh, sc in (((h, kd), 1.0), ((h, kd), 1.0), ((hv, vd), 1.0), ((hv,), 1.0), ((hv,), 2.0))]
@@ -105,16 +110,30 @@ def test_window_one_kernels_equal_the_pool_window_kernels(method):
                       torch.rand(slots_n, L, hv, generator=gen))
     ring = RawRecords(*(t.to(DEVICE) for t in ring))
     ring_u = (torch.randn(slots_n, L, hv, vd, generator=gen) * 0.5).to(DEVICE)
-    write_pos = torch.tensor([4, 2, 0, 3, 1], dtype=torch.int32, device=DEVICE)
-    cache_base = torch.tensor([5, 1, 7, 0, 3], dtype=torch.int32, device=DEVICE)
-    is_flush = torch.tensor([1, 0, 1, 0, 1], dtype=torch.int32, device=DEVICE)
-    results = []
-    for max_len in (1, 4):
+    write_pos = torch.tensor([4, 2, 0, 3, 1, 7], dtype=torch.int32, device=DEVICE)
+    cache_base = torch.tensor([5, 1, 7, 0, 3, 6], dtype=torch.int32, device=DEVICE)
+    is_flush = torch.tensor([1, 0, 1, 0, 1, 0], dtype=torch.int32, device=DEVICE)
+    results = {}
+    def decode(*a):
+        with tuning.override("ring_decode", flush_block_v=flush_rows):
+            return gdn_ring_decode(*a, backend="triton")
+
+    for name, run in (
+        ("decode", decode),
+        ("window", lambda *a: gdn_chunked_window(*a, max_len=1, method="closed_form", backend="triton")),
+        ("reference", lambda *a: gdn_chunked_window(*a, max_len=1, backend="reference")),
+    ):
         ck, rg, ru = checkpoint.clone(), RawRecords(*(t.clone() for t in ring)), ring_u.clone()
-        o = gdn_chunked_window(*x, A_log, dt_bias, ck, rg, ru, slots, cu, write_pos, cache_base, is_flush,
-                               max_len=max_len, method=method, backend="triton")
-        results.append((o, ck, *rg, ru))
-    for name, a, b in zip(("o", "checkpoint", "ring.k", "ring.v", "ring.g", "ring.beta", "ring_u"), *results):
-        assert torch.equal(a, b), name
-    assert not torch.equal(results[0][1], checkpoint), "the flush rows must fold"
-    assert not torch.equal(results[0][6], ring_u), "the window's record must be written"
+        o = run(*x, A_log, dt_bias, ck, rg, ru, slots, cu, write_pos, cache_base, is_flush)
+        results[name] = dict(o=o, checkpoint=ck, ring=rg, ring_u=ru)
+    got, ref = results["decode"], results["reference"]
+    assert torch.equal(got["checkpoint"], results["window"]["checkpoint"]), "flushed checkpoints"
+    assert not torch.equal(got["checkpoint"], checkpoint), "the flush rows must fold"
+    torch.testing.assert_close(got["o"], ref["o"], **TOL)
+    torch.testing.assert_close(got["ring_u"], ref["ring_u"], **TOL)
+    assert not torch.equal(got["ring_u"], ring_u), "the token's u must be written"
+    for f in ("k", "v"):
+        assert torch.equal(getattr(got["ring"], f), getattr(ref["ring"], f)), f"ring.{f}"
+    for f in ("g", "beta"):  # Triton's exp is a few ulp from torch's: against the Triton window op
+        assert torch.equal(getattr(got["ring"], f), getattr(results["window"]["ring"], f)), f"ring.{f}"
+    assert torch.equal(got["o"][1], torch.zeros_like(got["o"][1])), "padding row"

@@ -978,6 +978,33 @@ def launch_replay_window(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u
     )
 
 
+def check_triton_window_call(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos,
+                             cache_base, is_flush, max_len: int):
+    """The Triton window ops' checks (this op's and :mod:`~replayssm.ops.ring_decode`'s):
+    index values as the reference checks them (:mod:`~replayssm.ops.guards`; on the
+    device inside a CUDA graph), then metadata, dtypes and layouts. Returns ``(slots,
+    cu_seqlens, N)``."""
+    slots, cu_seqlens = guards.check_window_call(q, checkpoint, ring, slots, cu_seqlens, write_pos, cache_base, max_len)
+    check_max_len(max_len)
+    n, _, _ = check_window_args(
+        q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos, cache_base, is_flush,
+        max_len, state_dtypes=STATE_DTYPES_TRITON, u_dtypes=(torch.float32,),
+    )
+    for name, x in (("q", q), ("k", k), ("v", v), ("a", a), ("b", b)):
+        _checks.tensor(name, x, dtypes=ACT_DTYPES_TRITON)
+    for name in ("k", "v"):
+        _checks.tensor(f"ring.{name}", getattr(ring, name), dtypes=ACT_DTYPES_TRITON)
+    for name in ("g", "beta"):
+        _checks.tensor(f"ring.{name}", getattr(ring, name), dtypes=(torch.float32,))
+    check_inner_contiguous(q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias)
+    check_index_pair(slots, cu_seqlens)
+    _checks.contiguous(
+        checkpoint=checkpoint, ring_u=ring_u, write_pos=write_pos, cache_base=cache_base, is_flush=is_flush,
+        **{f"ring.{f}": getattr(ring, f) for f in ring._fields},
+    )
+    return slots, cu_seqlens, n
+
+
 @register("chunked", "triton")
 def gdn_chunked_window_triton(
     q: torch.Tensor,
@@ -1027,30 +1054,13 @@ def gdn_chunked_window_triton(
     It reads the history's raw records, the closed form the history's ``u``: the two
     agree when ``ring_u`` holds the records' deltas, as every verify leaves it.
     """
-    # Index values (slots, cu_seqlens, cursors) checked as the reference does: ops/guards.py.
-    slots, cu_seqlens = guards.check_window_call(q, checkpoint, ring, slots, cu_seqlens, write_pos, cache_base, max_len)
     check_method(method)
     if max_len is None:
         raise ValueError("max_len is required by the triton backend: pass the pool's window")
-    check_max_len(max_len)
+    slots, cu_seqlens, n = check_triton_window_call(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots,
+                                                    cu_seqlens, write_pos, cache_base, is_flush, max_len)
     if max_len > MAX_WINDOW_TRITON:
         raise ValueError(f"max_len must be at most {MAX_WINDOW_TRITON} for the triton backend, got {max_len}")
-    n, ns, L = check_window_args(
-        q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos, cache_base, is_flush,
-        max_len, state_dtypes=STATE_DTYPES_TRITON, u_dtypes=(torch.float32,),
-    )
-    for name, x in (("q", q), ("k", k), ("v", v), ("a", a), ("b", b)):
-        _checks.tensor(name, x, dtypes=ACT_DTYPES_TRITON)
-    for name in ("k", "v"):
-        _checks.tensor(f"ring.{name}", getattr(ring, name), dtypes=ACT_DTYPES_TRITON)
-    for name in ("g", "beta"):
-        _checks.tensor(f"ring.{name}", getattr(ring, name), dtypes=(torch.float32,))
-    check_inner_contiguous(q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias)
-    check_index_pair(slots, cu_seqlens)
-    _checks.contiguous(
-        checkpoint=checkpoint, ring_u=ring_u, write_pos=write_pos, cache_base=cache_base, is_flush=is_flush,
-        **{f"ring.{f}": getattr(ring, f) for f in ring._fields},
-    )
     o = torch.empty(n, v.shape[1], v.shape[2], dtype=v.dtype, device=v.device)
     if slots.shape[0] == 0:
         return o

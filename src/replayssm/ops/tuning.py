@@ -54,6 +54,10 @@ PARAMS = {
     # verify replays the exact recurrence in one launch and its commit flushes every
     # step, instead of the closed form's three launches. 0 turns it off.
     "circular": ("replay_max_batch",),
+    # Plain decoding through circular's ring (ops/ring_decode.py): rows of V per
+    # program; a flush row's fold: rows at a time (at most block_v) and record prefetch
+    # depth (as exact_write.records_ahead).
+    "ring_decode": ("block_v", "flush_block_v", "records_ahead"),
 }
 
 _KEY_FIELDS = ("K", "V", "state_dtype", "min_batch", "max_batch", "device")
@@ -84,6 +88,11 @@ TABLE: dict[str, list[tuple[dict, dict]]] = {
     # On the CPU the closed form stays the default so that the interpreter's tests
     # cover the history; tests turn the path on with override().
     "circular": [({"device": "cpu"}, dict(replay_max_batch=0)), ({}, dict(replay_max_batch=8))],
+    # The whole V axis per program: the history's share (its keys, gates and u) is
+    # loaded and reduced once per (request, head) instead of once per V block, and the
+    # tile's loads are all in flight at once (BENCHMARKS.md, "Plain decoding through the
+    # ring, one launch").
+    "ring_decode": [({}, dict(block_v=128, flush_block_v=128, records_ahead=1))],
 }
 
 

@@ -41,6 +41,7 @@ from ..ops import _checks, guards
 from ..ops.chunked import MAX_WINDOW_TRITON, gdn_chunked_window, replays_window
 from ..ops.cursors import advance_cursors
 from ..ops.fold import gdn_fold
+from ..ops.ring_decode import gdn_ring_decode
 from ..state.layout import BufferSpec, StepProtocolError
 from .base import Strategy
 from .fold import RecordBuffers, gate_dtype, record_specs
@@ -128,25 +129,16 @@ class CircularStrategy(Strategy):
 
     def _verify(self, layer, q, k, v, a, b, A_log, dt_bias, batch):
         buf = self.buf
-        return gdn_chunked_window(
-            q, k, v, a, b, A_log, dt_bias, self.pool.checkpoints[layer], buf.layer(layer), buf.ring_u[layer],
-            batch.slots, batch.cu_seqlens, buf.write_pos, buf.cache_base, buf.is_flush,
-            max_len=self._kernel_window(batch), method=None if self.small_batch_path else "closed_form",
-            backend=self.pool.backend,
-        )
-
-    def _kernel_window(self, batch) -> int:
-        """``max_len`` of the step's window op: 1 when every window is one token (plain
-        decoding through the ring, :meth:`~Strategy.decode`), the window-1 closed form
-        without the pool window's masked positions; otherwise the pool's window, one
-        kernel specialisation for every speculative step. Flushes are the same fold
-        either way (bit for bit); outputs and records are bit for bit those of the
-        pool-window kernels while their window blocks are the same (pool windows up to
-        4 today), to rounding beyond (tests/strategies/test_ring_decode_triton.py).
-
-        The cursors are not concerned: commit flags a flush one pool window early
-        whatever the step's window, so the next speculative window always fits."""
-        return 1 if batch.max_len == 1 else self.pool.window
+        args = (q, k, v, a, b, A_log, dt_bias, self.pool.checkpoints[layer], buf.layer(layer), buf.ring_u[layer],
+                batch.slots, batch.cu_seqlens, buf.write_pos, buf.cache_base, buf.is_flush)
+        if batch.max_len == 1:
+            # Every window one token (plain decoding through the ring, :meth:`~Strategy.decode`):
+            # the window-1 closed form, one launch and no window system. Its flushes are the
+            # same fold (bit for bit), its outputs and records the window op's to rounding
+            # (tests/strategies/test_ring_decode_triton.py).
+            return gdn_ring_decode(*args, backend=self.pool.backend)
+        return gdn_chunked_window(*args, max_len=self.pool.window,
+                                  method=None if self.small_batch_path else "closed_form", backend=self.pool.backend)
 
     def _commit_states(self, batch, accepted):
         buf = self.buf

@@ -1,0 +1,310 @@
+"""Plain decoding through the ring: the window-1 closed form (DESIGN.md section 9).
+
+One token per request, from the frozen checkpoint ``S0`` and ``h`` committed records
+``(u_c, k^_c, g_c)`` of the ring (section 2 with ``m = 1``, where the window's system is
+one equation and needs no solve):
+
+    S x   = exp(Gtot) S0 x + sum_c exp(Gtot - G_c) u_c (k^_c . x)     (x = k^, q^)
+    u     = beta (v - exp(g) S k^)
+    o     = exp(g) S q^ + u (k^ . q^)
+
+``S`` is the committed state, never built: the checkpoint is read once, for two
+products with it, and written only by a flush row. A row with ``is_flush`` set folds its
+``write_pos`` committed raw records into its checkpoint first, through the exact
+recurrence (the fold kernel's replay, so the stored checkpoint is the fold's bit for
+bit), and then takes the token from the folded state with an empty history. The
+token's record (raw ``k``, ``v``, ``g``, ``beta`` and ``u``) is written at logical
+position ``write_pos``, physical ``(cache_base + write_pos) & (L - 1)``; cursors are not
+changed (commit moves them, as after any verify).
+
+This is :func:`~replayssm.ops.chunked.gdn_chunked_window` on one-token windows, with
+one launch per layer instead of the closed form's two (no window system, so no
+coefficient kernel) and no masked window rows. The results are that op's to rounding:
+the reference below is it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import tuning
+from .chunked import check_triton_window_call, gdn_chunked_window_reference
+from .dispatch import pick, register
+from .records import RawRecords
+
+
+@register("ring_decode", "reference")
+def gdn_ring_decode_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    checkpoint: torch.Tensor,
+    ring: RawRecords,
+    ring_u: torch.Tensor,
+    slots: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    write_pos: torch.Tensor,
+    cache_base: torch.Tensor,
+    is_flush: torch.Tensor,
+) -> torch.Tensor:
+    """One token per request through the ring, writing its record.
+
+    Args:
+        q, k: ``[N, H, K]``; v: ``[N, HV, V]``; a, b: ``[N, HV]``; A_log, dt_bias: ``[HV]``.
+        checkpoint: ``[num_slots, HV, V, K]`` frozen states; flush rows fold their
+            history into it first.
+        ring: raw-record ring ``[num_slots, L, ...]``; ring_u: ``[num_slots, L, HV, V]``
+            the records' corrected deltas.
+        slots: ``[B]`` slot per request, ``-1`` for padding; cu_seqlens: ``[B + 1]``
+            token offsets, every window one token (``N = B``).
+        write_pos, cache_base, is_flush: ``[num_slots]`` int32 cursors (read only).
+
+    Returns:
+        ``o``: ``[N, HV, V]`` in the dtype of ``v``; padding rows are zero.
+
+    This reference is :func:`~replayssm.ops.chunked.gdn_chunked_window_reference` with
+    ``max_len = 1`` (float64-capable, any device).
+    """
+    return gdn_chunked_window_reference(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens,
+                                        write_pos, cache_base, is_flush, max_len=1)
+
+
+def gdn_ring_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    checkpoint: torch.Tensor,
+    ring: RawRecords,
+    ring_u: torch.Tensor,
+    slots: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    write_pos: torch.Tensor,
+    cache_base: torch.Tensor,
+    is_flush: torch.Tensor,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """``circular``'s plain decoding step of one GDN layer: ``o [N, HV, V]`` for one token
+    per request from its checkpoint and committed ring history (flush rows fold theirs
+    first), its record written after the history. Arguments, shapes and results:
+    :func:`gdn_ring_decode_reference`; the Triton version's limits:
+    :func:`gdn_ring_decode_triton`.
+
+    ``backend``: ``"reference"``, ``"triton"`` or ``"auto"`` (Triton for CUDA tensors, the
+    reference elsewhere; an explicit backend that cannot run raises, there is no silent
+    fallback).
+    """
+    return pick("ring_decode", backend, q)(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens,
+                                           write_pos, cache_base, is_flush)
+
+
+# ---------------------------------------------------------------------------- Triton
+# One launch: one program per (V block, request, value head), the whole V axis by
+# default. A non-flush row loads its [BV, K] checkpoint tile once (the step's only state
+# traffic) for S0 k^ and S0 q^, and adds the history's share from its records' keys,
+# gates and u (a few hundred bytes a record next to the tile's BV x K). A flush row
+# replays its records on the exact four-part tile instead (FV rows at a time) and
+# stores it: the exact kernels' tile and warps.
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the reference backend works without Triton
+    triton = None
+
+if triton is not None:
+    from .fold import replay_history as _replay_history
+    from .recurrent import exact_block_k
+    from .triton_common import EXACT_NUM_WARPS, NORM_EPS, block_rows, device_fn as _tl_device_fn
+    from .triton_common import inv_norm as _tl_inv_norm
+    from .triton_common import gdn_gates as _tl_gdn_gates, load_parts as _tl_load_parts, mask_and as _tl_mask_and
+    from .triton_common import normalized as _tl_normalized, row_dot as _tl_row_dot, row_sum as _tl_row_sum
+    from .triton_common import store_parts as _tl_store_parts, to_rtne as _tl_to_rtne
+    from .triton_common import window_program as _tl_window_program
+
+    @_tl_device_fn
+    def _token_rows(o_at, rv_at, ru_at, v_at, offs, mask, S_k, S_q, e, beta, kq):
+        """The token's corrected delta and output on rows ``offs`` from their ``S k^`` and
+        ``S q^`` (the committed state's, ``[R]``), stored with the token's ``v`` record:
+        ``u = beta (v - exp(g) S k^)``, ``o = exp(g) S q^ + u (k^ . q^)``."""
+        xv = tl.load(v_at + offs, mask=mask, other=0.0)
+        u = beta * (xv.to(tl.float32) - e * S_k)
+        tl.store(o_at + offs, _tl_to_rtne(e * S_q + u * kq, o_at.dtype.element_ty), mask=mask)
+        tl.store(rv_at + offs, xv.to(rv_at.dtype.element_ty), mask=mask)
+        tl.store(ru_at + offs, u, mask=mask)
+
+    @triton.jit
+    def _ring_decode_kernel(
+        q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr,
+        ckpt_ptr, rk_ptr, rv_ptr, rg_ptr, rb_ptr, ru_ptr,
+        slots_ptr, cu_ptr, wp_ptr, base_ptr, flush_ptr, o_ptr,
+        stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+        stride_a_tok, stride_b_tok,
+        scale, eps,
+        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
+        BK: tl.constexpr, BV: tl.constexpr, FV: tl.constexpr,
+        ROUND_STATE: tl.constexpr, AHEAD: tl.constexpr,
+    ):
+        """Output, corrected delta and record of V block ``i_v`` (``BV`` rows) of a
+        (request, value head), see the module notes. A non-flush row reads its
+        checkpoint rows once; a flush row folds them ``FV`` rows at a time on the exact
+        four-part tile."""
+        i_v, i_b, i_hv, i_h, slot, bos, length = _tl_window_program(slots_ptr, cu_ptr, H, HV)
+        KQ: tl.constexpr = BK // 4
+        offs_c = tl.arange(0, KQ)  # key index within a part
+        all_c = offs_c >= 0
+        offs_v = i_v * BV + tl.arange(0, BV)
+        mask_v = offs_v < V
+        o_at = o_ptr + (bos * HV + i_hv) * V  # o is a fresh contiguous [N, HV, V]
+        has_token = length > 0
+        if (slot < 0) | (length <= 0):
+            # Padding row: zero outputs, nothing else.
+            tl.store(o_at + offs_v, tl.full([BV], 0, o_ptr.dtype.element_ty), mask=_tl_mask_and(mask_v, has_token))
+            return
+        wp = tl.load(wp_ptr + slot).to(tl.int64)
+        base = tl.load(base_ptr + slot).to(tl.int64)
+        folds = (tl.load(flush_ptr + slot) != 0) & (wp > 0)
+        ring_at = slot * L  # flat record index of the slot's ring
+        ckpt_at = ckpt_ptr + (slot * HV + i_hv) * (V * K)
+        rec = ring_at + (base + wp) % L  # the token's record: logical position write_pos
+        rv_at = rv_ptr + (rec * HV + i_hv) * V
+        ru_at = ru_ptr + (rec * HV + i_hv) * V
+        v_at = v_ptr + bos * stride_v_tok + i_hv * stride_v_head
+
+        q_at = q_ptr + bos * stride_q_tok + i_h * stride_q_head
+        k_at = k_ptr + bos * stride_k_tok + i_h * stride_k_head
+        q0, q1, q2, q3 = _tl_load_parts(q_at, offs_c, all_c, offs_c, K, KQ)
+        k0, k1, k2, k3 = _tl_load_parts(k_at, offs_c, all_c, offs_c, K, KQ)
+        g, beta = _tl_gdn_gates(tl.load(a_ptr + bos * stride_a_tok + i_hv), tl.load(b_ptr + bos * stride_b_tok + i_hv),
+                                tl.load(A_log_ptr + i_hv), tl.load(dt_bias_ptr + i_hv))
+        kh0, kh1, kh2, kh3 = _tl_normalized(k0, k1, k2, k3, eps, 1.0)
+        qh0, qh1, qh2, qh3 = _tl_normalized(q0, q1, q2, q3, eps, scale)
+        e = tl.exp(g)
+        kq = _tl_row_sum(tl.fma(kh3, qh3, tl.fma(kh2, qh2, tl.fma(kh1, qh1, kh0 * qh0))), 0)
+        # The raw key and the gates, once per (request, key head) and value head.
+        k_writer = (i_hv % (HV // H) == 0) & (i_v == 0)
+        _tl_store_parts(rk_ptr, (rec * H + i_h) * K + offs_c, _tl_mask_and(all_c, k_writer), offs_c, K, KQ,
+                        k0, k1, k2, k3)
+        tl.store(rg_ptr + rec * HV + i_hv, g, mask=i_v == 0)
+        tl.store(rb_ptr + rec * HV + i_hv, beta, mask=i_v == 0)
+
+        if folds:
+            # Fold the history into the checkpoint, FV rows at a time (the fold's replay
+            # and store), then take the token from the folded rows as stored: the history
+            # is empty.
+            offs_f = tl.arange(0, FV)
+            for r0 in range(0, BV, FV):
+                offs_r = i_v * BV + r0 + offs_f
+                mask_r = offs_r < V
+                tile = offs_r[:, None] * K + offs_c[None, :]
+                S0, S1, S2, S3 = _replay_history(
+                    ckpt_at, tile, rk_ptr + ring_at * (H * K) + i_h * K, rv_ptr + ring_at * (HV * V) + i_hv * V,
+                    rg_ptr + ring_at * HV + i_hv, rb_ptr + ring_at * HV + i_hv, base, tl.minimum(wp, L), offs_c,
+                    offs_r, mask_r, H * K, HV * V, HV, HV, eps, K, L, KQ, AHEAD)
+                _tl_store_parts(ckpt_at, tile, mask_r[:, None], offs_c[None, :], K, KQ, S0, S1, S2, S3)
+                if ROUND_STATE:
+                    S0 = _tl_to_rtne(S0, ckpt_ptr.dtype.element_ty).to(tl.float32)
+                    S1 = _tl_to_rtne(S1, ckpt_ptr.dtype.element_ty).to(tl.float32)
+                    S2 = _tl_to_rtne(S2, ckpt_ptr.dtype.element_ty).to(tl.float32)
+                    S3 = _tl_to_rtne(S3, ckpt_ptr.dtype.element_ty).to(tl.float32)
+                _token_rows(o_at, rv_at, ru_at, v_at, offs_r, mask_r, _tl_row_dot(S0, S1, S2, S3, kh0, kh1, kh2, kh3),
+                            _tl_row_dot(S0, S1, S2, S3, qh0, qh1, qh2, qh3), e, beta, kq)
+        else:
+            # The committed history (a flush row has none here: its history folds instead):
+            #   S x = exp(Gtot) S0 x + sum_c exp(g_{c+1} + ... + g_h) u_c (k^_c . x)
+            offs_h = tl.arange(0, L)
+            hist = offs_h < wp
+            rec_h = ring_at + (base + offs_h) % L
+            # Unused ring entries may hold NaN: masked loads give 0 instead.
+            h0, h1, h2, h3 = _tl_load_parts(rk_ptr, (rec_h[:, None] * H + i_h) * K + offs_c[None, :], hist[:, None],
+                                            offs_c[None, :], K, KQ)
+            g_h = tl.load(rg_ptr + rec_h * HV + i_hv, mask=hist, other=0.0)
+            # The history's weights first, so that its keys and the token's parts are dead
+            # before the stream: c_x[c] = exp(g_{c+1} + ... + g_h) (k^_c . x^).
+            hh = _tl_row_sum(tl.fma(h3, h3, tl.fma(h2, h2, tl.fma(h1, h1, h0 * h0))), 1)
+            r_h = tl.div_rn(tl.full([L], 1.0, tl.float32), tl.sqrt_rn(hh + eps))  # 1 / |k_c|
+            later = offs_h[None, :] > offs_h[:, None]
+            w_h = tl.where(hist, tl.exp(_tl_row_sum(tl.where(later, g_h[None, :], 0.0), 1)), 0.0) * r_h
+            c_k = _tl_row_dot(h0, h1, h2, h3, kh0, kh1, kh2, kh3) * w_h
+            c_q = _tl_row_dot(h0, h1, h2, h3, qh0, qh1, qh2, qh3) * w_h
+            e_Gh = tl.exp(_tl_row_sum(g_h, 0))
+            # S0 k^ and S0 q^ from the whole tile, loaded at once: the most bytes in flight
+            # a program can have (a chunked stream was slower, BENCHMARKS.md).
+            tile = offs_v[:, None] * K + offs_c[None, :]
+            S0, S1, S2, S3 = _tl_load_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ)
+            S0_k = _tl_row_dot(S0, S1, S2, S3, kh0, kh1, kh2, kh3)
+            S0_q = _tl_row_dot(S0, S1, S2, S3, qh0, qh1, qh2, qh3)
+            u_h = tl.load(ru_ptr + (rec_h[None, :] * HV + i_hv) * V + offs_v[:, None],
+                          mask=mask_v[:, None] & hist[None, :], other=0.0)
+            S_k = e_Gh * S0_k + _tl_row_sum(u_h * c_k[None, :], 1)
+            S_q = e_Gh * S0_q + _tl_row_sum(u_h * c_q[None, :], 1)
+            _token_rows(o_at, rv_at, ru_at, v_at, offs_v, mask_v, S_k, S_q, e, beta, kq)
+
+
+def launch_ring_decode(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos,
+                       cache_base, is_flush, o) -> None:
+    """Launch the ring decoding kernel on validated arguments (one launch)."""
+    h, kd = q.shape[1], q.shape[2]
+    hv, vd = v.shape[1], v.shape[2]
+    batch = slots.shape[0]
+    cfg = tuning.lookup("ring_decode", K=kd, V=vd, state_dtype=checkpoint.dtype, batch=batch, device=q.device.type)
+    bv = block_rows(vd, batch * hv, q.device, cfg["block_v"])
+    bk = exact_block_k(kd)
+    _ring_decode_kernel[(triton.cdiv(vd, bv), batch, hv)](
+        q, k, v, a, b, A_log, dt_bias,
+        checkpoint, ring.k, ring.v, ring.g, ring.beta, ring_u,
+        slots, cu_seqlens, write_pos, cache_base, is_flush, o,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
+        kd**-0.5, NORM_EPS,
+        H=h, HV=hv, K=kd, V=vd, L=ring.ring_len, BK=bk, BV=bv, FV=min(cfg["flush_block_v"], bv), ROUND_STATE=checkpoint.dtype != torch.float32, AHEAD=cfg["records_ahead"],
+        # A flush row replays exactly: the exact kernels' warps (their layout decides
+        # the bits of every row sum).
+        num_warps=EXACT_NUM_WARPS,
+    )
+
+
+@register("ring_decode", "triton")
+def gdn_ring_decode_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    checkpoint: torch.Tensor,
+    ring: RawRecords,
+    ring_u: torch.Tensor,
+    slots: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    write_pos: torch.Tensor,
+    cache_base: torch.Tensor,
+    is_flush: torch.Tensor,
+) -> torch.Tensor:
+    """Triton version of :func:`gdn_ring_decode_reference` (same arguments and results),
+    one launch.
+
+    Limits as :func:`~replayssm.ops.chunked.gdn_chunked_window_triton`'s: float32 or
+    bfloat16 checkpoints, float32 ``ring_u`` and ring gates, contiguous buffers and index
+    tensors; tensor values are not read on the host (CUDA-graph capturable), so the
+    caller guarantees one token per window, unique live slots and ``write_pos < L``.
+
+    Precision: a flush row's folded checkpoint is the fold kernel's, bit for bit (the
+    same replay, tile and warps). Outputs and ``u`` are the reference's to fp32 rounding
+    (fp32 FMA throughout, no tf32 at any activation dtype).
+    """
+    slots, cu_seqlens, n = check_triton_window_call(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots,
+                                                    cu_seqlens, write_pos, cache_base, is_flush, 1)
+    o = torch.empty(n, v.shape[1], v.shape[2], dtype=v.dtype, device=v.device)
+    if slots.shape[0]:
+        launch_ring_decode(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos,
+                           cache_base, is_flush, o)
+    return o
