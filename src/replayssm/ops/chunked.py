@@ -28,7 +28,7 @@ import torch
 
 from . import _checks, guards, tuning
 from .dispatch import pick, register
-from .gates import expand_heads, l2_normalize
+from .gates import expand_heads, gdn_gates, l2_normalize
 from .fold import replay_records
 from .recurrent import check_layer_inputs, prepare_window
 from .records import RawRecords, check_varlen, slots_error
@@ -400,6 +400,118 @@ def gdn_tree_window_reference(
         o[bos:bos + m] = out.to(o.dtype)
         U_all[bos:bos + m] = U
     return o, U_all
+
+
+def check_tree_cursors(trees: DraftTrees, slots, write_pos, is_flush, L: int) -> list[int]:
+    """Host checks of a tree verify's slots and cursors: slots valid and unique, every
+    live request's window of ``N`` nodes fits after its history (``write_pos + N <= L``).
+    Returns the slots as a list."""
+    sl, wp_all = slots.tolist(), write_pos.tolist()
+    error = slots_error(sl, write_pos.shape[0], unique=True)
+    if error:
+        raise ValueError(error)
+    for r, s in enumerate(sl):
+        if s >= 0 and not 0 <= wp_all[s] <= L - trees.max_nodes:
+            raise ValueError(
+                f"tree {r} (slot {s}) does not fit: write_pos {wp_all[s]} + {trees.max_nodes} nodes > ring length {L}"
+            )
+    return sl
+
+
+@register("chunked_tree", "reference")
+def gdn_tree_verify_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    checkpoint: torch.Tensor,
+    ring: RawRecords,
+    ring_u: torch.Tensor,
+    slots: torch.Tensor,
+    write_pos: torch.Tensor,
+    cache_base: torch.Tensor,
+    is_flush: torch.Tensor,
+    trees: DraftTrees,
+    *,
+    max_len: int | None = None,
+) -> torch.Tensor:
+    """``circular``'s verify of a batch of draft trees: the window op
+    (:func:`gdn_chunked_window_reference`) with the trees' ancestor mask.
+
+    Per request: a flush row first folds its committed records into the checkpoint
+    (the exact replay) and starts from an empty history; the nodes' outputs and
+    corrected deltas are :func:`gdn_tree_window_reference`'s; node ``i``'s record (raw
+    ``k``, ``v``, ``g``, ``beta`` and its ``u``) is written at logical ring position
+    ``write_pos + i`` (physical ``(cache_base + write_pos + i) & (L - 1)``), as a
+    window's token ``i`` is. Cursors are not changed; the commit gathers the accepted
+    path (:func:`~replayssm.ops.tree_ops.compact_path`) and moves them.
+
+    Args:
+        q, k, v, a, b, A_log, dt_bias: as for :func:`gdn_tree_window_reference`
+            (``B * N`` rows, node ``i`` of request ``r`` at row ``r * N + i``).
+        checkpoint, ring, ring_u, write_pos, cache_base, is_flush: as for
+            :func:`gdn_chunked_window_reference`.
+        slots: ``[B]`` slot per request, ``-1`` for padding.
+        trees: the requests' :class:`DraftTrees`.
+        max_len: ``T``, the pool's window (``N <= T``); ``None`` bounds ``N`` by the ring.
+
+    Returns:
+        ``o``: ``[B * N, HV, V]`` in the dtype of ``v``; padded nodes and padding
+        requests give zeros.
+    """
+    n, ns, L = check_ring_state_args(
+        q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, state_dtypes=(torch.float32, torch.bfloat16, torch.float64),
+        u_dtypes=(torch.float32, torch.float64), write_pos=write_pos, cache_base=cache_base, is_flush=is_flush,
+    )
+    if not isinstance(trees, DraftTrees):
+        raise TypeError(f"trees must be a DraftTrees, got {type(trees).__name__}")
+    nn = trees.max_nodes
+    bound = L if max_len is None else max_len
+    if not isinstance(bound, int) or isinstance(bound, bool) or not 1 <= bound <= L:
+        raise ValueError(f"max_len must be an int in [1, ring length {L}], got {max_len!r}")
+    if nn > bound:
+        raise ValueError(f"trees have {nn} nodes, more than max_len = {bound}")
+    _checks.tensor("slots", slots, ndim=1, dtypes=_checks.INDEX_DTYPES)
+    _checks.shape("slots", slots, [trees.batch])
+    _checks.same_device(q, slots=slots, write_pos=write_pos, cache_base=cache_base, is_flush=is_flush)
+    sl = check_tree_cursors(trees, slots, write_pos, is_flush, L)
+    if n != trees.batch * nn:
+        raise ValueError(f"q must have trees.batch * trees.max_nodes = {trees.batch} * {nn} = {trees.batch * nn} rows, got {n}")
+
+    dtype = _checks.compute_dtype(q, k, v, checkpoint)
+    wp, base = write_pos.clone(), cache_base.clone()
+    for s in sl:
+        if s >= 0 and int(is_flush[s]) and int(wp[s]):
+            hist = [(int(base[s]) + c) & (L - 1) for c in range(int(wp[s]))]
+            S = replay_records(checkpoint[s].to(dtype), ring.k[s, hist], ring.v[s, hist], ring.g[s, hist], ring.beta[s, hist])
+            checkpoint[s] = S.to(checkpoint.dtype)
+        if s >= 0 and int(is_flush[s]):  # empty history, the window where it was
+            base[s], wp[s] = (int(base[s]) + int(wp[s])) & (L - 1), 0
+    o, U = gdn_tree_window_reference(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, wp, base, trees)
+    g_all, beta_all = gdn_gates(a, b, A_log, dt_bias)
+    for r, s in enumerate(sl):
+        if s < 0:
+            continue
+        for i in range(int(trees.num_nodes[r])):
+            row, pos = r * nn + i, (int(base[s]) + int(wp[s]) + i) & (L - 1)
+            ring.write(s, pos, k[row], v[row], g_all[row].to(dtype), beta_all[row].to(dtype))
+            ring_u[s, pos] = U[row].to(ring_u.dtype)
+    return o
+
+
+def gdn_tree_verify(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, write_pos, cache_base, is_flush,
+                    trees, *, max_len: int | None = None, backend: str = "auto") -> torch.Tensor:
+    """``circular``'s verify of draft trees: outputs ``o [B * N, HV, V]`` in closed form
+    with the ancestor mask, the nodes' records written after the history. Arguments,
+    shapes and results: :func:`gdn_tree_verify_reference`.
+
+    ``backend``: ``"reference"``, ``"triton"`` or ``"auto"``.
+    """
+    return pick("chunked_tree", backend, q)(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, write_pos,
+                                            cache_base, is_flush, trees, max_len=max_len)
 
 
 # --------------------------------------------------------------------------- Triton
