@@ -43,6 +43,22 @@ def check_tree_rows(n: int, trees, slots: torch.Tensor) -> tuple[int, int]:
     return nb, nn
 
 
+def check_tree_outputs(snapshots, records, ns, h, kd, hv, vd, nn, *, state_dtypes) -> None:
+    """Metadata checks of a tree recurrence's optional outputs: ``snapshots [num_slots,
+    T >= N, HV, V, K]`` and ``records`` (rings of ``R >= N`` entries)."""
+    if snapshots is not None:
+        _checks.tensor("snapshots", snapshots, ndim=5, dtypes=state_dtypes)
+        _checks.shape("snapshots", snapshots, [ns, None, hv, vd, kd])
+        if snapshots.shape[1] < nn:
+            raise ValueError(f"snapshots hold {snapshots.shape[1]} states per slot, the trees have {nn} nodes")
+    if records is not None:
+        if not isinstance(records, RawRecords):
+            raise TypeError(f"records must be RawRecords, got {type(records).__name__}")
+        records.check("records", ns, h, kd, hv, vd)
+        if records.ring_len < nn:
+            raise ValueError(f"records hold {records.ring_len} entries per slot, the trees have {nn} nodes")
+
+
 @register("tree_recurrence", "reference")
 def gdn_tree_recurrence_reference(
     q: torch.Tensor,
@@ -84,17 +100,8 @@ def gdn_tree_recurrence_reference(
     ns = state.shape[0]
     _checks.shape("state", state, [ns, hv, vd, kd])
     nb, nn = check_tree_rows(n, trees, slots)
-    if snapshots is not None:
-        _checks.tensor("snapshots", snapshots, ndim=5, dtypes=(torch.float32, torch.bfloat16, torch.float64))
-        _checks.shape("snapshots", snapshots, [ns, None, hv, vd, kd])
-        if snapshots.shape[1] < nn:
-            raise ValueError(f"snapshots hold {snapshots.shape[1]} states per slot, the trees have {nn} nodes")
-    if records is not None:
-        if not isinstance(records, RawRecords):
-            raise TypeError(f"records must be RawRecords, got {type(records).__name__}")
-        records.check("records", ns, h, kd, hv, vd)
-        if records.ring_len < nn:
-            raise ValueError(f"records hold {records.ring_len} entries per slot, the trees have {nn} nodes")
+    check_tree_outputs(snapshots, records, ns, h, kd, hv, vd, nn,
+                       state_dtypes=(torch.float32, torch.bfloat16, torch.float64))
     _checks.same_device(q, state=state, slots=slots, snapshots=snapshots, records=None if records is None else records.k)
     sl = slots.tolist()
     error = slots_error(sl, ns, unique=True)
@@ -418,21 +425,13 @@ def gdn_tree_recurrence_triton(q, k, v, a, b, A_log, dt_bias, state, slots, tree
     _checks.packed("state", state, 3)
     nb, nn = check_tree_rows(n, trees, slots)
     _checks.contiguous(slots=slots)
+    check_tree_outputs(snapshots, records, ns, h, kd, hv, vd, nn, state_dtypes=STATE_DTYPES_TRITON)
     if snapshots is not None:
-        _checks.tensor("snapshots", snapshots, ndim=5, dtypes=STATE_DTYPES_TRITON)
-        _checks.shape("snapshots", snapshots, [ns, None, hv, vd, kd])
         _checks.packed("snapshots", snapshots, 4)
-        if snapshots.shape[1] < nn:
-            raise ValueError(f"snapshots hold {snapshots.shape[1]} states per slot, the trees have {nn} nodes")
     if records is not None:
-        if not isinstance(records, RawRecords):
-            raise TypeError(f"records must be RawRecords, got {type(records).__name__}")
-        records.check("records", ns, h, kd, hv, vd)
         for field in ("g", "beta"):
             _checks.tensor(f"records.{field}", getattr(records, field), dtypes=(torch.float32,))
         check_inner_contiguous(**{f"records.{f}": getattr(records, f) for f in ("k", "v")})
-        if records.ring_len < nn:
-            raise ValueError(f"records hold {records.ring_len} entries per slot, the trees have {nn} nodes")
     _checks.same_device(q, state=state, slots=slots, snapshots=snapshots, records=None if records is None else records.k)
     slots = guards.check_slots(slots, num_slots=ns)
     o = torch.empty(n, hv, vd, dtype=v.dtype, device=v.device)
