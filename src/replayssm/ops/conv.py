@@ -18,7 +18,7 @@ import torch
 
 from . import _checks, guards
 from .dispatch import pick, register
-from .records import check_varlen
+from .records import check_varlen, slots_error
 from .recurrent import check_index_pair, check_inner_contiguous, check_max_len, window_bound
 
 
@@ -177,6 +177,101 @@ def causal_conv_commit(
     return pick("conv_commit", backend, conv_state)(conv_state, window_buf, slots, accepted)
 
 
+def tree_conv_sources(trees, w: int) -> list[list[list[int]]]:
+    """Per request and real node, the ``W`` inputs its conv taps read, oldest first: the
+    node's root path preceded by the conv state. Entry ``e >= 0`` is node ``e`` of the
+    window; ``e < 0`` is conv state entry ``W - 1 + e`` (``-1``: the newest)."""
+    out = []
+    for r in range(trees.batch):
+        parents, rows = trees.parents[r].tolist(), []
+        for i in range(int(trees.num_nodes[r])):
+            chain = [i]
+            while len(chain) < w and parents[chain[-1]] >= 0:
+                chain.append(parents[chain[-1]])
+            chain = chain[::-1]
+            rows.append(list(range(-(w - len(chain)), 0)) + chain)
+        out.append(rows)
+    return out
+
+
+@register("conv_verify_tree", "reference")
+def causal_conv_verify_tree_reference(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    slots: torch.Tensor,
+    trees,
+    *,
+    window_buf: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal depthwise conv + SiLU over draft trees: each node's window is its own root
+    path, preceded by the request's conv state:
+
+        y_i = silu(bias + sum_j w[:, j] x_{a_{W-1-j}(i)})
+
+    where ``a_0(i) = i``, ``a_{d+1}(i)`` is the parent of ``a_d(i)``, and past the root
+    the conv state's entries, newest first. A chain's node windows are a window's
+    causal taps, the same products in the same order.
+
+    Args:
+        x: ``[B * N, C]`` pre-conv channels, node ``i`` of request ``r`` at row ``r * N + i``.
+        conv_state: ``[num_slots, C, W - 1]`` (read only).
+        weight: ``[C, W]``; bias: ``[C]`` or ``None``.
+        slots: ``[B]`` slot per request, ``-1`` for padding.
+        trees: the requests' :class:`~replayssm.ops.trees.DraftTrees`.
+        window_buf: optional ``[num_slots, T, C]``, ``T >= N``: the nodes' inputs, node
+            ``i`` at position ``i`` (for the commit, which shifts in the accepted path).
+
+    Returns:
+        ``y``: ``[B * N, C]`` in the dtype of ``x``; padded nodes and padding requests
+        give zeros.
+    """
+    from .tree_ops import check_tree_rows
+
+    n, c, w = check_conv_args(x, conv_state, weight, bias)
+    ns = conv_state.shape[0]
+    nb, nn = check_tree_rows(n, trees, slots)
+    if window_buf is not None:
+        _checks.tensor("window_buf", window_buf, ndim=3, dtypes=_checks.FLOAT_DTYPES)
+        _checks.shape("window_buf", window_buf, [ns, None, c])
+        _checks.same_device(x, window_buf=window_buf)
+        if window_buf.shape[1] < nn:
+            raise ValueError(f"window_buf holds {window_buf.shape[1]} inputs per slot, the trees have {nn} nodes")
+    _checks.same_device(x, slots=slots)
+    sl = slots.tolist()
+    error = slots_error(sl, ns, unique=True)
+    if error:
+        raise ValueError(error)
+    dtype = _checks.compute_dtype(x, weight)
+    wt = weight.to(dtype)
+    y = torch.zeros_like(x)
+    for r, (s, nodes) in enumerate(zip(sl, tree_conv_sources(trees, w))):
+        if s < 0:
+            continue
+        bos = r * nn
+        state = conv_state[s].to(dtype).T  # [W - 1, C], oldest first
+        for i, src in enumerate(nodes):
+            acc = torch.zeros(c, dtype=dtype, device=x.device)
+            if bias is not None:
+                acc = acc + bias.to(dtype)
+            for j, e in enumerate(src):
+                acc = acc + wt[:, j] * (x[bos + e].to(dtype) if e >= 0 else state[w - 1 + e])
+            y[bos + i] = torch.nn.functional.silu(acc).to(y.dtype)
+        if window_buf is not None:
+            window_buf[s, : len(nodes)] = x[bos : bos + len(nodes)]
+    return y
+
+
+def causal_conv_verify_tree(x, conv_state, weight, bias, slots, trees, *, window_buf=None, backend: str = "auto"):
+    """The causal conv over draft trees (each node's taps along its root path), ``x [B * N,
+    C] -> [B * N, C]``. Arguments, shapes and results: :func:`causal_conv_verify_tree_reference`.
+
+    ``backend``: ``"reference"``, ``"triton"`` or ``"auto"``.
+    """
+    return pick("conv_verify_tree", backend, x)(x, conv_state, weight, bias, slots, trees, window_buf=window_buf)
+
+
 # ---------------------------------------------------------------------------- Triton
 # Verify: one program per (channel block, window); each token's W taps come from the
 # packed inputs or, before the window, from the conv state. Commit: one launch for all
@@ -263,6 +358,53 @@ if triton is not None:
             # reading before any thread overwrites.
             tl.debug_barrier()
             _shift_history(state_at, ss_w, x_at, stride_x_tok, length, mask_c, W, WP)
+
+    @triton.jit
+    def _conv_verify_tree_kernel(
+        x_ptr, state_ptr, w_ptr, bias_ptr, slots_ptr, nodes_ptr, parents_ptr, depth_ptr, y_ptr, wbuf_ptr,
+        stride_x_tok, C, ss_slot, ss_c, ss_w, sb_slot, sb_pos, sb_c,
+        W: tl.constexpr, TN: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_WBUF: tl.constexpr,
+    ):
+        """The tree conv: node ``i``'s tap ``j`` reads its ancestor at distance ``W - 1 - j``
+        (found by walking ``parents``), or, past the root, conv state entry ``depth + j``;
+        the sums in the chain kernel's order, so a chain gets the chain's bits."""
+        i_c = tl.program_id(0)
+        i_b = tl.program_id(1)
+        slot = tl.load(slots_ptr + i_b).to(tl.int64)
+        bos = i_b.to(tl.int64) * TN
+        offs_c = i_c * BC + tl.arange(0, BC)
+        mask_c = offs_c < C
+        y_row = y_ptr + bos * C + offs_c  # y is a fresh contiguous [B * TN, C]
+        if slot < 0:
+            for i in range(0, TN):
+                tl.store(y_row + i * C, tl.full([BC], 0, y_ptr.dtype.element_ty), mask=mask_c)
+            return
+        count = tl.load(nodes_ptr + i_b)
+        state_at = state_ptr + slot * ss_slot + offs_c * ss_c
+        x_at = x_ptr + bos * stride_x_tok + offs_c
+        for i in range(0, TN):
+            valid = i < count
+            d = tl.load(depth_ptr + i_b * TN + i)
+            if HAS_BIAS:
+                acc = tl.load(bias_ptr + offs_c, mask=mask_c, other=0.0).to(tl.float32)
+            else:
+                acc = tl.full([BC], 0.0, tl.float32)
+            for j in tl.static_range(W):
+                node = i + 0 * d  # the ancestor at distance W - 1 - j (-1 past the root)
+                for _ in tl.static_range(W - 1 - j):
+                    node = tl.where(node >= 0, tl.load(parents_ptr + i_b * TN + tl.maximum(node, 0)), -1)
+                from_x = node >= 0
+                xv = tl.load(x_at + tl.maximum(node, 0) * stride_x_tok, mask=_tl_mask_and(mask_c, valid & from_x),
+                             other=0.0)
+                sv = tl.load(state_at + (d + j) * ss_w, mask=_tl_mask_and(mask_c, valid & (node < 0)), other=0.0)
+                w = tl.load(w_ptr + offs_c * W + j, mask=mask_c, other=0.0).to(tl.float32)
+                acc = acc + w * tl.where(from_x, xv.to(tl.float32), sv.to(tl.float32))
+            y = tl.div_rn(acc, 1.0 + tl.exp(-acc))  # SiLU
+            tl.store(y_row + i * C, _tl_to_rtne(tl.where(valid, y, 0.0), y_ptr.dtype.element_ty), mask=mask_c)
+            if HAS_WBUF:
+                xi = tl.load(x_at + i * stride_x_tok, mask=_tl_mask_and(mask_c, valid), other=0.0)
+                tl.store(wbuf_ptr + slot * sb_slot + i * sb_pos + offs_c * sb_c, xi.to(wbuf_ptr.dtype.element_ty),
+                         mask=_tl_mask_and(mask_c, valid))
 
     @triton.jit
     def _conv_commit_kernel(
@@ -369,3 +511,39 @@ def causal_conv_commit_triton(
         conv_state, window_buf, slots, accepted, c, *conv_state.stride(), *window_buf.stride(),
         W=w1 + 1, WP=triton.next_power_of_2(w1), TB=window_buf.shape[2], BC=bc, num_warps=4,
     )
+
+
+@register("conv_verify_tree", "triton")
+def causal_conv_verify_tree_triton(x, conv_state, weight, bias, slots, trees, *, window_buf=None) -> torch.Tensor:
+    """Triton version of :func:`causal_conv_verify_tree_reference` (same arguments and
+    results), one launch. Layouts as :func:`causal_conv_verify_triton`'s."""
+    from .tree_ops import check_tree_rows
+
+    n, c, w = check_conv_args(x, conv_state, weight, bias)
+    ns = conv_state.shape[0]
+    nb, nn = check_tree_rows(n, trees, slots)
+    for name, t in (("x", x), ("conv_state", conv_state), ("weight", weight), ("bias", bias), ("window_buf", window_buf)):
+        if t is not None:
+            _checks.tensor(name, t, dtypes=CONV_DTYPES_TRITON)
+    check_inner_contiguous(x=x)
+    _checks.contiguous(weight=weight, bias=bias, slots=slots)
+    if window_buf is not None:
+        _checks.tensor("window_buf", window_buf, ndim=3)
+        _checks.shape("window_buf", window_buf, [ns, None, c])
+        if window_buf.shape[1] < nn:
+            raise ValueError(f"window_buf holds {window_buf.shape[1]} inputs per slot, the trees have {nn} nodes")
+    _checks.same_device(x, slots=slots, window_buf=window_buf)
+    slots = guards.check_slots(slots, num_slots=ns)
+    y = torch.empty(n, c, dtype=x.dtype, device=x.device)
+    if nb == 0 or c == 0:
+        return y
+    dev = trees.on(x.device)
+    bc = min(CONV_BLOCK, triton.next_power_of_2(c))
+    wbuf_strides = window_buf.stride() if window_buf is not None else (0, 0, 0)
+    _conv_verify_tree_kernel[(triton.cdiv(c, bc), nb)](
+        x, conv_state, weight, bias if bias is not None else weight, slots, dev.num_nodes, dev.parents, dev.depth, y,
+        window_buf if window_buf is not None else y,
+        x.stride(0), c, *conv_state.stride(), *wbuf_strides,
+        W=w, TN=nn, BC=bc, HAS_BIAS=bias is not None, HAS_WBUF=window_buf is not None, num_warps=4,
+    )
+    return y
