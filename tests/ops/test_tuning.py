@@ -12,7 +12,7 @@ F32, BF16 = torch.float32, torch.bfloat16
 
 def test_defaults_are_the_measured_values():
     at = dict(K=128, V=128, state_dtype=F32, batch=256)
-    assert tuning.lookup("exact_write", **at) == {"block_v": 64, "records_ahead": 2, "normalize_ahead": 0}
+    assert tuning.lookup("exact_write", **at) == {"block_v": 64, "records_ahead": 2}
     assert tuning.lookup("exact_read_only", **at) == {"block_v": 128}
     assert tuning.lookup("exact_read_only", **dict(at, state_dtype=BF16)) == {"block_v": 64}
     assert tuning.lookup("closed_form", **dict(at, batch=16))["heads_per_program"] == 1

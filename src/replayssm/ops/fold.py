@@ -171,22 +171,18 @@ if triton is not None:
     @triton.jit
     def replay_history(ckpt_at, tile, rk_at, rv_at, rg_at, rb_at, base, count, offs_c, offs_v, mask_v,
                        srk_pos, srv_pos, srg_pos, srb_pos, eps, K: tl.constexpr, L: tl.constexpr, KQ: tl.constexpr,
-                       AHEAD: tl.constexpr = 1, NORM_AHEAD: tl.constexpr = False):
+                       AHEAD: tl.constexpr = 1):
         """Load a ``[BV, K]`` checkpoint tile as four parts and replay ``count`` raw
         records from ring position ``base`` (of ``L``) through the exact step; return the
         tile's parts. The records are read from pointers already at their (layer, slot,
         head) with per-position strides (:func:`_load_record_at`). Every exact replay (the
-        fold, circular's flush and small-batch path, the ring decoding flush) is this
-        loop. Hand pipelining ``AHEAD`` (1 or 2) records deep: record c + AHEAD loads
-        during step c, and only step c + AHEAD reads it (normalising a record right after
-        its load would make every step wait for it). With ``NORM_AHEAD`` (needs ``AHEAD
-        = 2``) record c + 1's key is also normalised during step c, off the chain of
-        dependent steps (a step needs the state of the one before; a key's
-        normalisation needs only its key). Which depths are faster depends on the kernel
-        around the loop (registers against exposed latency), so they are the caller's,
-        from the shape table. Neither changes any number: the same operations on the
-        same values. Unused ring entries may hold NaN: masked loads give 0."""
-        tl.static_assert(AHEAD == 2 or not NORM_AHEAD, "NORM_AHEAD needs AHEAD = 2")
+        fold, circular's flush and small-batch path) is this loop. Hand pipelining
+        ``AHEAD`` (1 or 2) records deep: record c + AHEAD loads during step c, and only
+        step c + AHEAD reads it (normalising a record right after its load would make
+        every step wait for it). Which depth is faster depends on the kernel around the
+        loop (registers against exposed load latency), so it is the caller's, from the
+        shape table. The depth changes no number. Unused ring entries may hold NaN:
+        masked loads give 0."""
         S0, S1, S2, S3 = _tl_load_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ)
         all_c = offs_c >= 0
         valid_n = count > 0
@@ -200,8 +196,6 @@ if triton is not None:
                 rk_at, rv_at, rg_at, rb_at, (base + 1) % L, valid_nn, offs_c, _tl_mask_and(all_c, valid_nn),
                 _tl_mask_and(mask_v, valid_nn), offs_v, srk_pos, srv_pos, srg_pos, srb_pos, K, KQ,
             )
-        if NORM_AHEAD:
-            k0n, k1n, k2n, k3n = _tl_normalized(k0n, k1n, k2n, k3n, eps, 1.0)
         for c in range(0, count):
             k0, k1, k2, k3, v, g, beta = k0n, k1n, k2n, k3n, v_n, g_n, b_n
             if AHEAD == 2:
@@ -216,11 +210,7 @@ if triton is not None:
                 k0nn, k1nn, k2nn, k3nn, v_nn, g_nn, b_nn = k0a, k1a, k2a, k3a, v_a, g_a, b_a
             else:
                 k0n, k1n, k2n, k3n, v_n, g_n, b_n = k0a, k1a, k2a, k3a, v_a, g_a, b_a
-            if NORM_AHEAD:
-                # Record c + 1 (loaded during step c - 1): normalised now, used by step c + 1.
-                k0n, k1n, k2n, k3n = _tl_normalized(k0n, k1n, k2n, k3n, eps, 1.0)
-            else:
-                k0, k1, k2, k3 = _tl_normalized(k0, k1, k2, k3, eps, 1.0)
+            k0, k1, k2, k3 = _tl_normalized(k0, k1, k2, k3, eps, 1.0)
             S0, S1, S2, S3 = _tl_state_step(S0, S1, S2, S3, k0, k1, k2, k3, v, g, beta)
         return S0, S1, S2, S3
 
@@ -232,7 +222,6 @@ if triton is not None:
         eps,
         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
         BK: tl.constexpr, BV: tl.constexpr, R: tl.constexpr, PER_SLOT: tl.constexpr, AHEAD: tl.constexpr,
-        NORM_AHEAD: tl.constexpr,
     ):
         i_v = tl.program_id(0)
         i_b = tl.program_id(1)
@@ -268,12 +257,11 @@ if triton is not None:
         tile = offs_v[:, None] * K + offs_c[None, :]
         ckpt_at = ckpt_ptr + i_l * sc_layer + slot * sc_slot + i_hv * (V * K)  # [HV, V, K] packed
         S0, S1, S2, S3 = replay_history(ckpt_at, tile, rk_at, rv_at, rg_at, rb_at, start, count, offs_c, offs_v, mask_v,
-                                        srk_pos, srv_pos, srg_pos, srb_pos, eps, K, R, KQ, AHEAD, NORM_AHEAD)
+                                        srk_pos, srv_pos, srg_pos, srb_pos, eps, K, R, KQ, AHEAD)
         _tl_store_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ, S0, S1, S2, S3)
 
     def launch_fold(checkpoints, ring_k, ring_v, ring_g, ring_beta, slots, start, count, flush=None, *,
-                    block_v: int | None = None, records_ahead: int | None = None,
-                    normalize_ahead: bool | None = None) -> None:
+                    block_v: int | None = None, records_ahead: int | None = None) -> None:
         """Launch the fold kernel on validated 5-D buffers (one launch): checkpoints packed
         per (layer, slot), rings with any strides but a contiguous last axis.
 
@@ -281,9 +269,8 @@ if triton is not None:
         ``flush`` (``[num_slots]``): ``start``, ``count`` and ``flush`` are per-slot
         cursors (``cache_base``, ``write_pos``, ``is_flush``) and only rows whose slot
         has ``flush`` set fold; the other rows exit at once. ``block_v`` caps the tile
-        height, ``records_ahead`` and ``normalize_ahead`` set the replay's pipelining
-        (:func:`replay_history`; defaults: the shape table's ``exact_write`` row); none
-        changes any number.
+        height and ``records_ahead`` the replay's record prefetch depth (defaults: the
+        shape table's ``exact_write`` row); neither changes any number.
         """
         nl, ns, hv, vd, kd = checkpoints.shape
         h, r = ring_k.shape[3], ring_k.shape[2]
@@ -291,16 +278,14 @@ if triton is not None:
         if batch == 0 or nl == 0 or r == 0:
             return
         bv = pick_block_v(kd, vd, batch, hv, checkpoints.dtype, checkpoints.device, layers=nl, most=block_v)
-        cfg = tuning.lookup("exact_write", K=kd, V=vd, state_dtype=checkpoints.dtype, batch=batch)
-        ahead = records_ahead or cfg["records_ahead"]
-        norm_ahead = bool(cfg["normalize_ahead"] if normalize_ahead is None else normalize_ahead) and ahead == 2
         grid = (triton.cdiv(vd, bv), batch, nl * hv)
         _fold_kernel[grid](
             checkpoints, ring_k, ring_v, ring_g, ring_beta, slots, start, count, count if flush is None else flush,
             checkpoints.stride(0), checkpoints.stride(1), *ring_k.stride()[:4], *ring_v.stride()[:4],
             *ring_g.stride(), *ring_beta.stride(), NORM_EPS,
             H=h, HV=hv, K=kd, V=vd, BK=exact_block_k(kd), BV=bv, R=r, PER_SLOT=flush is not None,
-            AHEAD=ahead, NORM_AHEAD=norm_ahead,
+            AHEAD=records_ahead or tuning.lookup("exact_write", K=kd, V=vd, state_dtype=checkpoints.dtype,
+                                                 batch=batch)["records_ahead"],
             num_warps=EXACT_NUM_WARPS,
         )
 

@@ -151,7 +151,7 @@ if triton is not None:
         scale, eps,
         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
         BK: tl.constexpr, BV: tl.constexpr, FV: tl.constexpr,
-        ROUND_STATE: tl.constexpr, AHEAD: tl.constexpr, NORM_AHEAD: tl.constexpr,
+        ROUND_STATE: tl.constexpr, AHEAD: tl.constexpr,
     ):
         """Output, corrected delta and record of V block ``i_v`` (``BV`` rows) of a
         (request, value head), see the module notes. A non-flush row reads its
@@ -208,7 +208,7 @@ if triton is not None:
                 S0, S1, S2, S3 = _replay_history(
                     ckpt_at, tile, rk_ptr + ring_at * (H * K) + i_h * K, rv_ptr + ring_at * (HV * V) + i_hv * V,
                     rg_ptr + ring_at * HV + i_hv, rb_ptr + ring_at * HV + i_hv, base, tl.minimum(wp, L), offs_c,
-                    offs_r, mask_r, H * K, HV * V, HV, HV, eps, K, L, KQ, AHEAD, NORM_AHEAD)
+                    offs_r, mask_r, H * K, HV * V, HV, HV, eps, K, L, KQ, AHEAD)
                 _tl_store_parts(ckpt_at, tile, mask_r[:, None], offs_c[None, :], K, KQ, S0, S1, S2, S3)
                 if ROUND_STATE:
                     S0 = _tl_to_rtne(S0, ckpt_ptr.dtype.element_ty).to(tl.float32)
@@ -265,7 +265,6 @@ def launch_ring_decode(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, 
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
         kd**-0.5, NORM_EPS,
         H=h, HV=hv, K=kd, V=vd, L=ring.ring_len, BK=bk, BV=bv, FV=min(cfg["flush_block_v"], bv), ROUND_STATE=checkpoint.dtype != torch.float32, AHEAD=cfg["records_ahead"],
-        NORM_AHEAD=bool(cfg["normalize_ahead"]) and cfg["records_ahead"] == 2,
         # A flush row replays exactly: the exact kernels' warps (their layout decides
         # the bits of every row sum).
         num_warps=EXACT_NUM_WARPS,

@@ -33,9 +33,8 @@ PARAMS = {
     # tall enough to amortise a token's key loads and normalisation over many rows, short
     # enough to keep the four-part tile in registers.
     # ``records_ahead``: how many records the exact replay (the fold; ops/fold.py
-    # ``replay_history``) loads ahead of its step, 1 or 2; ``normalize_ahead``: whether
-    # it also normalises the next record's key during a step (1; with two ahead only).
-    "exact_write": ("block_v", "records_ahead", "normalize_ahead"),
+    # ``replay_history``) loads ahead of its step, 1 or 2.
+    "exact_write": ("block_v", "records_ahead"),
     # The read-only exact verify: no state to write back, so a taller tile holds fewer
     # live registers per row and amortises the per-token loads further.
     "exact_read_only": ("block_v",),
@@ -58,22 +57,21 @@ PARAMS = {
     # Plain decoding through circular's ring (ops/ring_decode.py): rows of V per
     # program; a flush row's fold: rows at a time (at most block_v) and record prefetch
     # depth (as exact_write.records_ahead).
-    "ring_decode": ("block_v", "flush_block_v", "records_ahead", "normalize_ahead"),
+    "ring_decode": ("block_v", "flush_block_v", "records_ahead"),
 }
 
 _KEY_FIELDS = ("K", "V", "state_dtype", "min_batch", "max_batch", "device")
 #: Parameters that may be 0 (the others are sizes, at least 1).
-_MAY_BE_ZERO = ("replay_max_batch", "tf32_coefficients", "fuse_flush", "normalize_ahead")
+_MAY_BE_ZERO = ("replay_max_batch", "tf32_coefficients", "fuse_flush")
 #: Parameters with a closed set of values.
-_CHOICES = {"tf32_coefficients": (0, 1), "fuse_flush": (0, 1), "records_ahead": (1, 2), "flush_records_ahead": (1, 2),
-            "normalize_ahead": (0, 1)}
+_CHOICES = {"tf32_coefficients": (0, 1), "fuse_flush": (0, 1), "records_ahead": (1, 2), "flush_records_ahead": (1, 2)}
 
 #: The table (see the module notes). Values chosen by measurement at Qwen3.5 shapes
 #: (BENCHMARKS.md, tuning notes).
 TABLE: dict[str, list[tuple[dict, dict]]] = {
     # Two records ahead: the fold's commit measured faster than with one (BENCHMARKS.md,
     # "The flush inside the outputs kernel").
-    "exact_write": [({}, dict(block_v=64, records_ahead=2, normalize_ahead=0))],
+    "exact_write": [({}, dict(block_v=64, records_ahead=2))],
     # 16-bit states: a 64-row read-only tile runs at twice the programs per SM (the tile
     # is fp32 in registers whatever the storage), which the halved bytes need.
     "exact_read_only": [({"state_dtype": torch.bfloat16}, dict(block_v=64)), ({}, dict(block_v=128))],
@@ -94,7 +92,7 @@ TABLE: dict[str, list[tuple[dict, dict]]] = {
     # loaded and reduced once per (request, head) instead of once per V block, and the
     # tile's loads are all in flight at once (BENCHMARKS.md, "Plain decoding through the
     # ring, one launch").
-    "ring_decode": [({}, dict(block_v=128, flush_block_v=128, records_ahead=1, normalize_ahead=0))],
+    "ring_decode": [({}, dict(block_v=128, flush_block_v=128, records_ahead=1))],
 }
 
 
