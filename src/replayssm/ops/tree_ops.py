@@ -22,7 +22,7 @@ from typing import Sequence
 
 import torch
 
-from . import _checks, guards
+from . import _checks, guards, tuning
 from .dispatch import pick, register
 from .records import RawRecords, slots_error
 from .recurrent import check_layer_inputs, prepare_window, readout, state_update
@@ -439,7 +439,11 @@ def gdn_tree_recurrence_triton(q, k, v, a, b, A_log, dt_bias, state, slots, tree
         return o
     dev = trees.on(q.device)
     levels = max(1, int(trees.depth.max()))  # stack levels: depths 0 .. max - 1 are parents
-    bv = pick_block_v(kd, vd, nb, hv, state.dtype, q.device, read_only=snapshots is None)
+    # The stack holds DP path states of BV rows in registers: its rows, not one tile's,
+    # are what the register file bounds (the shape table's exact_tree.stack_rows).
+    dp = triton.next_power_of_2(levels)
+    stack_rows = tuning.lookup("exact_tree", K=kd, V=vd, state_dtype=state.dtype, batch=nb)["stack_rows"]
+    bv = pick_block_v(kd, vd, nb, hv, state.dtype, q.device, most=max(16, stack_rows // dp))
     dummy = o
     rec = records if records is not None else RawRecords(dummy, dummy, dummy, dummy)
     rec_strides = [x.stride(d) if records is not None else 0 for x in rec for d in range(3)]
@@ -449,7 +453,7 @@ def gdn_tree_recurrence_triton(q, k, v, a, b, A_log, dt_bias, state, slots, tree
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
         state.stride(0), snapshots.stride(0) if snapshots is not None else 0, *rec_strides,
         kd**-0.5, NORM_EPS,
-        H=h, HV=hv, K=kd, V=vd, BK=exact_block_k(kd), BV=bv, TN=nn, DP=triton.next_power_of_2(levels),
+        H=h, HV=hv, K=kd, V=vd, BK=exact_block_k(kd), BV=bv, TN=nn, DP=dp,
         HAS_SNAPSHOTS=snapshots is not None, HAS_RECORDS=records is not None, num_warps=EXACT_NUM_WARPS,
     )
     return o

@@ -50,6 +50,10 @@ PARAMS = {
     # and the flush's record prefetch depth (as exact_write.records_ahead).
     "closed_form": ("block_v", "k_chunk", "num_stages", "num_warps", "tf32_coefficients", "coef_warps",
                     "heads_per_program", "flush_block_v", "fuse_flush", "flush_records_ahead"),
+    # The tree recurrence (ops/tree_ops.py: fold's and snapshot's tree verify): rows of the
+    # path stack a program holds in registers, all levels together (a level's tile is
+    # stack_rows / levels rows high, at least 16).
+    "exact_tree": ("stack_rows",),
     # circular's small-batch path (ops/chunked.py): at batch <= replay_max_batch its
     # verify replays the exact recurrence in one launch and its commit flushes every
     # step, instead of the closed form's three launches. 0 turns it off.
@@ -92,6 +96,9 @@ TABLE: dict[str, list[tuple[dict, dict]]] = {
     # loaded and reduced once per (request, head) instead of once per V block, and the
     # tile's loads are all in flight at once (BENCHMARKS.md, "Plain decoding through the
     # ring, one launch").
+    # 64 rows: four levels of 16-row tiles (depth 3) stay in registers; the read-only
+    # tile height (128 rows) held four times spilled.
+    "exact_tree": [({}, dict(stack_rows=64))],
     "ring_decode": [({}, dict(block_v=128, flush_block_v=128, records_ahead=1))],
 }
 
