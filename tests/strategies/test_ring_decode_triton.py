@@ -137,3 +137,22 @@ def test_ring_decode_kernel_against_the_window_op(flush_rows):
     for f in ("g", "beta"):  # Triton's exp is a few ulp from torch's: against the Triton window op
         assert torch.equal(getattr(got["ring"], f), getattr(results["window"]["ring"], f)), f"ring.{f}"
     assert torch.equal(got["o"][1], torch.zeros_like(got["o"][1])), "padding row"
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_ring_decode_refuses_a_window_of_two_tokens_before_writing(backend):
+    gen = torch.Generator().manual_seed(5)
+    h, hv, kd, vd, L = 1, 1, 16, 8, 8
+    x = [(torch.randn(3, *sh, generator=gen)).to(DEVICE) for sh in ((h, kd), (h, kd), (hv, vd), (hv,), (hv,))]
+    params = [torch.full((hv,), -1.0, device=DEVICE), torch.zeros(hv, device=DEVICE)]
+    checkpoint = torch.randn(2, hv, vd, kd, generator=gen).to(DEVICE)
+    ring = RawRecords(*(t.to(DEVICE) for t in (torch.randn(2, L, h, kd, generator=gen), torch.randn(2, L, hv, vd, generator=gen),
+                                              -torch.rand(2, L, hv, generator=gen), torch.rand(2, L, hv, generator=gen))))
+    ring_u = torch.randn(2, L, hv, vd, generator=gen).to(DEVICE)
+    cursors = [torch.tensor(c, dtype=torch.int32, device=DEVICE) for c in ([1, 0], [0, 3], [0, 0])]
+    before = [checkpoint.clone(), ring_u.clone(), *(t.clone() for t in ring)]
+    with pytest.raises(ValueError, match="max_len|window"):
+        gdn_ring_decode(*x, *params, checkpoint, ring, ring_u, torch.tensor([0, 1], dtype=torch.int32, device=DEVICE),
+                        torch.tensor([0, 2, 3], dtype=torch.int32, device=DEVICE), *cursors, backend=backend)
+    for a, b in zip(before, [checkpoint, ring_u, *ring]):
+        assert torch.equal(a, b)

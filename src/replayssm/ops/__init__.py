@@ -25,6 +25,7 @@ from .fold import gdn_fold, gdn_fold_reference
 from .gates import expand_heads, gdn_gates, l2_normalize
 from .records import RawRecords
 from .recurrent import gdn_recurrence, gdn_recurrence_reference, readout, state_update
+from .ring_decode import gdn_ring_decode, gdn_ring_decode_reference
 from .snapshot import snapshot_commit, snapshot_commit_reference
 from .tree_ops import compact_path, compact_path_reference, gdn_tree_recurrence, gdn_tree_recurrence_reference
 from .trees import DeviceTrees, DraftTrees, accepted_paths
@@ -52,6 +53,8 @@ __all__ = [
     "gdn_gates",
     "gdn_recurrence",
     "gdn_recurrence_reference",
+    "gdn_ring_decode",
+    "gdn_ring_decode_reference",
     "gdn_tree_recurrence",
     "gdn_tree_recurrence_reference",
     "gdn_tree_verify",
