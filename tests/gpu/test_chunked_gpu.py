@@ -193,13 +193,13 @@ def test_chunked_window_matches_float64_oracle(hv, t, batch, state_dtype, act_dt
 @pytest.mark.parametrize("batch,state_dtype,act_dtype", [
     (256, torch.float32, torch.bfloat16), (64, torch.bfloat16, torch.bfloat16), (5, torch.float32, torch.float32),
     (1, torch.bfloat16, torch.float32)])
-@pytest.mark.parametrize("flush_rows", [32, 128])
-def test_ring_decode_matches_float64_oracle(batch, state_dtype, act_dtype, flush_rows):
+@pytest.mark.parametrize("block_v", [64, 128])
+def test_ring_decode_matches_float64_oracle(batch, state_dtype, act_dtype, block_v):
     """The ring decoding kernel (one token per request, histories of 0..L-1 records) against
     the float64 closed form; its flushed checkpoints bit for bit against the window op's
-    (both the fold's replay), folding 32 rows at a time or the whole V block."""
+    (both the fold's replay), at two tile heights."""
     case = with_consistent_u(make_case(HV_POOL, 1, batch, state_dtype, act_dtype))
-    with tuning.override("ring_decode", flush_block_v=flush_rows):
+    with tuning.override("ring_decode", block_v=block_v):
         o_t, ck_t, ring_t, u_t = run(case, "triton", method="decode")
     o_64, ck_64, ring_64, u_64 = run(case, "reference", torch.float64)
     torch.testing.assert_close(o_t.double(), o_64, **tol(o_64, state_dtype, act_dtype))

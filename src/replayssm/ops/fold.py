@@ -184,6 +184,15 @@ if triton is not None:
         shape table. The depth changes no number. Unused ring entries may hold NaN:
         masked loads give 0."""
         S0, S1, S2, S3 = _tl_load_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ)
+        return replay_tile(S0, S1, S2, S3, rk_at, rv_at, rg_at, rb_at, base, count, offs_c, offs_v, mask_v,
+                           srk_pos, srv_pos, srg_pos, srb_pos, eps, K, L, KQ, AHEAD)
+
+    @triton.jit
+    def replay_tile(S0, S1, S2, S3, rk_at, rv_at, rg_at, rb_at, base, count, offs_c, offs_v, mask_v,
+                    srk_pos, srv_pos, srg_pos, srb_pos, eps, K: tl.constexpr, L: tl.constexpr, KQ: tl.constexpr,
+                    AHEAD: tl.constexpr = 1):
+        """:func:`replay_history` on a tile already loaded (its four parts): for a kernel
+        that loads the checkpoint before it knows whether the row replays."""
         all_c = offs_c >= 0
         valid_n = count > 0
         k0n, k1n, k2n, k3n, v_n, g_n, b_n = _load_record_at(

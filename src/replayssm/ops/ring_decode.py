@@ -111,8 +111,8 @@ def gdn_ring_decode(
 # default. A non-flush row loads its [BV, K] checkpoint tile once (the step's only state
 # traffic) for S0 k^ and S0 q^, and adds the history's share from its records' keys,
 # gates and u (a few hundred bytes a record next to the tile's BV x K). A flush row
-# replays its records on the exact four-part tile instead (FV rows at a time) and
-# stores it: the exact kernels' tile and warps.
+# replays its records on the exact four-part tile instead and stores it: the exact
+# kernels' tile and warps.
 
 try:
     import triton
@@ -121,7 +121,7 @@ except ImportError:  # the reference backend works without Triton
     triton = None
 
 if triton is not None:
-    from .fold import replay_history as _replay_history
+    from .fold import replay_tile as _replay_tile
     from .recurrent import exact_block_k
     from .triton_common import EXACT_NUM_WARPS, NORM_EPS, block_rows, device_fn as _tl_device_fn
     from .triton_common import inv_norm as _tl_inv_norm
@@ -150,13 +150,11 @@ if triton is not None:
         stride_a_tok, stride_b_tok,
         scale, eps,
         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
-        BK: tl.constexpr, BV: tl.constexpr, FV: tl.constexpr,
+        BK: tl.constexpr, BV: tl.constexpr,
         ROUND_STATE: tl.constexpr, AHEAD: tl.constexpr,
     ):
         """Output, corrected delta and record of V block ``i_v`` (``BV`` rows) of a
-        (request, value head), see the module notes. A non-flush row reads its
-        checkpoint rows once; a flush row folds them ``FV`` rows at a time on the exact
-        four-part tile."""
+        (request, value head), see the module notes."""
         i_v, i_b, i_hv, i_h, slot, bos, length = _tl_window_program(slots_ptr, cu_ptr, H, HV)
         KQ: tl.constexpr = BK // 4
         offs_c = tl.arange(0, KQ)  # key index within a part
@@ -169,11 +167,15 @@ if triton is not None:
             # Padding row: zero outputs, nothing else.
             tl.store(o_at + offs_v, tl.full([BV], 0, o_ptr.dtype.element_ty), mask=_tl_mask_and(mask_v, has_token))
             return
+        # The checkpoint tile first, before the row's kind is known: its loads wait only
+        # for the slot, not for the cursors, and come before any store.
+        ckpt_at = ckpt_ptr + (slot * HV + i_hv) * (V * K)
+        tile = offs_v[:, None] * K + offs_c[None, :]
+        S0, S1, S2, S3 = _tl_load_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ)
         wp = tl.load(wp_ptr + slot).to(tl.int64)
         base = tl.load(base_ptr + slot).to(tl.int64)
         folds = (tl.load(flush_ptr + slot) != 0) & (wp > 0)
         ring_at = slot * L  # flat record index of the slot's ring
-        ckpt_at = ckpt_ptr + (slot * HV + i_hv) * (V * K)
         rec = ring_at + (base + wp) % L  # the token's record: logical position write_pos
         rv_at = rv_ptr + (rec * HV + i_hv) * V
         ru_at = ru_ptr + (rec * HV + i_hv) * V
@@ -189,34 +191,22 @@ if triton is not None:
         qh0, qh1, qh2, qh3 = _tl_normalized(q0, q1, q2, q3, eps, scale)
         e = tl.exp(g)
         kq = _tl_row_sum(tl.fma(kh3, qh3, tl.fma(kh2, qh2, tl.fma(kh1, qh1, kh0 * qh0))), 0)
-        # The raw key and the gates, once per (request, key head) and value head.
-        k_writer = (i_hv % (HV // H) == 0) & (i_v == 0)
-        _tl_store_parts(rk_ptr, (rec * H + i_h) * K + offs_c, _tl_mask_and(all_c, k_writer), offs_c, K, KQ,
-                        k0, k1, k2, k3)
-        tl.store(rg_ptr + rec * HV + i_hv, g, mask=i_v == 0)
-        tl.store(rb_ptr + rec * HV + i_hv, beta, mask=i_v == 0)
 
         if folds:
-            # Fold the history into the checkpoint, FV rows at a time (the fold's replay
-            # and store), then take the token from the folded rows as stored: the history
-            # is empty.
-            offs_f = tl.arange(0, FV)
-            for r0 in range(0, BV, FV):
-                offs_r = i_v * BV + r0 + offs_f
-                mask_r = offs_r < V
-                tile = offs_r[:, None] * K + offs_c[None, :]
-                S0, S1, S2, S3 = _replay_history(
-                    ckpt_at, tile, rk_ptr + ring_at * (H * K) + i_h * K, rv_ptr + ring_at * (HV * V) + i_hv * V,
-                    rg_ptr + ring_at * HV + i_hv, rb_ptr + ring_at * HV + i_hv, base, tl.minimum(wp, L), offs_c,
-                    offs_r, mask_r, H * K, HV * V, HV, HV, eps, K, L, KQ, AHEAD)
-                _tl_store_parts(ckpt_at, tile, mask_r[:, None], offs_c[None, :], K, KQ, S0, S1, S2, S3)
-                if ROUND_STATE:
-                    S0 = _tl_to_rtne(S0, ckpt_ptr.dtype.element_ty).to(tl.float32)
-                    S1 = _tl_to_rtne(S1, ckpt_ptr.dtype.element_ty).to(tl.float32)
-                    S2 = _tl_to_rtne(S2, ckpt_ptr.dtype.element_ty).to(tl.float32)
-                    S3 = _tl_to_rtne(S3, ckpt_ptr.dtype.element_ty).to(tl.float32)
-                _token_rows(o_at, rv_at, ru_at, v_at, offs_r, mask_r, _tl_row_dot(S0, S1, S2, S3, kh0, kh1, kh2, kh3),
-                            _tl_row_dot(S0, S1, S2, S3, qh0, qh1, qh2, qh3), e, beta, kq)
+            # Fold the history into the checkpoint (the fold's replay and store), then take
+            # the token from the folded rows as stored: the history is empty.
+            S0, S1, S2, S3 = _replay_tile(
+                S0, S1, S2, S3, rk_ptr + ring_at * (H * K) + i_h * K, rv_ptr + ring_at * (HV * V) + i_hv * V,
+                rg_ptr + ring_at * HV + i_hv, rb_ptr + ring_at * HV + i_hv, base, tl.minimum(wp, L), offs_c,
+                offs_v, mask_v, H * K, HV * V, HV, HV, eps, K, L, KQ, AHEAD)
+            _tl_store_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ, S0, S1, S2, S3)
+            if ROUND_STATE:
+                S0 = _tl_to_rtne(S0, ckpt_ptr.dtype.element_ty).to(tl.float32)
+                S1 = _tl_to_rtne(S1, ckpt_ptr.dtype.element_ty).to(tl.float32)
+                S2 = _tl_to_rtne(S2, ckpt_ptr.dtype.element_ty).to(tl.float32)
+                S3 = _tl_to_rtne(S3, ckpt_ptr.dtype.element_ty).to(tl.float32)
+            _token_rows(o_at, rv_at, ru_at, v_at, offs_v, mask_v, _tl_row_dot(S0, S1, S2, S3, kh0, kh1, kh2, kh3),
+                        _tl_row_dot(S0, S1, S2, S3, qh0, qh1, qh2, qh3), e, beta, kq)
         else:
             # The committed history (a flush row has none here: its history folds instead):
             #   S x = exp(Gtot) S0 x + sum_c exp(g_{c+1} + ... + g_h) u_c (k^_c . x)
@@ -238,8 +228,6 @@ if triton is not None:
             e_Gh = tl.exp(_tl_row_sum(g_h, 0))
             # S0 k^ and S0 q^ from the whole tile, loaded at once: the most bytes in flight
             # a program can have (a chunked stream was slower, BENCHMARKS.md).
-            tile = offs_v[:, None] * K + offs_c[None, :]
-            S0, S1, S2, S3 = _tl_load_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ)
             S0_k = _tl_row_dot(S0, S1, S2, S3, kh0, kh1, kh2, kh3)
             S0_q = _tl_row_dot(S0, S1, S2, S3, qh0, qh1, qh2, qh3)
             u_h = tl.load(ru_ptr + (rec_h[None, :] * HV + i_hv) * V + offs_v[:, None],
@@ -247,6 +235,13 @@ if triton is not None:
             S_k = e_Gh * S0_k + _tl_row_sum(u_h * c_k[None, :], 1)
             S_q = e_Gh * S0_q + _tl_row_sum(u_h * c_q[None, :], 1)
             _token_rows(o_at, rv_at, ru_at, v_at, offs_v, mask_v, S_k, S_q, e, beta, kq)
+        # The raw key and the gates, once per (request, key head) and value head, after
+        # every load (the history's records are read from the same ring).
+        k_writer = (i_hv % (HV // H) == 0) & (i_v == 0)
+        _tl_store_parts(rk_ptr, (rec * H + i_h) * K + offs_c, _tl_mask_and(all_c, k_writer), offs_c, K, KQ,
+                        k0, k1, k2, k3)
+        tl.store(rg_ptr + rec * HV + i_hv, g, mask=i_v == 0)
+        tl.store(rb_ptr + rec * HV + i_hv, beta, mask=i_v == 0)
 
 
 def launch_ring_decode(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos,
@@ -264,7 +259,7 @@ def launch_ring_decode(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, 
         slots, cu_seqlens, write_pos, cache_base, is_flush, o,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
         kd**-0.5, NORM_EPS,
-        H=h, HV=hv, K=kd, V=vd, L=ring.ring_len, BK=bk, BV=bv, FV=min(cfg["flush_block_v"], bv), ROUND_STATE=checkpoint.dtype != torch.float32, AHEAD=cfg["records_ahead"],
+        H=h, HV=hv, K=kd, V=vd, L=ring.ring_len, BK=bk, BV=bv, ROUND_STATE=checkpoint.dtype != torch.float32, AHEAD=cfg["records_ahead"],
         # A flush row replays exactly: the exact kernels' warps (their layout decides
         # the bits of every row sum).
         num_warps=EXACT_NUM_WARPS,

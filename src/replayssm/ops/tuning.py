@@ -59,9 +59,8 @@ PARAMS = {
     # step, instead of the closed form's three launches. 0 turns it off.
     "circular": ("replay_max_batch",),
     # Plain decoding through circular's ring (ops/ring_decode.py): rows of V per
-    # program; a flush row's fold: rows at a time (at most block_v) and record prefetch
-    # depth (as exact_write.records_ahead).
-    "ring_decode": ("block_v", "flush_block_v", "records_ahead"),
+    # program, and a flush row's record prefetch depth (as exact_write.records_ahead).
+    "ring_decode": ("block_v", "records_ahead"),
 }
 
 _KEY_FIELDS = ("K", "V", "state_dtype", "min_batch", "max_batch", "device")
@@ -99,7 +98,7 @@ TABLE: dict[str, list[tuple[dict, dict]]] = {
     # 64 rows: four levels of 16-row tiles (depth 3) stay in registers; the read-only
     # tile height (128 rows) held four times spilled.
     "exact_tree": [({}, dict(stack_rows=64))],
-    "ring_decode": [({}, dict(block_v=128, flush_block_v=128, records_ahead=1))],
+    "ring_decode": [({}, dict(block_v=128, records_ahead=1))],
 }
 
 
