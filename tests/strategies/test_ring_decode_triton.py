@@ -87,9 +87,11 @@ def test_triton_plain_ring_steps_are_the_triton_recurrence(small_batch):
     assert flushes >= (38 if small_batch else 6), flushes
 
 
-def test_ring_decode_kernel_against_the_window_op():
+@pytest.mark.parametrize("early_tile", [0, 1])
+def test_ring_decode_kernel_against_the_window_op(early_tile):
     """``gdn_ring_decode`` (Triton) on one-token windows over histories of 0..7 records,
-    flush and non-flush rows and a padding row (V = 24: two 16-row blocks), against
+    flush and non-flush rows and a padding row (V = 24: two 16-row blocks), with the
+    checkpoint tile loaded before or after the cursors, against
     ``gdn_chunked_window``: the
     flushed checkpoints bit for bit against the Triton window op's (both the fold's
     replay), outputs and ``u`` within ``TOL`` of the reference's (the history's sum in
@@ -113,8 +115,12 @@ def test_ring_decode_kernel_against_the_window_op():
     cache_base = torch.tensor([5, 1, 7, 0, 3, 6], dtype=torch.int32, device=DEVICE)
     is_flush = torch.tensor([1, 0, 1, 0, 1, 0], dtype=torch.int32, device=DEVICE)
     results = {}
+    def decode(*a):
+        with tuning.override("ring_decode", early_tile=early_tile):
+            return gdn_ring_decode(*a, backend="triton")
+
     for name, run in (
-        ("decode", lambda *a: gdn_ring_decode(*a, backend="triton")),
+        ("decode", decode),
         ("window", lambda *a: gdn_chunked_window(*a, max_len=1, method="closed_form", backend="triton")),
         ("reference", lambda *a: gdn_chunked_window(*a, max_len=1, backend="reference")),
     ):

@@ -151,7 +151,7 @@ if triton is not None:
         scale, eps,
         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
         BK: tl.constexpr, BV: tl.constexpr,
-        ROUND_STATE: tl.constexpr, AHEAD: tl.constexpr,
+        ROUND_STATE: tl.constexpr, AHEAD: tl.constexpr, EARLY_TILE: tl.constexpr,
     ):
         """Output, corrected delta and record of V block ``i_v`` (``BV`` rows) of a
         (request, value head), see the module notes."""
@@ -167,11 +167,12 @@ if triton is not None:
             # Padding row: zero outputs, nothing else.
             tl.store(o_at + offs_v, tl.full([BV], 0, o_ptr.dtype.element_ty), mask=_tl_mask_and(mask_v, has_token))
             return
-        # The checkpoint tile first, before the row's kind is known: its loads wait only
-        # for the slot, not for the cursors, and come before any store.
         ckpt_at = ckpt_ptr + (slot * HV + i_hv) * (V * K)
         tile = offs_v[:, None] * K + offs_c[None, :]
-        S0, S1, S2, S3 = _tl_load_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ)
+        if EARLY_TILE:
+            # The checkpoint tile first, before the row's kind is known: its loads wait
+            # only for the slot, not for the cursors.
+            S0, S1, S2, S3 = _tl_load_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ)
         wp = tl.load(wp_ptr + slot).to(tl.int64)
         base = tl.load(base_ptr + slot).to(tl.int64)
         folds = (tl.load(flush_ptr + slot) != 0) & (wp > 0)
@@ -195,6 +196,8 @@ if triton is not None:
         if folds:
             # Fold the history into the checkpoint (the fold's replay and store), then take
             # the token from the folded rows as stored: the history is empty.
+            if not EARLY_TILE:
+                S0, S1, S2, S3 = _tl_load_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ)
             S0, S1, S2, S3 = _replay_tile(
                 S0, S1, S2, S3, rk_ptr + ring_at * (H * K) + i_h * K, rv_ptr + ring_at * (HV * V) + i_hv * V,
                 rg_ptr + ring_at * HV + i_hv, rb_ptr + ring_at * HV + i_hv, base, tl.minimum(wp, L), offs_c,
@@ -228,6 +231,8 @@ if triton is not None:
             e_Gh = tl.exp(_tl_row_sum(g_h, 0))
             # S0 k^ and S0 q^ from the whole tile, loaded at once: the most bytes in flight
             # a program can have (a chunked stream was slower, BENCHMARKS.md).
+            if not EARLY_TILE:
+                S0, S1, S2, S3 = _tl_load_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ)
             S0_k = _tl_row_dot(S0, S1, S2, S3, kh0, kh1, kh2, kh3)
             S0_q = _tl_row_dot(S0, S1, S2, S3, qh0, qh1, qh2, qh3)
             u_h = tl.load(ru_ptr + (rec_h[None, :] * HV + i_hv) * V + offs_v[:, None],
@@ -260,6 +265,7 @@ def launch_ring_decode(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, 
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
         kd**-0.5, NORM_EPS,
         H=h, HV=hv, K=kd, V=vd, L=ring.ring_len, BK=bk, BV=bv, ROUND_STATE=checkpoint.dtype != torch.float32, AHEAD=cfg["records_ahead"],
+        EARLY_TILE=bool(cfg["early_tile"]),
         # A flush row replays exactly: the exact kernels' warps (their layout decides
         # the bits of every row sum).
         num_warps=EXACT_NUM_WARPS,

@@ -59,15 +59,18 @@ PARAMS = {
     # step, instead of the closed form's three launches. 0 turns it off.
     "circular": ("replay_max_batch",),
     # Plain decoding through circular's ring (ops/ring_decode.py): rows of V per
-    # program, and a flush row's record prefetch depth (as exact_write.records_ahead).
-    "ring_decode": ("block_v", "records_ahead"),
+    # program, a flush row's record prefetch depth (as exact_write.records_ahead), and
+    # whether the checkpoint tile loads before the cursors (1: its latency overlaps
+    # theirs; more registers live at once) or after, in the row's branch (0).
+    "ring_decode": ("block_v", "records_ahead", "early_tile"),
 }
 
 _KEY_FIELDS = ("K", "V", "state_dtype", "min_batch", "max_batch", "device")
 #: Parameters that may be 0 (the others are sizes, at least 1).
-_MAY_BE_ZERO = ("replay_max_batch", "tf32_coefficients", "fuse_flush")
+_MAY_BE_ZERO = ("replay_max_batch", "tf32_coefficients", "fuse_flush", "early_tile")
 #: Parameters with a closed set of values.
-_CHOICES = {"tf32_coefficients": (0, 1), "fuse_flush": (0, 1), "records_ahead": (1, 2), "flush_records_ahead": (1, 2)}
+_CHOICES = {"tf32_coefficients": (0, 1), "fuse_flush": (0, 1), "records_ahead": (1, 2), "flush_records_ahead": (1, 2),
+            "early_tile": (0, 1)}
 
 #: The table (see the module notes). Values chosen by measurement at Qwen3.5 shapes
 #: (BENCHMARKS.md, tuning notes).
@@ -98,7 +101,9 @@ TABLE: dict[str, list[tuple[dict, dict]]] = {
     # 64 rows: four levels of 16-row tiles (depth 3) stay in registers; the read-only
     # tile height (128 rows) held four times spilled.
     "exact_tree": [({}, dict(stack_rows=64))],
-    "ring_decode": [({}, dict(block_v=128, records_ahead=1))],
+    # 16-bit states load the tile late: early, it spilled (offline sm_90) and ran slower.
+    "ring_decode": [({"state_dtype": torch.bfloat16}, dict(block_v=128, records_ahead=1, early_tile=0)),
+                    ({}, dict(block_v=128, records_ahead=1, early_tile=1))],
 }
 
 
