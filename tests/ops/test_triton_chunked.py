@@ -418,8 +418,8 @@ def committed_by_reference_fold(pool, slots):
 
 
 @pytest.mark.parametrize("small_batch", [False, True], ids=["closed_form", "replay"])
-def test_lifecycle_256_steps_triton_pool_tracks_reference_pool(small_batch):
-    """256 verify -> random accept -> commit steps on a Triton ``circular`` pool and a
+def test_lifecycle_triton_pool_tracks_reference_pool(small_batch):
+    """96 verify -> random accept -> commit steps on a Triton ``circular`` pool and a
     reference one fed the same tokens (1 layer, 2 requests, ring of 8 for window 3, so
     a request flushes every few steps). At every step outputs and committed states agree
     to fp32 rounding and the difference does not grow. Every flush writes exactly (bit
@@ -438,7 +438,7 @@ def test_lifecycle_256_steps_triton_pool_tracks_reference_pool(small_batch):
 
 def run_lifecycle(expect_flush_every):
     shape = GDNShape(num_heads=1, num_value_heads=1, head_k_dim=16, head_v_dim=8)
-    window, ring_len, steps = 3, 8, 256
+    window, ring_len, steps = 3, 8, 96
     pools = {
         be: StatePool(shape, 1, 3, strategy="circular", window=window, ring_len=ring_len, backend=be, device=DEVICE)
         for be in ("reference", "triton")
@@ -477,7 +477,7 @@ def run_lifecycle(expect_flush_every):
         if any(trit.buffers["is_flush"][s] for s in live):  # the fold kernel's answer, for the next verify
             expected_flush = trit.strategy.committed_state(0, live)
             torch.testing.assert_close(expected_flush, s_t, **TOL)
-    assert flushes > 40, "the lifecycle must exercise flushes"
+    assert flushes > 15, "the lifecycle must exercise flushes"
     quarter = steps // 4
     assert max(errors[-quarter:]) <= 10 * max(errors[:quarter]) + 1e-6, "Triton vs reference error grows"
     ckpt = trit.buffers["checkpoints"]
