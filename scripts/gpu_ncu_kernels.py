@@ -1,4 +1,4 @@
-"""Run each state kernel of a circular / fold / decode step a few times at one shape, for
+"""Run each state kernel of a circular / fold / decode / ring decode step a few times at one shape, for
 Nsight Compute (``ncu -k regex:...``) to read its counters: register use, occupancy,
 memory throughput, issue activity and stall reasons.
 
@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from gpu_profile_ops import make  # noqa: E402
 
-from replayssm.ops import chunked, gdn_fold, gdn_recurrence  # noqa: E402
+from replayssm.ops import chunked, gdn_fold, gdn_recurrence, ring_decode  # noqa: E402
 from replayssm.ops.records import RawRecords  # noqa: E402
 
 
@@ -39,7 +39,13 @@ def main() -> int:
     start = torch.zeros(B, dtype=torch.int32, device="cuda")
     count = torch.full((B,), 3, dtype=torch.int32, device="cuda")
     o = torch.empty_like(v)
+    # Plain decoding through the ring at its steady state (a flush every 9 tokens): a
+    # ninth of the rows flush 9 records, the others hold 0..8.
+    ph9 = torch.arange(B, device="cuda") % 9
+    wp9, fl9 = (ph9 + 1).int(), (ph9 == 8).int()
+    o1 = torch.empty_like(xs1[2])
     for _ in range(args.calls):
+        ring_decode.launch_ring_decode(*xs1, A_log, dt_bias, ckpt, ring, ring_u, slots, one, wp9, base, fl9, o1)
         chunked.launch_flush(ckpt, ring, slots, wp, base, fl)
         coef = chunked.launch_coefficients(q, k, a, b, A_log, dt_bias, ckpt, ring, slots, cu, wp, base, fl, T)
         chunked.launch_window_outputs(q, k, v, ckpt, ring, ring_u, slots, cu, wp, base, fl, coef, o, T)
