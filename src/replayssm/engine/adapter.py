@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..state import Batch, GDNShape, StatePool, strategy_class
-from .attention import slot_attention
+from .attention import slot_attention, tree_attention
 from .kv_cache import KVCache, WindowLayout, cached_attention
 from .norms import norm_eps, norm_kind, rms_norm
 
@@ -173,7 +173,7 @@ def _attention_inputs(attn, x, cos, sin, norm=None):
 
 def static_attention_forward(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
                              layer: int, slot_idx: torch.Tensor, positions: torch.Tensor,
-                             backend: str = "auto", norm=None) -> torch.Tensor:
+                             backend: str = "auto", norm=None, tree=None) -> torch.Tensor:
     """:func:`attention_forward` for a static-shape step of ``B`` rows of ``T`` tokens.
 
     Args:
@@ -181,6 +181,12 @@ def static_attention_forward(attn, x: torch.Tensor, cos: torch.Tensor, sin: torc
         cos, sin: ``[B * T, rotary_dim]``.
         slot_idx: ``[B]`` cache slot per row (the cache's sink for padding rows).
         positions: ``[B, T]`` absolute position of every token (``starts[:, None] + t``).
+        tree: ``None`` (a causal window), or ``(starts [B], nodes [T], visible [T, W])``
+            for ``T`` nodes of a draft-tree window (:mod:`replayssm.engine.trees`):
+            token ``t`` is node ``nodes[t]``, written at cache position ``starts +
+            nodes[t]`` and seeing the prefix and the window entries ``visible[t]``
+            (:func:`tree_attention`); ``positions`` are then only the rotary ones
+            (``start + depth``, already in ``cos`` / ``sin``).
 
     Writes the window's keys and values at their positions (the lengths are not
     changed) and attends over each row's slot with :func:`slot_attention`; no value is
@@ -189,11 +195,16 @@ def static_attention_forward(attn, x: torch.Tensor, cos: torch.Tensor, sin: torc
     b, t = positions.shape
     q, k, v, gate = _attention_inputs(attn, x, cos, sin, norm)
     kv_heads, d = k.shape[1], k.shape[2]
-    where = (slot_idx[:, None].expand(b, t), slice(None), positions)
+    at = positions if tree is None else tree[0][:, None] + tree[1][None]
+    where = (slot_idx[:, None].expand(b, t), slice(None), at)
     cache.k[layer][where] = k.view(b, t, kv_heads, d).to(cache.k.dtype)
     cache.v[layer][where] = v.view(b, t, kv_heads, d).to(cache.v.dtype)
-    o = slot_attention(q.view(b, t, -1, d), cache.k[layer], cache.v[layer], slot_idx, positions[:, 0],
-                       attn.scaling, backend=backend)
+    if tree is None:
+        o = slot_attention(q.view(b, t, -1, d), cache.k[layer], cache.v[layer], slot_idx, positions[:, 0],
+                           attn.scaling, backend=backend)
+    else:
+        o = tree_attention(q.view(b, t, -1, d), cache.k[layer], cache.v[layer], slot_idx, tree[0], tree[2],
+                           attn.scaling, backend=backend)
     return attn.o_proj(o.reshape(b * t, -1) * torch.sigmoid(gate))
 
 

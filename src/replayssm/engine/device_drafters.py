@@ -354,19 +354,29 @@ class DeviceMTPDrafter(DeviceDrafter):
         sampling: ``None`` or greedy: argmax drafts. Otherwise drafts are sampled from
             the head's warped probabilities, which are kept per slot for the rejection
             rule (:meth:`draft_probs`).
+        tree: ``None`` (a chain of drafts), or a :class:`~replayssm.engine.trees.StaticTree`:
+            :meth:`propose` then returns the tree's nodes ``1..N-1`` (``k = N - 1``), each
+            node's children the head's top tokens after it, best first (top-k
+            expansion, deterministic whatever ``sampling``). The head runs once per
+            depth below the leaves, on that depth's nodes, each seeing the committed
+            pairs and its ancestors' tentative pairs (:func:`tree_attention`).
     """
 
     name = "mtp"
     needs_hidden = True
 
-    def __init__(self, engine, head, sampling=None):
+    def __init__(self, engine, head, sampling=None, tree=None):
         from .sampling import SamplingParams
+        from .trees import StaticTree
 
         if sampling is not None and not isinstance(sampling, SamplingParams):
             raise TypeError(f"sampling must be a SamplingParams or None, got {type(sampling).__name__}")
+        if tree is not None and not isinstance(tree, StaticTree):
+            raise TypeError(f"tree must be a StaticTree or None, got {type(tree).__name__}")
         self.engine = engine
         self.head = head
-        self.sampling = None if sampling is None or sampling.greedy else sampling
+        self.tree = tree
+        self.sampling = None if sampling is None or sampling.greedy or tree is not None else sampling
 
     def bind(self, num_slots, num_draft, capacity, device):
         from .kv_cache import KVCache
@@ -382,9 +392,10 @@ class DeviceMTPDrafter(DeviceDrafter):
             self.q = torch.zeros((num_slots + 1, num_draft, self.engine.vocab_size), dtype=torch.float32, device=device)
 
     def _layer(self, tokens: torch.Tensor, hidden: torch.Tensor, slot_idx: torch.Tensor,
-               positions: torch.Tensor) -> torch.Tensor:
+               positions: torch.Tensor, tree=None) -> torch.Tensor:
         """The head on ``B x T`` pairs: ``tokens [B, T]``, ``hidden [B * T, H]``, positions
-        ``[B, T]``; returns the normed outputs ``[B * T, H]`` (graph-safe)."""
+        ``[B, T]``; returns the normed outputs ``[B * T, H]`` (graph-safe). ``tree``: as
+        :func:`~replayssm.engine.adapter.static_attention_forward`'s."""
         from .adapter import is_moe, static_attention_forward, static_moe_forward
 
         eng, head = self.engine, self.head
@@ -393,7 +404,7 @@ class DeviceMTPDrafter(DeviceDrafter):
         cos, sin = eng.rotary_cos_sin(x, positions.reshape(-1))
         layer = head.layers[0]
         x = x + static_attention_forward(layer.self_attn, norm(layer.input_layernorm, x), cos, sin, self.cache, 0,
-                                         slot_idx, positions, backend=eng.backend, norm=norm)
+                                         slot_idx, positions, backend=eng.backend, norm=norm, tree=tree)
         y = norm(layer.post_attention_layernorm, x)
         x = x + (static_moe_forward(layer.mlp, y, eng.moe_kernel) if is_moe(layer.mlp) else layer.mlp(y))
         return norm(head.norm, x)
@@ -412,6 +423,30 @@ class DeviceMTPDrafter(DeviceDrafter):
         if self.q is not None:
             self.q[slot_idx] = torch.stack(probs, 1)
         return torch.stack(drafts, 1)
+
+    def _draft_tree(self, slot_idx, h: torch.Tensor, next_pos: torch.Tensor) -> torch.Tensor:
+        """The tree's nodes ``1..N-1`` ``[B, N - 1]`` by top-k expansion from the head
+        outputs ``h [B, H]`` of each request's last committed pair (at position
+        ``next_pos - 1``, the window's entry 0): depth by depth, the best tokens after
+        each node become its children, and below the leaves' depth the head runs on the
+        new nodes (pair ``(head output of the parent, node token)`` at rotary position
+        ``next_pos - 1 + depth``, cache position ``next_pos - 1 + node``)."""
+        tree, b = self.tree, h.shape[0]
+        start = next_pos - 1
+        tokens = torch.zeros((b, tree.num_nodes), dtype=torch.int64, device=h.device)
+        outs = h.new_zeros((b, tree.num_nodes, h.shape[-1]))
+        outs[:, 0] = h
+        for depth, (level, width, children, source) in enumerate(tree.expansion):
+            if depth > 0:  # the head on this depth's nodes (the root's output came from observe)
+                m = level.shape[0]
+                pos = (start + depth)[:, None].expand(b, m)
+                hp = outs[:, tree.parents[level]].reshape(b * m, -1)
+                out = self._layer(tokens[:, level], hp, slot_idx, pos,
+                                  tree=(start, level, tree.ancestors[level]))
+                outs[:, level] = out.view(b, m, -1)
+            best = self.engine.lm_head(outs[:, level]).topk(width, dim=-1).indices  # [B, M, width]
+            tokens[:, children] = best.reshape(b, -1)[:, source]
+        return tokens[:, 1:]
 
     def _choose(self, logits: torch.Tensor):
         """A draft per row of the head's logits ``[B, V]`` (model dtype): greedy drafts
@@ -437,7 +472,7 @@ class DeviceMTPDrafter(DeviceDrafter):
         self._next_pos = positions[:, 0] + accepted
 
     def propose(self, slot_idx):
-        return self._draft(slot_idx, self._last_hidden, self._next_pos)
+        return (self._draft if self.tree is None else self._draft_tree)(slot_idx, self._last_hidden, self._next_pos)
 
     def join(self, slots, prompts, firsts, requests, hidden=None, offsets=None):
         """Prompt pairs ``(h_t, x_{t+1})`` of joining requests into the head's cache
@@ -456,4 +491,5 @@ class DeviceMTPDrafter(DeviceDrafter):
         ends = torch.tensor([o - 1 for o in offsets[1:]], dtype=torch.long, device=eng.device)
         self.cache.advance(slots, [len(t) for t in tokens])
         idx = torch.tensor(slots, dtype=torch.long, device=eng.device)
-        return self._draft(idx, out[ends], torch.tensor([len(p) for p in prompts], device=eng.device))
+        nxt = torch.tensor([len(p) for p in prompts], device=eng.device)
+        return (self._draft if self.tree is None else self._draft_tree)(idx, out[ends], nxt)
