@@ -5,12 +5,20 @@ reference elsewhere). The ``*_reference`` functions are float64-capable and run 
 the tests use them as the oracle.
 """
 
-from .chunked import gdn_chunked_window, gdn_chunked_window_reference, gdn_tree_window_reference
+from .chunked import (
+    gdn_chunked_window,
+    gdn_chunked_window_reference,
+    gdn_tree_verify,
+    gdn_tree_verify_reference,
+    gdn_tree_window_reference,
+)
 from .conv import (
     causal_conv_commit,
     causal_conv_commit_reference,
     causal_conv_verify,
     causal_conv_verify_reference,
+    causal_conv_verify_tree,
+    causal_conv_verify_tree_reference,
 )
 from .cursors import advance_cursors, advance_cursors_reference, reset_cursors, reset_cursors_reference
 from .fold import gdn_fold, gdn_fold_reference
@@ -18,10 +26,13 @@ from .gates import expand_heads, gdn_gates, l2_normalize
 from .records import RawRecords
 from .recurrent import gdn_recurrence, gdn_recurrence_reference, readout, state_update
 from .snapshot import snapshot_commit, snapshot_commit_reference
-from .trees import DraftTrees
+from .tree_ops import compact_path, compact_path_reference, gdn_tree_recurrence, gdn_tree_recurrence_reference
+from .trees import DeviceTrees, DraftTrees, accepted_paths
 
 __all__ = [
+    "DeviceTrees",
     "DraftTrees",
+    "accepted_paths",
     "RawRecords",
     "advance_cursors",
     "advance_cursors_reference",
@@ -29,6 +40,10 @@ __all__ = [
     "causal_conv_commit_reference",
     "causal_conv_verify",
     "causal_conv_verify_reference",
+    "causal_conv_verify_tree",
+    "causal_conv_verify_tree_reference",
+    "compact_path",
+    "compact_path_reference",
     "expand_heads",
     "gdn_chunked_window",
     "gdn_chunked_window_reference",
@@ -37,6 +52,10 @@ __all__ = [
     "gdn_gates",
     "gdn_recurrence",
     "gdn_recurrence_reference",
+    "gdn_tree_recurrence",
+    "gdn_tree_recurrence_reference",
+    "gdn_tree_verify",
+    "gdn_tree_verify_reference",
     "gdn_tree_window_reference",
     "l2_normalize",
     "readout",

@@ -28,11 +28,11 @@ import torch
 
 from . import _checks, guards, tuning
 from .dispatch import pick, register
-from .gates import expand_heads, l2_normalize
+from .gates import expand_heads, gdn_gates, l2_normalize
 from .fold import replay_records
 from .recurrent import check_layer_inputs, prepare_window
 from .records import RawRecords, check_varlen, slots_error
-from .trees import DraftTrees
+from .trees import DeviceTrees, DraftTrees
 
 
 def apply_history(S0, u, k_hat, g, x):
@@ -402,6 +402,118 @@ def gdn_tree_window_reference(
     return o, U_all
 
 
+def check_tree_cursors(trees: DraftTrees, slots, write_pos, is_flush, L: int) -> list[int]:
+    """Host checks of a tree verify's slots and cursors: slots valid and unique, every
+    live request's window of ``N`` nodes fits after its history (``write_pos + N <= L``).
+    Returns the slots as a list."""
+    sl, wp_all = slots.tolist(), write_pos.tolist()
+    error = slots_error(sl, write_pos.shape[0], unique=True)
+    if error:
+        raise ValueError(error)
+    for r, s in enumerate(sl):
+        if s >= 0 and not 0 <= wp_all[s] <= L - trees.max_nodes:
+            raise ValueError(
+                f"tree {r} (slot {s}) does not fit: write_pos {wp_all[s]} + {trees.max_nodes} nodes > ring length {L}"
+            )
+    return sl
+
+
+@register("chunked_tree", "reference")
+def gdn_tree_verify_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    checkpoint: torch.Tensor,
+    ring: RawRecords,
+    ring_u: torch.Tensor,
+    slots: torch.Tensor,
+    write_pos: torch.Tensor,
+    cache_base: torch.Tensor,
+    is_flush: torch.Tensor,
+    trees: DraftTrees,
+    *,
+    max_len: int | None = None,
+) -> torch.Tensor:
+    """``circular``'s verify of a batch of draft trees: the window op
+    (:func:`gdn_chunked_window_reference`) with the trees' ancestor mask.
+
+    Per request: a flush row first folds its committed records into the checkpoint
+    (the exact replay) and starts from an empty history; the nodes' outputs and
+    corrected deltas are :func:`gdn_tree_window_reference`'s; node ``i``'s record (raw
+    ``k``, ``v``, ``g``, ``beta`` and its ``u``) is written at logical ring position
+    ``write_pos + i`` (physical ``(cache_base + write_pos + i) & (L - 1)``), as a
+    window's token ``i`` is. Cursors are not changed; the commit gathers the accepted
+    path (:func:`~replayssm.ops.tree_ops.compact_path`) and moves them.
+
+    Args:
+        q, k, v, a, b, A_log, dt_bias: as for :func:`gdn_tree_window_reference`
+            (``B * N`` rows, node ``i`` of request ``r`` at row ``r * N + i``).
+        checkpoint, ring, ring_u, write_pos, cache_base, is_flush: as for
+            :func:`gdn_chunked_window_reference`.
+        slots: ``[B]`` slot per request, ``-1`` for padding.
+        trees: the requests' :class:`DraftTrees`.
+        max_len: ``T``, the pool's window (``N <= T``); ``None`` bounds ``N`` by the ring.
+
+    Returns:
+        ``o``: ``[B * N, HV, V]`` in the dtype of ``v``; padded nodes and padding
+        requests give zeros.
+    """
+    n, ns, L = check_ring_state_args(
+        q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, state_dtypes=(torch.float32, torch.bfloat16, torch.float64),
+        u_dtypes=(torch.float32, torch.float64), write_pos=write_pos, cache_base=cache_base, is_flush=is_flush,
+    )
+    if not isinstance(trees, DraftTrees):
+        raise TypeError(f"trees must be a DraftTrees, got {type(trees).__name__}")
+    nn = trees.max_nodes
+    bound = L if max_len is None else max_len
+    if not isinstance(bound, int) or isinstance(bound, bool) or not 1 <= bound <= L:
+        raise ValueError(f"max_len must be an int in [1, ring length {L}], got {max_len!r}")
+    if nn > bound:
+        raise ValueError(f"trees have {nn} nodes, more than max_len = {bound}")
+    _checks.tensor("slots", slots, ndim=1, dtypes=_checks.INDEX_DTYPES)
+    _checks.shape("slots", slots, [trees.batch])
+    _checks.same_device(q, slots=slots, write_pos=write_pos, cache_base=cache_base, is_flush=is_flush)
+    sl = check_tree_cursors(trees, slots, write_pos, is_flush, L)
+    if n != trees.batch * nn:
+        raise ValueError(f"q must have trees.batch * trees.max_nodes = {trees.batch} * {nn} = {trees.batch * nn} rows, got {n}")
+
+    dtype = _checks.compute_dtype(q, k, v, checkpoint)
+    wp, base = write_pos.clone(), cache_base.clone()
+    for s in sl:
+        if s >= 0 and int(is_flush[s]) and int(wp[s]):
+            hist = [(int(base[s]) + c) & (L - 1) for c in range(int(wp[s]))]
+            S = replay_records(checkpoint[s].to(dtype), ring.k[s, hist], ring.v[s, hist], ring.g[s, hist], ring.beta[s, hist])
+            checkpoint[s] = S.to(checkpoint.dtype)
+        if s >= 0 and int(is_flush[s]):  # empty history, the window where it was
+            base[s], wp[s] = (int(base[s]) + int(wp[s])) & (L - 1), 0
+    o, U = gdn_tree_window_reference(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, wp, base, trees)
+    g_all, beta_all = gdn_gates(a, b, A_log, dt_bias)
+    for r, s in enumerate(sl):
+        if s < 0:
+            continue
+        for i in range(int(trees.num_nodes[r])):
+            row, pos = r * nn + i, (int(base[s]) + int(wp[s]) + i) & (L - 1)
+            ring.write(s, pos, k[row], v[row], g_all[row].to(dtype), beta_all[row].to(dtype))
+            ring_u[s, pos] = U[row].to(ring_u.dtype)
+    return o
+
+
+def gdn_tree_verify(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, write_pos, cache_base, is_flush,
+                    trees, *, max_len: int | None = None, backend: str = "auto") -> torch.Tensor:
+    """``circular``'s verify of draft trees: outputs ``o [B * N, HV, V]`` in closed form
+    with the ancestor mask, the nodes' records written after the history. Arguments,
+    shapes and results: :func:`gdn_tree_verify_reference`.
+
+    ``backend``: ``"reference"``, ``"triton"`` or ``"auto"``.
+    """
+    return pick("chunked_tree", backend, q)(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, write_pos,
+                                            cache_base, is_flush, trees, max_len=max_len)
+
+
 # --------------------------------------------------------------------------- Triton
 # Two launches per layer (three with the shape table's closed_form.fuse_flush = 0):
 #  1. The coefficients, one program per (window, key head's value heads): everything of
@@ -510,24 +622,33 @@ if triton is not None:
     @triton.jit
     def _coefficients_kernel(
         q_ptr, k_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, rk_ptr, rg_ptr, rb_ptr,
-        slots_ptr, cu_ptr, wp_ptr, base_ptr, flush_ptr, coef_ptr,
+        slots_ptr, cu_ptr, wp_ptr, base_ptr, flush_ptr, coef_ptr, anc_ptr, nodes_ptr,
         stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_a_tok, stride_b_tok,
         scale, eps,
         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, L: tl.constexpr, LOG_T: tl.constexpr, BT: tl.constexpr,
         BH: tl.constexpr, BK: tl.constexpr, VH: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        TREE: tl.constexpr = False, TN: tl.constexpr = 1,
     ):
         """Grid ``(windows, HV / VH)``: the coefficients ``coef [B, HV, 2 BX + BH, BX]`` (rows:
         C1, Z, D) of ``VH`` value heads of one key head (GQA: they share the normalised
         window and history keys, so the K pass runs once for all of them), and the
         window's gates and (once per key head) raw keys. Coordinates in the BX x BX space:
         a column c < BT is token j = c (its k^), a row is token i (k-row: A, q-row:
-        output)."""
+        output).
+
+        With ``TREE`` the window is a draft tree of ``TN`` nodes (DESIGN.md section 2,
+        "Trees"): tokens past ``nodes_ptr[i_b]`` are padded nodes (like tokens past the
+        window's end), and ``anc_ptr [B, TN]`` holds each node's ancestor-or-self set as
+        a bitmask, which replaces the causal mask in the gate sums and every masked
+        product. Off, the chain's code is unchanged."""
         i_b = tl.program_id(0)
         hv0 = tl.program_id(1) * VH  # the program's first value head; VH divides the group
         i_h = hv0 // (HV // H)
         slot = tl.load(slots_ptr + i_b).to(tl.int64)
         bos = tl.load(cu_ptr + i_b).to(tl.int64)
         length = tl.load(cu_ptr + i_b + 1).to(tl.int64) - bos
+        if TREE:
+            length = tl.minimum(length, tl.load(nodes_ptr + i_b).to(tl.int64))
         if (slot >= 0) & (length > 0):
             wp = tl.load(wp_ptr + slot).to(tl.int64)
             base = tl.load(base_ptr + slot).to(tl.int64)
@@ -557,18 +678,26 @@ if triton is not None:
             r_h = tl.where(hist, tl.div_rn(tl.full([BH], 1.0, tl.float32), tl.sqrt_rn(hh + eps)), 0.0)
             P = P * r_x[:, None] * r_x[None, :]  # x^_r . x^_c
             HX = HX * r_h[:, None] * r_x[None, :]  # k^_c . x^_r
-            pair = x_ok[:, None] & xk_ok[None, :] & (tok[None, :] <= tok[:, None])
+            if TREE:
+                # Row r's ancestor set (its token's), tested at column c's token: c's
+                # token is on r's root path (r's own included).
+                anc = tl.load(anc_ptr + i_b * TN + tok, mask=x_ok, other=0)
+                on_path = ((anc[:, None] >> tok[None, :]) & 1) != 0
+            else:
+                on_path = tok[None, :] <= tok[:, None]
+            pair = x_ok[:, None] & xk_ok[None, :] & on_path
             a_at = a_ptr + p_tok * stride_a_tok
             b_at = b_ptr + p_tok * stride_b_tok
             for j in tl.static_range(VH):
                 _head_coefficients(a_at, b_at, A_log_ptr, dt_bias_ptr, rg_ptr, rb_ptr, coef_ptr, i_b, hv0 + j,
-                                   P, HX, r_x, offs_x, is_k, is_q, tok, x_ok, xk_ok, xq_ok, eye, pair, offs_h, hist,
-                                   rec_h, rec_w, HV, LOG_T, BT, BH)
+                                   P, HX, r_x, offs_x, is_k, is_q, tok, x_ok, xk_ok, xq_ok, eye, pair, on_path, offs_h,
+                                   hist, rec_h, rec_w, HV, LOG_T, BT, BH, TREE)
 
     @triton.jit
     def _head_coefficients(a_at, b_at, A_log_ptr, dt_bias_ptr, rg_ptr, rb_ptr, coef_ptr, i_b, i_hv,
-                           P, HX, r_x, offs_x, is_k, is_q, tok, x_ok, xk_ok, xq_ok, eye, pair, offs_h, hist, rec_h, rec_w,
-                           HV: tl.constexpr, LOG_T: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr):
+                           P, HX, r_x, offs_x, is_k, is_q, tok, x_ok, xk_ok, xq_ok, eye, pair, on_path, offs_h, hist,
+                           rec_h, rec_w, HV: tl.constexpr, LOG_T: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
+                           TREE: tl.constexpr = False):
         """One value head's C1, Z, D (see the module notes) from its key head's normalised
         Gram matrix ``P`` and history products ``HX``; its window gates go to the ring."""
         BX: tl.constexpr = 2 * BT
@@ -587,7 +716,11 @@ if triton is not None:
         beta = tl.where(xk_ok, beta, 0.0)
         tl.store(rg_ptr + rec_w * HV + i_hv, g, mask=xk_ok)
         tl.store(rb_ptr + rec_w * HV + i_hv, beta, mask=xk_ok)
-        G = _tl_row_sum(tl.where(offs_x[None, :] <= tok[:, None], g[None, :], 0.0), 1)
+        if TREE:
+            # G_r = the sum of g over r's root path (g is zero off the key columns).
+            G = _tl_row_sum(tl.where(on_path, g[None, :], 0.0), 1)
+        else:
+            G = _tl_row_sum(tl.where(offs_x[None, :] <= tok[:, None], g[None, :], 0.0), 1)
         e_G = tl.exp(G)
 
         #   A_ij = beta_i exp(G_i - G_j) (k^_i . k^_j), j < i;   M_ij = exp(G_i - G_j) (q^_i . k^_j), j <= i
@@ -661,22 +794,28 @@ if triton is not None:
     @triton.jit
     def _window_outputs_kernel(
         q_ptr, k_ptr, v_ptr, ckpt_ptr, rk_ptr, rv_ptr, rg_ptr, rb_ptr, ru_ptr,
-        slots_ptr, cu_ptr, wp_ptr, base_ptr, flush_ptr, coef_ptr, o_ptr,
+        slots_ptr, cu_ptr, wp_ptr, base_ptr, flush_ptr, coef_ptr, o_ptr, nodes_ptr,
         stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, eps,
         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
         BT: tl.constexpr, BTC: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr, BV: tl.constexpr,
         DOT_PRECISION: tl.constexpr, COEF_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
-        FUSE_FLUSH: tl.constexpr, ROUND_STATE: tl.constexpr, AHEAD: tl.constexpr,
+        FUSE_FLUSH: tl.constexpr, ROUND_STATE: tl.constexpr, AHEAD: tl.constexpr, TREE: tl.constexpr = False,
     ):
         """Outputs and corrected deltas of V block ``i_v`` of a (window, value head), from
         its rows of the (folded) checkpoint and the coefficients. With ``FUSE_FLUSH`` a
         flush row folds its history here (:func:`_flushed_window_products`), so its
         checkpoint is read once for the fold and the window together; without it the
-        flush kernel has already run."""
+        flush kernel has already run. With ``TREE`` tokens past ``nodes_ptr[i_b]`` are a
+        tree's padded nodes: read by nothing, zero outputs, no records (the tree lives
+        in the coefficients)."""
         BX: tl.constexpr = 2 * BT
         i_v, i_b, i_hv, i_h, slot, bos, length = _tl_window_program(slots_ptr, cu_ptr, H, HV)
         offs_v = i_v * BV + tl.arange(0, BV)
         mask_v = offs_v < V
+        if TREE:
+            rows_ok = tl.arange(0, 2 * BT) % BT < length  # the window's rows, padded nodes included
+            if slot >= 0:
+                length = tl.minimum(length, tl.load(nodes_ptr + i_b).to(tl.int64))
         offs_x, is_k, is_q, tok, p_tok, x_ok, xk_ok, xq_ok = _window_rows(bos, length, BT)
         # o is a fresh contiguous [N, HV, V]; column r >= BT of a [BV, BX] block is token r - BT
         p_o = o_ptr + (p_tok[None, :] * HV + i_hv) * V + offs_v[:, None]
@@ -736,7 +875,12 @@ if triton is not None:
         out = tl.dot(SX, C1, input_precision=COEF_PRECISION)
         out = tl.dot(u_h, Z, out, input_precision=COEF_PRECISION)
         out = tl.dot(v_x.to(tl.float32), D, out, input_precision=COEF_PRECISION)  # U on key columns, o on query columns
-        tl.store(p_o, _tl_to_rtne(out, o_ptr.dtype.element_ty), mask=mask_v[:, None] & xq_ok[None, :])
+        if TREE:
+            # Padded nodes' rows get zeros.
+            tl.store(p_o, _tl_to_rtne(tl.where(xq_ok[None, :], out, 0.0), o_ptr.dtype.element_ty),
+                     mask=mask_v[:, None] & (is_q & rows_ok)[None, :])
+        else:
+            tl.store(p_o, _tl_to_rtne(out, o_ptr.dtype.element_ty), mask=mask_v[:, None] & xq_ok[None, :])
         rec = (rec_w[None, :] * HV + i_hv) * V + offs_v[:, None]
         tl.store(rv_ptr + rec, v_x.to(rv_ptr.dtype.element_ty), mask=vk_ok)
         tl.store(ru_ptr + rec, out, mask=vk_ok)
@@ -869,10 +1013,11 @@ def launch_flush(checkpoint, ring, slots, write_pos, cache_base, is_flush) -> No
 
 
 def launch_coefficients(q, k, a, b, A_log, dt_bias, checkpoint, ring, slots, cu_seqlens, write_pos, cache_base,
-                        is_flush, max_len: int) -> torch.Tensor:
+                        is_flush, max_len: int, tree: DeviceTrees | None = None) -> torch.Tensor:
     """Launch the closed form's coefficient kernel on validated arguments; return the
     coefficients ``[B, HV, 2 BX + BH, BX]`` (float32). It writes the window's raw keys
-    and gates to the ring."""
+    and gates to the ring. With ``tree`` the windows are those draft trees (the
+    kernel's ``TREE``)."""
     h, kd = q.shape[1], q.shape[2]
     _, hv, vd, _ = checkpoint.shape
     batch = slots.shape[0]
@@ -885,16 +1030,18 @@ def launch_coefficients(q, k, a, b, A_log, dt_bias, checkpoint, ring, slots, cu_
     _coefficients_kernel[(batch, hv // vh)](
         q, k, a, b, A_log, dt_bias, ring.k, ring.g, ring.beta,
         slots, cu_seqlens, write_pos, cache_base, is_flush, coef,
+        slots if tree is None else tree.ancestor_bits, slots if tree is None else tree.num_nodes,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), a.stride(0), b.stride(0),
         kd**-0.5, NORM_EPS,
         H=h, HV=hv, K=kd, L=ring.ring_len, LOG_T=max(1, (max_len - 1).bit_length()), BT=bt, BH=bh,
-        BK=exact_block_k(kd), VH=vh, DOT_PRECISION=product_precision(q.dtype), num_warps=cfg["coef_warps"],
+        BK=exact_block_k(kd), VH=vh, DOT_PRECISION=product_precision(q.dtype),
+        TREE=tree is not None, TN=1 if tree is None else tree.parents.shape[1], num_warps=cfg["coef_warps"],
     )
     return coef
 
 
 def launch_window_outputs(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos, cache_base, is_flush, coef,
-                          o, max_len: int, *, fuse_flush: bool | None = None) -> None:
+                          o, max_len: int, *, fuse_flush: bool | None = None, tree: DeviceTrees | None = None) -> None:
     """Launch the closed form's outputs kernel (outputs and corrected deltas from the
     checkpoint and ``coef``) on validated arguments; ``fuse_flush``: whether it folds the
     flush rows itself (default: :func:`fuses_flush`)."""
@@ -909,12 +1056,13 @@ def launch_window_outputs(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, 
     fuse = fuses_flush(kd, vd, checkpoint.dtype, batch, q.device) if fuse_flush is None else fuse_flush
     _window_outputs_kernel[(triton.cdiv(vd, bv), batch, hv)](
         q, k, v, checkpoint, ring.k, ring.v, ring.g, ring.beta, ring_u,
-        slots, cu_seqlens, write_pos, cache_base, is_flush, coef, o,
+        slots, cu_seqlens, write_pos, cache_base, is_flush, coef, o, slots if tree is None else tree.num_nodes,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), NORM_EPS,
         H=h, HV=hv, K=kd, V=vd, L=ring.ring_len, BT=bt, BTC=_coefficient_block(max_len), BH=bh, BK=bk,
         KC=max(16, min(cfg["k_chunk"], bk)), BV=bv,
         DOT_PRECISION=product_precision(q.dtype), COEF_PRECISION=coef_precision, NUM_STAGES=cfg["num_stages"],
         FUSE_FLUSH=fuse, ROUND_STATE=checkpoint.dtype != torch.float32, AHEAD=cfg["flush_records_ahead"],
+        TREE=tree is not None,
         # A fused flush is an exact replay: the exact kernels' warps (their layout
         # decides the bits of every row sum).
         num_warps=EXACT_NUM_WARPS if fuse else cfg["num_warps"],
@@ -946,16 +1094,16 @@ def _coefficient_block(max_len: int) -> int:
 
 
 def launch_closed_form(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos,
-                       cache_base, is_flush, o, max_len: int) -> None:
+                       cache_base, is_flush, o, max_len: int, tree: DeviceTrees | None = None) -> None:
     """Launch the closed form (flush unless the outputs kernel fuses it, coefficients,
-    outputs) on validated arguments."""
+    outputs) on validated arguments; ``tree``: the windows are these draft trees."""
     fuse = fuses_flush(q.shape[2], v.shape[2], checkpoint.dtype, slots.shape[0], q.device)
     if not fuse:
         launch_flush(checkpoint, ring, slots, write_pos, cache_base, is_flush)
     coef = launch_coefficients(q, k, a, b, A_log, dt_bias, checkpoint, ring, slots, cu_seqlens, write_pos, cache_base,
-                               is_flush, max_len)
+                               is_flush, max_len, tree=tree)
     launch_window_outputs(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos, cache_base, is_flush, coef,
-                          o, max_len, fuse_flush=fuse)
+                          o, max_len, fuse_flush=fuse, tree=tree)
 
 
 def launch_replay_window(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos,
@@ -1063,4 +1211,60 @@ def gdn_chunked_window_triton(
         return o
     launch_closed_form(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos,
                        cache_base, is_flush, o, max_len)
+    return o
+
+
+_TREE_CU: dict = {}
+
+
+def tree_cu_seqlens(batch: int, nodes: int, device) -> torch.Tensor:
+    """``cu_seqlens`` of ``batch`` windows of ``nodes`` tokens on ``device`` (int32), kept
+    per shape: a tree step's packing, with its host values recorded for the guards."""
+    key = (batch, nodes, torch.device(device))
+    cu = _TREE_CU.get(key)
+    if cu is None:
+        cu = _TREE_CU[key] = guards.host_index([i * nodes for i in range(batch + 1)], device)
+    return cu
+
+
+@register("chunked_tree", "triton")
+def gdn_tree_verify_triton(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, write_pos, cache_base,
+                           is_flush, trees, *, max_len: int | None = None) -> torch.Tensor:
+    """Triton version of :func:`gdn_tree_verify_reference` (same arguments and results):
+    the closed form's kernels with ``TREE`` on (the ancestor mask from the trees'
+    bitmasks, on the device). Limits as :func:`gdn_chunked_window_triton`'s (``max_len``
+    required, at most :data:`MAX_WINDOW_TRITON`); the flush is the same fold. The
+    small-batch ``"replay"`` method has no tree form: trees always take the closed form,
+    whose committed states are the same."""
+    if not isinstance(trees, DraftTrees):
+        raise TypeError(f"trees must be a DraftTrees, got {type(trees).__name__}")
+    if not isinstance(slots, torch.Tensor) or slots.dim() != 1 or slots.shape[0] != trees.batch:
+        raise ValueError(f"slots must be a [trees.batch = {trees.batch}] tensor")
+    if max_len is None:
+        raise ValueError("max_len is required by the triton backend: pass the pool's window")
+    if trees.max_nodes > max_len:
+        raise ValueError(f"trees have {trees.max_nodes} nodes, more than max_len = {max_len}")
+    cu = tree_cu_seqlens(trees.batch, trees.max_nodes, q.device)
+    slots, cu = guards.check_window_call(q, checkpoint, ring, slots, cu, write_pos, cache_base, max_len)
+    check_max_len(max_len)
+    if max_len > MAX_WINDOW_TRITON:
+        raise ValueError(f"max_len must be at most {MAX_WINDOW_TRITON} for the triton backend, got {max_len}")
+    n, ns, L = check_window_args(
+        q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu, write_pos, cache_base, is_flush,
+        max_len, state_dtypes=STATE_DTYPES_TRITON, u_dtypes=(torch.float32,),
+    )
+    for name, x in (("q", q), ("k", k), ("v", v), ("a", a), ("b", b)):
+        _checks.tensor(name, x, dtypes=ACT_DTYPES_TRITON)
+    for name in ("g", "beta"):
+        _checks.tensor(f"ring.{name}", getattr(ring, name), dtypes=(torch.float32,))
+    check_inner_contiguous(q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias)
+    _checks.contiguous(
+        checkpoint=checkpoint, ring_u=ring_u, write_pos=write_pos, cache_base=cache_base, is_flush=is_flush,
+        **{f"ring.{f}": getattr(ring, f) for f in ring._fields},
+    )
+    o = torch.empty(n, v.shape[1], v.shape[2], dtype=v.dtype, device=v.device)
+    if slots.shape[0] == 0:
+        return o
+    launch_closed_form(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu, write_pos, cache_base,
+                       is_flush, o, max_len, tree=trees.on(q.device))
     return o

@@ -18,7 +18,7 @@ import torch
 
 from . import _checks, guards
 from .dispatch import pick, register
-from .records import check_varlen
+from .records import check_varlen, slots_error
 from .recurrent import check_index_pair, check_inner_contiguous, check_max_len, window_bound
 
 
@@ -175,6 +175,101 @@ def causal_conv_commit(
     fallback).
     """
     return pick("conv_commit", backend, conv_state)(conv_state, window_buf, slots, accepted)
+
+
+def tree_conv_sources(trees, w: int) -> list[list[list[int]]]:
+    """Per request and real node, the ``W`` inputs its conv taps read, oldest first: the
+    node's root path preceded by the conv state. Entry ``e >= 0`` is node ``e`` of the
+    window; ``e < 0`` is conv state entry ``W - 1 + e`` (``-1``: the newest)."""
+    out = []
+    for r in range(trees.batch):
+        parents, rows = trees.parents[r].tolist(), []
+        for i in range(int(trees.num_nodes[r])):
+            chain = [i]
+            while len(chain) < w and parents[chain[-1]] >= 0:
+                chain.append(parents[chain[-1]])
+            chain = chain[::-1]
+            rows.append(list(range(-(w - len(chain)), 0)) + chain)
+        out.append(rows)
+    return out
+
+
+@register("conv_verify_tree", "reference")
+def causal_conv_verify_tree_reference(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    slots: torch.Tensor,
+    trees,
+    *,
+    window_buf: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal depthwise conv + SiLU over draft trees: each node's window is its own root
+    path, preceded by the request's conv state:
+
+        y_i = silu(bias + sum_j w[:, j] x_{a_{W-1-j}(i)})
+
+    where ``a_0(i) = i``, ``a_{d+1}(i)`` is the parent of ``a_d(i)``, and past the root
+    the conv state's entries, newest first. A chain's node windows are a window's
+    causal taps, the same products in the same order.
+
+    Args:
+        x: ``[B * N, C]`` pre-conv channels, node ``i`` of request ``r`` at row ``r * N + i``.
+        conv_state: ``[num_slots, C, W - 1]`` (read only).
+        weight: ``[C, W]``; bias: ``[C]`` or ``None``.
+        slots: ``[B]`` slot per request, ``-1`` for padding.
+        trees: the requests' :class:`~replayssm.ops.trees.DraftTrees`.
+        window_buf: optional ``[num_slots, T, C]``, ``T >= N``: the nodes' inputs, node
+            ``i`` at position ``i`` (for the commit, which shifts in the accepted path).
+
+    Returns:
+        ``y``: ``[B * N, C]`` in the dtype of ``x``; padded nodes and padding requests
+        give zeros.
+    """
+    from .tree_ops import check_tree_rows
+
+    n, c, w = check_conv_args(x, conv_state, weight, bias)
+    ns = conv_state.shape[0]
+    nb, nn = check_tree_rows(n, trees, slots)
+    if window_buf is not None:
+        _checks.tensor("window_buf", window_buf, ndim=3, dtypes=_checks.FLOAT_DTYPES)
+        _checks.shape("window_buf", window_buf, [ns, None, c])
+        _checks.same_device(x, window_buf=window_buf)
+        if window_buf.shape[1] < nn:
+            raise ValueError(f"window_buf holds {window_buf.shape[1]} inputs per slot, the trees have {nn} nodes")
+    _checks.same_device(x, slots=slots)
+    sl = slots.tolist()
+    error = slots_error(sl, ns, unique=True)
+    if error:
+        raise ValueError(error)
+    dtype = _checks.compute_dtype(x, weight)
+    wt = weight.to(dtype)
+    y = torch.zeros_like(x)
+    for r, (s, nodes) in enumerate(zip(sl, tree_conv_sources(trees, w))):
+        if s < 0:
+            continue
+        bos = r * nn
+        state = conv_state[s].to(dtype).T  # [W - 1, C], oldest first
+        for i, src in enumerate(nodes):
+            acc = torch.zeros(c, dtype=dtype, device=x.device)
+            if bias is not None:
+                acc = acc + bias.to(dtype)
+            for j, e in enumerate(src):
+                acc = acc + wt[:, j] * (x[bos + e].to(dtype) if e >= 0 else state[w - 1 + e])
+            y[bos + i] = torch.nn.functional.silu(acc).to(y.dtype)
+        if window_buf is not None:
+            window_buf[s, : len(nodes)] = x[bos : bos + len(nodes)]
+    return y
+
+
+def causal_conv_verify_tree(x, conv_state, weight, bias, slots, trees, *, window_buf=None, backend: str = "auto"):
+    """The causal conv over draft trees (each node's taps along its root path), ``x [B * N,
+    C] -> [B * N, C]``. Arguments, shapes and results: :func:`causal_conv_verify_tree_reference`.
+
+    ``backend``: ``"reference"``, ``"triton"`` or ``"auto"``.
+    """
+    return pick("conv_verify_tree", backend, x)(x, conv_state, weight, bias, slots, trees, window_buf=window_buf)
 
 
 # ---------------------------------------------------------------------------- Triton

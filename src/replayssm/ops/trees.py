@@ -16,7 +16,7 @@ live on the CPU and may be moved to a device by the caller.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -27,6 +27,31 @@ def _positive_int(name: str, value) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     return value
+
+
+#: Most nodes a tree may have when its ancestor sets travel as int32 bitmasks
+#: (:meth:`DraftTrees.ancestor_bits`); the Triton tree kernels take at most 16.
+MAX_TREE_NODES = 31
+
+
+class DeviceTrees(NamedTuple):
+    """A :class:`DraftTrees` on a device, as the tree kernels and commits read it.
+
+    Attributes:
+        parents: ``[B, N]`` int32 (``-1`` for the root and padded nodes).
+        num_nodes: ``[B]`` int32.
+        depth: ``[B, N]`` int32 (``-1`` for padded nodes).
+        ancestor_bits: ``[B, N]`` int32, bit ``j`` of ``[b, i]`` set iff node ``j`` is on
+            the root path of node ``i`` (``i`` included); 0 for padded nodes.
+        dfs_order: ``[B, N]`` int32, the real nodes in depth-first preorder (children in
+            index order), then the padded nodes.
+    """
+
+    parents: torch.Tensor
+    num_nodes: torch.Tensor
+    depth: torch.Tensor
+    ancestor_bits: torch.Tensor
+    dfs_order: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -62,9 +87,12 @@ class DraftTrees:
                     raise ValueError(f"parents[{r}, {i}] = {row[i]} must lie in [0, {i}) (topological order)")
                 if i >= count and row[i] != -1:
                     raise ValueError(f"parents[{r}, {i}] = {row[i]}: padded node (num_nodes {count}) must have parent -1")
+        if n > MAX_TREE_NODES:
+            raise ValueError(f"parents has {n} nodes per tree, at most {MAX_TREE_NODES} are supported")
         # Frozen dataclass: normalise dtype and device once, on the host.
         object.__setattr__(self, "parents", self.parents.to("cpu", torch.int64))
         object.__setattr__(self, "num_nodes", self.num_nodes.to("cpu", torch.int64))
+        object.__setattr__(self, "_on_device", {})
 
     # -- constructors -------------------------------------------------------------------
 
@@ -156,3 +184,71 @@ class DraftTrees:
         while parents[out[-1]] >= 0:
             out.append(parents[out[-1]])
         return out[::-1]
+
+    @property
+    def is_chain(self) -> bool:
+        """Whether every request's tree is a chain of all ``N`` nodes (parents ``i - 1``,
+        no padding): the window of today's verify, which such trees go through."""
+        full = bool((self.num_nodes == self.max_nodes).all())
+        return full and bool((self.parents[:, 1:] == torch.arange(self.max_nodes - 1)[None, :]).all())
+
+    def ancestor_bits(self) -> torch.Tensor:
+        """``[B, N]`` int64: :meth:`ancestors` as bitmasks, bit ``j`` of ``[b, i]`` set iff
+        node ``j`` lies on the root path of node ``i``."""
+        weights = torch.tensor([1 << j for j in range(self.max_nodes)], dtype=torch.int64)
+        return (self.ancestors().to(torch.int64) * weights).sum(-1)
+
+    def dfs_order(self) -> torch.Tensor:
+        """``[B, N]`` int64: each request's real nodes in depth-first preorder (children
+        in index order, so a chain keeps its order), then its padded nodes in order.
+        Along this order every node's parent is on the current root path: a kernel can
+        keep that path's states in a stack indexed by depth."""
+        rows = []
+        for parents, count in zip(self.parents.tolist(), self.num_nodes.tolist()):
+            children = [[] for _ in range(count)]
+            for i in range(1, count):
+                children[parents[i]].append(i)
+            order, todo = [], [0]
+            while todo:
+                i = todo.pop()
+                order.append(i)
+                todo.extend(reversed(children[i]))
+            rows.append(order + list(range(count, self.max_nodes)))
+        return torch.tensor(rows, dtype=torch.int64).reshape(self.batch, self.max_nodes)
+
+    def on(self, device) -> DeviceTrees:
+        """The trees' tensors on ``device`` (:class:`DeviceTrees`), built once per device
+        and kept: a static tree shape uploads once, and a CUDA graph that captured a step
+        keeps reading the same tensors."""
+        device = torch.device(device)
+        cached = self._on_device.get(device)
+        if cached is None:
+            host = (self.parents, self.num_nodes, self.depth, self.ancestor_bits(), self.dfs_order())
+            cached = DeviceTrees(*(t.to(device=device, dtype=torch.int32) for t in host))
+            self._on_device[device] = cached
+        return cached
+
+
+def accepted_paths(trees: DeviceTrees, accepted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The root paths of the accepted nodes, by tensor ops (no host read).
+
+    Args:
+        trees: the step's trees on the device (:meth:`DraftTrees.on`).
+        accepted: ``[B]`` integer, the accepted (deepest) node per request, valid
+            (``0 <= accepted[b] < num_nodes[b]``; the caller clamps device values).
+
+    Returns:
+        ``(path, count)``: ``path`` ``[B, N]`` int32, ``path[b, d]`` the node at depth
+        ``d`` of that root path for ``d < count[b]`` (increasing: topological order),
+        then ``N - 1``; ``count`` ``[B]`` int32, the path's length, ``depth + 1`` tokens.
+    """
+    n = trees.parents.shape[1]
+    idx = accepted.to(torch.int64).clamp(0, n - 1)[:, None]
+    bits = trees.ancestor_bits.gather(1, idx)  # [B, 1]
+    nodes = torch.arange(n, device=bits.device, dtype=torch.int32)
+    on_path = ((bits >> nodes[None, :]) & 1) != 0
+    # Path nodes keep their order and come first; the rest sort after them.
+    key = torch.where(on_path, nodes[None, :], nodes[None, :] + n)
+    path = torch.sort(key, dim=1).values
+    path = torch.where(path < n, path, torch.full_like(path, n - 1)).to(torch.int32)
+    return path, on_path.sum(1).to(torch.int32)

@@ -11,6 +11,11 @@ also decode plainly through it: a step of ``conv_verify`` and :meth:`Strategy.de
 (one token per request) in every layer, then ``commit(batch)``; such steps mix freely
 with speculative ones on the same requests.
 
+Draft trees (DESIGN.md sections 2 and 3): a tree step is the same step with
+:meth:`Strategy.conv_verify_tree` / :meth:`Strategy.verify_tree` in every layer and one
+:meth:`Strategy.commit_tree` with the accepted node per request; the committed state
+advances along that node's root path only.
+
 Strategies build on :mod:`replayssm.state` (never the other way round): each declares
 its buffers as :class:`~replayssm.state.BufferSpec` values and reads them back through
 a frozen dataclass view (:class:`StrategyBuffers`), so buffers are typed attributes
@@ -25,9 +30,11 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import torch
 
 from ..ops import _checks, guards
-from ..ops.conv import causal_conv_commit, causal_conv_verify
+from ..ops.conv import causal_conv_commit, causal_conv_verify, causal_conv_verify_tree
 from ..ops.gates import expand_heads, gdn_gates
 from ..ops.recurrent import check_layer_inputs, gdn_recurrence
+from ..ops.tree_ops import compact_path
+from ..ops.trees import DeviceTrees, DraftTrees, accepted_paths
 from ..state.batch import Batch
 from ..state.layout import BufferSpec, StepProtocolError
 
@@ -93,6 +100,7 @@ class Strategy:
         self.pool = pool
         self.buf = self.Buffers.from_pool(pool)
         self._step_batch: Batch | None = None
+        self._step_trees: DraftTrees | None = None  # the open step's trees (None: a chain step)
         self._verified: set[int] = set()
         self._conv_verified: set[int] = set()
         self._checked_inputs: tuple | None = None  # see _check_inputs
@@ -141,16 +149,28 @@ class Strategy:
             if busy:
                 raise StepProtocolError(f"slots {busy} belong to the open step: commit or abort it first")
 
-    def _open_step(self, batch: Batch) -> None:
+    def _open_step(self, batch: Batch, trees: DraftTrees | None = None) -> None:
         """Called by a step's first verify / conv_verify after validation, before any
         write: from here until commit / abort the pool guards the batch's slots."""
         if self._step_batch is None:
             self.pool.check_errors(wait=False)
             self.pool.open_step(batch)
             self._step_batch = batch
+            self._step_trees = trees
+
+    def _check_step_kind(self, trees: DraftTrees | None) -> None:
+        """Every layer of a step verifies the same way: all chains, or all the same trees."""
+        if self._step_batch is None or trees is self._step_trees:
+            return
+        if trees is None:
+            raise StepProtocolError("this step verifies draft trees: use verify_tree / conv_verify_tree / commit_tree")
+        if self._step_trees is None:
+            raise StepProtocolError("this step verifies chains: use verify / conv_verify / commit, or commit first")
+        raise StepProtocolError("every layer of a tree step must use the same DraftTrees object")
 
     def _close_step(self) -> None:
         self._step_batch = None
+        self._step_trees = None
         self._verified.clear()
         self._conv_verified.clear()
         self.pool.close_step()
@@ -204,6 +224,7 @@ class Strategy:
         state advances only at :meth:`commit`."""
         self._check_batch(batch, step=True)
         self._check_conv_input(layer, x)
+        self._check_step_kind(None)
         if layer in self._conv_verified:
             raise StepProtocolError(f"layer {layer}'s conv was already verified this step; commit first")
         p = self.pool.layer_params(layer)
@@ -240,6 +261,7 @@ class Strategy:
         """
         self._check_batch(batch, step=True)
         self._check_inputs(layer, q, k, v, a, b, batch)
+        self._check_step_kind(None)
         if layer in self._verified:
             raise StepProtocolError(f"layer {layer} was already verified this step; commit first")
         A_log, dt_bias = self._gates(layer)
@@ -247,6 +269,143 @@ class Strategy:
         o = self._verify(layer, q, k, v, a, b, A_log, dt_bias, batch)
         self._verified.add(layer)
         return o
+
+    # ------------------------------------------------------------------ trees
+    def _check_trees(self, batch: Batch, trees) -> None:
+        """A tree step's batch: one request per tree, every window ``N = trees.max_nodes``
+        tokens (node ``i`` of request ``b`` at row ``b * N + i``), ``N <= window``."""
+        if not isinstance(trees, DraftTrees):
+            raise TypeError(f"trees must be a DraftTrees, got {type(trees).__name__}")
+        if trees.batch != batch.size:
+            raise ValueError(f"trees.batch = {trees.batch} must equal the batch's {batch.size} requests")
+        nn = trees.max_nodes
+        if any(n != nn for n in batch.lengths):
+            raise ValueError(
+                f"batch: every window of a tree step must hold trees.max_nodes = {nn} tokens (node i of request b at "
+                f"row b * {nn} + i; padded nodes included), got {sorted(set(batch.lengths))}"
+            )
+        self._check_step_kind(trees)
+
+    def conv_verify_tree(self, layer: int, x: torch.Tensor, batch: Batch, trees: DraftTrees) -> torch.Tensor:
+        """The layer's causal conv over draft trees, ``x [B * N, C] -> [B * N, C]``: each
+        node's taps read its own root path, then the conv state before the root. The
+        conv state advances only at :meth:`commit_tree` (by the accepted path).
+
+        Args:
+            layer: GDN layer index.
+            x: ``[B * N, C]`` pre-conv channels, node ``i`` of request ``b`` at row
+                ``b * N + i`` (``N = trees.max_nodes``); padded nodes' rows are read by
+                nothing and give zeros.
+            batch: the step's :class:`Batch`, every window ``N`` tokens.
+            trees: the step's :class:`~replayssm.ops.trees.DraftTrees` (the same object in
+                every layer of the step).
+
+        A chain-shaped tree (:attr:`DraftTrees.is_chain`) runs :meth:`conv_verify`'s op.
+        """
+        self._check_batch(batch, step=True)
+        self._check_conv_input(layer, x)
+        self._check_trees(batch, trees)
+        if layer in self._conv_verified:
+            raise StepProtocolError(f"layer {layer}'s conv was already verified this step; commit first")
+        p = self.pool.layer_params(layer)
+        self._open_step(batch, trees)
+        if trees.is_chain:
+            y = causal_conv_verify(
+                x, self.pool.conv_state[layer], p["conv_weight"], p["conv_bias"], batch.slots, batch.cu_seqlens,
+                window_buf=self.pool.conv_window[layer], backend=self.pool.backend,
+            )
+        else:
+            y = causal_conv_verify_tree(
+                x, self.pool.conv_state[layer], p["conv_weight"], p["conv_bias"], batch.slots, trees,
+                window_buf=self.pool.conv_window[layer], backend=self.pool.backend,
+            )
+        self._conv_verified.add(layer)
+        return y
+
+    def verify_tree(self, layer: int, q, k, v, a, b, batch: Batch, trees: DraftTrees) -> torch.Tensor:
+        """Outputs of every node of the requests' draft trees, without changing the
+        committed state: node ``i``'s output is the recurrence's along its root path
+        (DESIGN.md section 2, "Trees").
+
+        Args:
+            layer: GDN layer index.
+            q, k: ``[B * N, H, K]`` post-conv; v: ``[B * N, HV, V]``; a, b: ``[B * N, HV]``;
+                node ``i`` of request ``b`` at row ``b * N + i``, ``N = trees.max_nodes``.
+                Padded nodes (``i >= trees.num_nodes[b]``) are on no path: their inputs
+                are read by nothing (they may hold anything) and their outputs are zero.
+            batch: the step's :class:`Batch`: ``B`` requests, every window ``N`` tokens
+                (so step shapes stay static), ``N <= window``.
+            trees: the step's :class:`~replayssm.ops.trees.DraftTrees`, the same object in
+                every layer of the step.
+
+        Returns:
+            ``o``: ``[B * N, HV, V]`` in the dtype of ``v``.
+
+        A chain-shaped tree (:attr:`DraftTrees.is_chain`: parents ``i - 1``, no padding)
+        runs :meth:`verify`'s kernels, bit for bit.
+        """
+        self._check_batch(batch, step=True)
+        self._check_inputs(layer, q, k, v, a, b, batch)
+        self._check_trees(batch, trees)
+        if layer in self._verified:
+            raise StepProtocolError(f"layer {layer} was already verified this step; commit first")
+        A_log, dt_bias = self._gates(layer)
+        self._open_step(batch, trees)
+        if trees.is_chain:
+            o = self._verify(layer, q, k, v, a, b, A_log, dt_bias, batch)
+        else:
+            o = self._verify_tree(layer, q, k, v, a, b, A_log, dt_bias, batch, trees)
+        self._verified.add(layer)
+        return o
+
+    def commit_tree(self, batch: Batch, trees: DraftTrees, accepted) -> None:
+        """Keep the root path of each request's accepted node, for all layers.
+
+        Args:
+            batch: the batch every layer verified this step.
+            trees: the step's trees (the object every layer verified with).
+            accepted: ``[B]`` the deepest accepted node per request (the last node whose
+                root path the target accepted; the bonus token comes next step), ``0 <=
+                accepted[b] < trees.num_nodes[b]`` for live rows, ignored for padding
+                rows. Its root path, ``depth + 1`` tokens, is committed. A host value
+                (a sequence, a CPU tensor) is checked on the host: a bad node raises
+                before anything changes. A tensor on an accelerator is not read: a bad
+                node is clamped into range and raises the error flag (as for
+                :meth:`commit`), so the commit can run inside a CUDA graph.
+        """
+        self._check_batch(batch, step=True)
+        self.pool.check_errors(wait=False)
+        if self._step_batch is None or trees is not self._step_trees:
+            raise StepProtocolError("commit_tree needs a step verified with these trees (verify_tree in every layer)")
+        self._check_all_verified()
+        node = self._check_accepted_nodes(batch, trees, accepted)
+        if trees.is_chain:  # the chain's commit: node i is i + 1 tokens
+            self._commit_counts(batch, node + 1)
+            return
+        dev = trees.on(self.pool.device)
+        path, count = accepted_paths(dev, node)
+        if self._conv_verified:
+            compact_path([self.pool.conv_window], batch.slots, path, count, backend=self.pool.backend)
+            causal_conv_commit(self.pool.conv_state, self.pool.conv_window, batch.slots, count, backend=self.pool.backend)
+        self._commit_tree_states(batch, dev, node, path, count)
+        self._close_step()
+
+    def _check_accepted_nodes(self, batch: Batch, trees: DraftTrees, accepted) -> torch.Tensor:
+        """``accepted`` nodes as int32 on the pool's device (see :meth:`commit_tree`)."""
+        if not isinstance(accepted, torch.Tensor):
+            accepted = torch.tensor([int(n) for n in accepted], dtype=torch.int32)
+        _checks.tensor("accepted", accepted, ndim=1, dtypes=_checks.INDEX_DTYPES)
+        _checks.shape("accepted", accepted, [batch.size])
+        if accepted.device.type != "cpu" or batch.slots.device.type == "cpu":
+            _checks.same_device(batch.slots, accepted=accepted)
+        if accepted.device.type != "cpu":
+            counts = trees.on(accepted.device).num_nodes
+            return guards.clamp_accepted(batch.slots, accepted.to(torch.int32) + 1, counts) - 1
+        slots = batch.host_slots if batch.host_slots is not None else batch.slots.tolist()
+        for i, (s, node, m) in enumerate(zip(slots, accepted.tolist(), trees.num_nodes.tolist())):
+            if s >= 0 and not 0 <= node < m:
+                raise ValueError(f"accepted[{i}] = {node} must be a node in [0, {m}) (trees.num_nodes[{i}])")
+        return accepted.to(device=self.pool.device, dtype=torch.int32)
 
     def decode(self, layer: int, q, k, v, a, b, batch: Batch) -> torch.Tensor:
         """Plain decoding of one token per request through the ring (strategies with
@@ -288,13 +447,22 @@ class Strategy:
         """
         self._check_batch(batch, step=True)
         self.pool.check_errors(wait=False)
+        if self._step_trees is not None:
+            raise StepProtocolError("this step verified draft trees: commit it with commit_tree")
+        self._check_all_verified()
+        # Whole windows need no check: the batch's lengths were validated when it was built.
+        accepted = batch.device_lengths if accepted is None else self._check_accepted(batch, accepted)
+        self._commit_counts(batch, accepted)
+
+    def _check_all_verified(self) -> None:
         if self._step_batch is None or self._verified != set(range(self.pool.num_layers)):
             missing = sorted(set(range(self.pool.num_layers)) - self._verified)
             raise StepProtocolError(f"commit needs every layer verified first; missing layers {missing}")
         if self._conv_verified and self._conv_verified != self._verified:
             raise StepProtocolError("conv_verify ran for some layers but not all")
-        # Whole windows need no check: the batch's lengths were validated when it was built.
-        accepted = batch.device_lengths if accepted is None else self._check_accepted(batch, accepted)
+
+    def _commit_counts(self, batch: Batch, accepted: torch.Tensor) -> None:
+        """Commit the first ``accepted`` (checked, on the device) tokens of every window."""
         if self._conv_verified:
             causal_conv_commit(self.pool.conv_state, self.pool.conv_window, batch.slots, accepted, backend=self.pool.backend)
         self._commit_states(batch, accepted)
@@ -526,6 +694,17 @@ class Strategy:
         raise NotImplementedError
 
     def _commit_states(self, batch: Batch, accepted: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _verify_tree(self, layer, q, k, v, a, b, A_log, dt_bias, batch: Batch, trees: DraftTrees) -> torch.Tensor:
+        """Tree verify of a tree that is not a chain (validated; the step is open)."""
+        raise NotImplementedError
+
+    def _commit_tree_states(self, batch: Batch, trees: DeviceTrees, accepted: torch.Tensor, path: torch.Tensor,
+                            count: torch.Tensor) -> None:
+        """Commit the accepted root paths: ``accepted [B]`` nodes (checked), ``path [B, N]``
+        and ``count [B]`` from :func:`~replayssm.ops.trees.accepted_paths`, all on the
+        pool's device."""
         raise NotImplementedError
 
     def _abort_states(self, batch: Batch) -> None:

@@ -38,9 +38,10 @@ from dataclasses import dataclass
 import torch
 
 from ..ops import _checks, guards
-from ..ops.chunked import MAX_WINDOW_TRITON, gdn_chunked_window, replays_window
+from ..ops.chunked import MAX_WINDOW_TRITON, gdn_chunked_window, gdn_tree_verify, replays_window
 from ..ops.cursors import advance_cursors
 from ..ops.fold import gdn_fold
+from ..ops.tree_ops import compact_path
 from ..state.layout import BufferSpec, StepProtocolError
 from .base import Strategy
 from .fold import RecordBuffers, gate_dtype, record_specs
@@ -154,6 +155,30 @@ class CircularStrategy(Strategy):
             buf.write_pos, buf.cache_base, buf.is_flush, batch.slots, accepted,
             self.pool.window, self.pool.ring_len, flush_every=self._small_batch(batch), backend=self.pool.backend,
         )
+
+    def _verify_tree(self, layer, q, k, v, a, b, A_log, dt_bias, batch, trees):
+        """The closed form with the trees' ancestor mask (ops/chunked.py
+        :func:`~replayssm.ops.chunked.gdn_tree_verify`): flush rows fold first, as for a
+        chain; node ``i``'s record goes where a window's token ``i`` would."""
+        buf = self.buf
+        return gdn_tree_verify(
+            q, k, v, a, b, A_log, dt_bias, self.pool.checkpoints[layer], buf.layer(layer), buf.ring_u[layer],
+            batch.slots, buf.write_pos, buf.cache_base, buf.is_flush, trees, max_len=self.pool.window,
+            backend=self.pool.backend,
+        )
+
+    def _commit_tree_states(self, batch, trees, accepted, path, count):
+        """Gather the accepted path's records (every layer, raw records and ``u``) from
+        their window positions into consecutive ring positions after the history, then
+        move the cursors by the path's length: the ring then holds what a chain step of
+        those tokens would have left (the same records, so the same committed state)."""
+        buf = self.buf
+        # The window starts at cache_base + write_pos, for flush rows too (their verify
+        # folded the history but left the cursors to the commit).
+        start = (buf.cache_base + buf.write_pos) & (self.pool.ring_len - 1)
+        compact_path([buf.ring_k, buf.ring_v, buf.ring_g, buf.ring_beta, buf.ring_u], batch.slots, path, count, start,
+                     backend=self.pool.backend)
+        self._commit_states(batch, count)
 
     def _small_batch(self, batch) -> bool:
         """Whether a step of this many rows runs the small-batch path: verify replays the

@@ -17,6 +17,7 @@ import torch
 from ..ops.fold import gdn_fold
 from ..ops.records import RawRecords
 from ..ops.recurrent import gdn_recurrence
+from ..ops.tree_ops import compact_path, gdn_tree_recurrence
 from ..state.layout import BufferSpec
 from .base import Strategy, StrategyBuffers
 
@@ -101,3 +102,18 @@ class FoldStrategy(Strategy):
             self.pool.checkpoints, *self.buf.all_layers(),
             batch.slots, torch.zeros_like(accepted), accepted, backend=self.pool.backend,
         )
+
+    def _verify_tree(self, layer, q, k, v, a, b, A_log, dt_bias, batch, trees):
+        """Each node by the exact step from its parent's state (:func:`~replayssm.ops.
+        tree_ops.gdn_tree_recurrence`), no state written; node ``i``'s raw record at ring
+        position ``i``."""
+        return gdn_tree_recurrence(
+            q, k, v, a, b, A_log, dt_bias, self.pool.checkpoints[layer], batch.slots, trees,
+            records=self.buf.layer(layer), backend=self.pool.backend,
+        )
+
+    def _commit_tree_states(self, batch, trees, accepted, path, count):
+        """Gather the accepted path's records to positions ``0..depth`` and replay them:
+        the chain commit of the path, bit for bit the path recurrence."""
+        compact_path(list(self.buf.all_layers()), batch.slots, path, count, backend=self.pool.backend)
+        self._commit_states(batch, count)

@@ -15,6 +15,7 @@ import torch
 
 from ..ops.recurrent import gdn_recurrence
 from ..ops.snapshot import snapshot_commit
+from ..ops.tree_ops import gdn_tree_recurrence
 from ..state.layout import BufferSpec
 from .base import Strategy, StrategyBuffers
 
@@ -56,3 +57,15 @@ class SnapshotStrategy(Strategy):
 
     def _commit_states(self, batch, accepted):
         snapshot_commit(self.pool.checkpoints, self.buf.snapshots, batch.slots, accepted, backend=self.pool.backend)
+
+    def _verify_tree(self, layer, q, k, v, a, b, A_log, dt_bias, batch, trees):
+        """Per-node states (the peer engines' tree verify): node ``i``'s state, its
+        parent's advanced by its token, goes to scratch position ``i``."""
+        return gdn_tree_recurrence(
+            q, k, v, a, b, A_log, dt_bias, self.pool.checkpoints[layer], batch.slots, trees,
+            snapshots=self.buf.snapshots[layer], backend=self.pool.backend,
+        )
+
+    def _commit_tree_states(self, batch, trees, accepted, path, count):
+        """Copy the accepted node's state (scratch position ``accepted``)."""
+        self._commit_states(batch, accepted + 1)

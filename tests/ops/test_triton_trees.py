@@ -1,0 +1,167 @@
+"""Tree kernels against their references (DESIGN.md section 2, "Trees").
+
+Under the Triton interpreter without a GPU (fp32, tiny shapes); the compiled kernels on
+a CUDA machine (tests/gpu/test_trees_gpu.py adds bf16 and larger heads there).
+
+Tolerances: the closed form with the ancestor mask against the fp32 reference op,
+``rtol = atol = 1e-5``, for the reasons tests/ops/test_triton_chunked.py gives (the same
+kernels and sums over at most ``N = 8`` nodes of O(1) values, where a wrong mask is
+off by O(0.1)); raw record copies and the gathers are bit for bit; exact recurrences
+are bit for bit with each other on one device and within 1e-5 of the reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from layer_inputs import args, rand_layer
+
+triton = pytest.importorskip("triton")
+
+from replayssm.ops import DraftTrees, RawRecords, triton_common  # noqa: E402
+from replayssm.ops.chunked import gdn_chunked_window, gdn_tree_verify  # noqa: E402
+from replayssm.ops.conv import causal_conv_verify_tree  # noqa: E402
+from replayssm.ops.tree_ops import compact_path, gdn_tree_recurrence  # noqa: E402
+from replayssm.ops.trees import accepted_paths  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+if DEVICE.type == "cpu" and not triton_common.INTERPRETER:
+    pytest.skip("CPU run without TRITON_INTERPRET=1 at import time", allow_module_level=True)
+
+H, GROUP, KD, VD, L, N, NS = 2, 2, 16, 8, 32, 8, 6
+HV = H * GROUP
+TOL = dict(rtol=1e-5, atol=1e-5)
+SHAPES = [
+    DraftTrees.from_branching((2, 2)).parents[0].tolist(),  # 7 nodes
+    [-1, 0, 0, 1, 1, 2, 4, 3],
+    [-1, 0, 1],  # a short chain, padded
+]
+
+
+def case(parent_lists, seed):
+    """Requests with the given trees (a padding request second) on random slots, with
+    random histories (wrapping the ring), alternating flush rows, NaN everywhere in the
+    ring outside the histories and NaN inputs on padded nodes."""
+    torch.manual_seed(seed)
+    lists = list(parent_lists)
+    lists.insert(1, [-1])
+    trees = DraftTrees.from_parents(lists, max_nodes=N)
+    slots = torch.randperm(NS)[: trees.batch].to(torch.int32)
+    slots[1] = -1
+    nan = float("nan")
+    ring = RawRecords(torch.full((NS, L, H, KD), nan), torch.full((NS, L, HV, VD), nan), torch.full((NS, L, HV), nan),
+                      torch.full((NS, L, HV), nan))
+    ring_u = torch.full((NS, L, HV, VD), nan)
+    wp = torch.randint(0, L - N + 1, (NS,), dtype=torch.int32)
+    base = torch.randint(0, L, (NS,), dtype=torch.int32)
+    flush = (torch.arange(NS) % 2).to(torch.int32)
+    for s in range(NS):
+        pos = [(int(base[s]) + c) % L for c in range(int(wp[s]))]
+        ring.k[s, pos] = torch.randn(len(pos), H, KD)
+        ring.v[s, pos] = torch.randn(len(pos), HV, VD)
+        ring.g[s, pos] = -torch.rand(len(pos), HV)
+        ring.beta[s, pos] = torch.rand(len(pos), HV)
+        ring_u[s, pos] = torch.randn(len(pos), HV, VD) * 0.3
+    x = rand_layer(trees.batch * N, H, HV, KD, VD)
+    padded = ~trees.valid.reshape(-1)
+    for f in "qkvab":
+        x[f][padded] = nan
+    ckpt = torch.randn(NS, HV, VD, KD) * 0.5
+    state = dict(ckpt=ckpt, ring=ring, ring_u=ring_u, wp=wp, base=base, flush=flush)
+    return trees, slots.to(DEVICE), {k: _to(v) for k, v in x.items()}, {k: _to(v) for k, v in state.items()}
+
+
+def _to(x):
+    return RawRecords(*(t.to(DEVICE) for t in x)) if isinstance(x, RawRecords) else x.to(DEVICE)
+
+
+def _copy(st):
+    return {k: _to(RawRecords(*(t.clone() for t in v))) if isinstance(v, RawRecords) else v.clone() for k, v in st.items()}
+
+
+def run_tree(backend, trees, slots, x, st):
+    return gdn_tree_verify(*args(x), st["ckpt"], st["ring"], st["ring_u"], slots, st["wp"], st["base"], st["flush"],
+                           trees, max_len=N, backend=backend)
+
+
+def test_tree_closed_form_matches_the_reference():
+    trees, slots, x, st = case(SHAPES, seed=1)
+    ref, tri = _copy(st), _copy(st)
+    o_ref = run_tree("reference", trees, slots, x, ref)
+    o_tri = run_tree("triton", trees, slots, x, tri)
+    assert torch.isfinite(o_tri).all()
+    torch.testing.assert_close(o_tri, o_ref, **TOL)
+    torch.testing.assert_close(tri["ckpt"], ref["ckpt"], **TOL)  # flush rows folded
+    for name in ("k", "v"):  # raw copies: bit for bit, NaN where nothing was written
+        torch.testing.assert_close(getattr(tri["ring"], name), getattr(ref["ring"], name), rtol=0, atol=0,
+                                   equal_nan=True)
+    for a, b in ((tri["ring"].g, ref["ring"].g), (tri["ring"].beta, ref["ring"].beta), (tri["ring_u"], ref["ring_u"])):
+        torch.testing.assert_close(a, b, equal_nan=True, **TOL)
+
+
+def test_chain_tree_through_the_tree_kernels_is_the_chain_bit_for_bit():
+    """TREE on with a chain's ancestor sets runs the chain's arithmetic: same outputs,
+    records and folded checkpoints as the chain kernels, bit for bit."""
+    trees, slots, x, st = case([list(range(-1, N - 1))] * 2, seed=2)
+    x = {k: torch.nan_to_num(v) for k, v in x.items()}  # full chains: no padded node, except the padding request
+    chain, tree = _copy(st), _copy(st)
+    cu = torch.arange(0, (trees.batch + 1) * N, N, dtype=torch.int32, device=DEVICE)
+    o_chain = gdn_chunked_window(*args(x), chain["ckpt"], chain["ring"], chain["ring_u"], slots, cu, chain["wp"],
+                                 chain["base"], chain["flush"], max_len=N, method="closed_form", backend="triton")
+    o_tree = run_tree("triton", DraftTrees.chain(N, batch=trees.batch), slots, x, tree)
+    live = torch.repeat_interleave(slots >= 0, N)
+    assert torch.equal(o_tree[live], o_chain[live])
+    assert torch.equal(tree["ckpt"], chain["ckpt"])
+    for a, b in zip(list(tree["ring"]) + [tree["ring_u"]], list(chain["ring"]) + [chain["ring_u"]]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+def test_tree_recurrence_and_conv_match_the_reference():
+    trees, slots, x, st = case(SHAPES, seed=3)
+    outs = {}
+    for backend in ("reference", "triton"):
+        snaps = torch.zeros(NS, N, HV, VD, KD, device=DEVICE)
+        rec = RawRecords(torch.zeros(NS, N, H, KD, device=DEVICE), torch.zeros(NS, N, HV, VD, device=DEVICE),
+                         torch.zeros(NS, N, HV, device=DEVICE), torch.zeros(NS, N, HV, device=DEVICE))
+        o_fold = gdn_tree_recurrence(*args(x), st["ckpt"], slots, trees, records=rec, backend=backend)
+        o_snap = gdn_tree_recurrence(*args(x), st["ckpt"], slots, trees, snapshots=snaps, backend=backend)
+        outs[backend] = (o_fold, o_snap, snaps, rec)
+    (f_ref, s_ref, snaps_ref, rec_ref), (f_tri, s_tri, snaps_tri, rec_tri) = outs["reference"], outs["triton"]
+    assert torch.equal(f_tri, s_tri)  # the stack method and the per-node states: the same exact steps
+    torch.testing.assert_close(f_tri, f_ref, **TOL)
+    torch.testing.assert_close(snaps_tri, snaps_ref, **TOL)
+    assert torch.equal(rec_tri.k, rec_ref.k) and torch.equal(rec_tri.v, rec_ref.v)
+    torch.testing.assert_close(rec_tri.g, rec_ref.g, **TOL)
+
+    c = 2 * H * KD + HV * VD
+    xc = torch.randn(trees.batch * N, c, device=DEVICE)
+    conv_state, w, bias = torch.randn(NS, c, 3, device=DEVICE), torch.randn(c, 4, device=DEVICE), torch.randn(c, device=DEVICE)
+    ys, bufs = [], []
+    for backend in ("reference", "triton"):
+        buf = torch.zeros(NS, N, c, device=DEVICE)
+        ys.append(causal_conv_verify_tree(xc, conv_state, w, bias, slots, trees, window_buf=buf, backend=backend))
+        bufs.append(buf)
+    torch.testing.assert_close(ys[1], ys[0], **TOL)
+    assert torch.equal(bufs[1], bufs[0])
+
+
+def test_compact_path_matches_the_reference():
+    trees, slots, _, st = case(SHAPES, seed=4)
+    dev = trees.on(DEVICE)
+    accepted = torch.tensor([6, 0, 7, 2], dtype=torch.int32, device=DEVICE)
+    path, count = accepted_paths(dev, accepted)
+    assert path[0, : int(count[0])].tolist() == trees.path(0, 6)
+    assert path[2, : int(count[2])].tolist() == trees.path(2, 7)
+    offset = (st["base"] + st["wp"]) % L
+    init = [torch.randn(2, NS, L, H, KD, device=DEVICE), torch.randn(2, NS, L, HV, device=DEVICE)]
+    ref, tri = [t.clone() for t in init], [t.clone() for t in init]
+    compact_path(ref, slots, path, count, offset, backend="reference")
+    compact_path(tri, slots, path, count, offset, backend="triton")
+    for a, b in zip(tri, ref):
+        assert torch.equal(a, b)
+    s = int(slots[2])
+    o = int(offset[s])
+    for d, node in enumerate(trees.path(2, 7)):
+        assert torch.equal(ref[0][:, s, (o + d) % L], init[0][:, s, (o + node) % L])
+    assert torch.equal(ref[1][:, int(slots[0]), (int(offset[int(slots[0])]) + 3) % L],
+                       init[1][:, int(slots[0]), (int(offset[int(slots[0])]) + 3) % L])  # past the path: untouched
