@@ -172,3 +172,68 @@ def test_tree_shapes_and_bad_branching():
     with pytest.raises(ValueError, match="visible"):
         tree_attention(torch.zeros(1, 4, 2, 16), *_cache(torch.Generator().manual_seed(0)), torch.tensor([0]),
                        torch.tensor([0]), torch.ones(3, 4, dtype=torch.bool), 1.0)
+
+
+def test_mtp_tree_expansion_follows_the_head(tmp_path, seed, rng):
+    """The MTP head's tree: the root's children are the head's top tokens, and the
+    best-first path through the tree is the chain drafter's drafts (siblings' tentative
+    pairs stay out of each other's attention), after the prompt and after a step."""
+    from replayssm.engine.adapter import HybridEngine
+    from replayssm.engine.device_drafters import DeviceMTPDrafter
+    from replayssm.engine.drafters import load_mtp_head
+    from replayssm.engine.loading import load_model
+    from replayssm.testing.checkpoints import save_tiny_checkpoint
+
+    save_tiny_checkpoint(tmp_path, "qwen3_5", seed=seed, with_mtp=True)
+    model = load_model(str(tmp_path), dtype=torch.float32, device="cpu")
+    eng = HybridEngine(model, strategy="fold", num_slots=2, window=10, max_len=96)
+    head = load_mtp_head(eng, tmp_path)
+    tree = StaticTree.from_branching((3, 2, 1))
+    chain, wide = DeviceMTPDrafter(eng, head), DeviceMTPDrafter(eng, head, tree=tree)
+    chain.bind(2, 3, 96, torch.device("cpu"))
+    wide.bind(2, tree.num_nodes - 1, 96, torch.device("cpu"))
+    prompts = [torch.randint(0, 256, (n,), generator=rng).tolist() for n in (9, 14)]
+    slots = [eng.alloc(), eng.alloc()]
+    idx = torch.tensor(slots)
+    with torch.inference_mode():
+        out = eng.extend(slots, prompts, prompt=True, all_logits=True)
+        firsts = [int(out.window_logits(i)[-1].argmax()) for i in range(2)]
+        kw = dict(hidden=out.hidden, offsets=out.offsets)
+        want = chain.join(slots, prompts, firsts, [0, 1], **kw)
+        got = wide.join(slots, prompts, firsts, [0, 1], **kw)
+        best = tree.path_tokens(torch.cat([torch.tensor(firsts)[:, None], got], 1), torch.tensor([10, 10]))
+        assert torch.equal(best[:, 1:], want)  # node 10: the rank-0 child of the rank-0 child of the rank-0 child
+        assert len(set(got[0, :3].tolist())) == 3  # the root's three children: distinct top tokens
+        # one step: the first draft accepted, then a correction; both drafters observe it
+        window = [[f] + w for f, w in zip(firsts, want.tolist())]
+        v = eng.verify(slots, window)
+        starts = torch.tensor([eng.length(s) for s in slots])
+        eng.commit([2, 2])
+        emitted = torch.tensor([[w[1], 7, -1, -1] for w in window])
+        for d in (chain, wide):
+            d.observe(idx, emitted, torch.tensor([2, 2]), hidden=v.hidden, positions=starts[:, None] + torch.arange(4))
+        want, got = chain.propose(idx), wide.propose(idx)
+        best = tree.path_tokens(torch.cat([torch.full((2, 1), 7), got], 1), torch.tensor([10, 10]))
+        assert torch.equal(best[:, 1:], want)
+
+
+def test_ngram_tree_takes_several_continuations(rng):
+    from replayssm.engine.device_drafters import DeviceNgramDrafter
+
+    tree = StaticTree.from_branching((2, 1))
+    d = DeviceNgramDrafter(max_ngram=3, tree=tree)
+    d.bind(2, tree.num_nodes - 1, 32, torch.device("cpu"))
+    d.start(0, [1, 2, 3, 10, 11, 1, 2, 3, 20, 21, 1, 2, 3], 0)  # "1 2 3" was followed by 10 11, later by 20 21
+    d.start(1, [5, 6, 7], 1)  # no match: every node repeats the last token
+    got = d.propose(torch.tensor([0, 1]))
+    assert got.tolist() == [[20, 10, 21, 11], [7, 7, 7, 7]]  # latest match first, each continued
+    # a chain-shaped tree proposes the chain drafter's tokens
+    chain, as_tree = DeviceNgramDrafter(), DeviceNgramDrafter(tree=StaticTree.chain(5))
+    for x in (chain, as_tree):
+        x.bind(4, 4, 40, torch.device("cpu"))
+    for s in range(4):
+        hist = torch.randint(0, 4, (int(torch.randint(3, 30, (1,), generator=rng)),), generator=rng).tolist()
+        chain.start(s, hist, s)
+        as_tree.start(s, hist, s)
+    idx = torch.arange(4)
+    assert torch.equal(chain.propose(idx), as_tree.propose(idx))

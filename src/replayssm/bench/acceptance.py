@@ -51,7 +51,7 @@ class AcceptanceConfig:
     #: also fit a tree of at most this many nodes (0: none) from ``probe_tree`` measured
     #: on the next ``prompts`` held-out files (:func:`fit_tree`)
     fit_tree: int = 0
-    probe_tree: tuple[int, ...] = (6, 3, 2)
+    probe_tree: tuple[int, ...] = (4, 2, 2)
 
 
 def heldout_prompts(tokenizer, files, count: int, prompt_len: int) -> tuple[list[list[int]], list[str]]:

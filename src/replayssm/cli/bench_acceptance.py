@@ -33,8 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fit-tree", type=positive_int, default=None, metavar="N",
                         help="with --tree: also fit a tree of at most N nodes from --probe-tree measured on the next "
                              "--prompts held-out files")
-    parser.add_argument("--probe-tree", type=branching, default=(6, 3, 2),
-                        help="the probe tree --fit-tree measures (default 6,3,2: 61 nodes)")
+    parser.add_argument("--probe-tree", type=branching, default=(4, 2, 2),
+                        help="the probe tree --fit-tree measures (default 4,2,2: 29 nodes)")
     parser.add_argument("--json", type=output_path(".json"), default=None, help="write the result here")
     parser.add_argument("--plot", type=output_path(".png"), default=None, help="write the plot here")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -57,10 +57,6 @@ def check_args(args) -> None:
     check_trees(args)
 
 
-#: the most nodes a draft tree may have here (the tree attention's window bitmask)
-MAX_TREE_NODES = 64
-
-
 def branching(text: str) -> tuple[int, ...]:
     """An argparse type: children per depth, e.g. ``3,2,1``."""
     from ..engine.trees import parse_branching
@@ -73,6 +69,7 @@ def branching(text: str) -> tuple[int, ...]:
 
 def check_trees(args) -> None:
     from ..engine.trees import StaticTree
+    from ..ops.trees import MAX_TREE_NODES
 
     trees = args.trees or ()
     if args.fit_tree is not None and not trees:

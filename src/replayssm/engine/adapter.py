@@ -718,7 +718,7 @@ class HybridEngine:
         return Batch.build([-1] * rows, [window] * rows, self.device)
 
     def forward_static(self, ids: torch.Tensor, positions: torch.Tensor, slot_idx: torch.Tensor, batch: Batch,
-                       *, verify: bool, ring: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                       *, verify: bool, ring: bool = False, tree=None) -> tuple[torch.Tensor, torch.Tensor]:
         """One static-shape forward of ``B`` rows of ``T`` tokens, CUDA-graph safe.
 
         Args:
@@ -732,6 +732,14 @@ class HybridEngine:
             ring: with ``verify=False`` and ``T = 1``: plain decoding through the
                 strategy's ring (:meth:`Strategy.decode`; the caller then commits with
                 ``strategy.commit(batch)``), see :attr:`ring_decoding`.
+            tree: with ``verify``: ``None`` (a chain window), or ``(static_tree,
+                draft_trees, starts)`` for a draft-tree window of ``T = N`` nodes
+                (:class:`~replayssm.engine.trees.StaticTree`, the same
+                :class:`~replayssm.ops.trees.DraftTrees` object in every layer, ``[B]``
+                committed lengths): GDN layers run :meth:`Strategy.conv_verify_tree` and
+                :meth:`Strategy.verify_tree`, attention layers the ancestor mask (node
+                ``i`` written at ``starts + i``); ``positions`` are then ``starts +
+                depth`` (rotary); the caller commits with ``strategy.commit_tree``.
 
         Returns:
             ``(logits [B * T, vocab] float32, hidden [B * T, hidden])``. Nothing is
@@ -743,12 +751,20 @@ class HybridEngine:
         cos, sin = self.rotary_cos_sin(h, positions.reshape(-1))
         strat = self.strategy
         norm = self.static_norm
+        window = None
+        if tree is not None:
+            shape, trees, starts = tree
+            nodes = torch.arange(shape.num_nodes, device=ids.device)
+            window = (starts, nodes, shape.ancestors)
         for layer, kind, j in zip(self.layers, self.kinds, self.index):
             x = norm(layer.input_layernorm, h)
             if kind == "gdn":
                 mixer = self.mixers[j]
                 mixed, z, a, bb = mixer.project(x)
-                if verify or ring:
+                if tree is not None:
+                    q, k, v = mixer.split(strat.conv_verify_tree(j, mixed, batch, trees))
+                    o = strat.verify_tree(j, q, k, v, a, bb, batch, trees)
+                elif verify or ring:
                     q, k, v = mixer.split(strat.conv_verify(j, mixed, batch))
                     o = (strat.verify if verify else strat.decode)(j, q, k, v, a, bb, batch)
                 else:
@@ -757,7 +773,7 @@ class HybridEngine:
                 x = mixer.finish(o, z, norm)
             else:
                 x = static_attention_forward(layer.self_attn, x, cos, sin, self.kv, j, slot_idx, positions,
-                                             backend=self.backend, norm=norm)
+                                             backend=self.backend, norm=norm, tree=window)
             h = h + x
             x = norm(layer.post_attention_layernorm, h)
             h = h + (static_moe_forward(layer.mlp, x, self.moe_kernel) if is_moe(layer.mlp) else layer.mlp(x))
