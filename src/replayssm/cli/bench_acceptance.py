@@ -9,7 +9,7 @@ import sys
 from ..bench.acceptance import DRAFTERS
 from ..strategies import STRATEGY_NAMES
 from . import common
-from .args import device_name, int_list, name_list, output_path, positive_int
+from .args import branching, device_name, int_list, name_list, output_path, positive_int
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,16 +55,6 @@ def check_args(args) -> None:
         common.check_mtp("--drafters mtp", args.model)
     common.check_plot(args.plot)
     check_trees(args)
-
-
-def branching(text: str) -> tuple[int, ...]:
-    """An argparse type: children per depth, e.g. ``3,2,1``."""
-    from ..engine.trees import parse_branching
-
-    try:
-        return parse_branching(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def check_trees(args) -> None:
