@@ -18,7 +18,7 @@ from layer_inputs import args, rand_layer
 
 triton = pytest.importorskip("triton")
 
-from replayssm.ops import DraftTrees, RawRecords, triton_common  # noqa: E402
+from replayssm.ops import DraftTrees, RawRecords, gdn_recurrence, triton_common  # noqa: E402
 from replayssm.ops.chunked import gdn_chunked_window, gdn_tree_verify  # noqa: E402
 from replayssm.ops.conv import causal_conv_verify_tree  # noqa: E402
 from replayssm.ops.tree_ops import compact_path, gdn_tree_recurrence  # noqa: E402
@@ -119,19 +119,29 @@ def test_chain_tree_through_the_tree_kernels_is_the_chain_bit_for_bit():
 def test_tree_recurrence_and_conv_match_the_reference():
     trees, slots, x, st = case(SHAPES, seed=3)
     outs = {}
-    for backend in ("reference", "triton"):
+    for backend in ("reference", "triton"):  # fold's records and snapshot's states in one launch
         snaps = torch.zeros(NS, N, HV, VD, KD, device=DEVICE)
         rec = RawRecords(torch.zeros(NS, N, H, KD, device=DEVICE), torch.zeros(NS, N, HV, VD, device=DEVICE),
                          torch.zeros(NS, N, HV, device=DEVICE), torch.zeros(NS, N, HV, device=DEVICE))
-        o_fold = gdn_tree_recurrence(*args(x), st["ckpt"], slots, trees, records=rec, backend=backend)
-        o_snap = gdn_tree_recurrence(*args(x), st["ckpt"], slots, trees, snapshots=snaps, backend=backend)
-        outs[backend] = (o_fold, o_snap, snaps, rec)
-    (f_ref, s_ref, snaps_ref, rec_ref), (f_tri, s_tri, snaps_tri, rec_tri) = outs["reference"], outs["triton"]
-    assert torch.equal(f_tri, s_tri)  # the stack method and the per-node states: the same exact steps
-    torch.testing.assert_close(f_tri, f_ref, **TOL)
+        o = gdn_tree_recurrence(*args(x), st["ckpt"], slots, trees, snapshots=snaps, records=rec, backend=backend)
+        outs[backend] = (o, snaps, rec)
+    (o_ref, snaps_ref, rec_ref), (o_tri, snaps_tri, rec_tri) = outs["reference"], outs["triton"]
+    torch.testing.assert_close(o_tri, o_ref, **TOL)
     torch.testing.assert_close(snaps_tri, snaps_ref, **TOL)
     assert torch.equal(rec_tri.k, rec_ref.k) and torch.equal(rec_tri.v, rec_ref.v)
     torch.testing.assert_close(rec_tri.g, rec_ref.g, **TOL)
+    # nodes on two branches of the irregular tree, bit for bit the Triton recurrence
+    # along their root paths (the same helpers, so the stack copies nothing wrong)
+    one = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    r, s = 2, int(slots[2])
+    for node in (5, 6):
+        rows = [r * N + p for p in trees.path(r, node)]
+        st1 = st["ckpt"][s:s + 1].clone()
+        cu = torch.tensor([0, len(rows)], dtype=torch.int32, device=DEVICE)
+        o = gdn_recurrence(*(x[f][rows] for f in "qkvab"), x["A_log"], x["dt_bias"], st1, one, cu,
+                           update_state=True, max_len=N, backend="triton")
+        assert torch.equal(o_tri[r * N + node], o[-1]), node
+        assert torch.equal(snaps_tri[s, node], st1[0]), node
 
     c = 2 * H * KD + HV * VD
     xc = torch.randn(trees.batch * N, c, device=DEVICE)

@@ -43,6 +43,7 @@ median/min/max, blocks, steps per block, rotated copies).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import platform
 import sys
@@ -94,6 +95,8 @@ class BenchConfig:
     repeats: int
     seed: int
     tune: tuple[tuple[str, str, int], ...] = ()
+    #: draft-tree branching per depth (``--tree``); empty: chains only
+    tree: tuple[int, ...] = ()
 
     @property
     def smoke(self) -> bool:
@@ -219,6 +222,62 @@ class StrategyStep:
             self.step(acc)
 
 
+class TreeStep(StrategyStep):
+    """A tree step of a strategy (``--tree``): every layer's ``conv_verify_tree`` (with
+    ``--conv``) and ``verify_tree`` of the static tree ``DraftTrees.from_branching(
+    cfg.tree)`` per request (the pool's window is its ``N`` nodes), then one
+    ``commit_tree`` of its last node (one of the deepest: ``depth + 1`` tokens, the
+    step's ``accept``), from a device tensor as an engine's acceptance leaves it."""
+
+    def __init__(self, cfg: BenchConfig, name: str, batch: int, gen: torch.Generator):
+        from ..ops.trees import DraftTrees
+
+        super().__init__(cfg, name, batch, gen)
+        self.trees = DraftTrees.from_branching(cfg.tree, batch=batch)
+        if self.trees.max_nodes != cfg.window:
+            raise ValueError(f"a tree step's pool window must be the tree's {self.trees.max_nodes} nodes, got {cfg.window}")
+        self.node = torch.full((batch,), self.trees.max_nodes - 1, dtype=torch.int32, device=cfg.device)
+
+    def step(self, accepted: torch.Tensor | None = None) -> None:
+        s, x, t = self.pool.strategy, self.inputs, self.trees
+        for layer in range(self.cfg.layers):
+            if self.cfg.conv:
+                q, k, v = self._split(s.conv_verify_tree(layer, x.x[layer], self.batch, t))
+            else:
+                q, k, v = x.q[layer], x.k[layer], x.v[layer]
+            self.outputs[layer] = s.verify_tree(layer, q, k, v, x.a[layer], x.b[layer], self.batch, t)
+        s.commit_tree(self.batch, t, self.node if accepted is None else accepted)
+
+    def prepare(self) -> None:
+        """Eager steps with random accepted nodes (requests at different cursor phases)."""
+        steps = max(4, self.cfg.ring_len // 2) if self.name == "circular" else 2
+        for _ in range(steps):
+            node = torch.randint(0, self.trees.max_nodes, self.node.shape, generator=self.gen, device=self.cfg.device,
+                                 dtype=torch.int32)
+            self.step(node)
+
+
+#: The rows of a ``--tree`` run per strategy and batch: the tree of ``N`` nodes, a chain of
+#: ``N`` tokens, and a chain of the tree's depth (``depth + 1`` tokens, root included); each
+#: commits ``depth + 1`` tokens per request.
+TREE_ROWS = ("tree", "chain_nodes", "chain_depth")
+
+
+def tree_config(cfg: BenchConfig, kind: str) -> BenchConfig:
+    """``cfg`` for one row of a ``--tree`` run: the pool window (``N`` nodes, or the
+    depth's ``depth + 1`` tokens), ``accept = depth + 1`` and a ring of at least two
+    windows."""
+    from ..ops.trees import DraftTrees
+
+    if kind not in TREE_ROWS:
+        raise ValueError(f"kind must be one of {TREE_ROWS}, got {kind!r}")
+    t = DraftTrees.from_branching(cfg.tree)
+    depth = len(cfg.tree)
+    window = depth + 1 if kind == "chain_depth" else t.max_nodes
+    ring_len = max(cfg.ring_len, 1 << (2 * window - 1).bit_length())
+    return dataclasses.replace(cfg, window=window, accept=depth + 1, ring_len=ring_len)
+
+
 class RingDecodeStep(StrategyStep):
     """``plain_ring``: plain decoding through ``circular``'s ring on the pool its
     speculative step uses (window ``T``, ring ``L``): every layer's
@@ -319,8 +378,9 @@ def circular_replays(cfg: BenchConfig, batch: int) -> bool:
 
 
 def measure(cfg: BenchConfig, name: str, batch: int, *, copy_bw: float | None, l2_bytes: int | None,
-            progress: ProgressBar | None = None) -> dict:
-    """Time one (strategy or baseline, batch) configuration and return its JSON row."""
+            progress: ProgressBar | None = None, tree_kind: str | None = None) -> dict:
+    """Time one (strategy or baseline, batch) configuration and return its JSON row;
+    ``tree_kind``: one of :data:`TREE_ROWS` (``cfg`` from :func:`tree_config`)."""
     is_strategy = name in STRATEGY_NAMES
     if not is_strategy and name not in BASELINE_NAMES:
         raise ValueError(f"name must be one of {STRATEGY_NAMES + BASELINE_NAMES}, got {name!r}")
@@ -333,6 +393,8 @@ def measure(cfg: BenchConfig, name: str, batch: int, *, copy_bw: float | None, l
     if cfg.graph and l2_bytes:
         copies = common.rotation_copies(shape.state_bytes * cfg.layers, l2_bytes)
     cls = StrategyStep if is_strategy else (RingDecodeStep if name == "plain_ring" else RecurrenceStep)
+    if tree_kind == "tree":
+        cls = TreeStep
     runners = [cls(cfg, name, batch, _generator(cfg, name, batch, i)) for i in range(copies)]
     graphs = []
     try:
@@ -352,7 +414,14 @@ def measure(cfg: BenchConfig, name: str, batch: int, *, copy_bw: float | None, l
         gc.collect()
         if cfg.device.type == "cuda":
             torch.cuda.empty_cache()
-    return make_row(cfg, name, batch, timing, nbytes, shape, copy_bw, cycle, replay)
+    row = make_row(cfg, name, batch, timing, nbytes, shape, copy_bw, cycle, replay)
+    if tree_kind is not None:
+        # Bytes: a tree moves what a chain of its N nodes does (one read of the state,
+        # N records written); circular's tree verify always takes the closed form.
+        row.update(step_kind=tree_kind, tree=",".join(map(str, cfg.tree)))
+        if name == "circular" and tree_kind == "tree":
+            row["circular_method"] = "closed_form"
+    return row
 
 
 def committed_per_request(cfg: BenchConfig, name: str) -> int | None:
@@ -404,9 +473,11 @@ def format_table(rows: list[dict]) -> str:
     head = f"{'strategy':<16} {'batch':>5} {'us/layer-step':>13} {'floor_us':>9} {'ratio':>6} {'GB/s':>8} {'tok/us/layer':>12} {'MB/layer-step':>13}"
     lines = [head, "-" * len(head)]
     order = {n: i for i, n in enumerate(STRATEGY_NAMES + BASELINE_NAMES)}
-    for r in sorted(rows, key=lambda r: (r["batch"], order[r["strategy"]])):
+    kinds = {k: i for i, k in enumerate(TREE_ROWS)}
+    for r in sorted(rows, key=lambda r: (r["batch"], order[r["strategy"]], kinds.get(r.get("step_kind"), -1))):
+        label = r["strategy"] if r.get("step_kind") is None else f"{r['strategy']}:{r['step_kind'][:5]}{r['window']}"
         lines.append(
-            f"{r['strategy']:<16} {r['batch']:>5} {r['us_per_layer_step']:>13.2f} {_fmt(r['floor_us'], '9.2f'):>9} "
+            f"{label:<16} {r['batch']:>5} {r['us_per_layer_step']:>13.2f} {_fmt(r['floor_us'], '9.2f'):>9} "
             f"{_fmt(r['floor_ratio'], '6.2f'):>6} {r['achieved_GBps']:>8.4g} "
             f"{_fmt(r['committed_tokens_per_us_per_layer'], '12.3f'):>12} {r['bytes_per_layer_step']['total'] / 1e6:>13.2f}"
         )
@@ -463,12 +534,18 @@ def run_configs(cfg: BenchConfig, *, copy_bw: float | None, l2_bytes: int | None
         overrides.enter_context(tuning.override(family, **{param: value}))
     with overrides:
         for batch in cfg.batches:
-            for name in list(cfg.strategies) + list(cfg.baselines):
-                label = f"{name} batch {batch}"
+            todo = [(name, None) for name in list(cfg.strategies) + list(cfg.baselines)]
+            if cfg.tree:  # a tree run: per strategy the tree and its two chains
+                todo = [(name, kind) for name in cfg.strategies for kind in TREE_ROWS]
+                todo += [(name, None) for name in cfg.baselines]
+            for name, kind in todo:
+                label = f"{name} batch {batch}" + (f" ({kind})" if kind else "")
                 if progress:
                     progress.set_description(label)
                 try:
-                    row = measure(cfg, name, batch, copy_bw=copy_bw, l2_bytes=l2_bytes, progress=progress)
+                    run_cfg = cfg if kind is None else tree_config(cfg, kind)
+                    row = measure(run_cfg, name, batch, copy_bw=copy_bw, l2_bytes=l2_bytes, progress=progress,
+                                  tree_kind=kind)
                 except Exception as e:  # keep going: one broken configuration must not hide the others
                     errors.append({"strategy": name, "batch": batch, "error": f"{type(e).__name__}: {e}"})
                     if progress:
@@ -501,6 +578,7 @@ def result_payload(cfg: BenchConfig, backend: str, device_info: dict, rows: list
             "state_dtype": str(cfg.state_dtype)[6:], "act_dtype": str(cfg.act_dtype)[6:], "conv": cfg.conv,
             "repeats": cfg.repeats, "seed": cfg.seed, "l2_rotation_factor": common.L2_ROTATION_FACTOR,
             "tune": [f"{f}.{p}={v}" for f, p, v in cfg.tune],
+            "tree": list(cfg.tree) or None,
         },
         "byte_model": BYTE_MODEL,
         "rows": rows,

@@ -14,6 +14,17 @@ from ..strategies import STRATEGY_NAMES
 from .args import device_name, int_list, name_list, output_path, positive_int
 
 
+def branching(text: str) -> tuple[int, ...]:
+    """``"3,2,1"`` -> ``(3, 2, 1)``: children per node at each depth (repeats allowed)."""
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers (children per depth), got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers (children per depth), got {text!r}")
+    return values
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("what to time")
     g.add_argument("--batches", type=int_list, default=None,
@@ -32,6 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="L for circular and plain_ring: a power of two >= 2T, or 'auto' for the length that moves "
                         "the fewest bytes per circular layer-step in the byte model (32 at the default shape)")
     g.add_argument("--conv", action="store_true", help="include the causal conv's verify and commit in the step")
+    g.add_argument("--tree", type=branching, default=None, metavar="B1,B2,...",
+                   help="time draft trees: the full tree with B_d children per node at depth d (e.g. 3,2,1: 16 nodes, "
+                        "depth 3) beside a chain of its node count and a chain of its depth (root included), each "
+                        "committing depth + 1 tokens; replaces --window/--accept for the strategies' rows")
     s = parser.add_argument_group("shapes and dtypes")
     s.add_argument("--heads", type=positive_int, default=None, help="H, key heads (default 16 on CUDA)")
     s.add_argument("--value-heads", type=positive_int, default=None, help="HV, value heads (default 32 on CUDA)")
@@ -129,7 +144,18 @@ def resolve_config(args: argparse.Namespace):
     ring_pool = ("circular",) if "plain_ring" in baselines else ()  # plain_ring runs on a circular pool of --window
     cli_common.check_triton_window("--window", window, backend=backend, device=device, strategies=strategies + ring_pool)
     tune = tuple(_tune_item(item) for item in args.tune)
+    tree = ()
+    if getattr(args, "tree", None):
+        from ..ops.trees import DraftTrees
+
+        tree = tuple(_positive("--tree", c) for c in args.tree)
+        nodes = DraftTrees.from_branching(tree).max_nodes
+        if not strategies:
+            raise ValueError("--tree times strategies: select at least one with --strategies")
+        cli_common.check_triton_window("--tree (its node count)", nodes, backend=backend, device=device,
+                                       strategies=strategies)
     return BenchConfig(
+        tree=tree,
         tune=tune,
         device=device, backend=backend, graph=graph, heads=heads, value_heads=value_heads, head_k_dim=head_k_dim,
         head_v_dim=head_v_dim, layers=layers, batches=batches, strategies=strategies, baselines=baselines,

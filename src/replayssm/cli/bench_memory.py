@@ -12,6 +12,7 @@ from ..bench.memory import DTYPES, GIB, H200_GIB, MODELS, PLAIN, MemoryConfig, M
 from ..strategies import STRATEGY_NAMES
 from . import common
 from .args import int_list, name_list, nonneg_float, output_path, positive_float, positive_int
+from .bench_kernels import branching
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,6 +25,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated (default plain,snapshot,fold,circular)")
     parser.add_argument("--window", type=positive_int, default=d.window, help=f"T: draft tokens + bonus (default {d.window})")
     parser.add_argument("--ring-len", type=positive_int, default=d.ring_len, help=f"L for circular (default {d.ring_len})")
+    parser.add_argument("--tree", type=branching, default=None, metavar="B1,B2,...",
+                        help="size the pools for draft trees of this branching per depth (e.g. 3,2,1: 16 nodes): "
+                             "--window becomes the node count and --ring-len at least twice it; snapshot then keeps "
+                             "a state per node, fold and circular a record per node")
     parser.add_argument("--context", type=int_list, default=d.contexts,
                         help="tokens of KV cache per request, comma-separated (default 4096,32768)")
     parser.add_argument("--state-dtype", choices=("fp32", "bf16"), default=d.state_dtype, help="checkpoints (default fp32)")
@@ -58,8 +63,14 @@ def config_from_args(args) -> tuple[MemoryConfig, dict[str, ModelSpec]]:
             key = str(path)
             specs[key] = spec_from_hf_config(raw, Path(path).parent.name or key)
             models += (key,)
+    window, ring_len = args.window, args.ring_len
+    if getattr(args, "tree", None):
+        from ..ops.trees import DraftTrees
+
+        window = DraftTrees.from_branching(args.tree).max_nodes  # a tree step's window: its nodes
+        ring_len = max(ring_len, 1 << (2 * window - 1).bit_length())
     cfg = MemoryConfig(
-        models=models, strategies=tuple(args.strategies), window=args.window, ring_len=args.ring_len,
+        models=models, strategies=tuple(args.strategies), window=window, ring_len=ring_len,
         contexts=tuple(args.context), state_dtype=args.state_dtype, act_dtype=args.act_dtype, kv_dtype=args.kv_dtype,
         tp=args.tp, gpu_gib=gpu, mem_fraction=args.mem_fraction, budget_gib=args.budget_gib, weights_gib=args.weights_gib,
     )

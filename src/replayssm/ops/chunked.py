@@ -402,7 +402,7 @@ def gdn_tree_window_reference(
     return o, U_all
 
 
-def check_tree_cursors(trees: DraftTrees, slots, write_pos, is_flush, L: int) -> list[int]:
+def check_tree_cursors(trees: DraftTrees, slots, write_pos, L: int) -> list[int]:
     """Host checks of a tree verify's slots and cursors: slots valid and unique, every
     live request's window of ``N`` nodes fits after its history (``write_pos + N <= L``).
     Returns the slots as a list."""
@@ -477,7 +477,7 @@ def gdn_tree_verify_reference(
     _checks.tensor("slots", slots, ndim=1, dtypes=_checks.INDEX_DTYPES)
     _checks.shape("slots", slots, [trees.batch])
     _checks.same_device(q, slots=slots, write_pos=write_pos, cache_base=cache_base, is_flush=is_flush)
-    sl = check_tree_cursors(trees, slots, write_pos, is_flush, L)
+    sl = check_tree_cursors(trees, slots, write_pos, L)
     if n != trees.batch * nn:
         raise ValueError(f"q must have trees.batch * trees.max_nodes = {trees.batch} * {nn} = {trees.batch * nn} rows, got {n}")
 

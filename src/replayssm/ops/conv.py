@@ -360,6 +360,53 @@ if triton is not None:
             _shift_history(state_at, ss_w, x_at, stride_x_tok, length, mask_c, W, WP)
 
     @triton.jit
+    def _conv_verify_tree_kernel(
+        x_ptr, state_ptr, w_ptr, bias_ptr, slots_ptr, nodes_ptr, parents_ptr, depth_ptr, y_ptr, wbuf_ptr,
+        stride_x_tok, C, ss_slot, ss_c, ss_w, sb_slot, sb_pos, sb_c,
+        W: tl.constexpr, TN: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_WBUF: tl.constexpr,
+    ):
+        """The tree conv: node ``i``'s tap ``j`` reads its ancestor at distance ``W - 1 - j``
+        (found by walking ``parents``), or, past the root, conv state entry ``depth + j``;
+        the sums in the chain kernel's order, so a chain gets the chain's bits."""
+        i_c = tl.program_id(0)
+        i_b = tl.program_id(1)
+        slot = tl.load(slots_ptr + i_b).to(tl.int64)
+        bos = i_b.to(tl.int64) * TN
+        offs_c = i_c * BC + tl.arange(0, BC)
+        mask_c = offs_c < C
+        y_row = y_ptr + bos * C + offs_c  # y is a fresh contiguous [B * TN, C]
+        if slot < 0:
+            for i in range(0, TN):
+                tl.store(y_row + i * C, tl.full([BC], 0, y_ptr.dtype.element_ty), mask=mask_c)
+            return
+        count = tl.load(nodes_ptr + i_b)
+        state_at = state_ptr + slot * ss_slot + offs_c * ss_c
+        x_at = x_ptr + bos * stride_x_tok + offs_c
+        for i in range(0, TN):
+            valid = i < count
+            d = tl.load(depth_ptr + i_b * TN + i)
+            if HAS_BIAS:
+                acc = tl.load(bias_ptr + offs_c, mask=mask_c, other=0.0).to(tl.float32)
+            else:
+                acc = tl.full([BC], 0.0, tl.float32)
+            for j in tl.static_range(W):
+                node = i + 0 * d  # the ancestor at distance W - 1 - j (-1 past the root)
+                for _ in tl.static_range(W - 1 - j):
+                    node = tl.where(node >= 0, tl.load(parents_ptr + i_b * TN + tl.maximum(node, 0)), -1)
+                from_x = node >= 0
+                xv = tl.load(x_at + tl.maximum(node, 0) * stride_x_tok, mask=_tl_mask_and(mask_c, valid & from_x),
+                             other=0.0)
+                sv = tl.load(state_at + (d + j) * ss_w, mask=_tl_mask_and(mask_c, valid & (node < 0)), other=0.0)
+                w = tl.load(w_ptr + offs_c * W + j, mask=mask_c, other=0.0).to(tl.float32)
+                acc = acc + w * tl.where(from_x, xv.to(tl.float32), sv.to(tl.float32))
+            y = tl.div_rn(acc, 1.0 + tl.exp(-acc))  # SiLU
+            tl.store(y_row + i * C, _tl_to_rtne(tl.where(valid, y, 0.0), y_ptr.dtype.element_ty), mask=mask_c)
+            if HAS_WBUF:
+                xi = tl.load(x_at + i * stride_x_tok, mask=_tl_mask_and(mask_c, valid), other=0.0)
+                tl.store(wbuf_ptr + slot * sb_slot + i * sb_pos + offs_c * sb_c, xi.to(wbuf_ptr.dtype.element_ty),
+                         mask=_tl_mask_and(mask_c, valid))
+
+    @triton.jit
     def _conv_commit_kernel(
         state_ptr, wbuf_ptr, slots_ptr, acc_ptr, C,
         ss_layer, ss_slot, ss_c, ss_w, sb_layer, sb_slot, sb_pos, sb_c,
@@ -464,3 +511,39 @@ def causal_conv_commit_triton(
         conv_state, window_buf, slots, accepted, c, *conv_state.stride(), *window_buf.stride(),
         W=w1 + 1, WP=triton.next_power_of_2(w1), TB=window_buf.shape[2], BC=bc, num_warps=4,
     )
+
+
+@register("conv_verify_tree", "triton")
+def causal_conv_verify_tree_triton(x, conv_state, weight, bias, slots, trees, *, window_buf=None) -> torch.Tensor:
+    """Triton version of :func:`causal_conv_verify_tree_reference` (same arguments and
+    results), one launch. Layouts as :func:`causal_conv_verify_triton`'s."""
+    from .tree_ops import check_tree_rows
+
+    n, c, w = check_conv_args(x, conv_state, weight, bias)
+    ns = conv_state.shape[0]
+    nb, nn = check_tree_rows(n, trees, slots)
+    for name, t in (("x", x), ("conv_state", conv_state), ("weight", weight), ("bias", bias), ("window_buf", window_buf)):
+        if t is not None:
+            _checks.tensor(name, t, dtypes=CONV_DTYPES_TRITON)
+    check_inner_contiguous(x=x)
+    _checks.contiguous(weight=weight, bias=bias, slots=slots)
+    if window_buf is not None:
+        _checks.tensor("window_buf", window_buf, ndim=3)
+        _checks.shape("window_buf", window_buf, [ns, None, c])
+        if window_buf.shape[1] < nn:
+            raise ValueError(f"window_buf holds {window_buf.shape[1]} inputs per slot, the trees have {nn} nodes")
+    _checks.same_device(x, slots=slots, window_buf=window_buf)
+    slots = guards.check_slots(slots, num_slots=ns)
+    y = torch.empty(n, c, dtype=x.dtype, device=x.device)
+    if nb == 0 or c == 0:
+        return y
+    dev = trees.on(x.device)
+    bc = min(CONV_BLOCK, triton.next_power_of_2(c))
+    wbuf_strides = window_buf.stride() if window_buf is not None else (0, 0, 0)
+    _conv_verify_tree_kernel[(triton.cdiv(c, bc), nb)](
+        x, conv_state, weight, bias if bias is not None else weight, slots, dev.num_nodes, dev.parents, dev.depth, y,
+        window_buf if window_buf is not None else y,
+        x.stride(0), c, *conv_state.stride(), *wbuf_strides,
+        W=w, TN=nn, BC=bc, HAS_BIAS=bias is not None, HAS_WBUF=window_buf is not None, num_warps=4,
+    )
+    return y

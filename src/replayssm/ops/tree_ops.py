@@ -43,6 +43,22 @@ def check_tree_rows(n: int, trees, slots: torch.Tensor) -> tuple[int, int]:
     return nb, nn
 
 
+def check_tree_outputs(snapshots, records, ns, h, kd, hv, vd, nn, *, state_dtypes) -> None:
+    """Metadata checks of a tree recurrence's optional outputs: ``snapshots [num_slots,
+    T >= N, HV, V, K]`` and ``records`` (rings of ``R >= N`` entries)."""
+    if snapshots is not None:
+        _checks.tensor("snapshots", snapshots, ndim=5, dtypes=state_dtypes)
+        _checks.shape("snapshots", snapshots, [ns, None, hv, vd, kd])
+        if snapshots.shape[1] < nn:
+            raise ValueError(f"snapshots hold {snapshots.shape[1]} states per slot, the trees have {nn} nodes")
+    if records is not None:
+        if not isinstance(records, RawRecords):
+            raise TypeError(f"records must be RawRecords, got {type(records).__name__}")
+        records.check("records", ns, h, kd, hv, vd)
+        if records.ring_len < nn:
+            raise ValueError(f"records hold {records.ring_len} entries per slot, the trees have {nn} nodes")
+
+
 @register("tree_recurrence", "reference")
 def gdn_tree_recurrence_reference(
     q: torch.Tensor,
@@ -84,17 +100,8 @@ def gdn_tree_recurrence_reference(
     ns = state.shape[0]
     _checks.shape("state", state, [ns, hv, vd, kd])
     nb, nn = check_tree_rows(n, trees, slots)
-    if snapshots is not None:
-        _checks.tensor("snapshots", snapshots, ndim=5, dtypes=(torch.float32, torch.bfloat16, torch.float64))
-        _checks.shape("snapshots", snapshots, [ns, None, hv, vd, kd])
-        if snapshots.shape[1] < nn:
-            raise ValueError(f"snapshots hold {snapshots.shape[1]} states per slot, the trees have {nn} nodes")
-    if records is not None:
-        if not isinstance(records, RawRecords):
-            raise TypeError(f"records must be RawRecords, got {type(records).__name__}")
-        records.check("records", ns, h, kd, hv, vd)
-        if records.ring_len < nn:
-            raise ValueError(f"records hold {records.ring_len} entries per slot, the trees have {nn} nodes")
+    check_tree_outputs(snapshots, records, ns, h, kd, hv, vd, nn,
+                       state_dtypes=(torch.float32, torch.bfloat16, torch.float64))
     _checks.same_device(q, state=state, slots=slots, snapshots=snapshots, records=None if records is None else records.k)
     sl = slots.tolist()
     error = slots_error(sl, ns, unique=True)
@@ -225,7 +232,122 @@ except ImportError:  # the reference backend works without Triton
 
 COMPACT_BLOCK = 1024
 
+# gdn_tree_recurrence: one program per (V block, request, value head), like the
+# recurrence kernel. Why a stack and not per-path programs: a program per node would
+# read the state once per node (N reads instead of 1) and replay its whole path (depth
+# + 1 steps per node instead of 1). Here the program loads its [BV, K] state tile once
+# and visits the nodes in depth-first preorder (DraftTrees.dfs_order), where every
+# node's parent is on the current root path. It keeps that path's states in registers
+# as a stack indexed by depth ([DP, BV, K/4] per column part, DP >= the deepest level):
+# node at depth d steps from level d - 1 (the root from the checkpoint tile) and its
+# state becomes level d. Taking a level is a masked sum over the stack's first axis, an
+# exact copy (one term, zeros elsewhere), so every node's state is the path
+# recurrence's, bit for bit the recurrence kernel's on the path (same helpers, tile and
+# warps). No state is written (fold); with snapshots each node's state is also stored
+# (snapshot, the peer method). Registers grow with the depth, not with N: a depth-3
+# tree holds 4 levels.
+
 if triton is not None:
+    from .recurrent import _load_token as _rec_load_token, exact_block_k, pick_block_v
+    from .triton_common import EXACT_NUM_WARPS, NORM_EPS, gdn_gates as _tl_gdn_gates
+    from .triton_common import gdn_state_step as _tl_state_step, load_parts as _tl_load_parts
+    from .triton_common import mask_and as _tl_mask_and, normalized as _tl_normalized, row_dot as _tl_row_dot
+    from .triton_common import row_sum as _tl_row_sum, store_parts as _tl_store_parts, to_rtne as _tl_to_rtne
+
+    @triton.jit
+    def _pop_level(stack, lvl, d):
+        """Level ``d`` of a ``[DP, BV, KQ]`` stack (exact: one term of the sum is nonzero)."""
+        return _tl_row_sum(tl.where(lvl[:, None, None] == d, stack, 0.0), 0)
+
+    @triton.jit
+    def _push_level(stack, lvl, d, S):
+        return tl.where(lvl[:, None, None] == d, S[None, :, :], stack)
+
+    @triton.jit
+    def _tree_recurrence_kernel(
+        q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr,
+        state_ptr, slots_ptr, nodes_ptr, depth_ptr, order_ptr, o_ptr,
+        snap_ptr, rec_k_ptr, rec_v_ptr, rec_g_ptr, rec_beta_ptr,
+        stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+        stride_a_tok, stride_b_tok, stride_state_slot, stride_snap_slot,
+        srk_slot, srk_pos, srk_head, srv_slot, srv_pos, srv_head, srg_slot, srg_pos, srg_head,
+        srb_slot, srb_pos, srb_head,
+        scale, eps,
+        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+        TN: tl.constexpr, DP: tl.constexpr, HAS_SNAPSHOTS: tl.constexpr, HAS_RECORDS: tl.constexpr,
+    ):
+        i_v = tl.program_id(0)
+        i_b = tl.program_id(1)
+        i_hv = tl.program_id(2)
+        i_h = i_hv // (HV // H)
+        slot = tl.load(slots_ptr + i_b).to(tl.int64)
+        bos = i_b.to(tl.int64) * TN
+        KQ: tl.constexpr = BK // 4
+        offs_c = tl.arange(0, KQ)
+        all_c = offs_c >= 0
+        offs_v = i_v * BV + tl.arange(0, BV)
+        mask_v = offs_v < V
+        o_at = o_ptr + (bos * HV + i_hv) * V + offs_v  # o is a fresh contiguous [B * TN, HV, V]
+        if slot < 0:
+            for i in range(0, TN):
+                tl.store(o_at + i * HV * V, tl.full([BV], 0, o_ptr.dtype.element_ty), mask=mask_v)
+            return
+        count = tl.load(nodes_ptr + i_b)
+        A_log = tl.load(A_log_ptr + i_hv)
+        dt_bias = tl.load(dt_bias_ptr + i_hv)
+        tile = offs_v[:, None] * K + offs_c[None, :]
+        R0, R1, R2, R3 = _tl_load_parts(state_ptr + slot * stride_state_slot + i_hv * (V * K), tile, mask_v[:, None],
+                                        offs_c[None, :], K, KQ)
+        lvl = tl.arange(0, DP)
+        st0 = tl.zeros([DP, BV, KQ], dtype=tl.float32)
+        st1 = tl.zeros([DP, BV, KQ], dtype=tl.float32)
+        st2 = tl.zeros([DP, BV, KQ], dtype=tl.float32)
+        st3 = tl.zeros([DP, BV, KQ], dtype=tl.float32)
+        if HAS_RECORDS:
+            k_writer = (i_hv % (HV // H) == 0) & (i_v == 0)
+            rk_at = rec_k_ptr + slot * srk_slot + i_h * srk_head
+            rv_at = rec_v_ptr + slot * srv_slot + i_hv * srv_head
+            rg_at = rec_g_ptr + slot * srg_slot + i_hv * srg_head
+            rb_at = rec_beta_ptr + slot * srb_slot + i_hv * srb_head
+        for j in range(0, TN):
+            valid = j < count
+            node = tl.load(order_ptr + i_b * TN + j).to(tl.int64)
+            d = tl.load(depth_ptr + i_b * TN + node)
+            mc = _tl_mask_and(all_c, valid)
+            mv = _tl_mask_and(mask_v, valid)
+            q0, q1, q2, q3, k0, k1, k2, k3, v, a, b = _rec_load_token(
+                q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, bos + node, valid, mc, mv, i_h, i_hv, offs_c, offs_v,
+                stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+                stride_a_tok, stride_b_tok, K, KQ,
+            )
+            # The parent's state: the checkpoint for the root, else stack level d - 1.
+            is_root = d <= 0
+            P0 = tl.where(is_root, R0, _pop_level(st0, lvl, d - 1))
+            P1 = tl.where(is_root, R1, _pop_level(st1, lvl, d - 1))
+            P2 = tl.where(is_root, R2, _pop_level(st2, lvl, d - 1))
+            P3 = tl.where(is_root, R3, _pop_level(st3, lvl, d - 1))
+            g, beta = _tl_gdn_gates(a, b, A_log, dt_bias)
+            kh0, kh1, kh2, kh3 = _tl_normalized(k0, k1, k2, k3, eps, 1.0)
+            qh0, qh1, qh2, qh3 = _tl_normalized(q0, q1, q2, q3, eps, scale)
+            S0, S1, S2, S3 = _tl_state_step(P0, P1, P2, P3, kh0, kh1, kh2, kh3, v.to(tl.float32), g, beta)
+            # A padded node (past count) pushes nothing: its level index is out of the stack.
+            at = tl.where(valid, d, DP)
+            st0 = _push_level(st0, lvl, at, S0)
+            st1 = _push_level(st1, lvl, at, S1)
+            st2 = _push_level(st2, lvl, at, S2)
+            st3 = _push_level(st3, lvl, at, S3)
+            o = _tl_row_dot(S0, S1, S2, S3, qh0, qh1, qh2, qh3)
+            # Padded nodes' rows get zeros.
+            tl.store(o_at + node * HV * V, _tl_to_rtne(tl.where(valid, o, 0.0), o_ptr.dtype.element_ty), mask=mask_v)
+            if HAS_SNAPSHOTS:
+                snap_at = snap_ptr + slot * stride_snap_slot + (node * HV + i_hv) * (V * K)
+                _tl_store_parts(snap_at, tile, mv[:, None], offs_c[None, :], K, KQ, S0, S1, S2, S3)
+            if HAS_RECORDS:
+                _tl_store_parts(rk_at, node * srk_pos + offs_c, _tl_mask_and(mc, k_writer), offs_c, K, KQ,
+                                k0, k1, k2, k3)
+                tl.store(rv_at + node * srv_pos + offs_v, v.to(rec_v_ptr.dtype.element_ty), mask=mv)
+                tl.store(rg_at + node * srg_pos, g, mask=valid & (i_v == 0))
+                tl.store(rb_at + node * srb_pos, beta, mask=valid & (i_v == 0))
 
     @triton.jit
     def _compact_path_kernel(
@@ -282,3 +404,52 @@ def compact_path_triton(buffers, slots, path, count, offset=None) -> None:
             x.stride(0), x.stride(1), x.stride(2), x.stride(3), x.stride(4), e, db,
             R=r, N=nn, BLOCK=block, HAS_OFFSET=offset is not None, num_warps=4,
         )
+
+
+@register("tree_recurrence", "triton")
+def gdn_tree_recurrence_triton(q, k, v, a, b, A_log, dt_bias, state, slots, trees, *, snapshots=None, records=None):
+    """Triton version of :func:`gdn_tree_recurrence_reference` (same arguments and
+    results): the depth-indexed stack of path states in registers (see the module
+    notes above the kernel). Layouts and limits as ``gdn_recurrence_triton``'s (no
+    float64; ``state`` and ``snapshots`` packed per slot, records with a contiguous last
+    axis and float32 gates)."""
+    from .recurrent import ACT_DTYPES_TRITON, STATE_DTYPES_TRITON, check_inner_contiguous
+
+    n, h, kd, hv, vd = check_layer_inputs(q, k, v, a, b, A_log, dt_bias)
+    for name, x in (("q", q), ("k", k), ("v", v), ("a", a), ("b", b)):
+        _checks.tensor(name, x, dtypes=ACT_DTYPES_TRITON)
+    check_inner_contiguous(q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias)
+    _checks.tensor("state", state, ndim=4, dtypes=STATE_DTYPES_TRITON)
+    ns = state.shape[0]
+    _checks.shape("state", state, [ns, hv, vd, kd])
+    _checks.packed("state", state, 3)
+    nb, nn = check_tree_rows(n, trees, slots)
+    _checks.contiguous(slots=slots)
+    check_tree_outputs(snapshots, records, ns, h, kd, hv, vd, nn, state_dtypes=STATE_DTYPES_TRITON)
+    if snapshots is not None:
+        _checks.packed("snapshots", snapshots, 4)
+    if records is not None:
+        for field in ("g", "beta"):
+            _checks.tensor(f"records.{field}", getattr(records, field), dtypes=(torch.float32,))
+        check_inner_contiguous(**{f"records.{f}": getattr(records, f) for f in ("k", "v")})
+    _checks.same_device(q, state=state, slots=slots, snapshots=snapshots, records=None if records is None else records.k)
+    slots = guards.check_slots(slots, num_slots=ns)
+    o = torch.empty(n, hv, vd, dtype=v.dtype, device=v.device)
+    if nb == 0:
+        return o
+    dev = trees.on(q.device)
+    levels = max(1, int(trees.depth.max()))  # stack levels: depths 0 .. max - 1 are parents
+    bv = pick_block_v(kd, vd, nb, hv, state.dtype, q.device, read_only=snapshots is None)
+    dummy = o
+    rec = records if records is not None else RawRecords(dummy, dummy, dummy, dummy)
+    rec_strides = [x.stride(d) if records is not None else 0 for x in rec for d in range(3)]
+    _tree_recurrence_kernel[(triton.cdiv(vd, bv), nb, hv)](
+        q, k, v, a, b, A_log, dt_bias, state, slots, dev.num_nodes, dev.depth, dev.dfs_order, o,
+        snapshots if snapshots is not None else dummy, rec.k, rec.v, rec.g, rec.beta,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
+        state.stride(0), snapshots.stride(0) if snapshots is not None else 0, *rec_strides,
+        kd**-0.5, NORM_EPS,
+        H=h, HV=hv, K=kd, V=vd, BK=exact_block_k(kd), BV=bv, TN=nn, DP=triton.next_power_of_2(levels),
+        HAS_SNAPSHOTS=snapshots is not None, HAS_RECORDS=records is not None, num_warps=EXACT_NUM_WARPS,
+    )
+    return o

@@ -392,12 +392,7 @@ class Strategy:
 
     def _check_accepted_nodes(self, batch: Batch, trees: DraftTrees, accepted) -> torch.Tensor:
         """``accepted`` nodes as int32 on the pool's device (see :meth:`commit_tree`)."""
-        if not isinstance(accepted, torch.Tensor):
-            accepted = torch.tensor([int(n) for n in accepted], dtype=torch.int32)
-        _checks.tensor("accepted", accepted, ndim=1, dtypes=_checks.INDEX_DTYPES)
-        _checks.shape("accepted", accepted, [batch.size])
-        if accepted.device.type != "cpu" or batch.slots.device.type == "cpu":
-            _checks.same_device(batch.slots, accepted=accepted)
+        accepted = self._accepted_tensor(batch, accepted)
         if accepted.device.type != "cpu":
             counts = trees.on(accepted.device).num_nodes
             return guards.clamp_accepted(batch.slots, accepted.to(torch.int32) + 1, counts) - 1
@@ -482,6 +477,18 @@ class Strategy:
         self._abort_states(batch)
         self._close_step()
 
+    @staticmethod
+    def _accepted_tensor(batch: Batch, accepted) -> torch.Tensor:
+        """``accepted`` (a sequence or a tensor) as a ``[B]`` integer tensor, metadata
+        checked: on the host, or on the batch's device."""
+        if not isinstance(accepted, torch.Tensor):
+            accepted = torch.tensor([int(n) for n in accepted], dtype=torch.int32)
+        _checks.tensor("accepted", accepted, ndim=1, dtypes=_checks.INDEX_DTYPES)
+        _checks.shape("accepted", accepted, [batch.size])
+        if accepted.device.type != "cpu" or batch.slots.device.type == "cpu":
+            _checks.same_device(batch.slots, accepted=accepted)
+        return accepted
+
     def _check_accepted(self, batch: Batch, accepted) -> torch.Tensor:
         """``accepted`` as an int32 tensor on the pool's device, checked once per step.
 
@@ -491,12 +498,7 @@ class Strategy:
         clamped into it and raises the error flag, which the next step's first call
         (or :meth:`StatePool.check_errors`) reports.
         """
-        if not isinstance(accepted, torch.Tensor):
-            accepted = torch.tensor([int(n) for n in accepted], dtype=torch.int32)
-        _checks.tensor("accepted", accepted, ndim=1, dtypes=_checks.INDEX_DTYPES)
-        _checks.shape("accepted", accepted, [batch.size])
-        if accepted.device.type != "cpu" or batch.slots.device.type == "cpu":
-            _checks.same_device(batch.slots, accepted=accepted)
+        accepted = self._accepted_tensor(batch, accepted)
         if accepted.device.type != "cpu":
             return guards.clamp_accepted(batch.slots, accepted, batch.device_lengths)
         slots = batch.host_slots if batch.host_slots is not None else batch.slots.tolist()
