@@ -63,3 +63,16 @@ def test_tree_needs_its_drafter(model):
     other = DeviceMTPDrafter(eng, load_mtp_head(eng, str(embedded_model_dir("embedded"))))
     with pytest.raises(ValueError, match="same tree"):
         StepGenerator(eng, other, tree=tree)
+
+
+def test_sampled_tree_steps_emit_the_budget(model, prompts):
+    """Sampling through tree steps (rejection over siblings inside the step): every
+    request gets its budget of vocabulary tokens, and drafts past the root get accepted."""
+    from replayssm.engine.sampling import SamplingParams
+
+    tree = StaticTree.from_branching((2, 1))
+    eng = _engine(model, "fold", tree.num_nodes)
+    got = StepGenerator(eng, DeviceNgramDrafter(tree=tree), tree=tree,
+                        sampling=SamplingParams(temperature=0.7)).generate(prompts, 24)
+    assert [len(t) for t in got.tokens] == [24] and all(0 <= x < eng.vocab_size for x in got.tokens[0])
+    assert got.steps < 23
