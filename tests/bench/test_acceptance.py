@@ -60,6 +60,10 @@ def test_acceptance_command(tmp_path, capsys):
     (["--windows", "1,4"], "--windows"),
     (["--draft-model", "/nonexistent/draft"], "--draft-model"),
     (["--drafters", "ngram,oracle"], "--drafters"),
+    (["--fit-tree", "16"], "--fit-tree needs --tree"),
+    (["--tree", "4,4,1"], "has 37 nodes"),
+    (["--tree", "2,1", "--fit-tree", "1"], "--fit-tree must be in"),
+    (["--tree", "2,0"], "--tree"),
 ])
 def test_acceptance_rejects_bad_arguments(argv, message, capsys):
     rc = cli.main(["bench", "acceptance", "--device", "cpu", "--quiet", *argv])

@@ -367,7 +367,10 @@ def _run_trees(args: AcceptanceConfig, model, prompts, files, loss: float, progr
                     method="teacher-forced against the target's greedy continuation"),
         environment=environment(dev, "auto"), heldout_loss=loss, heldout_windows=args.heldout_windows,
         trees=rows, probe=None if probe is None else {k: probe[k] for k in ("tree", "tokens_per_step", "node_hits")},
-        fitted_parents=fitted, exit_code=0 if all(r["teacher_forcing_mismatches"] == 0 for r in rows) else 1,
+        # in fp32 the teacher-forced pass must reproduce plain decoding's tokens; in 16 bits
+        # its other kernels may flip a near-tie (counted in every row, not a failure)
+        fitted_parents=fitted,
+        exit_code=1 if model.dtype == torch.float32 and rows[0]["teacher_forcing_mismatches"] else 0,
     )
 
 
@@ -392,7 +395,9 @@ def _print_trees(result: dict, file) -> None:
     c = result["config"]
     print(f"draft trees: {c['model']} ({c['dtype']}, {c['device']}), MTP top-k drafts, {c['prompts']} held-out "
           f"prompts of {c['prompt_len']} tokens, {c['max_new_tokens']} greedy tokens each, {c['method']}", file=file)
-    print(f"held-out loss {result['heldout_loss']:.3f} nats/token", file=file)
+    mismatches = result["trees"][0]["teacher_forcing_mismatches"]
+    print(f"held-out loss {result['heldout_loss']:.3f} nats/token; teacher-forced argmax differs from plain "
+          f"decoding's token at {mismatches} positions", file=file)
     if result.get("fitted_parents"):
         print(f"fitted tree (from probe {c['probe_tree']} on {len(c['fit_prompt_files'])} other prompts): parents "
               f"{result['fitted_parents']}", file=file)

@@ -70,8 +70,8 @@ def check_trees(args) -> None:
         n = StaticTree.from_branching(br).num_nodes
         if n > MAX_TREE_NODES:
             raise ValueError(f"{name} {','.join(map(str, br))} has {n} nodes; at most {MAX_TREE_NODES}")
-    if args.fit_tree is not None and args.fit_tree > MAX_TREE_NODES:
-        raise ValueError(f"--fit-tree must be at most {MAX_TREE_NODES}, got {args.fit_tree}")
+    if args.fit_tree is not None and not 2 <= args.fit_tree <= MAX_TREE_NODES:
+        raise ValueError(f"--fit-tree must be in [2, {MAX_TREE_NODES}] nodes, got {args.fit_tree}")
     if trees and "mtp" not in args.drafters:
         raise ValueError("--tree compares MTP draft trees; --drafters must include mtp")
 
