@@ -28,7 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=1024, help="tokens to generate per prompt (default 1024)")
     parser.add_argument("--prompts", type=int, default=2, help="held-out prompts (default 2)")
     parser.add_argument("--prompt-len", type=int, default=64, help="tokens per prompt (default 64)")
-    parser.add_argument("--trees", nargs="+", default=["3,2,1", "2,2,2"], help="children per depth (default 3,2,1 2,2,2)")
+    parser.add_argument("--trees", nargs="+", default=["3,2,1", "2,2,2"],
+                        help="children per depth (default 3,2,1 2,2,2)")
     parser.add_argument("--strategies", nargs="+", default=["fold", "circular", "snapshot"])
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     parser.add_argument("--json", default=None, help="write the result here")
@@ -60,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             r = StepGenerator(eng, DeviceMTPDrafter(eng, load_mtp_head(eng, path), tree=tree), tree=tree).generate(
                 prompts, args.tokens)
-            first = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(r.tokens, plain.tokens)]
+            first = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None)
+                     for x, y in zip(r.tokens, plain.tokens)]
             same = r.tokens == plain.tokens
             ok &= same
             runs.append(dict(strategy=strategy, tree=tree.describe(), nodes=tree.num_nodes, equal=same,

@@ -138,9 +138,10 @@ def tree_shapes(branchings) -> list[tuple[int, ...]]:
 
 @torch.no_grad()
 def measure_trees(engine, head, prompts: list[list[int]], continuations: list[list[int]], shapes, *,
-                  max_new_tokens: int) -> list[dict]:
-    """Tokens per step of greedy speculative decoding with MTP top-k draft trees,
-    teacher-forced: the target's greedy continuation of every prompt is known
+                  max_new_tokens: int, drafter: str = "mtp") -> list[dict]:
+    """Tokens per step of greedy speculative decoding with draft trees (the MTP head's
+    top-k expansion, ``head``, or with ``drafter="ngram"`` n-gram lookup with several
+    continuations), teacher-forced: the target's greedy continuation of every prompt is known
     (``continuations``, plain decoding's tokens, first one included, at least
     ``max_new_tokens`` plus the deepest tree's depth + 1), so one forward of the target
     over prompt + continuation gives its greedy token and hidden state at every
@@ -159,7 +160,7 @@ def measure_trees(engine, head, prompts: list[list[int]], continuations: list[li
     ``tokens`` (emitted by them), ``tokens_per_step``, and ``node_hits``: per node, the
     steps whose target tokens followed its root path (what :func:`fit_tree` reads).
     """
-    from ..engine.device_drafters import DeviceMTPDrafter
+    from ..engine.device_drafters import DeviceMTPDrafter, DeviceNgramDrafter
     from ..engine.sampling import accept_greedy_tree
     from ..engine.trees import StaticTree
 
@@ -191,9 +192,9 @@ def measure_trees(engine, head, prompts: list[list[int]], continuations: list[li
     budget_end = torch.tensor([len(p) + max_new_tokens - 1 for p in prompts], device=dev)  # last token's index
     rows = []
     for tree in trees:
-        drafter = DeviceMTPDrafter(engine, head, tree=tree)
-        drafter.bind(b, tree.num_nodes - 1, length + tree.num_nodes + 2, dev)
-        drafts = drafter.join(list(range(b)), prompts, [c[0] for c in continuations], list(range(b)),
+        d = DeviceMTPDrafter(engine, head, tree=tree) if drafter == "mtp" else DeviceNgramDrafter(tree=tree)
+        d.bind(b, tree.num_nodes - 1, length + tree.num_nodes + 2, dev)
+        drafts = d.join(list(range(b)), prompts, [c[0] for c in continuations], list(range(b)),
                               hidden=prompt_hidden, offsets=offsets)
         pos = torch.tensor([len(p) for p in prompts], device=dev)  # the root: the last emitted token
         steps = torch.zeros(b, dtype=torch.int64, device=dev)
@@ -211,15 +212,15 @@ def measure_trees(engine, head, prompts: list[list[int]], continuations: list[li
             path = tree.path_tokens(tokens, node)[:, 1:]
             new = torch.cat([path, path.new_full((b, 1), -1)], 1)
             new[idx, count - 1] = nxt
-            drafter.observe(idx, new, count, hidden=hid[idx[:, None], pos[:, None] + span].reshape(-1, hid.shape[-1]),
-                            positions=pos[:, None] + span)
+            d.observe(idx, new, count, hidden=hid[idx[:, None], pos[:, None] + span].reshape(-1, hid.shape[-1]),
+                      positions=pos[:, None] + span)
             pos = torch.where(live, (pos + count).clamp(max=budget_end), pos)
-            drafts = drafter.propose(idx)
+            drafts = d.propose(idx)
         total_steps = int(steps.sum())
-        rows.append(dict(tree=tree.describe(), parents=tree.host_parents, nodes=tree.num_nodes, depth=tree.max_depth,
-                         steps=total_steps, node_hits=hits.tolist(),
-                         tokens=b * (max_new_tokens - 1), tokens_per_step=b * (max_new_tokens - 1) / max(1, total_steps),
-                         teacher_forcing_mismatches=mismatch))
+        tokens = b * (max_new_tokens - 1)
+        rows.append(dict(drafter=drafter, tree=tree.describe(), parents=tree.host_parents, nodes=tree.num_nodes,
+                         depth=tree.max_depth, steps=total_steps, node_hits=hits.tolist(), tokens=tokens,
+                         tokens_per_step=tokens / max(1, total_steps), teacher_forcing_mismatches=mismatch))
     return rows
 
 
@@ -311,9 +312,10 @@ def run_acceptance(args: AcceptanceConfig, progress_enabled: bool = True) -> dic
 
 
 def _run_trees(args: AcceptanceConfig, model, prompts, files, loss: float, progress_enabled: bool) -> dict:
-    """The tree comparison of :func:`run_acceptance`: every tree of ``args.trees`` beside
-    the chains of its depth and of its node count, and the fitted tree, teacher-forced
-    on the first ``args.prompts`` prompts (the fit on the others)."""
+    """The tree comparison of :func:`run_acceptance`, per drafter of ``args.drafters``
+    that makes trees (mtp, ngram): every tree of ``args.trees`` beside the chains of its
+    depth and of its node count, and the fitted tree, teacher-forced on the first
+    ``args.prompts`` prompts (the fit on the others)."""
     from ..engine.adapter import HybridEngine
     from ..engine.drafters import load_mtp_head
     from ..engine.loading import model_label
@@ -330,31 +332,38 @@ def _run_trees(args: AcceptanceConfig, model, prompts, files, loss: float, progr
     nodes = max(StaticTree.from_branching(br).num_nodes for br in (*shapes, args.probe_tree))
     engine = HybridEngine(model, strategy=args.strategy, num_slots=args.prompts, window=1,
                           max_len=args.prompt_len + budget + nodes + 2)
-    head = load_mtp_head(engine, args.model)
-    fitted = probe = None
-    with ProgressBar(2 + 2 * bool(fitp), "trees", unit="pass", enabled=progress_enabled) as bar:
+    head = load_mtp_head(engine, args.model) if "mtp" in args.drafters else None
+    kinds = [d for d in ("mtp", "ngram") if d in args.drafters]
+    fitted: dict[str, list[int]] = {}
+    probes: dict[str, dict] = {}
+    rows = []
+    with ProgressBar(1 + bool(fitp) + len(kinds) * (1 + bool(fitp)), "trees", unit="pass",
+                     enabled=progress_enabled) as bar:
         if fitp:
-            plain = measure(model, args.model, fitp, drafter="none", window=1, max_new_tokens=budget,
-                            strategy=args.strategy)
+            plain_fit = measure(model, args.model, fitp, drafter="none", window=1, max_new_tokens=budget,
+                                strategy=args.strategy)["tokens"]
             bar.update()
-            probe = measure_trees(engine, head, fitp, plain["tokens"], [args.probe_tree],
-                                  max_new_tokens=args.max_new_tokens)[0]
-            fitted = fit_tree(probe["parents"], probe["node_hits"], args.fit_tree)
-            bar.update()
+            for kind in kinds:
+                probes[kind] = measure_trees(engine, head, fitp, plain_fit, [args.probe_tree],
+                                             max_new_tokens=args.max_new_tokens, drafter=kind)[0]
+                fitted[kind] = fit_tree(probes[kind]["parents"], probes[kind]["node_hits"], args.fit_tree)
+                bar.update()
         plain = measure(model, args.model, evalp, drafter="none", window=1, max_new_tokens=budget,
-                        strategy=args.strategy)
+                        strategy=args.strategy)["tokens"]
         bar.update()
-        trees = [StaticTree.from_branching(br, engine.device) for br in shapes]
-        if fitted is not None:
-            trees.append(StaticTree(DraftTrees.from_parents([fitted]), engine.device))
-        rows = measure_trees(engine, head, evalp, plain["tokens"], trees, max_new_tokens=args.max_new_tokens)
-        bar.update()
-    if fitted is not None:
-        rows[-1]["tree"] = f"fitted ({rows[-1]['nodes']} nodes)"
-    chain_of = {(r["nodes"], r["depth"]): r for r in rows if r["nodes"] == r["depth"] + 1}
+        for kind in kinds:
+            trees = [StaticTree.from_branching(br, engine.device) for br in shapes]
+            if kind in fitted:
+                trees.append(StaticTree(DraftTrees.from_parents([fitted[kind]]), engine.device))
+            part = measure_trees(engine, head, evalp, plain, trees, max_new_tokens=args.max_new_tokens, drafter=kind)
+            if kind in fitted:
+                part[-1]["tree"] = f"fitted ({part[-1]['nodes']} nodes)"
+            rows += part
+            bar.update()
+    chain_of = {(r["drafter"], r["nodes"], r["depth"]): r for r in rows if r["nodes"] == r["depth"] + 1}
     for r in rows:
-        same_depth = chain_of.get((r["depth"] + 1, r["depth"]))
-        same_nodes = chain_of.get((r["nodes"], r["nodes"] - 1))
+        same_depth = chain_of.get((r["drafter"], r["depth"] + 1, r["depth"]))
+        same_nodes = chain_of.get((r["drafter"], r["nodes"], r["nodes"] - 1))
         r["vs_chain_same_depth"] = r["tokens_per_step"] / same_depth["tokens_per_step"] - 1 if same_depth else None
         r["vs_chain_same_nodes"] = r["tokens_per_step"] / same_nodes["tokens_per_step"] - 1 if same_nodes else None
     dev = next(model.parameters()).device
@@ -363,10 +372,10 @@ def _run_trees(args: AcceptanceConfig, model, prompts, files, loss: float, progr
                     strategy=args.strategy, prompts=len(evalp), prompt_files=files[: len(evalp)],
                     fit_prompt_files=files[len(evalp):], prompt_len=args.prompt_len,
                     max_new_tokens=args.max_new_tokens, trees=[",".join(map(str, br)) for br in args.trees],
-                    fit_tree=args.fit_tree, probe_tree=",".join(map(str, args.probe_tree)), drafter="mtp",
+                    fit_tree=args.fit_tree, probe_tree=",".join(map(str, args.probe_tree)), drafters=kinds,
                     method="teacher-forced against the target's greedy continuation"),
         environment=environment(dev, "auto"), heldout_loss=loss, heldout_windows=args.heldout_windows,
-        trees=rows, probe=None if probe is None else {k: probe[k] for k in ("tree", "tokens_per_step", "node_hits")},
+        trees=rows, probes={k: {f: p[f] for f in ("tree", "tokens_per_step", "node_hits")} for k, p in probes.items()},
         # in fp32 the teacher-forced pass must reproduce plain decoding's tokens; in 16 bits
         # its other kernels may flip a near-tie (counted in every row, not a failure)
         fitted_parents=fitted,
@@ -393,18 +402,19 @@ def print_table(result: dict, file=None) -> None:
 
 def _print_trees(result: dict, file) -> None:
     c = result["config"]
-    print(f"draft trees: {c['model']} ({c['dtype']}, {c['device']}), MTP top-k drafts, {c['prompts']} held-out "
+    print(f"draft trees: {c['model']} ({c['dtype']}, {c['device']}), drafters {','.join(c['drafters'])}, "
+          f"{c['prompts']} held-out "
           f"prompts of {c['prompt_len']} tokens, {c['max_new_tokens']} greedy tokens each, {c['method']}", file=file)
     mismatches = result["trees"][0]["teacher_forcing_mismatches"]
     print(f"held-out loss {result['heldout_loss']:.3f} nats/token; teacher-forced argmax differs from plain "
           f"decoding's token at {mismatches} positions", file=file)
-    if result.get("fitted_parents"):
-        print(f"fitted tree (from probe {c['probe_tree']} on {len(c['fit_prompt_files'])} other prompts): parents "
-              f"{result['fitted_parents']}", file=file)
-    print(f"{'tree':<22} {'nodes':>5} {'depth':>5} {'tokens/step':>11} {'steps':>6} {'vs chain, same depth':>20} "
-          f"{'vs chain, same nodes':>20}", file=file)
+    for kind, parents in result["fitted_parents"].items():
+        print(f"{kind} fitted tree (from probe {c['probe_tree']} on {len(c['fit_prompt_files'])} other prompts): "
+              f"parents {parents}", file=file)
+    print(f"{'drafter':<7} {'tree':<22} {'nodes':>5} {'depth':>5} {'tokens/step':>11} {'steps':>6} "
+          f"{'vs chain, same depth':>20} {'vs chain, same nodes':>20}", file=file)
     pct = lambda x: "-" if x is None else f"{x:+.1%}"  # noqa: E731
     for r in result["trees"]:
         name = r["tree"] if len(r["tree"]) <= 22 else f"chain of {r['nodes']}"
-        print(f"{name:<22} {r['nodes']:>5} {r['depth']:>5} {r['tokens_per_step']:>11.2f} {r['steps']:>6} "
-              f"{pct(r['vs_chain_same_depth']):>20} {pct(r['vs_chain_same_nodes']):>20}", file=file)
+        print(f"{r['drafter']:<7} {name:<22} {r['nodes']:>5} {r['depth']:>5} {r['tokens_per_step']:>11.2f} "
+              f"{r['steps']:>6} {pct(r['vs_chain_same_depth']):>20} {pct(r['vs_chain_same_nodes']):>20}", file=file)

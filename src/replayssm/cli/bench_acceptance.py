@@ -28,8 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="model dtype (auto: bf16 on CUDA, fp32 on the CPU)")
     parser.add_argument("--device", type=device_name, default="auto", help="auto, cpu, cuda, cuda:N (default auto)")
     parser.add_argument("--tree", dest="trees", type=branching, action="append", default=None, metavar="BRANCHING",
-                        help="compare MTP draft trees instead: children per depth, e.g. 3,2,1 (repeatable); each "
-                             "beside the chains of its depth and of its node count, teacher-forced")
+                        help="compare draft trees (of the mtp and ngram drafters) instead: children per depth, e.g. "
+                             "3,2,1 (repeatable); each beside the chains of its depth and of its node count, "
+                             "teacher-forced")
     parser.add_argument("--fit-tree", type=positive_int, default=None, metavar="N",
                         help="with --tree: also fit a tree of at most N nodes from --probe-tree measured on the next "
                              "--prompts held-out files")
@@ -72,8 +73,8 @@ def check_trees(args) -> None:
             raise ValueError(f"{name} {','.join(map(str, br))} has {n} nodes; at most {MAX_TREE_NODES}")
     if args.fit_tree is not None and not 2 <= args.fit_tree <= MAX_TREE_NODES:
         raise ValueError(f"--fit-tree must be in [2, {MAX_TREE_NODES}] nodes, got {args.fit_tree}")
-    if trees and "mtp" not in args.drafters:
-        raise ValueError("--tree compares MTP draft trees; --drafters must include mtp")
+    if trees and not {"mtp", "ngram"} & set(args.drafters):
+        raise ValueError("--tree compares the draft trees of the mtp and ngram drafters; --drafters must name one")
 
 
 def main(args) -> int:

@@ -442,7 +442,8 @@ class StepGenerator:
 
         if tree is not None:
             if drafter is None or getattr(drafter, "tree", None) is not tree:
-                raise ValueError("tree needs a drafter built with the same tree (e.g. DeviceMTPDrafter(..., tree=tree))")
+                raise ValueError("tree needs a drafter built with the same tree "
+                                 "(e.g. DeviceMTPDrafter(..., tree=tree))")
             num_draft = tree.num_nodes - 1
             tree = None if tree.is_chain else tree
         check_generator_args(engine, drafter, DeviceDrafter, sampling, num_draft)

@@ -288,7 +288,7 @@ def accept_sampled_tree(p: torch.Tensor, tokens: torch.Tensor, tree, q: torch.Te
             x = tokens[rows, c]
             r_x = r.gather(1, x[:, None])[:, 0]
             if q is None:
-                q_c = torch.nn.functional.one_hot(x, v).to(r.dtype)
+                q_c = torch.zeros_like(r).scatter_(1, x[:, None], 1.0)
                 q_x = torch.ones_like(r_x)
             else:
                 q_c = q[rows, c]
