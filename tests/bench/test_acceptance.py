@@ -60,8 +60,43 @@ def test_acceptance_command(tmp_path, capsys):
     (["--windows", "1,4"], "--windows"),
     (["--draft-model", "/nonexistent/draft"], "--draft-model"),
     (["--drafters", "ngram,oracle"], "--drafters"),
+    (["--fit-tree", "16"], "--fit-tree needs --tree"),
+    (["--tree", "4,4,1"], "has 37 nodes"),
+    (["--tree", "2,1", "--fit-tree", "1"], "--fit-tree must be in"),
+    (["--tree", "2,0"], "--tree"),
 ])
 def test_acceptance_rejects_bad_arguments(argv, message, capsys):
     rc = cli.main(["bench", "acceptance", "--device", "cpu", "--quiet", *argv])
     err = capsys.readouterr().err
     assert rc == 2 and message in err and err.count("\n") == 1, err
+
+
+def test_acceptance_tree_command(tmp_path, capsys):
+    """``--tree``: the MTP tree against the chains of its depth and node count,
+    teacher-forced; the chain's own row is the 0% reference and a tree of the chain's
+    depth accepts at least as deep as the chain (its top-1 path is the chain)."""
+    js = tmp_path / "trees.json"
+    rc = cli.main(["bench", "acceptance", "--device", "cpu", "--drafters", "mtp", "--prompts", "2", "--prompt-len",
+                   "48", "--max-new-tokens", "24", "--heldout-windows", "1", "--tree", "2,1", "--quiet",
+                   "--json", str(js)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    rows = {r["tree"]: r for r in json.loads(js.read_text())["trees"]}
+    assert set(rows) == {"1,1", "2,1", "1,1,1,1"}
+    assert rows["1,1"]["vs_chain_same_depth"] == 0 and rows["2,1"]["nodes"] == 5
+    assert rows["2,1"]["tokens_per_step"] >= rows["1,1"]["tokens_per_step"] > 1.0
+    assert all(r["teacher_forcing_mismatches"] == 0 and r["tokens"] == 2 * 23 for r in rows.values())
+    assert "vs chain, same depth" in out
+
+
+def test_fit_tree_keeps_the_most_followed_nodes_as_a_top_k_tree():
+    from replayssm.bench.acceptance import fit_tree
+
+    probe = [-1, 0, 0, 0, 1, 1, 2, 2, 3, 3]  # 3,2: nodes 4, 5 under 1; 6, 7 under 2; 8, 9 under 3
+    hits = [100, 90, 6, 2, 70, 15, 5, 1, 1, 0]
+    assert fit_tree(probe, hits, 5) == [-1, 0, 0, 1, 1]  # nodes 0, 1, 2, 4, 5 renumbered breadth first
+    assert fit_tree(probe, hits, 4) == [-1, 0, 1, 1]
+    # a rank-1 child needs its rank-0 sibling (top-k fills children best first): no room for both
+    hits = [100, 90, 6, 2, 10, 70, 5, 1, 1, 0]
+    assert fit_tree(probe, hits, 3) == [-1, 0, 1]
+    assert fit_tree(probe, hits, 4) == [-1, 0, 1, 1]

@@ -169,6 +169,20 @@ def test_ngram_drafter_without_hf(tmp_path):
             assert r["drafter"] == "ngram" and r["steps"] <= 11  # never more steps than plain
 
 
+def test_draft_trees_with_padding_rows(tmp_path):
+    """``--tree``: every speculative step verifies an n-gram tree (batch 3 runs in the
+    bucket of 4, with a padding row), and the tokens are plain decoding's (fp32)."""
+    js = tmp_path / "e.json"
+    rc = cli.main(["bench", "e2e", "--random", "tiny", "--batches", "3", "--max-new-tokens", "12", "--prompt-len", "6",
+                   "--quiet", "--no-hf", "--strategies", "fold,circular", "--tree", "2,1", "--json", str(js)])
+    assert rc == 0
+    data = json.loads(js.read_text())
+    rows = [r for r in data["rows"] if r["mode"] != "plain"]
+    assert data["config"]["tree"] == [2, 1] and len(rows) == 2
+    for r in rows:
+        assert r["tree"] == "2,1" and r["window"] == 5 and r["matches_plain"] and r["generated_tokens"] == 36
+
+
 def test_checkpoint_with_its_mtp_head(tmp_path):
     """A local checkpoint drafted by its own MTP head (inside the static step), beside
     the static-cache HF baseline of the same checkpoint."""
@@ -247,6 +261,9 @@ def test_compare_tokens_classification():
     (["--max-new-tokens", "8-x"], "--max-new-tokens"),
     (["--prefill-chunk", "0"], "--prefill-chunk"),
     (["--prefill", "fast"], "--prefill"),
+    (["--tree", "3,x"], "--tree"),
+    (["--tree", "4,4"], "21 nodes"),
+    (["--tree", "2,1", "--drafter", "forced"], "tree needs a drafter"),
 ])
 def test_cli_rejects_bad_settings(argv, message, capsys):
     rc = cli.main(["bench", "e2e", "--device", "cpu", "--quiet", *argv])

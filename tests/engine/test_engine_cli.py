@@ -44,6 +44,17 @@ def test_generate_streams_and_reports(family, draft, checkpoints, capsys):
         assert "rate 1.00" in out
 
 
+def test_generate_with_draft_trees(checkpoints, capsys):
+    rc, out = generate(capsys, "--model", checkpoints["qwen3_5"], "--prompt", "Hello, GDN", "--draft", "mtp",
+                       "--tree", "2,1", "--strategy", "circular", "--max-new-tokens", "24", "--ignore-eos",
+                       "--compare-plain")
+    assert rc == 0, out
+    assert "generated 24 tokens" in out and "greedy agreement with plain decoding: 24/24 tokens" in out
+    rc = cli.main(["generate", "--model", checkpoints["qwen3_5"], "--prompt", "x", "--draft", "none", "--tree", "2,1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--tree needs --draft ngram or mtp" in err and err.count("\n") == 1
+
+
 def test_generate_batch_sampling_and_chat(checkpoints, capsys):
     path = checkpoints["qwen3_5"]
     rc, out = generate(capsys, "--model", path, "--prompt", "one", "--prompt", "two two", "--chat",

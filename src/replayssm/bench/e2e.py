@@ -142,6 +142,9 @@ class E2EConfig:
     graphs: bool = True  # CUDA graphs (CUDA only)
     repeats: int = 3
     seed: int = 0
+    #: a draft tree as children per depth (the ngram or mtp drafter): every speculative
+    #: step verifies a tree of this shape instead of a chain of ``num_draft``
+    tree: tuple[int, ...] = ()
 
     def check(self) -> None:
         for name in ("num_draft", "repeats"):
@@ -176,6 +179,8 @@ class E2EConfig:
         if self.drafter in SET_ACCEPTANCE:
             if not self.acceptance or any(not 0 <= p <= 1 for p in self.acceptance):
                 raise ValueError(f"acceptance must be probabilities in [0, 1], got {list(self.acceptance)}")
+        if self.tree:
+            self._check_tree()
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.backend not in BACKENDS:
@@ -184,6 +189,26 @@ class E2EConfig:
             if not Path(self.model).is_dir() or not (Path(self.model) / "config.json").is_file():
                 raise ValueError(f"model must be a checkpoint directory with a config.json, got {self.model!r}")
         check_device(self.device)
+
+    def _check_tree(self) -> None:
+        from ..engine.factory import MAX_WINDOW
+        from ..engine.trees import StaticTree
+
+        if self.drafter not in ("ngram", "mtp"):
+            raise ValueError(f"a tree needs a drafter whose tokens the target verifies (ngram, mtp), got "
+                             f"{self.drafter!r}")
+        n = StaticTree.from_branching(self.tree).num_nodes
+        if n > MAX_WINDOW:
+            raise ValueError(f"tree {','.join(map(str, self.tree))} has {n} nodes; a window holds at most {MAX_WINDOW}")
+
+    @property
+    def window(self) -> int:
+        """The verify window of the speculative modes: the tree's nodes, or ``num_draft + 1``."""
+        if self.tree:
+            from ..engine.trees import StaticTree
+
+            return StaticTree.from_branching(self.tree).num_nodes
+        return self.num_draft + 1
 
     def _check_plain_ring(self) -> None:
         L, t = self.plain_ring_len, self.num_draft + 1
@@ -440,14 +465,19 @@ def run_mode(model, mode: str, prompts, warm, cfg: E2EConfig, *, on_done=None) -
     from ..engine.adapter import HybridEngine
     from ..engine.generator import StepGenerator
 
-    window = 1 if mode == PLAIN else cfg.num_draft + 1
+    window = 1 if mode == PLAIN else cfg.window
     engine = HybridEngine(
         model, num_slots=len(prompts), window=window, max_len=cfg.longest + window, backend=cfg.backend,
         prefill=cfg.prefill, **mode_engine_options(mode, cfg),
     )
-    drafter = None if mode in PLAIN_MODES else make_drafter(cfg, engine, model)
+    tree = None
+    if cfg.tree and mode not in PLAIN_MODES:
+        from ..engine.trees import StaticTree
+
+        tree = StaticTree.from_branching(cfg.tree, engine.device)
+    drafter = None if mode in PLAIN_MODES else make_drafter(cfg, engine, model, tree=tree)
     gen = StepGenerator(engine, drafter, num_draft=cfg.num_draft, eos_token_ids=(), graphs=cfg.graphed,
-                        prefill_chunk=cfg.prefill_chunk)
+                        prefill_chunk=cfg.prefill_chunk, tree=tree)
     budgets, warm_budgets = request_budgets(cfg, len(prompts)), request_budgets(cfg, len(warm), warmup=True)
     gen.capture()  # every bucket now: requests finishing unevenly must not capture inside a timed run
     oracle = cfg.drafter == "oracle" and mode not in PLAIN_MODES
@@ -467,12 +497,15 @@ def run_mode(model, mode: str, prompts, warm, cfg: E2EConfig, *, on_done=None) -
             runs.append(gen.generate(prompts, budgets))
             if on_done:
                 on_done()
-        row = _summary(mode, runs, len(prompts), None if mode in PLAIN_MODES else cfg.drafter, p, cfg.num_draft)
+        depth = cfg.num_draft if tree is None else tree.max_depth  # drafts on the longest path a step examines
+        row = _summary(mode, runs, len(prompts), None if mode in PLAIN_MODES else cfg.drafter, p, depth)
         row["graphed"] = gen.graphs
         row["state_bytes"] = engine.state_nbytes()
         row["prefill_kernel"] = engine.prefill_kernel
         if mode == PLAIN_RING:
             row.update(window=window, ring_len=engine.pool.ring_len, ring_decoding=engine.ring_decoding)
+        if tree is not None:
+            row.update(tree=tree.describe(), window=window)
         out.append((row, runs[-1].tokens))
     del gen, drafter
     del engine
@@ -544,11 +577,11 @@ def difference_reason(row: dict, dtype: str) -> str:
             "in fp32 and with the engine's fixed_shape mode (tests/gpu/test_engine_gpu.py)")
 
 
-def make_drafter(cfg: E2EConfig, engine, model):
+def make_drafter(cfg: E2EConfig, engine, model, tree=None):
     from ..engine import device_drafters, drafters
 
     if cfg.drafter == "ngram":
-        return device_drafters.DeviceNgramDrafter()
+        return device_drafters.DeviceNgramDrafter(tree=tree)
     vocab = model.get_output_embeddings().out_features
     if cfg.drafter == "oracle":
         return device_drafters.OracleDrafter({}, 0.0, vocab, seed=cfg.seed)  # P and references set per run
@@ -561,7 +594,7 @@ def make_drafter(cfg: E2EConfig, engine, model):
 
         state = random_mtp_state(model, seed=cfg.seed)
         head = drafters.build_mtp_head(engine, {k[len("mtp."):]: v for k, v in state.items()})
-    return device_drafters.DeviceMTPDrafter(engine, head)
+    return device_drafters.DeviceMTPDrafter(engine, head, tree=tree)
 
 
 def run_e2e(cfg: E2EConfig, *, progress: bool = True, on_batch=None) -> dict:
@@ -705,6 +738,12 @@ def _label(row: dict) -> str:
     return f"{row['mode']} P={row['acceptance']:g}"
 
 
+def drafts_text(c: dict) -> str:
+    """``"3 drafts"``, or ``"draft trees 3,2,1"`` for a run with ``tree`` in its config."""
+    tree = c.get("tree")
+    return f"draft trees {','.join(map(str, tree))}" if tree else f"{c['num_draft']} drafts"
+
+
 def print_table(result: dict, file=None) -> None:
     file = file or sys.stdout
     c = result["config"]
@@ -713,7 +752,7 @@ def print_table(result: dict, file=None) -> None:
         f"replayssm bench e2e: {c['model']}, {c['dtype']}, {env.get('device_name', env['device'])} ({env['backend']}, "
         f"{'CUDA graphs' if c['graphed'] else 'eager'}), {spec_text(c['prompt_len'])} prompt + "
         f"{spec_text(c['max_new_tokens'])} new tokens "
-        f"per request, {c['num_draft']} drafts ({c['drafter']}), greedy, median of {c['repeats']}",
+        f"per request, {drafts_text(c)} ({c['drafter']}), greedy, median of {c['repeats']}",
         file=file,
     )
     kernels = sorted({r["prefill_kernel"] for r in result["rows"] if r.get("prefill_kernel")})

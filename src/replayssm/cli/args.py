@@ -165,3 +165,13 @@ def num_draft(text: str) -> int:
         raise argparse.ArgumentTypeError(f"at most {MAX_WINDOW - 1} (the verify window k + 1 is at most {MAX_WINDOW}, "
                                          f"the longest the Triton window kernel takes), got {value}")
     return value
+
+
+def branching(text: str) -> tuple[int, ...]:
+    """A draft tree as children per depth, e.g. ``3,2,1``."""
+    from ..engine.trees import parse_branching
+
+    try:
+        return parse_branching(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

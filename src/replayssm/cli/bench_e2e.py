@@ -12,7 +12,7 @@ from ..engine.adapter import PREFILL_MODES
 from ..ops.dispatch import BACKENDS
 from ..strategies import STRATEGY_NAMES
 from . import common
-from .args import device_name, int_list, name_list, num_draft, output_path, positive_int
+from .args import branching, device_name, int_list, name_list, num_draft, output_path, positive_int
 
 
 def _probabilities(text: str) -> tuple[float, ...]:
@@ -81,6 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="ngram (prompt lookup), oracle (set acceptance on the strategy's own tokens), forced "
                              "(a seeded draw sets how many drafts each step accepts, whatever the numerics; a "
                              "benchmark of step cost) or the checkpoint's mtp head")
+    parser.add_argument("--tree", type=branching, default=(), metavar="BRANCHING",
+                        help="verify draft trees of this shape (children per depth, e.g. 3,2,1; the ngram or mtp "
+                             "drafter) instead of chains of --num-draft")
     parser.add_argument("--acceptance", type=_probabilities, default=d.acceptance,
                         help="oracle and forced drafters: probabilities of accepting each draft token after an "
                              "accepted one, one run per value (default 0,0.5,0.8,0.95)")
@@ -121,7 +124,7 @@ def config_from_args(args):
         prompt_len=pick(args.prompt_len, 64, 8), drafter=args.drafter, acceptance=tuple(args.acceptance),
         prefill=args.prefill, prefill_chunk=args.prefill_chunk,
         device=device, dtype=pick(args.dtype, "bf16", "fp32"), backend=args.backend, graphs=not args.no_graphs,
-        repeats=pick(args.repeats, 3, 1), seed=args.seed,
+        repeats=pick(args.repeats, 3, 1), seed=args.seed, tree=tuple(args.tree),
     )
 
 

@@ -16,7 +16,7 @@ import sys
 from ..engine.factory import DRAFT_CHOICES
 from ..strategies import STRATEGY_NAMES
 from . import common
-from .args import device_name, nonneg_float, nonneg_int, num_draft, positive_int, probability, utf8_text
+from .args import branching, device_name, nonneg_float, nonneg_int, num_draft, positive_int, probability, utf8_text
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 
@@ -36,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="GDN verify/rollback strategy (default fold)")
     parser.add_argument("--num-draft", type=num_draft, default=3,
                         help="draft tokens per step k, at most 15 (window = k + 1; default 3)")
+    parser.add_argument("--tree", type=branching, default=None, metavar="BRANCHING",
+                        help="verify draft trees of this shape instead of chains (children per depth, e.g. 3,2,1; "
+                             "--draft ngram or mtp; replaces --num-draft)")
     parser.add_argument("--max-new-tokens", type=positive_int, default=256, help="tokens to generate per prompt (default 256)")
     parser.add_argument("--temperature", type=nonneg_float, default=0.0, help="softmax temperature; 0 = greedy (default)")
     parser.add_argument("--top-p", type=probability, default=1.0, help="nucleus mass in (0, 1]; 1 keeps every token (default)")
@@ -67,6 +70,17 @@ def check_args(args) -> None:
         raise ValueError(f"--draft-model is only used with --draft model, not --draft {args.draft}")
     if args.draft == "mtp":
         common.check_mtp("--draft mtp", args.model)
+    if args.tree is not None:
+        from ..engine.factory import MAX_WINDOW
+        from ..engine.trees import StaticTree
+
+        if args.draft not in ("ngram", "mtp"):
+            raise ValueError(f"--tree needs --draft ngram or mtp, not --draft {args.draft}")
+        nodes = StaticTree.from_branching(args.tree).num_nodes
+        if nodes > MAX_WINDOW:
+            raise ValueError(f"--tree {','.join(map(str, args.tree))} has {nodes} nodes; a window holds at most "
+                             f"{MAX_WINDOW}")
+        args.num_draft = nodes - 1  # the window: the tree's nodes
     from ..engine.loading import load_tokenizer
 
     args.prompt_ids = encode_prompts(load_tokenizer(args.model), args.prompt, chat=args.chat)
@@ -107,10 +121,16 @@ def main(args) -> int:
     plain = args.draft == "none"
     engine = HybridEngine(model, strategy=args.strategy, num_slots=batch, window=1 if plain else args.num_draft + 1,
                           max_len=max_len)
+    tree = None
+    if args.tree is not None:
+        from ..engine.trees import StaticTree
+
+        tree = StaticTree.from_branching(args.tree, engine.device)
     drafter = make_drafter(args.draft, engine, model_dir=args.model, draft_model_dir=args.draft_model,
-                           sampling=sampling, batch=batch, max_len=max_len)
+                           sampling=sampling, batch=batch, max_len=max_len, tree=tree)
+    shape = f"k={args.num_draft}" if tree is None else f"tree {tree.describe()} ({tree.num_nodes} nodes)"
     print(f"model {args.model} ({engine.family}, {model.dtype}, {engine.device}); "
-          f"draft {args.draft}, strategy {args.strategy}, k={args.num_draft}; prompt prefill: {engine.prefill_kernel}",
+          f"draft {args.draft}, strategy {args.strategy}, {shape}; prompt prefill: {engine.prefill_kernel}",
           file=sys.stderr)
 
     stream = batch == 1 and not args.no_stream
@@ -132,7 +152,7 @@ def main(args) -> int:
         gen = SpeculativeGenerator(engine, drafter, num_draft=args.num_draft, sampling=sampling, eos_token_ids=eos,
                                    seed=args.seed)
     else:  # one static step per decode step, a CUDA graph replay on a GPU
-        gen = StepGenerator(engine, drafter, num_draft=args.num_draft, sampling=sampling, eos_token_ids=eos)
+        gen = StepGenerator(engine, drafter, num_draft=args.num_draft, sampling=sampling, eos_token_ids=eos, tree=tree)
     result = gen.generate(prompts, args.max_new_tokens, on_tokens=on_tokens)
     if stream:
         print()

@@ -10,7 +10,9 @@
   static-shape steps, one CUDA graph replay per step on a GPU (forward, acceptance,
   commit and the next drafts on the device); drafters that run inside the step:
   :class:`DeviceNgramDrafter`, :class:`DeviceMTPDrafter`, and for benchmarks
-  :class:`OracleDrafter` and :class:`ForcedDrafter` (``device_drafters``).
+  :class:`OracleDrafter` and :class:`ForcedDrafter` (``device_drafters``); with a
+  :class:`StaticTree` (``trees``), every step verifies a draft tree of the n-gram or
+  MTP drafter instead of a chain.
 * :class:`SpeculativeGenerator` (``generator``): the eager decoding loop (host-side
   drafters, the draft model), with greedy acceptance or distribution-preserving
   rejection sampling (``sampling``).
@@ -35,6 +37,7 @@ from .drafters import Draft, Drafter, MTPDrafter, MTPHead, ModelDrafter, NgramDr
 from .generator import GenerationResult, SpeculativeGenerator, StepGenerator
 from .kv_cache import KVCache
 from .sampling import SamplingParams, greedy_accept, rejection_sample, warp_probs
+from .trees import StaticTree
 
 __all__ = [
     "DeviceDrafter",
@@ -53,6 +56,7 @@ __all__ = [
     "OracleDrafter",
     "SamplingParams",
     "SpeculativeGenerator",
+    "StaticTree",
     "StepGenerator",
     "StepOutput",
     "greedy_accept",

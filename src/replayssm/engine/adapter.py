@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..state import Batch, GDNShape, StatePool, strategy_class
-from .attention import slot_attention
+from .attention import slot_attention, tree_attention
 from .kv_cache import KVCache, WindowLayout, cached_attention
 from .norms import norm_eps, norm_kind, rms_norm
 
@@ -173,7 +173,7 @@ def _attention_inputs(attn, x, cos, sin, norm=None):
 
 def static_attention_forward(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
                              layer: int, slot_idx: torch.Tensor, positions: torch.Tensor,
-                             backend: str = "auto", norm=None) -> torch.Tensor:
+                             backend: str = "auto", norm=None, tree=None) -> torch.Tensor:
     """:func:`attention_forward` for a static-shape step of ``B`` rows of ``T`` tokens.
 
     Args:
@@ -181,6 +181,12 @@ def static_attention_forward(attn, x: torch.Tensor, cos: torch.Tensor, sin: torc
         cos, sin: ``[B * T, rotary_dim]``.
         slot_idx: ``[B]`` cache slot per row (the cache's sink for padding rows).
         positions: ``[B, T]`` absolute position of every token (``starts[:, None] + t``).
+        tree: ``None`` (a causal window), or ``(starts [B], nodes [T], visible [T, W])``
+            for ``T`` nodes of a draft-tree window (:mod:`replayssm.engine.trees`):
+            token ``t`` is node ``nodes[t]``, written at cache position ``starts +
+            nodes[t]`` and seeing the prefix and the window entries ``visible[t]``
+            (:func:`tree_attention`); ``positions`` are then only the rotary ones
+            (``start + depth``, already in ``cos`` / ``sin``).
 
     Writes the window's keys and values at their positions (the lengths are not
     changed) and attends over each row's slot with :func:`slot_attention`; no value is
@@ -189,11 +195,16 @@ def static_attention_forward(attn, x: torch.Tensor, cos: torch.Tensor, sin: torc
     b, t = positions.shape
     q, k, v, gate = _attention_inputs(attn, x, cos, sin, norm)
     kv_heads, d = k.shape[1], k.shape[2]
-    where = (slot_idx[:, None].expand(b, t), slice(None), positions)
+    at = positions if tree is None else tree[0][:, None] + tree[1][None]
+    where = (slot_idx[:, None].expand(b, t), slice(None), at)
     cache.k[layer][where] = k.view(b, t, kv_heads, d).to(cache.k.dtype)
     cache.v[layer][where] = v.view(b, t, kv_heads, d).to(cache.v.dtype)
-    o = slot_attention(q.view(b, t, -1, d), cache.k[layer], cache.v[layer], slot_idx, positions[:, 0],
-                       attn.scaling, backend=backend)
+    if tree is None:
+        o = slot_attention(q.view(b, t, -1, d), cache.k[layer], cache.v[layer], slot_idx, positions[:, 0],
+                           attn.scaling, backend=backend)
+    else:
+        o = tree_attention(q.view(b, t, -1, d), cache.k[layer], cache.v[layer], slot_idx, tree[0], tree[2],
+                           attn.scaling, backend=backend)
     return attn.o_proj(o.reshape(b * t, -1) * torch.sigmoid(gate))
 
 
@@ -707,7 +718,7 @@ class HybridEngine:
         return Batch.build([-1] * rows, [window] * rows, self.device)
 
     def forward_static(self, ids: torch.Tensor, positions: torch.Tensor, slot_idx: torch.Tensor, batch: Batch,
-                       *, verify: bool, ring: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                       *, verify: bool, ring: bool = False, tree=None) -> tuple[torch.Tensor, torch.Tensor]:
         """One static-shape forward of ``B`` rows of ``T`` tokens, CUDA-graph safe.
 
         Args:
@@ -721,6 +732,14 @@ class HybridEngine:
             ring: with ``verify=False`` and ``T = 1``: plain decoding through the
                 strategy's ring (:meth:`Strategy.decode`; the caller then commits with
                 ``strategy.commit(batch)``), see :attr:`ring_decoding`.
+            tree: with ``verify``: ``None`` (a chain window), or ``(static_tree,
+                draft_trees, starts)`` for a draft-tree window of ``T = N`` nodes
+                (:class:`~replayssm.engine.trees.StaticTree`, the same
+                :class:`~replayssm.ops.trees.DraftTrees` object in every layer, ``[B]``
+                committed lengths): GDN layers run :meth:`Strategy.conv_verify_tree` and
+                :meth:`Strategy.verify_tree`, attention layers the ancestor mask (node
+                ``i`` written at ``starts + i``); ``positions`` are then ``starts +
+                depth`` (rotary); the caller commits with ``strategy.commit_tree``.
 
         Returns:
             ``(logits [B * T, vocab] float32, hidden [B * T, hidden])``. Nothing is
@@ -732,12 +751,20 @@ class HybridEngine:
         cos, sin = self.rotary_cos_sin(h, positions.reshape(-1))
         strat = self.strategy
         norm = self.static_norm
+        window = None
+        if tree is not None:
+            shape, trees, starts = tree
+            nodes = torch.arange(shape.num_nodes, device=ids.device)
+            window = (starts, nodes, shape.ancestors)
         for layer, kind, j in zip(self.layers, self.kinds, self.index):
             x = norm(layer.input_layernorm, h)
             if kind == "gdn":
                 mixer = self.mixers[j]
                 mixed, z, a, bb = mixer.project(x)
-                if verify or ring:
+                if tree is not None:
+                    q, k, v = mixer.split(strat.conv_verify_tree(j, mixed, batch, trees))
+                    o = strat.verify_tree(j, q, k, v, a, bb, batch, trees)
+                elif verify or ring:
                     q, k, v = mixer.split(strat.conv_verify(j, mixed, batch))
                     o = (strat.verify if verify else strat.decode)(j, q, k, v, a, bb, batch)
                 else:
@@ -746,7 +773,7 @@ class HybridEngine:
                 x = mixer.finish(o, z, norm)
             else:
                 x = static_attention_forward(layer.self_attn, x, cos, sin, self.kv, j, slot_idx, positions,
-                                             backend=self.backend, norm=norm)
+                                             backend=self.backend, norm=norm, tree=window)
             h = h + x
             x = norm(layer.post_attention_layernorm, h)
             h = h + (static_moe_forward(layer.mlp, x, self.moe_kernel) if is_moe(layer.mlp) else layer.mlp(x))

@@ -16,6 +16,13 @@ Two implementations of :func:`slot_attention`:
 * ``triton``: one program per (row, key head) holds the ``G x T`` queries that share
   that key head (grouped-query attention) as one tile and streams the slot's keys in
   blocks with an online softmax (flash-decoding without the split along keys).
+
+:func:`tree_attention` is the same attention for a draft tree's window (DESIGN.md
+section 2, "Trees"): window entry ``j`` of a row sits at cache position ``starts[b] +
+j`` (node ``j``), and a query sees the whole prefix before ``starts[b]`` plus the window
+entries its row of ``visible`` marks (its ancestors and itself), the ancestor mask in
+place of the causal one. Both backends take it: the Triton kernel reads each query's
+visible entries as a bitmask.
 """
 
 from __future__ import annotations
@@ -44,20 +51,34 @@ def _check(q, k_cache, v_cache, slot_idx, starts):
             raise ValueError(f"{name} must be an int tensor [{b}], got {x.dtype} {list(x.shape)}")
 
 
-def slot_attention_reference(q, k_cache, v_cache, slot_idx, starts, scale: float) -> torch.Tensor:
-    """See :func:`slot_attention`."""
-    b, t, heads, d = q.shape
-    cap = k_cache.shape[2]
+def _visible_mask(starts: torch.Tensor, visible: torch.Tensor, capacity: int) -> torch.Tensor:
+    """``[B, M, L]`` bool: query ``m`` of row ``b`` sees key position ``l`` when ``l <
+    starts[b]`` or ``l = starts[b] + j`` with ``visible[m, j]``."""
+    m, w = visible.shape
+    rel = torch.arange(capacity, device=starts.device)[None] - starts.long()[:, None]  # [B, L]
+    in_window = (rel >= 0) & (rel < w)
+    vis = visible[None].expand(starts.shape[0], m, w).gather(2, rel.clamp(0, w - 1)[:, None].expand(-1, m, -1))
+    return (rel < 0)[:, None] | (in_window[:, None] & vis)
+
+
+def _attend_masked(q, k_cache, v_cache, slot_idx, mask, scale):
+    """SDPA of ``q [B, T, heads, D]`` over each row's whole cache slot under ``mask [B, T, L]``."""
     idx = slot_idx.long()
     keys, values = k_cache[idx].to(q.dtype), v_cache[idx].to(q.dtype)  # [B, kvH, L, D]
-    q_pos = starts.long()[:, None] + torch.arange(t, device=q.device)  # [B, T]
-    mask = torch.arange(cap, device=q.device)[None, None, :] <= q_pos[:, :, None]  # [B, T, L]
-    groups = heads // k_cache.shape[1]
+    groups = q.shape[2] // k_cache.shape[1]
     if groups > 1:
         keys = keys.repeat_interleave(groups, dim=1)
         values = values.repeat_interleave(groups, dim=1)
     out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask[:, None], scale=scale)
     return out.transpose(1, 2)
+
+
+def slot_attention_reference(q, k_cache, v_cache, slot_idx, starts, scale: float) -> torch.Tensor:
+    """See :func:`slot_attention`."""
+    t, cap = q.shape[1], k_cache.shape[2]
+    q_pos = starts.long()[:, None] + torch.arange(t, device=q.device)  # [B, T]
+    mask = torch.arange(cap, device=q.device)[None, None, :] <= q_pos[:, :, None]  # [B, T, L]
+    return _attend_masked(q, k_cache, v_cache, slot_idx, mask, scale)
 
 
 def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_idx: torch.Tensor,
@@ -87,7 +108,45 @@ def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     return _slot_attention_triton(q, k_cache, v_cache, slot_idx, starts, scale)
 
 
-def _slot_attention_triton(q, k_cache, v_cache, slot_idx, starts, scale):
+def tree_attention_reference(q, k_cache, v_cache, slot_idx, starts, visible, scale: float) -> torch.Tensor:
+    """See :func:`tree_attention`."""
+    return _attend_masked(q, k_cache, v_cache, slot_idx, _visible_mask(starts, visible, k_cache.shape[2]), scale)
+
+
+def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_idx: torch.Tensor,
+                   starts: torch.Tensor, visible: torch.Tensor, scale: float, *, backend: str = "auto") -> torch.Tensor:
+    """Attention of ``M`` query nodes per row over the prefix and the ancestors in a tree window.
+
+    Args:
+        q: ``[B, M, heads, D]`` rotated queries (rotary position ``start + depth``).
+        k_cache, v_cache: ``[slots, kv_heads, L, D]``, window entry ``j`` (tree node
+            ``j``) already written at position ``starts[b] + j``.
+        slot_idx, starts: ``[B]`` cache slot and window start (committed length) per row.
+        visible: ``[M, W]`` bool, the window entries each query sees (its ancestors and
+            itself: a row of :attr:`StaticTree.ancestors`), ``W <= 64``; shared by the rows.
+        scale: softmax scale.
+        backend: ``"reference"``, ``"triton"`` or ``"auto"`` (Triton on CUDA).
+
+    Returns:
+        ``[B, M, heads, D]`` in the dtype of ``q``. No host read: graph-safe.
+    """
+    _check(q, k_cache, v_cache, slot_idx, starts)
+    m = q.shape[1]
+    if visible.dim() != 2 or visible.dtype != torch.bool or visible.shape[0] != m or not 1 <= visible.shape[1] <= 64:
+        raise ValueError(f"visible must be a bool [{m}, W] mask with 1 <= W <= 64, got {visible.dtype} "
+                         f"{list(visible.shape)}")
+    if resolve(backend, q.device) == "reference":
+        return tree_attention_reference(q, k_cache, v_cache, slot_idx, starts, visible, scale)
+    if triton is None:
+        raise RuntimeError("backend='triton' for tree attention needs the triton package")
+    if q.device.type != "cuda" and not INTERPRETER:
+        raise ValueError("backend='triton' on CPU tensors needs TRITON_INTERPRET=1 before importing replayssm")
+    w = visible.shape[1]
+    bits = (visible.long() << torch.arange(w, device=visible.device)).sum(1)  # [M] int64: bit j = entry j
+    return _slot_attention_triton(q, k_cache, v_cache, slot_idx, starts, scale, tree_bits=bits, window=w)
+
+
+def _slot_attention_triton(q, k_cache, v_cache, slot_idx, starts, scale, tree_bits=None, window=0):
     b, t, heads, d = q.shape
     kv_heads = k_cache.shape[1]
     groups = heads // kv_heads
@@ -98,11 +157,12 @@ def _slot_attention_triton(q, k_cache, v_cache, slot_idx, starts, scale):
     out = torch.empty_like(q)
     block_m = max(16, triton.next_power_of_2(groups * t))
     block_n = 64 if d <= 128 else 32
+    tree = tree_bits is not None
     _slot_attention_kernel[(b, kv_heads)](
-        q, k_cache, v_cache, slot_idx, starts, out, scale,
+        q, k_cache, v_cache, slot_idx, starts, out, tree_bits if tree else starts, scale,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        T=t, G=groups, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
+        T=t, G=groups, D=d, BLOCK_M=block_m, BLOCK_N=block_n, TREE=tree, W=window if tree else t,
         num_warps=4 if block_m * d <= 32 * 128 else 8,
     )
     return out
@@ -112,9 +172,10 @@ if triton is not None:
 
     @triton.jit
     def _slot_attention_kernel(
-        q_ptr, k_ptr, v_ptr, slot_ptr, start_ptr, o_ptr, scale,
+        q_ptr, k_ptr, v_ptr, slot_ptr, start_ptr, o_ptr, bits_ptr, scale,
         stride_qb, stride_qt, stride_qh, stride_ks, stride_kh, stride_kl,
         T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        TREE: tl.constexpr, W: tl.constexpr,
     ):
         i_b = tl.program_id(0)
         i_kh = tl.program_id(1)
@@ -128,19 +189,27 @@ if triton is not None:
         row_ok = offs_m < T * G
         q_off = i_b * stride_qb + tok * stride_qt + head * stride_qh
         q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-        last = start + tok  # the last key each row sees
+        last = start + tok  # the last key each row sees (causal window)
+        if TREE:  # bit j of a query's mask: it sees window entry j (an ancestor, or itself)
+            bits = tl.load(bits_ptr + tok, mask=row_ok, other=0).to(tl.int64)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
         base = slot * stride_ks + i_kh * stride_kh
-        hi = start + T
+        hi = start + W
         for n0 in range(0, hi, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             kv_ok = offs_n < hi
             kv_off = base + offs_n[:, None] * stride_kl + offs_d[None, :]
             k = tl.load(k_ptr + kv_off, mask=kv_ok[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k).to(q.dtype)) * scale
-            s = tl.where(offs_n[None, :] <= last[:, None], s, float("-inf"))
+            if TREE:
+                rel = offs_n - start
+                in_win = (rel >= 0) & (rel < W)
+                seen = ((bits[:, None] >> tl.where(in_win, rel, 0)[None, :]) & 1) != 0
+                s = tl.where((rel < 0)[None, :] | (in_win[None, :] & seen), s, float("-inf"))
+            else:
+                s = tl.where(offs_n[None, :] <= last[:, None], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])

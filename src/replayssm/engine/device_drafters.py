@@ -107,17 +107,33 @@ class DeviceNgramDrafter(DeviceDrafter):
     History: ``[slots + 1, capacity]`` token ids and lengths. A lookup compares every
     length-``n`` window of the history with the suffix (``B x capacity x n`` compares
     per ``n``), which a GPU does in microseconds for thousands of tokens.
+
+    With ``tree`` (a :class:`~replayssm.engine.trees.StaticTree`), :meth:`propose`
+    returns the tree's nodes ``1..N-1`` from several continuations: the
+    ``candidates`` best matches (longer n-grams first, then later ones), each continued
+    to the tree's depth; a node's children are the distinct next tokens of the
+    continuations that run through the node, in match order. A node no continuation
+    reaches repeats its parent's first child (or, at the root, the last token): a guess
+    like any other, and duplicate siblings cost nothing but a node.
     """
 
     name = "ngram"
 
-    def __init__(self, max_ngram: int = 4, min_ngram: int = 1):
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 1, tree=None, candidates: int = 16):
+        from .trees import StaticTree
+
         if isinstance(min_ngram, bool) or not isinstance(min_ngram, int) or min_ngram < 1:
             raise ValueError(f"min_ngram must be an int >= 1, got {min_ngram!r}")
         if isinstance(max_ngram, bool) or not isinstance(max_ngram, int) or max_ngram < min_ngram:
             raise ValueError(f"max_ngram must be an int >= min_ngram ({min_ngram}), got {max_ngram!r}")
+        if tree is not None and not isinstance(tree, StaticTree):
+            raise TypeError(f"tree must be a StaticTree or None, got {type(tree).__name__}")
+        if isinstance(candidates, bool) or not isinstance(candidates, int) or candidates < 1:
+            raise ValueError(f"candidates must be a positive int, got {candidates!r}")
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
+        self.tree = tree
+        self.candidates = candidates
 
     def bind(self, num_slots, num_draft, capacity, device):
         self.k = num_draft
@@ -140,29 +156,82 @@ class DeviceNgramDrafter(DeviceDrafter):
         self.history[slot_idx[:, None].expand_as(pos), pos] = emitted
         self.length[slot_idx] = (start + accepted).clamp(max=self.capacity)
 
-    def propose(self, slot_idx):
-        seq = self.history[slot_idx]  # [B, C]
-        length = self.length[slot_idx]  # [B]
-        b, cap = seq.shape
-        best_i = torch.full((b,), -1, dtype=torch.int64, device=seq.device)
-        best_n = torch.zeros_like(best_i)
+    def _hits(self, seq: torch.Tensor, length: torch.Tensor):
+        """Per n-gram length ``n`` (longest first): ``(n, hit [B, C - n + 1])``, the
+        earlier occurrences of the last ``n`` tokens with at least one token after them."""
+        cap = seq.shape[1]
         for n in range(min(self.max_ngram, cap - 1), self.min_ngram - 1, -1):
             pat_pos = (length[:, None] - n + torch.arange(n, device=seq.device)).clamp(min=0)
             pattern = seq.gather(1, pat_pos)  # [B, n]: the last n tokens
             hit = (seq.unfold(1, n, 1) == pattern[:, None, :]).all(-1)  # [B, C - n + 1]
             i = torch.arange(cap - n + 1, device=seq.device)
             # an earlier occurrence with at least one token after it; needs length > n
-            hit &= (i[None] + n < length[:, None]) & (length[:, None] > n)
+            yield n, hit & (i[None] + n < length[:, None]) & (length[:, None] > n)
+
+    def _continue(self, seq, length, at, n, found, count):
+        """``[B, M, count]`` continuations of the matches at ``at [B, M]`` of ``n [B, M]``
+        tokens (periodic where they run into the proposal itself); the last token where
+        not ``found``."""
+        period = (length[:, None] - at - n).clamp(min=1)
+        steps = torch.arange(count, device=seq.device)
+        src = at[..., None] + n[..., None] + steps % period[..., None]
+        last = (length - 1).clamp(min=0)[:, None, None].expand_as(src)
+        src = torch.where(found[..., None], src, last).clamp(0, seq.shape[1] - 1)
+        return seq.gather(1, src.flatten(1)).view(src.shape)
+
+    def propose(self, slot_idx):
+        seq = self.history[slot_idx]  # [B, C]
+        length = self.length[slot_idx]  # [B]
+        if self.tree is not None:
+            return self._propose_tree(seq, length)
+        b = seq.shape[0]
+        best_i = torch.full((b,), -1, dtype=torch.int64, device=seq.device)
+        best_n = torch.zeros_like(best_i)
+        for n, hit in self._hits(seq, length):
+            i = torch.arange(hit.shape[1], device=seq.device)
             latest = torch.where(hit, i[None], -1).amax(1)
             take = (best_i < 0) & (latest >= 0)
             best_i = torch.where(take, latest, best_i)
             best_n = torch.where(take, n, best_n)
-        found = best_i >= 0
-        period = (length - best_i - best_n).clamp(min=1)  # the continuation repeats itself after it
-        src = best_i[:, None] + best_n[:, None] + self._steps[None, : self.k] % period[:, None]
-        last = (length - 1).clamp(min=0)[:, None].expand(b, self.k)
-        src = torch.where(found[:, None], src, last).clamp(0, cap - 1)
-        return seq.gather(1, src)
+        return self._continue(seq, length, best_i[:, None], best_n[:, None], (best_i >= 0)[:, None], self.k)[:, 0]
+
+    def _propose_tree(self, seq, length):
+        """The tree's nodes ``1..N-1`` ``[B, N - 1]`` from the best ``candidates`` matches."""
+        tree, cap = self.tree, seq.shape[1]
+        b, dev = seq.shape[0], seq.device
+        # every (n, i) match scored longer n first, then later i; -1 for no match
+        scores = torch.cat([torch.where(hit, n * cap + torch.arange(hit.shape[1], device=dev)[None], -1)
+                            for n, hit in self._hits(seq, length)], 1)
+        m = min(self.candidates, scores.shape[1])
+        best = scores.topk(m, dim=1).values  # [B, M], best first
+        found = best >= 0
+        n, at = best.clamp(min=0) // cap, best.clamp(min=0) % cap
+        cont = self._continue(seq, length, at, n, found, tree.max_depth)  # [B, M, D]
+        tokens = torch.zeros((b, tree.num_nodes), dtype=torch.int64, device=dev)
+        tokens[:, 0] = seq.gather(1, (length - 1).clamp(min=0)[:, None])[:, 0]
+        through = torch.zeros((b, tree.num_nodes, m), dtype=torch.bool, device=dev)  # continuations via each node
+        through[:, 0] = found
+        earlier = torch.ones(m, m, dtype=torch.bool, device=dev).tril(-1)  # [m, m']: m' comes before m
+        for depth, (level, width, children, source) in enumerate(tree.expansion):
+            via = through[:, level]  # [B, L, M]
+            nxt = cont[:, :, depth]  # [B, M]: each continuation's token after this depth
+            same = nxt[:, :, None] == nxt[:, None, :]  # [B, M, M']
+            repeat = (via[:, :, None, :] & (same & earlier)[:, None]).any(-1)  # an earlier one has its token
+            first = via & ~repeat  # [B, L, M]: the first continuation of each distinct next token
+            rank = first.long().cumsum(-1) - 1
+            picks = []
+            for r in range(width):
+                pick = first & (rank == r)  # at most one continuation per node
+                tok = (pick.long() * nxt[:, None]).sum(-1)  # [B, L]
+                picks.append((pick.any(-1), tok))
+            fallback = torch.where(picks[0][0], picks[0][1], tokens[:, level])  # repeat the first child, or the node
+            chosen = torch.stack([torch.where(ok, tok, fallback) for ok, tok in picks], -1)  # [B, L, width]
+            tokens[:, children] = chosen.reshape(b, -1)[:, source]
+            # the continuations that run through each new child: its parent's, with the child's token
+            parent_of = tree.parents[children]
+            pos_in_level = (level[None, :] == parent_of[:, None]).long().argmax(1)  # children -> index in level
+            through[:, children] = via[:, pos_in_level] & (nxt[:, None, :] == tokens[:, children, None])
+        return tokens[:, 1:]
 
 
 class OracleDrafter(_SetAcceptance, DeviceDrafter):
@@ -354,19 +423,29 @@ class DeviceMTPDrafter(DeviceDrafter):
         sampling: ``None`` or greedy: argmax drafts. Otherwise drafts are sampled from
             the head's warped probabilities, which are kept per slot for the rejection
             rule (:meth:`draft_probs`).
+        tree: ``None`` (a chain of drafts), or a :class:`~replayssm.engine.trees.StaticTree`:
+            :meth:`propose` then returns the tree's nodes ``1..N-1`` (``k = N - 1``), each
+            node's children the head's top tokens after it, best first (top-k
+            expansion, deterministic whatever ``sampling``). The head runs once per
+            depth below the leaves, on that depth's nodes, each seeing the committed
+            pairs and its ancestors' tentative pairs (:func:`tree_attention`).
     """
 
     name = "mtp"
     needs_hidden = True
 
-    def __init__(self, engine, head, sampling=None):
+    def __init__(self, engine, head, sampling=None, tree=None):
         from .sampling import SamplingParams
+        from .trees import StaticTree
 
         if sampling is not None and not isinstance(sampling, SamplingParams):
             raise TypeError(f"sampling must be a SamplingParams or None, got {type(sampling).__name__}")
+        if tree is not None and not isinstance(tree, StaticTree):
+            raise TypeError(f"tree must be a StaticTree or None, got {type(tree).__name__}")
         self.engine = engine
         self.head = head
-        self.sampling = None if sampling is None or sampling.greedy else sampling
+        self.tree = tree
+        self.sampling = None if sampling is None or sampling.greedy or tree is not None else sampling
 
     def bind(self, num_slots, num_draft, capacity, device):
         from .kv_cache import KVCache
@@ -382,9 +461,10 @@ class DeviceMTPDrafter(DeviceDrafter):
             self.q = torch.zeros((num_slots + 1, num_draft, self.engine.vocab_size), dtype=torch.float32, device=device)
 
     def _layer(self, tokens: torch.Tensor, hidden: torch.Tensor, slot_idx: torch.Tensor,
-               positions: torch.Tensor) -> torch.Tensor:
+               positions: torch.Tensor, tree=None) -> torch.Tensor:
         """The head on ``B x T`` pairs: ``tokens [B, T]``, ``hidden [B * T, H]``, positions
-        ``[B, T]``; returns the normed outputs ``[B * T, H]`` (graph-safe)."""
+        ``[B, T]``; returns the normed outputs ``[B * T, H]`` (graph-safe). ``tree``: as
+        :func:`~replayssm.engine.adapter.static_attention_forward`'s."""
         from .adapter import is_moe, static_attention_forward, static_moe_forward
 
         eng, head = self.engine, self.head
@@ -393,7 +473,7 @@ class DeviceMTPDrafter(DeviceDrafter):
         cos, sin = eng.rotary_cos_sin(x, positions.reshape(-1))
         layer = head.layers[0]
         x = x + static_attention_forward(layer.self_attn, norm(layer.input_layernorm, x), cos, sin, self.cache, 0,
-                                         slot_idx, positions, backend=eng.backend, norm=norm)
+                                         slot_idx, positions, backend=eng.backend, norm=norm, tree=tree)
         y = norm(layer.post_attention_layernorm, x)
         x = x + (static_moe_forward(layer.mlp, y, eng.moe_kernel) if is_moe(layer.mlp) else layer.mlp(y))
         return norm(head.norm, x)
@@ -412,6 +492,30 @@ class DeviceMTPDrafter(DeviceDrafter):
         if self.q is not None:
             self.q[slot_idx] = torch.stack(probs, 1)
         return torch.stack(drafts, 1)
+
+    def _draft_tree(self, slot_idx, h: torch.Tensor, next_pos: torch.Tensor) -> torch.Tensor:
+        """The tree's nodes ``1..N-1`` ``[B, N - 1]`` by top-k expansion from the head
+        outputs ``h [B, H]`` of each request's last committed pair (at position
+        ``next_pos - 1``, the window's entry 0): depth by depth, the best tokens after
+        each node become its children, and below the leaves' depth the head runs on the
+        new nodes (pair ``(head output of the parent, node token)`` at rotary position
+        ``next_pos - 1 + depth``, cache position ``next_pos - 1 + node``)."""
+        tree, b = self.tree, h.shape[0]
+        start = next_pos - 1
+        tokens = torch.zeros((b, tree.num_nodes), dtype=torch.int64, device=h.device)
+        outs = h.new_zeros((b, tree.num_nodes, h.shape[-1]))
+        outs[:, 0] = h
+        for depth, (level, width, children, source) in enumerate(tree.expansion):
+            if depth > 0:  # the head on this depth's nodes (the root's output came from observe)
+                m = level.shape[0]
+                pos = (start + depth)[:, None].expand(b, m)
+                hp = outs[:, tree.parents[level]].reshape(b * m, -1)
+                out = self._layer(tokens[:, level], hp, slot_idx, pos,
+                                  tree=(start, level, tree.ancestors[level]))
+                outs[:, level] = out.view(b, m, -1)
+            best = self.engine.lm_head(outs[:, level]).topk(width, dim=-1).indices  # [B, M, width]
+            tokens[:, children] = best.reshape(b, -1)[:, source]
+        return tokens[:, 1:]
 
     def _choose(self, logits: torch.Tensor):
         """A draft per row of the head's logits ``[B, V]`` (model dtype): greedy drafts
@@ -437,7 +541,7 @@ class DeviceMTPDrafter(DeviceDrafter):
         self._next_pos = positions[:, 0] + accepted
 
     def propose(self, slot_idx):
-        return self._draft(slot_idx, self._last_hidden, self._next_pos)
+        return (self._draft if self.tree is None else self._draft_tree)(slot_idx, self._last_hidden, self._next_pos)
 
     def join(self, slots, prompts, firsts, requests, hidden=None, offsets=None):
         """Prompt pairs ``(h_t, x_{t+1})`` of joining requests into the head's cache
@@ -456,4 +560,5 @@ class DeviceMTPDrafter(DeviceDrafter):
         ends = torch.tensor([o - 1 for o in offsets[1:]], dtype=torch.long, device=eng.device)
         self.cache.advance(slots, [len(t) for t in tokens])
         idx = torch.tensor(slots, dtype=torch.long, device=eng.device)
-        return self._draft(idx, out[ends], torch.tensor([len(p) for p in prompts], device=eng.device))
+        nxt = torch.tensor([len(p) for p in prompts], device=eng.device)
+        return (self._draft if self.tree is None else self._draft_tree)(idx, out[ends], nxt)

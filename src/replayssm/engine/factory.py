@@ -22,24 +22,28 @@ def engine_max_len(longest_prompt: int, max_new_tokens: int, num_draft: int) -> 
 
 
 def make_drafter(kind: str, engine, *, model_dir=None, draft_model_dir=None, sampling=None, batch: int = 1,
-                 max_len: int = 0):
+                 max_len: int = 0, tree=None):
     """A drafter of ``kind`` (one of :data:`DRAFT_CHOICES`; ``"none"`` gives ``None``)
     for ``engine``: n-gram lookup and the MTP head of ``model_dir`` run on the device
     inside the static step (:class:`~replayssm.engine.generator.StepGenerator`); the
     draft model of ``draft_model_dir`` (same tokenizer as ``model_dir``) runs eagerly
     with its own engine of ``batch`` slots and ``max_len`` tokens
-    (:class:`~replayssm.engine.generator.SpeculativeGenerator`)."""
+    (:class:`~replayssm.engine.generator.SpeculativeGenerator`). ``tree``: a
+    :class:`~replayssm.engine.trees.StaticTree` the n-gram or MTP drafter proposes
+    (pass the same one to the ``StepGenerator``)."""
     from .device_drafters import DeviceMTPDrafter, DeviceNgramDrafter
     from .drafters import ModelDrafter, load_mtp_head
 
     if kind not in DRAFT_CHOICES:
         raise ValueError(f"kind must be one of {DRAFT_CHOICES}, got {kind!r}")
+    if tree is not None and kind not in ("ngram", "mtp"):
+        raise ValueError(f"draft trees come from the ngram or mtp drafter, not {kind!r}")
     if kind == "none":
         return None
     if kind == "ngram":
-        return DeviceNgramDrafter()
+        return DeviceNgramDrafter(tree=tree)
     if kind == "mtp":
-        return DeviceMTPDrafter(engine, load_mtp_head(engine, model_dir), sampling=sampling)
+        return DeviceMTPDrafter(engine, load_mtp_head(engine, model_dir), sampling=sampling, tree=tree)
     from .adapter import HybridEngine
     from .loading import load_model, load_tokenizer
 

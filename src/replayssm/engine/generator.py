@@ -428,14 +428,24 @@ class StepGenerator:
         buckets: batch buckets (default 1, 2, 4, ... up to the engine's slots).
         prefill_chunk: prompt tokens per prefill pass, or ``None`` (default): every
             joiner's whole prompt in one pass before the next step.
+        tree: a :class:`~replayssm.engine.trees.StaticTree`: every step verifies a
+            draft tree of this shape (``num_draft`` is then its ``N - 1`` drafted nodes;
+            the drafter must have been built with the same tree); a chain-shaped one
+            is the plain window of its length. ``None``: chains of ``num_draft``.
     """
 
     def __init__(self, engine: HybridEngine, drafter=None, *, num_draft: int = 3,
                  sampling: SamplingParams = SamplingParams(), eos_token_ids: Sequence[int] = (),
                  graphs: bool | None = None, buckets: Sequence[int] | None = None,
-                 prefill_chunk: int | None = None):
+                 prefill_chunk: int | None = None, tree=None):
         from .device_drafters import DeviceDrafter
 
+        if tree is not None:
+            if drafter is None or getattr(drafter, "tree", None) is not tree:
+                raise ValueError("tree needs a drafter built with the same tree "
+                                 "(e.g. DeviceMTPDrafter(..., tree=tree))")
+            num_draft = tree.num_nodes - 1
+            tree = None if tree.is_chain else tree
         check_generator_args(engine, drafter, DeviceDrafter, sampling, num_draft)
         if drafter is not None:
             drafter.check_sampling(sampling)
@@ -458,6 +468,7 @@ class StepGenerator:
         self.graphs = graphs
         self.buckets = buckets
         self.prefill_chunk = prefill_chunk
+        self.tree = tree
         self._steps: dict[int, object] = {}
         self._pool = None
         # the next window of every slot (last token, then drafts); the last row is the sink
@@ -473,7 +484,7 @@ class StepGenerator:
             if self.graphs and self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             self._steps[rows] = StaticStep(self.engine, self.windows, rows, drafter=self.drafter,
-                                           sampling=self.sampling, graph=self.graphs, pool=self._pool)
+                                           sampling=self.sampling, graph=self.graphs, pool=self._pool, tree=self.tree)
         return self._steps[rows]
 
     def capture(self, rows: Sequence[int] | None = None) -> None:

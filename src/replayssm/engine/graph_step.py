@@ -18,6 +18,15 @@ host:
 5. the drafter's update and its proposal of the next window, written back per slot;
 6. the emitted tokens and accepted counts into one output buffer ``[rows, 1 + T]``.
 
+With a draft tree (``tree``, a :class:`~replayssm.engine.trees.StaticTree` that is not
+a chain) the window is the tree's ``N`` nodes: step 2 verifies the tree (GDN layers
+through :meth:`Strategy.verify_tree`, attention under the ancestor mask, rotary
+positions ``start + depth``), step 3 is the tree acceptance (greedy:
+:func:`accept_greedy_tree`; sampling: :func:`accept_sampled_tree` with the drafts'
+top-k tokens as deterministic candidates), step 4 :meth:`Strategy.commit_tree` of the
+accepted node and the KV compaction of its path (:func:`compact_path`), and the drafter
+observes the path (``depth + 1`` tokens) and proposes the next tree.
+
 Per-slot buffers (windows, KV lengths, drafter history) are indexed by slot, not by
 row, so requests may finish or join between steps (the driver rewrites the rows' slots)
 and another bucket's graph may take the next step, with no new capture. The driver's
@@ -30,7 +39,9 @@ import torch
 
 from .adapter import HybridEngine
 from .device_drafters import DeviceDrafter
-from .sampling import SamplingParams, accept_greedy_static, accept_sampled_static
+from .kv_cache import compact_path
+from .sampling import (SamplingParams, accept_greedy_static, accept_greedy_tree, accept_sampled_static,
+                       accept_sampled_tree, warp_probs)
 
 
 class StaticStep:
@@ -49,10 +60,12 @@ class StaticStep:
         graph: capture a CUDA graph (CUDA only); else every :meth:`run` runs the body
             eagerly (the CPU path, and the reference a graph is tested against).
         pool: a CUDA graph memory pool shared by the engine's step graphs.
+        tree: a :class:`~replayssm.engine.trees.StaticTree` of ``T`` nodes (not a chain:
+            a chain is the plain window) whose nodes the drafter proposes; ``None``.
     """
 
     def __init__(self, engine: HybridEngine, windows: torch.Tensor, rows: int, *, drafter: DeviceDrafter | None,
-                 sampling: SamplingParams = SamplingParams(), graph: bool = False, pool=None):
+                 sampling: SamplingParams = SamplingParams(), graph: bool = False, pool=None, tree=None):
         t = windows.shape[1]
         if (t > 1) != (drafter is not None):
             raise ValueError(f"a window of {t} tokens needs {'a' if t > 1 else 'no'} drafter")
@@ -60,6 +73,14 @@ class StaticStep:
             raise ValueError(f"window {t} exceeds the engine's window {engine.window}")
         if drafter is not None:
             drafter.check_sampling(sampling)
+        if tree is not None:
+            if tree.is_chain or tree.num_nodes != t:
+                raise ValueError(f"tree must be a {t}-node tree that is not a chain (a chain is the plain window)")
+            if drafter.forces_acceptance:
+                raise ValueError(f"the {drafter.name!r} drafter sets accepted counts of chains; trees need a drafter "
+                                 "whose tokens the target verifies")
+        self.tree = tree
+        self.trees = None if tree is None else tree.draft_trees(rows)  # one object for every layer of every step
         if graph and engine.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA engine")
         self.engine, self.windows, self.drafter, self.sampling = engine, windows, drafter, sampling
@@ -102,6 +123,8 @@ class StaticStep:
 
     # ------------------------------------------------------------------ body
     def _body(self) -> None:
+        if self.tree is not None:
+            return self._tree_body()
         eng, t = self.engine, self.window
         kv_len = eng.kv.device_lengths
         ids = self.windows[self.slot_idx]  # [B, T]
@@ -137,6 +160,37 @@ class StaticStep:
         self.windows[self.slot_idx] = nxt_window
         self.out[:, 0] = accepted
         self.out[:, 1:] = emitted
+
+    def _tree_body(self) -> None:
+        """:meth:`_body` for a draft tree (see the module docstring)."""
+        eng, tree = self.engine, self.tree
+        kv_len = eng.kv.device_lengths
+        ids = self.windows[self.slot_idx]  # [B, N]: the root, then the drafted nodes
+        starts = kv_len[self.slot_idx]
+        logits, hidden = eng.forward_static(ids, starts[:, None] + tree.depth[None], self.slot_idx, self.batch,
+                                            verify=True, tree=(tree, self.trees, starts))
+        logits = logits.view(self.rows, tree.num_nodes, -1)
+        if self.sampling.greedy:
+            node, nxt = accept_greedy_tree(logits.argmax(-1), ids, tree)
+        else:
+            node, nxt = accept_sampled_tree(warp_probs(logits, self.sampling), ids, tree)
+        accepted = tree.depth[node] + 1
+        eng.strategy.commit_tree(self.batch, self.trees, node)
+        path = tree.path[node]  # [B, D + 1]
+        compact_path(eng.kv, self.slot_idx, starts, path)
+        kv_len[self.slot_idx] = starts + accepted
+        kv_len[eng.kv.sink:].zero_()
+        span = torch.arange(tree.max_depth + 1, device=ids.device)
+        drafts = tree.path_tokens(ids, node)[:, 1:]
+        emitted = torch.where(span[None] < accepted[:, None] - 1, torch.cat([drafts, drafts[:, :1]], 1),
+                              torch.where(span[None] == accepted[:, None] - 1, nxt[:, None], -1))
+        h = hidden.view(self.rows, tree.num_nodes, -1)
+        h = h.gather(1, path.clamp(min=0)[..., None].expand(-1, -1, h.shape[-1])).reshape(-1, h.shape[-1])
+        self.drafter.observe(self.slot_idx, emitted, accepted, hidden=h, positions=starts[:, None] + span)
+        self.windows[self.slot_idx] = torch.cat([nxt[:, None], self.drafter.propose(self.slot_idx)], 1)
+        self.out.fill_(-1)
+        self.out[:, 0] = accepted
+        self.out[:, 1 : 2 + tree.max_depth] = emitted
 
     def _capture(self, pool) -> None:
         # Warm up outside the graph (Triton compiles, cuBLAS picks its kernels) with

@@ -259,3 +259,28 @@ def _fresh_attention(layout: WindowLayout, q: torch.Tensor, k: torch.Tensor, v: 
                                          vs.transpose(1, 2).to(q.dtype), is_causal=True, scale=scale)
     out = out.transpose(1, 2)  # [B, Tmax, heads, D]
     return out[0] if layout.batch == 1 else out[layout.row, layout.col]
+
+
+def compact_path(cache: KVCache, slot_idx: torch.Tensor, starts: torch.Tensor, path: torch.Tensor) -> None:
+    """KV compaction after a tree step: move each row's accepted root path to the front
+    of its window, in every layer, in place (graph-safe, no host read).
+
+    A tree step writes node ``i``'s key and value at position ``start + i``; the
+    accepted path ``path[b] = (0, n_1, ..., n_d)`` (node per depth) must end at
+    positions ``start .. start + d`` as if its tokens had been decoded one by one. All
+    ``D + 1`` entries are read before any is written, so overlapping moves are safe.
+
+    Args:
+        cache: the cache (all its layers move).
+        slot_idx: ``[B]`` cache slot per row (the sink for padding rows).
+        starts: ``[B]`` int64 window start (committed length before the step).
+        path: ``[B, D + 1]`` int64 node at each depth of the accepted path, ``-1`` past
+            its depth (those positions, past the new length, get the root's entry).
+    """
+    if cache.num_layers == 0:
+        return
+    src = starts[:, None] + path.clamp(min=0)
+    dst = starts[:, None] + torch.arange(path.shape[1], device=path.device)
+    slots = slot_idx[:, None].expand_as(src)
+    for buf in (cache.k, cache.v):
+        buf[:, slots, :, dst] = buf[:, slots, :, src]  # [B, D + 1, layers, kv_heads, head_dim], a copy

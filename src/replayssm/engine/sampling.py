@@ -206,3 +206,102 @@ def accept_sampled_static(logits: torch.Tensor, window: torch.Tensor, params: Sa
     b, t, v = logits.shape
     p = warp_probs(logits.reshape(b * t, v), params).view(b, t, v)
     return _reject(p, window[:, 1:], q, None, generator)
+
+
+# ---------------------------------------------------------------------- draft trees
+# Acceptance over a static draft tree (:class:`replayssm.engine.trees.StaticTree`): every
+# row holds the tree's ``N`` nodes as its window (node 0 the last emitted token); the
+# target's outputs at node ``i`` are its prediction for the token after node ``i``'s
+# root path. Both rules return the accepted node per row (the deepest node of the path
+# they keep; its depth is the accepted drafts) and the token emitted after it.
+def accept_greedy_tree(argmax: torch.Tensor, tokens: torch.Tensor, tree) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy acceptance of a draft tree: the deepest node whose root path the target's
+    greedy tokens follow (a node is kept when its token is the target's argmax at its
+    parent and its parent is kept; between kept nodes of one depth, which only repeated
+    sibling tokens make, the first).
+
+    Args:
+        argmax: ``[B, N]`` int64 target's greedy token after each node.
+        tokens: ``[B, N]`` int64 the window (node tokens).
+        tree: the :class:`~replayssm.engine.trees.StaticTree`.
+
+    Returns:
+        ``(node [B], next_token [B])`` int64: emitted tokens are the path's drafts
+        (:meth:`StaticTree.path_tokens` without the root) and then ``next_token``.
+        Graph-safe: no host read.
+    """
+    n = tree.num_nodes
+    if argmax.shape != tokens.shape or tokens.dim() != 2 or tokens.shape[1] != n:
+        raise ValueError(f"argmax and tokens must both be [B, {n}], got {list(argmax.shape)} and {list(tokens.shape)}")
+    follows = tokens == argmax.gather(1, tree.parents.clamp(min=0)[None].expand_as(tokens))
+    follows[:, 0] = True  # the root is the last emitted token
+    kept = ~(tree.ancestors[None] & ~follows[:, None, :]).any(-1)  # every node of the root path follows
+    order = torch.arange(n, device=tokens.device)
+    score = torch.where(kept, tree.depth[None] * n + (n - 1 - order)[None], -1)
+    node = score.argmax(1)
+    return node, argmax.gather(1, node[:, None])[:, 0]
+
+
+def accept_sampled_tree(p: torch.Tensor, tokens: torch.Tensor, tree, q: torch.Tensor | None = None,
+                        generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Multi-candidate rejection sampling over a draft tree (SpecInfer's sequential
+    rejection over siblings): from the root, try the current node's children in index
+    order; child ``c`` (token ``x``, drawn from ``q_c``) is accepted with probability
+    ``min(1, r(x) / q_c(x))``, where ``r`` starts as the target's ``p`` at the current
+    node; on a rejection ``r <- norm(max(r - q_c, 0))`` and the next sibling is tried;
+    an accepted child becomes the current node (``r = p`` there). When no child is
+    accepted (or there are none) the emitted token is drawn from ``r``. The emitted
+    tokens are then distributed as the target's sampling of them, token by token.
+
+    ``q = None``: deterministic drafts (top-k, n-gram), ``q_c = onehot(x)``: accept with
+    probability ``r(x)``, else remove ``x`` from ``r``. For sampled drafts, ``q[:, c]``
+    must be the distribution child ``c``'s token was drawn from given the siblings
+    before it (the same ``q`` for siblings drawn independently).
+
+    Args:
+        p: ``[B, N, V]`` warped target probabilities at each node.
+        tokens: ``[B, N]`` int64 node tokens.
+        tree: the :class:`~replayssm.engine.trees.StaticTree`.
+        q: ``[B, N, V]`` draft probabilities per node, or ``None``.
+        generator: random source (``None``: the device's default generator, which
+            CUDA graph replays advance).
+
+    Returns:
+        ``(node [B], next_token [B])`` int64. Graph-safe: no host read.
+    """
+    b, n, v = p.shape
+    if tokens.shape != (b, n) or n != tree.num_nodes:
+        raise ValueError(f"tokens must be [{b}, {tree.num_nodes}] and p [B, {tree.num_nodes}, V], got "
+                         f"{list(tokens.shape)} and {list(p.shape)}")
+    if q is not None and q.shape != p.shape:
+        raise ValueError(f"q must be {list(p.shape)} like p, got {list(q.shape)}")
+    rows = torch.arange(b, device=p.device)
+    cur = torch.zeros(b, dtype=torch.long, device=p.device)
+    r = p[:, 0]
+    alive = torch.ones(b, dtype=torch.bool, device=p.device)  # still descending
+    for _ in range(tree.max_depth):
+        moved = torch.zeros_like(alive)
+        for i in range(tree.max_children):
+            child = tree.children[cur, i]
+            trying = alive & ~moved & (child >= 0)
+            c = child.clamp(min=0)
+            x = tokens[rows, c]
+            r_x = r.gather(1, x[:, None])[:, 0]
+            if q is None:
+                q_c = torch.zeros_like(r).scatter_(1, x[:, None], 1.0)
+                q_x = torch.ones_like(r_x)
+            else:
+                q_c = q[rows, c]
+                q_x = q_c.gather(1, x[:, None])[:, 0]
+            u = torch.rand(b, device=p.device, generator=generator)
+            ok = trying & (u * q_x < r_x)
+            residual = (r - q_c).clamp(min=0)
+            mass = residual.sum(-1, keepdim=True)
+            # a rejection has probability 0 where r == q_c; guard the 0/0 anyway
+            residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), r)
+            r = torch.where((trying & ~ok)[:, None], residual, r)
+            cur = torch.where(ok, c, cur)
+            r = torch.where(ok[:, None], p[rows, cur], r)
+            moved |= ok
+        alive &= moved
+    return cur, sample_categorical(r, generator)
