@@ -163,6 +163,9 @@ def _slot_attention_triton(q, k_cache, v_cache, slot_idx, starts, scale, tree_bi
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         T=t, G=groups, D=d, BLOCK_M=block_m, BLOCK_N=block_n, TREE=tree, W=window if tree else t,
+        # fp32 models get fp32 products (tl.dot would round fp32 operands to tf32 on
+        # CUDA); 16-bit operands are exact in either.
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=4 if block_m * d <= 32 * 128 else 8,
     )
     return out
@@ -175,7 +178,7 @@ if triton is not None:
         q_ptr, k_ptr, v_ptr, slot_ptr, start_ptr, o_ptr, bits_ptr, scale,
         stride_qb, stride_qt, stride_qh, stride_ks, stride_kh, stride_kl,
         T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        TREE: tl.constexpr, W: tl.constexpr,
+        TREE: tl.constexpr, W: tl.constexpr, PRECISION: tl.constexpr,
     ):
         i_b = tl.program_id(0)
         i_kh = tl.program_id(1)
@@ -202,7 +205,7 @@ if triton is not None:
             kv_ok = offs_n < hi
             kv_off = base + offs_n[:, None] * stride_kl + offs_d[None, :]
             k = tl.load(k_ptr + kv_off, mask=kv_ok[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k).to(q.dtype)) * scale
+            s = tl.dot(q, tl.trans(k).to(q.dtype), input_precision=PRECISION) * scale
             if TREE:
                 rel = offs_n - start
                 in_win = (rel >= 0) & (rel < W)
@@ -215,7 +218,7 @@ if triton is not None:
             p = tl.exp(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_ptr + kv_off, mask=kv_ok[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         acc = acc / l_i[:, None]
         tl.store(o_ptr + q_off[:, None] + offs_d[None, :], acc.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
