@@ -755,6 +755,25 @@ if triton is not None:
         tl.store(coef_at + (BX + BH + offs_x[:, None]) * BX + offs_x[None, :], D)
 
     @triton.jit
+    def _checkpoint_window_products(q_ptr, k_ptr, ckpt_at, p_tok, i_h, offs_v, mask_v, xk_ok, xq_ok,
+                                    stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
+                                    K: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr, BX: tl.constexpr,
+                                    BV: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr):
+        """``S0 x_r [BV, BX]`` for the stacked raw keys and queries: the checkpoint's one
+        read, in ``KC``-wide chunks pipelined ``NUM_STAGES`` deep."""
+        offs_c = tl.arange(0, KC)
+        SX = tl.zeros([BV, BX], dtype=tl.float32)
+        for kc in tl.range(0, BK, KC, num_stages=NUM_STAGES):
+            offs_k = kc + offs_c
+            mask_k = offs_k < K
+            S_c = tl.load(ckpt_at + offs_v[:, None] * K + offs_k[None, :], mask=mask_v[:, None] & mask_k[None, :],
+                          other=0.0).to(tl.float32)
+            _, x_c = _load_window_x(q_ptr, k_ptr, p_tok, i_h, offs_k, mask_k, xk_ok, xq_ok,
+                                    stride_q_tok, stride_q_head, stride_k_tok, stride_k_head)
+            SX = tl.dot(S_c, tl.trans(x_c), SX, input_precision=DOT_PRECISION)
+        return SX
+
+    @triton.jit
     def _flushed_window_products(q_ptr, k_ptr, ckpt_at, rk_at, rv_at, rg_at, rb_at, base, count, p_tok, i_h,
                                  offs_v, mask_v, xk_ok, xq_ok,
                                  stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, eps,
@@ -830,27 +849,25 @@ if triton is not None:
         ring_at = slot * L
         ckpt_at = ckpt_ptr + (slot * HV + i_hv) * (V * K)
 
-        folds = False
+        # Without FUSE_FLUSH the fused branch must not exist at all (a Python flag
+        # assigned in the kernel would become a run-time one): its four-part products
+        # need K >= 64 on CUDA.
         if FUSE_FLUSH:
-            folds = flush & (wp > 0)
-        if folds:
-            SX = _flushed_window_products(
-                q_ptr, k_ptr, ckpt_at, rk_ptr + ring_at * (H * K) + i_h * K, rv_ptr + ring_at * (HV * V) + i_hv * V,
-                rg_ptr + ring_at * HV + i_hv, rb_ptr + ring_at * HV + i_hv, base, tl.minimum(wp, L), p_tok, i_h,
-                offs_v, mask_v, xk_ok, xq_ok, stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, eps,
-                H * K, HV * V, HV, K, L, BK, BX, BV, ROUND_STATE, DOT_PRECISION, AHEAD)
+            if flush & (wp > 0):
+                SX = _flushed_window_products(
+                    q_ptr, k_ptr, ckpt_at, rk_ptr + ring_at * (H * K) + i_h * K,
+                    rv_ptr + ring_at * (HV * V) + i_hv * V, rg_ptr + ring_at * HV + i_hv, rb_ptr + ring_at * HV + i_hv,
+                    base, tl.minimum(wp, L), p_tok, i_h, offs_v, mask_v, xk_ok, xq_ok,
+                    stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, eps,
+                    H * K, HV * V, HV, K, L, BK, BX, BV, ROUND_STATE, DOT_PRECISION, AHEAD)
+            else:
+                SX = _checkpoint_window_products(q_ptr, k_ptr, ckpt_at, p_tok, i_h, offs_v, mask_v, xk_ok, xq_ok,
+                                                 stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
+                                                 K, BK, KC, BX, BV, DOT_PRECISION, NUM_STAGES)
         else:
-            # S0 x_r for the stacked raw keys and queries: the state's one read.
-            offs_c = tl.arange(0, KC)
-            SX = tl.zeros([BV, BX], dtype=tl.float32)
-            for kc in tl.range(0, BK, KC, num_stages=NUM_STAGES):
-                offs_k = kc + offs_c
-                mask_k = offs_k < K
-                S_c = tl.load(ckpt_at + offs_v[:, None] * K + offs_k[None, :], mask=mask_v[:, None] & mask_k[None, :],
-                              other=0.0).to(tl.float32)
-                _, x_c = _load_window_x(q_ptr, k_ptr, p_tok, i_h, offs_k, mask_k, xk_ok, xq_ok,
-                                        stride_q_tok, stride_q_head, stride_k_tok, stride_k_head)
-                SX = tl.dot(S_c, tl.trans(x_c), SX, input_precision=DOT_PRECISION)
+            SX = _checkpoint_window_products(q_ptr, k_ptr, ckpt_at, p_tok, i_h, offs_v, mask_v, xk_ok, xq_ok,
+                                             stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
+                                             K, BK, KC, BX, BV, DOT_PRECISION, NUM_STAGES)
 
         # [U | o] = (S0 x_r) C1 + u_h Z + v D
         offs_h = tl.arange(0, BH)
