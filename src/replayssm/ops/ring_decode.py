@@ -220,8 +220,8 @@ if triton is not None:
             h0, h1, h2, h3 = _tl_load_parts(rk_ptr, (rec_h[:, None] * H + i_h) * K + offs_c[None, :], hist[:, None],
                                             offs_c[None, :], K, KQ)
             g_h = tl.load(rg_ptr + rec_h * HV + i_hv, mask=hist, other=0.0)
-            # The history's weights first, so that its keys and the token's parts are dead
-            # before the stream: c_x[c] = exp(g_{c+1} + ... + g_h) (k^_c . x^).
+            # The history's weights before the tile's products, so that its keys are dead
+            # by then: c_x[c] = exp(g_{c+1} + ... + g_h) (k^_c . x^).
             hh = _tl_row_sum(tl.fma(h3, h3, tl.fma(h2, h2, tl.fma(h1, h1, h0 * h0))), 1)
             r_h = tl.div_rn(tl.full([L], 1.0, tl.float32), tl.sqrt_rn(hh + eps))  # 1 / |k_c|
             later = offs_h[None, :] > offs_h[:, None]
@@ -264,8 +264,8 @@ def launch_ring_decode(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, 
         slots, cu_seqlens, write_pos, cache_base, is_flush, o,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
         kd**-0.5, NORM_EPS,
-        H=h, HV=hv, K=kd, V=vd, L=ring.ring_len, BK=bk, BV=bv, ROUND_STATE=checkpoint.dtype != torch.float32, AHEAD=cfg["records_ahead"],
-        EARLY_TILE=bool(cfg["early_tile"]),
+        H=h, HV=hv, K=kd, V=vd, L=ring.ring_len, BK=bk, BV=bv, ROUND_STATE=checkpoint.dtype != torch.float32,
+        AHEAD=cfg["records_ahead"], EARLY_TILE=bool(cfg["early_tile"]),
         # A flush row replays exactly: the exact kernels' warps (their layout decides
         # the bits of every row sum).
         num_warps=EXACT_NUM_WARPS,
