@@ -157,11 +157,12 @@ def test_recurrence_records_match_reference_and_leave_outputs_bit_identical(h, g
 
 def test_recurrence_strided_inputs_and_long_prefill_bound():
     """q/k/v as views into one packed projection (the layer's real layout), and a
-    bound above 16 that the launcher rounds up to a power of two."""
+    bound above 16 that the launcher rounds up to a power of two: the kernel then loops
+    to each row's own length (a short row, a padding row beside a long one)."""
     h, hv, kd, vd, ns = 1, 2, 16, 16, 3
-    slots = torch.tensor([2, 0], dtype=torch.int32, device=DEVICE)
-    lengths = [19, 7]
-    cu = torch.tensor([0, 19, 26], dtype=torch.int32, device=DEVICE)
+    slots = torch.tensor([2, 0, -1], dtype=torch.int32, device=DEVICE)
+    lengths = [19, 7, 5]
+    cu = torch.tensor([0, 19, 26, 31], dtype=torch.int32, device=DEVICE)
     n = sum(lengths)
     proj = torch.randn(n, 2 * h * kd + hv * vd, device=DEVICE)
     q = proj[:, : h * kd].view(n, h, kd)
@@ -176,6 +177,7 @@ def test_recurrence_strided_inputs_and_long_prefill_bound():
     torch.testing.assert_close(o_t, o_r, **TOL)
     torch.testing.assert_close(st_t, st_r, **TOL)
     assert torch.equal(st_t[1], state0[1])
+    assert torch.equal(o_t[26:], torch.zeros_like(o_t[26:]))  # the padding row
 
 
 # ---------------------------------------------------------------------------- fold

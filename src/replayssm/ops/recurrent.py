@@ -226,6 +226,9 @@ except ImportError:  # the reference backend works without Triton
 
 STATE_DTYPES_TRITON = (torch.float32, torch.bfloat16)
 ACT_DTYPES_TRITON = (torch.float16, torch.bfloat16, torch.float32)
+# Windows longer than this (prompts) loop to each row's length rather than to the bound:
+# verify and decode windows keep their compile-time trip count.
+STEPS_BY_LENGTH_ABOVE = 16
 
 
 def window_bound(max_len: int | None, *shape_bounds: int | None) -> int:
@@ -318,8 +321,15 @@ if triton is not None:
         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
         BK: tl.constexpr, BV: tl.constexpr, T: tl.constexpr,
         HAS_SNAPSHOTS: tl.constexpr, HAS_RECORDS: tl.constexpr, UPDATE_STATE: tl.constexpr,
+        STEPS_BY_LENGTH: tl.constexpr,
     ):
         i_v, i_b, i_hv, i_h, slot, bos, length = _tl_window_program(slots_ptr, cu_ptr, H, HV)
+        # Short windows loop to the bound T (a compile-time trip count); prompts loop to
+        # the row's own length, so a short row in a long step costs its own tokens only.
+        if STEPS_BY_LENGTH:
+            steps = length
+        else:
+            steps = T
 
         KQ: tl.constexpr = BK // 4
         offs_c = tl.arange(0, KQ)  # key index within a part
@@ -330,7 +340,7 @@ if triton is not None:
 
         if slot < 0:
             # Padding row: zero outputs, nothing else.
-            for i in range(0, T):
+            for i in range(0, steps):
                 tl.store(o_row + i * HV * V, tl.full([BV], 0, o_ptr.dtype.element_ty), mask=_tl_mask_and(mask_v, i < length))
             return
 
@@ -359,7 +369,7 @@ if triton is not None:
             stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, stride_a_tok, stride_b_tok,
             K, KQ,
         )
-        for i in range(0, T):
+        for i in range(0, steps):
             valid, mc, mv = valid_n, mc_n, mv_n
             q0, q1, q2, q3, k0, k1, k2, k3, v, a, b = q0n, q1n, q2n, q3n, k0n, k1n, k2n, k3n, v_n, a_n, b_n
             valid_n = i + 1 < length
@@ -477,6 +487,6 @@ def gdn_recurrence_triton(
         kd**-0.5, NORM_EPS,
         H=h, HV=hv, K=kd, V=vd, BK=bk, BV=bv, T=t,
         HAS_SNAPSHOTS=snapshots is not None, HAS_RECORDS=records is not None, UPDATE_STATE=bool(update_state),
-        num_warps=EXACT_NUM_WARPS,
+        STEPS_BY_LENGTH=t > STEPS_BY_LENGTH_ABOVE, num_warps=EXACT_NUM_WARPS,
     )
     return o
