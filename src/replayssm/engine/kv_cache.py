@@ -17,6 +17,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from ..ops.guards import to_device
+
 GIB = 2**30
 
 
@@ -115,9 +117,9 @@ class KVCache:
         return self.k.numel() * self.k.element_size() * 2 + self.device_lengths.numel() * 8
 
     def _sync_device(self, slots: Sequence[int]) -> None:
-        idx = torch.tensor(list(slots), dtype=torch.long)
-        vals = torch.tensor([self.lengths[s] for s in slots], dtype=torch.int64)
-        self.device_lengths[idx.to(self.device)] = vals.to(self.device)
+        slots = list(slots)
+        idx = to_device(slots, self.device)
+        self.device_lengths[idx] = to_device([self.lengths[s] for s in slots], self.device)
 
     def reset(self, slot: int) -> None:
         self.lengths[slot] = 0
@@ -183,11 +185,11 @@ class WindowLayout:
             rows += [b] * n
             cols += list(range(n))
             pos += list(range(s0, s0 + n))
-        self.row = torch.tensor(rows, dtype=torch.long, device=device)  # [N] request of each token
-        self.col = torch.tensor(cols, dtype=torch.long, device=device)  # [N] index inside its window
-        self.positions = torch.tensor(pos, dtype=torch.long, device=device)  # [N] absolute position
-        self.slot_of_token = torch.tensor([self.slots[r] for r in rows], dtype=torch.long, device=device)
-        self.slot_index = torch.tensor(self.slots, dtype=torch.long, device=device)
+        self.row = to_device(rows, device)  # [N] request of each token
+        self.col = to_device(cols, device)  # [N] index inside its window
+        self.positions = to_device(pos, device)  # [N] absolute position
+        self.slot_of_token = to_device([self.slots[r] for r in rows], device)
+        self.slot_index = to_device(self.slots, device)
         #: every request without history and no padding past the longest window: the
         #: attention needs no cache read and no explicit mask (see cached_attention)
         self.fresh = not any(self.starts) and t_max is None
@@ -202,6 +204,29 @@ class WindowLayout:
         q_pos = (torch.tensor(self.starts, device=self.device)[:, None]
                  + torch.arange(self.t_max, device=self.device)[None])
         return (key_pos[None, None, :] <= q_pos[:, :, None])[:, None]
+
+
+class PromptLayout:
+    """:class:`WindowLayout`'s device tensors for a prompt pass of fresh requests at a
+    static shape (a CUDA-graphed prompt pass, :mod:`replayssm.engine.prompt_graph`):
+    the index tensors are buffers the caller rewrites before each replay, so the shapes
+    stay fixed while the requests change.
+
+    Args:
+        rows: requests of the padded attention layout ``[rows, t_max]`` (the pass's
+            requests, plus one row that collects the padding tokens when there are
+            several requests: with one request its padding follows it in its own row,
+            which a causal mask keeps out of every real query).
+        t_max: columns of that layout.
+        index: ``[4, N]`` int64 buffer: each token's row, column, absolute position
+            (rotary and cache position) and cache slot (the sink for padding tokens).
+    """
+
+    fresh = True  # every request starts at position 0: no cache read, a causal mask
+
+    def __init__(self, rows: int, t_max: int, index: torch.Tensor):
+        self.batch, self.t_max = rows, t_max
+        self.row, self.col, self.positions, self.slot_of_token = index
 
 
 def cached_attention(cache: KVCache, layer: int, layout: WindowLayout, q: torch.Tensor, k: torch.Tensor,

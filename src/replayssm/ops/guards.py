@@ -462,10 +462,30 @@ def clamp_accepted(slots: torch.Tensor, accepted: torch.Tensor, lengths: torch.T
     return torch.where(live, torch.minimum(torch.clamp(n, min=1), lengths.to(torch.int32)), n)
 
 
+def to_device(values: Sequence[int], device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """Host ``values`` as a tensor on ``device``. A CUDA copy goes through pinned memory
+    and does not wait: a copy from pageable memory drains the stream first (a
+    synchronisation), which a prompt pass paid once per index tensor."""
+    device = torch.device(device)
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def copy_to_device(dst: torch.Tensor, values: Sequence[int]) -> None:
+    """Write host ``values`` into the device tensor ``dst`` without a synchronisation
+    (see :func:`to_device`), and record them as its contents for the guards."""
+    values = [int(v) for v in values]
+    src = torch.tensor(values, dtype=dst.dtype).view(dst.shape)
+    dst.copy_(src.pin_memory() if dst.device.type == "cuda" else src, non_blocking=dst.device.type == "cuda")
+    record_host_values(dst, values)
+
+
 def host_index(values: Sequence[int], device, dtype: torch.dtype = torch.int32) -> torch.Tensor:
     """An index tensor built from host ``values``, with its host copy recorded (so guards
     never read it back)."""
     values = [int(v) for v in values]
-    x = torch.tensor(values, dtype=dtype, device=device)
+    x = to_device(values, device, dtype)
     record_host_values(x, values)
     return x

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -60,9 +61,24 @@ class Batch:
         host = tuple(int(s) for s in slots)
         if len(host) != self.size:
             raise ValueError(f"need {self.size} slots, got {len(host)}")
-        self.slots.copy_(torch.tensor(host, dtype=self.slots.dtype))
+        guards.copy_to_device(self.slots, host)
         self.host_slots = host
-        guards.record_host_values(self.slots, host)
+
+    def set_windows(self, slots: Sequence[int], lengths: Sequence[int]) -> None:
+        """Rewrite the rows' slots and window lengths in place (a static prompt batch a
+        CUDA graph was captured with); the caller has checked the slots. The token count
+        and the bound :attr:`max_len` (the captured shape's) stay: the lengths must sum
+        to :attr:`num_tokens` and each lie in ``1 .. max_len``."""
+        lengths = tuple(int(n) for n in lengths)
+        if len(lengths) != self.size:
+            raise ValueError(f"need {self.size} lengths, got {len(lengths)}")
+        if sum(lengths) != self.num_tokens or not all(1 <= n <= self.max_len for n in lengths):
+            raise ValueError(f"lengths {list(lengths)} must each be in 1..{self.max_len} and sum to "
+                             f"{self.num_tokens}")
+        self.set_slots(slots)
+        guards.copy_to_device(self.cu_seqlens, itertools.accumulate(lengths, initial=0))
+        self.lengths = lengths
+        self._device_lengths = None
 
     @property
     def size(self) -> int:
