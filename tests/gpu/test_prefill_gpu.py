@@ -12,6 +12,8 @@ Claims checked:
   (its ``initial_state``): the logits agree with the recurrence over the whole prompt.
 * Chunked prefill interleaved with graphed decode steps keeps the greedy tokens (fp32)
   and places the joiner's passes between the running requests' steps.
+* A prompt pass at a static shape (a CUDA-graph replay) gives the eager pass's logits
+  and states, and synchronises the host not at all.
 """
 
 from __future__ import annotations
@@ -35,10 +37,11 @@ def _prompts(seed: int, lengths) -> list[list[int]]:
     return [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
 
 
-def _syncs_of_a_prompt_pass(model, prefill: str) -> int:
+def _syncs_of_a_prompt_pass(model, prefill: str, prompt_graphs: bool = False) -> int:
     """Host synchronisations (torch's sync debug mode, as warnings) of one prompt pass
     of three requests, the engine and its first pass already warmed up."""
-    eng = HybridEngine(model, strategy="fold", num_slots=3, window=4, max_len=256, prefill=prefill)
+    eng = HybridEngine(model, strategy="fold", num_slots=3, window=4, max_len=256, prefill=prefill,
+                       prompt_graphs=prompt_graphs)
     prompts = _prompts(3, (100, 37, 64))
     with torch.inference_mode():
         slots = [eng.alloc() for _ in prompts]
@@ -99,7 +102,8 @@ def test_fla_continues_a_prompt_prefilled_in_parts():
     model = build_tiny_model("qwen3_5", seed=4, dtype=torch.bfloat16, device="cuda", **HEADS)
     prompts = _prompts(9, (300, 130))
     whole = HybridEngine(model, strategy="fold", num_slots=2, window=4, max_len=512, prefill="recurrence")
-    parts = HybridEngine(model, strategy="fold", num_slots=2, window=4, max_len=512, prefill="chunk")
+    parts = HybridEngine(model, strategy="fold", num_slots=2, window=4, max_len=512, prefill="chunk",
+                         prompt_graphs=False)
     with torch.inference_mode():
         ref = whole.extend([whole.alloc(), whole.alloc()], prompts, prompt=True).logits.float()
         slots = [parts.alloc(), parts.alloc()]
@@ -120,3 +124,31 @@ def test_graphed_decode_with_chunked_prefill_keeps_the_tokens():
     assert runs[1].tokens == runs[0].tokens
     joiner = [p for p in runs[1].stats.prefills if 2 in p.requests]
     assert len(joiner) == 5 and all(b.after_step == a.after_step + 1 for a, b in zip(joiner, joiner[1:]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_static_prompt_pass_replays_the_eager_pass(dtype):
+    """Two passes through one captured shape (so the second replays with other
+    requests): last-token logits and GDN states as the eager recurrence pass's (the
+    same kernels; the token-wise layers on 512 rows instead of the pass's), and no
+    host synchronisation in a replayed pass."""
+    model = build_tiny_model("qwen3_5", seed=5, dtype=dtype, device="cuda", **HEADS)
+    common = dict(strategy="fold", num_slots=3, window=4, max_len=512, prefill="recurrence")
+    eager = HybridEngine(model, prompt_graphs=False, **common)
+    static = HybridEngine(model, prompt_graphs=True, **common)
+    tol = 1e-4 if dtype == torch.float32 else 0.05
+    with torch.inference_mode():
+        for lengths in ((300, 37, 64), (5, 250, 190)):
+            prompts = _prompts(sum(lengths), lengths)
+            outs = []
+            for eng in (eager, static):
+                slots = [eng.alloc() for _ in prompts]
+                outs.append((eng.extend(slots, prompts, prompt=True).logits.float(),
+                             eng.pool.checkpoints[:, slots].float()))
+                for s in slots:
+                    eng.free(s)
+            (le, se), (ls, ss) = outs
+            assert (ls - le).abs().max().item() < tol * le.abs().max().item()
+            assert (ss - se).abs().max().item() < tol * se.abs().max().item()
+    assert static.prompt_passes == {"static": 2, "eager": 0}
+    assert _syncs_of_a_prompt_pass(model, "recurrence", prompt_graphs=True) == 0

@@ -209,6 +209,16 @@ def test_values_are_read_once_per_step(monkeypatch):
     assert reads == []
     with pytest.raises(ValueError, match="outside"):
         guards.check_indices(b.slots, b.cu_seqlens, num_slots=1, num_tokens=4, max_len=4)
+    # a static prompt batch's windows: rewritten in place, recorded, never read back
+    b.set_windows([2, 1, -1], [1, 1, 2])
+    assert b.cu_seqlens.tolist() == [0, 1, 2, 4] and b.lengths == (1, 1, 2) and b.max_len == 2
+    reads.clear()
+    guards.check_indices(b.slots, b.cu_seqlens, num_slots=NS, num_tokens=4, max_len=4)
+    assert reads == []
+    for bad in ([1, 1, 1], [3, 1, 0], [1, 1]):  # the token count, the bound, one per row
+        with pytest.raises(ValueError, match="lengths"):
+            b.set_windows([2, 1, -1], bad)
+    assert b.cu_seqlens.tolist() == [0, 1, 2, 4]
 
 
 def test_pool_refuses_a_window_the_triton_kernels_cannot_take():

@@ -480,6 +480,8 @@ def run_mode(model, mode: str, prompts, warm, cfg: E2EConfig, *, on_done=None) -
                         prefill_chunk=cfg.prefill_chunk, tree=tree)
     budgets, warm_budgets = request_budgets(cfg, len(prompts)), request_budgets(cfg, len(warm), warmup=True)
     gen.capture()  # every bucket now: requests finishing unevenly must not capture inside a timed run
+    if engine.prompt_graphs is not None and cfg.prefill_chunk is None:  # the first pass: every prompt whole
+        engine.prompt_graphs.prepare(len(prompts), sum(len(p) for p in prompts))
     oracle = cfg.drafter == "oracle" and mode not in PLAIN_MODES
     if oracle:
         references, warm_references = _own_references(gen, prompts, warm, cfg)

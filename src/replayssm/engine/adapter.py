@@ -32,7 +32,8 @@ import torch
 
 from ..state import Batch, GDNShape, StatePool, strategy_class
 from .attention import slot_attention, tree_attention
-from .kv_cache import KVCache, WindowLayout, cached_attention
+from ..ops.guards import to_device
+from .kv_cache import KVCache, PromptLayout, WindowLayout, cached_attention
 from .norms import norm_eps, norm_kind, rms_norm
 
 log = logging.getLogger("replayssm.engine")
@@ -133,7 +134,7 @@ class _GDNMixer:
 
 
 def attention_forward(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int,
-                      layout: WindowLayout) -> torch.Tensor:
+                      layout: WindowLayout | PromptLayout, norm=None) -> torch.Tensor:
     """The HF full-attention module's computation with our cache.
 
     Reproduces ``Qwen3_5Attention.forward`` / ``Qwen3NextAttention.forward`` (query and
@@ -144,12 +145,13 @@ def attention_forward(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
         x: ``[R, hidden]`` normed hidden states; the first ``N`` rows are the window
             tokens, any further rows padding (projected, then ignored).
         cos, sin: ``[N, rotary_dim]``.
+        norm: ``norm(module, x)`` for the ``q/k`` norms (default: the modules).
 
     Returns:
         ``[R, hidden]`` (padding rows zero before ``o_proj``).
     """
     rows, n = x.shape[0], cos.shape[0]
-    q, k, v, gate = _attention_inputs(attn, x, cos, sin)
+    q, k, v, gate = _attention_inputs(attn, x, cos, sin, norm)
     o = cached_attention(cache, layer, layout, q, k, v[:n], attn.scaling)
     o = _pad_rows(o.reshape(n, -1), rows) * torch.sigmoid(gate)
     return attn.o_proj(o)
@@ -391,6 +393,15 @@ class HybridEngine:
             ``False`` keeps the recurrence. Steps
             through the recurrence (prompts, windows of several tokens) first fold a
             request's ring history into its checkpoint (:meth:`Strategy.fold_history`).
+        prompt_graphs: prompt passes of fresh requests with fewer than
+            ``prompt_graph_tokens`` tokens in all run as static shapes, each captured
+            once in a CUDA graph (:mod:`replayssm.engine.prompt_graph`; GDN layers
+            through the exact recurrence): the host's launches, not the GPU, set an
+            eager short prompt's time. Default (``None``): on a CUDA engine without
+            ``fixed_shape``. ``True`` on the CPU runs the same static body eagerly.
+            Which passes took it: :attr:`prompt_passes`.
+        prompt_graph_tokens: the largest token capacity of a prompt shape (a power of
+            two); longer passes run eagerly (the chunked kernel where there is one).
 
     A step is either :meth:`extend` (prompt prefill or plain decoding: the state
     advances over every token) or :meth:`verify` followed by :meth:`commit`.
@@ -399,7 +410,8 @@ class HybridEngine:
     def __init__(self, hf_model, *, strategy: str = "fold", num_slots: int = 1, window: int = 4,
                  max_len: int = 4096, ring_len: int | None = None, state_dtype: torch.dtype = torch.float32,
                  backend: str = "auto", prefill: str = "auto", chunk_kernel: Callable | None = None,
-                 fixed_shape: tuple[int, int] | None = None, plain_via_ring: bool | None = None):
+                 fixed_shape: tuple[int, int] | None = None, plain_via_ring: bool | None = None,
+                 prompt_graphs: bool | None = None, prompt_graph_tokens: int = 512):
         if prefill not in PREFILL_MODES:
             raise ValueError(f"prefill must be one of {PREFILL_MODES}, got {prefill!r}")
         if not isinstance(window, int) or isinstance(window, bool) or window < 1:
@@ -468,8 +480,8 @@ class HybridEngine:
         )
         self.max_len = max_len
         self.backend = backend
-        # Static steps run the norms as one kernel each on CUDA (a quarter of a batch-1
-        # step was the modules' small kernels); the CPU keeps the modules.
+        # Steps run the norms as one kernel each on CUDA (a quarter of a batch-1 step
+        # was the modules' small kernels); the CPU keeps the modules.
         self.fused_norms = backend == "triton" or (self.device.type == "cuda" and backend != "reference")
         self._pending: tuple | None = None
         #: Optional ``hook(j, q, k, v, a, b)`` called with GDN layer ``j``'s inputs of
@@ -506,6 +518,19 @@ class HybridEngine:
         missing = self.device.type == "cuda" and prefill == "auto" and self.chunk_kernel is None
         (log.warning if missing and self.dtype != torch.float32 else log.info)(
             "prompt prefill of GDN layers: %s", self.prefill_kernel)
+        if prompt_graphs is None:
+            prompt_graphs = self.device.type == "cuda" and fixed_shape is None
+        if not isinstance(prompt_graphs, bool):
+            raise TypeError(f"prompt_graphs must be a bool or None, got {type(prompt_graphs).__name__}")
+        if prompt_graphs and fixed_shape is not None:
+            raise ValueError("prompt_graphs and fixed_shape exclude each other (fixed_shape pads every step its own way)")
+        self.prompt_graphs = None
+        if prompt_graphs:
+            from .prompt_graph import PromptGraphs  # it builds on this module
+
+            self.prompt_graphs = PromptGraphs(self, max_tokens=prompt_graph_tokens)
+        #: prompt passes so far by path: ``"static"`` (a prompt shape) or ``"eager"``
+        self.prompt_passes = {"static": 0, "eager": 0}
 
     # ------------------------------------------------------------------ slots
     @property
@@ -557,7 +582,19 @@ class HybridEngine:
         """
         if not prompt and self.ring_decoding and all(len(w) == 1 for w in windows):
             return self._ring_step(slots, windows, all_logits)
-        return self._forward(slots, windows, verify=False, all_logits=all_logits, chunked=prompt)
+        slots, windows = self._check_step(slots, windows)
+        if prompt and not all_logits and self.prompt_graphs is not None:
+            lengths = [len(w) for w in windows]
+            slots, _ = self.pool.check_rows(slots, lengths, prefill=True)
+            if self.prompt_graphs.fits(slots, windows):
+                self.kv.check_room(slots, lengths)
+                out = self.prompt_graphs.run(slots, windows)
+                self.prompt_passes["static"] += 1
+                return out
+        out = self._forward(slots, windows, verify=False, all_logits=all_logits, chunked=prompt, checked=True)
+        if prompt:
+            self.prompt_passes["eager"] += 1
+        return out
 
     def _ring_step(self, slots, windows, all_logits: bool) -> StepOutput:
         """A plain decoding step through the ring: every GDN layer decodes (a window of
@@ -634,11 +671,13 @@ class HybridEngine:
 
     @torch.inference_mode()
     def _forward(self, slots, windows, *, verify: bool, all_logits: bool, chunked: bool,
-                 ring: bool = False) -> StepOutput:
+                 ring: bool = False, checked: bool = False) -> StepOutput:
         """One eager forward. ``verify``: the GDN layers verify (the step stays open for
         :meth:`commit`); with ``ring`` they decode through the ring instead (one token
-        per request, the step open for :meth:`_ring_step`'s commit)."""
-        slots, windows = self._check_step(slots, windows)
+        per request, the step open for :meth:`_ring_step`'s commit); ``checked``: the
+        caller ran :meth:`_check_step` already."""
+        if not checked:
+            slots, windows = self._check_step(slots, windows)
         lengths = [len(w) for w in windows]
         batch = self.pool.batch(slots, lengths, prefill=not verify)  # validates slots and lengths
         self.kv.check_room(slots, lengths)
@@ -656,14 +695,14 @@ class HybridEngine:
         if fixed is not None and n <= fixed[0] and max(lengths) <= fixed[1]:
             rows, t_max, l_max = fixed[0], fixed[1], self.max_len
         layout = WindowLayout(slots, starts, lengths, self.device, t_max=t_max, l_max=l_max)
-        ids = torch.tensor([t for w in windows for t in w], dtype=torch.long, device=self.device)
+        ids = to_device([t for w in windows for t in w], self.device)
 
         h = _pad_rows(self.embed(ids), rows)  # [rows, hidden]; rows > N only with fixed_shape
         cos, sin = self.rotary_cos_sin(h[:n], layout.positions)
-        strat = self.strategy
+        strat, norm = self.strategy, self.static_norm
         for layer, kind, j in zip(self.layers, self.kinds, self.index):
             residual = h
-            x = layer.input_layernorm(h)
+            x = norm(layer.input_layernorm, h)
             if kind == "gdn":
                 mixer = self.mixers[j]
                 mixed, z, a, b = mixer.project(x)
@@ -680,19 +719,19 @@ class HybridEngine:
                     o = strat.chunk_prefill(j, q, k, v, a, b, batch, prompt_kernel.layer(j))
                 else:
                     o = strat.prefill(j, q, k, v, a, b, batch)
-                x = mixer.finish(_pad_rows(o, rows), z)
+                x = mixer.finish(_pad_rows(o, rows), z, norm)
             else:
-                x = attention_forward(layer.self_attn, x, cos, sin, self.kv, j, layout)
+                x = attention_forward(layer.self_attn, x, cos, sin, self.kv, j, layout, norm)
             h = residual + x
             residual = h
-            x = layer.post_attention_layernorm(h)
+            x = norm(layer.post_attention_layernorm, h)
             if chunked and t_max is None and self.moe_kernel == "grouped_mm" and is_moe(layer.mlp):
                 # the HF block loops over the experts a pass hits, which the host reads
                 # first (a synchronisation per layer); the grouped GEMM reads nothing
                 h = residual + static_moe_forward(layer.mlp, x, self.moe_kernel)
             else:
                 h = residual + mlp_forward(layer.mlp, x, token_by_token=n if t_max is not None else 0)
-        h = self.norm(h)
+        h = norm(self.norm, h)
 
         offsets = [0]
         for m in lengths:
@@ -702,7 +741,7 @@ class HybridEngine:
             if not all_logits:
                 logits = logits[[o - 1 for o in offsets[1:]]]
         else:
-            last = torch.tensor([o - 1 for o in offsets[1:]], dtype=torch.long, device=self.device)
+            last = to_device([o - 1 for o in offsets[1:]], self.device)
             logits = self.lm_head(h[last]).float()
         if verify:
             self._pending = (batch, slots, lengths)
@@ -717,8 +756,9 @@ class HybridEngine:
         live slots into its ``slots`` tensor; one per captured step shape."""
         return Batch.build([-1] * rows, [window] * rows, self.device)
 
-    def forward_static(self, ids: torch.Tensor, positions: torch.Tensor, slot_idx: torch.Tensor, batch: Batch,
-                       *, verify: bool, ring: bool = False, tree=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_static(self, ids: torch.Tensor, positions: torch.Tensor, slot_idx: torch.Tensor | None, batch: Batch,
+                       *, verify: bool, ring: bool = False, tree=None, prompt: PromptLayout | None = None,
+                       last: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One static-shape forward of ``B`` rows of ``T`` tokens, CUDA-graph safe.
 
         Args:
@@ -740,11 +780,17 @@ class HybridEngine:
                 :meth:`Strategy.verify_tree`, attention layers the ancestor mask (node
                 ``i`` written at ``starts + i``); ``positions`` are then ``starts +
                 depth`` (rotary); the caller commits with ``strategy.commit_tree``.
+            prompt: with ``verify=False``, a prompt pass of fresh requests packed into
+                ``ids [1, N]`` (``batch`` its requests' offsets, a padding request last):
+                attention layers attend through this layout (:func:`cached_attention`
+                of fresh requests) instead of ``slot_idx`` (unused, may be ``None``).
+            last: ``[R]`` int64 rows of ``hidden`` whose logits are returned (the
+                requests' last prompt tokens); default every row.
 
         Returns:
-            ``(logits [B * T, vocab] float32, hidden [B * T, hidden])``. Nothing is
-            read on the host; the KV cache gets the window's keys and values, its
-            lengths are left to the caller.
+            ``(logits [B * T, vocab] float32, hidden [B * T, hidden])`` (logits
+            ``[R, vocab]`` with ``last``). Nothing is read on the host; the KV cache
+            gets the window's keys and values, its lengths are left to the caller.
         """
         b, t = ids.shape
         h = self.embed(ids.reshape(-1))
@@ -771,6 +817,8 @@ class HybridEngine:
                     q, k, v = mixer.split(strat.conv_prefill(j, mixed, batch))
                     o = strat.prefill(j, q, k, v, a, bb, batch)
                 x = mixer.finish(o, z, norm)
+            elif prompt is not None:
+                x = attention_forward(layer.self_attn, x, cos, sin, self.kv, j, prompt, norm)
             else:
                 x = static_attention_forward(layer.self_attn, x, cos, sin, self.kv, j, slot_idx, positions,
                                              backend=self.backend, norm=norm, tree=window)
@@ -778,7 +826,7 @@ class HybridEngine:
             x = norm(layer.post_attention_layernorm, h)
             h = h + (static_moe_forward(layer.mlp, x, self.moe_kernel) if is_moe(layer.mlp) else layer.mlp(x))
         h = norm(self.norm, h)
-        return self.lm_head(h).float(), h
+        return self.lm_head(h if last is None else h[last]).float(), h
 
     def static_norm(self, module, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
         """A norm module (a gated one takes ``gate``) as a static step runs it: one fused kernel on CUDA (see

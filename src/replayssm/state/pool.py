@@ -460,7 +460,15 @@ class StatePool:
             if slots.device.type != "cpu" and guards.on_device(slots):
                 return self._device_batch(slots, lengths, prefill)
             slots = slots.tolist()
-        elif isinstance(slots, np.ndarray) and slots.dtype.kind not in "iu":
+        slots, lengths = self.check_rows(slots, lengths, prefill=prefill)
+        generations = tuple(self._generation[s] if s >= 0 else 0 for s in slots)
+        return Batch.build(slots, lengths, self.device, generations=generations)
+
+    def check_rows(self, slots, lengths, *, prefill: bool = False) -> tuple[list[int], list[int]]:
+        """:meth:`batch`'s checks of host ``slots`` and ``lengths`` (same arguments, no
+        device tensor), without building the batch: for a caller that writes them into a
+        static batch. Returns both as lists of ints."""
+        if isinstance(slots, np.ndarray) and slots.dtype.kind not in "iu":
             raise TypeError(f"slots must hold integers, got a numpy array of {slots.dtype}")
         slots = [as_index(f"slots[{i}]", s) for i, s in enumerate(slots)]
         if isinstance(lengths, (int, np.integer)) and not isinstance(lengths, (bool, np.bool_)):
@@ -478,8 +486,7 @@ class StatePool:
             seen.add(s)
         for i, n in enumerate(lengths):
             self._check_length(i, n, prefill)
-        generations = tuple(self._generation[s] if s >= 0 else 0 for s in slots)
-        return Batch.build(slots, lengths, self.device, generations=generations)
+        return slots, lengths
 
     def _check_length(self, i: int, n: int, prefill: bool) -> None:
         if n < 1 or (not prefill and n > self.window):

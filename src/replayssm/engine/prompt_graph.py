@@ -1,0 +1,196 @@
+"""Prompt passes of fresh requests at static shapes, each shape captured once in a CUDA graph.
+
+An eager prompt pass launches every layer's kernels from Python and builds its index
+tensors on the host, so a short prompt costs host time, not GPU time (a 64-token prompt at
+batch 1 on Qwen3.5 shapes: 16 ms of host time for 1.9 ms of GPU work). A
+:class:`PromptGraph` holds one shape, ``B`` requests in ``N`` token rows, and replays the
+whole pass (embedding, every layer, the last tokens' logits, the KV lengths) from buffers
+the host fills with one asynchronous copy.
+
+Layout of a pass: the requests' prompt tokens packed in request order, then ``N - n >= 1``
+padding tokens that form one more request with slot ``-1`` (the batch's index contract
+wants every token in a request; the strategy's kernels give padding requests zero
+outputs and leave every state alone). GDN layers run the strategy's exact
+:meth:`~replayssm.strategies.Strategy.prefill` (the recurrence, graph-safe), attention
+layers the fresh-request attention of :func:`~replayssm.engine.kv_cache.cached_attention`
+over a padded ``[B + 1, N - B]`` layout (one request: its own row, the padding after it,
+which a causal mask keeps from every real query). Padding tokens write their keys and
+values into the cache's sink slot.
+
+:class:`PromptGraphs` picks the shape of a pass (``B`` exact, ``N`` the smallest power of
+two above the pass's tokens) and captures it at its first use.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ..ops.guards import copy_to_device
+from .adapter import HybridEngine, StepOutput
+from .kv_cache import PromptLayout
+
+#: The smallest token capacity of a prompt shape (shorter passes share it).
+MIN_TOKENS = 32
+
+
+class PromptGraph:
+    """One prompt-pass shape: ``requests`` fresh requests with fewer than ``tokens``
+    prompt tokens in all.
+
+    Args:
+        engine: the engine whose states, KV cache and strategy the pass advances.
+        requests: ``B``, the pass's requests (exactly).
+        tokens: ``N``, the token rows (``B < N <= engine.max_len``).
+        graph: capture a CUDA graph (CUDA only); else :meth:`run` runs the body eagerly
+            (the CPU path, and what the graph is tested against).
+        pool: a CUDA graph memory pool shared by the engine's prompt graphs.
+    """
+
+    def __init__(self, engine: HybridEngine, requests: int, tokens: int, *, graph: bool, pool=None):
+        if not 1 <= requests < tokens <= engine.max_len:
+            raise ValueError(f"need 1 <= requests < tokens <= max_len {engine.max_len}, got requests={requests}, "
+                             f"tokens={tokens}")
+        if graph and engine.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA engine")
+        self.engine, self.requests, self.tokens = engine, requests, tokens
+        dev, b, n, sink = engine.device, requests, tokens, engine.kv.sink
+        # Capture-time windows: every request padding, so warm-up and capture move no state.
+        self.batch = engine.pool.batch([-1] * (b + 1), [1] * b + [n - b], prefill=True)
+        # meta = ids [N] | row, col, position, cache slot [4, N] | last [B] | cache slot, length [2, B]
+        self.meta = torch.zeros(5 * n + 3 * b, dtype=torch.int64, device=dev)
+        self.ids = self.meta[:n]
+        index = self.meta[n : 5 * n].view(4, n)
+        self.last = self.meta[5 * n : 5 * n + b]
+        self.kv_rows, self.kv_lengths = self.meta[5 * n + b :].view(2, b)
+        index[3].fill_(sink)
+        self.kv_rows.fill_(sink)
+        self.layout = PromptLayout(1 if b == 1 else b + 1, n - b if b > 1 else n, index)
+        self.logits = self.hidden = None
+        self.graph = None
+        if graph:
+            self._capture(pool)
+
+    def run(self, slots: Sequence[int], windows: Sequence[Sequence[int]]) -> StepOutput:
+        """Prefill ``windows`` (prompt tokens, checked by the caller: fresh, live,
+        unique slots, token ids in range, fewer than ``tokens`` in all) into ``slots``.
+
+        Returns the eager pass's :class:`StepOutput` (last-token logits), in tensors of
+        its own (the graph's buffers are copied out)."""
+        eng, b, n = self.engine, self.requests, self.tokens
+        lengths = [len(w) for w in windows]
+        used = sum(lengths)
+        if len(slots) != b or used >= n:
+            raise ValueError(f"this shape takes {b} requests of fewer than {n} tokens in all, got {len(slots)} "
+                             f"requests of {used}")
+        pad = n - used
+        row, col, pos, kv_slot = [], [], [], []
+        for i, (s, m) in enumerate(zip(slots, lengths)):
+            row += [i] * m
+            col += range(m)
+            kv_slot += [s] * m
+        pos = list(col)
+        if b == 1:  # the padding follows the request in its own attention row
+            row += [0] * pad
+            col += range(used, n)
+        else:
+            row += [b] * pad
+            col += range(pad)
+        pos += range(pad) if b > 1 else range(used, n)
+        kv_slot += [eng.kv.sink] * pad
+        offsets = [0]
+        for m in lengths:
+            offsets.append(offsets[-1] + m)
+        ids = [t for w in windows for t in w] + [0] * pad
+        self.batch.set_windows(list(slots) + [-1], lengths + [pad])
+        copy_to_device(self.meta, ids + row + col + pos + kv_slot + [o - 1 for o in offsets[1:]] + list(slots)
+                       + lengths)
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self._body()
+        eng.kv.advance_host(slots, lengths)
+        return StepOutput(logits=self.logits.clone(), hidden=self.hidden[:used].clone(), lengths=lengths,
+                          offsets=offsets)
+
+    def _body(self) -> None:
+        eng = self.engine
+        positions = self.layout.positions
+        self.logits, self.hidden = eng.forward_static(self.ids[None], positions[None], None, self.batch, verify=False,
+                                                      prompt=self.layout, last=self.last)
+        kv_len = eng.kv.device_lengths
+        kv_len[self.kv_rows] = self.kv_lengths  # fresh requests: the prompt is the whole history
+        kv_len[eng.kv.sink:].zero_()
+
+    def _capture(self, pool) -> None:
+        # Warm up outside the graph (Triton compiles, cuBLAS picks its kernels) with
+        # every request padding, then capture the same body.
+        dev = self.engine.device
+        stream = torch.cuda.Stream(dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._body()
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            self._body()
+        self.graph = graph
+
+
+class PromptGraphs:
+    """The prompt shapes of one engine, each built (and on CUDA captured) at first use.
+
+    A pass of ``B`` fresh requests with ``n`` prompt tokens in all takes the shape ``(B,
+    N)`` with ``N`` the smallest power of two ``> n`` and ``>= MIN_TOKENS``; passes with
+    ``N > max_tokens``, and any pass with a request that holds tokens already (a prompt
+    continued in chunks), run eagerly (:meth:`fits` says which).
+
+    Args:
+        engine: the engine.
+        max_tokens: the largest token capacity of a shape (a power of two); longer
+            passes are the chunked kernel's, whose cost the host's launches do not set.
+        graph: capture CUDA graphs (default: on a CUDA engine).
+    """
+
+    def __init__(self, engine: HybridEngine, *, max_tokens: int = 512, graph: bool | None = None):
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < MIN_TOKENS \
+                or max_tokens & (max_tokens - 1):
+            raise ValueError(f"max_tokens must be a power of two >= {MIN_TOKENS}, got {max_tokens!r}")
+        self.engine = engine
+        self.max_tokens = min(max_tokens, 1 << (engine.max_len.bit_length() - 1))
+        self.graph = engine.device.type == "cuda" if graph is None else bool(graph)
+        self._shapes: dict[tuple[int, int], PromptGraph] = {}
+        self._pool = None
+
+    def shape(self, num_tokens: int) -> int | None:
+        """The token capacity ``N`` of a pass of ``num_tokens`` tokens (``None``: too long)."""
+        n = max(MIN_TOKENS, 1 << num_tokens.bit_length())  # the smallest power of two > num_tokens
+        return n if n <= self.max_tokens else None
+
+    def fits(self, slots: Sequence[int], windows: Sequence[Sequence[int]]) -> bool:
+        """Whether a prompt pass of ``windows`` into ``slots`` runs as a static shape:
+        every request fresh (no committed token) and the tokens within ``max_tokens``."""
+        kv = self.engine.kv
+        if not slots or any(not 0 <= s < kv.num_slots or kv.lengths[s] for s in slots):
+            return False
+        return self.shape(sum(len(w) for w in windows)) is not None
+
+    def prepare(self, requests: int, num_tokens: int) -> PromptGraph | None:
+        """The shape of a pass of ``requests`` requests and ``num_tokens`` tokens, built
+        (and captured) now if it was not; ``None`` if such a pass runs eagerly. A
+        benchmark calls this before timing, so no capture lands inside a timed run."""
+        n = self.shape(num_tokens)
+        if n is None or not 1 <= requests <= num_tokens:
+            return None
+        key = (requests, n)
+        if key not in self._shapes:
+            if self.graph and self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            self._shapes[key] = PromptGraph(self.engine, requests, n, graph=self.graph, pool=self._pool)
+        return self._shapes[key]
+
+    def run(self, slots: Sequence[int], windows: Sequence[Sequence[int]]) -> StepOutput:
+        """The pass through its shape's :class:`PromptGraph` (``fits`` must hold)."""
+        return self.prepare(len(slots), sum(len(w) for w in windows)).run(slots, windows)
