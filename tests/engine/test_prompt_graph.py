@@ -118,3 +118,43 @@ def test_bad_inputs_are_refused_before_any_write(rng, seed):
         PromptGraph(eng, 1, 32, graph=True)
     with pytest.raises(ValueError, match="exclude"):
         HybridEngine(model, num_slots=1, window=2, max_len=64, prompt_graphs=True, fixed_shape=(2, 2))
+
+
+def _chunk_kernel(q, k, v, g, beta, *, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel):
+    """fla-core's ``chunk_gated_delta_rule`` contract from transformers' chunked PyTorch
+    implementation, per sequence; ``cu_seqlens=None`` is one sequence (the static pass)."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+
+    cu = [0, q.shape[1]] if cu_seqlens is None else cu_seqlens.tolist()
+    outs, finals = [], []
+    for i in range(len(cu) - 1):
+        sl = slice(cu[i], cu[i + 1])
+        o, s = torch_chunk_gated_delta_rule(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], chunk_size=8,
+                                            initial_state=None, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        outs.append(o)
+        finals.append(s)
+    return torch.cat(outs, 1), torch.cat(finals, 0)
+
+
+def test_one_request_runs_the_chunked_kernel_as_one_sequence(rng, seed):
+    """With a chunked kernel, a one-request shape hands the kernel every token as one
+    sequence with the padding tokens' gates zeroed: states and logits as the eager
+    chunked pass's; a pass of two requests keeps the recurrence."""
+    model = build_tiny_model("qwen3_5", seed=seed)
+    eager, static = _engines(model, prefill="chunk", chunk_kernel=_chunk_kernel)
+    prompt = [torch.randint(0, 256, (21,), generator=rng).tolist()]
+    outs = []
+    for eng in (eager, static):
+        slot = eng.alloc()
+        outs.append((eng.extend([slot], prompt, prompt=True), _states(eng, [slot])))
+    (oe, se), (os_, ss) = outs
+    assert static.prompt_graphs.prepare(1, 21).chunk_kernel is _chunk_kernel
+    assert static.prompt_graphs.prepare(2, 21).chunk_kernel is None
+    scale = oe.logits.abs().max()
+    torch.testing.assert_close(os_.logits / scale, oe.logits / scale, **TOL)
+    torch.testing.assert_close(ss[0], se[0], **TOL)
+    torch.testing.assert_close(ss[1], se[1], **TOL)
+    big = HybridEngine(model, num_slots=2, window=1, max_len=2048, prefill="chunk", chunk_kernel=_chunk_kernel,
+                       prompt_graphs=True).prompt_graphs
+    assert (big.shape(511), big.shape(512), big.shape(600), big.shape(2047), big.shape(2048)) == (512, 768, 768, 2048, None)
+    assert big.shape(511, requests=2) == 512 and big.shape(512, requests=2) is None

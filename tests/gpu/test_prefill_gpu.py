@@ -152,3 +152,28 @@ def test_static_prompt_pass_replays_the_eager_pass(dtype):
             assert (ss - se).abs().max().item() < tol * se.abs().max().item()
     assert static.prompt_passes == {"static": 2, "eager": 0}
     assert _syncs_of_a_prompt_pass(model, "recurrence", prompt_graphs=True) == 0
+
+
+def test_static_prompt_pass_of_one_request_through_fla():
+    """One request's shape runs fla-core's kernel in the graph (every token one
+    sequence, the padding's gates zero): logits and states as the eager chunked pass's."""
+    if load_chunk_kernel() is None:
+        pytest.skip("fla-core is not importable here")
+    model = build_tiny_model("qwen3_5", seed=7, dtype=torch.bfloat16, device="cuda", **HEADS)
+    common = dict(strategy="fold", num_slots=1, window=4, max_len=2304, prefill="chunk")
+    eager = HybridEngine(model, prompt_graphs=False, **common)
+    static = HybridEngine(model, prompt_graphs=True, **common)
+    with torch.inference_mode():
+        for n in (1500, 2000):  # one shape (2048), replayed with another prompt
+            prompt = _prompts(n, (n,))
+            outs = []
+            for eng in (eager, static):
+                slot = eng.alloc()
+                outs.append((eng.extend([slot], prompt, prompt=True).logits.float(),
+                             eng.pool.checkpoints[:, slot].float()))
+                eng.free(slot)
+            (le, se), (ls, ss) = outs
+            assert (ls - le).abs().max().item() < 0.05 * le.abs().max().item()
+            assert (ss - se).abs().max().item() < 0.05 * se.abs().max().item()
+    assert static.prompt_passes == {"static": 2, "eager": 0}
+    assert static.prompt_graphs.prepare(1, 2000).chunk_kernel is not None

@@ -393,15 +393,15 @@ class HybridEngine:
             ``False`` keeps the recurrence. Steps
             through the recurrence (prompts, windows of several tokens) first fold a
             request's ring history into its checkpoint (:meth:`Strategy.fold_history`).
-        prompt_graphs: prompt passes of fresh requests with fewer than
-            ``prompt_graph_tokens`` tokens in all run as static shapes, each captured
-            once in a CUDA graph (:mod:`replayssm.engine.prompt_graph`; GDN layers
-            through the exact recurrence): the host's launches, not the GPU, set an
-            eager short prompt's time. Default (``None``): on a CUDA engine without
-            ``fixed_shape``. ``True`` on the CPU runs the same static body eagerly.
-            Which passes took it: :attr:`prompt_passes`.
-        prompt_graph_tokens: the largest token capacity of a prompt shape (a power of
-            two); longer passes run eagerly (the chunked kernel where there is one).
+        prompt_graphs: prompt passes of fresh requests run as static shapes, each
+            captured once in a CUDA graph (:mod:`replayssm.engine.prompt_graph`): the
+            host's launches, not the GPU, set an eager prompt pass's time up to a few
+            thousand tokens. GDN layers of one request go through the chunked kernel
+            when the engine has one, of several through the exact recurrence. Default
+            (``None``): on a CUDA engine without ``fixed_shape``. ``True`` on the CPU
+            runs the same static body eagerly. Which passes took it: :attr:`prompt_passes`.
+        prompt_graph_tokens: the largest token capacity of a prompt shape of several
+            requests (a power of two); longer passes run eagerly.
 
     A step is either :meth:`extend` (prompt prefill or plain decoding: the state
     advances over every token) or :meth:`verify` followed by :meth:`commit`.
@@ -758,7 +758,8 @@ class HybridEngine:
 
     def forward_static(self, ids: torch.Tensor, positions: torch.Tensor, slot_idx: torch.Tensor | None, batch: Batch,
                        *, verify: bool, ring: bool = False, tree=None, prompt: PromptLayout | None = None,
-                       last: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       last: torch.Tensor | None = None,
+                       chunk_kernel: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One static-shape forward of ``B`` rows of ``T`` tokens, CUDA-graph safe.
 
         Args:
@@ -786,6 +787,9 @@ class HybridEngine:
                 of fresh requests) instead of ``slot_idx`` (unused, may be ``None``).
             last: ``[R]`` int64 rows of ``hidden`` whose logits are returned (the
                 requests' last prompt tokens); default every row.
+            chunk_kernel: with ``prompt`` of one request: GDN layers through this
+                chunked kernel (:meth:`Strategy.chunk_prefill_static`) instead of the
+                recurrence.
 
         Returns:
             ``(logits [B * T, vocab] float32, hidden [B * T, hidden])`` (logits
@@ -815,7 +819,10 @@ class HybridEngine:
                     o = (strat.verify if verify else strat.decode)(j, q, k, v, a, bb, batch)
                 else:
                     q, k, v = mixer.split(strat.conv_prefill(j, mixed, batch))
-                    o = strat.prefill(j, q, k, v, a, bb, batch)
+                    if chunk_kernel is not None:
+                        o = strat.chunk_prefill_static(j, q, k, v, a, bb, batch, chunk_kernel)
+                    else:
+                        o = strat.prefill(j, q, k, v, a, bb, batch)
                 x = mixer.finish(o, z, norm)
             elif prompt is not None:
                 x = attention_forward(layer.self_attn, x, cos, sin, self.kv, j, prompt, norm)

@@ -10,15 +10,18 @@ the host fills with one asynchronous copy.
 Layout of a pass: the requests' prompt tokens packed in request order, then ``N - n >= 1``
 padding tokens that form one more request with slot ``-1`` (the batch's index contract
 wants every token in a request; the strategy's kernels give padding requests zero
-outputs and leave every state alone). GDN layers run the strategy's exact
-:meth:`~replayssm.strategies.Strategy.prefill` (the recurrence, graph-safe), attention
-layers the fresh-request attention of :func:`~replayssm.engine.kv_cache.cached_attention`
-over a padded ``[B + 1, N - B]`` layout (one request: its own row, the padding after it,
-which a causal mask keeps from every real query). Padding tokens write their keys and
-values into the cache's sink slot.
+outputs and leave every state alone). GDN layers of several requests run the strategy's
+exact :meth:`~replayssm.strategies.Strategy.prefill` (the recurrence, graph-safe); those
+of one request the chunked kernel when the engine has one
+(:meth:`~replayssm.strategies.Strategy.chunk_prefill_static`: the whole pass as one
+sequence, the padding tokens' gates zero, so no offsets are read on the host). Attention
+layers run the fresh-request attention of
+:func:`~replayssm.engine.kv_cache.cached_attention` over a padded ``[B + 1, N - B]``
+layout (one request: its own row, the padding after it, which a causal mask keeps from
+every real query). Padding tokens write their keys and values into the cache's sink slot.
 
-:class:`PromptGraphs` picks the shape of a pass (``B`` exact, ``N`` the smallest power of
-two above the pass's tokens) and captures it at its first use.
+:class:`PromptGraphs` picks the shape of a pass (``B`` exact, ``N`` above the pass's
+tokens: a power of two up to 512, then a multiple of 256) and captures it at its first use.
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ from .kv_cache import PromptLayout
 
 #: The smallest token capacity of a prompt shape (shorter passes share it).
 MIN_TOKENS = 32
+#: Capacities above 512 tokens are multiples of this (a power of two would pad a long
+#: prompt's token-wise layers by up to 2x).
+LONG_STEP = 256
 
 
 class PromptGraph:
@@ -67,6 +73,8 @@ class PromptGraph:
         index[3].fill_(sink)
         self.kv_rows.fill_(sink)
         self.layout = PromptLayout(1 if b == 1 else b + 1, n - b if b > 1 else n, index)
+        #: the chunked kernel of GDN layers (one request, an engine that has one), else the recurrence
+        self.chunk_kernel = engine.chunk_kernel if b == 1 else None
         self.logits = self.hidden = None
         self.graph = None
         if graph:
@@ -118,7 +126,8 @@ class PromptGraph:
         eng = self.engine
         positions = self.layout.positions
         self.logits, self.hidden = eng.forward_static(self.ids[None], positions[None], None, self.batch, verify=False,
-                                                      prompt=self.layout, last=self.last)
+                                                      prompt=self.layout, last=self.last,
+                                                      chunk_kernel=self.chunk_kernel)
         kv_len = eng.kv.device_lengths
         kv_len[self.kv_rows] = self.kv_lengths  # fresh requests: the prompt is the whole history
         kv_len[eng.kv.sink:].zero_()
@@ -143,45 +152,54 @@ class PromptGraphs:
     """The prompt shapes of one engine, each built (and on CUDA captured) at first use.
 
     A pass of ``B`` fresh requests with ``n`` prompt tokens in all takes the shape ``(B,
-    N)`` with ``N`` the smallest power of two ``> n`` and ``>= MIN_TOKENS``; passes with
-    ``N > max_tokens``, and any pass with a request that holds tokens already (a prompt
-    continued in chunks), run eagerly (:meth:`fits` says which).
+    N)`` with ``N > n``: the smallest power of two ``>= MIN_TOKENS`` up to 512, above that
+    the next multiple of ``LONG_STEP``. Passes with ``N`` above the bound, and any pass with
+    a request that holds tokens already (a prompt continued in chunks), run eagerly
+    (:meth:`fits` says which).
 
     Args:
         engine: the engine.
-        max_tokens: the largest token capacity of a shape (a power of two); longer
-            passes are the chunked kernel's, whose cost the host's launches do not set.
+        max_tokens: the largest token capacity of a shape of several requests (a power
+            of two; their GDN layers run the token-serial recurrence).
+        max_chunked_tokens: the same for one request when the engine has a chunked
+            kernel (its GDN layers run that kernel).
         graph: capture CUDA graphs (default: on a CUDA engine).
     """
 
-    def __init__(self, engine: HybridEngine, *, max_tokens: int = 512, graph: bool | None = None):
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < MIN_TOKENS \
-                or max_tokens & (max_tokens - 1):
-            raise ValueError(f"max_tokens must be a power of two >= {MIN_TOKENS}, got {max_tokens!r}")
+    def __init__(self, engine: HybridEngine, *, max_tokens: int = 512, max_chunked_tokens: int = 8192,
+                 graph: bool | None = None):
+        for name, v in (("max_tokens", max_tokens), ("max_chunked_tokens", max_chunked_tokens)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < MIN_TOKENS or v & (v - 1):
+                raise ValueError(f"{name} must be a power of two >= {MIN_TOKENS}, got {v!r}")
         self.engine = engine
-        self.max_tokens = min(max_tokens, 1 << (engine.max_len.bit_length() - 1))
+        self.max_tokens = min(max_tokens, engine.max_len)
+        self.max_chunked_tokens = min(max_chunked_tokens, engine.max_len) if engine.chunk_kernel else self.max_tokens
         self.graph = engine.device.type == "cuda" if graph is None else bool(graph)
         self._shapes: dict[tuple[int, int], PromptGraph] = {}
         self._pool = None
 
-    def shape(self, num_tokens: int) -> int | None:
-        """The token capacity ``N`` of a pass of ``num_tokens`` tokens (``None``: too long)."""
-        n = max(MIN_TOKENS, 1 << num_tokens.bit_length())  # the smallest power of two > num_tokens
-        return n if n <= self.max_tokens else None
+    def shape(self, num_tokens: int, requests: int = 1) -> int | None:
+        """The token capacity ``N`` of a pass of ``num_tokens`` tokens of ``requests``
+        requests (``None``: it runs eagerly)."""
+        if num_tokens < 512:
+            n = max(MIN_TOKENS, 1 << num_tokens.bit_length())  # the smallest power of two > num_tokens
+        else:
+            n = (num_tokens // LONG_STEP + 1) * LONG_STEP
+        return n if n <= (self.max_chunked_tokens if requests == 1 else self.max_tokens) else None
 
     def fits(self, slots: Sequence[int], windows: Sequence[Sequence[int]]) -> bool:
         """Whether a prompt pass of ``windows`` into ``slots`` runs as a static shape:
-        every request fresh (no committed token) and the tokens within ``max_tokens``."""
+        every request fresh (no committed token) and the tokens within the bound."""
         kv = self.engine.kv
         if not slots or any(not 0 <= s < kv.num_slots or kv.lengths[s] for s in slots):
             return False
-        return self.shape(sum(len(w) for w in windows)) is not None
+        return self.shape(sum(len(w) for w in windows), len(slots)) is not None
 
     def prepare(self, requests: int, num_tokens: int) -> PromptGraph | None:
         """The shape of a pass of ``requests`` requests and ``num_tokens`` tokens, built
         (and captured) now if it was not; ``None`` if such a pass runs eagerly. A
         benchmark calls this before timing, so no capture lands inside a timed run."""
-        n = self.shape(num_tokens)
+        n = self.shape(num_tokens, requests)
         if n is None or not 1 <= requests <= num_tokens:
             return None
         key = (requests, n)

@@ -547,19 +547,8 @@ class Strategy:
         if not callable(kernel):
             raise TypeError(f"kernel must be callable, got {type(kernel).__name__}")
         self._check_prefill_rows(batch)
-        s = self.pool.shape
-        hv = s.num_value_heads
-        A_log, dt_bias = self._gates(layer)
-        g, beta = gdn_gates(a, b, A_log, dt_bias)
-        qe, ke = expand_heads(q, hv), expand_heads(k, hv)
-        o, final = kernel(
-            qe[None], ke[None], v[None], g[None], beta.to(v.dtype)[None], initial_state=None,
-            output_final_state=True, cu_seqlens=batch.cu_seqlens.long(), use_qk_l2norm_in_kernel=True,
-        )
-        _checks.tensor("kernel's o", o, ndim=4, dtypes=_checks.FLOAT_DTYPES)
-        _checks.shape("kernel's o", o, [1, batch.num_tokens, hv, s.head_v_dim])
-        _checks.tensor("kernel's final state", final, ndim=4, dtypes=_checks.FLOAT_DTYPES)
-        _checks.shape("kernel's final state", final, [batch.size, hv, s.head_k_dim, s.head_v_dim])
+        o, final = self._run_chunk_kernel(layer, q, k, v, a, b, kernel, batch.num_tokens, batch.size,
+                                          cu_seqlens=batch.cu_seqlens.long())
         slots = batch.host_slots if batch.host_slots is not None else tuple(batch.slots.tolist())
         self._load_states(layer, slots, final.transpose(-1, -2))
         o = o[0].to(v.dtype)
@@ -567,6 +556,63 @@ class Strategy:
             pad = [t for i, sl in enumerate(slots) if sl < 0 for t in range(*_token_range(batch, i))]
             o[torch.tensor(pad, dtype=torch.long, device=o.device)] = 0
         return o
+
+    def chunk_prefill_static(self, layer: int, q, k, v, a, b, batch: Batch, kernel: Callable) -> torch.Tensor:
+        """:meth:`chunk_prefill` of a static prompt batch (a CUDA-graphed prompt pass,
+        :mod:`replayssm.engine.prompt_graph`): one fresh request, then a padding request
+        (slot ``-1``) over the rest of the tokens, both rewritten on the device between
+        replays. Nothing is read on the host: the kernel sees every token as one
+        sequence (no offsets) with the padding tokens' gates ``g = 0, beta = 0``, which
+        pass the state on unchanged, and the final state goes to the request's slot
+        through the batch's device slots (``-1``, as at capture, writes nothing).
+
+        Args:
+            layer, q, k, v, a, b, kernel: as for :meth:`chunk_prefill`.
+            batch: two rows, the second one padding.
+
+        Returns:
+            ``o``: ``[N, HV, V]`` in the dtype of ``v``; the padding tokens' rows are
+            whatever the kernel gives them (their state never moved).
+        """
+        self._check_batch(batch, step=False)
+        self._check_inputs(layer, q, k, v, a, b, batch)
+        if not callable(kernel):
+            raise TypeError(f"kernel must be callable, got {type(kernel).__name__}")
+        if batch.size != 2 or (batch.host_slots is not None and batch.host_slots[1] != -1):
+            raise ValueError(f"a static chunked prompt batch is one request and a padding row, got {batch.size} "
+                             f"rows with slots {batch.host_slots}")
+        self._check_prefill_rows(batch)
+        real = torch.arange(batch.num_tokens, device=q.device) < batch.cu_seqlens[1]
+        o, final = self._run_chunk_kernel(layer, q, k, v, a, b, kernel, batch.num_tokens, 1, cu_seqlens=None,
+                                          real=real)
+        slot = batch.slots[:1].long()
+        live = slot >= 0
+        ck = self.pool.checkpoints[layer]
+        # a padding slot (-1) writes its own current state back: nothing moves
+        ck[slot.clamp(min=0)] = torch.where(live[:, None, None, None], final.transpose(-1, -2).to(ck.dtype),
+                                            ck[slot.clamp(min=0)])
+        return o[0].to(v.dtype)
+
+    def _run_chunk_kernel(self, layer: int, q, k, v, a, b, kernel: Callable, num_tokens: int, num_seqs: int, *,
+                          cu_seqlens, real=None):
+        """Gates, key heads repeated to value heads, the chunked kernel's call and the
+        check of what it returns; ``real [N]`` bool zeroes the other tokens' gates."""
+        s = self.pool.shape
+        hv = s.num_value_heads
+        A_log, dt_bias = self._gates(layer)
+        g, beta = gdn_gates(a, b, A_log, dt_bias)
+        if real is not None:
+            g, beta = torch.where(real[:, None], g, 0.0), torch.where(real[:, None], beta, 0.0)
+        qe, ke = expand_heads(q, hv), expand_heads(k, hv)
+        o, final = kernel(
+            qe[None], ke[None], v[None], g[None], beta.to(v.dtype)[None], initial_state=None,
+            output_final_state=True, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True,
+        )
+        _checks.tensor("kernel's o", o, ndim=4, dtypes=_checks.FLOAT_DTYPES)
+        _checks.shape("kernel's o", o, [1, num_tokens, hv, s.head_v_dim])
+        _checks.tensor("kernel's final state", final, ndim=4, dtypes=_checks.FLOAT_DTYPES)
+        _checks.shape("kernel's final state", final, [num_seqs, hv, s.head_k_dim, s.head_v_dim])
+        return o, final
 
     def load_states(self, layer: int, slots: torch.Tensor, states: torch.Tensor) -> None:
         """Set the committed recurrent state of fresh slots of one layer.
