@@ -38,6 +38,20 @@ def test_plain_path_matches_hf_forward(family, rng, seed):
     assert eng.length(s) == 40
 
 
+@pytest.mark.parametrize("lengths", [(12, 12, 12), (12, 5, 9)])
+def test_prompt_pass_of_several_requests_matches_hf(lengths, rng, seed):
+    """Fresh requests in one prompt pass attend each within its own window: prompts of
+    one length (the packed tokens taken as the padded layout) and of several (scattered
+    into it) give HF's logits of each prompt alone."""
+    model = build_tiny_model("qwen3_5", seed=seed)
+    prompts = [torch.randint(0, 256, (n,), generator=rng).tolist() for n in lengths]
+    eng = HybridEngine(model, strategy="fold", num_slots=3, window=2, max_len=32, prompt_graphs=False)
+    out = eng.extend([eng.alloc() for _ in prompts], prompts, all_logits=True, prompt=True)
+    for i, p in enumerate(prompts):
+        torch.testing.assert_close(out.logits[out.offsets[i] : out.offsets[i + 1]], hf_logits(model, p), atol=TOL,
+                                   rtol=0)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("strategy", ["snapshot", "fold", "circular"])
 def test_verify_windows_match_hf_forward(family, strategy, rng, seed):

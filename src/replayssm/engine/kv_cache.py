@@ -193,6 +193,8 @@ class WindowLayout:
         #: every request without history and no padding past the longest window: the
         #: attention needs no cache read and no explicit mask (see cached_attention)
         self.fresh = not any(self.starts) and t_max is None
+        #: every window as long as the longest: the packed tokens are the padded layout
+        self.uniform = all(n == self.t_max for n in self.lengths)
         self.device = device
 
     @functools.cached_property
@@ -223,6 +225,7 @@ class PromptLayout:
     """
 
     fresh = True  # every request starts at position 0: no cache read, a causal mask
+    uniform = False  # the requests differ in length and the padding has a row of its own
 
     def __init__(self, rows: int, t_max: int, index: torch.Tensor):
         self.batch, self.t_max = rows, t_max
@@ -273,8 +276,8 @@ def _fresh_attention(layout: WindowLayout, q: torch.Tensor, k: torch.Tensor, v: 
     if heads != kv_heads:
         k = k.repeat_interleave(heads // kv_heads, dim=1)
         v = v.repeat_interleave(heads // kv_heads, dim=1)
-    if layout.batch == 1:
-        qs, ks, vs = q[None], k[None], v[None]
+    if layout.batch == 1 or layout.uniform:  # the packed tokens already are [B, Tmax]
+        qs, ks, vs = (x.reshape(layout.batch, layout.t_max, heads, d) for x in (q, k, v))
     else:
         qs, ks, vs = (x.new_zeros(layout.batch, layout.t_max, heads, d) for x in (q, k, v))
         qs[layout.row, layout.col] = q
@@ -283,7 +286,7 @@ def _fresh_attention(layout: WindowLayout, q: torch.Tensor, k: torch.Tensor, v: 
     out = F.scaled_dot_product_attention(qs.transpose(1, 2), ks.transpose(1, 2).to(q.dtype),
                                          vs.transpose(1, 2).to(q.dtype), is_causal=True, scale=scale)
     out = out.transpose(1, 2)  # [B, Tmax, heads, D]
-    return out[0] if layout.batch == 1 else out[layout.row, layout.col]
+    return out.reshape(n, heads, d) if layout.batch == 1 or layout.uniform else out[layout.row, layout.col]
 
 
 def compact_path(cache: KVCache, slot_idx: torch.Tensor, starts: torch.Tensor, path: torch.Tensor) -> None:
