@@ -237,6 +237,72 @@ def test_conv_and_cursors_match_reference(hv, act, t):
     assert all(torch.equal(p, q) for p, q in zip(cur_t, cur_r))
 
 
+def test_conv_prompt_token_blocks(monkeypatch):
+    """Prompts through the conv's token blocks at Qwen3.5's C = 8192, bf16: a 2048-token
+    prompt beside windows around the block size and a padding row, against the
+    reference (the state bit for bit), and the same bits at another token block (4
+    tokens in groups of 2, so a window of 16 takes four blocks instead of one)."""
+    from replayssm.ops import conv as conv_ops
+
+    c, w, ns, act = 2 * H * K + 32 * V, 4, 12, torch.bfloat16
+    lengths = [1, 15, 16, 2048, 17, 53, 700, 33]
+    slot_list = torch.randperm(ns)[: len(lengths)].tolist()
+    slot_list[-1] = -1
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    slots = torch.tensor(slot_list, dtype=torch.int32, device=DEV)
+    x = torch.randn(sum(lengths), c, device=DEV).to(act)
+    weight = torch.randn(c, w, device=DEV).to(act)
+    bias = torch.randn(c, device=DEV).to(act)
+    state0 = torch.randn(ns, c, w - 1, device=DEV).to(act)
+
+    def run(backend, rows=len(lengths)):
+        state = state0.clone()
+        y = causal_conv_verify(x[: int(cu[rows])], state, weight, bias, slots[:rows], cu[: rows + 1],
+                               update_state=True, max_len=max(lengths[:rows]), backend=backend)
+        return y, state
+
+    y_r, s_r = run("reference")
+    y_t, s_t = run("triton")
+    torch.testing.assert_close(y_t.float(), y_r.float(), **tol(y_r, act))
+    assert torch.equal(s_t, s_r)
+    short = [run("triton", rows=3)]  # windows of at most 16 tokens: one token block
+    monkeypatch.setattr(conv_ops, "CONV_TOKEN_BLOCK", 4)
+    monkeypatch.setattr(conv_ops, "CONV_TOKEN_GROUP", 2)
+    short.append(run("triton", rows=3))
+    y_4, s_4 = run("triton")
+    assert torch.equal(y_4, y_t) and torch.equal(s_4, s_t)
+    assert torch.equal(short[0][0], short[1][0]) and torch.equal(short[0][1], short[1][1])
+    assert torch.equal(y_t[-lengths[-1]:], torch.zeros_like(y_t[-lengths[-1]:])), "padding row not zeroed"
+
+
+def test_conv_prompts_of_new_lengths_compile_nothing():
+    """After one prompt longer than a token block, prompts of other lengths reuse its
+    compiled conv kernel (the block size, not the length, is the kernel's constant)."""
+    from replayssm.ops import conv as conv_ops
+
+    caches = getattr(conv_ops._conv_verify_kernel, "device_caches", None)
+    if caches is None:
+        pytest.skip("this Triton keeps its compiled kernels elsewhere")
+    c, w, ns, act = 2 * H * K + 32 * V, 4, 4, torch.bfloat16
+    weight = torch.randn(c, w, device=DEV).to(act)
+    state = torch.randn(ns, c, w - 1, device=DEV).to(act)
+
+    def prefill(n):
+        slots = torch.tensor([1], dtype=torch.int32, device=DEV)
+        cu = torch.tensor([0, n], dtype=torch.int32, device=DEV)
+        causal_conv_verify(torch.randn(n, c, device=DEV).to(act), state, weight, None, slots, cu, update_state=True,
+                           max_len=n, backend="triton")
+
+    def compiled():
+        return sum(len(entry[0]) for entry in caches.values())
+
+    prefill(100)
+    before = compiled()
+    for n in (37, 300, 1000, 2047, 4100):
+        prefill(n)
+    assert compiled() == before
+
+
 # ---------------------------------------------------------------------------- CUDA graphs
 @pytest.mark.parametrize("strategy", ["snapshot", "fold"])
 def test_cuda_graph_step_replays_eager_step(strategy):

@@ -346,6 +346,78 @@ def test_conv_verify_matches_reference(c, w, t, with_bias):
         assert torch.equal(s_t[s], state0[s])
 
 
+def packed_batch(lengths, slots):
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return (torch.tensor(slots, dtype=torch.int32, device=DEVICE), torch.tensor(cu, dtype=torch.int32, device=DEVICE))
+
+
+# (C, W, CONV_TOKEN_BLOCK, CONV_TOKEN_GROUP, bias), made small so that the interpreter
+# runs many token blocks: two load groups per block; C over two channel blocks, W = 2;
+# W = 6 at a block of 2, where the block grows to W - 1 = 5 (or later blocks would read
+# a history that the first block has already shifted).
+TOKEN_BLOCK_CASES = [(40, 4, 4, 2, True), (300, 2, 3, 3, False), (16, 6, 2, 1, True)]
+
+
+@pytest.mark.parametrize("c,w,block,group,with_bias", TOKEN_BLOCK_CASES)
+def test_conv_token_blocks_match_reference(monkeypatch, c, w, block, group, with_bias):
+    """Prompts longer than a token block: windows of 1, BT - 1, BT, BT + 1 and 3 BT + 5
+    tokens and a padding row of 2 BT + 3 in one batch, prefill form (the state
+    advances) and verify form (window buffer), against the reference; and bit for bit
+    the launch where one block covers every window."""
+    monkeypatch.setattr(conv_ops, "CONV_TOKEN_GROUP", group)
+    monkeypatch.setattr(conv_ops, "CONV_TOKEN_BLOCK", block)
+    bt = conv_ops.conv_token_block(3 * block + 5, w)
+    assert bt == max(block, w - 1) and bt % group == 0
+    ns = 8
+    lengths = [bt - 1, 1, 3 * bt + 5, bt, 2 * bt + 3, bt + 1]
+    slot_list = torch.randperm(ns)[: len(lengths)].tolist()
+    slot_list[4] = -1  # a padding row longer than a block
+    slots, cu = packed_batch(lengths, slot_list)
+    t = max(lengths)
+    x = torch.randn(sum(lengths), c, device=DEVICE)
+    weight = torch.randn(c, w, device=DEVICE)
+    bias = torch.randn(c, device=DEVICE) if with_bias else None
+    state0 = torch.randn(ns, c, w - 1, device=DEVICE)
+    pad = padding_tokens(slots, cu)
+
+    def run(backend, token_block=block, **kw):
+        monkeypatch.setattr(conv_ops, "CONV_TOKEN_BLOCK", token_block)
+        state = state0.clone()
+        return causal_conv_verify(x, state, weight, bias, slots, cu, backend=backend, **kw), state
+
+    y_r, s_r = run("reference", update_state=True, max_len=t)
+    y_t, s_t = run("triton", update_state=True, max_len=t)
+    torch.testing.assert_close(y_t, y_r, **TOL)
+    assert torch.equal(s_t, s_r)
+    for s in untouched(slots, ns):
+        assert torch.equal(s_t[s], state0[s])
+    assert torch.equal(y_t[pad], torch.zeros_like(y_t[pad]))
+    # A block of 1024 tokens covers every window: one block, the same bits.
+    y_1, s_1 = run("triton", token_block=1024, update_state=True, max_len=t)
+    assert torch.equal(y_t, y_1) and torch.equal(s_t, s_1)
+
+    buf0 = torch.full((ns, t, c), NAN, device=DEVICE)
+    b_r, b_t, b_1 = buf0.clone(), buf0.clone(), buf0.clone()
+    y_r, _ = run("reference", window_buf=b_r)
+    y_t, s_t = run("triton", window_buf=b_t)
+    torch.testing.assert_close(y_t, y_r, **TOL)
+    assert torch.equal(s_t, state0), "verify advanced the conv state"
+    assert torch.equal(b_t.isnan(), b_r.isnan()) and torch.equal(b_t.nan_to_num(0), b_r.nan_to_num(0))
+    y_1, _ = run("triton", token_block=1024, window_buf=b_1)
+    assert torch.equal(y_t, y_1) and torch.equal(b_t.nan_to_num(0), b_1.nan_to_num(0))
+
+
+def test_conv_token_block_does_not_follow_the_prompt_length():
+    """Windows up to the block take one block of their own length (verify and decoding
+    keep their one-block launch); every longer window takes the same block size, so
+    prompts of new lengths compile nothing new."""
+    cap = conv_ops.CONV_TOKEN_BLOCK
+    assert [conv_ops.conv_token_block(t, 4) for t in (1, 2, 3, 5, cap)] == [1, 2, 3, 5, cap]
+    assert {conv_ops.conv_token_block(t, 4) for t in range(cap + 1, 5000, 7)} == {cap}
+
+
 def test_conv_commit_is_the_reference_shift():
     nl, ns, c, w, t = 2, 6, 24, 4, 5
     state0 = torch.randn(nl, ns, c, w - 1, device=DEVICE)

@@ -273,10 +273,10 @@ def causal_conv_verify_tree(x, conv_state, weight, bias, slots, trees, *, window
 
 
 # ---------------------------------------------------------------------------- Triton
-# Verify: one program per (channel block, window); each token's W taps come from the
-# packed inputs or, before the window, from the conv state. Commit: one launch for all
-# layers, one program per (channel block, row, layer). A program owns its channels of
-# one slot's history, and reads all of it before a barrier and the writes.
+# Verify: one program per (token block, channel block, window); each token's W taps come
+# from the packed inputs or, before the window, from the conv state. Commit: one launch
+# for all layers, one program per (channel block, row, layer). A program owns its
+# channels of one slot's history, and reads all of it before a barrier and the writes.
 
 try:
     import triton
@@ -285,6 +285,14 @@ except ImportError:  # the reference backend works without Triton
     triton = None
 
 CONV_BLOCK = 256
+#: Tokens per verify program when a window is longer (prompts): the token axis of the
+#: grid then has ``cdiv(max_len, CONV_TOKEN_BLOCK)`` blocks, so a long prompt spreads
+#: over many programs, and the compiled kernel does not depend on the prompt's length.
+#: Shorter windows (verify, decoding) take one block of their padded length.
+CONV_TOKEN_BLOCK = 16
+#: Tokens of a block whose input rows one program loads together (a multiple-block
+#: window's blocks are multiples of it).
+CONV_TOKEN_GROUP = 8
 CONV_DTYPES_TRITON = (torch.float16, torch.bfloat16, torch.float32)
 
 if triton is not None:
@@ -310,35 +318,16 @@ if triton is not None:
         tl.store(state_at[:, None] + (p * stride_w)[None, :], new, mask=m & in_hist[None, :])
 
     @triton.jit
-    def _conv_verify_kernel(
-        x_ptr, state_ptr, w_ptr, bias_ptr, slots_ptr, cu_ptr, y_ptr, wbuf_ptr,
-        stride_x_tok, C, ss_slot, ss_c, ss_w, sb_slot, sb_pos, sb_c,
-        W: tl.constexpr, WP: tl.constexpr, T: tl.constexpr, BC: tl.constexpr,
-        HAS_BIAS: tl.constexpr, HAS_WBUF: tl.constexpr, UPDATE_STATE: tl.constexpr,
-    ):
-        i_c = tl.program_id(0)
-        i_b = tl.program_id(1)
-        slot = tl.load(slots_ptr + i_b).to(tl.int64)
-        bos = tl.load(cu_ptr + i_b).to(tl.int64)
-        length = tl.load(cu_ptr + i_b + 1).to(tl.int64) - bos
-        offs_c = i_c * BC + tl.arange(0, BC)
-        mask_c = offs_c < C
-        y_row = y_ptr + bos * C + offs_c  # y is a fresh contiguous [N, C]
-        if slot < 0:
-            for i in range(0, T):
-                tl.store(y_row + i * C, tl.full([BC], 0, y_ptr.dtype.element_ty), mask=_tl_mask_and(mask_c, i < length))
-            return
-
-        # [BC] rows of W - 1 inputs, oldest first; any strides (e.g. a [slots, W - 1, C]
-        # state passed transposed).
-        state_at = state_ptr + slot * ss_slot + offs_c * ss_c
-        x_at = x_ptr + bos * stride_x_tok + offs_c
-        for i in range(0, T):
+    def _conv_tokens(x_at, state_at, w_ptr, bias_ptr, y_row, wbuf_at, offs_c, mask_c, length, stride_x_tok, C, ss_w,
+                     sb_pos, W: tl.constexpr, BT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_WBUF: tl.constexpr):
+        """A window's first ``BT`` positions (those below ``length``), token by token: taps
+        before the window read the conv state."""
+        for i in range(0, BT):
             valid = i < length
             if HAS_BIAS:
                 acc = tl.load(bias_ptr + offs_c, mask=mask_c, other=0.0).to(tl.float32)
             else:
-                acc = tl.full([BC], 0.0, tl.float32)
+                acc = tl.full(offs_c.shape, 0.0, tl.float32)
             # Taps in the reference order: acc = bias + w_0 x_{i-W+1} + ... + w_{W-1} x_i.
             for j in tl.static_range(W):
                 t = i - (W - 1) + j  # window position of tap j; < 0 reads the conv state
@@ -347,17 +336,91 @@ if triton is not None:
                 w = tl.load(w_ptr + offs_c * W + j, mask=mask_c, other=0.0).to(tl.float32)
                 acc = acc + w * tl.where(t >= 0, xv.to(tl.float32), sv.to(tl.float32))
             y = tl.div_rn(acc, 1.0 + tl.exp(-acc))  # SiLU
-            tl.store(y_row + i * C, _tl_to_rtne(y, y_ptr.dtype.element_ty), mask=_tl_mask_and(mask_c, valid))
+            tl.store(y_row + i * C, _tl_to_rtne(y, y_row.dtype.element_ty), mask=_tl_mask_and(mask_c, valid))
             if HAS_WBUF:
                 xi = tl.load(x_at + i * stride_x_tok, mask=_tl_mask_and(mask_c, valid), other=0.0)
-                tl.store(wbuf_ptr + slot * sb_slot + i * sb_pos + offs_c * sb_c, xi.to(wbuf_ptr.dtype.element_ty),
-                         mask=_tl_mask_and(mask_c, valid))
-        if UPDATE_STATE:
-            # The loop above read the old history; Triton may give those loads and the
-            # stores below different thread layouts, so every thread must be done
-            # reading before any thread overwrites.
-            tl.debug_barrier()
-            _shift_history(state_at, ss_w, x_at, stride_x_tok, length, mask_c, W, WP)
+                tl.store(wbuf_at + i * sb_pos, xi.to(wbuf_at.dtype.element_ty), mask=_tl_mask_and(mask_c, valid))
+
+    @triton.jit
+    def _conv_inner_tokens(x_at, w_ptr, bias_ptr, y_row, wbuf_at, offs_c, mask_c, t0, length, stride_x_tok, C, sb_pos,
+                           W: tl.constexpr, BT: tl.constexpr, U: tl.constexpr, HAS_BIAS: tl.constexpr,
+                           HAS_WBUF: tl.constexpr):
+        """Positions ``t0 .. t0 + BT - 1`` (those below ``length``) of a window, ``t0 >=
+        W - 1``: every tap is an input. The taps and bias are loaded once, and each group
+        of ``U`` tokens loads its ``U + W - 1`` input rows before any of its stores (a
+        load cannot move above a store that may alias it), so that they are in flight
+        together; the products and sums are :func:`_conv_tokens`' own."""
+        ws = ()
+        for j in tl.static_range(W):
+            ws = ws + (tl.load(w_ptr + offs_c * W + j, mask=mask_c, other=0.0).to(tl.float32),)
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + offs_c, mask=mask_c, other=0.0).to(tl.float32)
+        for g in range(0, BT // U):
+            p0 = t0 + g * U
+            xs = ()  # rows p0 - W + 1 .. p0 + U - 1
+            for k in tl.static_range(U + W - 1):
+                xs = xs + (tl.load(x_at + (p0 - (W - 1) + k) * stride_x_tok,
+                                   mask=_tl_mask_and(mask_c, p0 - (W - 1) + k < length), other=0.0),)
+            for i in tl.static_range(U):
+                if HAS_BIAS:
+                    acc = bias
+                else:
+                    acc = tl.full(offs_c.shape, 0.0, tl.float32)
+                for j in tl.static_range(W):
+                    acc = acc + ws[j] * xs[i + j].to(tl.float32)
+                y = tl.div_rn(acc, 1.0 + tl.exp(-acc))  # SiLU
+                valid = _tl_mask_and(mask_c, p0 + i < length)
+                tl.store(y_row + (p0 + i) * C, _tl_to_rtne(y, y_row.dtype.element_ty), mask=valid)
+                if HAS_WBUF:
+                    tl.store(wbuf_at + (p0 + i) * sb_pos, xs[i + W - 1].to(wbuf_at.dtype.element_ty), mask=valid)
+
+    @triton.jit
+    def _conv_verify_kernel(
+        x_ptr, state_ptr, w_ptr, bias_ptr, slots_ptr, cu_ptr, y_ptr, wbuf_ptr,
+        stride_x_tok, C, ss_slot, ss_c, ss_w, sb_slot, sb_pos, sb_c,
+        W: tl.constexpr, WP: tl.constexpr, BT: tl.constexpr, U: tl.constexpr, BC: tl.constexpr,
+        HAS_BIAS: tl.constexpr, HAS_WBUF: tl.constexpr, UPDATE_STATE: tl.constexpr,
+    ):
+        """Window positions ``[i_t BT, (i_t + 1) BT)`` of window ``i_b``, channels
+        ``[i_c BC, (i_c + 1) BC)``. ``BT >= W - 1`` whenever a window spans more than one
+        block, so only a window's first block reads its conv state."""
+        i_t = tl.program_id(0)
+        i_c = tl.program_id(1)
+        i_b = tl.program_id(2)
+        slot = tl.load(slots_ptr + i_b).to(tl.int64)
+        bos = tl.load(cu_ptr + i_b).to(tl.int64)
+        length = tl.load(cu_ptr + i_b + 1).to(tl.int64) - bos
+        t0 = i_t * BT
+        if t0 >= length:
+            return  # the grid covers the longest window; this one ends before the block
+        offs_c = i_c * BC + tl.arange(0, BC)
+        mask_c = offs_c < C
+        y_row = y_ptr + bos * C + offs_c  # y is a fresh contiguous [N, C]
+        if slot < 0:
+            for i in range(0, BT):
+                tl.store(y_row + (t0 + i) * C, tl.full([BC], 0, y_ptr.dtype.element_ty),
+                         mask=_tl_mask_and(mask_c, t0 + i < length))
+            return
+
+        # [BC] rows of W - 1 inputs, oldest first; any strides (e.g. a [slots, W - 1, C]
+        # state passed transposed).
+        state_at = state_ptr + slot * ss_slot + offs_c * ss_c
+        x_at = x_ptr + bos * stride_x_tok + offs_c
+        wbuf_at = wbuf_ptr + slot * sb_slot + offs_c * sb_c
+        if i_t == 0:
+            _conv_tokens(x_at, state_at, w_ptr, bias_ptr, y_row, wbuf_at, offs_c, mask_c, length, stride_x_tok, C, ss_w,
+                         sb_pos, W, BT, HAS_BIAS, HAS_WBUF)
+            if UPDATE_STATE:
+                # This block's programs are the only readers of the slot's history, and
+                # the new entries are inputs, which nothing writes: no other program
+                # races with the shift. Within the program, Triton may give the loads
+                # above and the stores below different thread layouts, so every thread
+                # must be done reading before any thread overwrites.
+                tl.debug_barrier()
+                _shift_history(state_at, ss_w, x_at, stride_x_tok, length, mask_c, W, WP)
+        elif U > 0:  # U = 0: the grid has one token block, the first
+            _conv_inner_tokens(x_at, w_ptr, bias_ptr, y_row, wbuf_at, offs_c, mask_c, t0, length, stride_x_tok, C,
+                               sb_pos, W, BT, U, HAS_BIAS, HAS_WBUF)
 
     @triton.jit
     def _conv_verify_tree_kernel(
@@ -427,6 +490,18 @@ if triton is not None:
         _shift_history(state_at, ss_w, wbuf_at, sb_pos, n, mask_c, W, WP)
 
 
+def conv_token_block(t: int, w: int) -> int:
+    """Tokens ``BT`` per verify program for windows of at most ``t`` tokens and taps of
+    width ``w``: the whole window when that is at most :data:`CONV_TOKEN_BLOCK` tokens
+    (verify windows and decoding: one block, a compiled kernel per window length), else
+    blocks of :data:`CONV_TOKEN_BLOCK` tokens, but at least ``w - 1`` of them, so that
+    only a window's first block reads its conv state, and a multiple of
+    :data:`CONV_TOKEN_GROUP`."""
+    if t <= CONV_TOKEN_BLOCK:
+        return t
+    return triton.cdiv(max(CONV_TOKEN_BLOCK, w - 1), CONV_TOKEN_GROUP) * CONV_TOKEN_GROUP
+
+
 @register("conv_verify", "triton")
 def causal_conv_verify_triton(
     x: torch.Tensor,
@@ -448,6 +523,19 @@ def causal_conv_verify_triton(
     have ``1..T`` tokens (``T`` from ``window_buf`` or ``max_len``) and live slots be
     unique and in range: :mod:`~replayssm.ops.guards` checks that once per step on the
     host, or on the device inside a CUDA graph (bad rows run as padding).
+
+    One launch, nothing read on the host (capturable in a CUDA graph), on a grid of
+    ``(cdiv(T, BT), cdiv(C, BC), B)`` programs, each ``BT`` consecutive tokens of one
+    window and ``BC = min(256, C)`` of its channels (``C`` rounded up to a power of two).
+    ``BT`` comes from :func:`conv_token_block`: the whole window when ``T <=``
+    :data:`CONV_TOKEN_BLOCK` ``= 16`` (verify windows and decoding), blocks of 16 tokens
+    for longer ones (prompts), so that a long prompt spreads over many programs and the
+    compiled kernel does not depend on its length; blocks after a window's first load
+    their inputs :data:`CONV_TOKEN_GROUP` ``= 8`` tokens at a time. With
+    ``update_state`` the programs of a window's first token block, the only ones that
+    read its conv state, shift the window's last ``W - 1`` inputs into it after their
+    taps. Every output is the same bits whatever the block: the same products, summed
+    in the same order.
     """
     n, c, w = check_conv_args(x, conv_state, weight, bias)
     ns = conv_state.shape[0]
@@ -476,12 +564,15 @@ def causal_conv_verify_triton(
     if slots is not given:
         y.zero_()  # rewritten on the device: rows made padding zero only what they cover
     bc = min(CONV_BLOCK, triton.next_power_of_2(c))
+    bt = conv_token_block(t, w)
     wbuf_strides = window_buf.stride() if window_buf is not None else (0, 0, 0)
-    _conv_verify_kernel[(triton.cdiv(c, bc), batch)](
+    blocks = triton.cdiv(bound, bt)
+    # Token blocks on the first axis, the one without the 65535 limit: a prompt may be long.
+    _conv_verify_kernel[(blocks, triton.cdiv(c, bc), batch)](
         x, conv_state, weight, bias if bias is not None else weight, slots, cu_seqlens, y,
         window_buf if window_buf is not None else y,
         x.stride(0), c, *conv_state.stride(), *wbuf_strides,
-        W=w, WP=triton.next_power_of_2(w - 1), T=t, BC=bc,
+        W=w, WP=triton.next_power_of_2(w - 1), BT=bt, U=CONV_TOKEN_GROUP if blocks > 1 else 0, BC=bc,
         HAS_BIAS=bias is not None, HAS_WBUF=window_buf is not None, UPDATE_STATE=bool(update_state),
         num_warps=4,
     )
