@@ -156,5 +156,19 @@ def test_one_request_runs_the_chunked_kernel_as_one_sequence(rng, seed):
     torch.testing.assert_close(ss[1], se[1], **TOL)
     big = HybridEngine(model, num_slots=2, window=1, max_len=2048, prefill="chunk", chunk_kernel=_chunk_kernel,
                        prompt_graphs=True).prompt_graphs
-    assert (big.shape(511), big.shape(512), big.shape(600), big.shape(2047), big.shape(2048)) == (512, 768, 768, 2048, None)
+    shapes = [big.shape(n) for n in (511, 512, 600, 2047, 8191, 8192)]
+    assert shapes == [512, 768, 768, 2048, 8192, None]
     assert big.shape(511, requests=2) == 512 and big.shape(512, requests=2) is None
+
+
+def test_a_shape_may_hold_more_tokens_than_a_request_may(rng, seed):
+    """A 35-token prompt in a 40-token engine takes the 64-token shape: its padding
+    writes at the sink's first position, never past the cache, and the pass is the
+    eager one's."""
+    model = build_tiny_model("qwen3_5", seed=seed)
+    common = dict(strategy="fold", num_slots=1, window=2, max_len=40)
+    eager, static = HybridEngine(model, prompt_graphs=False, **common), HybridEngine(model, prompt_graphs=True, **common)
+    prompt = [torch.randint(0, 256, (35,), generator=rng).tolist()]
+    le, ls = (eng.extend([eng.alloc()], prompt, prompt=True).logits for eng in (eager, static))
+    assert static.prompt_passes["static"] == 1 and static.prompt_graphs.shape(35) == 64
+    torch.testing.assert_close(ls / le.abs().max(), le / le.abs().max(), **TOL)

@@ -30,7 +30,6 @@ from typing import Sequence
 
 import torch
 
-from ..ops.guards import copy_to_device
 from .adapter import HybridEngine, StepOutput
 from .kv_cache import PromptLayout
 
@@ -48,16 +47,16 @@ class PromptGraph:
     Args:
         engine: the engine whose states, KV cache and strategy the pass advances.
         requests: ``B``, the pass's requests (exactly).
-        tokens: ``N``, the token rows (``B < N <= engine.max_len``).
+        tokens: ``N``, the token rows (``B < N``; a request's own tokens stay within
+            the engine's ``max_len``, padding tokens write at the sink's position 0).
         graph: capture a CUDA graph (CUDA only); else :meth:`run` runs the body eagerly
             (the CPU path, and what the graph is tested against).
         pool: a CUDA graph memory pool shared by the engine's prompt graphs.
     """
 
     def __init__(self, engine: HybridEngine, requests: int, tokens: int, *, graph: bool, pool=None):
-        if not 1 <= requests < tokens <= engine.max_len:
-            raise ValueError(f"need 1 <= requests < tokens <= max_len {engine.max_len}, got requests={requests}, "
-                             f"tokens={tokens}")
+        if not 1 <= requests < tokens:
+            raise ValueError(f"need 1 <= requests < tokens, got requests={requests}, tokens={tokens}")
         if graph and engine.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA engine")
         self.engine, self.requests, self.tokens = engine, requests, tokens
@@ -73,6 +72,9 @@ class PromptGraph:
         index[3].fill_(sink)
         self.kv_rows.fill_(sink)
         self.layout = PromptLayout(1 if b == 1 else b + 1, n - b if b > 1 else n, index)
+        # the host side of ``meta``, pinned; the next pass refills it once the copy is done
+        self._host = torch.empty(self.meta.shape, dtype=torch.int64, pin_memory=dev.type == "cuda")
+        self._copied = torch.cuda.Event() if dev.type == "cuda" else None
         #: the chunked kernel of GDN layers (one request, an engine that has one), else the recurrence
         self.chunk_kernel = engine.chunk_kernel if b == 1 else None
         self.logits = self.hidden = None
@@ -93,27 +95,35 @@ class PromptGraph:
             raise ValueError(f"this shape takes {b} requests of fewer than {n} tokens in all, got {len(slots)} "
                              f"requests of {used}")
         pad = n - used
-        row, col, pos, kv_slot = [], [], [], []
-        for i, (s, m) in enumerate(zip(slots, lengths)):
-            row += [i] * m
-            col += range(m)
-            kv_slot += [s] * m
-        pos = list(col)
-        if b == 1:  # the padding follows the request in its own attention row
-            row += [0] * pad
-            col += range(used, n)
-        else:
-            row += [b] * pad
-            col += range(pad)
-        pos += range(pad) if b > 1 else range(used, n)
-        kv_slot += [eng.kv.sink] * pad
         offsets = [0]
         for m in lengths:
             offsets.append(offsets[-1] + m)
-        ids = [t for w in windows for t in w] + [0] * pad
+        if self._copied is not None:
+            self._copied.synchronize()  # the last pass's copy has left the pinned buffer
+        host = self._host
+        ids, index = host[:n], host[n : 5 * n].view(4, n)
+        row, col, pos, kv_slot = index
+        ids[:used] = torch.tensor([t for w in windows for t in w])
+        ids[used:] = 0
+        lens, sl = torch.tensor(lengths), torch.tensor(slots)
+        row[:used] = torch.repeat_interleave(torch.arange(b), lens)
+        col[:used] = torch.arange(used) - torch.repeat_interleave(torch.tensor(offsets[:-1]), lens)
+        if b == 1:  # the padding follows the request in its own attention row
+            row[used:] = 0
+            col[used:] = torch.arange(used, n)
+        else:
+            row[used:] = b
+            col[used:] = torch.arange(pad)
+        pos[:used] = col[:used]
+        pos[used:] = 0  # padding writes at the sink's first position (its rotary position does not matter)
+        kv_slot[:used] = torch.repeat_interleave(sl, lens)
+        kv_slot[used:] = eng.kv.sink
+        host[5 * n : 5 * n + b] = torch.tensor(offsets[1:]) - 1
+        host[5 * n + b :] = torch.cat([sl, lens])
         self.batch.set_windows(list(slots) + [-1], lengths + [pad])
-        copy_to_device(self.meta, ids + row + col + pos + kv_slot + [o - 1 for o in offsets[1:]] + list(slots)
-                       + lengths)
+        self.meta.copy_(host, non_blocking=self._copied is not None)
+        if self._copied is not None:
+            self._copied.record()
         if self.graph is not None:
             self.graph.replay()
         else:
@@ -172,8 +182,8 @@ class PromptGraphs:
             if isinstance(v, bool) or not isinstance(v, int) or v < MIN_TOKENS or v & (v - 1):
                 raise ValueError(f"{name} must be a power of two >= {MIN_TOKENS}, got {v!r}")
         self.engine = engine
-        self.max_tokens = min(max_tokens, engine.max_len)
-        self.max_chunked_tokens = min(max_chunked_tokens, engine.max_len) if engine.chunk_kernel else self.max_tokens
+        self.max_tokens = max_tokens
+        self.max_chunked_tokens = max_chunked_tokens if engine.chunk_kernel else max_tokens
         self.graph = engine.device.type == "cuda" if graph is None else bool(graph)
         self._shapes: dict[tuple[int, int], PromptGraph] = {}
         self._pool = None
