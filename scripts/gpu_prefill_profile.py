@@ -1,0 +1,69 @@
+"""One prompt pass on the GPU: wall time against the GPU's kernel time, the kernels by
+GPU time and the host synchronisations, per (batch, prompt length).
+
+    PYTHONPATH=src python3 scripts/gpu_prefill_profile.py                       # the cases below
+    PYTHONPATH=src python3 scripts/gpu_prefill_profile.py --cases 1x64,16x2048 --prompt-graphs off
+
+The model is ``bench e2e``'s qwen3.5-shapes (random weights, bf16); prompts are random
+bytes, fresh requests every pass (slots allocated before the clock starts, freed after).
+Wall time: the ``extend(prompt=True)`` call to a synchronised device, median of 5 after
+two warm-up passes (which capture a prompt graph's shape). The profiled pass is one more.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from replayssm.bench.e2e import QWEN35_SHAPES
+from replayssm.engine.adapter import HybridEngine
+from replayssm.engine.random_model import build_tiny_model
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cases", default="1x64,1x400,4x100,1x2048,1x4000,16x2048",
+                    help="BATCHxPROMPT_LEN, comma-separated")
+    ap.add_argument("--prefill", default="auto", choices=("auto", "chunk", "recurrence"))
+    ap.add_argument("--prompt-graphs", default="on", choices=("on", "off"))
+    ap.add_argument("--top", type=int, default=12, help="kernels listed per case")
+    args = ap.parse_args()
+    cases = [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")]
+    model = build_tiny_model("qwen3_5", seed=0, dtype=torch.bfloat16, device=torch.device("cuda"), **QWEN35_SHAPES)
+    eng = HybridEngine(model, num_slots=max(b for b, _ in cases), window=1, max_len=max(p for _, p in cases) + 64,
+                       prefill=args.prefill, prompt_graphs=args.prompt_graphs == "on")
+    print("GDN prompt kernel:", eng.prefill_kernel, "| prompt graphs:", args.prompt_graphs)
+    g = torch.Generator().manual_seed(1)
+    for batch, length in cases:
+        def once() -> float:
+            slots = [eng.alloc() for _ in range(batch)]
+            prompts = torch.randint(0, 256, (batch, length), generator=g).tolist()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            eng.extend(slots, prompts, prompt=True)
+            torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            for s in slots:
+                eng.free(s)
+            return dt
+
+        with torch.inference_mode():
+            once(), once()
+            wall = statistics.median(once() for _ in range(5))
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                once()
+        events = prof.key_averages()
+        gpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        syncs = {e.key: e.count for e in events if "Synchronize" in e.key or "Memcpy" in e.key}
+        print(f"=== B={batch} P={length}: wall p50 {1e3 * wall:.2f} ms; GPU kernels "
+              f"{sum(e.self_device_time_total for e in gpu) / 1e3:.2f} ms in {sum(e.count for e in gpu)} kernels; "
+              f"passes so far {eng.prompt_passes}; host copies and syncs of the profiled pass {syncs}")
+        print(events.table(sort_by="self_cuda_time_total", row_limit=args.top, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
