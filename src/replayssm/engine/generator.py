@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from ..ops.guards import to_device
 from .adapter import HybridEngine
 from .drafters import Drafter
 from .sampling import SamplingParams, greedy_accept, rejection_sample, warp_probs
@@ -605,7 +606,7 @@ class StepGenerator:
             from .sampling import sample_categorical
 
             firsts = sample_categorical(warp_probs(logits, self.sampling))
-        slots = torch.tensor([r.slot for r in joiners], dtype=torch.long, device=eng.device)
+        slots = to_device([r.slot for r in joiners], eng.device)
         self.windows[slots, 0] = firsts
         firsts = firsts.tolist()
         if self.drafter is not None:

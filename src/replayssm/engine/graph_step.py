@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import torch
 
+from ..ops.guards import to_device
 from .adapter import HybridEngine
 from .device_drafters import DeviceDrafter
 from .kv_cache import compact_path
@@ -110,7 +111,7 @@ class StaticStep:
         if slots == self.batch.host_slots:
             return
         self.batch.set_slots(slots)
-        self.slot_idx.copy_(torch.tensor([s if s >= 0 else sink for s in slots], dtype=torch.int64))
+        self.slot_idx.copy_(to_device([s if s >= 0 else sink for s in slots], self.slot_idx.device))
 
     def run(self) -> torch.Tensor:
         """Take one step; returns the output buffer ``[rows, 1 + T]`` (column 0: tokens
