@@ -663,9 +663,12 @@ class HybridEngine:
             w = list(w)
             if not w:
                 raise ValueError(f"windows[{i}] is empty")
-            for t in w:
-                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                    raise ValueError(f"windows[{i}] holds {t!r}, not a token id in [0, {self.vocab_size})")
+            # plain ints in range, checked at C speed (a long prompt's loop took milliseconds); else the
+            # token-by-token check finds the culprit (and admits int subclasses other than bool)
+            if set(map(type, w)) != {int} or min(w) < 0 or max(w) >= self.vocab_size:
+                for t in w:
+                    if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                        raise ValueError(f"windows[{i}] holds {t!r}, not a token id in [0, {self.vocab_size})")
             flat.append(w)
         return slots, flat
 
