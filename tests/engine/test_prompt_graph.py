@@ -83,16 +83,20 @@ def test_greedy_generation_unchanged_by_static_prompts(rng, seed):
 def test_routing_long_continued_and_all_logits_passes_run_eagerly(rng, seed):
     """Passes a shape does not take run eagerly: more tokens than the largest shape, a
     request that holds tokens already (a prompt continued in chunks), every token's
-    logits asked for."""
+    logits asked for, a GDN-inputs hook set."""
     model = build_tiny_model("qwen3_5", seed=seed)
-    eng = HybridEngine(model, strategy="fold", num_slots=2, window=2, max_len=160, prompt_graphs=True,
+    eng = HybridEngine(model, strategy="fold", num_slots=3, window=2, max_len=160, prompt_graphs=True,
                        prompt_graph_tokens=64)
     s = eng.alloc()
     eng.extend([s], [torch.randint(0, 256, (64,), generator=rng).tolist()], prompt=True)  # 64 tokens: N = 128
     eng.extend([s], [[1, 2, 3]], prompt=True)  # continued
     t = eng.alloc()
     eng.extend([t], [[4, 5]], prompt=True, all_logits=True)
-    assert eng.prompt_passes == {"static": 0, "eager": 3}
+    seen = []
+    eng.gdn_inputs_hook = lambda j, *inputs: seen.append(j)  # an instrument sees every eager layer
+    u = eng.alloc()
+    eng.extend([u], [[6, 7]], prompt=True)
+    assert seen and eng.prompt_passes == {"static": 0, "eager": 4}
     assert eng.prompt_graphs.shape(63) == 64 and eng.prompt_graphs.shape(64) is None
     assert eng.prompt_graphs.shape(1) == MIN_TOKENS
 

@@ -399,7 +399,9 @@ class HybridEngine:
             thousand tokens. GDN layers of one request go through the chunked kernel
             when the engine has one, of several through the exact recurrence. Default
             (``None``): on a CUDA engine without ``fixed_shape``. ``True`` on the CPU
-            runs the same static body eagerly. Which passes took it: :attr:`prompt_passes`.
+            runs the same static body eagerly. Which passes took it: :attr:`prompt_passes`;
+            passes asking for every token's logits, and any pass while
+            :attr:`gdn_inputs_hook` is set, run eagerly.
         prompt_graph_tokens: the largest token capacity of a prompt shape of several
             requests (a power of two); longer passes run eagerly.
 
@@ -583,7 +585,7 @@ class HybridEngine:
         if not prompt and self.ring_decoding and all(len(w) == 1 for w in windows):
             return self._ring_step(slots, windows, all_logits)
         slots, windows = self._check_step(slots, windows)
-        if prompt and not all_logits and self.prompt_graphs is not None:
+        if prompt and not all_logits and self.prompt_graphs is not None and self.gdn_inputs_hook is None:
             lengths = [len(w) for w in windows]
             slots, _ = self.pool.check_rows(slots, lengths, prefill=True)
             if self.prompt_graphs.fits(slots, windows):
