@@ -27,9 +27,12 @@ def test_cpu_smoke_run_with_the_oracle(tmp_path, capsys):
                    "--drafter", "oracle", "--acceptance", "0,1", "--seed", str(random.randint(0, 10**6)),
                    "--json", str(js), "--plot", str(png)])
     assert rc == 0
-    assert "SMOKE RUN" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "SMOKE RUN" in out and "0 of " in out  # no prompt graphs on the CPU: every pass eager
     data = json.loads(js.read_text())
     assert data["smoke"] and data["mismatches"] == [] and data["config"]["graphed"] is False
+    assert all(r["prompt_passes"]["static"] == 0 and r["prompt_passes"]["eager"] > 0
+               for r in data["rows"] if not r["mode"].startswith("hf"))
     rows = {(r["mode"], r["acceptance"]): r for r in data["rows"]}
     assert set(rows) == ({("hf", None), ("hf-static", None), ("plain", None)}
                          | {(m, p) for m in e2e.STRATEGY_NAMES for p in (0.0, 1.0)})

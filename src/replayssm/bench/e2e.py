@@ -504,6 +504,7 @@ def run_mode(model, mode: str, prompts, warm, cfg: E2EConfig, *, on_done=None) -
         row["graphed"] = gen.graphs
         row["state_bytes"] = engine.state_nbytes()
         row["prefill_kernel"] = engine.prefill_kernel
+        row["prompt_passes"] = dict(engine.prompt_passes)  # static (a prompt graph) or eager, over every run
         if mode == PLAIN_RING:
             row.update(window=window, ring_len=engine.pool.ring_len, ring_decoding=engine.ring_decoding)
         if tree is not None:
@@ -760,9 +761,11 @@ def print_table(result: dict, file=None) -> None:
     kernels = sorted({r["prefill_kernel"] for r in result["rows"] if r.get("prefill_kernel")})
     if kernels:
         chunk = c.get("prefill_chunk")
+        counts = [r["prompt_passes"] for r in result["rows"] if r.get("prompt_passes")]
+        static, eager = sum(p["static"] for p in counts), sum(p["eager"] for p in counts)
         print(f"GDN prompt prefill: {'; '.join(kernels)}; "
-              f"{f'passes of at most {chunk} prompt tokens between decode steps' if chunk else 'whole prompts per pass'}",
-              file=file)
+              f"{f'passes of at most {chunk} prompt tokens between decode steps' if chunk else 'whole prompts per pass'}"
+              f"; {static} of {static + eager} passes at static shapes (prompt graphs)", file=file)
     if result["smoke"]:
         print("SMOKE RUN on the CPU: the numbers prove the code path, not the speed", file=file)
     print(f"{'mode':<16} {'batch':>5} {'tok/s':>9} {'vs plain':>8} {'vs hf':>7} {'step p50':>9} {'p90 ms':>7} "
