@@ -55,6 +55,7 @@ def test_static_prompt_pass_equals_eager(family, lengths, rng, seed):
     (oe, se, sl_e), (os_, ss, sl_s) = outs
     assert static.prompt_passes == {"static": 2, "eager": 0} and eager.prompt_passes == {"static": 0, "eager": 2}
     assert os_.lengths == oe.lengths and os_.offsets == oe.offsets
+    assert not os_.logits.requires_grad and not os_.hidden.requires_grad  # no autograd record, as eagerly
     scale = oe.logits.abs().max()
     torch.testing.assert_close(os_.logits / scale, oe.logits / scale, **TOL)
     torch.testing.assert_close(os_.hidden, oe.hidden, **TOL)

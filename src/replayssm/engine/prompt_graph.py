@@ -205,6 +205,7 @@ class PromptGraphs:
             return False
         return self.shape(sum(len(w) for w in windows), len(slots)) is not None
 
+    @torch.inference_mode()
     def prepare(self, requests: int, num_tokens: int) -> PromptGraph | None:
         """The shape of a pass of ``requests`` requests and ``num_tokens`` tokens, built
         (and captured) now if it was not; ``None`` if such a pass runs eagerly. A
@@ -219,6 +220,7 @@ class PromptGraphs:
             self._shapes[key] = PromptGraph(self.engine, requests, n, graph=self.graph, pool=self._pool)
         return self._shapes[key]
 
+    @torch.inference_mode()  # as the eager pass: no autograd record inside a capture
     def run(self, slots: Sequence[int], windows: Sequence[Sequence[int]]) -> StepOutput:
         """The pass through its shape's :class:`PromptGraph` (``fits`` must hold)."""
         return self.prepare(len(slots), sum(len(w) for w in windows)).run(slots, windows)
