@@ -394,26 +394,13 @@ def _check_timing_args(steps_per_block: int, blocks: int, warmup_blocks: int) ->
 
 
 def capture_graph(step: Callable[[], object], *, warmup_steps: int = 3) -> "torch.cuda.CUDAGraph":
-    """Capture one call of ``step`` in a CUDA graph.
+    """Capture one call of ``step`` in a CUDA graph on the current device
+    (:func:`replayssm.engine.graph_step.capture_graph`: ``warmup_steps`` eager calls on
+    a side stream first, which really execute and advance whatever state ``step``
+    changes)."""
+    from ..engine.graph_step import capture_graph as capture
 
-    ``step`` runs ``warmup_steps`` times eagerly on a side stream first (Triton compiles
-    and autotunes there, and PyTorch's allocator settles), as PyTorch's graph notes ask.
-    Those eager steps really execute: they advance whatever state ``step`` changes.
-    """
-    if not isinstance(warmup_steps, int) or warmup_steps < 1:
-        raise ValueError(f"warmup_steps must be a positive int, got {warmup_steps!r}")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmup_steps):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    torch.cuda.synchronize()
-    return graph
+    return capture(step, warmup_steps=warmup_steps)
 
 
 def time_graphs(

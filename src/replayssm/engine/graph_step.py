@@ -35,6 +35,8 @@ one host synchronisation per step is the read of the output buffer.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from ..ops.guards import to_device
@@ -194,15 +196,29 @@ class StaticStep:
         self.out[:, 1 : 2 + tree.max_depth] = emitted
 
     def _capture(self, pool) -> None:
-        # Warm up outside the graph (Triton compiles, cuBLAS picks its kernels) with
-        # every row padding, so no request's state moves; then capture the same body.
-        stream = torch.cuda.Stream(self.engine.device)
-        stream.wait_stream(torch.cuda.current_stream(self.engine.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._body()
-        torch.cuda.current_stream(self.engine.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            self._body()
-        self.graph = graph
+        # every row is padding while it warms up, so no request's state moves
+        self.graph = capture_graph(self._body, self.engine.device, pool=pool)
+
+
+def capture_graph(body: Callable[[], object], device=None, *, pool=None, warmup_steps: int = 2) -> torch.cuda.CUDAGraph:
+    """Capture one call of ``body`` in a CUDA graph (in the memory ``pool``, if given).
+
+    ``body`` first runs ``warmup_steps`` times eagerly on a side stream (Triton compiles
+    and autotunes there, cuBLAS picks its kernels, PyTorch's allocator settles), as
+    PyTorch's graph notes ask. Those calls really execute: a caller whose body moves
+    state runs it on padding rows until the capture.
+    """
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
+        raise ValueError(f"warmup_steps must be a positive int, got {warmup_steps!r}")
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(warmup_steps):
+            body()
+    torch.cuda.current_stream(device).wait_stream(side)
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        body()
+    torch.cuda.synchronize(device)
+    return graph

@@ -276,7 +276,8 @@ def _fresh_attention(layout: WindowLayout, q: torch.Tensor, k: torch.Tensor, v: 
     if heads != kv_heads:
         k = k.repeat_interleave(heads // kv_heads, dim=1)
         v = v.repeat_interleave(heads // kv_heads, dim=1)
-    if layout.batch == 1 or layout.uniform:  # the packed tokens already are [B, Tmax]
+    packed = layout.batch == 1 or layout.uniform  # the packed tokens already are [B, Tmax]
+    if packed:
         qs, ks, vs = (x.reshape(layout.batch, layout.t_max, heads, d) for x in (q, k, v))
     else:
         qs, ks, vs = (x.new_zeros(layout.batch, layout.t_max, heads, d) for x in (q, k, v))
@@ -286,7 +287,7 @@ def _fresh_attention(layout: WindowLayout, q: torch.Tensor, k: torch.Tensor, v: 
     out = F.scaled_dot_product_attention(qs.transpose(1, 2), ks.transpose(1, 2).to(q.dtype),
                                          vs.transpose(1, 2).to(q.dtype), is_causal=True, scale=scale)
     out = out.transpose(1, 2)  # [B, Tmax, heads, D]
-    return out.reshape(n, heads, d) if layout.batch == 1 or layout.uniform else out[layout.row, layout.col]
+    return out.reshape(n, heads, d) if packed else out[layout.row, layout.col]
 
 
 def compact_path(cache: KVCache, slot_idx: torch.Tensor, starts: torch.Tensor, path: torch.Tensor) -> None:

@@ -31,6 +31,7 @@ from typing import Sequence
 import torch
 
 from .adapter import HybridEngine, StepOutput
+from .graph_step import capture_graph
 from .kv_cache import PromptLayout
 
 #: The smallest token capacity of a prompt shape (shorter passes share it).
@@ -143,19 +144,8 @@ class PromptGraph:
         kv_len[eng.kv.sink:].zero_()
 
     def _capture(self, pool) -> None:
-        # Warm up outside the graph (Triton compiles, cuBLAS picks its kernels) with
-        # every request padding, then capture the same body.
-        dev = self.engine.device
-        stream = torch.cuda.Stream(dev)
-        stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._body()
-        torch.cuda.current_stream(dev).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            self._body()
-        self.graph = graph
+        # every request is padding while it warms up, so no state moves
+        self.graph = capture_graph(self._body, self.engine.device, pool=pool)
 
 
 class PromptGraphs:
