@@ -347,3 +347,48 @@ def test_closed_form_with_fp32_coefficient_products(hv, t, batch, state_dtype):
     torch.testing.assert_close(o_t.double(), o_64, **tol(o_64, state_dtype, torch.bfloat16))
     assert torch.equal(u_t.isnan(), u_64.isnan())
     torch.testing.assert_close(u_t.double().nan_to_num(0.0), u_64.nan_to_num(0.0), rtol=4e-3, atol=4e-3)
+
+
+@pytest.mark.parametrize("batch,state_dtype", [(16, torch.float32), (64, torch.bfloat16), (256, torch.float32)])
+def test_dependent_launch_equals_ordered_launch(batch, state_dtype):
+    """The outputs kernel launched as the coefficient kernel's programmatic dependent
+    (the default on this GPU) against the same kernels in stream order: outputs and
+    every buffer bit for bit, on fresh inputs each round. The dependent run goes first,
+    so its coefficient buffer (the allocator's reused block) still holds the previous
+    round's coefficients: a read before the wait would show."""
+    from replayssm.ops.triton_common import dependent_launch
+
+    assert dependent_launch(torch.device(DEV)), "this GPU should allow dependent launches"
+    for _ in range(4):
+        case = make_case(32, 4, batch, state_dtype, torch.bfloat16)
+        with tuning.override("closed_form", dependent_launch=1):
+            got = run(case, "triton", method="closed_form")
+        with tuning.override("closed_form", dependent_launch=0):
+            want = run(case, "triton", method="closed_form")
+        assert same(got[0], want[0]), "outputs differ"
+        assert same(got[1], want[1]), "checkpoints differ"
+        assert all(same(a, b) for a, b in zip(got[2], want[2])), "raw records differ"
+        assert same(got[3], want[3]), "u differs"
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_register_cap_changes_no_bit(state_dtype):
+    """The outputs kernel under a register cap (``closed_form.max_registers = 128``: the
+    compiler spills instead) computes what it computes uncapped, bit for bit, flush rows
+    (the fold's checkpoints) included; the folded checkpoints are still the fold
+    kernel's."""
+    case = make_case(32, 4, 64, state_dtype, torch.bfloat16, pad=False)
+    with tuning.override("closed_form", max_registers=128):
+        capped = run(case, "triton", method="closed_form")
+    free = run(case, "triton", method="closed_form")
+    assert same(capped[0], free[0]), "outputs differ"
+    assert same(capped[1], free[1]), "checkpoints differ"
+    assert same(capped[3], free[3]), "u differs"
+    slots, _, write_pos, cache_base, is_flush = case["cursors"]
+    ck_f = case["checkpoint"].clone()
+    r = case["ring"]
+    idx = slots.long()
+    count = torch.where(is_flush[idx] != 0, write_pos[idx], 0)  # only the flush rows fold
+    gdn_fold(ck_f[None], r.k[None], r.v[None], r.g[None], r.beta[None], slots, cache_base[idx], count, backend="triton")
+    assert torch.equal(capped[1], ck_f)
+    assert not torch.equal(capped[1], case["checkpoint"])

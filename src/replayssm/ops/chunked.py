@@ -583,6 +583,7 @@ if triton is not None:
     from .triton_common import mask_and as _tl_mask_and, normalized as _tl_normalized
     from .triton_common import row_dot as _tl_row_dot, row_sum as _tl_row_sum, store_parts as _tl_store_parts
     from .triton_common import to_rtne as _tl_to_rtne, window_program as _tl_window_program
+    from .triton_common import dependent_launch
 
     @_tl_device_fn
     def _window_rows(bos, length, BT: tl.constexpr):
@@ -627,7 +628,7 @@ if triton is not None:
         scale, eps,
         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, L: tl.constexpr, LOG_T: tl.constexpr, BT: tl.constexpr,
         BH: tl.constexpr, BK: tl.constexpr, VH: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        TREE: tl.constexpr = False, TN: tl.constexpr = 1,
+        TREE: tl.constexpr = False, TN: tl.constexpr = 1, LAUNCH_DEPENDENTS: tl.constexpr = False,
     ):
         """Grid ``(windows, HV / VH)``: the coefficients ``coef [B, HV, 2 BX + BH, BX]`` (rows:
         C1, Z, D) of ``VH`` value heads of one key head (GQA: they share the normalised
@@ -640,7 +641,13 @@ if triton is not None:
         "Trees"): tokens past ``nodes_ptr[i_b]`` are padded nodes (like tokens past the
         window's end), and ``anc_ptr [B, TN]`` holds each node's ancestor-or-self set as
         a bitmask, which replaces the causal mask in the gate sums and every masked
-        product. Off, the chain's code is unchanged."""
+        product. Off, the chain's code is unchanged.
+
+        With ``LAUNCH_DEPENDENTS`` the outputs kernel, launched as this one's programmatic
+        dependent, may start as soon as every program here has: its checkpoint pass
+        overlaps this kernel's chain (:func:`launch_closed_form`)."""
+        if LAUNCH_DEPENDENTS:
+            tl.extra.cuda.gdc_launch_dependents()
         i_b = tl.program_id(0)
         hv0 = tl.program_id(1) * VH  # the program's first value head; VH divides the group
         i_h = hv0 // (HV // H)
@@ -819,6 +826,7 @@ if triton is not None:
         BT: tl.constexpr, BTC: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr, BV: tl.constexpr,
         DOT_PRECISION: tl.constexpr, COEF_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
         FUSE_FLUSH: tl.constexpr, ROUND_STATE: tl.constexpr, AHEAD: tl.constexpr, TREE: tl.constexpr = False,
+        WAIT_COEF: tl.constexpr = False,
     ):
         """Outputs and corrected deltas of V block ``i_v`` of a (window, value head), from
         its rows of the (folded) checkpoint and the coefficients. With ``FUSE_FLUSH`` a
@@ -826,7 +834,8 @@ if triton is not None:
         checkpoint is read once for the fold and the window together; without it the
         flush kernel has already run. With ``TREE`` tokens past ``nodes_ptr[i_b]`` are a
         tree's padded nodes: read by nothing, zero outputs, no records (the tree lives
-        in the coefficients)."""
+        in the coefficients). With ``WAIT_COEF`` the kernel runs as the coefficient
+        kernel's programmatic dependent and waits for its end before reading ``coef``."""
         BX: tl.constexpr = 2 * BT
         i_v, i_b, i_hv, i_h, slot, bos, length = _tl_window_program(slots_ptr, cu_ptr, H, HV)
         offs_v = i_v * BV + tl.arange(0, BV)
@@ -877,6 +886,12 @@ if triton is not None:
         # The coefficients were computed on the coefficient kernel's stacked window of
         # 2 BTC rows (BTC <= BT): row r of this one is its row cx(r); the rest are zero.
         BXC: tl.constexpr = 2 * BTC
+        if WAIT_COEF:
+            # Everything above overlapped the coefficient kernel: it reads nothing that
+            # kernel writes (its records are the window's, past the history: ops/cursors.py),
+            # and writes nothing it reads (the flush rows' checkpoints). From here on it
+            # reads the coefficients and writes the window's records.
+            tl.extra.cuda.gdc_wait()
         cx = tok + tl.where(is_q, BTC, 0)
         c_ok = tok < BTC
         coef_at = coef_ptr + (i_b * HV + i_hv) * ((2 * BXC + BH) * BXC)
@@ -1030,11 +1045,13 @@ def launch_flush(checkpoint, ring, slots, write_pos, cache_base, is_flush) -> No
 
 
 def launch_coefficients(q, k, a, b, A_log, dt_bias, checkpoint, ring, slots, cu_seqlens, write_pos, cache_base,
-                        is_flush, max_len: int, tree: DeviceTrees | None = None) -> torch.Tensor:
+                        is_flush, max_len: int, tree: DeviceTrees | None = None, *,
+                        dependent: bool = False) -> torch.Tensor:
     """Launch the closed form's coefficient kernel on validated arguments; return the
     coefficients ``[B, HV, 2 BX + BH, BX]`` (float32). It writes the window's raw keys
     and gates to the ring. With ``tree`` the windows are those draft trees (the
-    kernel's ``TREE``)."""
+    kernel's ``TREE``); with ``dependent`` it lets the next launch, the outputs kernel
+    as a programmatic dependent, start early."""
     h, kd = q.shape[1], q.shape[2]
     _, hv, vd, _ = checkpoint.shape
     batch = slots.shape[0]
@@ -1052,16 +1069,21 @@ def launch_coefficients(q, k, a, b, A_log, dt_bias, checkpoint, ring, slots, cu_
         kd**-0.5, NORM_EPS,
         H=h, HV=hv, K=kd, L=ring.ring_len, LOG_T=max(1, (max_len - 1).bit_length()), BT=bt, BH=bh,
         BK=exact_block_k(kd), VH=vh, DOT_PRECISION=product_precision(q.dtype),
-        TREE=tree is not None, TN=1 if tree is None else tree.parents.shape[1], num_warps=cfg["coef_warps"],
+        TREE=tree is not None, TN=1 if tree is None else tree.parents.shape[1], LAUNCH_DEPENDENTS=dependent,
+        num_warps=cfg["coef_warps"],
     )
     return coef
 
 
 def launch_window_outputs(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos, cache_base, is_flush, coef,
-                          o, max_len: int, *, fuse_flush: bool | None = None, tree: DeviceTrees | None = None) -> None:
+                          o, max_len: int, *, fuse_flush: bool | None = None, tree: DeviceTrees | None = None,
+                          dependent: bool = False) -> None:
     """Launch the closed form's outputs kernel (outputs and corrected deltas from the
     checkpoint and ``coef``) on validated arguments; ``fuse_flush``: whether it folds the
-    flush rows itself (default: :func:`fuses_flush`)."""
+    flush rows itself (default: :func:`fuses_flush`); ``dependent``: launch it as the
+    programmatic dependent of the coefficient kernel just launched (which must have
+    been launched with ``dependent`` too, and on a device where
+    :func:`~replayssm.ops.triton_common.dependent_launch` holds)."""
     h, kd = q.shape[1], q.shape[2]
     hv, vd = v.shape[1], v.shape[2]
     batch = slots.shape[0]
@@ -1079,10 +1101,12 @@ def launch_window_outputs(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, 
         KC=max(16, min(cfg["k_chunk"], bk)), BV=bv,
         DOT_PRECISION=product_precision(q.dtype), COEF_PRECISION=coef_precision, NUM_STAGES=cfg["num_stages"],
         FUSE_FLUSH=fuse, ROUND_STATE=checkpoint.dtype != torch.float32, AHEAD=cfg["flush_records_ahead"],
-        TREE=tree is not None,
+        TREE=tree is not None, WAIT_COEF=dependent,
         # A fused flush is an exact replay: the exact kernels' warps (their layout
         # decides the bits of every row sum).
         num_warps=EXACT_NUM_WARPS if fuse else cfg["num_warps"],
+        **({"launch_pdl": True} if dependent else {}),
+        **({"maxnreg": cfg["max_registers"]} if cfg["max_registers"] and q.device.type == "cuda" else {}),
     )
 
 
@@ -1113,14 +1137,24 @@ def _coefficient_block(max_len: int) -> int:
 def launch_closed_form(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos,
                        cache_base, is_flush, o, max_len: int, tree: DeviceTrees | None = None) -> None:
     """Launch the closed form (flush unless the outputs kernel fuses it, coefficients,
-    outputs) on validated arguments; ``tree``: the windows are these draft trees."""
-    fuse = fuses_flush(q.shape[2], v.shape[2], checkpoint.dtype, slots.shape[0], q.device)
+    outputs) on validated arguments; ``tree``: the windows are these draft trees.
+
+    Where the device allows it and the shape table's ``closed_form.dependent_launch``
+    says so, the outputs kernel is the coefficient kernel's programmatic dependent: its
+    programs start while the coefficients are computed, make their pass over the
+    checkpoint (and fold their flush rows), and wait only before they read the
+    coefficients. The coefficient kernel is one wave of short programs, a dependent
+    chain rather than bytes, so this hides it behind the first wave of the outputs."""
+    batch = slots.shape[0]
+    fuse = fuses_flush(q.shape[2], v.shape[2], checkpoint.dtype, batch, q.device)
+    cfg = tuning.lookup("closed_form", K=q.shape[2], V=v.shape[2], state_dtype=checkpoint.dtype, batch=batch)
+    dependent = bool(cfg["dependent_launch"]) and dependent_launch(q.device)
     if not fuse:
         launch_flush(checkpoint, ring, slots, write_pos, cache_base, is_flush)
     coef = launch_coefficients(q, k, a, b, A_log, dt_bias, checkpoint, ring, slots, cu_seqlens, write_pos, cache_base,
-                               is_flush, max_len, tree=tree)
+                               is_flush, max_len, tree=tree, dependent=dependent)
     launch_window_outputs(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos, cache_base, is_flush, coef,
-                          o, max_len, fuse_flush=fuse, tree=tree)
+                          o, max_len, fuse_flush=fuse, tree=tree, dependent=dependent)
 
 
 def launch_replay_window(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos,

@@ -32,6 +32,7 @@ Small helpers for kernel writers: :func:`store_parts`, :func:`row_dot` (``S x`` 
 parts), :func:`row_sum` (``tl.sum`` that stays cheap under the interpreter),
 :func:`to_rtne` (a store's cast, rounded to nearest even on every backend),
 :func:`block_rows` (the host's choice of a tile's row count),
+:func:`dependent_launch` (whether a launch may overlap the kernel before it),
 :func:`mask_and` (block mask ``&`` scalar flag), :func:`window_program` (a window
 kernel's program coordinates) and :func:`device_fn` (``triton.jit`` for straight-line
 device helpers).
@@ -48,6 +49,7 @@ The module imports without Triton (``triton`` is then ``None`` and no helper exi
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -91,6 +93,23 @@ def block_rows(vd: int, rows: int, device: torch.device, most: int, least: int =
     while bv > 16 and rows * triton.cdiv(vd, bv) < 2 * sms:
         bv //= 2
     return bv
+
+
+@functools.lru_cache(maxsize=None)
+def _capability_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def dependent_launch(device: torch.device) -> bool:
+    """Whether a kernel on ``device`` may be launched as a programmatic dependent of the
+    kernel before it in its stream (CUDA on compute capability 9.0 and up: grid
+    dependency control). Such a kernel's programs start while the kernel before it still
+    runs, so they must wait (``gdc_wait``) before they read anything that kernel writes;
+    a CUDA graph keeps the relation as a programmatic edge. Elsewhere (older GPUs, the
+    interpreter) launches stay in stream order, and the kernels' waits compile away."""
+    if device.type != "cuda" or INTERPRETER:
+        return False
+    return _capability_major(device.index if device.index is not None else torch.cuda.current_device()) >= 9
 
 
 def device_fn(fn):

@@ -47,9 +47,15 @@ PARAMS = {
     # tile height, which may differ from the fold's (rows are independent), and whether
     # the outputs kernel folds the flush rows itself (1: one read of their checkpoints;
     # the flush tile height then is the outputs kernel's) or a fold launch runs first (0),
-    # and the flush's record prefetch depth (as exact_write.records_ahead).
+    # and the flush's record prefetch depth (as exact_write.records_ahead). And whether
+    # the outputs kernel is launched as the coefficient kernel's programmatic dependent
+    # where the GPU allows it (1: it overlaps the coefficients; ops/chunked.py
+    # launch_closed_form) or after it (0), and a cap on the outputs kernel's registers
+    # per thread on CUDA (0: the compiler's choice; a cap trades spills for programs
+    # per SM).
     "closed_form": ("block_v", "k_chunk", "num_stages", "num_warps", "tf32_coefficients", "coef_warps",
-                    "heads_per_program", "flush_block_v", "fuse_flush", "flush_records_ahead"),
+                    "heads_per_program", "flush_block_v", "fuse_flush", "flush_records_ahead", "dependent_launch",
+                    "max_registers"),
     # The tree recurrence (ops/tree_ops.py: fold's and snapshot's tree verify): rows of the
     # path stack a program holds in registers, all levels together (a level's tile is
     # stack_rows / levels rows high, at least 16).
@@ -67,10 +73,10 @@ PARAMS = {
 
 _KEY_FIELDS = ("K", "V", "state_dtype", "min_batch", "max_batch", "device")
 #: Parameters that may be 0 (the others are sizes, at least 1).
-_MAY_BE_ZERO = ("replay_max_batch", "tf32_coefficients", "fuse_flush", "early_tile")
+_MAY_BE_ZERO = ("replay_max_batch", "tf32_coefficients", "fuse_flush", "early_tile", "dependent_launch", "max_registers")
 #: Parameters with a closed set of values.
 _CHOICES = {"tf32_coefficients": (0, 1), "fuse_flush": (0, 1), "records_ahead": (1, 2), "flush_records_ahead": (1, 2),
-            "early_tile": (0, 1)}
+            "early_tile": (0, 1), "dependent_launch": (0, 1)}
 
 #: The table (see the module notes). Values chosen by measurement at Qwen3.5 shapes
 #: (BENCHMARKS.md, tuning notes).
@@ -84,9 +90,11 @@ TABLE: dict[str, list[tuple[dict, dict]]] = {
     # Small batches are latency-bound: one value head per coefficient program keeps its
     # chain short; large ones share the key head's K pass.
     "closed_form": [({"max_batch": 32}, dict(block_v=64, k_chunk=64, num_stages=2, num_warps=4, tf32_coefficients=1,
-                                             coef_warps=1, heads_per_program=1, flush_block_v=32, fuse_flush=1, flush_records_ahead=1)),
+                                             coef_warps=1, heads_per_program=1, flush_block_v=32, fuse_flush=1, flush_records_ahead=1,
+                                             dependent_launch=1, max_registers=0)),
                     ({}, dict(block_v=64, k_chunk=64, num_stages=2, num_warps=4, tf32_coefficients=1, coef_warps=1,
-                              heads_per_program=8, flush_block_v=32, fuse_flush=1, flush_records_ahead=1))],
+                              heads_per_program=8, flush_block_v=32, fuse_flush=1, flush_records_ahead=1,
+                              dependent_launch=1, max_registers=0))],
     # Small batches are latency-bound: one launch with a chain of n + T exact steps
     # beats three launches and the window solve's per-head chain there. The switch sits
     # at the largest batch where replay measured faster (BENCHMARKS.md, kernels:
