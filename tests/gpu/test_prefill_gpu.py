@@ -18,6 +18,7 @@ Claims checked:
 
 from __future__ import annotations
 
+import collections
 import warnings
 
 import pytest
@@ -57,7 +58,12 @@ def _syncs_of_a_prompt_pass(model, prefill: str, prompt_graphs: bool = False) ->
                 eng.extend(slots, prompts, prompt=True)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    # where each one came from (the warning's frame is the Python line that called the
+    # op), so a failing count names its lines
+    for where, n in collections.Counter(f"{w.filename}:{w.lineno}" for w in syncs).most_common():
+        print(f"    {n} x {where}")
+    return len(syncs)
 
 
 # Measured on an H200 (2026-12-01): the recurrence path's count grows with the layers on
