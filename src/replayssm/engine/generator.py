@@ -351,6 +351,7 @@ class _Running(NamedTuple):
     step: object  # the StaticStep
     t0: float  # perf_counter() at its launch
     ahead: bool  # launched before the host's bookkeeping of the step before it
+    left: np.ndarray  # [R] int64: each row's budget left before the step (tokens it may still emit)
 
 
 def default_buckets(num_slots: int) -> tuple[int, ...]:
@@ -453,7 +454,11 @@ class StepGenerator:
     the device runs it. Otherwise the bookkeeping, retirement, joins and prefill passes
     come first, as without overlap. The tokens, stops, callbacks and their order are
     the same either way; only when the host does its work changes (``StepStats.ahead``
-    says which steps were launched ahead).
+    says which steps were launched ahead). The time stamps keep their meaning: a
+    request's first and last tokens are stamped when the host books them, after the
+    read of their step (a step at which a request stops is never followed by one
+    launched ahead), and ``StepStats.seconds`` counts from a step's launch to its
+    outputs on the host.
 
     Args:
         engine: the target engine (window ``>= num_draft + 1``; slots = concurrency).
@@ -599,19 +604,19 @@ class StepGenerator:
         step.set_rows([r.slot for r in active] + pad, [r.generation for r in active] + pad)
         t0 = time.perf_counter()
         step.run()
-        return _Running(step, t0, ahead=False)
-
-    def _stops(self, active: list[_Request], out: np.ndarray) -> np.ndarray:
-        """``[R]`` bool: whether each request of ``active`` stops at a step whose host
-        output is ``out [R, 1 + T]`` (what :meth:`_emit` will find, in one vectorised
-        pass): its emitted tokens reach its budget, or one of them ends the sequence."""
-        n = out[:, 0]
         left = np.fromiter((r.max_new - len(r.generated) for r in active), np.int64, len(active))
+        return _Running(step, t0, False, left)
+
+    def _stops(self, out: np.ndarray, left: np.ndarray) -> np.ndarray:
+        """``[R]`` bool: whether each row's request stops at a step whose host output is
+        ``out [R, 1 + T]`` (what :meth:`_emit` will find, in one vectorised pass): its
+        emitted tokens reach its budget ``left``, or one of them ends the sequence."""
+        n = out[:, 0]
         stops = n >= left
         if self._eos_ids.size:
             tokens = out[:, 1:]
             emitted = np.arange(tokens.shape[1]) < n[:, None]
-            stops |= (np.isin(tokens, self._eos_ids) & emitted).any(1)
+            stops |= ((tokens[:, :, None] == self._eos_ids).any(2) & emitted).any(1)
         return stops
 
     def _decode_step(self, running: _Running, active: list[_Request], steady: bool, result: GenerationResult,
@@ -626,10 +631,11 @@ class StepGenerator:
         out = step.out[:live].to("cpu", copy=True).numpy()
         stats.seconds.append(time.perf_counter() - running.t0)
         stats.ahead.append(running.ahead)
-        stops = self._stops(active, out)
+        stops = self._stops(out, running.left)
         ahead = None
         if steady and not stops.any():
-            ahead = _Running(step, time.perf_counter(), ahead=True)
+            left = running.left - out[:, 0]
+            ahead = _Running(step, time.perf_counter(), True, left)
             step.run()  # its rows hold ``active`` still
         counts = out[:, 0].tolist()
         rows = out.tolist()
