@@ -5,12 +5,13 @@
 
 Every step of the generator is replaced by a stub whose body only writes a prepared
 output (each row emits ``--emit`` tokens, none of them an end-of-sequence token), so
-the decode time is the loop's own host work: choosing the bucket, ``set_rows``, the read
-of the output, the stop decision, the KV host lengths, the emitted tokens and the
-statistics. What does not scale with the steps (allocating and freeing the requests'
-slots, the call's set-up) is measured by a run of the same requests with a budget of
-one token (no decode step) and taken off. Prints microseconds per step, the least of
-``--repeats`` runs (other load on the machine only adds), for uniform budgets (no row
+the call's CPU time outside its prompt passes is the loop's own host work: choosing the
+bucket, ``set_rows``, the read of the output, the stop decision, the KV host lengths,
+the emitted tokens and the statistics (CPU time of the process, one thread: other load
+on a shared machine does not count). What does not scale with the steps (allocating and
+freeing the requests' slots, the call's set-up) is measured by a run of the same
+requests with a budget of one token (no decode step) and taken off. Prints
+microseconds per step, the least of ``--repeats`` runs, for uniform budgets (no row
 finishes before the last step) and for mixed ones (rows finish and waiting requests
 join all along, so most steps also pay for new rows and for the joins' eager work).
 On the CPU a step's body runs before ``run()`` returns, so the figures are the host's
@@ -21,6 +22,7 @@ part of it behind the next step's device time.
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 
@@ -41,16 +43,28 @@ def stub(gen: StepGenerator, emit: int) -> None:
 
 
 def run(batch: int, window: int, emit: int, budgets: list[int], overlap: bool | None) -> tuple[float, int]:
-    """``(decode seconds, decode steps)`` of one ``generate`` call."""
+    """``(CPU seconds of one generate call outside its prompt passes, decode steps)``."""
     model = build_tiny_model("qwen3_5", seed=0)
     eng = HybridEngine(model, strategy="fold", num_slots=batch, window=window, max_len=max(budgets) + window + 8)
     drafter = ForcedDrafter(0.5, model.config.vocab_size) if window > 1 else None
     kwargs = {} if overlap is None else {"overlap": overlap}
     gen = StepGenerator(eng, drafter, num_draft=window - 1, **kwargs) if drafter else StepGenerator(eng, **kwargs)
     stub(gen, emit)
+    prefill = [0.0]
+    prefill_pass = gen._prefill_pass
+
+    def timed_pass(*args):
+        t = time.process_time()
+        try:
+            return prefill_pass(*args)
+        finally:
+            prefill[0] += time.process_time() - t
+
+    gen._prefill_pass = timed_pass
     prompts = [[1 + i % 200, 2, 3] for i in range(len(budgets))]
+    t = time.process_time()
     res = gen.generate(prompts, budgets)
-    return res.decode_s, res.steps
+    return time.process_time() - t - prefill[0], res.steps
 
 
 def host_us_per_step(batch: int, window: int, emit: int, budgets: list[int], overlap: bool | None) -> float:

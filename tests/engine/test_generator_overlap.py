@@ -136,3 +136,18 @@ def test_set_rows_refuses_a_slot_that_changed_hands(seed, rng):
         step.set_rows([slot, -1], [old])
     with pytest.raises(ValueError, match="row slots"):
         step.set_rows([slot])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["plain", "spec"])
+def test_graph_replays_launched_ahead_change_no_output(mode, seed, rng):
+    """On a GPU the step launched ahead is a graph replay that runs while the host books
+    the step before (and rewrites the output buffer the host has just copied): the
+    tokens, stops and timeline are still those of the loop without overlap (bf16)."""
+    model = build_tiny_model("qwen3_5", seed=seed, dtype=torch.bfloat16, device="cuda")
+    prompts = _prompts(rng, 6)
+    budgets = [60, 11, 37, 1, 60, 18]
+    probe, _, _ = _run(model, mode, 3, prompts, budgets, overlap=False, seed=seed, graphs=True)
+    eos = probe.tokens[0][len(probe.tokens[0]) // 2]
+    res = _check_same(model, mode, 3, prompts, budgets, seed, eos_token_ids=[eos], graphs=True)
+    assert any(res.stats.ahead) and "eos" in res.finish_reasons
