@@ -547,6 +547,14 @@ class StepGenerator:
         :class:`StepStats`. ``prefill_s`` is the wall time of every prefill pass,
         ``decode_s`` the rest of the call; ``ttft_s`` and ``latency_s`` count from the
         call's start (a request waiting for a slot waits from there).
+
+        ``on_tokens(request_index, new_tokens)`` is called as for
+        :meth:`SpeculativeGenerator.generate`, in the same order with or without
+        overlap; the host KV lengths (:meth:`HybridEngine.length`) are those after the
+        step that emitted the tokens. With overlap, though, the next step may have run
+        or be running on the device by then: a callback that reads the device state of
+        the engine (committed GDN state, KV cache, drafter buffers) needs
+        ``overlap=False``.
         """
         eng = self.engine
         prompts, budgets = check_requests(eng, prompts, max_new_tokens)
@@ -583,11 +591,12 @@ class StepGenerator:
                     if not active:
                         continue
                     running = self._launch(active)
-                # Unless a request stops at this step, the next iteration would run the
-                # next step on the same rows: no prefill pass, no queued request to admit.
+                # steady: unless a request stops at this step, the next iteration would
+                # only run the next step on the same rows (no prompt half prefilled, no
+                # queued request that a free slot could take)
                 steady = self.overlap and not filling and not (queue and len(active) < eng.pool.num_slots)
                 running = self._decode_step(running, active, steady, result, stats, on_tokens)
-                if running is None:
+                if running is None:  # (a step launched ahead: no request stopped)
                     active = _retire(self, active)
             result.decode_s = _elapsed(eng.device, t_start) - result.prefill_s
             eng.pool.check_errors()  # what the graphed steps' device-side index checks found (one read)
@@ -604,6 +613,7 @@ class StepGenerator:
         step.set_rows([r.slot for r in active] + pad, [r.generation for r in active] + pad)
         t0 = time.perf_counter()
         step.run()
+        # the rows' budgets, built while the device runs the step
         left = np.fromiter((r.max_new - len(r.generated) for r in active), np.int64, len(active))
         return _Running(step, t0, False, left)
 
