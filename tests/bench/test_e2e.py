@@ -39,6 +39,9 @@ def test_cpu_smoke_run_with_the_oracle(tmp_path, capsys):
     for (mode, p), r in rows.items():
         assert r["generated_tokens"] == 2 * new and r["tokens_per_s"] > 0
         assert (r["step_ms_p50"] is None) == mode.startswith("hf") and r["error"] is None
+        assert r["decode_ms_per_step"] > 0 and (r["steps_ahead"] is None) == mode.startswith("hf")
+        if not mode.startswith("hf"):  # launched ahead: not the first step, and the others up to a stop
+            assert 0 < r["steps_ahead"] < 1
         if mode in EXACT:  # fp32: greedy speculative decoding is plain greedy decoding
             assert r["verdict"] == "equal" and r["strict"] is True
         if mode in e2e.STRATEGY_NAMES:

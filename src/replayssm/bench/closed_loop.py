@@ -167,7 +167,9 @@ def run_variant(name: str, model, prompts: list[list[int]], tokens: int, *, ever
     elif name == CONTROL or generator == "eager":
         gen = SpeculativeGenerator(engine, NgramDrafter(), num_draft=num_draft)
     else:
-        gen = StepGenerator(engine, DeviceNgramDrafter(), num_draft=num_draft)
+        # on_tokens reads the committed state of the step that emitted the tokens: no
+        # step may run ahead of the callbacks
+        gen = StepGenerator(engine, DeviceNgramDrafter(), num_draft=num_draft, overlap=False)
     reference.reset()
     samples: list[list[tuple[int, float]]] = [[] for _ in prompts]
     produced: list[list[int]] = [[] for _ in prompts]

@@ -362,11 +362,16 @@ def _summary(mode: str, runs: list, batch: int, drafter: str | None, acceptance:
         "prefill_s": statistics.median(r.prefill_s for r in runs),
         "decode_s": statistics.median(r.decode_s for r in runs),
         "step_ms_p50": None, "step_ms_p90": None,
+        # the loop's whole time per step (host included), to set beside the steps' own p50
+        "decode_ms_per_step": (1e3 * statistics.median(r.decode_s / r.steps for r in runs)
+                               if all(r.steps for r in runs) else None),
+        "steps_ahead": None,
     }
     stats = getattr(last, "stats", None)
     if stats is not None and stats.seconds:
         row["step_ms_p50"] = 1e3 * statistics.median(s.percentile(0.5) for s in (r.stats for r in runs))
         row["step_ms_p90"] = 1e3 * statistics.median(s.percentile(0.9) for s in (r.stats for r in runs))
+        row["steps_ahead"] = sum(stats.ahead) / len(stats.ahead)
     row.update(request_times(runs))
     return row
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
+import numpy as np
 import torch
 
 from ..ops.guards import to_device
@@ -91,6 +92,7 @@ class _Request:
     ttft: float | None = None  # seconds from arrival to the first token
     done_at: float | None = None  # seconds from arrival to the last token
     filled: int = 0  # prompt tokens prefilled so far
+    generation: int = 0  # the pool's allocation generation of ``slot`` when the request took it
     hidden: list = field(default_factory=list)  # target hidden states of earlier prompt chunks
 
     @property
@@ -343,6 +345,15 @@ class SpeculativeGenerator:
 
 
 # ---------------------------------------------------------------------- static steps
+class _Running(NamedTuple):
+    """A launched step whose outputs the host has not read yet."""
+
+    step: object  # the StaticStep
+    t0: float  # perf_counter() at its launch
+    ahead: bool  # launched before the host's bookkeeping of the step before it
+    left: np.ndarray  # [R] int64: each row's budget left before the step (tokens it may still emit)
+
+
 def default_buckets(num_slots: int) -> tuple[int, ...]:
     """Batch buckets 1, 2, 4, ... up to ``num_slots`` (which is always one)."""
     out, b = [], 1
@@ -375,11 +386,24 @@ class PrefillPass:
 
 @dataclass
 class StepStats:
-    """Per-step figures of a :class:`StepGenerator` run: wall time of each decode step
-    (launch or replay plus the read of its output), live rows and tokens emitted; and
-    every prompt-prefill pass (:class:`PrefillPass`), placed among the steps."""
+    """Per-step figures of a :class:`StepGenerator` run, and every prompt-prefill pass
+    (:class:`PrefillPass`), placed among the steps.
+
+    Attributes:
+        seconds: per decode step, wall time from its launch (graph replay, or the eager
+            body) to the host holding its outputs. A step launched ahead (``ahead``)
+            ran on the device while the host did the previous step's bookkeeping, so
+            its time is the longer of the two plus the read: with the device the
+            slower, the device's step time.
+        ahead: per decode step, whether it was launched before the host's bookkeeping
+            of the step before it (see :class:`StepGenerator`, "Overlap").
+        rows: live rows of each step.
+        emitted: tokens emitted by each step (budgets and stops not applied).
+        prefills: the prompt-prefill passes.
+    """
 
     seconds: list[float] = field(default_factory=list)
+    ahead: list[bool] = field(default_factory=list)
     rows: list[int] = field(default_factory=list)
     emitted: list[int] = field(default_factory=list)
     prefills: list[PrefillPass] = field(default_factory=list)
@@ -419,6 +443,23 @@ class StepGenerator:
     after the pass that completes its prompt. Greedy outputs do not depend on the
     chunking (up to the rounding of matmuls over other row counts).
 
+    Overlap: every step reads its inputs from device buffers (windows, KV lengths,
+    drafts), so while the rows stay the same the next step needs nothing from the host.
+    After reading a step's outputs, the host checks at once (vectorised, over the
+    output rows) whether any request stops at it (its budget reached, or an
+    end-of-sequence token among its emitted tokens); when none does, no prompt is being
+    prefilled and no queued request could take a slot, the loop would run the next step
+    on the same rows anyway, so it launches it right away and does this step's
+    per-request bookkeeping (tokens, statistics, ``on_tokens``, host KV lengths) while
+    the device runs it. Otherwise the bookkeeping, retirement, joins and prefill passes
+    come first, as without overlap. The tokens, stops, callbacks and their order are
+    the same either way; only when the host does its work changes (``StepStats.ahead``
+    says which steps were launched ahead). The time stamps keep their meaning: a
+    request's first and last tokens are stamped when the host books them, after the
+    read of their step (a step at which a request stops is never followed by one
+    launched ahead), and ``StepStats.seconds`` counts from a step's launch to its
+    outputs on the host.
+
     Args:
         engine: the target engine (window ``>= num_draft + 1``; slots = concurrency).
         drafter: a :class:`~replayssm.engine.device_drafters.DeviceDrafter` or ``None``.
@@ -433,12 +474,15 @@ class StepGenerator:
             draft tree of this shape (``num_draft`` is then its ``N - 1`` drafted nodes;
             the drafter must have been built with the same tree); a chain-shaped one
             is the plain window of its length. ``None``: chains of ``num_draft``.
+        overlap: launch the next step before the current one's bookkeeping whenever
+            the rows stay the same (default); ``False``: every step after the host's
+            work on the one before.
     """
 
     def __init__(self, engine: HybridEngine, drafter=None, *, num_draft: int = 3,
                  sampling: SamplingParams = SamplingParams(), eos_token_ids: Sequence[int] = (),
                  graphs: bool | None = None, buckets: Sequence[int] | None = None,
-                 prefill_chunk: int | None = None, tree=None):
+                 prefill_chunk: int | None = None, tree=None, overlap: bool = True):
         from .device_drafters import DeviceDrafter
 
         if tree is not None:
@@ -466,6 +510,8 @@ class StepGenerator:
         self.num_draft = num_draft if drafter is not None else 0
         self.sampling = sampling
         self.eos = {int(t) for t in eos_token_ids}
+        self._eos_ids = np.array(sorted(self.eos), dtype=np.int64)  # for the vectorised stop check
+        self.overlap = bool(overlap)
         self.graphs = graphs
         self.buckets = buckets
         self.prefill_chunk = prefill_chunk
@@ -501,6 +547,14 @@ class StepGenerator:
         :class:`StepStats`. ``prefill_s`` is the wall time of every prefill pass,
         ``decode_s`` the rest of the call; ``ttft_s`` and ``latency_s`` count from the
         call's start (a request waiting for a slot waits from there).
+
+        ``on_tokens(request_index, new_tokens)`` is called as for
+        :meth:`SpeculativeGenerator.generate`, in the same order with or without
+        overlap; the host KV lengths (:meth:`HybridEngine.length`) are those after the
+        step that emitted the tokens. With overlap, though, the next step may have run
+        or be running on the device by then: a callback that reads the device state of
+        the engine (committed GDN state, KV cache, drafter buffers) needs
+        ``overlap=False``.
         """
         eng = self.engine
         prompts, budgets = check_requests(eng, prompts, max_new_tokens)
@@ -519,20 +573,30 @@ class StepGenerator:
         stats = StepStats()
         active: list[_Request] = []  # decoding
         filling: list[_Request] = []  # holding a slot, prompt not yet fully prefilled
+        running = None  # a step of ``active`` launched ahead (a _Running), not yet read
         try:
             while queue or active or filling:
-                while queue and len(active) + len(filling) < eng.pool.num_slots:
-                    r = queue.pop()
-                    r.slot = eng.alloc()
-                    filling.append(r)
-                if filling:
-                    done = self._prefill_pass(filling, stats, on_tokens)
-                    result.prefill_s += stats.prefills[-1].seconds
-                    filling = [r for r in filling if r.filled < len(r.prompt)]
-                    self._release([r for r in done if r.finish])
-                    active += [r for r in done if r.finish is None]
-                if active:
-                    self._decode_step(active, result, stats, on_tokens)
+                if running is None:
+                    while queue and len(active) + len(filling) < eng.pool.num_slots:
+                        r = queue.pop()
+                        r.slot = eng.alloc()
+                        r.generation = eng.pool.generation(r.slot)
+                        filling.append(r)
+                    if filling:
+                        done = self._prefill_pass(filling, stats, on_tokens)
+                        result.prefill_s += stats.prefills[-1].seconds
+                        filling = [r for r in filling if r.filled < len(r.prompt)]
+                        self._release([r for r in done if r.finish])
+                        active += [r for r in done if r.finish is None]
+                    if not active:
+                        continue
+                    running = self._launch(active)
+                # steady: unless a request stops at this step, the next iteration would
+                # only run the next step on the same rows (no prompt half prefilled, no
+                # queued request that a free slot could take)
+                steady = self.overlap and not filling and not (queue and len(active) < eng.pool.num_slots)
+                running = self._decode_step(running, active, steady, result, stats, on_tokens)
+                if running is None:  # (a step launched ahead: no request stopped)
                     active = _retire(self, active)
             result.decode_s = _elapsed(eng.device, t_start) - result.prefill_s
             eng.pool.check_errors()  # what the graphed steps' device-side index checks found (one read)
@@ -541,28 +605,67 @@ class StepGenerator:
         result.stats = stats
         return result
 
-    def _decode_step(self, active: list[_Request], result: GenerationResult, stats: StepStats, on_tokens) -> None:
-        """One static step of the decoding requests ``active``."""
-        eng = self.engine
+    def _launch(self, active: list[_Request]) -> _Running:
+        """Start a step of the decoding requests ``active`` (the smallest bucket that
+        holds them, padding rows after them)."""
         step = self._step(len(active))
-        step.set_rows([r.slot for r in active] + [-1] * (step.rows - len(active)))
+        pad = [-1] * (step.rows - len(active))
+        step.set_rows([r.slot for r in active] + pad, [r.generation for r in active] + pad)
         t0 = time.perf_counter()
-        out = step.run()[: len(active)].tolist()  # the step's one host synchronisation
-        stats.seconds.append(time.perf_counter() - t0)
-        stats.rows.append(len(active))
-        eng.kv.advance_host([r.slot for r in active], [row[0] for row in out])
-        emitted = 0
-        for r, row in zip(active, out):
-            n = row[0]
-            kept = self._emit(r, row[1 : 1 + n])
-            emitted += n
-            result.accept_lengths.append(n)
-            result.drafted += self.num_draft
-            result.accepted += n - 1
+        step.run()
+        # the rows' budgets, built while the device runs the step
+        left = np.fromiter((r.max_new - len(r.generated) for r in active), np.int64, len(active))
+        return _Running(step, t0, False, left)
+
+    def _stops(self, out: np.ndarray, left: np.ndarray) -> np.ndarray:
+        """``[R]`` bool: whether each row's request stops at a step whose host output is
+        ``out [R, 1 + T]`` (what :meth:`_emit` will find, in one vectorised pass): its
+        emitted tokens reach its budget ``left``, or one of them ends the sequence."""
+        n = out[:, 0]
+        stops = n >= left
+        if self._eos_ids.size:
+            tokens = out[:, 1:]
+            emitted = np.arange(tokens.shape[1]) < n[:, None]
+            stops |= ((tokens[:, :, None] == self._eos_ids).any(2) & emitted).any(1)
+        return stops
+
+    def _decode_step(self, running: _Running, active: list[_Request], steady: bool, result: GenerationResult,
+                     stats: StepStats, on_tokens) -> _Running | None:
+        """Read the outputs of the step ``running`` of ``active``; if ``steady`` and no
+        request stops at it, launch the next step on the same rows at once; then this
+        step's bookkeeping. Returns the step launched ahead, or ``None``."""
+        step = running.step
+        live = len(active)
+        # The step's one host synchronisation. A copy, also on the CPU: the next step
+        # rewrites the output buffer, maybe before this step's bookkeeping.
+        out = step.out[:live].to("cpu", copy=True).numpy()
+        stats.seconds.append(time.perf_counter() - running.t0)
+        stats.ahead.append(running.ahead)
+        stops = self._stops(out, running.left)
+        ahead = None
+        if steady and not stops.any():
+            left = running.left - out[:, 0]
+            ahead = _Running(step, time.perf_counter(), True, left)
+            step.run()  # its rows hold ``active`` still
+        counts = out[:, 0].tolist()
+        rows = out.tolist()
+        self.engine.kv.advance_host([r.slot for r in active], counts)
+        for r, row, n, stop in zip(active, rows, counts, stops.tolist()):
+            if stop:
+                kept = self._emit(r, row[1 : 1 + n])
+            else:  # all n tokens kept, no stop, the first token's time long taken: what _emit would do
+                kept = row[1 : 1 + n]
+                r.generated += kept
             if on_tokens:
                 on_tokens(r.index, kept)
+        emitted = sum(counts)
+        stats.rows.append(live)
         stats.emitted.append(emitted)
+        result.accept_lengths += counts
+        result.drafted += self.num_draft * live
+        result.accepted += emitted - live
         result.steps += 1
+        return ahead
 
     def _prefill_pass(self, filling: list[_Request], stats: StepStats, on_tokens) -> list[_Request]:
         """One packed prefill forward over the next prompt tokens of ``filling`` (in

@@ -30,7 +30,9 @@ observes the path (``depth + 1`` tokens) and proposes the next tree.
 Per-slot buffers (windows, KV lengths, drafter history) are indexed by slot, not by
 row, so requests may finish or join between steps (the driver rewrites the rows' slots)
 and another bucket's graph may take the next step, with no new capture. The driver's
-one host synchronisation per step is the read of the output buffer.
+one host synchronisation per step is the read of the output buffer; a replay rewrites
+that buffer, so a driver that launches the next step before it is done with one step's
+outputs reads them into a copy first.
 """
 
 from __future__ import annotations
@@ -99,19 +101,30 @@ class StaticStep:
         if graph:
             self._capture(pool)
 
-    def set_rows(self, slots: list[int]) -> None:
+    def set_rows(self, slots: list[int], generations: list[int] | None = None) -> None:
         """The pool slot of every row (``-1`` for padding); copied to the device only
-        when it changed since the last step. The batch's host view (slots and their
-        allocation generations) follows, so the pool's host-side step checks see the
-        rows the device sees."""
-        slots = tuple(int(s) for s in slots)
+        when it changed since the last step.
+
+        ``generations``: per row, the pool's allocation generation of the slot when its
+        request took it (``0`` for padding), which a driver that keeps them passes so
+        that a step on a slot that changed hands since is refused; default: the pool's
+        current ones (one look-up per row). The batch's host view (slots and
+        generations) follows, so the pool's host-side step checks see the rows the
+        device sees."""
+        slots = tuple(map(int, slots))
         if len(slots) != self.rows:
             raise ValueError(f"need {self.rows} row slots, got {len(slots)}")
-        pool, sink = self.engine.pool, self.engine.kv.sink
+        if generations is None:
+            pool = self.engine.pool
+            generations = [pool.generation(s) if s >= 0 else 0 for s in slots]
+        generations = tuple(map(int, generations))
+        if len(generations) != self.rows:
+            raise ValueError(f"need {self.rows} row generations, got {len(generations)}")
         # a slot freed and taken by a joining request keeps its row: a new generation
-        self.batch.generations = tuple(pool.generation(s) if s >= 0 else 0 for s in slots)
+        self.batch.generations = generations
         if slots == self.batch.host_slots:
             return
+        sink = self.engine.kv.sink
         self.batch.set_slots(slots)
         self.slot_idx.copy_(to_device([s if s >= 0 else sink for s in slots], self.slot_idx.device))
 

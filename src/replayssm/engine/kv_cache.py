@@ -127,8 +127,9 @@ class KVCache:
 
     def advance_host(self, slots: Sequence[int], counts: Sequence[int]) -> None:
         """Advance the host lengths only: the device already did (a graphed step)."""
+        lengths = self.lengths
         for s, n in zip(slots, counts):
-            self.lengths[s] += int(n)
+            lengths[s] += int(n)
 
     def check_room(self, slots: Sequence[int], lengths: Sequence[int]) -> None:
         """Raise ``ValueError`` if a window would run past ``max_len``."""

@@ -1,0 +1,153 @@
+"""The overlapped decode loop of :class:`StepGenerator`: launching the next step before
+the host's bookkeeping of the current one changes nothing but when the host works.
+
+Each case runs the same requests with ``overlap=True`` and ``overlap=False`` and
+compares everything the loop produces, plus a timeline of what reached the engine: every
+step launched (its rows' slots and their allocation generations) and every prompt pass.
+A step launched ahead when it should not have been (a request stopped at the step
+before, a queued request could take a slot, a prompt is half prefilled) shows there as
+an extra step, a step on stale rows or a step before a prompt pass.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from replayssm.engine.adapter import HybridEngine
+from replayssm.engine.device_drafters import DeviceNgramDrafter
+from replayssm.engine.generator import StepGenerator
+from replayssm.engine.graph_step import StaticStep
+from replayssm.engine.random_model import build_tiny_model
+from replayssm.engine.sampling import SamplingParams
+from replayssm.state.pool import StepProtocolError
+
+SAMPLED = SamplingParams(temperature=0.8)
+
+
+def _prompts(rng, n, lo=3, hi=12):
+    return [torch.randint(0, 256, (int(torch.randint(lo, hi, (1,), generator=rng)),), generator=rng).tolist()
+            for _ in range(n)]
+
+
+def _run(model, mode, slots, prompts, budgets, *, overlap, seed, sampling=SamplingParams(), **kwargs):
+    """One ``generate`` on a fresh engine; returns ``(result, timeline, streamed)``:
+    the engine's steps and prompt passes in order, and every ``on_tokens`` call."""
+    window = 1 if mode == "plain" else 4
+    eng = HybridEngine(model, strategy="fold", num_slots=slots, window=window, max_len=160)
+    drafter = None if mode == "plain" else DeviceNgramDrafter()
+    gen = StepGenerator(eng, drafter, num_draft=3, sampling=sampling, overlap=overlap, **kwargs)
+    timeline, streamed = [], []
+    extend = eng.extend
+
+    def logged_extend(slots, windows, **kw):
+        timeline.append(("prefill", tuple(slots), tuple(len(w) for w in windows)))
+        return extend(slots, windows, **kw)
+
+    eng.extend = logged_extend
+    step_run = StaticStep.run
+
+    def logged_run(step):
+        timeline.append(("step", step.batch.host_slots, step.batch.generations))
+        return step_run(step)
+
+    StaticStep.run = logged_run
+    try:
+        torch.manual_seed(seed)  # the sampled steps draw from the global generator
+        res = gen.generate(prompts, budgets, on_tokens=lambda i, toks: streamed.append((i, list(toks))))
+    finally:
+        StaticStep.run = step_run
+    return res, timeline, streamed
+
+
+def _check_same(model, mode, slots, prompts, budgets, seed, **kwargs):
+    """Overlap on and off give the same everything; returns the overlapped run."""
+    on = _run(model, mode, slots, prompts, budgets, overlap=True, seed=seed, **kwargs)
+    off = _run(model, mode, slots, prompts, budgets, overlap=False, seed=seed, **kwargs)
+    (a, a_line, a_stream), (b, b_line, b_stream) = on, off
+    assert a.tokens == b.tokens
+    assert a.finish_reasons == b.finish_reasons
+    assert (a.steps, a.accept_lengths, a.drafted, a.accepted) == (b.steps, b.accept_lengths, b.drafted, b.accepted)
+    assert (a.stats.rows, a.stats.emitted) == (b.stats.rows, b.stats.emitted)
+    assert [(p.after_step, p.requests, p.tokens, p.completed) for p in a.stats.prefills] == \
+        [(p.after_step, p.requests, p.tokens, p.completed) for p in b.stats.prefills]
+    assert a_stream == b_stream
+    assert a_line == b_line
+    assert sum(e[0] == "step" for e in a_line) == a.steps == len(a.stats.seconds) == len(a.stats.ahead)
+    assert not any(b.stats.ahead)
+    assert all(t > 0 for t in a.stats.seconds)
+    return a
+
+
+@pytest.mark.parametrize("mode", ["plain", "spec"])
+@pytest.mark.parametrize("sampling", [SamplingParams(), SAMPLED], ids=["greedy", "sampled"])
+def test_overlap_changes_no_output_with_stops_budgets_and_a_queue(mode, sampling, seed, rng):
+    """Six requests on three slots (three wait in the queue), budgets ending at different
+    steps, one of a single token (its request stops at its prompt pass, and the slot it
+    frees is the next queued request's), and an end-of-sequence token that the run meets
+    (in the middle of a window when speculating): the overlapped loop gives the plain
+    loop's tokens, stops, accept counts and engine timeline, and it did launch steps
+    ahead."""
+    model = build_tiny_model("qwen3_5", seed=seed)
+    prompts = _prompts(rng, 6)
+    budgets = [40, 11, 27, 1, 40, 18]
+    probe, _, _ = _run(model, mode, 3, prompts, budgets, overlap=False, seed=seed, sampling=sampling)
+    # a token the first request generates in its middle: as an EOS it ends that request there
+    eos = probe.tokens[0][len(probe.tokens[0]) // 2]
+    res = _check_same(model, mode, 3, prompts, budgets, seed, sampling=sampling, eos_token_ids=[eos])
+    assert "eos" in res.finish_reasons and "length" in res.finish_reasons
+    assert any(res.stats.ahead)
+    # a step right after one at which a request stopped is never launched ahead
+    assert not all(res.stats.ahead[1:])
+
+
+def test_no_step_is_launched_ahead_while_a_prompt_is_prefilled_in_chunks(seed, rng):
+    """A long prompt joins in chunks beside a running request: every chunk pass runs
+    between two steps exactly as without overlap."""
+    model = build_tiny_model("qwen3_5", seed=seed)
+    prompts = [_prompts(rng, 1)[0], _prompts(rng, 1, 3, 5)[0], _prompts(rng, 1, 40, 50)[0]]
+    res = _check_same(model, "spec", 2, prompts, [60, 4, 20], seed, prefill_chunk=7)
+    passes = [p.after_step for p in res.stats.prefills if p.after_step > 0]
+    assert len(passes) >= 5  # the long prompt went through several chunk passes between steps
+    assert not any(res.stats.ahead[s] for s in passes if s < len(res.stats.ahead))
+    assert any(res.stats.ahead)
+
+
+def test_set_rows_refuses_a_slot_that_changed_hands(seed, rng):
+    """A step whose rows carry the generation a slot had when its request took it is
+    refused once the slot was freed and taken again (eager steps check on the host)."""
+    model = build_tiny_model("qwen3_5", seed=seed)
+    eng = HybridEngine(model, strategy="fold", num_slots=1, window=4, max_len=64)
+    step = StepGenerator(eng, DeviceNgramDrafter(), num_draft=3, buckets=[2])._step(1)
+    slot = eng.alloc()
+    old = eng.pool.generation(slot)
+    with torch.inference_mode():
+        eng.extend([slot], _prompts(rng, 1), prompt=True)
+        step.set_rows([slot, -1], [old, 0])
+        step.run()  # the request holds its slot: the step runs
+        eng.free(slot)
+        assert eng.alloc() == slot
+        step.set_rows([slot, -1], [old, 0])
+        with pytest.raises(StepProtocolError, match="re-allocated"):
+            step.run()
+        step.set_rows([slot, -1])  # the pool's current generation: runs
+        step.run()
+    with pytest.raises(ValueError, match="row generations"):
+        step.set_rows([slot, -1], [old])
+    with pytest.raises(ValueError, match="row slots"):
+        step.set_rows([slot])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["plain", "spec"])
+def test_graph_replays_launched_ahead_change_no_output(mode, seed, rng):
+    """On a GPU the step launched ahead is a graph replay that runs while the host books
+    the step before (and rewrites the output buffer the host has just copied): the
+    tokens, stops and timeline are still those of the loop without overlap (bf16)."""
+    model = build_tiny_model("qwen3_5", seed=seed, dtype=torch.bfloat16, device="cuda")
+    prompts = _prompts(rng, 6)
+    budgets = [60, 11, 37, 1, 60, 18]
+    probe, _, _ = _run(model, mode, 3, prompts, budgets, overlap=False, seed=seed, graphs=True)
+    eos = probe.tokens[0][len(probe.tokens[0]) // 2]
+    res = _check_same(model, mode, 3, prompts, budgets, seed, eos_token_ids=[eos], graphs=True)
+    assert any(res.stats.ahead) and "eos" in res.finish_reasons
