@@ -17,7 +17,7 @@ from replayssm.engine.attention import slot_attention
 from replayssm.engine.device_drafters import DeviceMTPDrafter
 from replayssm.engine.drafters import load_mtp_head
 from replayssm.engine.loading import embedded_model_dir, load_model
-from replayssm.engine.norms import rms_norm
+from replayssm.engine.norms import add_rms_norm, rms_norm
 from replayssm.engine.sampling import SamplingParams
 from replayssm.engine.trees import StaticTree
 from replayssm.testing.op_count import count_ops
@@ -116,24 +116,25 @@ def test_head_pass_is_the_generic_layers_bit_for_bit(model, backend, mode, rng, 
 
 # Kernel ceilings of the GPU path (fused norms, Triton attention; here under the
 # interpreter), counted by replayssm.testing.op_count.
-OBSERVE_OPS = 35
-DEPTH_OPS = 31
+OBSERVE_OPS = 33
+DEPTH_OPS = 29
 FIRST_DRAFT_OPS = 3
 
 
 def test_kernels_per_draft_depth(model, rng):
     """Kernels of the drafter's work per step on the fused (GPU) path: ``observe`` (the
-    head over the ``T`` emitted pairs) at most 35, the first draft (LM head, argmax,
-    the drafts' stack) 3, each further draft depth at most 31.
+    head over the ``T`` emitted pairs) at most 33, the first draft (LM head, argmax,
+    the drafts' stack) 3, each further draft depth at most 29.
 
     A depth is one head pass plus its LM head and argmax: the embedding, 7 norms
-    (two write ``fc``'s input halves, two the query/key buffer), 9 matmuls (``fc``,
-    q, k, v, o, gate, up, down, LM head), 4 rotary kernels for queries and keys
-    together, 2 cache writes, the attention, the output gate (sigmoid, multiply),
-    SiLU and its product, 2 residual adds, the argmax. The positions and rotary rows
-    of all depths are gathered once per proposal (2 kernels), so a chain of ``k``
-    drafts costs ``3 + 2 + 31 (k - 1)`` (before this pass: ``3 + 53 (k - 1)``, and
-    54 for ``observe``): a count past the ceiling is a kernel added per draft."""
+    (two write ``fc``'s input halves, two the query/key buffer, two take the
+    residual adds in), 9 matmuls (``fc``, q, k, v, o, gate, up, down, LM head), 4
+    rotary kernels for queries and keys together, 2 cache writes, the attention, the
+    output gate (sigmoid, multiply), SiLU and its product, the argmax. The positions
+    and rotary rows of all depths are gathered once per proposal (2 kernels), so a
+    chain of ``k`` drafts costs ``3 + 2 + 29 (k - 1)`` (before this pass: ``3 + 53
+    (k - 1)``, and 54 for ``observe``): a count past the ceiling is a kernel added
+    per draft."""
     counts = {}
     for k in (1, 3, 4):
         d = _drafter(DeviceMTPDrafter, model, "triton", k)
@@ -188,6 +189,18 @@ def test_norm_into_slices_of_a_buffer(backend, rng):
     assert torch.equal(wide[:, d:2 * d], want[:, 0])
     with pytest.raises(ValueError, match="out must be"):
         rms_norm(x, w, 1e-6, "offset", backend=backend, out=buf[:, :heads].transpose(1, 2))
+
+
+def test_add_norm_kernel_is_the_add_then_the_norm(rng):
+    """The fused kernel of ``add_rms_norm`` returns the sum and its norm, bit for bit
+    what the add and the norm kernel give apart (fp32; the interpreter runs no bf16)."""
+    x = 3 * torch.randn(6, 48, generator=rng)
+    r = torch.randn(6, 2, 48, generator=rng)[:, 1]  # strided rows, as a slice passes them
+    w = 0.3 * torch.randn(48, generator=rng)
+    s, y = add_rms_norm(x, r, w, 1e-6)
+    assert torch.equal(s, x + r) and torch.equal(y, rms_norm(x + r, w, 1e-6, "offset"))
+    with pytest.raises(ValueError, match="x and residual"):
+        add_rms_norm(x, r[:, :5], w, 1e-6)
 
 
 def test_slot_attention_reads_strided_queries(rng):

@@ -502,6 +502,16 @@ class DeviceMTPDrafter(DeviceDrafter):
             return out.copy_(module(x))
         return rms_norm(x, module.weight, norm_eps(module), kind, out=out)
 
+    def _add_norm(self, module, x: torch.Tensor, update: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x + update, norm(x + update))``: the residual add and the norm after it,
+        one fused kernel where the norms are fused."""
+        from .norms import add_rms_norm, norm_eps, norm_kind
+
+        if norm_kind(module) == "offset" and self.engine.fused_norms:
+            return add_rms_norm(x, update, module.weight, norm_eps(module))
+        x = x + update
+        return x, self._norm(module, x)
+
     def _layer(self, tokens: torch.Tensor, hidden: torch.Tensor, slot_idx: torch.Tensor,
                positions: torch.Tensor, rope: torch.Tensor, tree=None) -> torch.Tensor:
         """The head on ``B x T`` pairs: ``tokens [B, T]``, ``hidden [B * T, H]``, cache
@@ -513,7 +523,7 @@ class DeviceMTPDrafter(DeviceDrafter):
         (the same values, bit for bit), in fewer kernels: the two input norms write the
         halves of ``fc``'s input, the query and key norms the halves of one buffer that
         is rotated in place and read where it lies (cache write, attention), the output
-        gate is applied without a copy."""
+        gate is applied without a copy, each residual add runs in its norm's kernel."""
         from .adapter import is_moe, static_moe_forward
         from .attention import slot_attention, tree_attention
 
@@ -546,10 +556,10 @@ class DeviceMTPDrafter(DeviceDrafter):
         else:
             o = tree_attention(qk[:, :, :heads], cache.k[0], cache.v[0], slot_idx, tree[0], tree[2], attn.scaling,
                                backend=eng.backend)
-        x = x + attn.o_proj((o.reshape(n, heads, d) * torch.sigmoid(gate)).view(n, -1))
-        y = self._norm(layer.post_attention_layernorm, x)
-        x = x + (static_moe_forward(layer.mlp, y, eng.moe_kernel) if is_moe(layer.mlp) else layer.mlp(y))
-        return self._norm(head.norm, x)
+        x, y = self._add_norm(layer.post_attention_layernorm, x,
+                              attn.o_proj((o.reshape(n, heads, d) * torch.sigmoid(gate)).view(n, -1)))
+        mlp = static_moe_forward(layer.mlp, y, eng.moe_kernel) if is_moe(layer.mlp) else layer.mlp(y)
+        return self._add_norm(head.norm, x, mlp)[1]
 
     def _rope_at(self, positions: torch.Tensor) -> torch.Tensor:
         """``[*positions.shape, 2, R]`` rows of the rotary table at ``positions``."""

@@ -118,21 +118,52 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, kind: str, gate:
         y = out
     block = triton.next_power_of_2(d)
     _rms_norm_kernel[(x2.shape[0],)](
-        x2, weight, g2 if g2 is not None else x2, y, d, eps, x2.stride(0), (g2 if g2 is not None else x2).stride(0),
-        *rows_out, BLOCK=block, GATED=kind == "gated", num_warps=4 if block >= 1024 else 1,
+        x2, weight, g2 if g2 is not None else x2, y, x2, x2, d, eps, x2.stride(0),
+        (g2 if g2 is not None else x2).stride(0), 0, *rows_out,
+        BLOCK=block, GATED=kind == "gated", RESIDUAL=False, num_warps=4 if block >= 1024 else 1,
     )
     return y.view(x.shape) if out is None else out
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                 backend: str = "triton") -> tuple[torch.Tensor, torch.Tensor]:
+    """``(s, rms_norm(s))`` with ``s = x + residual`` (rounded to the dtype, as torch's
+    add rounds it) for an ``offset`` norm, in one launch: a residual add and the norm
+    after it, as a decoder layer runs them. ``x, residual [N, D]`` alike; both results
+    are new ``[N, D]`` tensors."""
+    if x.dim() != 2 or residual.shape != x.shape or residual.dtype != x.dtype or weight.shape != x.shape[-1:]:
+        raise ValueError(f"x and residual must be alike [N, D] with weight [D], got {list(x.shape)} "
+                         f"{x.dtype}, {list(residual.shape)} {residual.dtype}, {list(weight.shape)}")
+    if backend == "reference":
+        s = x + residual
+        return s, rms_norm_reference(s, weight, eps, "offset")
+    if triton is None or (x.device.type != "cuda" and not INTERPRETER):
+        raise RuntimeError("the Triton norm needs CUDA tensors or the Triton interpreter")
+    x, residual = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, residual))
+    n, d = x.shape
+    s, y = torch.empty((2, n, d), dtype=x.dtype, device=x.device).unbind(0)
+    block = triton.next_power_of_2(d)
+    _rms_norm_kernel[(n,)](
+        x, weight, x, y, residual, s, d, eps, x.stride(0), x.stride(0), residual.stride(0), n, 0, d,
+        BLOCK=block, GATED=False, RESIDUAL=True, num_warps=4 if block >= 1024 else 1,
+    )
+    return s, y
 
 
 if triton is not None:
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, w_ptr, g_ptr, y_ptr, n_cols, eps, stride_x, stride_g, inner_y, stride_yo, stride_yi,
-                         BLOCK: tl.constexpr, GATED: tl.constexpr):
+    def _rms_norm_kernel(x_ptr, w_ptr, g_ptr, y_ptr, r_ptr, s_ptr, n_cols, eps, stride_x, stride_g, stride_r,
+                         inner_y, stride_yo, stride_yi, BLOCK: tl.constexpr, GATED: tl.constexpr,
+                         RESIDUAL: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
         xr = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+        if RESIDUAL:  # s = x + residual, rounded to the dtype, is both an output and the norm's input
+            rr = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0)
+            xr = (xr.to(tl.float32) + rr.to(tl.float32)).to(xr.dtype)
+            tl.store(s_ptr + row * n_cols + cols, xr, mask=mask)
         x = xr.to(tl.float32)
         var = tl.sum(x * x, 0) / n_cols
         h = x * (1.0 / tl.sqrt_rn(var + eps))
