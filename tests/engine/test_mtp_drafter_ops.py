@@ -50,7 +50,7 @@ def model():
 def _drafter(cls, model, backend, k, **kw):
     eng = HybridEngine(model, strategy="fold", num_slots=2, window=k + 1, max_len=CAPACITY, backend=backend)
     d = cls(eng, load_mtp_head(eng, str(embedded_model_dir("embedded"))), **kw)
-    d.bind(2, k, CAPACITY, torch.device("cpu"))
+    d.bind(2, k, CAPACITY, eng.device)
     return d
 
 
@@ -79,13 +79,15 @@ def _drive(d, rounds, seed):
     per call."""
     prompts, firsts, join_hidden, steps = rounds
     offsets = [0, len(prompts[0]), len(prompts[0]) + len(prompts[1])]
-    slots = torch.tensor([0, 1])
+    dev, dtype = d.engine.device, d.engine.dtype
+    slots = torch.tensor([0, 1], device=dev)
     outs = []
     with torch.inference_mode():
         torch.manual_seed(seed)
-        outs.append(d.join([0, 1], prompts, firsts, [0, 1], hidden=join_hidden, offsets=offsets))
+        outs.append(d.join([0, 1], prompts, firsts, [0, 1], hidden=join_hidden.to(dev, dtype), offsets=offsets))
         for i, (emitted, accepted, hidden, positions) in enumerate(steps):
-            d.observe(slots, emitted, accepted, hidden=hidden, positions=positions)
+            emitted, accepted, positions = emitted.to(dev), accepted.to(dev), positions.to(dev)
+            d.observe(slots, emitted, accepted, hidden=hidden.to(dev, dtype), positions=positions)
             torch.manual_seed(seed + 1 + i)
             outs += [d.propose(slots), d._last_hidden]
             if d.q is not None:
@@ -112,6 +114,22 @@ def test_head_pass_is_the_generic_layers_bit_for_bit(model, backend, mode, rng, 
         assert g.dtype == w.dtype and torch.equal(g, w), f"output {i} differs"
     drafts = torch.cat([o for o in want if o.dtype == torch.int64])
     assert drafts.unique().numel() > 4  # varied drafts, not one repeated token
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["greedy", "tree"])
+def test_head_pass_on_cuda_in_bf16_is_the_generic_layers(mode, rng):
+    """On the GPU path (bf16, fused norms, Triton attention) the cut pass computes the
+    generic layers' values bit for bit too: its kernels do the same roundings."""
+    model = load_model(str(embedded_model_dir("embedded")), dtype="bfloat16", device="cuda")
+    kw = dict(tree=StaticTree.from_branching((3, 2, 1))) if mode == "tree" else {}
+    k = kw["tree"].num_nodes - 1 if kw else 3
+    fast = _drafter(DeviceMTPDrafter, model, "auto", k, **kw)
+    slow = _drafter(GenericLayerDrafter, model, "auto", k, **kw)
+    assert fast.engine.fused_norms
+    rounds = _rounds(rng, fast.engine.embed.weight.shape[1], fast.engine.vocab_size, k, 4)
+    for i, (g, w) in enumerate(zip(_drive(fast, rounds, 0), _drive(slow, rounds, 0))):
+        assert g.dtype == w.dtype and torch.equal(g, w), f"output {i} differs"
 
 
 # Kernel ceilings of the GPU path (fused norms, Triton attention; here under the
