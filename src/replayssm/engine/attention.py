@@ -152,15 +152,16 @@ def _slot_attention_triton(q, k_cache, v_cache, slot_idx, starts, scale, tree_bi
     groups = heads // kv_heads
     if d != triton.next_power_of_2(d) or d < 16:
         raise ValueError(f"the Triton slot attention needs a power-of-two head_dim >= 16, got {d}")
-    q = q.contiguous()
+    if q.stride(-1) != 1:  # rows, tokens and heads may have any strides (a slice of a q/k buffer)
+        q = q.contiguous()
     slot_idx, starts = slot_idx.contiguous(), starts.contiguous()  # read as flat arrays
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     block_m = max(16, triton.next_power_of_2(groups * t))
     block_n = 64 if d <= 128 else 32
     tree = tree_bits is not None
     _slot_attention_kernel[(b, kv_heads)](
         q, k_cache, v_cache, slot_idx, starts, out, tree_bits if tree else starts, scale,
-        q.stride(0), q.stride(1), q.stride(2),
+        q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         T=t, G=groups, D=d, BLOCK_M=block_m, BLOCK_N=block_n, TREE=tree, W=window if tree else t,
         # fp32 models get fp32 products (tl.dot would round fp32 operands to tf32 on
@@ -176,7 +177,7 @@ if triton is not None:
     @triton.jit
     def _slot_attention_kernel(
         q_ptr, k_ptr, v_ptr, slot_ptr, start_ptr, o_ptr, bits_ptr, scale,
-        stride_qb, stride_qt, stride_qh, stride_ks, stride_kh, stride_kl,
+        stride_qb, stride_qt, stride_qh, stride_ob, stride_ot, stride_oh, stride_ks, stride_kh, stride_kl,
         T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         TREE: tl.constexpr, W: tl.constexpr, PRECISION: tl.constexpr,
     ):
@@ -221,4 +222,5 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         acc = acc / l_i[:, None]
-        tl.store(o_ptr + q_off[:, None] + offs_d[None, :], acc.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+        o_off = i_b * stride_ob + tok * stride_ot + head * stride_oh
+        tl.store(o_ptr + o_off[:, None] + offs_d[None, :], acc.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])

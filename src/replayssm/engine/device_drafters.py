@@ -459,24 +459,111 @@ class DeviceMTPDrafter(DeviceDrafter):
         self.q = None
         if self.sampling is not None:
             self.q = torch.zeros((num_slots + 1, num_draft, self.engine.vocab_size), dtype=torch.float32, device=device)
+        self._steps = torch.arange(max(num_draft - 1, 1), device=device)[:, None]  # [k - 1, 1]: draft j at j - 1
+        self._rotary = self._rope_table(capacity, device)
+
+    def _rope_table(self, capacity: int, device) -> torch.Tensor:
+        """``[capacity, 2, R]`` the rotary ``cos`` and the ``sin`` that rotates in place
+        (``(sin_2, -sin_1)`` by halves, see :meth:`_rotate`) at every cache position, in
+        the model dtype: each step then gathers its rows (one kernel) instead of
+        evaluating the rotary embedding (a dozen small kernels per head pass). The
+        embedding is elementwise per position, so a row equals what a call at that
+        position alone returns, bit for bit."""
+        eng = self.engine
+        x = torch.empty((capacity, 1), dtype=eng.dtype, device=device)
+        cos, sin = eng.rotary_cos_sin(x, torch.arange(capacity, device=device))
+        half = cos.shape[-1] // 2
+        return torch.stack([cos, torch.cat([sin[:, half:], -sin[:, :half]], -1)], 1).contiguous()
+
+    def _rotate(self, qk: torch.Tensor, rope: torch.Tensor) -> None:
+        """Rotate the first ``R`` channels of ``qk [B, T, heads, D]`` in place with
+        ``rope [B, T or 1, 2, R]`` (rows of :meth:`_rope_table`): transformers'
+        ``x cos + rotate_half(x) sin`` with ``rotate_half(x) sin = (-x_2 sin_1, x_1 sin_2)``
+        written as ``x * (sin_2, -sin_1)`` with halves swapped, which rounds the same
+        (a negation is exact): four kernels for queries and keys together."""
+        r = rope.shape[-1]
+        half = r // 2
+        rot = qk[..., :r]
+        a = rot * rope[:, :, None, 0]
+        b = rot * rope[:, :, None, 1]
+        torch.add(a[..., :half], b[..., half:], out=rot[..., :half])
+        torch.add(a[..., half:], b[..., :half], out=rot[..., half:])
+
+    def _norm(self, module, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``engine.static_norm(module, x)``, written into ``out`` (a slice of a wider
+        buffer) when given: the fused kernel writes there itself."""
+        from .norms import norm_eps, norm_kind, rms_norm
+
+        eng = self.engine
+        if out is None:
+            return eng.static_norm(module, x)
+        kind = norm_kind(module)
+        if kind is None or not eng.fused_norms:
+            return out.copy_(module(x))
+        return rms_norm(x, module.weight, norm_eps(module), kind, out=out)
+
+    def _add_norm(self, module, x: torch.Tensor, update: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x + update, norm(x + update))``: the residual add and the norm after it,
+        one fused kernel where the norms are fused."""
+        from .norms import add_rms_norm, norm_eps, norm_kind
+
+        if norm_kind(module) == "offset" and self.engine.fused_norms:
+            return add_rms_norm(x, update, module.weight, norm_eps(module))
+        x = x + update
+        return x, self._norm(module, x)
 
     def _layer(self, tokens: torch.Tensor, hidden: torch.Tensor, slot_idx: torch.Tensor,
-               positions: torch.Tensor, tree=None) -> torch.Tensor:
-        """The head on ``B x T`` pairs: ``tokens [B, T]``, ``hidden [B * T, H]``, positions
-        ``[B, T]``; returns the normed outputs ``[B * T, H]`` (graph-safe). ``tree``: as
-        :func:`~replayssm.engine.adapter.static_attention_forward`'s."""
-        from .adapter import is_moe, static_attention_forward, static_moe_forward
+               positions: torch.Tensor, rope: torch.Tensor, tree=None) -> torch.Tensor:
+        """The head on ``B x T`` pairs: ``tokens [B, T]``, ``hidden [B * T, H]``, cache
+        positions ``[B, T]``, rotary rows ``rope [B, T or 1, 2, R]`` (:meth:`_rope_at`);
+        returns the normed outputs ``[B * T, H]`` (graph-safe). ``tree``: as
+        :func:`~replayssm.engine.adapter.static_attention_forward`'s.
+
+        The arithmetic of :meth:`MTPHead.pair_input` and ``static_attention_forward``
+        (the same values, bit for bit), in fewer kernels: the two input norms write the
+        halves of ``fc``'s input, the query and key norms the halves of one buffer that
+        is rotated in place and read where it lies (cache write, attention), the output
+        gate is applied without a copy, each residual add runs in its norm's kernel."""
+        from .adapter import is_moe, static_moe_forward
+        from .attention import slot_attention, tree_attention
 
         eng, head = self.engine, self.head
-        norm = eng.static_norm
-        x = head.pair_input(eng, tokens.reshape(-1), hidden, norm)
-        cos, sin = eng.rotary_cos_sin(x, positions.reshape(-1))
         layer = head.layers[0]
-        x = x + static_attention_forward(layer.self_attn, norm(layer.input_layernorm, x), cos, sin, self.cache, 0,
-                                         slot_idx, positions, backend=eng.backend, norm=norm, tree=tree)
-        y = norm(layer.post_attention_layernorm, x)
-        x = x + (static_moe_forward(layer.mlp, y, eng.moe_kernel) if is_moe(layer.mlp) else layer.mlp(y))
-        return norm(head.norm, x)
+        attn = layer.self_attn
+        b, t = tokens.shape
+        n, hid = hidden.shape
+        pair = torch.empty((n, 2 * hid), dtype=eng.dtype, device=hidden.device)
+        self._norm(head.pre_fc_norm_embedding, eng.embed(tokens.reshape(-1)), pair[:, :hid])
+        self._norm(head.pre_fc_norm_hidden, hidden.to(eng.dtype), pair[:, hid:])
+        x = head.fc(pair)
+        xn = self._norm(layer.input_layernorm, x)
+        d = attn.head_dim
+        q, gate = attn.q_proj(xn).view(n, -1, 2 * d).chunk(2, dim=-1)  # [N, heads, D] each
+        k = attn.k_proj(xn).view(n, -1, d)
+        heads, kv_heads = q.shape[1], k.shape[1]
+        qk = torch.empty((b, t, heads + kv_heads, d), dtype=q.dtype, device=q.device)
+        self._norm(attn.q_norm, q, qk.view(n, -1, d)[:, :heads])
+        self._norm(attn.k_norm, k, qk.view(n, -1, d)[:, heads:])
+        self._rotate(qk, rope)
+        cache = self.cache
+        at = positions if tree is None else tree[0][:, None] + tree[1][None]
+        where = (slot_idx[:, None].expand(b, t), slice(None), at)
+        cache.k[0][where] = qk[:, :, heads:].to(cache.k.dtype)
+        cache.v[0][where] = attn.v_proj(xn).view(b, t, kv_heads, d).to(cache.v.dtype)
+        if tree is None:
+            o = slot_attention(qk[:, :, :heads], cache.k[0], cache.v[0], slot_idx, positions[:, 0], attn.scaling,
+                               backend=eng.backend)
+        else:
+            o = tree_attention(qk[:, :, :heads], cache.k[0], cache.v[0], slot_idx, tree[0], tree[2], attn.scaling,
+                               backend=eng.backend)
+        x, y = self._add_norm(layer.post_attention_layernorm, x,
+                              attn.o_proj((o.reshape(n, heads, d) * torch.sigmoid(gate)).view(n, -1)))
+        mlp = static_moe_forward(layer.mlp, y, eng.moe_kernel) if is_moe(layer.mlp) else layer.mlp(y)
+        return self._add_norm(head.norm, x, mlp)[1]
+
+    def _rope_at(self, positions: torch.Tensor) -> torch.Tensor:
+        """``[*positions.shape, 2, R]`` rows of the rotary table at ``positions``."""
+        return self._rotary.index_select(0, positions.reshape(-1)).view(*positions.shape, *self._rotary.shape[1:])
 
     def _draft(self, slot_idx, h: torch.Tensor, next_pos: torch.Tensor) -> torch.Tensor:
         """``k`` drafts from the head outputs ``h [B, H]`` of each request's last
@@ -484,8 +571,12 @@ class DeviceMTPDrafter(DeviceDrafter):
         their probabilities in :attr:`q`."""
         tok, q = self._choose(self.engine.lm_head(h))
         drafts, probs = [tok], [q]
+        if self.k > 1:
+            # every depth's positions and rotary rows at once: [k - 1, B] and [k - 1, B, 2, R]
+            pos = self._steps[: self.k - 1] + next_pos[None]
+            rope = self._rope_at(pos)
         for j in range(1, self.k):
-            h = self._layer(tok[:, None], h, slot_idx, (next_pos + j - 1)[:, None])
+            h = self._layer(tok[:, None], h, slot_idx, pos[j - 1][:, None], rope[j - 1][:, None])
             tok, q = self._choose(self.engine.lm_head(h))
             drafts.append(tok)
             probs.append(q)
@@ -508,10 +599,10 @@ class DeviceMTPDrafter(DeviceDrafter):
         for depth, (level, width, children, source) in enumerate(tree.expansion):
             if depth > 0:  # the head on this depth's nodes (the root's output came from observe)
                 m = level.shape[0]
-                pos = (start + depth)[:, None].expand(b, m)
+                rotary = start + depth  # [B]: every node of this depth rotates at one position
                 hp = outs[:, tree.parents[level]].reshape(b * m, -1)
-                out = self._layer(tokens[:, level], hp, slot_idx, pos,
-                                  tree=(start, level, tree.ancestors[level]))
+                out = self._layer(tokens[:, level], hp, slot_idx, rotary[:, None].expand(b, m),
+                                  self._rope_at(rotary[:, None]), tree=(start, level, tree.ancestors[level]))
                 outs[:, level] = out.view(b, m, -1)
             best = self.engine.lm_head(outs[:, level]).topk(width, dim=-1).indices  # [B, M, width]
             tokens[:, children] = best.reshape(b, -1)[:, source]
@@ -535,7 +626,7 @@ class DeviceMTPDrafter(DeviceDrafter):
         if hidden is None or positions is None:
             raise ValueError("the MTP drafter needs the step's hidden states and positions")
         b, t = emitted.shape
-        out = self._layer(emitted.clamp(min=0), hidden, slot_idx, positions).view(b, t, -1)
+        out = self._layer(emitted.clamp(min=0), hidden, slot_idx, positions, self._rope_at(positions)).view(b, t, -1)
         n = (accepted - 1).clamp(min=0)
         self._last_hidden = out.gather(1, n[:, None, None].expand(b, 1, out.shape[-1]))[:, 0]
         self._next_pos = positions[:, 0] + accepted

@@ -52,21 +52,54 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, kind: 
     return (h * torch.nn.functional.silu(gate.float())).to(x.dtype)
 
 
+def _out_rows(out: torch.Tensor, x: torch.Tensor) -> tuple[int, int, int]:
+    """``(inner, stride_outer, stride_inner)`` addressing the rows of ``out`` (like
+    ``x``): row ``r`` of ``x.reshape(-1, D)`` goes to ``(r // inner) * stride_outer +
+    (r % inner) * stride_inner``. Rows of one stride (any contiguous block, a column
+    slice of a matrix) or of two (a slice of heads ``[N, heads, D]``)."""
+    if out.shape != x.shape or out.dtype != x.dtype or out.device != x.device:
+        raise ValueError(f"out must be a {x.dtype} tensor of shape {list(x.shape)} on {x.device}, got "
+                         f"{out.dtype} {list(out.shape)} on {out.device}")
+    if out.stride(-1) != 1:
+        raise ValueError("out must be contiguous along its last axis")
+    rows = x.numel() // max(x.shape[-1], 1)
+    lead = []  # the leading axes (size, stride), merged where one stride covers two
+    for n, s in zip(out.shape[:-1], out.stride()[:-1]):
+        if n == 1:
+            continue
+        if lead and lead[-1][1] == n * s:
+            lead[-1] = (lead[-1][0] * n, s)
+        else:
+            lead.append((n, s))
+    if len(lead) <= 1:
+        return rows, 0, lead[0][1] if lead else 0
+    if len(lead) == 2:
+        (_, s_outer), (n_inner, s_inner) = lead
+        return n_inner, s_outer, s_inner
+    raise ValueError(f"out's rows must have at most two strides, got shape {list(out.shape)} strides "
+                     f"{list(out.stride())}")
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, kind: str, gate: torch.Tensor | None = None,
-             *, backend: str = "triton") -> torch.Tensor:
+             *, backend: str = "triton", out: torch.Tensor | None = None) -> torch.Tensor:
     """Normalise the last axis of ``x [..., D]`` (see the module docstring).
 
     Args:
         weight: ``[D]``; kind: ``"offset"`` or ``"gated"``; gate: ``z`` like ``x``
             (gated only).
         backend: ``"triton"`` (one launch) or ``"reference"``.
+        out: ``None`` (a new tensor), or where to write the result: shaped like ``x``,
+            contiguous along its last axis, its rows at one or two strides (a slice of
+            a wider buffer, so that a concatenation of norms costs no copy).
     """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if (gate is None) != (kind == "offset"):
         raise ValueError("a gated norm needs gate=z; an offset norm takes none")
+    rows_out = None if out is None else _out_rows(out, x)
     if backend == "reference":
-        return rms_norm_reference(x, weight, eps, kind, gate)
+        y = rms_norm_reference(x, weight, eps, kind, gate)
+        return y if out is None else out.copy_(y)
     if triton is None or (x.device.type != "cuda" and not INTERPRETER):
         raise RuntimeError("the Triton norm needs CUDA tensors or the Triton interpreter")
     d = x.shape[-1]
@@ -78,24 +111,59 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, kind: str, gate:
         g2 = gate.reshape(-1, d)
         if g2.stride(-1) != 1:
             g2 = g2.contiguous()
-    y = torch.empty((x2.shape[0], d), dtype=x.dtype, device=x.device)
+    if out is None:
+        y = torch.empty((x2.shape[0], d), dtype=x.dtype, device=x.device)
+        rows_out = (x2.shape[0], 0, d)
+    else:
+        y = out
     block = triton.next_power_of_2(d)
     _rms_norm_kernel[(x2.shape[0],)](
-        x2, weight, g2 if g2 is not None else x2, y, d, eps, x2.stride(0), (g2 if g2 is not None else x2).stride(0),
-        BLOCK=block, GATED=kind == "gated", num_warps=4 if block >= 1024 else 1,
+        x2, weight, g2 if g2 is not None else x2, y, x2, x2, d, eps, x2.stride(0),
+        (g2 if g2 is not None else x2).stride(0), 0, *rows_out,
+        BLOCK=block, GATED=kind == "gated", RESIDUAL=False, num_warps=4 if block >= 1024 else 1,
     )
-    return y.view(x.shape)
+    return y.view(x.shape) if out is None else out
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                 backend: str = "triton") -> tuple[torch.Tensor, torch.Tensor]:
+    """``(s, rms_norm(s))`` with ``s = x + residual`` (rounded to the dtype, as torch's
+    add rounds it) for an ``offset`` norm, in one launch: a residual add and the norm
+    after it, as a decoder layer runs them. ``x, residual [N, D]`` alike; both results
+    are new ``[N, D]`` tensors."""
+    if x.dim() != 2 or residual.shape != x.shape or residual.dtype != x.dtype or weight.shape != x.shape[-1:]:
+        raise ValueError(f"x and residual must be alike [N, D] with weight [D], got {list(x.shape)} "
+                         f"{x.dtype}, {list(residual.shape)} {residual.dtype}, {list(weight.shape)}")
+    if backend == "reference":
+        s = x + residual
+        return s, rms_norm_reference(s, weight, eps, "offset")
+    if triton is None or (x.device.type != "cuda" and not INTERPRETER):
+        raise RuntimeError("the Triton norm needs CUDA tensors or the Triton interpreter")
+    x, residual = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, residual))
+    n, d = x.shape
+    s, y = torch.empty((2, n, d), dtype=x.dtype, device=x.device).unbind(0)
+    block = triton.next_power_of_2(d)
+    _rms_norm_kernel[(n,)](
+        x, weight, x, y, residual, s, d, eps, x.stride(0), x.stride(0), residual.stride(0), n, 0, d,
+        BLOCK=block, GATED=False, RESIDUAL=True, num_warps=4 if block >= 1024 else 1,
+    )
+    return s, y
 
 
 if triton is not None:
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, w_ptr, g_ptr, y_ptr, n_cols, eps, stride_x, stride_g,
-                         BLOCK: tl.constexpr, GATED: tl.constexpr):
+    def _rms_norm_kernel(x_ptr, w_ptr, g_ptr, y_ptr, r_ptr, s_ptr, n_cols, eps, stride_x, stride_g, stride_r,
+                         inner_y, stride_yo, stride_yi, BLOCK: tl.constexpr, GATED: tl.constexpr,
+                         RESIDUAL: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
         xr = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+        if RESIDUAL:  # s = x + residual, rounded to the dtype, is both an output and the norm's input
+            rr = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0)
+            xr = (xr.to(tl.float32) + rr.to(tl.float32)).to(xr.dtype)
+            tl.store(s_ptr + row * n_cols + cols, xr, mask=mask)
         x = xr.to(tl.float32)
         var = tl.sum(x * x, 0) / n_cols
         h = x * (1.0 / tl.sqrt_rn(var + eps))
@@ -107,4 +175,5 @@ if triton is not None:
             y = hw * (z / (1.0 + tl.exp(-z)))
         else:
             y = h * (1.0 + w.to(tl.float32))
-        tl.store(y_ptr + row * n_cols + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+        y_row = (row // inner_y) * stride_yo + (row % inner_y) * stride_yi
+        tl.store(y_ptr + y_row + cols, y.to(y_ptr.dtype.element_ty), mask=mask)

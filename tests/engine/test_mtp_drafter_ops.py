@@ -1,0 +1,250 @@
+"""The MTP drafter's head pass in few kernels, with the same numbers.
+
+:class:`DeviceMTPDrafter` runs its head through a pass of its own (norms written into
+shared buffers, a rotary table, queries and keys rotated in place together). Here it is
+held against the head as the engine's generic static layers compute it
+(:meth:`MTPHead.pair_input`, ``rotary_cos_sin``, ``static_attention_forward``): drafts,
+head outputs and head KV caches bit for bit (fp32, CPU), greedy, sampled and tree; and
+its kernel count per draft depth against a ceiling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from replayssm.engine.adapter import HybridEngine, is_moe, static_attention_forward, static_moe_forward
+from replayssm.engine.attention import slot_attention
+from replayssm.engine.device_drafters import DeviceMTPDrafter
+from replayssm.engine.drafters import load_mtp_head
+from replayssm.engine.loading import embedded_model_dir, load_model
+from replayssm.engine.norms import add_rms_norm, rms_norm
+from replayssm.engine.sampling import SamplingParams
+from replayssm.engine.trees import StaticTree
+from replayssm.testing.op_count import count_ops
+
+CAPACITY = 96
+
+
+class GenericLayerDrafter(DeviceMTPDrafter):
+    """The drafter with the head pass composed of the engine's generic static layers
+    (the drafter's code before its pass was cut to fewer kernels): the oracle."""
+
+    def _layer(self, tokens, hidden, slot_idx, positions, rope, tree=None):
+        eng, head = self.engine, self.head
+        norm = eng.static_norm
+        x = head.pair_input(eng, tokens.reshape(-1), hidden, norm)
+        cos, sin = eng.rotary_cos_sin(x, positions.reshape(-1))
+        layer = head.layers[0]
+        x = x + static_attention_forward(layer.self_attn, norm(layer.input_layernorm, x), cos, sin, self.cache, 0,
+                                         slot_idx, positions, backend=eng.backend, norm=norm, tree=tree)
+        y = norm(layer.post_attention_layernorm, x)
+        x = x + (static_moe_forward(layer.mlp, y, eng.moe_kernel) if is_moe(layer.mlp) else layer.mlp(y))
+        return norm(head.norm, x)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(str(embedded_model_dir("embedded")), dtype="float32", device="cpu")
+
+
+def _drafter(cls, model, backend, k, **kw):
+    eng = HybridEngine(model, strategy="fold", num_slots=2, window=k + 1, max_len=CAPACITY, backend=backend)
+    d = cls(eng, load_mtp_head(eng, str(embedded_model_dir("embedded"))), **kw)
+    d.bind(2, k, CAPACITY, eng.device)
+    return d
+
+
+def _rounds(rng, hidden_size, vocab, k, window, rounds=3):
+    """A join of two requests and ``rounds`` steps, as random tensors: what
+    :func:`_drive` feeds both drafters."""
+    lengths = [5, 11]
+    prompts = [torch.randint(0, vocab, (n,), generator=rng).tolist() for n in lengths]
+    firsts = torch.randint(0, vocab, (2,), generator=rng).tolist()
+    join_hidden = torch.randn(sum(lengths), hidden_size, generator=rng)
+    steps = []
+    starts = torch.tensor(lengths)
+    for _ in range(rounds):
+        accepted = torch.randint(1, window + 1, (2,), generator=rng)
+        emitted = torch.randint(0, vocab, (2, window), generator=rng)
+        emitted[torch.arange(window)[None] >= accepted[:, None]] = -1
+        hidden = torch.randn(2 * window, hidden_size, generator=rng)
+        steps.append((emitted, accepted, hidden, starts[:, None] + torch.arange(window)))
+        starts = starts + accepted
+    return prompts, firsts, join_hidden, steps
+
+
+def _drive(d, rounds, seed):
+    """Every output of ``d`` over ``rounds``: drafts (and sampled probabilities), head
+    outputs, the head's cache. Sampled drafts draw from the global generator, seeded
+    per call."""
+    prompts, firsts, join_hidden, steps = rounds
+    offsets = [0, len(prompts[0]), len(prompts[0]) + len(prompts[1])]
+    dev, dtype = d.engine.device, d.engine.dtype
+    slots = torch.tensor([0, 1], device=dev)
+    outs = []
+    with torch.inference_mode():
+        torch.manual_seed(seed)
+        outs.append(d.join([0, 1], prompts, firsts, [0, 1], hidden=join_hidden.to(dev, dtype), offsets=offsets))
+        for i, (emitted, accepted, hidden, positions) in enumerate(steps):
+            emitted, accepted, positions = emitted.to(dev), accepted.to(dev), positions.to(dev)
+            d.observe(slots, emitted, accepted, hidden=hidden.to(dev, dtype), positions=positions)
+            torch.manual_seed(seed + 1 + i)
+            outs += [d.propose(slots), d._last_hidden]
+            if d.q is not None:
+                outs.append(d.draft_probs(slots))
+    return outs + [d.cache.k, d.cache.v]
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("mode", ["greedy", "sampled", "tree"])
+def test_head_pass_is_the_generic_layers_bit_for_bit(model, backend, mode, rng, seed):
+    kw = {}
+    if mode == "sampled":
+        kw = dict(sampling=SamplingParams(temperature=0.8, top_k=50))
+    elif mode == "tree":
+        kw = dict(tree=StaticTree.from_branching((3, 2, 1)))
+    k = kw["tree"].num_nodes - 1 if mode == "tree" else 3
+    fast = _drafter(DeviceMTPDrafter, model, backend, k, **kw)
+    slow = _drafter(GenericLayerDrafter, model, backend, k, **kw)
+    rounds = _rounds(rng, fast.engine.embed.weight.shape[1], fast.engine.vocab_size, k,
+                     k + 1 if mode != "tree" else 4)
+    got, want = _drive(fast, rounds, seed), _drive(slow, rounds, seed)
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.dtype == w.dtype and torch.equal(g, w), f"output {i} differs"
+    drafts = torch.cat([o for o in want if o.dtype == torch.int64])
+    assert drafts.unique().numel() > 4  # varied drafts, not one repeated token
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["greedy", "tree"])
+def test_head_pass_on_cuda_in_bf16_is_the_generic_layers(mode, rng):
+    """On the GPU path (bf16, fused norms, Triton attention) the cut pass computes the
+    generic layers' values bit for bit too: its kernels do the same roundings."""
+    model = load_model(str(embedded_model_dir("embedded")), dtype="bfloat16", device="cuda")
+    kw = dict(tree=StaticTree.from_branching((3, 2, 1))) if mode == "tree" else {}
+    k = kw["tree"].num_nodes - 1 if kw else 3
+    fast = _drafter(DeviceMTPDrafter, model, "auto", k, **kw)
+    slow = _drafter(GenericLayerDrafter, model, "auto", k, **kw)
+    assert fast.engine.fused_norms
+    rounds = _rounds(rng, fast.engine.embed.weight.shape[1], fast.engine.vocab_size, k, 4)
+    for i, (g, w) in enumerate(zip(_drive(fast, rounds, 0), _drive(slow, rounds, 0))):
+        assert g.dtype == w.dtype and torch.equal(g, w), f"output {i} differs"
+
+
+# Kernel ceilings of the GPU path (fused norms, Triton attention; here under the
+# interpreter), counted by replayssm.testing.op_count.
+OBSERVE_OPS = 33
+DEPTH_OPS = 29
+FIRST_DRAFT_OPS = 3
+
+
+def test_kernels_per_draft_depth(model, rng):
+    """Kernels of the drafter's work per step on the fused (GPU) path: ``observe`` (the
+    head over the ``T`` emitted pairs) at most 33, the first draft (LM head, argmax,
+    the drafts' stack) 3, each further draft depth at most 29.
+
+    A depth is one head pass plus its LM head and argmax: the embedding, 7 norms
+    (two write ``fc``'s input halves, two the query/key buffer, two take the
+    residual adds in), 9 matmuls (``fc``, q, k, v, o, gate, up, down, LM head), 4
+    rotary kernels for queries and keys together, 2 cache writes, the attention, the
+    output gate (sigmoid, multiply), SiLU and its product, the argmax. The positions
+    and rotary rows of all depths are gathered once per proposal (2 kernels), so a
+    chain of ``k`` drafts costs ``3 + 2 + 29 (k - 1)`` (before this pass: ``3 + 53
+    (k - 1)``, and 54 for ``observe``): a count past the ceiling is a kernel added
+    per draft."""
+    counts = {}
+    for k in (1, 3, 4):
+        d = _drafter(DeviceMTPDrafter, model, "triton", k)
+        emitted = torch.randint(0, d.engine.vocab_size, (1, k + 1), generator=rng)
+        hidden = torch.randn(k + 1, d.engine.embed.weight.shape[1], generator=rng)
+        slots, accepted, positions = torch.tensor([0]), torch.tensor([2]), 7 + torch.arange(k + 1)[None]
+        with torch.inference_mode():
+            with count_ops() as observe:
+                d.observe(slots, emitted, accepted, hidden=hidden, positions=positions)
+            with count_ops() as propose:
+                d.propose(slots)
+        counts[k] = (observe, propose)
+    for k, (observe, _) in counts.items():
+        assert observe.total <= OBSERVE_OPS, (k, observe.counts)
+    assert counts[1][1].total <= FIRST_DRAFT_OPS, counts[1][1].counts
+    depth = counts[4][1].total - counts[3][1].total
+    assert depth <= DEPTH_OPS, (counts[3][1].counts, counts[4][1].counts)
+    assert counts[3][1].total <= FIRST_DRAFT_OPS + 2 + 2 * DEPTH_OPS, counts[3][1].counts
+    # the rotary embedding and the concatenations are gone from the passes, not moved
+    names = set(counts[4][0].counts) | set(counts[4][1].counts)
+    assert not names & {"aten.cos", "aten.sin", "aten.cat", "aten.copy_", "aten.clone"}, names
+
+
+def test_op_counter_counts_kernels_not_views(rng):
+    x = torch.randn(4, 6, generator=rng)
+    with count_ops() as ops:
+        y = (x.t().contiguous() * 2).view(-1)[::2].sum()
+        torch.empty(3)
+    assert dict(ops.counts) == {"aten.clone": 1, "aten.mul": 1, "aten.sum": 1}, ops.counts
+    assert torch.equal(y, (x.t() * 2).reshape(-1)[::2].sum())
+    w = torch.randn(6, generator=rng)
+    with count_ops() as ops:
+        rms_norm(x, w, 1e-6, "offset")
+    assert dict(ops.counts) == {"triton._rms_norm_kernel": 1}, ops.counts  # the interpreter's copies not counted
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_norm_into_slices_of_a_buffer(backend, rng):
+    """``rms_norm(..., out=)`` writes what a fresh result holds, into column slices of a
+    matrix and head slices of ``[N, heads, D]``, and nothing else of the buffer."""
+    n, heads, d = 5, 3, 16
+    w = 0.3 * torch.randn(d, generator=rng)
+    x = 3 * torch.randn(n, heads, 2 * d, generator=rng)[..., :d]  # strided input, as q out of q_proj
+    buf = torch.randn(n, heads + 2, d, generator=rng)
+    keep = buf.clone()
+    got = rms_norm(x, w, 1e-6, "offset", backend=backend, out=buf[:, 1:1 + heads])
+    want = rms_norm(x, w, 1e-6, "offset", backend=backend)
+    assert got.data_ptr() == buf[:, 1].data_ptr() and torch.equal(buf[:, 1:1 + heads], want)
+    assert torch.equal(buf[:, 0], keep[:, 0]) and torch.equal(buf[:, -1], keep[:, -1])
+    wide = torch.randn(n, 3 * d, generator=rng)
+    rms_norm(x[:, 0], w, 1e-6, "offset", backend=backend, out=wide[:, d:2 * d])
+    assert torch.equal(wide[:, d:2 * d], want[:, 0])
+    with pytest.raises(ValueError, match="out must be"):
+        rms_norm(x, w, 1e-6, "offset", backend=backend, out=buf[:, :heads].transpose(1, 2))
+
+
+def test_add_norm_kernel_is_the_add_then_the_norm(rng):
+    """The fused kernel of ``add_rms_norm`` returns the sum and its norm, bit for bit
+    what the add and the norm kernel give apart (fp32; the interpreter runs no bf16)."""
+    x = 3 * torch.randn(6, 48, generator=rng)
+    r = torch.randn(6, 2, 48, generator=rng)[:, 1]  # strided rows, as a slice passes them
+    w = 0.3 * torch.randn(48, generator=rng)
+    s, y = add_rms_norm(x, r, w, 1e-6)
+    assert torch.equal(s, x + r) and torch.equal(y, rms_norm(x + r, w, 1e-6, "offset"))
+    with pytest.raises(ValueError, match="x and residual"):
+        add_rms_norm(x, r[:, :5], w, 1e-6)
+
+
+def test_slot_attention_reads_strided_queries(rng):
+    """Queries sliced out of a wider buffer (the MTP head's query/key buffer): the
+    Triton kernel reads them in place and returns what contiguous queries give."""
+    b, t, heads, kv_heads, d, cap = 2, 3, 4, 2, 16, 24
+    kc, vc = torch.randn(3, kv_heads, cap, d, generator=rng), torch.randn(3, kv_heads, cap, d, generator=rng)
+    qk = torch.randn(b, t, heads + kv_heads, d, generator=rng)
+    slot, starts = torch.tensor([2, 0]), torch.tensor([5, 11])
+    got = slot_attention(qk[:, :, :heads], kc, vc, slot, starts, 0.25, backend="triton")
+    want = slot_attention(qk[:, :, :heads].contiguous(), kc, vc, slot, starts, 0.25, backend="triton")
+    assert got.is_contiguous() and torch.equal(got, want)
+    ref = slot_attention(qk[:, :, :heads], kc, vc, slot, starts, 0.25, backend="reference")
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)  # fp32: the kernel's online softmax, a few ulp
+
+
+def test_rope_table_rows_are_the_rotary_at_each_position(model, rng):
+    """Each row of the drafter's rotary table equals the engine's rotary embedding
+    evaluated at that position alone (and in a batch of random positions)."""
+    d = _drafter(DeviceMTPDrafter, model, "reference", 3)
+    eng = d.engine
+    pos = torch.randint(0, CAPACITY, (7,), generator=rng)
+    x = torch.randn(7, eng.embed.weight.shape[1], generator=rng)
+    cos, sin = eng.rotary_cos_sin(x, pos)
+    half = cos.shape[-1] // 2
+    rows = d._rope_at(pos)
+    assert torch.equal(rows[:, 0], cos) and torch.equal(rows[:, 1], torch.cat([sin[:, half:], -sin[:, :half]], -1))
+    one = eng.rotary_cos_sin(x[:1], pos[:1])[0]
+    assert torch.equal(rows[:1, 0], one)
