@@ -248,3 +248,13 @@ def test_rope_table_rows_are_the_rotary_at_each_position(model, rng):
     assert torch.equal(rows[:, 0], cos) and torch.equal(rows[:, 1], torch.cat([sin[:, half:], -sin[:, :half]], -1))
     one = eng.rotary_cos_sin(x[:1], pos[:1])[0]
     assert torch.equal(rows[:1, 0], one)
+
+
+def test_length_dependent_rotary_is_refused(model, monkeypatch):
+    """A rotary embedding whose frequencies follow the sequence length (transformers'
+    ``dynamic``) would not match the table built at bind: refused there, by name."""
+    eng = HybridEngine(model, strategy="fold", num_slots=2, window=4, max_len=CAPACITY, backend="reference")
+    monkeypatch.setattr(eng.rotary, "rope_type", "dynamic", raising=False)
+    d = DeviceMTPDrafter(eng, load_mtp_head(eng, str(embedded_model_dir("embedded"))))
+    with pytest.raises(ValueError, match="dynamic"):
+        d.bind(2, 3, CAPACITY, eng.device)

@@ -402,6 +402,11 @@ class ForcedDrafter(_SetAcceptance, DeviceDrafter):
         return (u < self._p).long().cumprod(1).sum(1)
 
 
+#: Rotary embedding types whose frequencies depend on the sequence length (transformers'
+#: ``rope_type``): a table built once at bind would not match them.
+_LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
 class DeviceMTPDrafter(DeviceDrafter):
     """The model's MTP head (:class:`replayssm.engine.drafters.MTPHead`) drafting inside
     the static step, greedily (drafts are deterministic, so sampling's rejection rule
@@ -470,6 +475,10 @@ class DeviceMTPDrafter(DeviceDrafter):
         embedding is elementwise per position, so a row equals what a call at that
         position alone returns, bit for bit."""
         eng = self.engine
+        rope_type = getattr(eng.rotary, "rope_type", "default")
+        if rope_type in _LENGTH_DEPENDENT_ROPE:
+            raise ValueError(f"the MTP drafter's rotary table needs a rotary embedding that does not change with the "
+                             f"sequence length; this model's is {rope_type!r}")
         x = torch.empty((capacity, 1), dtype=eng.dtype, device=device)
         cos, sin = eng.rotary_cos_sin(x, torch.arange(capacity, device=device))
         half = cos.shape[-1] // 2
