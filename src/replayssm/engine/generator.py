@@ -149,6 +149,17 @@ def _retire(gen, active: list) -> list:
     return [r for r in active if r.finish is None]
 
 
+def _free_slots(engine: HybridEngine, reqs) -> list:
+    """Free the slots of those of ``reqs`` that hold one, in one engine call; those
+    requests (their ``slot`` now -1)."""
+    held = [r for r in reqs if r.slot >= 0]
+    if held:
+        engine.free_many([r.slot for r in held])
+        for r in held:
+            r.slot = -1
+    return held
+
+
 def _close(gen, result: GenerationResult, reqs) -> None:
     """Release every slot still held (also after an error) and fill in the tokens."""
     gen._release([r for r in reqs if r.slot >= 0])
@@ -276,12 +287,10 @@ class SpeculativeGenerator:
         return result
 
     def _release(self, reqs):
-        for r in reqs:
-            if r.slot >= 0:
-                self.engine.free(r.slot)
-                r.slot = -1
-                if self.drafter is not None:
-                    self.drafter.remove(r.index)
+        reqs = _free_slots(self.engine, reqs)
+        if self.drafter is not None:
+            for r in reqs:
+                self.drafter.remove(r.index)
 
     def _plain_step(self, active, result, on_tokens):
         out = self.engine.extend([r.slot for r in active], [[r.last] for r in active])
@@ -577,11 +586,10 @@ class StepGenerator:
         try:
             while queue or active or filling:
                 if running is None:
-                    while queue and len(active) + len(filling) < eng.pool.num_slots:
-                        r = queue.pop()
-                        r.slot = eng.alloc()
-                        r.generation = eng.pool.generation(r.slot)
-                        filling.append(r)
+                    joining = [queue.pop() for _ in range(min(len(queue), eng.pool.num_free))]
+                    for r, slot in zip(joining, eng.alloc_many(len(joining))):
+                        r.slot, r.generation = slot, eng.pool.generation(slot)
+                    filling += joining
                     if filling:
                         done = self._prefill_pass(filling, stats, on_tokens)
                         result.prefill_s += stats.prefills[-1].seconds
@@ -649,7 +657,7 @@ class StepGenerator:
             step.run()  # its rows hold ``active`` still
         counts = out[:, 0].tolist()
         rows = out.tolist()
-        self.engine.kv.advance_host([r.slot for r in active], counts)
+        self.engine.kv.advance_host(step.batch.host_slots, counts)  # the live rows come first: zip stops at them
         for r, row, n, stop in zip(active, rows, counts, stops.tolist()):
             if stop:
                 kept = self._emit(r, row[1 : 1 + n])
@@ -751,7 +759,4 @@ class StepGenerator:
     _emit = SpeculativeGenerator._emit
 
     def _release(self, reqs) -> None:
-        for r in reqs:
-            if r.slot >= 0:
-                self.engine.free(r.slot)
-                r.slot = -1
+        _free_slots(self.engine, reqs)
