@@ -545,13 +545,6 @@ class HybridEngine:
         self.kv.reset(slot)
         return slot
 
-    def alloc_many(self, count: int) -> list[int]:
-        """``count`` fresh request slots at once (:meth:`alloc`'s, with one device write
-        per buffer for all of them); ``PoolExhausted`` when fewer are free."""
-        slots = self.pool.alloc_many(count)
-        self.kv.reset_many(slots)
-        return slots
-
     def free(self, slot: int) -> None:
         """Release a request's slot (the pool's checks first; its KV length is reset)."""
         self.free_many((slot,))

@@ -590,10 +590,11 @@ class StepGenerator:
         try:
             while queue or active or filling:
                 if running is None:
-                    joining = [queue.pop() for _ in range(min(len(queue), eng.pool.num_free))]
-                    for r, slot in zip(joining, eng.alloc_many(len(joining))):
-                        r.slot, r.generation = slot, eng.pool.generation(slot)
-                    filling += joining
+                    while queue and len(active) + len(filling) < eng.pool.num_slots:
+                        r = queue.pop()
+                        r.slot = eng.alloc()
+                        r.generation = eng.pool.generation(r.slot)
+                        filling.append(r)
                     if filling:
                         done = self._prefill_pass(filling, stats, on_tokens)
                         result.prefill_s += stats.prefills[-1].seconds

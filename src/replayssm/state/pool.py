@@ -318,33 +318,10 @@ class StatePool:
         self._take(slot)
         return slot
 
-    def alloc_many(self, count: int) -> list[int]:
-        """Take the next ``count`` free slots and reset them (as :meth:`alloc` with no
-        ``slot``), with one device write per buffer for all of them.
-
-        Raises:
-            PoolExhausted: fewer than ``count`` slots are free (none is taken).
-            ValueError: ``count`` is not an int >= 0.
-        """
-        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-            raise ValueError(f"count must be an int >= 0, got {count!r}")
-        if count > len(self._free):
-            raise PoolExhausted(f"{count} slots asked for, {len(self._free)} of {self.num_slots} free")
-        slots = self._free[:count]
-        for slot in slots:
-            self._check_not_in_step(slot, "allocate")
-        if slots:
-            self._reset_slots(slots)
-            del self._free[:count]
-            self._take(*slots)
-        return slots
-
-    def _take(self, *slots: int) -> None:
-        self._live.update(slots)
-        self._live_mask[slots[0] if len(slots) == 1 else guards.to_device(slots, self.device)] = True
-        for slot in slots:
-            self._generation[slot] += 1
-
+    def _take(self, slot: int) -> None:
+        self._live.add(slot)
+        self._live_mask[slot] = True
+        self._generation[slot] += 1
     def free(self, slot: int) -> None:
         """Return ``slot`` to the pool. Freeing a slot that is not live raises, and so
         does freeing a slot of an open step (commit or abort the step first)."""
