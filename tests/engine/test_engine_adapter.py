@@ -315,3 +315,23 @@ def test_fixed_shapes_make_plain_and_verify_logits_bitwise_equal(family, strateg
     torch.testing.assert_close(out.logits[-1], ref[0][9], atol=TOL, rtol=0)
     with pytest.raises(ValueError, match="fixed_shape"):
         HybridEngine(model, fixed_shape=(4,))
+
+
+def test_free_many_resets_the_kv_lengths_of_every_slot(rng, seed):
+    """Slots freed several at a time: every freed slot's KV length is 0 on the
+    host and on the device, the others keep theirs; a free list with a slot named twice
+    frees nothing (lengths and pool as they were)."""
+    model = build_tiny_model("qwen3_5", seed=seed)
+    eng = HybridEngine(model, strategy="fold", num_slots=4, window=2, max_len=32)
+    slots = [eng.alloc() for _ in range(3)]
+    lens = [3, 5, 2]
+    with torch.inference_mode():
+        eng.extend(slots, [torch.randint(0, 64, (n,), generator=rng).tolist() for n in lens], prompt=True)
+    assert eng.kv.device_lengths[:3].tolist() == lens
+    with pytest.raises(ValueError, match="double free"):
+        eng.free_many([slots[0], slots[0]])
+    assert [eng.length(s) for s in slots] == lens and eng.pool.num_free == 1
+    eng.free_many([slots[2], slots[0]])
+    assert [eng.length(s) for s in slots] == [0, 5, 0]
+    assert eng.kv.device_lengths[:3].tolist() == [0, 5, 0]
+    assert eng.pool.live_slots == [1] and [eng.alloc() for _ in range(3)] == [3, 2, 0]

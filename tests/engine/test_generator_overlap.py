@@ -101,6 +101,26 @@ def test_overlap_changes_no_output_with_stops_budgets_and_a_queue(mode, sampling
     assert not all(res.stats.ahead[1:])
 
 
+@pytest.mark.parametrize("mode", ["plain", "spec"])
+def test_steps_on_the_rows_left_are_launched_ahead_when_no_request_waits(mode, seed, rng):
+    """Five requests on eight slots (none queued), budgets ending at different steps and
+    an end-of-sequence token: when requests stop, the next step runs on the others'
+    rows, in a smaller bucket as the batch shrinks (8, 4, 2, 1 rows), launched before
+    the stopped requests' bookkeeping, and everything matches the loop without
+    overlap."""
+    model = build_tiny_model("qwen3_5", seed=seed)
+    prompts = _prompts(rng, 5)
+    budgets = [45, 9, 30, 16, 22]
+    probe, _, _ = _run(model, mode, 8, prompts, budgets, overlap=False, seed=seed)
+    eos = probe.tokens[2][len(probe.tokens[2]) // 2]
+    res = _check_same(model, mode, 8, prompts, budgets, seed, eos_token_ids=[eos])
+    rows, ahead = res.stats.rows, res.stats.ahead
+    shrunk = [i for i in range(1, len(rows)) if rows[i] < rows[i - 1]]
+    assert len(shrunk) >= 3 and rows[-1] == 1
+    assert all(ahead[i] for i in shrunk)  # a step on fewer rows than the one before: launched ahead
+    assert all(ahead[1:])  # no request waits: every step after the first one is
+
+
 def test_no_step_is_launched_ahead_while_a_prompt_is_prefilled_in_chunks(seed, rng):
     """A long prompt joins in chunks beside a running request: every chunk pass runs
     between two steps exactly as without overlap."""

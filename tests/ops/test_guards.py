@@ -259,3 +259,26 @@ def test_an_error_word_first_made_under_inference_mode_clears_outside_it(monkeyp
     assert not word.is_inference()
     guards.clear_errors()
     assert int(word.item()) == 0
+
+
+def test_host_index_helpers_convert_once_and_refuse_before_writing():
+    """``copy_to_device`` takes any integer iterable (a numpy array, a generator), writes
+    and records the values and returns them as ints; a wrong count, a value that is no
+    integer or one outside the tensor's dtype raises with the tensor unchanged. A
+    numpy array given is copied, not aliased."""
+    dst = torch.tensor([4, 5, 6], dtype=torch.int32, device=DEVICE)
+    host = guards.copy_to_device(dst, np.array([2, -1, 0], dtype=np.int32))
+    assert host == (2, -1, 0) and all(type(v) is int for v in host)
+    assert dst.tolist() == [2, -1, 0] and guards._lookup(dst, trusted=True).values == host
+    assert guards.copy_to_device(dst, (v + 1 for v in range(3))) == (1, 2, 3)
+    for bad, err in (([1, 2], ValueError), ([1, None, 2], TypeError), ([1, 2**40, 2], ValueError)):
+        with pytest.raises(err):
+            guards.copy_to_device(dst, bad)
+        assert dst.tolist() == [1, 2, 3]
+    src = np.array([7, 8], dtype=np.int64)
+    x = guards.to_device(src, DEVICE)
+    src[0] = 0
+    assert x.tolist() == [7, 8] and x.dtype == torch.int64
+    with torch.inference_mode():  # an inference tensor keeps no version counter: recorded all the same
+        y = guards.host_index([0, 3], DEVICE)
+        assert guards._lookup(y, trusted=True).values == (0, 3)

@@ -162,3 +162,28 @@ def test_layer_params_are_views_built_once():
     assert torch.equal(first["A_log"], new)
     with pytest.raises(TypeError):
         first["A_log"] = new  # read-only mapping
+
+
+def test_free_many_matches_one_at_a_time():
+    """Several slots freed in one call: the same free list, generations, liveness (host
+    and device mask) as one call per slot; a bad free list (a slot not live, one named
+    twice, a bad type, one out of range) frees none of it."""
+    many = StatePool(SHAPE, 2, 5, strategy="circular", window=2, ring_len=4)
+    one = StatePool(SHAPE, 2, 5, strategy="circular", window=2, ring_len=4)
+    got = [many.alloc() for _ in range(4)]
+    assert got == [one.alloc() for _ in range(4)]
+    many.buffers["checkpoints"].normal_()
+    snap = snapshot(many)
+    for bad, err in (([got[1], 4], ValueError), ([got[2], got[2]], ValueError), ([got[0], 1.5], TypeError),
+                     ([got[0], 9], ValueError)):
+        with pytest.raises(err):
+            many.free_many(bad)
+        assert_same(many, snap)
+    many.free_many([got[2], got[0]])
+    one.free(got[2])
+    one.free(got[0])
+    assert many._free == one._free == [4, got[2], got[0]] and many._live == one._live
+    assert [many.generation(s) for s in range(5)] == [one.generation(s) for s in range(5)]
+    assert many._live_mask.tolist() == one._live_mask.tolist() == [s in many._live for s in range(5)]
+    many.free_many([])
+    assert many._free == one._free

@@ -546,8 +546,16 @@ class HybridEngine:
         return slot
 
     def free(self, slot: int) -> None:
-        self.pool.free(slot)
-        self.kv.reset(slot)
+        """Release a request's slot (the pool's checks first; its KV length is reset)."""
+        self.free_many((slot,))
+
+    def free_many(self, slots: Sequence[int]) -> None:
+        """Release several slots at once: the pool's checks of every slot first (a
+        failed call frees none), then one device write each for the pool's liveness
+        and the KV lengths, instead of one per slot."""
+        slots = list(slots)
+        self.pool.free_many(slots)
+        self.kv.reset_many(slots)
 
     def length(self, slot: int) -> int:
         """Committed tokens of ``slot`` (the position of its next token)."""

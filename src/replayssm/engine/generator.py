@@ -149,6 +149,17 @@ def _retire(gen, active: list) -> list:
     return [r for r in active if r.finish is None]
 
 
+def _free_slots(engine: HybridEngine, reqs) -> list:
+    """Free the slots of those of ``reqs`` that hold one, in one engine call; those
+    requests (their ``slot`` now -1)."""
+    held = [r for r in reqs if r.slot >= 0]
+    if held:
+        engine.free_many([r.slot for r in held])
+        for r in held:
+            r.slot = -1
+    return held
+
+
 def _close(gen, result: GenerationResult, reqs) -> None:
     """Release every slot still held (also after an error) and fill in the tokens."""
     gen._release([r for r in reqs if r.slot >= 0])
@@ -276,12 +287,10 @@ class SpeculativeGenerator:
         return result
 
     def _release(self, reqs):
-        for r in reqs:
-            if r.slot >= 0:
-                self.engine.free(r.slot)
-                r.slot = -1
-                if self.drafter is not None:
-                    self.drafter.remove(r.index)
+        reqs = _free_slots(self.engine, reqs)
+        if self.drafter is not None:
+            for r in reqs:
+                self.drafter.remove(r.index)
 
     def _plain_step(self, active, result, on_tokens):
         out = self.engine.extend([r.slot for r in active], [[r.last] for r in active])
@@ -451,14 +460,17 @@ class StepGenerator:
     prefilled and no queued request could take a slot, the loop would run the next step
     on the same rows anyway, so it launches it right away and does this step's
     per-request bookkeeping (tokens, statistics, ``on_tokens``, host KV lengths) while
-    the device runs it. Otherwise the bookkeeping, retirement, joins and prefill passes
-    come first, as without overlap. The tokens, stops, callbacks and their order are
+    the device runs it. When some requests stop but none is queued (the end of a run),
+    the next step would run on the rows of the others, so it is launched on those
+    (maybe in a smaller bucket) before the bookkeeping and the stopped requests'
+    retirement. Otherwise (a prompt half prefilled, or a stop that frees a slot for a
+    queued request) the bookkeeping, retirement, joins and prefill passes come first,
+    as without overlap. The tokens, stops, callbacks and their order are
     the same either way; only when the host does its work changes (``StepStats.ahead``
     says which steps were launched ahead). The time stamps keep their meaning: a
     request's first and last tokens are stamped when the host books them, after the
-    read of their step (a step at which a request stops is never followed by one
-    launched ahead), and ``StepStats.seconds`` counts from a step's launch to its
-    outputs on the host.
+    read of their step (with overlap, the next step may be running by then), and
+    ``StepStats.seconds`` counts from a step's launch to its outputs on the host.
 
     Args:
         engine: the target engine (window ``>= num_draft + 1``; slots = concurrency).
@@ -475,8 +487,9 @@ class StepGenerator:
             the drafter must have been built with the same tree); a chain-shaped one
             is the plain window of its length. ``None``: chains of ``num_draft``.
         overlap: launch the next step before the current one's bookkeeping whenever
-            the rows stay the same (default); ``False``: every step after the host's
-            work on the one before.
+            its rows are known from the outputs alone: the same rows, or those left
+            when requests stop and none is queued (default); ``False``: every step
+            after the host's work on the one before.
     """
 
     def __init__(self, engine: HybridEngine, drafter=None, *, num_draft: int = 3,
@@ -593,11 +606,12 @@ class StepGenerator:
                     running = self._launch(active)
                 # steady: unless a request stops at this step, the next iteration would
                 # only run the next step on the same rows (no prompt half prefilled, no
-                # queued request that a free slot could take)
+                # queued request that a free slot could take); with no request queued at
+                # all, it would run the next step on the rows that do not stop
                 steady = self.overlap and not filling and not (queue and len(active) < eng.pool.num_slots)
-                running = self._decode_step(running, active, steady, result, stats, on_tokens)
-                if running is None:  # (a step launched ahead: no request stopped)
-                    active = _retire(self, active)
+                running = self._decode_step(running, active, steady, steady and not queue, result, stats,
+                                            on_tokens)
+                active = _retire(self, active)
             result.decode_s = _elapsed(eng.device, t_start) - result.prefill_s
             eng.pool.check_errors()  # what the graphed steps' device-side index checks found (one read)
         finally:
@@ -605,17 +619,18 @@ class StepGenerator:
         result.stats = stats
         return result
 
-    def _launch(self, active: list[_Request]) -> _Running:
+    def _launch(self, active: list[_Request], left: np.ndarray | None = None, ahead: bool = False) -> _Running:
         """Start a step of the decoding requests ``active`` (the smallest bucket that
-        holds them, padding rows after them)."""
+        holds them, padding rows after them). ``left``: their budgets, if known (a step
+        launched ``ahead`` of the bookkeeping that would count them)."""
         step = self._step(len(active))
         pad = [-1] * (step.rows - len(active))
         step.set_rows([r.slot for r in active] + pad, [r.generation for r in active] + pad)
         t0 = time.perf_counter()
         step.run()
-        # the rows' budgets, built while the device runs the step
-        left = np.fromiter((r.max_new - len(r.generated) for r in active), np.int64, len(active))
-        return _Running(step, t0, False, left)
+        if left is None:  # the rows' budgets, built while the device runs the step
+            left = np.fromiter((r.max_new - len(r.generated) for r in active), np.int64, len(active))
+        return _Running(step, t0, ahead, left)
 
     def _stops(self, out: np.ndarray, left: np.ndarray) -> np.ndarray:
         """``[R]`` bool: whether each row's request stops at a step whose host output is
@@ -629,12 +644,15 @@ class StepGenerator:
             stops |= ((tokens[:, :, None] == self._eos_ids).any(2) & emitted).any(1)
         return stops
 
-    def _decode_step(self, running: _Running, active: list[_Request], steady: bool, result: GenerationResult,
-                     stats: StepStats, on_tokens) -> _Running | None:
+    def _decode_step(self, running: _Running, active: list[_Request], steady: bool, shrink: bool,
+                     result: GenerationResult, stats: StepStats, on_tokens) -> _Running | None:
         """Read the outputs of the step ``running`` of ``active``; if ``steady`` and no
-        request stops at it, launch the next step on the same rows at once; then this
-        step's bookkeeping. Returns the step launched ahead, or ``None``."""
+        request stops at it, launch the next step on the same rows at once, or if
+        ``shrink`` and some stop, on the rows of the others (in order: the rows that
+        retiring the stopped requests leaves); then this step's bookkeeping. Returns
+        the step launched ahead, or ``None``."""
         step = running.step
+        slots = step.batch.host_slots  # this step's rows (a launch ahead may rewrite them)
         live = len(active)
         # The step's one host synchronisation. A copy, also on the CPU: the next step
         # rewrites the output buffer, maybe before this step's bookkeeping.
@@ -642,14 +660,17 @@ class StepGenerator:
         stats.seconds.append(time.perf_counter() - running.t0)
         stats.ahead.append(running.ahead)
         stops = self._stops(out, running.left)
+        left = running.left - out[:, 0]
         ahead = None
         if steady and not stops.any():
-            left = running.left - out[:, 0]
             ahead = _Running(step, time.perf_counter(), True, left)
             step.run()  # its rows hold ``active`` still
+        elif shrink and not stops.all():
+            going = ~stops
+            ahead = self._launch([r for r, g in zip(active, going.tolist()) if g], left[going], ahead=True)
         counts = out[:, 0].tolist()
         rows = out.tolist()
-        self.engine.kv.advance_host([r.slot for r in active], counts)
+        self.engine.kv.advance_host(slots, counts)  # the live rows come first: zip stops at them
         for r, row, n, stop in zip(active, rows, counts, stops.tolist()):
             if stop:
                 kept = self._emit(r, row[1 : 1 + n])
@@ -751,7 +772,4 @@ class StepGenerator:
     _emit = SpeculativeGenerator._emit
 
     def _release(self, reqs) -> None:
-        for r in reqs:
-            if r.slot >= 0:
-                self.engine.free(r.slot)
-                r.slot = -1
+        _free_slots(self.engine, reqs)

@@ -39,9 +39,10 @@ from __future__ import annotations
 
 from typing import Callable
 
+import numpy as np
 import torch
 
-from ..ops.guards import to_device
+from ..ops.guards import copy_to_device, host_ints
 from .adapter import HybridEngine
 from .device_drafters import DeviceDrafter
 from .kv_cache import compact_path
@@ -110,23 +111,22 @@ class StaticStep:
         that a step on a slot that changed hands since is refused; default: the pool's
         current ones (one look-up per row). The batch's host view (slots and
         generations) follows, so the pool's host-side step checks see the rows the
-        device sees."""
-        slots = tuple(map(int, slots))
-        if len(slots) != self.rows:
-            raise ValueError(f"need {self.rows} row slots, got {len(slots)}")
+        device sees. Each list is converted once."""
+        host = host_ints(slots)  # the one conversion of the slots: they go on as this array
+        if host.size != self.rows:
+            raise ValueError(f"need {self.rows} row slots, got {host.size}")
         if generations is None:
             pool = self.engine.pool
-            generations = [pool.generation(s) if s >= 0 else 0 for s in slots]
+            generations = [pool.generation(s) if s >= 0 else 0 for s in host.tolist()]
         generations = tuple(map(int, generations))
         if len(generations) != self.rows:
             raise ValueError(f"need {self.rows} row generations, got {len(generations)}")
         # a slot freed and taken by a joining request keeps its row: a new generation
         self.batch.generations = generations
-        if slots == self.batch.host_slots:
+        if tuple(host.tolist()) == self.batch.host_slots:
             return
-        sink = self.engine.kv.sink
-        self.batch.set_slots(slots)
-        self.slot_idx.copy_(to_device([s if s >= 0 else sink for s in slots], self.slot_idx.device))
+        self.batch.set_slots(host)
+        copy_to_device(self.slot_idx, np.where(host < 0, self.engine.kv.sink, host))
 
     def run(self) -> torch.Tensor:
         """Take one step; returns the output buffer ``[rows, 1 + T]`` (column 0: tokens

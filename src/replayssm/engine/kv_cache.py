@@ -117,13 +117,23 @@ class KVCache:
         return self.k.numel() * self.k.element_size() * 2 + self.device_lengths.numel() * 8
 
     def _sync_device(self, slots: Sequence[int]) -> None:
+        """Copy the host lengths of ``slots`` to the device: one host-to-device copy of
+        the slots and their lengths together, one scatter."""
         slots = list(slots)
-        idx = to_device(slots, self.device)
-        self.device_lengths[idx] = to_device([self.lengths[s] for s in slots], self.device)
+        both = to_device(slots + [self.lengths[s] for s in slots], self.device)
+        self.device_lengths[both[: len(slots)]] = both[len(slots) :]
 
     def reset(self, slot: int) -> None:
-        self.lengths[slot] = 0
-        self._sync_device([slot])
+        """Empty ``slot`` (no committed tokens)."""
+        self.reset_many((slot,))
+
+    def reset_many(self, slots: Sequence[int]) -> None:
+        """Empty every slot of ``slots``, with one device write for all of them."""
+        slots = list(slots)
+        for s in slots:
+            self.lengths[s] = 0
+        if slots:
+            self.device_lengths[to_device(slots, self.device)] = 0
 
     def advance_host(self, slots: Sequence[int], counts: Sequence[int]) -> None:
         """Advance the host lengths only: the device already did (a graphed step)."""

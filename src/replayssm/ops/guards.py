@@ -32,8 +32,9 @@ from __future__ import annotations
 import contextlib
 import itertools
 import weakref
-from typing import Sequence
+from typing import Iterable, Sequence
 
+import numpy as np
 import torch
 
 from .records import slots_error, varlen_error
@@ -200,13 +201,15 @@ _MAINTAINED: dict[int, weakref.ref] = {}
 
 
 def _version(x: torch.Tensor) -> int | None:
-    try:
-        return x._version
-    except RuntimeError:  # inference tensors keep no version counter
-        return None
+    # inference tensors keep no version counter (asked first: reading ``_version`` of
+    # one raises, and a raised error costs more than the rest of a guard's look-up)
+    return None if x.is_inference() else x._version
 
 
-def _remember(x: torch.Tensor, values: Sequence[int] | None, trusted: bool, checked: tuple | None = None) -> _Known:
+def _remember(x: torch.Tensor, values: tuple[int, ...] | None, trusted: bool,
+              checked: tuple | None = None) -> _Known:
+    """Enter ``x`` with its host copy ``values`` (a tuple of Python ints: the callers
+    convert) or ``None`` (checked on the device)."""
     key = id(x)
 
     def forget(ref, key=key):
@@ -215,7 +218,7 @@ def _remember(x: torch.Tensor, values: Sequence[int] | None, trusted: bool, chec
 
     entry = _Known()
     entry.ref, entry.version = weakref.ref(x, forget), _version(x)
-    entry.values = None if values is None else tuple(int(v) for v in values)
+    entry.values = values
     entry.trusted, entry.serial, entry.memo, entry.checked = trusted, next(_SERIAL), {}, checked
     _KNOWN[key] = entry
     return entry
@@ -230,7 +233,7 @@ def record_host_values(x: torch.Tensor, values: Sequence[int]) -> None:
     <replayssm.state.Batch.set_slots>`); a change through PyTorch (which bumps the
     version counter) without a new record only makes the guard read ``x`` again.
     """
-    _remember(x, values, trusted=True)
+    _remember(x, tuple(host_ints(values).tolist()), trusted=True)
 
 
 def _lookup(x: torch.Tensor, *, trusted: bool) -> _Known | None:
@@ -248,7 +251,7 @@ def _host_values(x: torch.Tensor) -> _Known:
     entry = _lookup(x, trusted=False)
     if entry is not None and entry.values is not None:
         return entry
-    values = x.tolist()
+    values = tuple(x.tolist())
     if x.is_cuda:
         check_errors(x.device)  # the device was just synchronised: reading the word is cheap
     entry = _remember(x, values, trusted=False)
@@ -462,30 +465,59 @@ def clamp_accepted(slots: torch.Tensor, accepted: torch.Tensor, lengths: torch.T
     return torch.where(live, torch.minimum(torch.clamp(n, min=1), lengths.to(torch.int32)), n)
 
 
-def to_device(values: Sequence[int], device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    """Host ``values`` as a tensor on ``device``. A CUDA copy goes through pinned memory
-    and does not wait: a copy from pageable memory drains the stream first (a
-    synchronisation), which a prompt pass paid once per index tensor."""
-    device = torch.device(device)
-    host = torch.tensor(values, dtype=dtype)
+def host_ints(values: Iterable[int]) -> np.ndarray:
+    """``values`` (any iterable of integers: ints, numpy or one-element tensors, a
+    range, a generator) as a 1-D int64 array, in one pass: each converted as ``int()``
+    would (``TypeError`` / ``ValueError`` / ``OverflowError`` as ``int()`` raises them).
+    Always a new array (a numpy array given is copied: the result may back a tensor)."""
+    if isinstance(values, np.ndarray) and values.ndim == 1 and values.dtype.kind in "iub":
+        return values.astype(np.int64)
+    return np.fromiter(values, np.int64)
+
+
+def _host_tensor(host: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """The int64 array ``host`` as a CPU tensor of ``dtype`` (``ValueError`` if a value
+    does not fit it)."""
+    x = torch.from_numpy(host)
+    if dtype != torch.int64:
+        x = x.to(dtype)
+        if not torch.equal(x.long(), torch.from_numpy(host)):
+            raise ValueError(f"index values outside the range of {dtype}")
+    return x
+
+
+def _upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
 
 
-def copy_to_device(dst: torch.Tensor, values: Sequence[int]) -> None:
-    """Write host ``values`` into the device tensor ``dst`` without a synchronisation
-    (see :func:`to_device`), and record them as its contents for the guards."""
-    values = [int(v) for v in values]
-    src = torch.tensor(values, dtype=dst.dtype).view(dst.shape)
+def to_device(values: Iterable[int], device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """Host ``values`` (see :func:`host_ints`) as a tensor on ``device``. A CUDA copy goes
+    through pinned memory and does not wait: a copy from pageable memory drains the
+    stream first (a synchronisation), which a prompt pass paid once per index tensor."""
+    return _upload(_host_tensor(host_ints(values), dtype), torch.device(device))
+
+
+def copy_to_device(dst: torch.Tensor, values: Iterable[int]) -> tuple[int, ...]:
+    """Write host ``values`` (see :func:`host_ints`; as many as ``dst`` holds) into the
+    device tensor ``dst`` without a synchronisation (see :func:`to_device`), and record
+    them as its contents for the guards. Returns that record, the values as a tuple of
+    Python ints. ``ValueError`` (``dst`` untouched) for a wrong count."""
+    host = host_ints(values)
+    if host.size != dst.numel():
+        raise ValueError(f"need {dst.numel()} values for a tensor of shape {tuple(dst.shape)}, got {host.size}")
+    src = _host_tensor(host, dst.dtype).view(dst.shape)
     dst.copy_(src.pin_memory() if dst.device.type == "cuda" else src, non_blocking=dst.device.type == "cuda")
-    record_host_values(dst, values)
+    values = tuple(host.tolist())
+    _remember(dst, values, trusted=True)
+    return values
 
 
-def host_index(values: Sequence[int], device, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+def host_index(values: Iterable[int], device, dtype: torch.dtype = torch.int32) -> torch.Tensor:
     """An index tensor built from host ``values``, with its host copy recorded (so guards
     never read it back)."""
-    values = [int(v) for v in values]
-    x = to_device(values, device, dtype)
-    record_host_values(x, values)
+    host = host_ints(values)
+    x = _upload(_host_tensor(host, dtype), torch.device(device))
+    _remember(x, tuple(host.tolist()), trusted=True)
     return x

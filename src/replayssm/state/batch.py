@@ -57,12 +57,12 @@ class Batch:
     def set_slots(self, slots: Sequence[int]) -> None:
         """Rewrite the rows' slots in place (a static batch whose rows change between
         steps, e.g. one a CUDA graph was captured with); the caller has checked them.
-        Keeps the recorded host copy in step with the device values."""
-        host = tuple(int(s) for s in slots)
-        if len(host) != self.size:
-            raise ValueError(f"need {self.size} slots, got {len(host)}")
-        guards.copy_to_device(self.slots, host)
-        self.host_slots = host
+        Keeps the recorded host copy in step with the device values. ``slots`` is
+        converted once (any integer sequence, e.g. a numpy array)."""
+        host = guards.host_ints(slots)
+        if host.size != self.size:
+            raise ValueError(f"need {self.size} slots, got {host.size}")
+        self.host_slots = guards.copy_to_device(self.slots, host)
 
     def set_windows(self, slots: Sequence[int], lengths: Sequence[int]) -> None:
         """Rewrite the rows' slots and window lengths in place (a static prompt batch a

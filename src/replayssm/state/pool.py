@@ -322,18 +322,29 @@ class StatePool:
         self._live.add(slot)
         self._live_mask[slot] = True
         self._generation[slot] += 1
-
     def free(self, slot: int) -> None:
         """Return ``slot`` to the pool. Freeing a slot that is not live raises, and so
         does freeing a slot of an open step (commit or abort the step first)."""
-        slot = self.check_slot(slot)
-        if slot not in self._live:
-            raise ValueError(f"slot {slot} is not allocated (double free?)")
-        self._check_not_in_step(slot, "free")
-        self._live.remove(slot)
-        self._live_mask[slot] = False
-        self._free.append(slot)
-        self._generation[slot] += 1
+        self.free_many((slot,))
+
+    def free_many(self, slots: Sequence[int]) -> None:
+        """Return every slot of ``slots`` to the pool, in order, with one device write
+        (the liveness mask) for all of them. Each is checked as :meth:`free` checks it,
+        and for appearing twice, before any is freed: a failed call frees none."""
+        slots = [self.check_slot(s) for s in slots]
+        seen = set()
+        for slot in slots:
+            if slot not in self._live or slot in seen:
+                raise ValueError(f"slot {slot} is not allocated (double free?)")
+            self._check_not_in_step(slot, "free")
+            seen.add(slot)
+        if not slots:
+            return
+        self._live.difference_update(slots)
+        self._free += slots
+        for slot in slots:
+            self._generation[slot] += 1
+        self._live_mask[guards.to_device(slots, self.device)] = False
 
     def fork(self, src: int) -> int:
         """Copy request ``src`` (checkpoint, conv, ring, cursors) into a new slot."""
@@ -357,7 +368,7 @@ class StatePool:
         self._reset_slots([slot])
 
     def _reset_slots(self, slots: Iterable[int], keep: Sequence[str] = ()) -> None:
-        idx = torch.tensor(list(slots), dtype=torch.long, device=self.device)
+        idx = guards.to_device(slots, self.device)  # pinned, no synchronisation
         for name, buf in self._buffers.items():
             if name in keep:
                 continue
