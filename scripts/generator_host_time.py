@@ -11,7 +11,9 @@ the emitted tokens and the statistics (CPU time of the process, one thread: othe
 on a shared machine does not count). What does not scale with the steps (allocating and
 freeing the requests' slots, the call's set-up) is measured by a run of the same
 requests with a budget of one token (no decode step) and taken off. Prints
-microseconds per step, the least of ``--repeats`` runs, for uniform budgets (no row
+microseconds per step, the least of ``--repeats`` runs (and the whole run's host time,
+the slots' set-up and release included: a change to those shows there, not in the net
+figure), for uniform budgets (no row
 finishes before the last step) and for mixed ones (rows finish and waiting requests
 join all along, so most steps also pay for new rows and for the joins' eager work).
 On the CPU a step's body runs before ``run()`` returns, so the figures are the host's
@@ -67,10 +69,13 @@ def run(batch: int, window: int, emit: int, budgets: list[int], overlap: bool | 
     return time.process_time() - t - prefill[0], res.steps
 
 
-def host_us_per_step(batch: int, window: int, emit: int, budgets: list[int], overlap: bool | None) -> float:
+def host_times(batch: int, window: int, emit: int, budgets: list[int], overlap: bool | None) -> tuple[float, float, int]:
+    """``(net us per step, whole run's host ms, steps)``: the net figure takes off a
+    one-token run of the same requests (their slots' allocation and release, the call's
+    set-up); the whole run keeps them, so a change to those costs shows there too."""
     seconds, steps = run(batch, window, emit, budgets, overlap)
     fixed, _ = run(batch, window, emit, [1] * len(budgets), overlap)
-    return 1e6 * (seconds - fixed) / steps
+    return 1e6 * (seconds - fixed) / steps, 1e3 * seconds, steps
 
 
 def main() -> None:
@@ -90,8 +95,11 @@ def main() -> None:
     mixed = [a.tokens // 4 + (i * 37) % (3 * a.tokens // 4) for i in range(2 * a.batch)]
     with torch.inference_mode():
         for name, budgets in (("uniform", uniform), ("mixed", mixed)):
-            us = min(host_us_per_step(a.batch, a.window, emit, budgets, overlap) for _ in range(a.repeats))
-            print(f"batch {a.batch} window {a.window} {name:>7} budgets: {us:8.1f} us of host work per step")
+            runs = [host_times(a.batch, a.window, emit, budgets, overlap) for _ in range(a.repeats)]
+            us = min(r[0] for r in runs)
+            ms, steps = min((r[1], r[2]) for r in runs)
+            print(f"batch {a.batch} window {a.window} {name:>7} budgets: {us:8.1f} us of host work per step "
+                  f"(net of slot set-up); whole run {ms:7.1f} ms of host time over {steps} steps")
 
 
 if __name__ == "__main__":
