@@ -30,9 +30,9 @@ from typing import Callable, Sequence
 
 import torch
 
+from ..ops.guards import to_device
 from ..state import Batch, GDNShape, StatePool, strategy_class
 from .attention import slot_attention, tree_attention
-from ..ops.guards import to_device
 from .kv_cache import KVCache, PromptLayout, WindowLayout, cached_attention
 from .norms import norm_eps, norm_kind, rms_norm
 

@@ -28,6 +28,9 @@ from typing import Sequence
 
 import torch
 
+from .attention import slot_attention, tree_attention
+from .norms import add_rms_norm, norm_eps, norm_kind, rms_norm
+
 
 class DeviceDrafter:
     """Base class (see the module docstring for the protocol)."""
@@ -501,8 +504,6 @@ class DeviceMTPDrafter(DeviceDrafter):
     def _norm(self, module, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``engine.static_norm(module, x)``, written into ``out`` (a slice of a wider
         buffer) when given: the fused kernel writes there itself."""
-        from .norms import norm_eps, norm_kind, rms_norm
-
         eng = self.engine
         if out is None:
             return eng.static_norm(module, x)
@@ -514,8 +515,6 @@ class DeviceMTPDrafter(DeviceDrafter):
     def _add_norm(self, module, x: torch.Tensor, update: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(x + update, norm(x + update))``: the residual add and the norm after it,
         one fused kernel where the norms are fused."""
-        from .norms import add_rms_norm, norm_eps, norm_kind
-
         if norm_kind(module) == "offset" and self.engine.fused_norms:
             return add_rms_norm(x, update, module.weight, norm_eps(module))
         x = x + update
@@ -534,7 +533,6 @@ class DeviceMTPDrafter(DeviceDrafter):
         is rotated in place and read where it lies (cache write, attention), the output
         gate is applied without a copy, each residual add runs in its norm's kernel."""
         from .adapter import is_moe, static_moe_forward
-        from .attention import slot_attention, tree_attention
 
         eng, head = self.engine, self.head
         layer = head.layers[0]

@@ -24,6 +24,8 @@ from ..ops.triton_common import INTERPRETER, triton
 if triton is not None:
     import triton.language as tl
 
+    from ..ops.triton_common import to_rtne
+
 KINDS = ("offset", "gated")
 
 
@@ -162,7 +164,7 @@ if triton is not None:
         xr = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
         if RESIDUAL:  # s = x + residual, rounded to the dtype, is both an output and the norm's input
             rr = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0)
-            xr = (xr.to(tl.float32) + rr.to(tl.float32)).to(xr.dtype)
+            xr = to_rtne(xr.to(tl.float32) + rr.to(tl.float32), s_ptr.dtype.element_ty)
             tl.store(s_ptr + row * n_cols + cols, xr, mask=mask)
         x = xr.to(tl.float32)
         var = tl.sum(x * x, 0) / n_cols

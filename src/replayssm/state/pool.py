@@ -322,6 +322,7 @@ class StatePool:
         self._live.add(slot)
         self._live_mask[slot] = True
         self._generation[slot] += 1
+
     def free(self, slot: int) -> None:
         """Return ``slot`` to the pool. Freeing a slot that is not live raises, and so
         does freeing a slot of an open step (commit or abort the step first)."""
