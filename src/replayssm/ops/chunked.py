@@ -583,7 +583,7 @@ if triton is not None:
     from .triton_common import mask_and as _tl_mask_and, normalized as _tl_normalized
     from .triton_common import row_dot as _tl_row_dot, row_sum as _tl_row_sum, store_parts as _tl_store_parts
     from .triton_common import to_rtne as _tl_to_rtne, window_program as _tl_window_program
-    from .triton_common import dependent_launch
+    from .triton_common import dependent_launch, register_cap
 
     @_tl_device_fn
     def _window_rows(bos, length, BT: tl.constexpr):
@@ -1106,7 +1106,7 @@ def launch_window_outputs(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, 
         # decides the bits of every row sum).
         num_warps=EXACT_NUM_WARPS if fuse else cfg["num_warps"],
         **({"launch_pdl": True} if dependent else {}),
-        **({"maxnreg": cfg["max_registers"]} if cfg["max_registers"] and q.device.type == "cuda" else {}),
+        **register_cap(cfg["max_registers"], q.device),
     )
 
 

@@ -123,7 +123,7 @@ except ImportError:  # the reference backend works without Triton
 if triton is not None:
     from .fold import replay_tile as _replay_tile
     from .recurrent import exact_block_k
-    from .triton_common import EXACT_NUM_WARPS, NORM_EPS, block_rows, device_fn as _tl_device_fn
+    from .triton_common import EXACT_NUM_WARPS, NORM_EPS, block_rows, register_cap, device_fn as _tl_device_fn
     from .triton_common import inv_norm as _tl_inv_norm
     from .triton_common import gdn_gates as _tl_gdn_gates, load_parts as _tl_load_parts, mask_and as _tl_mask_and
     from .triton_common import normalized as _tl_normalized, row_dot as _tl_row_dot, row_sum as _tl_row_sum
@@ -269,6 +269,7 @@ def launch_ring_decode(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, 
         # A flush row replays exactly: the exact kernels' warps (their layout decides
         # the bits of every row sum).
         num_warps=EXACT_NUM_WARPS,
+        **register_cap(cfg["max_registers"], q.device),
     )
 
 

@@ -112,6 +112,14 @@ def dependent_launch(device: torch.device) -> bool:
     return _capability_major(device.index if device.index is not None else torch.cuda.current_device()) >= 9
 
 
+def register_cap(max_registers: int, device: torch.device) -> dict:
+    """Launch options that cap a kernel's registers per thread at ``max_registers`` on
+    CUDA (``maxnreg``; 0: the compiler's choice). A cap changes where values live
+    (registers or local memory), not the instructions that compute them, so no number
+    moves; the interpreter has no registers to cap."""
+    return {"maxnreg": max_registers} if max_registers and device.type == "cuda" and not INTERPRETER else {}
+
+
 def device_fn(fn):
     """``triton.jit`` for device helpers (functions that kernels call).
 

@@ -67,8 +67,9 @@ PARAMS = {
     # Plain decoding through circular's ring (ops/ring_decode.py): rows of V per
     # program, a flush row's record prefetch depth (as exact_write.records_ahead), and
     # whether the checkpoint tile loads before the cursors (1: its latency overlaps
-    # theirs; more registers live at once) or after, in the row's branch (0).
-    "ring_decode": ("block_v", "records_ahead", "early_tile"),
+    # theirs; more registers live at once) or after, in the row's branch (0), and a cap
+    # on its registers per thread on CUDA (as closed_form.max_registers).
+    "ring_decode": ("block_v", "records_ahead", "early_tile", "max_registers"),
 }
 
 _KEY_FIELDS = ("K", "V", "state_dtype", "min_batch", "max_batch", "device")
@@ -88,10 +89,17 @@ TABLE: dict[str, list[tuple[dict, dict]]] = {
     # is fp32 in registers whatever the storage), which the halved bytes need.
     "exact_read_only": [({"state_dtype": torch.bfloat16}, dict(block_v=64)), ({}, dict(block_v=128))],
     # Small batches are latency-bound: one value head per coefficient program keeps its
-    # chain short; large ones share the key head's K pass.
+    # chain short; large ones share the key head's K pass. From batch 33 with fp32
+    # states, the outputs kernel capped at 128 registers fits 4 programs per SM instead
+    # of 3 and ran 4-11% faster at batch 64-256, while at batch 16 it ran 4% slower; 16-bit
+    # states spilled more under the cap and ran slower (BENCHMARKS.md, "circular's
+    # outputs kernel under a register cap").
     "closed_form": [({"max_batch": 32}, dict(block_v=64, k_chunk=64, num_stages=2, num_warps=4, tf32_coefficients=1,
                                              coef_warps=1, heads_per_program=1, flush_block_v=32, fuse_flush=1, flush_records_ahead=1,
                                              dependent_launch=1, max_registers=0)),
+                    ({"state_dtype": torch.float32}, dict(block_v=64, k_chunk=64, num_stages=2, num_warps=4, tf32_coefficients=1,
+                                                          coef_warps=1, heads_per_program=8, flush_block_v=32, fuse_flush=1,
+                                                          flush_records_ahead=1, dependent_launch=1, max_registers=128)),
                     ({}, dict(block_v=64, k_chunk=64, num_stages=2, num_warps=4, tf32_coefficients=1, coef_warps=1,
                               heads_per_program=8, flush_block_v=32, fuse_flush=1, flush_records_ahead=1,
                               dependent_launch=1, max_registers=0))],
@@ -110,8 +118,8 @@ TABLE: dict[str, list[tuple[dict, dict]]] = {
     # tile height (128 rows) held four times spilled.
     "exact_tree": [({}, dict(stack_rows=64))],
     # 16-bit states load the tile late: early, it spilled (offline sm_90) and ran slower.
-    "ring_decode": [({"state_dtype": torch.bfloat16}, dict(block_v=128, records_ahead=1, early_tile=0)),
-                    ({}, dict(block_v=128, records_ahead=1, early_tile=1))],
+    "ring_decode": [({"state_dtype": torch.bfloat16}, dict(block_v=128, records_ahead=1, early_tile=0, max_registers=0)),
+                    ({}, dict(block_v=128, records_ahead=1, early_tile=1, max_registers=0))],
 }
 
 
