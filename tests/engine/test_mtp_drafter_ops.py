@@ -122,7 +122,7 @@ def test_head_pass_on_cuda_in_bf16_is_the_generic_layers(mode, rng):
     """On the GPU path (bf16, fused norms, Triton attention) the cut pass computes the
     generic layers' values bit for bit too: its kernels do the same roundings."""
     model = load_model(str(embedded_model_dir("embedded")), dtype="bfloat16", device="cuda")
-    kw = dict(tree=StaticTree.from_branching((3, 2, 1))) if mode == "tree" else {}
+    kw = dict(tree=StaticTree.from_branching((3, 2, 1), "cuda")) if mode == "tree" else {}
     k = kw["tree"].num_nodes - 1 if kw else 3
     fast = _drafter(DeviceMTPDrafter, model, "auto", k, **kw)
     slow = _drafter(GenericLayerDrafter, model, "auto", k, **kw)
@@ -258,3 +258,18 @@ def test_length_dependent_rotary_is_refused(model, monkeypatch):
     d = DeviceMTPDrafter(eng, load_mtp_head(eng, str(embedded_model_dir("embedded"))))
     with pytest.raises(ValueError, match="dynamic"):
         d.bind(2, 3, CAPACITY, eng.device)
+
+
+@pytest.mark.parametrize("cls", [DeviceMTPDrafter, "ngram"])
+def test_a_tree_built_on_another_device_is_refused_at_bind(model, cls):
+    """A static tree expands on the engine's device: one built elsewhere is refused with
+    its device named, before the drafter allocates anything."""
+    from replayssm.engine.device_drafters import DeviceNgramDrafter
+
+    eng = HybridEngine(model, strategy="fold", num_slots=2, window=4, max_len=CAPACITY, backend="reference")
+    tree = StaticTree.from_branching((2, 1), "meta")
+    d = (DeviceMTPDrafter(eng, load_mtp_head(eng, str(embedded_model_dir("embedded"))), tree=tree)
+         if cls is DeviceMTPDrafter else DeviceNgramDrafter(tree=tree))
+    with pytest.raises(ValueError, match="tree is on meta, the engine on cpu"):
+        d.bind(2, tree.num_nodes - 1, CAPACITY, eng.device)
+    assert not hasattr(d, "cache") and not hasattr(d, "history")

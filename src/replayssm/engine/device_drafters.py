@@ -32,6 +32,17 @@ from .attention import slot_attention, tree_attention
 from .norms import add_rms_norm, norm_eps, norm_kind, rms_norm
 
 
+def _check_tree_device(tree, device) -> None:
+    """A drafter's static tree expands on the engine's device (its index tensors meet the
+    drafts there): refuse one built elsewhere, before any buffer is allocated."""
+    if tree is None:
+        return
+    want, have = torch.device(device), tree.device
+    if have.type != want.type or (want.index is not None and have.index is not None and have.index != want.index):
+        raise ValueError(f"tree is on {have}, the engine on {want}: build it with "
+                         f"StaticTree.from_branching(..., device={str(want)!r})")
+
+
 class DeviceDrafter:
     """Base class (see the module docstring for the protocol)."""
 
@@ -139,6 +150,7 @@ class DeviceNgramDrafter(DeviceDrafter):
         self.candidates = candidates
 
     def bind(self, num_slots, num_draft, capacity, device):
+        _check_tree_device(self.tree, device)
         self.k = num_draft
         self.capacity = capacity
         self._device = device
@@ -458,6 +470,7 @@ class DeviceMTPDrafter(DeviceDrafter):
     def bind(self, num_slots, num_draft, capacity, device):
         from .kv_cache import KVCache
 
+        _check_tree_device(self.tree, device)
         self.k = num_draft
         self._device = device
         attn = self.head.layers[0].self_attn
