@@ -335,3 +335,19 @@ def test_free_many_resets_the_kv_lengths_of_every_slot(rng, seed):
     assert [eng.length(s) for s in slots] == [0, 5, 0]
     assert eng.kv.device_lengths[:3].tolist() == [0, 5, 0]
     assert eng.pool.live_slots == [1] and [eng.alloc() for _ in range(3)] == [3, 2, 0]
+
+
+def test_alloc_many_empties_the_kv_lengths_of_the_slots_it_takes(rng, seed):
+    """Slots taken several at a time come with empty KV lengths on the host and the
+    device, whatever their last request left; the others keep theirs."""
+    model = build_tiny_model("qwen3_5", seed=seed)
+    eng = HybridEngine(model, strategy="fold", num_slots=4, window=2, max_len=32)
+    slots = eng.alloc_many(3)
+    lens = [3, 5, 2]
+    with torch.inference_mode():
+        eng.extend(slots, [torch.randint(0, 64, (n,), generator=rng).tolist() for n in lens], prompt=True)
+    eng.pool.free_many([slots[0], slots[2]])  # the pool's free only: the KV lengths stay behind
+    assert eng.kv.device_lengths[:3].tolist() == lens
+    assert eng.alloc_many(3) == [3, slots[0], slots[2]]
+    assert [eng.length(s) for s in range(4)] == [0, 5, 0, 0]
+    assert eng.kv.device_lengths.tolist()[:4] == [0, 5, 0, 0]

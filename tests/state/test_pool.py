@@ -164,6 +164,34 @@ def test_layer_params_are_views_built_once():
         first["A_log"] = new  # read-only mapping
 
 
+def test_alloc_many_matches_one_at_a_time():
+    """Slots taken in one call: the same slots in the same order, reset buffers (the
+    freed slots' leftovers gone), generations and liveness (host and device mask) as one
+    call per slot; asking for more than are free, or for a bad count, takes none."""
+    many = StatePool(SHAPE, 2, 6, strategy="circular", window=2, ring_len=4)
+    one = StatePool(SHAPE, 2, 6, strategy="circular", window=2, ring_len=4)
+    for pool in (many, one):
+        first = [pool.alloc() for _ in range(4)]
+    for name, buf in many.buffers.items():  # leftovers in every slot, the same in both pools
+        buf.normal_() if buf.is_floating_point() else buf.random_(0, 3)
+        one.buffers[name].copy_(buf)
+    for pool in (many, one):
+        pool.free_many([first[3], first[1]])
+    snap = snapshot(many)
+    for bad, err in ((5, PoolExhausted), (-1, ValueError), (1.0, ValueError), (True, ValueError)):
+        with pytest.raises(err):
+            many.alloc_many(bad)
+        assert_same(many, snap)
+    got = many.alloc_many(3)
+    assert got == [one.alloc() for _ in range(3)] == [4, 5, 3]
+    for name, buf in many.buffers.items():
+        assert torch.equal(buf.nan_to_num(7.0), one.buffers[name].nan_to_num(7.0)), name
+    assert many._free == one._free == [1] and many._live == one._live
+    assert [many.generation(s) for s in range(6)] == [one.generation(s) for s in range(6)]
+    assert many._live_mask.tolist() == one._live_mask.tolist() == [s in many._live for s in range(6)]
+    assert many.alloc_many(0) == [] and many._free == [1]
+
+
 def test_free_many_matches_one_at_a_time():
     """Several slots freed in one call: the same free list, generations, liveness (host
     and device mask) as one call per slot; a bad free list (a slot not live, one named

@@ -152,16 +152,17 @@ def run_variant(name: str, model, prompts: list[list[int]], tokens: int, *, ever
     engine = HybridEngine(model, strategy=strategy, num_slots=len(prompts), window=window, max_len=max_len)
     if name == CONTROL:
         OpenLoopCircular.install(engine)
-    # The generators allocate slots in request order from a fresh pool; record them.
+    # The generators allocate slots in request order from a fresh pool, in batches;
+    # record them.
     slot_of: list[int] = []
-    alloc = engine.alloc
+    alloc_many = engine.alloc_many
 
-    def recording_alloc():
-        slot = alloc()
-        slot_of.append(slot)
-        return slot
+    def recording_alloc_many(n):
+        slots = alloc_many(n)
+        slot_of.extend(slots)
+        return slots
 
-    engine.alloc = recording_alloc
+    engine.alloc_many = recording_alloc_many
     if plain:
         gen = SpeculativeGenerator(engine, None)
     elif name == CONTROL or generator == "eager":

@@ -545,6 +545,14 @@ class HybridEngine:
         self.kv.reset(slot)
         return slot
 
+    def alloc_many(self, n: int) -> list[int]:
+        """``n`` fresh request slots, as ``n`` calls of :meth:`alloc` would give them,
+        with one device write per buffer for all of them (``PoolExhausted`` if fewer are
+        free; none is taken then)."""
+        slots = self.pool.alloc_many(n)
+        self.kv.reset_many(slots)
+        return slots
+
     def free(self, slot: int) -> None:
         """Release a request's slot (the pool's checks first; its KV length is reset)."""
         self.free_many((slot,))

@@ -255,7 +255,8 @@ class SpeculativeGenerator:
     def _generate(self, prompts, budgets, on_tokens) -> GenerationResult:
         eng, drafter = self.engine, self.drafter
         t0 = time.perf_counter()
-        reqs = [_Request(i, eng.alloc(), p, m, arrival=t0) for i, (p, m) in enumerate(zip(prompts, budgets))]
+        reqs = [_Request(i, slot, p, m, arrival=t0)
+                for i, (slot, p, m) in enumerate(zip(eng.alloc_many(len(prompts)), prompts, budgets))]
         result = GenerationResult(tokens=[], finish_reasons=[])
         try:
             out = eng.extend([r.slot for r in reqs], [r.prompt for r in reqs], prompt=True)
@@ -590,11 +591,10 @@ class StepGenerator:
         try:
             while queue or active or filling:
                 if running is None:
-                    while queue and len(active) + len(filling) < eng.pool.num_slots:
-                        r = queue.pop()
-                        r.slot = eng.alloc()
-                        r.generation = eng.pool.generation(r.slot)
-                        filling.append(r)
+                    joining = [queue.pop() for _ in range(min(len(queue), eng.pool.num_slots - len(active) - len(filling)))]
+                    for r, slot in zip(joining, eng.alloc_many(len(joining))):  # one reset for all of them
+                        r.slot, r.generation = slot, eng.pool.generation(slot)
+                    filling += joining
                     if filling:
                         done = self._prefill_pass(filling, stats, on_tokens)
                         result.prefill_s += stats.prefills[-1].seconds
