@@ -66,22 +66,19 @@ def _syncs_of_a_prompt_pass(model, prefill: str, prompt_graphs: bool = False) ->
     return len(syncs)
 
 
-# Measured on an H200 (2026-12-01): the recurrence path's count grows with the layers on
-# qwen3_5 (some per-layer host read in the GDN prompt path is left; not yet found). Kept
-# strict, so that the fix shows as an unexpected pass.
-_RECURRENCE_SYNCS = pytest.mark.xfail(strict=True, reason="qwen3_5 recurrence prompt pass: a host sync per layer is left")
-
-
-@pytest.mark.parametrize("family,prefill", [pytest.param("qwen3_5", "recurrence", marks=_RECURRENCE_SYNCS),
-                                            ("qwen3_5", "chunk"), ("qwen3_next", "recurrence")])
+@pytest.mark.parametrize("family,prefill", [("qwen3_5", "recurrence"), ("qwen3_5", "chunk"), ("qwen3_next", "recurrence")])
 def test_prompt_pass_syncs_do_not_grow_with_the_layers(family, prefill):
     if prefill == "chunk" and load_chunk_kernel() is None:
         pytest.skip("fla-core is not importable here")
     counts = []
-    for layers in (4, 8):
+    # The first model of the process pays one-time host reads that its warm-up pass
+    # does not reach (measured on an H200: one, in torch.cuda, in the first counted pass
+    # only, whatever the layers): a 2-layer model takes them, uncounted.
+    for layers in (2, 4, 8):
         model = build_tiny_model(family, seed=2, dtype=torch.bfloat16, device="cuda", num_hidden_layers=layers,
                                  **HEADS)
         counts.append(_syncs_of_a_prompt_pass(model, prefill))
+    counts = counts[1:]
     # the pass's own copies of host indices to the device (layout, token ids, lengths)
     # synchronise too, once per pass; a layer adds none
     print(f"\n  {family}/{prefill}: {counts[0]} synchronisations per prompt pass at 4 and 8 layers")
