@@ -67,17 +67,19 @@ PARAMS = {
     # Plain decoding through circular's ring (ops/ring_decode.py): rows of V per
     # program, a flush row's record prefetch depth (as exact_write.records_ahead), and
     # whether the checkpoint tile loads before the cursors (1: its latency overlaps
-    # theirs; more registers live at once) or after, in the row's branch (0), and a cap
-    # on its registers per thread on CUDA (as closed_form.max_registers).
-    "ring_decode": ("block_v", "records_ahead", "early_tile", "max_registers"),
+    # theirs; more registers live at once) or after, in the row's branch (0), a cap
+    # on its registers per thread on CUDA (as closed_form.max_registers), and its warps:
+    # 4 (the exact kernels') or 8, which stack along V where the tile has at least 64
+    # rows (ops/ring_decode.py launch_ring_decode says why the flush keeps its bits).
+    "ring_decode": ("block_v", "records_ahead", "early_tile", "max_registers", "num_warps"),
 }
 
 _KEY_FIELDS = ("K", "V", "state_dtype", "min_batch", "max_batch", "device")
 #: Parameters that may be 0 (the others are sizes, at least 1).
 _MAY_BE_ZERO = ("replay_max_batch", "tf32_coefficients", "fuse_flush", "early_tile", "dependent_launch", "max_registers")
-#: Parameters with a closed set of values.
+#: Parameters with a closed set of values (by name, or ``family.name`` for one family).
 _CHOICES = {"tf32_coefficients": (0, 1), "fuse_flush": (0, 1), "records_ahead": (1, 2), "flush_records_ahead": (1, 2),
-            "early_tile": (0, 1), "dependent_launch": (0, 1)}
+            "early_tile": (0, 1), "dependent_launch": (0, 1), "ring_decode.num_warps": (4, 8)}
 
 #: The table (see the module notes). Values chosen by measurement at Qwen3.5 shapes
 #: (BENCHMARKS.md, tuning notes).
@@ -91,9 +93,8 @@ TABLE: dict[str, list[tuple[dict, dict]]] = {
     # Small batches are latency-bound: one value head per coefficient program keeps its
     # chain short; large ones share the key head's K pass. From batch 33 with fp32
     # states, the outputs kernel capped at 128 registers fits 4 programs per SM instead
-    # of 3 and ran 4-11% faster at batch 64-256, while at batch 16 it ran 4% slower; 16-bit
-    # states spilled more under the cap and ran slower (BENCHMARKS.md, "circular's
-    # outputs kernel under a register cap").
+    # of 3 and measured faster; at batch 16, and with 16-bit states (more spills), it
+    # measured slower (BENCHMARKS.md, "circular's outputs kernel under a register cap").
     "closed_form": [({"max_batch": 32}, dict(block_v=64, k_chunk=64, num_stages=2, num_warps=4, tf32_coefficients=1,
                                              coef_warps=1, heads_per_program=1, flush_block_v=32, fuse_flush=1, flush_records_ahead=1,
                                              dependent_launch=1, max_registers=0)),
@@ -118,8 +119,9 @@ TABLE: dict[str, list[tuple[dict, dict]]] = {
     # tile height (128 rows) held four times spilled.
     "exact_tree": [({}, dict(stack_rows=64))],
     # 16-bit states load the tile late: early, it spilled (offline sm_90) and ran slower.
-    "ring_decode": [({"state_dtype": torch.bfloat16}, dict(block_v=128, records_ahead=1, early_tile=0, max_registers=0)),
-                    ({}, dict(block_v=128, records_ahead=1, early_tile=1, max_registers=0))],
+    "ring_decode": [({"state_dtype": torch.bfloat16}, dict(block_v=128, records_ahead=1, early_tile=0, max_registers=0,
+                                                           num_warps=4)),
+                    ({}, dict(block_v=128, records_ahead=1, early_tile=1, max_registers=0, num_warps=4))],
 }
 
 
@@ -162,8 +164,9 @@ def check_row(family: str, key: dict, params: dict):
         least = 0 if name in _MAY_BE_ZERO else 1
         if not isinstance(value, int) or isinstance(value, bool) or value < least:
             raise ValueError(f"{family}.{name} must be an int >= {least}, got {value!r}")
-        if name in _CHOICES and value not in _CHOICES[name]:
-            raise ValueError(f"{family}.{name} must be one of {_CHOICES[name]}, got {value!r}")
+        choices = _CHOICES.get(f"{family}.{name}", _CHOICES.get(name))
+        if choices is not None and value not in choices:
+            raise ValueError(f"{family}.{name} must be one of {choices}, got {value!r}")
 
 
 @contextlib.contextmanager
