@@ -23,12 +23,22 @@ def test_defaults_are_the_measured_values():
     assert tuning.lookup("closed_form", **dict(at, batch=32))["max_registers"] == 0
     assert tuning.lookup("closed_form", **dict(at, state_dtype=BF16))["max_registers"] == 0
     assert tuning.lookup("ring_decode", **at)["max_registers"] == 0
+    assert tuning.lookup("ring_decode", **at)["num_warps"] == 4
 
 
 @pytest.mark.parametrize("name,value", [("fuse_flush", 2), ("dependent_launch", 2), ("flush_records_ahead", 3), ("flush_records_ahead", 0)])
 def test_closed_choices_are_checked(name, value):
     with pytest.raises(ValueError, match=name):
         tuning.check_row("closed_form", {}, {name: value})
+
+
+def test_a_choice_can_belong_to_one_family():
+    """The ring decoding kernel takes 4 or 8 warps (its flush's bits are argued for those);
+    the closed form's unfused outputs kernel, any count."""
+    with pytest.raises(ValueError, match=r"ring_decode.num_warps must be one of \(4, 8\)"):
+        tuning.check_row("ring_decode", {}, {"num_warps": 2})
+    tuning.check_row("ring_decode", {}, {"num_warps": 8})
+    tuning.check_row("closed_form", {}, {"num_warps": 2})
 
 
 def test_first_matching_row_wins(monkeypatch):

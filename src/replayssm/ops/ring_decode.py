@@ -258,6 +258,16 @@ def launch_ring_decode(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, 
     cfg = tuning.lookup("ring_decode", K=kd, V=vd, state_dtype=checkpoint.dtype, batch=batch, device=q.device.type)
     bv = block_rows(vd, batch * hv, q.device, cfg["block_v"])
     bk = exact_block_k(kd)
+    # A flush row replays exactly, so its row sums must be the fold's. With the exact
+    # kernels' 4 warps they are (the same parts, lanes and order). With 8 warps (table
+    # entry num_warps) the extra warps stack along V: a [BV, BK/4] part keeps its keys a
+    # thread and lanes a row (4 x 8 for fp32 states, 8 x 4 for bf16 loads; sm_90
+    # TTGIR), so every row sum over K keeps its lanes and order. Only
+    # the history's sums over its records (outputs and u, stated to rounding) change
+    # order, since their record axis lies across warps. That needs a row group per warp
+    # (4 rows for fp32 states, 8 for bf16: 64 rows cover both); smaller tiles stay at 4
+    # warps. The flush's bits at 8 warps are a GPU test (tests/gpu/test_chunked_gpu.py).
+    warps = cfg["num_warps"] if bv >= 64 else EXACT_NUM_WARPS
     _ring_decode_kernel[(triton.cdiv(vd, bv), batch, hv)](
         q, k, v, a, b, A_log, dt_bias,
         checkpoint, ring.k, ring.v, ring.g, ring.beta, ring_u,
@@ -266,9 +276,7 @@ def launch_ring_decode(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, 
         kd**-0.5, NORM_EPS,
         H=h, HV=hv, K=kd, V=vd, L=ring.ring_len, BK=bk, BV=bv, ROUND_STATE=checkpoint.dtype != torch.float32,
         AHEAD=cfg["records_ahead"], EARLY_TILE=bool(cfg["early_tile"]),
-        # A flush row replays exactly: the exact kernels' warps (their layout decides
-        # the bits of every row sum).
-        num_warps=EXACT_NUM_WARPS,
+        num_warps=warps,
         **register_cap(cfg["max_registers"], q.device),
     )
 
