@@ -37,6 +37,7 @@ from replayssm.ops import (
     reset_cursors,
     snapshot_commit,
 )
+from replayssm.ops import tuning
 from replayssm.state import GDNShape, StatePool
 
 pytestmark = pytest.mark.gpu
@@ -193,6 +194,38 @@ def test_exact_paths_bit_identical(hv, act, rows, t):
     assert not torch.equal(direct, ckpt0)
     assert torch.equal(folded, direct), f"fold differs: max {(folded - direct).abs().max().item():.3e}"
     assert torch.equal(snapped, direct), f"snapshot differs: max {(snapped - direct).abs().max().item():.3e}"
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rows", [8, 256])
+def test_exact_kernels_on_eight_warps_keep_every_bit(state_dtype, rows):
+    """The exact kernels with 8 warps (``exact_write.num_warps`` / ``exact_read_only.num_warps``
+    = 8; the extra warps stack along V, see ``triton_common.exact_warps``) against the
+    same kernels on 4: the state update and its outputs, the read-only verify's outputs,
+    its records and the fold of them, all bit for bit."""
+    t, hv, layers, ns = 4, 32, 1, rows + 1
+    slots, cu, lengths = rand_batch(rows, t, ns)
+    acc = torch.tensor([int(torch.randint(1, n + 1, ())) for n in lengths], dtype=torch.int32, device=DEV)
+    x = rand_layer(sum(lengths), hv, torch.bfloat16)
+    ckpt0 = torch.randn(layers, ns, hv, V, K, device=DEV).to(state_dtype)
+
+    def path(warps):
+        with tuning.override("exact_write", num_warps=warps), tuning.override("exact_read_only", num_warps=warps):
+            updated, folded = ckpt0.clone(), ckpt0.clone()
+            o_upd = gdn_recurrence(*args(x), updated[0], slots, cu, update_state=True, max_len=t, backend="triton")
+            rec = nan_records(ns, t, hv, torch.bfloat16, layers=layers)
+            o_ver = gdn_recurrence(*args(x), folded[0], slots, cu, records=RawRecords(*(r[0] for r in rec)),
+                                   backend="triton")
+            gdn_fold(folded, *rec, slots, torch.zeros_like(acc), acc, backend="triton")
+            torch.cuda.synchronize()
+            return updated, o_upd, o_ver, rec, folded
+
+    eight, four = path(8), path(4)
+    assert not torch.equal(four[0], ckpt0)
+    for i, name in enumerate(("updated state", "update outputs", "verify outputs")):
+        assert torch.equal(eight[i], four[i]), f"{name} differ at 8 warps"
+    assert all(same(a, b) for a, b in zip(eight[3], four[3])), "records differ at 8 warps"
+    assert torch.equal(eight[4], four[4]), "folded checkpoints differ at 8 warps"
 
 
 @pytest.mark.parametrize("hv,act,t", [(32, torch.bfloat16, 4), (64, torch.float32, 8)])

@@ -23,7 +23,7 @@ from . import _checks, guards, tuning
 from .dispatch import pick, register
 from .gates import expand_heads, l2_normalize
 from .records import slots_error
-from .recurrent import STATE_DTYPES_TRITON, check_inner_contiguous, exact_block_k, pick_block_v, state_update
+from .recurrent import STATE_DTYPES_TRITON, check_inner_contiguous, exact_block_k, pick_block_v, pick_num_warps, state_update
 
 
 def check_fold_args(checkpoints, ring_k, ring_v, ring_g, ring_beta, slots, start, count):
@@ -143,7 +143,7 @@ except ImportError:  # the reference backend works without Triton
     triton = None
 
 if triton is not None:
-    from .triton_common import EXACT_NUM_WARPS, NORM_EPS, device_fn as _tl_device_fn, gdn_state_step as _tl_state_step
+    from .triton_common import NORM_EPS, device_fn as _tl_device_fn, gdn_state_step as _tl_state_step
     from .triton_common import load_parts as _tl_load_parts, mask_and as _tl_mask_and, normalized as _tl_normalized
     from .triton_common import store_parts as _tl_store_parts
 
@@ -295,7 +295,7 @@ if triton is not None:
             H=h, HV=hv, K=kd, V=vd, BK=exact_block_k(kd), BV=bv, R=r, PER_SLOT=flush is not None,
             AHEAD=records_ahead or tuning.lookup("exact_write", K=kd, V=vd, state_dtype=checkpoints.dtype,
                                                  batch=batch)["records_ahead"],
-            num_warps=EXACT_NUM_WARPS,
+            num_warps=pick_num_warps(kd, vd, batch, checkpoints.dtype, bv),
         )
 
 

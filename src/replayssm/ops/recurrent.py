@@ -24,7 +24,7 @@ from . import _checks, guards, tuning
 from .dispatch import pick, register
 from .gates import expand_heads, gdn_gates, l2_normalize
 from .records import RawRecords, check_varlen
-from .triton_common import block_rows
+from .triton_common import block_rows, exact_warps
 
 
 def state_update(S: torch.Tensor, k_hat: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor):
@@ -255,10 +255,22 @@ def pick_block_v(kd: int, vd: int, batch: int, hv: int, state_dtype: torch.dtype
     :func:`~replayssm.ops.triton_common.block_rows`. 16 is the height that one pass of
     :data:`~replayssm.ops.triton_common.EXACT_NUM_WARPS` warps covers in a four-part tile
     (4 rows per warp), so no tile holds a row twice. ``most`` replaces the table's height."""
-    family = "exact_read_only" if read_only else "exact_write"
     if most is None:
-        most = tuning.lookup(family, K=kd, V=vd, state_dtype=state_dtype, batch=batch)["block_v"]
+        most = exact_row(kd, vd, batch, state_dtype, read_only)["block_v"]
     return block_rows(vd, batch * hv * layers, device, most)
+
+
+def pick_num_warps(kd: int, vd: int, batch: int, state_dtype: torch.dtype, bv: int, *, read_only: bool = False) -> int:
+    """Warps of an exact kernel on ``[bv, *]`` tiles: the shape table's (``exact_read_only``
+    or ``exact_write``) through :func:`~replayssm.ops.triton_common.exact_warps`."""
+    return exact_warps(exact_row(kd, vd, batch, state_dtype, read_only)["num_warps"], bv)
+
+
+def exact_row(kd: int, vd: int, batch: int, state_dtype: torch.dtype, read_only: bool) -> dict:
+    """The shape table's row for an exact kernel: ``exact_read_only`` for a verify that
+    writes no state, else ``exact_write``."""
+    return tuning.lookup("exact_read_only" if read_only else "exact_write", K=kd, V=vd, state_dtype=state_dtype,
+                         batch=batch)
 
 
 def exact_block_k(kd: int) -> int:
@@ -287,7 +299,7 @@ def check_inner_contiguous(**named: torch.Tensor):
 
 
 if triton is not None:
-    from .triton_common import EXACT_NUM_WARPS, NORM_EPS, device_fn as _tl_device_fn, gdn_gates as _tl_gdn_gates
+    from .triton_common import NORM_EPS, device_fn as _tl_device_fn, gdn_gates as _tl_gdn_gates
     from .triton_common import gdn_state_step as _tl_state_step, load_parts as _tl_load_parts, mask_and as _tl_mask_and
     from .triton_common import normalized as _tl_normalized, row_dot as _tl_row_dot, store_parts as _tl_store_parts
     from .triton_common import to_rtne as _tl_to_rtne, window_program as _tl_window_program
@@ -473,7 +485,8 @@ def gdn_recurrence_triton(
     if slots is not given:
         o.zero_()  # rewritten on the device: rows made padding zero only what they cover
     bk = exact_block_k(kd)
-    bv = pick_block_v(kd, vd, batch, hv, state.dtype, q.device, read_only=snapshots is None and not update_state)
+    read_only = snapshots is None and not update_state
+    bv = pick_block_v(kd, vd, batch, hv, state.dtype, q.device, read_only=read_only)
     dummy = o  # stands in for absent optional buffers; never dereferenced
     rec = records if records is not None else RawRecords(dummy, dummy, dummy, dummy)
     rec_strides = [x.stride(d) if records is not None else 0 for x in rec for d in range(3)]
@@ -487,6 +500,7 @@ def gdn_recurrence_triton(
         kd**-0.5, NORM_EPS,
         H=h, HV=hv, K=kd, V=vd, BK=bk, BV=bv, T=t,
         HAS_SNAPSHOTS=snapshots is not None, HAS_RECORDS=records is not None, UPDATE_STATE=bool(update_state),
-        STEPS_BY_LENGTH=t > STEPS_BY_LENGTH_ABOVE, num_warps=EXACT_NUM_WARPS,
+        STEPS_BY_LENGTH=t > STEPS_BY_LENGTH_ABOVE,
+        num_warps=pick_num_warps(kd, vd, batch, state.dtype, bv, read_only=read_only),
     )
     return o

@@ -123,7 +123,7 @@ except ImportError:  # the reference backend works without Triton
 if triton is not None:
     from .fold import replay_tile as _replay_tile
     from .recurrent import exact_block_k
-    from .triton_common import EXACT_NUM_WARPS, NORM_EPS, block_rows, register_cap, device_fn as _tl_device_fn
+    from .triton_common import NORM_EPS, block_rows, exact_warps, register_cap, device_fn as _tl_device_fn
     from .triton_common import inv_norm as _tl_inv_norm
     from .triton_common import gdn_gates as _tl_gdn_gates, load_parts as _tl_load_parts, mask_and as _tl_mask_and
     from .triton_common import normalized as _tl_normalized, row_dot as _tl_row_dot, row_sum as _tl_row_sum
@@ -258,16 +258,11 @@ def launch_ring_decode(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, 
     cfg = tuning.lookup("ring_decode", K=kd, V=vd, state_dtype=checkpoint.dtype, batch=batch, device=q.device.type)
     bv = block_rows(vd, batch * hv, q.device, cfg["block_v"])
     bk = exact_block_k(kd)
-    # A flush row replays exactly, so its row sums must be the fold's. With the exact
-    # kernels' 4 warps they are (the same parts, lanes and order). With 8 warps (table
-    # entry num_warps) the extra warps stack along V: a [BV, BK/4] part keeps its keys a
-    # thread and lanes a row (4 x 8 for fp32 states, 8 x 4 for bf16 loads; sm_90
-    # TTGIR), so every row sum over K keeps its lanes and order. Only
-    # the history's sums over its records (outputs and u, stated to rounding) change
-    # order, since their record axis lies across warps. That needs a row group per warp
-    # (4 rows for fp32 states, 8 for bf16: 64 rows cover both); smaller tiles stay at 4
-    # warps. The flush's bits at 8 warps are a GPU test (tests/gpu/test_chunked_gpu.py).
-    warps = cfg["num_warps"] if bv >= 64 else EXACT_NUM_WARPS
+    # A flush row replays exactly, so its row sums must be the fold's: the same parts,
+    # lanes and order at either warp count (exact_warps). At 8 warps only the history's
+    # sums over its records (outputs and u, stated to rounding) change order, since their
+    # record axis lies across warps.
+    warps = exact_warps(cfg["num_warps"], bv)
     _ring_decode_kernel[(triton.cdiv(vd, bv), batch, hv)](
         q, k, v, a, b, A_log, dt_bias,
         checkpoint, ring.k, ring.v, ring.g, ring.beta, ring_u,

@@ -33,11 +33,12 @@ PARAMS = {
     # tall enough to amortise a token's key loads and normalisation over many rows, short
     # enough to keep the four-part tile in registers.
     # ``records_ahead``: how many records the exact replay (the fold; ops/fold.py
-    # ``replay_history``) loads ahead of its step, 1 or 2.
-    "exact_write": ("block_v", "records_ahead"),
+    # ``replay_history``) loads ahead of its step, 1 or 2. ``num_warps``: 4, or 8 on
+    # tiles of 64+ rows (the extra warps stack along V; triton_common.exact_warps).
+    "exact_write": ("block_v", "records_ahead", "num_warps"),
     # The read-only exact verify: no state to write back, so a taller tile holds fewer
     # live registers per row and amortises the per-token loads further.
-    "exact_read_only": ("block_v",),
+    "exact_read_only": ("block_v", "num_warps"),
     # circular's closed form (ops/chunked.py). Its outputs kernel: rows of V per program,
     # columns of K per step of its pass over the checkpoint, pipeline stages of that
     # pass, warps, and whether its small products with the coefficients run on tensor
@@ -79,17 +80,19 @@ _KEY_FIELDS = ("K", "V", "state_dtype", "min_batch", "max_batch", "device")
 _MAY_BE_ZERO = ("replay_max_batch", "tf32_coefficients", "fuse_flush", "early_tile", "dependent_launch", "max_registers")
 #: Parameters with a closed set of values (by name, or ``family.name`` for one family).
 _CHOICES = {"tf32_coefficients": (0, 1), "fuse_flush": (0, 1), "records_ahead": (1, 2), "flush_records_ahead": (1, 2),
-            "early_tile": (0, 1), "dependent_launch": (0, 1), "ring_decode.num_warps": (4, 8)}
+            "early_tile": (0, 1), "dependent_launch": (0, 1),
+            "ring_decode.num_warps": (4, 8), "exact_write.num_warps": (4, 8), "exact_read_only.num_warps": (4, 8)}
 
 #: The table (see the module notes). Values chosen by measurement at Qwen3.5 shapes
 #: (BENCHMARKS.md, tuning notes).
 TABLE: dict[str, list[tuple[dict, dict]]] = {
     # Two records ahead: the fold's commit measured faster than with one (BENCHMARKS.md,
     # "The flush inside the outputs kernel").
-    "exact_write": [({}, dict(block_v=64, records_ahead=2))],
+    "exact_write": [({}, dict(block_v=64, records_ahead=2, num_warps=4))],
     # 16-bit states: a 64-row read-only tile runs at twice the programs per SM (the tile
     # is fp32 in registers whatever the storage), which the halved bytes need.
-    "exact_read_only": [({"state_dtype": torch.bfloat16}, dict(block_v=64)), ({}, dict(block_v=128))],
+    "exact_read_only": [({"state_dtype": torch.bfloat16}, dict(block_v=64, num_warps=4)),
+                        ({}, dict(block_v=128, num_warps=4))],
     # Small batches are latency-bound: one value head per coefficient program keeps its
     # chain short; large ones share the key head's K pass. From batch 33 with fp32
     # states, the outputs kernel capped at 128 registers fits 4 programs per SM instead
