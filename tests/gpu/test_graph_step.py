@@ -163,3 +163,41 @@ def test_bench_kernels_runs_captured_steps(tmp_path):
             assert r["timing"]["rotated_copies"] > 1
         if r["strategy"] in ("circular", "plain_ring"):
             assert r["timing"]["steps_per_block"] % r["cursor_cycle_steps"] == 0
+
+
+def test_a_graph_released_during_a_capture_does_not_break_it():
+    """A reference cycle holding a captured graph becomes unreachable inside another
+    capture, and the body then allocates enough to trigger Python's collector: the
+    capture still succeeds (no collection runs during a capture: a graph destroyed there
+    is a CUDA graph reset, which a capturing stream refuses), the collector is back on
+    afterwards, and the old graph goes at the next collection."""
+    import gc
+    import weakref
+
+    from replayssm.engine.graph_step import capture_graph
+
+    x = torch.zeros(16, device="cuda")
+
+    class Holder:  # a cycle: only the cyclic collector frees it
+        def __init__(self):
+            self.me = self
+            self.graph = capture_graph(lambda: x.add_(1.0))
+
+    holder = [Holder()]
+    gone = weakref.ref(holder[0])
+    seen = []
+
+    def body():  # call 1: the eager warm-up; call 2: the capture
+        if seen:
+            holder.clear()  # the old graph's last outside reference, inside the capture
+        junk = [[i] for i in range(20000)]  # well past the collector's allocation threshold
+        seen.append((gc.isenabled(), len(junk)))
+        x.mul_(2.0)
+
+    graph = capture_graph(body, warmup_steps=1)
+    assert seen[-1] == (False, 20000), "the collector ran enabled inside the capture"
+    assert gc.isenabled()
+    graph.replay()
+    torch.cuda.synchronize()
+    gc.collect()
+    assert gone() is None

@@ -37,6 +37,8 @@ outputs reads them into a copy first.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 from typing import Callable
 
 import numpy as np
@@ -231,7 +233,22 @@ def capture_graph(body: Callable[[], object], device=None, *, pool=None, warmup_
     torch.cuda.current_stream(device).wait_stream(side)
     torch.cuda.synchronize(device)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with torch.cuda.graph(graph, pool=pool), _no_garbage_collection():  # torch collects garbage on entry
         body()
     torch.cuda.synchronize(device)
     return graph
+
+
+@contextlib.contextmanager
+def _no_garbage_collection():
+    """Python's cyclic garbage collector off for the block. During a capture a collection
+    may destroy an unreachable graph of an earlier step (a CUDA graph reset), which CUDA
+    refuses while a stream captures ("operation not permitted when stream is
+    capturing"), and the capture fails."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
