@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from replayssm.engine.attention import slot_attention, tree_attention
-from replayssm.engine.kv_cache import KVCache, compact_path
+from replayssm.engine.kv_cache import KVCache, compact_kv_path
 from replayssm.engine.sampling import accept_greedy_static, accept_greedy_tree, accept_sampled_tree
 from replayssm.engine.trees import StaticTree, parse_branching
 from replayssm.ops.trees import DraftTrees
@@ -147,7 +147,7 @@ def test_kv_compaction_moves_the_accepted_path_and_nothing_else(rng):
     before_k, before_v = cache.k.clone(), cache.v.clone()
     slot_idx, starts = torch.tensor([2, 0, 3]), torch.tensor([4, 10, 0])  # slot 3: the sink (padding)
     node = torch.tensor([8, 2, 0])  # depth 2 (via node 2), depth 1, the root alone
-    compact_path(cache, slot_idx, starts, tree.path[node])
+    compact_kv_path(cache, slot_idx, starts, tree.path[node])
     for r, s in enumerate(slot_idx.tolist()):
         path = DraftTrees.from_parents([tree.host_parents]).path(0, int(node[r]))
         for d, j in enumerate(path):

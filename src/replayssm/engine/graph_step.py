@@ -24,8 +24,9 @@ through :meth:`Strategy.verify_tree`, attention under the ancestor mask, rotary
 positions ``start + depth``), step 3 is the tree acceptance (greedy:
 :func:`accept_greedy_tree`; sampling: :func:`accept_sampled_tree` with the drafts'
 top-k tokens as deterministic candidates), step 4 :meth:`Strategy.commit_tree` of the
-accepted node and the KV compaction of its path (:func:`compact_path`), and the drafter
-observes the path (``depth + 1`` tokens) and proposes the next tree.
+accepted node and the KV compaction of its path
+(:func:`~replayssm.engine.kv_cache.compact_kv_path`), and the drafter observes the path
+(``depth + 1`` tokens) and proposes the next tree.
 
 Per-slot buffers (windows, KV lengths, drafter history) are indexed by slot, not by
 row, so requests may finish or join between steps (the driver rewrites the rows' slots)
@@ -47,7 +48,7 @@ import torch
 from ..ops.guards import copy_to_device, host_ints
 from .adapter import HybridEngine
 from .device_drafters import DeviceDrafter
-from .kv_cache import compact_path
+from .kv_cache import compact_kv_path
 from .sampling import (SamplingParams, accept_greedy_static, accept_greedy_tree, accept_sampled_static,
                        accept_sampled_tree, warp_probs)
 
@@ -195,7 +196,7 @@ class StaticStep:
         accepted = tree.depth[node] + 1
         eng.strategy.commit_tree(self.batch, self.trees, node)
         path = tree.path[node]  # [B, D + 1]
-        compact_path(eng.kv, self.slot_idx, starts, path)
+        compact_kv_path(eng.kv, self.slot_idx, starts, path)
         kv_len[self.slot_idx] = starts + accepted
         kv_len[eng.kv.sink:].zero_()
         span = torch.arange(tree.max_depth + 1, device=ids.device)

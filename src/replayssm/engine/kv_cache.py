@@ -301,7 +301,7 @@ def _fresh_attention(layout: WindowLayout, q: torch.Tensor, k: torch.Tensor, v: 
     return out.reshape(n, heads, d) if packed else out[layout.row, layout.col]
 
 
-def compact_path(cache: KVCache, slot_idx: torch.Tensor, starts: torch.Tensor, path: torch.Tensor) -> None:
+def compact_kv_path(cache: KVCache, slot_idx: torch.Tensor, starts: torch.Tensor, path: torch.Tensor) -> None:
     """KV compaction after a tree step: move each row's accepted root path to the front
     of its window, in every layer, in place (graph-safe, no host read).
 
