@@ -591,7 +591,8 @@ class StepGenerator:
         try:
             while queue or active or filling:
                 if running is None:
-                    joining = [queue.pop() for _ in range(min(len(queue), eng.pool.num_slots - len(active) - len(filling)))]
+                    room = eng.pool.num_slots - len(active) - len(filling)
+                    joining = [queue.pop() for _ in range(min(len(queue), room))]
                     for r, slot in zip(joining, eng.alloc_many(len(joining))):  # one reset for all of them
                         r.slot, r.generation = slot, eng.pool.generation(slot)
                     filling += joining

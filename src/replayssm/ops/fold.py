@@ -23,7 +23,8 @@ from . import _checks, guards, tuning
 from .dispatch import pick, register
 from .gates import expand_heads, l2_normalize
 from .records import slots_error
-from .recurrent import STATE_DTYPES_TRITON, check_inner_contiguous, exact_block_k, pick_block_v, pick_num_warps, state_update
+from .recurrent import (STATE_DTYPES_TRITON, check_inner_contiguous, exact_block_k, pick_block_v, pick_num_warps,
+                        state_update)
 
 
 def check_fold_args(checkpoints, ring_k, ring_v, ring_g, ring_beta, slots, start, count):
