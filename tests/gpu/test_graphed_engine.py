@@ -173,3 +173,20 @@ def test_sampled_mtp_drafts_and_rejection_inside_the_graph(tmp_path):
     assert all(len(t) == 60 and all(0 <= x < vocab for x in t) for t in res.tokens)
     q = drafter.draft_probs(torch.arange(SLOTS, device="cuda"))
     torch.testing.assert_close(q.sum(-1), torch.ones(SLOTS, K, device="cuda"))
+
+
+@pytest.mark.parametrize("strategy", ["fold", "circular"])
+def test_plain_buckets_beside_speculative_ones_in_the_graph_equal_eager(strategy):
+    """``plain_from``: the big buckets' plain steps (the drafter observing inside the
+    graph) and the small buckets' speculative ones, captured, emit the eager steps'
+    tokens and accept counts; circular's plain steps decode through its ring."""
+    model = build_tiny_model("qwen3_5", seed=12, dtype=torch.float32, device="cuda")
+    prompts, budgets = _prompts(5, SLOTS), _budgets(5, SLOTS)
+    runs = {}
+    for graphs in (False, True):
+        eng = HybridEngine(model, strategy=strategy, num_slots=SLOTS, window=K + 1, max_len=256, ring_len=16)
+        gen = StepGenerator(eng, DeviceNgramDrafter(), num_draft=K, graphs=graphs, plain_from=4)
+        runs[graphs] = gen.generate(prompts, budgets)
+    assert runs[True].tokens == runs[False].tokens
+    assert runs[True].accept_lengths == runs[False].accept_lengths
+    assert any(n >= 4 for n in runs[True].stats.rows) and any(n < 4 for n in runs[True].stats.rows)

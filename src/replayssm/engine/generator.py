@@ -491,12 +491,20 @@ class StepGenerator:
             its rows are known from the outputs alone: the same rows, or those left
             when requests stop and none is queued (default); ``False``: every step
             after the host's work on the one before.
+        plain_from: with a drafter, the batch buckets of at least this many rows take
+            plain steps (one token a request; through the strategy's ring where it has
+            one) instead of speculative ones: the engine's choice per bucket, where
+            speculation does not pay. A request moves between the two kinds as the
+            batch grows and shrinks, with no conversion. Its drafter observes the plain
+            steps' tokens but proposes nothing during them, so the first speculative
+            step after plain ones verifies older drafts (probably rejected). ``None``
+            (default): every step speculates.
     """
 
     def __init__(self, engine: HybridEngine, drafter=None, *, num_draft: int = 3,
                  sampling: SamplingParams = SamplingParams(), eos_token_ids: Sequence[int] = (),
                  graphs: bool | None = None, buckets: Sequence[int] | None = None,
-                 prefill_chunk: int | None = None, tree=None, overlap: bool = True):
+                 prefill_chunk: int | None = None, tree=None, overlap: bool = True, plain_from: int | None = None):
         from .device_drafters import DeviceDrafter
 
         if tree is not None:
@@ -511,6 +519,17 @@ class StepGenerator:
         if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
                                           or prefill_chunk < 1):
             raise ValueError(f"prefill_chunk must be a positive int or None, got {prefill_chunk!r}")
+        if plain_from is not None:
+            if isinstance(plain_from, bool) or not isinstance(plain_from, int) or plain_from < 1:
+                raise ValueError(f"plain_from must be a positive int or None, got {plain_from!r}")
+            if drafter is None:
+                raise ValueError("plain_from chooses between plain and speculative steps: it needs a drafter")
+            if tree is not None:
+                raise ValueError("plain_from takes chains of drafts, not a draft tree")
+            if engine.strategy.ring_decode and not engine.ring_decoding:
+                # the recurrence's plain step needs an empty ring, which a verify leaves full
+                raise ValueError(f"plain_from on {engine.strategy.name!r} needs plain decoding through its ring "
+                                 f"(a ring longer than 2 x the window: ring_len > {2 * engine.window})")
         graphs = engine.device.type == "cuda" if graphs is None else bool(graphs)
         if graphs and engine.device.type != "cuda":
             raise ValueError("graphs=True needs a CUDA engine")
@@ -530,6 +549,7 @@ class StepGenerator:
         self.buckets = buckets
         self.prefill_chunk = prefill_chunk
         self.tree = tree
+        self.plain_from = plain_from
         self._steps: dict[int, object] = {}
         self._pool = None
         # the next window of every slot (last token, then drafts); the last row is the sink
@@ -544,8 +564,10 @@ class StepGenerator:
         if rows not in self._steps:
             if self.graphs and self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
-            self._steps[rows] = StaticStep(self.engine, self.windows, rows, drafter=self.drafter,
-                                           sampling=self.sampling, graph=self.graphs, pool=self._pool, tree=self.tree)
+            plain = self.plain_from is not None and rows >= self.plain_from
+            windows = self.windows[:, :1] if plain else self.windows  # a plain step's window: the last token
+            self._steps[rows] = StaticStep(self.engine, windows, rows, drafter=self.drafter, sampling=self.sampling,
+                                           graph=self.graphs, pool=self._pool, tree=None if plain else self.tree)
         return self._steps[rows]
 
     def capture(self, rows: Sequence[int] | None = None) -> None:
@@ -684,7 +706,7 @@ class StepGenerator:
         stats.rows.append(live)
         stats.emitted.append(emitted)
         result.accept_lengths += counts
-        result.drafted += self.num_draft * live
+        result.drafted += (step.window - 1) * live  # none in a plain step
         result.accepted += emitted - live
         result.steps += 1
         return ahead

@@ -64,7 +64,12 @@ class StaticStep:
             emitted token, then the drafts; the last row is the padding sink), shared by
             the engine's step shapes.
         rows: the batch bucket.
-        drafter: a bound :class:`DeviceDrafter` for ``T > 1``; ``None`` for ``T = 1``.
+        drafter: a bound :class:`DeviceDrafter` for ``T > 1``. For ``T = 1``: ``None``,
+            or the drafter of the engine's speculative steps, which then observes each
+            plain step's token (its history, cache and counters stay current, so a
+            request may take speculative steps after plain ones) but proposes nothing:
+            the first speculative step after plain ones verifies the drafts proposed
+            before them, which are probably rejected.
         sampling: greedy (default) or warped sampling with rejection of the drafts.
         graph: capture a CUDA graph (CUDA only); else every :meth:`run` runs the body
             eagerly (the CPU path, and the reference a graph is tested against).
@@ -76,11 +81,11 @@ class StaticStep:
     def __init__(self, engine: HybridEngine, windows: torch.Tensor, rows: int, *, drafter: DeviceDrafter | None,
                  sampling: SamplingParams = SamplingParams(), graph: bool = False, pool=None, tree=None):
         t = windows.shape[1]
-        if (t > 1) != (drafter is not None):
-            raise ValueError(f"a window of {t} tokens needs {'a' if t > 1 else 'no'} drafter")
+        if t > 1 and drafter is None:
+            raise ValueError(f"a window of {t} tokens needs a drafter")
         if t > engine.window:
             raise ValueError(f"window {t} exceeds the engine's window {engine.window}")
-        if drafter is not None:
+        if drafter is not None and t > 1:
             drafter.check_sampling(sampling)
         if tree is not None:
             if tree.is_chain or tree.num_nodes != t:
@@ -171,10 +176,11 @@ class StaticStep:
         shifted = torch.cat([ids[:, 1:], nxt[:, None]], 1)
         emitted = torch.where(self._steps[None] < n[:, None], shifted,
                               torch.where(self._steps[None] == n[:, None], nxt[:, None], -1))
-        if verify:
+        if self.drafter is not None:
             self.drafter.observe(self.slot_idx, emitted, accepted, hidden=hidden, positions=positions)
+        if verify:
             nxt_window = torch.cat([nxt[:, None], self.drafter.propose(self.slot_idx)], 1)
-        else:
+        else:  # a plain step proposes nothing: only the last token of the window moves
             nxt_window = nxt[:, None]
         self.windows[self.slot_idx] = nxt_window
         self.out[:, 0] = accepted
