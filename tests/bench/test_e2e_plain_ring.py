@@ -55,3 +55,27 @@ def test_cli_rejects_a_bad_ring_length(capsys):
     assert rc == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("replayssm bench e2e: error: plain_ring_len must be a power of two")
+
+
+def test_speculative_modes_with_plain_buckets(tmp_path):
+    """``--plain-from``: the batch-2 runs' bucket takes plain steps (one token a step, the
+    drafter idle), the batch-1 runs' still speculates; circular's plain steps decode
+    through its ring of ``--plain-ring-len``."""
+    js = tmp_path / "e.json"
+    rc = cli.main(["bench", "e2e", "--random", "tiny", "--batches", "1,2", "--max-new-tokens", "14",
+                   "--prompt-len", "6", "--quiet", "--no-hf", "--no-plain", "--strategies", "fold,circular",
+                   "--num-draft", "2", "--plain-from", "2", "--drafter", "forced", "--acceptance", "1.0",
+                   "--seed", str(random.randint(0, 10**6)), "--json", str(js)])
+    assert rc == 0
+    data = json.loads(js.read_text())
+    assert data["config"]["plain_from"] == 2
+    for r in data["rows"]:
+        assert r["plain_from"] == 2
+        if r["batch"] == 2:  # every step of both requests in the plain bucket
+            assert r["mean_accept_length"] == 1 and r["plain_steps"] == r["steps"] == 13
+        else:  # forced full acceptance: windows of 3 tokens
+            assert r["plain_steps"] == 0 and r["mean_accept_length"] > 2
+    with pytest.raises(ValueError, match="plain_from"):
+        e2e.E2EConfig(plain_from=0).check()
+    assert e2e.mode_engine_options("circular", e2e.E2EConfig(plain_from=4)) == {
+        "strategy": "circular", "ring_len": 16, "plain_via_ring": True}

@@ -145,6 +145,10 @@ class E2EConfig:
     #: a draft tree as children per depth (the ngram or mtp drafter): every speculative
     #: step verifies a tree of this shape instead of a chain of ``num_draft``
     tree: tuple[int, ...] = ()
+    #: the speculative modes' batch buckets of at least this many rows take plain steps
+    #: (``StepGenerator(plain_from=)``; circular's then decode through a ring of
+    #: ``plain_ring_len``); None: every step speculates
+    plain_from: int | None = None
 
     def check(self) -> None:
         for name in ("num_draft", "repeats"):
@@ -181,6 +185,8 @@ class E2EConfig:
                 raise ValueError(f"acceptance must be probabilities in [0, 1], got {list(self.acceptance)}")
         if self.tree:
             self._check_tree()
+        if self.plain_from is not None:
+            self._check_plain_from()
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.backend not in BACKENDS:
@@ -209,6 +215,14 @@ class E2EConfig:
 
             return StaticTree.from_branching(self.tree).num_nodes
         return self.num_draft + 1
+
+    def _check_plain_from(self) -> None:
+        if isinstance(self.plain_from, bool) or not isinstance(self.plain_from, int) or self.plain_from < 1:
+            raise ValueError(f"plain_from must be a positive int or None, got {self.plain_from!r}")
+        if self.tree:
+            raise ValueError("plain_from takes chains of drafts, not a draft tree")
+        if "circular" in self.strategies:  # its plain steps decode through the ring
+            self._check_plain_ring()
 
     def _check_plain_ring(self) -> None:
         L, t = self.plain_ring_len, self.num_draft + 1
@@ -482,7 +496,8 @@ def run_mode(model, mode: str, prompts, warm, cfg: E2EConfig, *, on_done=None) -
         tree = StaticTree.from_branching(cfg.tree, engine.device)
     drafter = None if mode in PLAIN_MODES else make_drafter(cfg, engine, model, tree=tree)
     gen = StepGenerator(engine, drafter, num_draft=cfg.num_draft, eos_token_ids=(), graphs=cfg.graphed,
-                        prefill_chunk=cfg.prefill_chunk, tree=tree)
+                        prefill_chunk=cfg.prefill_chunk, tree=tree,
+                        plain_from=None if mode in PLAIN_MODES else cfg.plain_from)
     budgets, warm_budgets = request_budgets(cfg, len(prompts)), request_budgets(cfg, len(warm), warmup=True)
     gen.capture()  # every bucket now: requests finishing unevenly must not capture inside a timed run
     if engine.prompt_graphs is not None and cfg.prefill_chunk is None:  # the first pass: every prompt whole
@@ -512,6 +527,9 @@ def run_mode(model, mode: str, prompts, warm, cfg: E2EConfig, *, on_done=None) -
         row["prompt_passes"] = dict(engine.prompt_passes)  # static (a prompt graph) or eager, over every run
         if mode == PLAIN_RING:
             row.update(window=window, ring_len=engine.pool.ring_len, ring_decoding=engine.ring_decoding)
+        if gen.plain_from is not None:
+            plain_steps = [sum(map(gen.takes_plain_steps, r.stats.rows)) for r in runs]
+            row.update(plain_from=gen.plain_from, plain_steps=sum(plain_steps) / len(runs))
         if tree is not None:
             row.update(tree=tree.describe(), window=window)
         out.append((row, runs[-1].tokens))
@@ -527,6 +545,8 @@ def mode_engine_options(mode: str, cfg: E2EConfig) -> dict:
     if mode == PLAIN:
         return {"strategy": "fold"}
     if mode == PLAIN_RING:
+        return {"strategy": "circular", "ring_len": cfg.plain_ring_len, "plain_via_ring": True}
+    if mode == "circular" and cfg.plain_from is not None:  # its plain buckets decode through the ring
         return {"strategy": "circular", "ring_len": cfg.plain_ring_len, "plain_via_ring": True}
     return {"strategy": mode}
 

@@ -53,6 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plain-ring", action="store_true",
                         help="also time plain decoding through circular's ring (mode plain-ring), on a pool of window "
                              "--num-draft + 1 and ring --plain-ring-len")
+    parser.add_argument("--plain-from", type=positive_int, default=None, metavar="B",
+                        help="the speculative modes' batch buckets of at least B rows take plain steps (the engine's "
+                             "choice per bucket; circular's plain steps then decode through a ring of "
+                             "--plain-ring-len); default: every step speculates")
     parser.add_argument("--plain-ring-len", type=positive_int, default=d.plain_ring_len,
                         help=f"ring length L of plain-ring: a power of two >= 2 (num_draft + 1); a flush every "
                              f"L - 2 (num_draft + 1) + 1 tokens (default {d.plain_ring_len})")
@@ -124,7 +128,7 @@ def config_from_args(args):
         prompt_len=pick(args.prompt_len, 64, 8), drafter=args.drafter, acceptance=tuple(args.acceptance),
         prefill=args.prefill, prefill_chunk=args.prefill_chunk,
         device=device, dtype=pick(args.dtype, "bf16", "fp32"), backend=args.backend, graphs=not args.no_graphs,
-        repeats=pick(args.repeats, 3, 1), seed=args.seed, tree=tuple(args.tree),
+        repeats=pick(args.repeats, 3, 1), seed=args.seed, tree=tuple(args.tree), plain_from=args.plain_from,
     )
 
 

@@ -557,14 +557,22 @@ class StepGenerator:
         if drafter is not None:
             drafter.bind(slots, self.num_draft, engine.max_len + engine.window, engine.device)
 
+    def takes_plain_steps(self, live: int) -> bool:
+        """Whether a step of ``live`` requests is a plain one (its bucket is at least
+        ``plain_from`` rows) rather than speculative."""
+        return self.plain_from is not None and self._bucket(live) >= self.plain_from
+
+    def _bucket(self, live: int) -> int:
+        return next(b for b in self.buckets if b >= live)
+
     def _step(self, live: int):
         from .graph_step import StaticStep
 
-        rows = next(b for b in self.buckets if b >= live)
+        rows = self._bucket(live)
         if rows not in self._steps:
             if self.graphs and self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
-            plain = self.plain_from is not None and rows >= self.plain_from
+            plain = self.takes_plain_steps(rows)
             windows = self.windows[:, :1] if plain else self.windows  # a plain step's window: the last token
             self._steps[rows] = StaticStep(self.engine, windows, rows, drafter=self.drafter, sampling=self.sampling,
                                            graph=self.graphs, pool=self._pool, tree=None if plain else self.tree)
