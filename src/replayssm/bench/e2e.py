@@ -821,6 +821,9 @@ def print_table(result: dict, file=None) -> None:
     if c["drafter"] == "forced":
         print("forced drafter: a seeded draw, not the target, sets how many drafts each step accepts; rows with "
               "P > 0 emit those drafts, so only P = 0 is compared with plain decoding", file=file)
+    if c.get("plain_from") is not None:
+        print(f"plain from {c['plain_from']}: the speculative modes' buckets of {c['plain_from']} rows or more take "
+              "plain steps (plain_steps per run in the JSON rows)", file=file)
     if any(r.get("verdict") in ("mismatch", "differs") for r in result["rows"]):
         print("== plain: the share of tokens equal to plain's; NO: a failure (exact strategy in "
               f"{'/'.join(STRICT_DTYPES)}), ~: reported only", file=file)
