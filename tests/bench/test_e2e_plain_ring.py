@@ -71,10 +71,11 @@ def test_speculative_modes_with_plain_buckets(tmp_path):
     assert data["config"]["plain_from"] == 2
     for r in data["rows"]:
         assert r["plain_from"] == 2
-        if r["batch"] == 2:  # every step of both requests in the plain bucket
+        if r["batch"] == 2:  # every step of both requests in the plain bucket: no draft examined
             assert r["mean_accept_length"] == 1 and r["plain_steps"] == r["steps"] == 13
+            assert r["acceptance_rate"] is None and r["per_draft_acceptance"] is None
         else:  # forced full acceptance: windows of 3 tokens
-            assert r["plain_steps"] == 0 and r["mean_accept_length"] > 2
+            assert r["plain_steps"] == 0 and r["mean_accept_length"] > 2 and r["per_draft_acceptance"] == 1.0
     with pytest.raises(ValueError, match="plain_from"):
         e2e.E2EConfig(plain_from=0).check()
     assert e2e.mode_engine_options("circular", e2e.E2EConfig(plain_from=4)) == {

@@ -359,6 +359,17 @@ def per_draft_acceptance(accept_lengths: list[int], num_draft: int) -> float | N
     return accepted / examined if examined else None
 
 
+def speculative_accept_lengths(result, gen) -> list[int]:
+    """The tokens each request emitted at each speculative step of ``result`` (the plain
+    steps of a ``plain_from`` run examined no draft)."""
+    lengths, out = iter(result.accept_lengths), []
+    for live in result.stats.rows:
+        step = [next(lengths) for _ in range(live)]
+        if not gen.takes_plain_steps(live):
+            out += step
+    return out
+
+
 def _summary(mode: str, runs: list, batch: int, drafter: str | None, acceptance: float | None,
              num_draft: int = 0) -> dict:
     """One table row from the timed runs (a :class:`GenerationResult` each)."""
@@ -371,7 +382,7 @@ def _summary(mode: str, runs: list, batch: int, drafter: str | None, acceptance:
         "generated_tokens": last.num_generated,
         "steps": last.steps,
         "mean_accept_length": last.mean_accept_length,
-        "acceptance_rate": last.acceptance_rate if drafter else None,
+        "acceptance_rate": last.acceptance_rate if drafter and last.drafted else None,
         "per_draft_acceptance": per_draft_acceptance(last.accept_lengths, num_draft) if drafter else None,
         "prefill_s": statistics.median(r.prefill_s for r in runs),
         "decode_s": statistics.median(r.decode_s for r in runs),
@@ -529,7 +540,8 @@ def run_mode(model, mode: str, prompts, warm, cfg: E2EConfig, *, on_done=None) -
             row.update(window=window, ring_len=engine.pool.ring_len, ring_decoding=engine.ring_decoding)
         if gen.plain_from is not None:
             plain_steps = [sum(map(gen.takes_plain_steps, r.stats.rows)) for r in runs]
-            row.update(plain_from=gen.plain_from, plain_steps=sum(plain_steps) / len(runs))
+            row.update(plain_from=gen.plain_from, plain_steps=sum(plain_steps) / len(runs),
+                       per_draft_acceptance=per_draft_acceptance(speculative_accept_lengths(runs[-1], gen), depth))
         if tree is not None:
             row.update(tree=tree.describe(), window=window)
         out.append((row, runs[-1].tokens))
@@ -889,7 +901,8 @@ def plot_e2e(result: dict, path) -> Path:
             if r is not None:
                 ax.axhline(r["tokens_per_s"], color="k", linestyle=style, label=f"{base} decoding")
         for mode in STRATEGY_NAMES:
-            pts = sorted((r["acceptance_rate"], r["tokens_per_s"]) for r in rs if r["mode"] == mode)
+            pts = sorted((r["acceptance_rate"], r["tokens_per_s"]) for r in rs
+                         if r["mode"] == mode and r["acceptance_rate"] is not None)  # None: no draft examined
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=colors[mode], label=mode)
         ax.set_title(f"batch {batch}", fontsize=9)
