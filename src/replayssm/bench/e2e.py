@@ -556,9 +556,7 @@ def mode_engine_options(mode: str, cfg: E2EConfig) -> dict:
     ``plain-ring``, the ring its plain steps decode through."""
     if mode == PLAIN:
         return {"strategy": "fold"}
-    if mode == PLAIN_RING:
-        return {"strategy": "circular", "ring_len": cfg.plain_ring_len, "plain_via_ring": True}
-    if mode == "circular" and cfg.plain_from is not None:  # its plain buckets decode through the ring
+    if mode == PLAIN_RING or (mode == "circular" and cfg.plain_from is not None):  # plain steps through the ring
         return {"strategy": "circular", "ring_len": cfg.plain_ring_len, "plain_via_ring": True}
     return {"strategy": mode}
 

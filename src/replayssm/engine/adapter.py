@@ -541,9 +541,7 @@ class HybridEngine:
 
     def alloc(self) -> int:
         """A fresh request slot (zero state, empty KV)."""
-        slot = self.pool.alloc()
-        self.kv.reset(slot)
-        return slot
+        return self.alloc_many(1)[0]
 
     def alloc_many(self, n: int) -> list[int]:
         """``n`` fresh request slots, as ``n`` calls of :meth:`alloc` would give them,

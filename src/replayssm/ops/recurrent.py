@@ -260,12 +260,6 @@ def pick_block_v(kd: int, vd: int, batch: int, hv: int, state_dtype: torch.dtype
     return block_rows(vd, batch * hv * layers, device, most)
 
 
-def pick_num_warps(kd: int, vd: int, batch: int, state_dtype: torch.dtype, bv: int, *, read_only: bool = False) -> int:
-    """Warps of an exact kernel on ``[bv, *]`` tiles: the shape table's (``exact_read_only``
-    or ``exact_write``) through :func:`~replayssm.ops.triton_common.exact_warps`."""
-    return exact_warps(exact_row(kd, vd, batch, state_dtype, read_only)["num_warps"], bv)
-
-
 def exact_row(kd: int, vd: int, batch: int, state_dtype: torch.dtype, read_only: bool) -> dict:
     """The shape table's row for an exact kernel: ``exact_read_only`` for a verify that
     writes no state, else ``exact_write``."""
@@ -485,8 +479,8 @@ def gdn_recurrence_triton(
     if slots is not given:
         o.zero_()  # rewritten on the device: rows made padding zero only what they cover
     bk = exact_block_k(kd)
-    read_only = snapshots is None and not update_state
-    bv = pick_block_v(kd, vd, batch, hv, state.dtype, q.device, read_only=read_only)
+    row = exact_row(kd, vd, batch, state.dtype, read_only=snapshots is None and not update_state)
+    bv = pick_block_v(kd, vd, batch, hv, state.dtype, q.device, most=row["block_v"])
     dummy = o  # stands in for absent optional buffers; never dereferenced
     rec = records if records is not None else RawRecords(dummy, dummy, dummy, dummy)
     rec_strides = [x.stride(d) if records is not None else 0 for x in rec for d in range(3)]
@@ -501,6 +495,6 @@ def gdn_recurrence_triton(
         H=h, HV=hv, K=kd, V=vd, BK=bk, BV=bv, T=t,
         HAS_SNAPSHOTS=snapshots is not None, HAS_RECORDS=records is not None, UPDATE_STATE=bool(update_state),
         STEPS_BY_LENGTH=t > STEPS_BY_LENGTH_ABOVE,
-        num_warps=pick_num_warps(kd, vd, batch, state.dtype, bv, read_only=read_only),
+        num_warps=exact_warps(row["num_warps"], bv),
     )
     return o
