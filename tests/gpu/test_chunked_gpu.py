@@ -242,7 +242,7 @@ def test_ring_decode_on_eight_warps_keeps_the_flush_bits(state_dtype, cap):
     assert torch.equal(ck8, ck4), "checkpoints differ"
     assert same(ring8.g, ring4.g) and same(ring8.beta, ring4.beta) and same(ring8.k, ring4.k)
     scale = o4.float().abs().max().item()
-    assert scale > 0.1
+    assert scale > 1e-3, "outputs too small to compare"  # the case's outputs peak near 0.07
     torch.testing.assert_close(o8.float(), o4.float(), rtol=0, atol=1e-2 * scale)  # bf16 outputs: an ulp or two
     u_scale = u4.nan_to_num(0.0).abs().max().item()
     torch.testing.assert_close(u8.nan_to_num(0.0), u4.nan_to_num(0.0), rtol=0, atol=1e-5 * u_scale)
