@@ -132,6 +132,33 @@ def test_head_pass_on_cuda_in_bf16_is_the_generic_layers(mode, rng):
         assert g.dtype == w.dtype and torch.equal(g, w), f"output {i} differs"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["greedy", "tree"])
+def test_join_drafts_in_a_graph_are_the_eager_ones(mode, rng):
+    """A join's first drafts replayed from its captured graph
+    (:meth:`DeviceMTPDrafter.capture_join`): bit for bit the eager drafts when the join
+    fills the graph's rows (bf16), and the same tokens when sink rows pad it (fp32: the
+    matmuls' shapes differ, so only the tokens are compared); every later output is the
+    eager drafter's bit for bit either way."""
+    for dtype, buckets in (("bfloat16", [1, 2]), ("float32", [4])):
+        model = load_model(str(embedded_model_dir("embedded")), dtype=dtype, device="cuda")
+        kw = dict(tree=StaticTree.from_branching((3, 2, 1), "cuda")) if mode == "tree" else {}
+        k = kw["tree"].num_nodes - 1 if kw else 3
+        graphed, eager = _drafter(DeviceMTPDrafter, model, "auto", k, **kw), _drafter(DeviceMTPDrafter, model, "auto", k, **kw)
+        graphed.capture_join(buckets)
+        assert sorted(graphed._join_graphs) == buckets
+        rounds = _rounds(rng, graphed.engine.embed.weight.shape[1], graphed.engine.vocab_size, k, 4)
+        got, want = _drive(graphed, rounds, 0), _drive(eager, rounds, 0)
+        assert got[0].shape == want[0].shape == (2, k)
+        assert torch.equal(got[0], want[0]), f"{dtype}: the join's drafts differ"
+        for i, (g, w) in enumerate(zip(got[1:-2], want[1:-2]), 1):
+            assert torch.equal(g, w), f"{dtype}: output {i} differs"
+        # the caches differ only at the join drafts' tentative positions, which the first
+        # step overwrote; the sink slot (padding rows) is not compared
+        for g, w in zip(got[-2:], want[-2:]):
+            assert torch.equal(g[:, :2], w[:, :2]), f"{dtype}: the head's cache differs"
+
+
 # Kernel ceilings of the GPU path (fused norms, Triton attention; here under the
 # interpreter), counted by replayssm.testing.op_count.
 OBSERVE_OPS = 33

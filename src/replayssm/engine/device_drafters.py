@@ -68,6 +68,11 @@ class DeviceDrafter:
             self.start(s, list(p) + [f], r)
         return self.propose(torch.tensor(slots, dtype=torch.long, device=self._device))
 
+    def capture_join(self, buckets: Sequence[int]) -> None:
+        """Capture the first drafts of :meth:`join` in CUDA graphs, one per bucket of
+        ``buckets`` rows (a step driver calls this beside capturing its steps). A drafter
+        whose first drafts are cheap captures nothing."""
+
     def observe(self, slot_idx: torch.Tensor, emitted: torch.Tensor, accepted: torch.Tensor, *,
                 hidden: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> None:
         raise NotImplementedError
@@ -417,6 +422,38 @@ class ForcedDrafter(_SetAcceptance, DeviceDrafter):
         return (u < self._p).long().cumprod(1).sum(1)
 
 
+class _JoinGraph:
+    """:meth:`DeviceMTPDrafter._first_drafts` captured on ``rows`` padded rows: static
+    inputs (slot, head output, next position per row) and the drafts it writes."""
+
+    def __init__(self, drafter: "DeviceMTPDrafter", rows: int, pool=None):
+        from .graph_step import capture_graph
+
+        dev, sink = drafter._device, drafter.cache.sink
+        self.slot_idx = torch.full((rows,), sink, dtype=torch.long, device=dev)
+        self.h = torch.zeros((rows, drafter.engine.embed.weight.shape[1]), dtype=drafter.engine.dtype, device=dev)
+        # padding rows draft at positions 1..k-1 of the sink; later joins leave their
+        # own (valid) positions there
+        self.next_pos = torch.ones((rows,), dtype=torch.long, device=dev)
+        self.drafts = None
+
+        def body():
+            self.drafts = drafter._first_drafts(self.slot_idx, self.h, self.next_pos)
+
+        self.graph = capture_graph(body, dev, pool=pool)
+
+    def run(self, slot_idx: torch.Tensor, h: torch.Tensor, next_pos: torch.Tensor, sink: int) -> torch.Tensor:
+        """Drafts ``[n, k]`` of ``n <= rows`` joining rows (a copy: the next replay
+        overwrites the graph's buffer)."""
+        n = slot_idx.shape[0]
+        self.slot_idx[:n] = slot_idx
+        self.slot_idx[n:] = sink
+        self.h[:n] = h
+        self.next_pos[:n] = next_pos
+        self.graph.replay()
+        return self.drafts[:n].clone()
+
+
 #: Rotary embedding types whose frequencies depend on the sequence length (transformers'
 #: ``rope_type``): a table built once at bind would not match them.
 _LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
@@ -482,6 +519,8 @@ class DeviceMTPDrafter(DeviceDrafter):
             self.q = torch.zeros((num_slots + 1, num_draft, self.engine.vocab_size), dtype=torch.float32, device=device)
         self._steps = torch.arange(max(num_draft - 1, 1), device=device)[:, None]  # [k - 1, 1]: draft j at j - 1
         self._rotary = self._rope_table(capacity, device)
+        self._join_graphs: dict[int, _JoinGraph] = {}
+        self._join_pool = None
 
     def _rope_table(self, capacity: int, device) -> torch.Tensor:
         """``[capacity, 2, R]`` the rotary ``cos`` and the ``sin`` that rotates in place
@@ -667,9 +706,34 @@ class DeviceMTPDrafter(DeviceDrafter):
         tokens = [list(p[1:]) + [f] for p, f in zip(prompts, firsts)]
         layout = WindowLayout(slots, [0] * len(slots), [len(t) for t in tokens], eng.device)
         ids = torch.tensor([x for t in tokens for x in t], dtype=torch.long, device=eng.device)
-        out = self.head.forward_layer(eng, self.cache, layout, ids, hidden)
+        out = self.head.forward_layer(eng, self.cache, layout, ids, hidden, norm=eng.static_norm)
         ends = torch.tensor([o - 1 for o in offsets[1:]], dtype=torch.long, device=eng.device)
         self.cache.advance(slots, [len(t) for t in tokens])
         idx = torch.tensor(slots, dtype=torch.long, device=eng.device)
         nxt = torch.tensor([len(p) for p in prompts], device=eng.device)
-        return (self._draft if self.tree is None else self._draft_tree)(idx, out[ends], nxt)
+        rows = min((b for b in self._join_graphs if b >= len(slots)), default=None)
+        if rows is None:  # no graph this wide (or none captured): eagerly
+            return self._first_drafts(idx, out[ends], nxt)
+        return self._join_graphs[rows].run(idx, out[ends], nxt, self.cache.sink)
+
+    def _first_drafts(self, slot_idx, h, next_pos):
+        return (self._draft if self.tree is None else self._draft_tree)(slot_idx, h, next_pos)
+
+    def capture_join(self, buckets):
+        """The first drafts of a join (:meth:`_draft` from each request's last prompt
+        pair) in a CUDA graph per bucket: eagerly they are two head passes and three LM
+        heads, some 70 kernels whose launches cost a joining request milliseconds of time
+        to first token. A join of ``n`` requests replays the smallest graph of at least
+        ``n`` rows, padding rows drafting into the cache's sink slot. Off CUDA, or for a
+        join wider than every bucket, the drafts run eagerly.
+
+        The join graphs share one memory pool of their own, not the steps': each copies
+        its drafts out before another replays, and no step's buffers can lie in memory a
+        join graph overwrites."""
+        if self._device.type != "cuda":
+            return
+        if self._join_pool is None:
+            self._join_pool = torch.cuda.graph_pool_handle()
+        for rows in sorted(set(buckets)):
+            if rows not in self._join_graphs:
+                self._join_graphs[rows] = _JoinGraph(self, rows, self._join_pool)

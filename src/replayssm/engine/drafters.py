@@ -173,16 +173,19 @@ class MTPHead(nn.Module):
         return self.fc(torch.cat([e, norm(self.pre_fc_norm_hidden, hidden.to(e.dtype))], dim=-1))
 
     def forward_layer(self, engine: HybridEngine, cache: KVCache, layout: WindowLayout, tokens: torch.Tensor,
-                      hidden: torch.Tensor) -> torch.Tensor:
+                      hidden: torch.Tensor, norm=None) -> torch.Tensor:
         """``[N]`` next tokens and ``[N, hidden]`` previous hidden states -> ``[N, hidden]``
-        normed outputs. Writes the window into ``cache`` (lengths unchanged)."""
-        x = self.pair_input(engine, tokens, hidden)
+        normed outputs. Writes the window into ``cache`` (lengths unchanged).
+        ``norm(module, x)`` replaces the norm modules' calls (default: the modules;
+        :meth:`HybridEngine.static_norm` runs each in one fused kernel on CUDA)."""
+        norm = norm or (lambda module, x: module(x))
+        x = self.pair_input(engine, tokens, hidden, norm)
         cos, sin = engine.rotary_cos_sin(x, layout.positions)
         layer = self.layers[0]
         r = x
-        x = r + attention_forward(layer.self_attn, layer.input_layernorm(x), cos, sin, cache, 0, layout)
-        x = x + mlp_forward(layer.mlp, layer.post_attention_layernorm(x))
-        return self.norm(x)
+        x = r + attention_forward(layer.self_attn, norm(layer.input_layernorm, x), cos, sin, cache, 0, layout, norm)
+        x = x + mlp_forward(layer.mlp, norm(layer.post_attention_layernorm, x))
+        return norm(self.norm, x)
 
 
 def _fuse_experts(state: dict, prefix: str) -> dict:

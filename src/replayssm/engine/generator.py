@@ -552,6 +552,7 @@ class StepGenerator:
         self.plain_from = plain_from
         self._steps: dict[int, object] = {}
         self._pool = None
+        self._joins_captured = False
         # the next window of every slot (last token, then drafts); the last row is the sink
         self.windows = torch.zeros((slots + 1, self.num_draft + 1), dtype=torch.int64, device=engine.device)
         if drafter is not None:
@@ -579,9 +580,16 @@ class StepGenerator:
         return self._steps[rows]
 
     def capture(self, rows: Sequence[int] | None = None) -> None:
-        """Build (and on CUDA capture) the steps of these buckets now (default: all)."""
+        """Build (and on CUDA capture) the steps of these buckets now (default: all), and
+        the drafter's join graphs of every bucket (:meth:`DeviceDrafter.capture_join`)."""
         for b in rows or self.buckets:
             self._step(b)
+        self._capture_joins()
+
+    def _capture_joins(self) -> None:
+        if self.graphs and self.drafter is not None and not self._joins_captured:
+            self.drafter.capture_join(self.buckets)
+            self._joins_captured = True
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
                  on_tokens: Callable[[int, list[int]], None] | None = None) -> GenerationResult:
@@ -765,6 +773,7 @@ class StepGenerator:
         self.windows[slots, 0] = firsts
         firsts = firsts.tolist()
         if self.drafter is not None:
+            self._capture_joins()  # once, before the first join (capture() does it ahead)
             hidden, offsets = None, None
             if self.drafter.needs_hidden:
                 hidden, offsets = self._prompt_hidden(joiners, out, rows)
