@@ -714,7 +714,7 @@ class HybridEngine:
         if fixed is not None and n <= fixed[0] and max(lengths) <= fixed[1]:
             rows, t_max, l_max = fixed[0], fixed[1], self.max_len
         layout = WindowLayout(slots, starts, lengths, self.device, t_max=t_max, l_max=l_max)
-        ids = to_device([t for w in windows for t in w], self.device)
+        ids = to_device(itertools.chain.from_iterable(windows), self.device)
 
         h = _pad_rows(self.embed(ids), rows)  # [rows, hidden]; rows > N only with fixed_shape
         cos, sin = self.rotary_cos_sin(h[:n], layout.positions)

@@ -24,10 +24,12 @@ the last token, which greedy acceptance treats like any other guess.
 
 from __future__ import annotations
 
+import itertools
 from typing import Sequence
 
 import torch
 
+from ..ops.guards import to_device
 from .attention import slot_attention, tree_attention
 from .norms import add_rms_norm, norm_eps, norm_kind, rms_norm
 
@@ -703,14 +705,15 @@ class DeviceMTPDrafter(DeviceDrafter):
         eng = self.engine
         for s in slots:
             self.cache.reset(s)
-        tokens = [list(p[1:]) + [f] for p, f in zip(prompts, firsts)]
-        layout = WindowLayout(slots, [0] * len(slots), [len(t) for t in tokens], eng.device)
-        ids = torch.tensor([x for t in tokens for x in t], dtype=torch.long, device=eng.device)
+        lengths = [len(p) for p in prompts]  # pairs (h_t, x_{t+1}): the prompt shifted by one, then the first token
+        layout = WindowLayout(slots, [0] * len(slots), lengths, eng.device)
+        ids = to_device(itertools.chain.from_iterable(itertools.chain(p[1:], (f,)) for p, f in zip(prompts, firsts)),
+                        eng.device)
         out = self.head.forward_layer(eng, self.cache, layout, ids, hidden, norm=eng.static_norm)
-        ends = torch.tensor([o - 1 for o in offsets[1:]], dtype=torch.long, device=eng.device)
-        self.cache.advance(slots, [len(t) for t in tokens])
-        idx = torch.tensor(slots, dtype=torch.long, device=eng.device)
-        nxt = torch.tensor([len(p) for p in prompts], device=eng.device)
+        ends = to_device([o - 1 for o in offsets[1:]], eng.device)
+        self.cache.advance(slots, lengths)
+        idx = to_device(slots, eng.device)
+        nxt = to_device(lengths, eng.device)
         rows = min((b for b in self._join_graphs if b >= len(slots)), default=None)
         if rows is None:  # no graph this wide (or none captured): eagerly
             return self._first_drafts(idx, out[ends], nxt)

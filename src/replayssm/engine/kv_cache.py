@@ -14,6 +14,7 @@ import functools
 import os
 from typing import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -191,15 +192,15 @@ class WindowLayout:
             if l_max < self.l_max:
                 raise ValueError(f"l_max {l_max} is shorter than the longest history {self.l_max}")
             self.l_max = l_max
-        rows, cols, pos = [], [], []
-        for b, (s0, n) in enumerate(zip(self.starts, self.lengths)):
-            rows += [b] * n
-            cols += list(range(n))
-            pos += list(range(s0, s0 + n))
-        self.row = to_device(rows, device)  # [N] request of each token
-        self.col = to_device(cols, device)  # [N] index inside its window
-        self.positions = to_device(pos, device)  # [N] absolute position
-        self.slot_of_token = to_device([self.slots[r] for r in rows], device)
+        # per token, in numpy (a pass of many long prompts has tens of thousands), then
+        # one upload: request, index inside its window, absolute position, cache slot
+        lengths = np.asarray(self.lengths, dtype=np.int64)
+        rows = np.repeat(np.arange(self.batch, dtype=np.int64), lengths)
+        cols = np.arange(rows.size, dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        pos = cols + np.repeat(np.asarray(self.starts, dtype=np.int64), lengths)
+        slots_of = np.repeat(np.asarray(self.slots, dtype=np.int64), lengths)
+        index = to_device(np.concatenate([rows, cols, pos, slots_of]), device).view(4, rows.size)
+        self.row, self.col, self.positions, self.slot_of_token = index  # each [N]
         self.slot_index = to_device(self.slots, device)
         #: every request without history and no padding past the longest window: the
         #: attention needs no cache read and no explicit mask (see cached_attention)
