@@ -703,8 +703,7 @@ class DeviceMTPDrafter(DeviceDrafter):
         if hidden is None or offsets is None:
             raise ValueError("the MTP drafter needs the prompts' hidden states")
         eng = self.engine
-        for s in slots:
-            self.cache.reset(s)
+        self.cache.reset_many(slots)  # one device write for all of them
         lengths = [len(p) for p in prompts]  # pairs (h_t, x_{t+1}): the prompt shifted by one, then the first token
         layout = WindowLayout(slots, [0] * len(slots), lengths, eng.device)
         ids = to_device(itertools.chain.from_iterable(itertools.chain(p[1:], (f,)) for p, f in zip(prompts, firsts)),
