@@ -431,8 +431,8 @@ class _JoinGraph:
     def __init__(self, drafter: "DeviceMTPDrafter", rows: int, pool=None):
         from .graph_step import capture_graph
 
-        dev, sink = drafter._device, drafter.cache.sink
-        self.slot_idx = torch.full((rows,), sink, dtype=torch.long, device=dev)
+        dev, self.sink = drafter._device, drafter.cache.sink
+        self.slot_idx = torch.full((rows,), self.sink, dtype=torch.long, device=dev)
         self.h = torch.zeros((rows, drafter.engine.embed.weight.shape[1]), dtype=drafter.engine.dtype, device=dev)
         # padding rows draft at positions 1..k-1 of the sink; later joins leave their
         # own (valid) positions there
@@ -444,12 +444,12 @@ class _JoinGraph:
 
         self.graph = capture_graph(body, dev, pool=pool)
 
-    def run(self, slot_idx: torch.Tensor, h: torch.Tensor, next_pos: torch.Tensor, sink: int) -> torch.Tensor:
+    def run(self, slot_idx: torch.Tensor, h: torch.Tensor, next_pos: torch.Tensor) -> torch.Tensor:
         """Drafts ``[n, k]`` of ``n <= rows`` joining rows (a copy: the next replay
         overwrites the graph's buffer)."""
         n = slot_idx.shape[0]
         self.slot_idx[:n] = slot_idx
-        self.slot_idx[n:] = sink
+        self.slot_idx[n:] = self.sink
         self.h[:n] = h
         self.next_pos[:n] = next_pos
         self.graph.replay()
@@ -716,7 +716,7 @@ class DeviceMTPDrafter(DeviceDrafter):
         rows = min((b for b in self._join_graphs if b >= len(slots)), default=None)
         if rows is None:  # no graph this wide (or none captured): eagerly
             return self._first_drafts(idx, out[ends], nxt)
-        return self._join_graphs[rows].run(idx, out[ends], nxt, self.cache.sink)
+        return self._join_graphs[rows].run(idx, out[ends], nxt)
 
     def _first_drafts(self, slot_idx, h, next_pos):
         return (self._draft if self.tree is None else self._draft_tree)(slot_idx, h, next_pos)
