@@ -29,6 +29,7 @@ from typing import Sequence
 
 import torch
 
+from ..ops.counter_hash import counter_hash
 from ..ops.guards import to_device
 from .attention import slot_attention, tree_attention
 from .norms import add_rms_norm, norm_eps, norm_kind, rms_norm
@@ -324,36 +325,6 @@ class OracleDrafter(_SetAcceptance, DeviceDrafter):
         return torch.where(keep, right, (right + shift) % self.vocab_size)
 
 
-_MASK32 = 0xFFFFFFFF
-
-
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """``x * c mod 2**32`` for int64 ``x`` in ``[0, 2**32)``, with no intermediate at or
-    above ``2**63`` (signed overflow): the constant is split into 16-bit halves."""
-    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _MASK32
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer finalizer (xor-shift / multiply, C. Wellons' ``lowbias32``
-    constants) on int64 tensors, or Python ints, holding values in ``[0, 2**32)``."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def counter_hash(seed: int, *counters: torch.Tensor) -> torch.Tensor:
-    """A counter-based random number: 32 uniform bits (int64 in ``[0, 2**32)``) per
-    element of the broadcast ``counters`` (non-negative int64), a pure function of
-    ``(seed, counters...)``. Elementwise integer ops only: identical on every device,
-    in eager steps and in CUDA graph replays, and independent of batch layout."""
-    h = _mix32(seed & _MASK32)  # a Python int: the same operators serve ints and tensors
-    for c in counters:
-        h = _mix32((c & _MASK32) ^ h)
-    return h
-
-
 class ForcedDrafter(_SetAcceptance, DeviceDrafter):
     """A benchmark drafter whose acceptance does not depend on the model: the step
     accepts a seeded random number of its drafts (:meth:`forced_accepts`) instead of
@@ -363,9 +334,11 @@ class ForcedDrafter(_SetAcceptance, DeviceDrafter):
     Per step, draft ``i`` (0-based) is accepted when drafts ``0..i-1`` were and an
     independent coin with probability ``P`` comes up: accepted drafts ``n`` follow the
     truncated geometric law ``P(n = j) = P^j (1 - P)`` for ``j < k``, ``P(n = k) = P^k``.
-    The coins are :func:`counter_hash` of ``(seed, request, the request's step, i)``:
-    the same for a request whatever its slot, batch or strategy, on the CPU and on CUDA
-    (no generator state, nothing read on the host). The drafts themselves are
+    The coins are :func:`~replayssm.ops.counter_hash.counter_hash` of ``(seed, request,
+    the request's step, i)``: the same for a request whatever its slot, batch or
+    strategy, on the CPU and on CUDA (no generator state, nothing read on the host; on
+    CUDA one kernel a draw, so that the drafter adds microseconds, not ~0.1 ms, to the
+    step whose cost it is there to measure). The drafts themselves are
     pseudo-random tokens from the same hash (varied tokens, as real text routes to
     varied MoE experts); the step emits the accepted drafts and then the target's
     greedy token at the first rejected position (or after the last draft), so the text
@@ -404,7 +377,7 @@ class ForcedDrafter(_SetAcceptance, DeviceDrafter):
 
     def _bits(self, slot_idx: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """``[B, len(index)]`` hash bits of each row's ``(request, step, index)``."""
-        return counter_hash(self.seed, self.request[slot_idx][:, None], self.step[slot_idx][:, None], index[None])
+        return counter_hash(self.seed, self.request[slot_idx], self.step[slot_idx], index)
 
     def start(self, slot, tokens, request):
         if isinstance(request, bool) or not isinstance(request, int) or request < 0:

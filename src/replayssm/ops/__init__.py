@@ -20,6 +20,7 @@ from .conv import (
     causal_conv_verify_tree,
     causal_conv_verify_tree_reference,
 )
+from .counter_hash import counter_hash, counter_hash_reference
 from .cursors import advance_cursors, advance_cursors_reference, reset_cursors, reset_cursors_reference
 from .fold import gdn_fold, gdn_fold_reference
 from .gates import expand_heads, gdn_gates, l2_normalize
@@ -45,6 +46,8 @@ __all__ = [
     "causal_conv_verify_tree_reference",
     "compact_path",
     "compact_path_reference",
+    "counter_hash",
+    "counter_hash_reference",
     "expand_heads",
     "gdn_chunked_window",
     "gdn_chunked_window_reference",
