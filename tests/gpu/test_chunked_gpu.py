@@ -429,3 +429,26 @@ def test_register_cap_changes_no_bit(state_dtype):
     gdn_fold(ck_f[None], r.k[None], r.v[None], r.g[None], r.beta[None], slots, cache_base[idx], count, backend="triton")
     assert torch.equal(capped[1], ck_f)
     assert not torch.equal(capped[1], case["checkpoint"])
+
+
+@pytest.mark.parametrize("state_dtype,act_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16),
+                                                   (torch.float32, torch.float32)], ids=["fp32", "bf16", "fp32_acts"])
+def test_early_tile_keeps_the_checkpoints_and_the_outputs(state_dtype, act_dtype):
+    """Every row's checkpoint tile loaded before its cursors (``closed_form.early_tile =
+    1``): the folded checkpoints are the pipelined kernel's, bit for bit (and so the fold
+    kernel's); a non-flush row's ``S0 x`` is summed over four 32-key parts instead of two
+    64-key chunks, so its outputs and ``u`` agree to the products' rounding (relative
+    error under 1e-5 in fp32 products, 5e-3 in tf32; scale: the outputs' largest value)."""
+    case = make_case(32, 4, 64, state_dtype, act_dtype, pad=True)
+    with tuning.override("closed_form", early_tile=1):
+        early = run(case, "triton", method="closed_form")
+    with tuning.override("closed_form", early_tile=0):
+        late = run(case, "triton", method="closed_form")
+    assert same(early[1], late[1]), "checkpoints differ"
+    assert not torch.equal(early[1], case["checkpoint"])
+    rel = 1e-5 if act_dtype == torch.float32 else 5e-3
+    for got, want, name in ((early[0], late[0], "outputs"), (early[3], late[3], "u")):
+        got, want = got.float().nan_to_num(), want.float().nan_to_num()
+        assert (got - want).abs().max() <= rel * want.abs().max(), name
+    ref = run(case, "reference", dtype=torch.float64)
+    torch.testing.assert_close(early[0].double(), ref[0], **tol(ref[0], state_dtype, act_dtype))

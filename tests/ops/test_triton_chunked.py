@@ -300,18 +300,20 @@ def test_history_and_flush_matter():
         assert (o2 - o).abs().max() > 1e-2 * o.abs().max(), name
 
 
-@pytest.mark.parametrize("method,fuse_flush", [("closed_form", 0), ("closed_form", 1), ("replay", 1)],
-                         ids=["fold_launch", "fused", "replay"])
-def test_flush_fold_equals_fold_kernel_bit_for_bit(method, fuse_flush):
+@pytest.mark.parametrize("method,fuse_flush,early_tile",
+                         [("closed_form", 0, 0), ("closed_form", 1, 0), ("closed_form", 1, 1), ("replay", 1, 0)],
+                         ids=["fold_launch", "fused", "fused_early_tile", "replay"])
+def test_flush_fold_equals_fold_kernel_bit_for_bit(method, fuse_flush, early_tile):
     """A flush row's folded checkpoint is exactly what the fold kernel makes of the same
     records (all replay them through the shared exact step): the closed form running the
     fold kernel first or folding inside its outputs kernel (the shape table's
-    ``closed_form.fuse_flush``), and the small-batch replay method; fp32 and bf16 states."""
+    ``closed_form.fuse_flush``, with the tile loaded after the cursors or before them,
+    ``closed_form.early_tile``), and the small-batch replay method; fp32 and bf16 states."""
     for state_dtype in (torch.float32, torch.bfloat16):
         case = Case(2, 2, 16, 24, 3, 8, pad_row=False, rows=3, max_hist=5)
         case.is_flush = torch.ones_like(case.is_flush)
         case.checkpoint = case.checkpoint.to(state_dtype)
-        with tuning.override("closed_form", fuse_flush=fuse_flush):
+        with tuning.override("closed_form", fuse_flush=fuse_flush, early_tile=early_tile):
             _, ck_t, _, _ = case.run("triton", method=method)
         ck_f, ring, _ = case.buffers()
         gdn_fold(ck_f[None], ring.k[None], ring.v[None], ring.g[None], ring.beta[None], case.slots,
@@ -326,6 +328,16 @@ def test_flush_in_a_fold_launch_matches_reference():
     every other test of this module."""
     with tuning.override("closed_form", fuse_flush=0):
         check_against_reference(Case(2, 2, 24, 20, 3, 8), method="closed_form")
+
+
+@pytest.mark.parametrize("wide", [False, True], ids=["K24_V20_T3", "K16_V16_T4_rows5"])
+def test_early_tile_matches_reference(wide):
+    """The fused outputs kernel with every row's checkpoint tile loaded before its
+    cursors (``closed_form.early_tile = 1``) against the reference: rows that flush,
+    rows that do not, a padding row, and rows with a history."""
+    case = Case(2, 2, 24, 20, 3, 8) if not wide else Case(2, 2, 16, 16, 4, 8, rows=5)
+    with tuning.override("closed_form", fuse_flush=1, early_tile=1):
+        check_against_reference(case, method="closed_form")
 
 
 def test_strided_inputs():

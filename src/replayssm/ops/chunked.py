@@ -576,10 +576,11 @@ if triton is not None:
         check_inner_contiguous,
         check_max_len,
     )
-    from .fold import launch_fold, replay_history as _replay_history
+    from .fold import launch_fold, replay_history as _replay_history, replay_tile as _replay_tile
     from .recurrent import _load_token as _rec_load_token, pick_block_v, exact_block_k
     from .triton_common import EXACT_NUM_WARPS, NORM_EPS, block_rows, device_fn as _tl_device_fn
     from .triton_common import gdn_gates as _tl_gdn_gates
+    from .triton_common import load_parts as _tl_load_parts
     from .triton_common import mask_and as _tl_mask_and, normalized as _tl_normalized
     from .triton_common import row_dot as _tl_row_dot, row_sum as _tl_row_sum, store_parts as _tl_store_parts
     from .triton_common import to_rtne as _tl_to_rtne, window_program as _tl_window_program
@@ -781,29 +782,11 @@ if triton is not None:
         return SX
 
     @triton.jit
-    def _flushed_window_products(q_ptr, k_ptr, ckpt_at, rk_at, rv_at, rg_at, rb_at, base, count, p_tok, i_h,
-                                 offs_v, mask_v, xk_ok, xq_ok,
-                                 stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, eps,
-                                 HK: tl.constexpr, HVV: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                                 L: tl.constexpr, BK: tl.constexpr, BX: tl.constexpr, BV: tl.constexpr,
-                                 ROUND_STATE: tl.constexpr, DOT_PRECISION: tl.constexpr, AHEAD: tl.constexpr):
-        """A flush row's ``S0' x_r [BV, BX]``: fold its ``count`` committed raw records
-        into the checkpoint tile (the fold kernel's replay: same helpers, tile and warps,
-        so the stored checkpoint is the fold's, bit for bit), store it, and multiply the
-        folded tile, as stored, by the stacked window."""
-        KQ: tl.constexpr = BK // 4
-        offs_c = tl.arange(0, KQ)
-        tile = offs_v[:, None] * K + offs_c[None, :]
-        S0, S1, S2, S3 = _replay_history(ckpt_at, tile, rk_at, rv_at, rg_at, rb_at, base, count, offs_c, offs_v, mask_v,
-                                         HK, HVV, HV, HV, eps, K, L, KQ, AHEAD)
-        _tl_store_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ, S0, S1, S2, S3)
-        if ROUND_STATE:
-            # The window starts from the checkpoint as stored (16-bit), as every other
-            # row's does.
-            S0 = _tl_to_rtne(S0, ckpt_at.dtype.element_ty).to(tl.float32)
-            S1 = _tl_to_rtne(S1, ckpt_at.dtype.element_ty).to(tl.float32)
-            S2 = _tl_to_rtne(S2, ckpt_at.dtype.element_ty).to(tl.float32)
-            S3 = _tl_to_rtne(S3, ckpt_at.dtype.element_ty).to(tl.float32)
+    def _parts_window_products(S0, S1, S2, S3, q_ptr, k_ptr, p_tok, i_h, offs_c, xk_ok, xq_ok,
+                               stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
+                               K: tl.constexpr, KQ: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        """``S x_r [BV, BX]`` for a state tile held as four ``KQ``-wide parts (registers)
+        and the stacked window's raw keys and queries."""
         _, x0 = _load_window_x(q_ptr, k_ptr, p_tok, i_h, offs_c, offs_c < K, xk_ok, xq_ok,
                                stride_q_tok, stride_q_head, stride_k_tok, stride_k_head)
         _, x1 = _load_window_x(q_ptr, k_ptr, p_tok, i_h, KQ + offs_c, KQ + offs_c < K, xk_ok, xq_ok,
@@ -818,6 +801,26 @@ if triton is not None:
         return tl.dot(S3, tl.trans(x3), SX, input_precision=DOT_PRECISION)
 
     @triton.jit
+    def _fold_flush_tile(S0, S1, S2, S3, ckpt_at, tile, rk_at, rv_at, rg_at, rb_at, base, count, offs_c, offs_v, mask_v,
+                         eps, HK: tl.constexpr, HVV: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, L: tl.constexpr,
+                         KQ: tl.constexpr, ROUND_STATE: tl.constexpr, AHEAD: tl.constexpr):
+        """A flush row's checkpoint tile (four parts, as loaded) with its ``count``
+        committed raw records folded in (the fold kernel's replay: same helpers, tile and
+        warps, so the stored checkpoint is the fold's, bit for bit), stored, and returned
+        as stored."""
+        S0, S1, S2, S3 = _replay_tile(S0, S1, S2, S3, rk_at, rv_at, rg_at, rb_at, base, count, offs_c, offs_v, mask_v,
+                                      HK, HVV, HV, HV, eps, K, L, KQ, AHEAD)
+        _tl_store_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ, S0, S1, S2, S3)
+        if ROUND_STATE:
+            # The window starts from the checkpoint as stored (16-bit), as every other
+            # row's does.
+            S0 = _tl_to_rtne(S0, ckpt_at.dtype.element_ty).to(tl.float32)
+            S1 = _tl_to_rtne(S1, ckpt_at.dtype.element_ty).to(tl.float32)
+            S2 = _tl_to_rtne(S2, ckpt_at.dtype.element_ty).to(tl.float32)
+            S3 = _tl_to_rtne(S3, ckpt_at.dtype.element_ty).to(tl.float32)
+        return S0, S1, S2, S3
+
+    @triton.jit
     def _window_outputs_kernel(
         q_ptr, k_ptr, v_ptr, ckpt_ptr, rk_ptr, rv_ptr, rg_ptr, rb_ptr, ru_ptr,
         slots_ptr, cu_ptr, wp_ptr, base_ptr, flush_ptr, coef_ptr, o_ptr, nodes_ptr,
@@ -826,13 +829,17 @@ if triton is not None:
         BT: tl.constexpr, BTC: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr, BV: tl.constexpr,
         DOT_PRECISION: tl.constexpr, COEF_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
         FUSE_FLUSH: tl.constexpr, ROUND_STATE: tl.constexpr, AHEAD: tl.constexpr, TREE: tl.constexpr = False,
-        WAIT_COEF: tl.constexpr = False,
+        WAIT_COEF: tl.constexpr = False, EARLY_TILE: tl.constexpr = False,
     ):
         """Outputs and corrected deltas of V block ``i_v`` of a (window, value head), from
         its rows of the (folded) checkpoint and the coefficients. With ``FUSE_FLUSH`` a
-        flush row folds its history here (:func:`_flushed_window_products`), so its
+        flush row folds its history here (:func:`_fold_flush_tile`), so its
         checkpoint is read once for the fold and the window together; without it the
-        flush kernel has already run. With ``TREE`` tokens past ``nodes_ptr[i_b]`` are a
+        flush kernel has already run. With ``EARLY_TILE`` (``FUSE_FLUSH`` only) every
+        row loads its whole checkpoint tile, as four parts in registers, first: its
+        address needs the slot alone, so its loads are in flight while the cursors
+        load, and a row that does not flush multiplies the parts as they are (no
+        pipelined pass over K after the cursors). With ``TREE`` tokens past ``nodes_ptr[i_b]`` are a
         tree's padded nodes: read by nothing, zero outputs, no records (the tree lives
         in the coefficients). With ``WAIT_COEF`` the kernel runs as the coefficient
         kernel's programmatic dependent and waits for its end before reading ``coef``."""
@@ -851,24 +858,37 @@ if triton is not None:
             # Padding row: zero outputs, nothing else.
             tl.store(p_o, tl.zeros([BV, BX], dtype=o_ptr.dtype.element_ty), mask=mask_v[:, None] & xq_ok[None, :])
             return
+        ckpt_at = ckpt_ptr + (slot * HV + i_hv) * (V * K)
+        KQ: tl.constexpr = BK // 4
+        offs_c = tl.arange(0, KQ)
+        tile = offs_v[:, None] * K + offs_c[None, :]
+        if EARLY_TILE:
+            S0, S1, S2, S3 = _tl_load_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ)
         wp = tl.load(wp_ptr + slot).to(tl.int64)
         base = tl.load(base_ptr + slot).to(tl.int64)
         flush = tl.load(flush_ptr + slot) != 0
         n_hist = tl.where(flush, 0, wp)
         ring_at = slot * L
-        ckpt_at = ckpt_ptr + (slot * HV + i_hv) * (V * K)
 
         # Without FUSE_FLUSH the fused branch must not exist at all (a Python flag
         # assigned in the kernel would become a run-time one): its four-part products
         # need K >= 64 on CUDA.
         if FUSE_FLUSH:
             if flush & (wp > 0):
-                SX = _flushed_window_products(
-                    q_ptr, k_ptr, ckpt_at, rk_ptr + ring_at * (H * K) + i_h * K,
+                if not EARLY_TILE:
+                    S0, S1, S2, S3 = _tl_load_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ)
+                S0, S1, S2, S3 = _fold_flush_tile(
+                    S0, S1, S2, S3, ckpt_at, tile, rk_ptr + ring_at * (H * K) + i_h * K,
                     rv_ptr + ring_at * (HV * V) + i_hv * V, rg_ptr + ring_at * HV + i_hv, rb_ptr + ring_at * HV + i_hv,
-                    base, tl.minimum(wp, L), p_tok, i_h, offs_v, mask_v, xk_ok, xq_ok,
-                    stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, eps,
-                    H * K, HV * V, HV, K, L, BK, BX, BV, ROUND_STATE, DOT_PRECISION, AHEAD)
+                    base, tl.minimum(wp, L), offs_c, offs_v, mask_v, eps,
+                    H * K, HV * V, HV, K, L, KQ, ROUND_STATE, AHEAD)
+                SX = _parts_window_products(S0, S1, S2, S3, q_ptr, k_ptr, p_tok, i_h, offs_c, xk_ok, xq_ok,
+                                            stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
+                                            K, KQ, DOT_PRECISION)
+            elif EARLY_TILE:
+                SX = _parts_window_products(S0, S1, S2, S3, q_ptr, k_ptr, p_tok, i_h, offs_c, xk_ok, xq_ok,
+                                            stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
+                                            K, KQ, DOT_PRECISION)
             else:
                 SX = _checkpoint_window_products(q_ptr, k_ptr, ckpt_at, p_tok, i_h, offs_v, mask_v, xk_ok, xq_ok,
                                                  stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
@@ -1101,7 +1121,7 @@ def launch_window_outputs(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, 
         KC=max(16, min(cfg["k_chunk"], bk)), BV=bv,
         DOT_PRECISION=product_precision(q.dtype), COEF_PRECISION=coef_precision, NUM_STAGES=cfg["num_stages"],
         FUSE_FLUSH=fuse, ROUND_STATE=checkpoint.dtype != torch.float32, AHEAD=cfg["flush_records_ahead"],
-        TREE=tree is not None, WAIT_COEF=dependent,
+        TREE=tree is not None, WAIT_COEF=dependent, EARLY_TILE=fuse and bool(cfg["early_tile"]),
         # A fused flush is an exact replay: the exact kernels' warps (their layout
         # decides the bits of every row sum).
         num_warps=EXACT_NUM_WARPS if fuse else cfg["num_warps"],

@@ -53,10 +53,13 @@ PARAMS = {
     # where the GPU allows it (1: it overlaps the coefficients; ops/chunked.py
     # launch_closed_form) or after it (0), and a cap on the outputs kernel's registers
     # per thread on CUDA (0: the compiler's choice; a cap trades spills for programs
-    # per SM).
+    # per SM). ``early_tile`` (with fuse_flush): every row loads its whole checkpoint
+    # tile into registers before its cursors (1: the loads overlap the cursors' and
+    # a row that does not flush multiplies the tile as loaded) or streams it through
+    # the k_chunk pipeline after them (0).
     "closed_form": ("block_v", "k_chunk", "num_stages", "num_warps", "tf32_coefficients", "coef_warps",
                     "heads_per_program", "flush_block_v", "fuse_flush", "flush_records_ahead", "dependent_launch",
-                    "max_registers"),
+                    "max_registers", "early_tile"),
     # The tree recurrence (ops/tree_ops.py: fold's and snapshot's tree verify): rows of the
     # path stack a program holds in registers, all levels together (a level's tile is
     # stack_rows / levels rows high, at least 16).
@@ -100,13 +103,13 @@ TABLE: dict[str, list[tuple[dict, dict]]] = {
     # measured slower (BENCHMARKS.md, "circular's outputs kernel under a register cap").
     "closed_form": [({"max_batch": 32}, dict(block_v=64, k_chunk=64, num_stages=2, num_warps=4, tf32_coefficients=1,
                                              coef_warps=1, heads_per_program=1, flush_block_v=32, fuse_flush=1, flush_records_ahead=1,
-                                             dependent_launch=1, max_registers=0)),
+                                             dependent_launch=1, max_registers=0, early_tile=0)),
                     ({"state_dtype": torch.float32}, dict(block_v=64, k_chunk=64, num_stages=2, num_warps=4, tf32_coefficients=1,
                                                           coef_warps=1, heads_per_program=8, flush_block_v=32, fuse_flush=1,
-                                                          flush_records_ahead=1, dependent_launch=1, max_registers=128)),
+                                                          flush_records_ahead=1, dependent_launch=1, max_registers=128, early_tile=0)),
                     ({}, dict(block_v=64, k_chunk=64, num_stages=2, num_warps=4, tf32_coefficients=1, coef_warps=1,
                               heads_per_program=8, flush_block_v=32, fuse_flush=1, flush_records_ahead=1,
-                              dependent_launch=1, max_registers=0))],
+                              dependent_launch=1, max_registers=0, early_tile=0))],
     # Small batches are latency-bound: one launch with a chain of n + T exact steps
     # beats three launches and the window solve's per-head chain there. The switch sits
     # at the largest batch where replay measured faster (BENCHMARKS.md, kernels:
