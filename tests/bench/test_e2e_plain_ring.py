@@ -80,3 +80,27 @@ def test_speculative_modes_with_plain_buckets(tmp_path):
         e2e.E2EConfig(plain_from=0).check()
     assert e2e.mode_engine_options("circular", e2e.E2EConfig(plain_from=4)) == {
         "strategy": "circular", "ring_len": 16, "plain_via_ring": True}
+
+
+def test_circular_ring_length(tmp_path):
+    """``--ring-len``: circular's speculative steps run on a ring of that length (the row
+    reports it; without the option, the engine's least ring of 2 (num_draft + 1)), and
+    a forced acceptance gives every strategy the same accepted counts whatever L; bad
+    lengths and a clash with ``--plain-from`` are one-line errors."""
+    lengths = {}
+    for L in (None, 16):
+        js = tmp_path / f"e{L}.json"
+        rc = cli.main(["bench", "e2e", "--random", "tiny", "--batches", "2", "--max-new-tokens", "25",
+                       "--prompt-len", "6", "--quiet", "--no-hf", "--no-plain", "--strategies", "circular",
+                       "--num-draft", "2", "--drafter", "forced", "--acceptance", "0.7", "--seed", "3",
+                       "--json", str(js)] + ([] if L is None else ["--ring-len", str(L)]))
+        assert rc == 0
+        (row,) = json.loads(js.read_text())["rows"]
+        assert row["ring_len"] == (8 if L is None else 16)
+        lengths[L] = (row["mean_accept_length"], row["generated_tokens"])
+    assert lengths[None] == lengths[16]
+    for bad in (["--ring-len", "12"], ["--ring-len", "4"], ["--ring-len", "16", "--plain-from", "2"]):
+        assert cli.main(["bench", "e2e", "--random", "tiny", "--quiet", "--no-hf", "--num-draft", "2", *bad]) == 2
+    with pytest.raises(ValueError, match="ring_len"):
+        e2e.E2EConfig(ring_len=24).check()
+    assert e2e.mode_engine_options("circular", e2e.E2EConfig(ring_len=32)) == {"strategy": "circular", "ring_len": 32}

@@ -126,6 +126,9 @@ class E2EConfig:
     plain: bool = True
     plain_ring: bool = False  # also plain decoding through circular's ring (mode plain-ring)
     plain_ring_len: int = 16  # its ring length L: a flush every L - 2 (num_draft + 1) + 1 tokens
+    #: circular's ring length for its speculative steps; None: the engine's default, the
+    #: least power of two >= 2 (num_draft + 1), whose rows flush at every commit
+    ring_len: int | None = None
     hf: tuple[str, ...] = tuple(HF_CACHES)  # Hugging Face cache settings to time
     hf_max_batch: int | None = None  # time HF only at batches up to this (None: all)
     batches: tuple[int, ...] = (1, 4, 16)
@@ -187,6 +190,8 @@ class E2EConfig:
             self._check_tree()
         if self.plain_from is not None:
             self._check_plain_from()
+        if self.ring_len is not None:
+            self._check_ring_len()
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.backend not in BACKENDS:
@@ -223,6 +228,13 @@ class E2EConfig:
             raise ValueError("plain_from takes chains of drafts, not a draft tree")
         if "circular" in self.strategies:  # its plain steps decode through the ring
             self._check_plain_ring()
+
+    def _check_ring_len(self) -> None:
+        L, t = self.ring_len, self.num_draft + 1
+        if isinstance(L, bool) or not isinstance(L, int) or L < 2 * t or L & (L - 1):
+            raise ValueError(f"ring_len must be a power of two >= 2 * (num_draft + 1) = {2 * t}, got {L!r}")
+        if self.plain_from is not None:
+            raise ValueError("with plain_from, circular's ring is plain_ring_len's; leave ring_len unset")
 
     def _check_plain_ring(self) -> None:
         L, t = self.plain_ring_len, self.num_draft + 1
@@ -538,6 +550,8 @@ def run_mode(model, mode: str, prompts, warm, cfg: E2EConfig, *, on_done=None) -
         row["prompt_passes"] = dict(engine.prompt_passes)  # static (a prompt graph) or eager, over every run
         if mode == PLAIN_RING:
             row.update(window=window, ring_len=engine.pool.ring_len, ring_decoding=engine.ring_decoding)
+        elif mode == "circular":
+            row["ring_len"] = engine.pool.ring_len
         if gen.plain_from is not None:
             plain_steps = [sum(map(gen.takes_plain_steps, r.stats.rows)) for r in runs]
             row.update(plain_from=gen.plain_from, plain_steps=sum(plain_steps) / len(runs),
@@ -558,6 +572,8 @@ def mode_engine_options(mode: str, cfg: E2EConfig) -> dict:
         return {"strategy": "fold"}
     if mode == PLAIN_RING or (mode == "circular" and cfg.plain_from is not None):  # plain steps through the ring
         return {"strategy": "circular", "ring_len": cfg.plain_ring_len, "plain_via_ring": True}
+    if mode == "circular" and cfg.ring_len is not None:
+        return {"strategy": "circular", "ring_len": cfg.ring_len}
     return {"strategy": mode}
 
 

@@ -60,6 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plain-ring-len", type=positive_int, default=d.plain_ring_len,
                         help=f"ring length L of plain-ring: a power of two >= 2 (num_draft + 1); a flush every "
                              f"L - 2 (num_draft + 1) + 1 tokens (default {d.plain_ring_len})")
+    parser.add_argument("--ring-len", type=positive_int, default=None, metavar="L",
+                        help="circular's ring length for its speculative steps: a power of two >= 2 (num_draft + 1) "
+                             "(default: that least power, whose rows flush at every commit; longer rings flush every "
+                             "~(L - 2 (num_draft + 1) + 1) / accepted tokens steps)")
     parser.add_argument("--hf", type=name_list(tuple(HF_CACHES), allow_none=True), default=d.hf,
                         help="Hugging Face generate baselines: dynamic (its default cache) and/or static "
                              "(cache_implementation='static'), comma-separated, or 'none' (default both)")
@@ -122,7 +126,7 @@ def config_from_args(args):
     return E2EConfig(
         model=model, random_model=args.random or "tiny", strategies=tuple(args.strategies),
         plain=not args.no_plain, plain_ring=args.plain_ring, plain_ring_len=args.plain_ring_len,
-        hf=() if args.no_hf else tuple(args.hf), hf_max_batch=args.hf_max_batch,
+        ring_len=args.ring_len, hf=() if args.no_hf else tuple(args.hf), hf_max_batch=args.hf_max_batch,
         batches=tuple(pick(args.batches, (1, 16, 64), (2,))),
         num_draft=args.num_draft, max_new_tokens=pick(args.max_new_tokens, 128, 12),
         prompt_len=pick(args.prompt_len, 64, 8), drafter=args.drafter, acceptance=tuple(args.acceptance),
