@@ -11,8 +11,10 @@ For each (mode, batch) it sets up live requests, captures the step, and reports:
   (``observe`` + ``propose``, what the step runs after the commit) captured in a graph
   of their own at the step's shapes, timed by replays, with its kernel count.
 
-Drafters: ``oracle`` (set acceptance 0.8, a few tensor ops) or ``mtp`` (the model's MTP
-head: the checkpoint's with ``--model``, a random-weight one on the random model).
+Drafters: ``oracle`` (set acceptance 0.8 on its reference tokens, a few tensor ops),
+``forced`` (each draft accepted with probability 0.8 by a seeded draw, whatever the
+numerics: every strategy runs the same accepted counts) or ``mtp`` (the model's MTP head:
+the checkpoint's with ``--model``, a random-weight one on the random model).
 
     PYTHONPATH=src python3 scripts/gpu_profile_step.py --batches 1,64 --modes plain,fold,circular
     PYTHONPATH=src python3 scripts/gpu_profile_step.py --model embedded --drafter mtp --modes plain,fold
@@ -29,8 +31,8 @@ import torch
 from replayssm.bench import common
 from replayssm.bench.e2e import E2EConfig, load_model, make_drafter
 from replayssm.engine.adapter import HybridEngine
-from replayssm.engine.device_drafters import OracleDrafter
-from replayssm.engine.generator import StepGenerator, _Request
+from replayssm.engine.device_drafters import ForcedDrafter, OracleDrafter
+from replayssm.engine.generator import StepGenerator, StepStats, _Request
 
 
 def _replay_ms(graph, reps: int) -> float:
@@ -90,20 +92,25 @@ def profile(model, mode: str, batch: int, k: int, reps: int, top: int, drafter_k
         drafter = None
     elif drafter_kind == "mtp":
         drafter = make_drafter(cfg, engine, model)
+    elif drafter_kind == "forced":
+        drafter = ForcedDrafter(0.8, vocab)
     else:
         drafter = OracleDrafter(refs, 0.8, vocab)
     gen = StepGenerator(engine, drafter, num_draft=k)
     with torch.inference_mode():
-        reqs = [_Request(i, engine.alloc(), p, 10**6) for i, p in enumerate(prompts)]
-        gen._prefill(reqs, None)
+        reqs = [_Request(i, -1, p, 10**6) for i, p in enumerate(prompts)]
+        for r, slot in zip(reqs, engine.alloc_many(batch)):
+            r.slot, r.generation = slot, engine.pool.generation(slot)
+        gen._prefill_pass(reqs, StepStats(), None)
         step = gen._step(batch)
-        step.set_rows([r.slot for r in reqs])
+        step.set_rows([r.slot for r in reqs], [r.generation for r in reqs])
         for _ in range(5):
             step.run()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(10):
-            step.run()[:batch].tolist()
+            step.run()
+            step.out[:batch].tolist()
         wall_ms = (time.perf_counter() - t0) / 10 * 1e3
         gpu_ms = _replay_ms(step.graph, reps)
         events, total, count = _kernels(step.graph)
@@ -130,7 +137,7 @@ def main() -> None:
     ap.add_argument("--num-draft", type=int, default=3)
     ap.add_argument("--model", default=None, help="a checkpoint directory or 'embedded' (default: the random "
                                                    "qwen3.5-shapes model in bf16)")
-    ap.add_argument("--drafter", choices=("oracle", "mtp"), default="oracle")
+    ap.add_argument("--drafter", choices=("oracle", "forced", "mtp"), default="oracle")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--json", default=None)
