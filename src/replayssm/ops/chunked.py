@@ -576,7 +576,7 @@ if triton is not None:
         check_inner_contiguous,
         check_max_len,
     )
-    from .fold import launch_fold, replay_history as _replay_history, replay_tile as _replay_tile
+    from .fold import launch_fold, replay_and_store_tile as _replay_and_store_tile, replay_history as _replay_history
     from .recurrent import _load_token as _rec_load_token, pick_block_v, exact_block_k
     from .triton_common import EXACT_NUM_WARPS, NORM_EPS, block_rows, device_fn as _tl_device_fn
     from .triton_common import gdn_gates as _tl_gdn_gates
@@ -584,7 +584,7 @@ if triton is not None:
     from .triton_common import mask_and as _tl_mask_and, normalized as _tl_normalized
     from .triton_common import row_dot as _tl_row_dot, row_sum as _tl_row_sum, store_parts as _tl_store_parts
     from .triton_common import to_rtne as _tl_to_rtne, window_program as _tl_window_program
-    from .triton_common import dependent_launch, register_cap
+    from .triton_common import INTERPRETER, dependent_launch, register_cap
 
     @_tl_device_fn
     def _window_rows(bos, length, BT: tl.constexpr):
@@ -801,26 +801,6 @@ if triton is not None:
         return tl.dot(S3, tl.trans(x3), SX, input_precision=DOT_PRECISION)
 
     @triton.jit
-    def _fold_flush_tile(S0, S1, S2, S3, ckpt_at, tile, rk_at, rv_at, rg_at, rb_at, base, count, offs_c, offs_v, mask_v,
-                         eps, HK: tl.constexpr, HVV: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, L: tl.constexpr,
-                         KQ: tl.constexpr, ROUND_STATE: tl.constexpr, AHEAD: tl.constexpr):
-        """A flush row's checkpoint tile (four parts, as loaded) with its ``count``
-        committed raw records folded in (the fold kernel's replay: same helpers, tile and
-        warps, so the stored checkpoint is the fold's, bit for bit), stored, and returned
-        as stored."""
-        S0, S1, S2, S3 = _replay_tile(S0, S1, S2, S3, rk_at, rv_at, rg_at, rb_at, base, count, offs_c, offs_v, mask_v,
-                                      HK, HVV, HV, HV, eps, K, L, KQ, AHEAD)
-        _tl_store_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ, S0, S1, S2, S3)
-        if ROUND_STATE:
-            # The window starts from the checkpoint as stored (16-bit), as every other
-            # row's does.
-            S0 = _tl_to_rtne(S0, ckpt_at.dtype.element_ty).to(tl.float32)
-            S1 = _tl_to_rtne(S1, ckpt_at.dtype.element_ty).to(tl.float32)
-            S2 = _tl_to_rtne(S2, ckpt_at.dtype.element_ty).to(tl.float32)
-            S3 = _tl_to_rtne(S3, ckpt_at.dtype.element_ty).to(tl.float32)
-        return S0, S1, S2, S3
-
-    @triton.jit
     def _window_outputs_kernel(
         q_ptr, k_ptr, v_ptr, ckpt_ptr, rk_ptr, rv_ptr, rg_ptr, rb_ptr, ru_ptr,
         slots_ptr, cu_ptr, wp_ptr, base_ptr, flush_ptr, coef_ptr, o_ptr, nodes_ptr,
@@ -829,17 +809,20 @@ if triton is not None:
         BT: tl.constexpr, BTC: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr, BV: tl.constexpr,
         DOT_PRECISION: tl.constexpr, COEF_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
         FUSE_FLUSH: tl.constexpr, ROUND_STATE: tl.constexpr, AHEAD: tl.constexpr, TREE: tl.constexpr = False,
-        WAIT_COEF: tl.constexpr = False, EARLY_TILE: tl.constexpr = False,
+        WAIT_COEF: tl.constexpr = False, EARLY_TILE: tl.constexpr = False, ROWS: tl.constexpr = 0,
     ):
         """Outputs and corrected deltas of V block ``i_v`` of a (window, value head), from
         its rows of the (folded) checkpoint and the coefficients. With ``FUSE_FLUSH`` a
-        flush row folds its history here (:func:`_fold_flush_tile`), so its
+        flush row folds its history here (:func:`~replayssm.ops.fold.replay_and_store_tile`), so its
         checkpoint is read once for the fold and the window together; without it the
         flush kernel has already run. With ``EARLY_TILE`` (``FUSE_FLUSH`` only) every
         row loads its whole checkpoint tile, as four parts in registers, first: its
         address needs the slot alone, so its loads are in flight while the cursors
         load, and a row that does not flush multiplies the parts as they are (no
-        pipelined pass over K after the cursors). With ``TREE`` tokens past ``nodes_ptr[i_b]`` are a
+        pipelined pass over K after the cursors). ``ROWS`` (without ``FUSE_FLUSH``)
+        picks the rows a launch serves: 0 all, 1 those with no history to fold (padding
+        included), 2 those that fold one (after their fold); the others' programs exit
+        before they touch anything. With ``TREE`` tokens past ``nodes_ptr[i_b]`` are a
         tree's padded nodes: read by nothing, zero outputs, no records (the tree lives
         in the coefficients). With ``WAIT_COEF`` the kernel runs as the coefficient
         kernel's programmatic dependent and waits for its end before reading ``coef``."""
@@ -856,8 +839,18 @@ if triton is not None:
         p_o = o_ptr + (p_tok[None, :] * HV + i_hv) * V + offs_v[:, None]
         if (slot < 0) | (length <= 0):
             # Padding row: zero outputs, nothing else.
-            tl.store(p_o, tl.zeros([BV, BX], dtype=o_ptr.dtype.element_ty), mask=mask_v[:, None] & xq_ok[None, :])
+            if ROWS != 2:
+                tl.store(p_o, tl.zeros([BV, BX], dtype=o_ptr.dtype.element_ty), mask=mask_v[:, None] & xq_ok[None, :])
             return
+        if ROWS != 0:
+            # One of two launches over the batch (see launch_closed_form): this one's rows only.
+            folds = (tl.load(flush_ptr + slot) != 0) & (tl.load(wp_ptr + slot) > 0)
+            if ROWS == 1:
+                if folds:
+                    return
+            else:
+                if not folds:
+                    return
         ckpt_at = ckpt_ptr + (slot * HV + i_hv) * (V * K)
         KQ: tl.constexpr = BK // 4
         offs_c = tl.arange(0, KQ)
@@ -877,11 +870,13 @@ if triton is not None:
             if flush & (wp > 0):
                 if not EARLY_TILE:
                     S0, S1, S2, S3 = _tl_load_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ)
-                S0, S1, S2, S3 = _fold_flush_tile(
+                # The fold's replay and store (so the checkpoint is the fold's, bit for bit);
+                # the window starts from the folded tile as stored, as every other row's does.
+                S0, S1, S2, S3 = _replay_and_store_tile(
                     S0, S1, S2, S3, ckpt_at, tile, rk_ptr + ring_at * (H * K) + i_h * K,
                     rv_ptr + ring_at * (HV * V) + i_hv * V, rg_ptr + ring_at * HV + i_hv, rb_ptr + ring_at * HV + i_hv,
-                    base, tl.minimum(wp, L), offs_c, offs_v, mask_v, eps,
-                    H * K, HV * V, HV, K, L, KQ, ROUND_STATE, AHEAD)
+                    base, tl.minimum(wp, L), offs_c, offs_v, mask_v, H * K, HV * V, HV, HV, eps, K, L, KQ, AHEAD,
+                    ROUND_STATE)
                 SX = _parts_window_products(S0, S1, S2, S3, q_ptr, k_ptr, p_tok, i_h, offs_c, xk_ok, xq_ok,
                                             stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
                                             K, KQ, DOT_PRECISION)
@@ -1097,13 +1092,15 @@ def launch_coefficients(q, k, a, b, A_log, dt_bias, checkpoint, ring, slots, cu_
 
 def launch_window_outputs(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos, cache_base, is_flush, coef,
                           o, max_len: int, *, fuse_flush: bool | None = None, tree: DeviceTrees | None = None,
-                          dependent: bool = False) -> None:
+                          dependent: bool = False, rows: int = 0) -> None:
     """Launch the closed form's outputs kernel (outputs and corrected deltas from the
     checkpoint and ``coef``) on validated arguments; ``fuse_flush``: whether it folds the
     flush rows itself (default: :func:`fuses_flush`); ``dependent``: launch it as the
     programmatic dependent of the coefficient kernel just launched (which must have
     been launched with ``dependent`` too, and on a device where
-    :func:`~replayssm.ops.triton_common.dependent_launch` holds)."""
+    :func:`~replayssm.ops.triton_common.dependent_launch` holds); ``rows`` (unfused
+    only): 0 every row, 1 the rows that fold no history this step, 2 those that do
+    (their fold done)."""
     h, kd = q.shape[1], q.shape[2]
     hv, vd = v.shape[1], v.shape[2]
     batch = slots.shape[0]
@@ -1113,6 +1110,8 @@ def launch_window_outputs(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, 
     bv = block_rows(vd, batch * hv, q.device, cfg["block_v"], least=16)
     coef_precision = "tf32" if cfg["tf32_coefficients"] and q.dtype != torch.float32 else "ieee"
     fuse = fuses_flush(kd, vd, checkpoint.dtype, batch, q.device) if fuse_flush is None else fuse_flush
+    if rows not in (0, 1, 2) or (rows and fuse):
+        raise ValueError(f"rows must be 0, or 1 or 2 with an unfused flush; got rows={rows}, fuse_flush={fuse}")
     _window_outputs_kernel[(triton.cdiv(vd, bv), batch, hv)](
         q, k, v, checkpoint, ring.k, ring.v, ring.g, ring.beta, ring_u,
         slots, cu_seqlens, write_pos, cache_base, is_flush, coef, o, slots if tree is None else tree.num_nodes,
@@ -1121,7 +1120,7 @@ def launch_window_outputs(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, 
         KC=max(16, min(cfg["k_chunk"], bk)), BV=bv,
         DOT_PRECISION=product_precision(q.dtype), COEF_PRECISION=coef_precision, NUM_STAGES=cfg["num_stages"],
         FUSE_FLUSH=fuse, ROUND_STATE=checkpoint.dtype != torch.float32, AHEAD=cfg["flush_records_ahead"],
-        TREE=tree is not None, WAIT_COEF=dependent, EARLY_TILE=fuse and bool(cfg["early_tile"]),
+        TREE=tree is not None, WAIT_COEF=dependent, EARLY_TILE=fuse and bool(cfg["early_tile"]), ROWS=rows,
         # A fused flush is an exact replay: the exact kernels' warps (their layout
         # decides the bits of every row sum).
         num_warps=EXACT_NUM_WARPS if fuse else cfg["num_warps"],
@@ -1164,17 +1163,53 @@ def launch_closed_form(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, 
     programs start while the coefficients are computed, make their pass over the
     checkpoint (and fold their flush rows), and wait only before they read the
     coefficients. The coefficient kernel is one wave of short programs, a dependent
-    chain rather than bytes, so this hides it behind the first wave of the outputs."""
+    chain rather than bytes, so this hides it behind the first wave of the outputs.
+
+    With the flush unfused and ``closed_form.concurrent_flush``, the fold of the flush
+    rows runs on a stream of its own, beside the coefficients and the outputs of every
+    other row (a fork and a join inside a CUDA graph); the flush rows' outputs follow
+    the join. The fold is a latency-bound chain of exact steps and the other rows'
+    outputs a stream of bytes: side by side, each kernel with its own registers, they
+    fill the SMs that the fused kernel (the flush's registers in every program) leaves
+    half idle. Nothing either side writes is read by the other: the fold writes the
+    flush rows' checkpoints, which only their own outputs launch reads, after the join;
+    it reads their history records, which lie before every window's records."""
     batch = slots.shape[0]
     fuse = fuses_flush(q.shape[2], v.shape[2], checkpoint.dtype, batch, q.device)
     cfg = tuning.lookup("closed_form", K=q.shape[2], V=v.shape[2], state_dtype=checkpoint.dtype, batch=batch)
     dependent = bool(cfg["dependent_launch"]) and dependent_launch(q.device)
-    if not fuse:
+    split = not fuse and bool(cfg["concurrent_flush"])
+    side = _flush_stream(q.device) if split else None
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream(q.device))
+        with torch.cuda.stream(side):
+            launch_flush(checkpoint, ring, slots, write_pos, cache_base, is_flush)
+    elif not fuse:
         launch_flush(checkpoint, ring, slots, write_pos, cache_base, is_flush)
     coef = launch_coefficients(q, k, a, b, A_log, dt_bias, checkpoint, ring, slots, cu_seqlens, write_pos, cache_base,
                                is_flush, max_len, tree=tree, dependent=dependent)
     launch_window_outputs(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos, cache_base, is_flush, coef,
-                          o, max_len, fuse_flush=fuse, tree=tree, dependent=dependent)
+                          o, max_len, fuse_flush=fuse, tree=tree, dependent=dependent, rows=1 if split else 0)
+    if split:
+        if side is not None:
+            torch.cuda.current_stream(q.device).wait_stream(side)
+        launch_window_outputs(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos, cache_base, is_flush,
+                              coef, o, max_len, fuse_flush=False, tree=tree, rows=2)
+
+
+_FLUSH_STREAMS: dict[int, "torch.cuda.Stream"] = {}
+
+
+def _flush_stream(device: torch.device):
+    """The side stream of :func:`launch_closed_form`'s concurrent flush on a CUDA
+    ``device`` (one per device, made on first use); ``None`` elsewhere (the interpreter
+    runs the launches in order)."""
+    if device.type != "cuda" or INTERPRETER:
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _FLUSH_STREAMS:
+        _FLUSH_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _FLUSH_STREAMS[index]
 
 
 def launch_replay_window(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos,

@@ -145,7 +145,7 @@ except ImportError:  # the reference backend works without Triton
 if triton is not None:
     from .triton_common import NORM_EPS, exact_warps, device_fn as _tl_device_fn, gdn_state_step as _tl_state_step
     from .triton_common import load_parts as _tl_load_parts, mask_and as _tl_mask_and, normalized as _tl_normalized
-    from .triton_common import store_parts as _tl_store_parts
+    from .triton_common import store_parts as _tl_store_parts, to_rtne as _tl_to_rtne
 
     @_tl_device_fn
     def _load_record_at(rk_at, rv_at, rg_at, rb_at, pos, valid, offs_c, mask_c, mask_v, offs_v,
@@ -221,6 +221,25 @@ if triton is not None:
                 k0n, k1n, k2n, k3n, v_n, g_n, b_n = k0a, k1a, k2a, k3a, v_a, g_a, b_a
             k0, k1, k2, k3 = _tl_normalized(k0, k1, k2, k3, eps, 1.0)
             S0, S1, S2, S3 = _tl_state_step(S0, S1, S2, S3, k0, k1, k2, k3, v, g, beta)
+        return S0, S1, S2, S3
+
+    @triton.jit
+    def replay_and_store_tile(S0, S1, S2, S3, ckpt_at, tile, rk_at, rv_at, rg_at, rb_at, base, count, offs_c, offs_v,
+                              mask_v, srk_pos, srv_pos, srg_pos, srb_pos, eps, K: tl.constexpr, L: tl.constexpr,
+                              KQ: tl.constexpr, AHEAD: tl.constexpr, ROUND_STATE: tl.constexpr):
+        """A flush inside another kernel: :func:`replay_tile` on a loaded checkpoint tile,
+        the folded tile stored at ``ckpt_at + tile`` (this kernel's store, so the
+        checkpoint is the fold's bit for bit), and the tile returned as stored (rounded
+        to the checkpoint's dtype with ``ROUND_STATE``), which is where the caller's
+        window or token starts from."""
+        S0, S1, S2, S3 = replay_tile(S0, S1, S2, S3, rk_at, rv_at, rg_at, rb_at, base, count, offs_c, offs_v, mask_v,
+                                     srk_pos, srv_pos, srg_pos, srb_pos, eps, K, L, KQ, AHEAD)
+        _tl_store_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ, S0, S1, S2, S3)
+        if ROUND_STATE:
+            S0 = _tl_to_rtne(S0, ckpt_at.dtype.element_ty).to(tl.float32)
+            S1 = _tl_to_rtne(S1, ckpt_at.dtype.element_ty).to(tl.float32)
+            S2 = _tl_to_rtne(S2, ckpt_at.dtype.element_ty).to(tl.float32)
+            S3 = _tl_to_rtne(S3, ckpt_at.dtype.element_ty).to(tl.float32)
         return S0, S1, S2, S3
 
     @triton.jit

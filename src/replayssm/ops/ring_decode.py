@@ -121,7 +121,7 @@ except ImportError:  # the reference backend works without Triton
     triton = None
 
 if triton is not None:
-    from .fold import replay_tile as _replay_tile
+    from .fold import replay_and_store_tile as _replay_and_store_tile
     from .recurrent import exact_block_k
     from .triton_common import NORM_EPS, block_rows, exact_warps, register_cap, device_fn as _tl_device_fn
     from .triton_common import inv_norm as _tl_inv_norm
@@ -198,16 +198,11 @@ if triton is not None:
             # the token from the folded rows as stored: the history is empty.
             if not EARLY_TILE:
                 S0, S1, S2, S3 = _tl_load_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ)
-            S0, S1, S2, S3 = _replay_tile(
-                S0, S1, S2, S3, rk_ptr + ring_at * (H * K) + i_h * K, rv_ptr + ring_at * (HV * V) + i_hv * V,
-                rg_ptr + ring_at * HV + i_hv, rb_ptr + ring_at * HV + i_hv, base, tl.minimum(wp, L), offs_c,
-                offs_v, mask_v, H * K, HV * V, HV, HV, eps, K, L, KQ, AHEAD)
-            _tl_store_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ, S0, S1, S2, S3)
-            if ROUND_STATE:
-                S0 = _tl_to_rtne(S0, ckpt_ptr.dtype.element_ty).to(tl.float32)
-                S1 = _tl_to_rtne(S1, ckpt_ptr.dtype.element_ty).to(tl.float32)
-                S2 = _tl_to_rtne(S2, ckpt_ptr.dtype.element_ty).to(tl.float32)
-                S3 = _tl_to_rtne(S3, ckpt_ptr.dtype.element_ty).to(tl.float32)
+            S0, S1, S2, S3 = _replay_and_store_tile(
+                S0, S1, S2, S3, ckpt_at, tile, rk_ptr + ring_at * (H * K) + i_h * K,
+                rv_ptr + ring_at * (HV * V) + i_hv * V, rg_ptr + ring_at * HV + i_hv, rb_ptr + ring_at * HV + i_hv,
+                base, tl.minimum(wp, L), offs_c, offs_v, mask_v, H * K, HV * V, HV, HV, eps, K, L, KQ, AHEAD,
+                ROUND_STATE)
             _token_rows(o_at, rv_at, ru_at, v_at, offs_v, mask_v, _tl_row_dot(S0, S1, S2, S3, kh0, kh1, kh2, kh3),
                         _tl_row_dot(S0, S1, S2, S3, qh0, qh1, qh2, qh3), e, beta, kq)
         else:
