@@ -300,11 +300,10 @@ def test_history_and_flush_matter():
         assert (o2 - o).abs().max() > 1e-2 * o.abs().max(), name
 
 
-@pytest.mark.parametrize("method,fuse_flush,early_tile,concurrent",
-                         [("closed_form", 0, 0, 0), ("closed_form", 0, 0, 1), ("closed_form", 1, 0, 0),
-                          ("closed_form", 1, 1, 0), ("replay", 1, 0, 0)],
-                         ids=["fold_launch", "fold_beside_outputs", "fused", "fused_early_tile", "replay"])
-def test_flush_fold_equals_fold_kernel_bit_for_bit(method, fuse_flush, early_tile, concurrent):
+@pytest.mark.parametrize("method,fuse_flush,early_tile",
+                         [("closed_form", 0, 0), ("closed_form", 1, 0), ("closed_form", 1, 1), ("replay", 1, 0)],
+                         ids=["fold_launch", "fused", "fused_early_tile", "replay"])
+def test_flush_fold_equals_fold_kernel_bit_for_bit(method, fuse_flush, early_tile):
     """A flush row's folded checkpoint is exactly what the fold kernel makes of the same
     records (all replay them through the shared exact step): the closed form running the
     fold kernel first or folding inside its outputs kernel (the shape table's
@@ -314,7 +313,7 @@ def test_flush_fold_equals_fold_kernel_bit_for_bit(method, fuse_flush, early_til
         case = Case(2, 2, 16, 24, 3, 8, pad_row=False, rows=3, max_hist=5)
         case.is_flush = torch.ones_like(case.is_flush)
         case.checkpoint = case.checkpoint.to(state_dtype)
-        with tuning.override("closed_form", fuse_flush=fuse_flush, early_tile=early_tile, concurrent_flush=concurrent):
+        with tuning.override("closed_form", fuse_flush=fuse_flush, early_tile=early_tile):
             _, ck_t, _, _ = case.run("triton", method=method)
         ck_f, ring, _ = case.buffers()
         gdn_fold(ck_f[None], ring.k[None], ring.v[None], ring.g[None], ring.beta[None], case.slots,
@@ -339,25 +338,6 @@ def test_early_tile_matches_reference(wide):
     case = Case(2, 2, 24, 20, 3, 8) if not wide else Case(2, 2, 16, 16, 4, 8, rows=5)
     with tuning.override("closed_form", fuse_flush=1, early_tile=1):
         check_against_reference(case, method="closed_form")
-
-
-def test_flush_beside_the_outputs_matches_reference():
-    """The unfused flush split in two (``closed_form.concurrent_flush = 1``): the rows
-    without a history to fold (padding included) in one outputs launch, the folding rows
-    after their fold in another; every row's outputs, records and ``u`` against the
-    reference, so a row served twice or not at all fails."""
-    with tuning.override("closed_form", fuse_flush=0, concurrent_flush=1):
-        check_against_reference(Case(2, 2, 24, 20, 3, 8, rows=6), method="closed_form")
-
-
-def test_outputs_launch_rows_are_checked():
-    from replayssm.ops.chunked import launch_window_outputs
-
-    case = Case(1, 1, 16, 16, 2, 8)
-    for rows, fuse in ((3, False), (1, True), (2, True)):
-        with pytest.raises(ValueError, match="rows must be"):
-            launch_window_outputs(*(case.x[n] for n in ("q", "k", "v")), *case.buffers(), *case.cursors(), None, None,
-                                  case.t, fuse_flush=fuse, rows=rows)
 
 
 def test_strided_inputs():

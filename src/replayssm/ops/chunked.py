@@ -584,7 +584,7 @@ if triton is not None:
     from .triton_common import mask_and as _tl_mask_and, normalized as _tl_normalized
     from .triton_common import row_dot as _tl_row_dot, row_sum as _tl_row_sum, store_parts as _tl_store_parts
     from .triton_common import to_rtne as _tl_to_rtne, window_program as _tl_window_program
-    from .triton_common import INTERPRETER, dependent_launch, register_cap
+    from .triton_common import dependent_launch, register_cap
 
     @_tl_device_fn
     def _window_rows(bos, length, BT: tl.constexpr):
@@ -809,7 +809,7 @@ if triton is not None:
         BT: tl.constexpr, BTC: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr, BV: tl.constexpr,
         DOT_PRECISION: tl.constexpr, COEF_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
         FUSE_FLUSH: tl.constexpr, ROUND_STATE: tl.constexpr, AHEAD: tl.constexpr, TREE: tl.constexpr = False,
-        WAIT_COEF: tl.constexpr = False, EARLY_TILE: tl.constexpr = False, ROWS: tl.constexpr = 0,
+        WAIT_COEF: tl.constexpr = False, EARLY_TILE: tl.constexpr = False,
     ):
         """Outputs and corrected deltas of V block ``i_v`` of a (window, value head), from
         its rows of the (folded) checkpoint and the coefficients. With ``FUSE_FLUSH`` a
@@ -819,10 +819,7 @@ if triton is not None:
         row loads its whole checkpoint tile, as four parts in registers, first: its
         address needs the slot alone, so its loads are in flight while the cursors
         load, and a row that does not flush multiplies the parts as they are (no
-        pipelined pass over K after the cursors). ``ROWS`` (without ``FUSE_FLUSH``)
-        picks the rows a launch serves: 0 all, 1 those with no history to fold (padding
-        included), 2 those that fold one (after their fold); the others' programs exit
-        before they touch anything. With ``TREE`` tokens past ``nodes_ptr[i_b]`` are a
+        pipelined pass over K after the cursors). With ``TREE`` tokens past ``nodes_ptr[i_b]`` are a
         tree's padded nodes: read by nothing, zero outputs, no records (the tree lives
         in the coefficients). With ``WAIT_COEF`` the kernel runs as the coefficient
         kernel's programmatic dependent and waits for its end before reading ``coef``."""
@@ -839,18 +836,8 @@ if triton is not None:
         p_o = o_ptr + (p_tok[None, :] * HV + i_hv) * V + offs_v[:, None]
         if (slot < 0) | (length <= 0):
             # Padding row: zero outputs, nothing else.
-            if ROWS != 2:
-                tl.store(p_o, tl.zeros([BV, BX], dtype=o_ptr.dtype.element_ty), mask=mask_v[:, None] & xq_ok[None, :])
+            tl.store(p_o, tl.zeros([BV, BX], dtype=o_ptr.dtype.element_ty), mask=mask_v[:, None] & xq_ok[None, :])
             return
-        if ROWS != 0:
-            # One of two launches over the batch (see launch_closed_form): this one's rows only.
-            folds = (tl.load(flush_ptr + slot) != 0) & (tl.load(wp_ptr + slot) > 0)
-            if ROWS == 1:
-                if folds:
-                    return
-            else:
-                if not folds:
-                    return
         ckpt_at = ckpt_ptr + (slot * HV + i_hv) * (V * K)
         KQ: tl.constexpr = BK // 4
         offs_c = tl.arange(0, KQ)
@@ -1092,15 +1079,13 @@ def launch_coefficients(q, k, a, b, A_log, dt_bias, checkpoint, ring, slots, cu_
 
 def launch_window_outputs(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos, cache_base, is_flush, coef,
                           o, max_len: int, *, fuse_flush: bool | None = None, tree: DeviceTrees | None = None,
-                          dependent: bool = False, rows: int = 0) -> None:
+                          dependent: bool = False) -> None:
     """Launch the closed form's outputs kernel (outputs and corrected deltas from the
     checkpoint and ``coef``) on validated arguments; ``fuse_flush``: whether it folds the
     flush rows itself (default: :func:`fuses_flush`); ``dependent``: launch it as the
     programmatic dependent of the coefficient kernel just launched (which must have
     been launched with ``dependent`` too, and on a device where
-    :func:`~replayssm.ops.triton_common.dependent_launch` holds); ``rows`` (unfused
-    only): 0 every row, 1 the rows that fold no history this step, 2 those that do
-    (their fold done)."""
+    :func:`~replayssm.ops.triton_common.dependent_launch` holds)."""
     h, kd = q.shape[1], q.shape[2]
     hv, vd = v.shape[1], v.shape[2]
     batch = slots.shape[0]
@@ -1110,8 +1095,6 @@ def launch_window_outputs(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, 
     bv = block_rows(vd, batch * hv, q.device, cfg["block_v"], least=16)
     coef_precision = "tf32" if cfg["tf32_coefficients"] and q.dtype != torch.float32 else "ieee"
     fuse = fuses_flush(kd, vd, checkpoint.dtype, batch, q.device) if fuse_flush is None else fuse_flush
-    if rows not in (0, 1, 2) or (rows and fuse):
-        raise ValueError(f"rows must be 0, or 1 or 2 with an unfused flush; got rows={rows}, fuse_flush={fuse}")
     _window_outputs_kernel[(triton.cdiv(vd, bv), batch, hv)](
         q, k, v, checkpoint, ring.k, ring.v, ring.g, ring.beta, ring_u,
         slots, cu_seqlens, write_pos, cache_base, is_flush, coef, o, slots if tree is None else tree.num_nodes,
@@ -1120,7 +1103,7 @@ def launch_window_outputs(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, 
         KC=max(16, min(cfg["k_chunk"], bk)), BV=bv,
         DOT_PRECISION=product_precision(q.dtype), COEF_PRECISION=coef_precision, NUM_STAGES=cfg["num_stages"],
         FUSE_FLUSH=fuse, ROUND_STATE=checkpoint.dtype != torch.float32, AHEAD=cfg["flush_records_ahead"],
-        TREE=tree is not None, WAIT_COEF=dependent, EARLY_TILE=fuse and bool(cfg["early_tile"]), ROWS=rows,
+        TREE=tree is not None, WAIT_COEF=dependent, EARLY_TILE=fuse and bool(cfg["early_tile"]),
         # A fused flush is an exact replay: the exact kernels' warps (their layout
         # decides the bits of every row sum).
         num_warps=EXACT_NUM_WARPS if fuse else cfg["num_warps"],
@@ -1163,53 +1146,17 @@ def launch_closed_form(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, 
     programs start while the coefficients are computed, make their pass over the
     checkpoint (and fold their flush rows), and wait only before they read the
     coefficients. The coefficient kernel is one wave of short programs, a dependent
-    chain rather than bytes, so this hides it behind the first wave of the outputs.
-
-    With the flush unfused and ``closed_form.concurrent_flush``, the fold of the flush
-    rows runs on a stream of its own, beside the coefficients and the outputs of every
-    other row (a fork and a join inside a CUDA graph); the flush rows' outputs follow
-    the join. The fold is a latency-bound chain of exact steps and the other rows'
-    outputs a stream of bytes: side by side, each kernel with its own registers, they
-    fill the SMs that the fused kernel (the flush's registers in every program) leaves
-    half idle. Nothing either side writes is read by the other: the fold writes the
-    flush rows' checkpoints, which only their own outputs launch reads, after the join;
-    it reads their history records, which lie before every window's records."""
+    chain rather than bytes, so this hides it behind the first wave of the outputs."""
     batch = slots.shape[0]
     fuse = fuses_flush(q.shape[2], v.shape[2], checkpoint.dtype, batch, q.device)
     cfg = tuning.lookup("closed_form", K=q.shape[2], V=v.shape[2], state_dtype=checkpoint.dtype, batch=batch)
     dependent = bool(cfg["dependent_launch"]) and dependent_launch(q.device)
-    split = not fuse and bool(cfg["concurrent_flush"])
-    side = _flush_stream(q.device) if split else None
-    if side is not None:
-        side.wait_stream(torch.cuda.current_stream(q.device))
-        with torch.cuda.stream(side):
-            launch_flush(checkpoint, ring, slots, write_pos, cache_base, is_flush)
-    elif not fuse:
+    if not fuse:
         launch_flush(checkpoint, ring, slots, write_pos, cache_base, is_flush)
     coef = launch_coefficients(q, k, a, b, A_log, dt_bias, checkpoint, ring, slots, cu_seqlens, write_pos, cache_base,
                                is_flush, max_len, tree=tree, dependent=dependent)
     launch_window_outputs(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos, cache_base, is_flush, coef,
-                          o, max_len, fuse_flush=fuse, tree=tree, dependent=dependent, rows=1 if split else 0)
-    if split:
-        if side is not None:
-            torch.cuda.current_stream(q.device).wait_stream(side)
-        launch_window_outputs(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos, cache_base, is_flush,
-                              coef, o, max_len, fuse_flush=False, tree=tree, rows=2)
-
-
-_FLUSH_STREAMS: dict[int, "torch.cuda.Stream"] = {}
-
-
-def _flush_stream(device: torch.device):
-    """The side stream of :func:`launch_closed_form`'s concurrent flush on a CUDA
-    ``device`` (one per device, made on first use); ``None`` elsewhere (the interpreter
-    runs the launches in order)."""
-    if device.type != "cuda" or INTERPRETER:
-        return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _FLUSH_STREAMS:
-        _FLUSH_STREAMS[index] = torch.cuda.Stream(device=index)
-    return _FLUSH_STREAMS[index]
+                          o, max_len, fuse_flush=fuse, tree=tree, dependent=dependent)
 
 
 def launch_replay_window(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos,
