@@ -3,8 +3,9 @@
 Transformers' norm modules are five to eight elementwise and reduction kernels each
 (cast, square, mean, add, rsqrt, multiply, scale, cast); a step of the 8-layer
 benchmark model runs about 25 of them, so at batch 1 their launches, not their bytes,
-cost a quarter of the step. :func:`rms_norm` does one row per program in one launch
-with the modules' own arithmetic:
+cost a quarter of the step. :func:`rms_norm` does a block of rows per program (at least
+2048 elements, so that the gated norms' rows of one value head, 128 long and 32 a token,
+are not one tiny program each), in one launch with the modules' own arithmetic:
 
 * ``offset`` norms (``Qwen3_5RMSNorm``, ``Qwen3NextRMSNorm``): ``y = x / rms(x) * (1 + w)``
   in fp32, cast to the input dtype;
@@ -27,6 +28,8 @@ if triton is not None:
     from ..ops.triton_common import to_rtne
 
 KINDS = ("offset", "gated")
+#: Most rows a norm program takes (see :func:`_norm_blocks`); 1 is a program a row.
+MAX_ROWS_PER_PROGRAM = 16
 
 
 def norm_kind(module) -> str | None:
@@ -118,11 +121,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, kind: str, gate:
         rows_out = (x2.shape[0], 0, d)
     else:
         y = out
-    block = triton.next_power_of_2(d)
-    _rms_norm_kernel[(x2.shape[0],)](
-        x2, weight, g2 if g2 is not None else x2, y, x2, x2, d, eps, x2.stride(0),
+    grid, block_r, block, warps = _norm_blocks(d, x2.shape[0])
+    _rms_norm_kernel[(grid,)](
+        x2, weight, g2 if g2 is not None else x2, y, x2, x2, x2.shape[0], d, eps, x2.stride(0),
         (g2 if g2 is not None else x2).stride(0), 0, *rows_out,
-        BLOCK=block, GATED=kind == "gated", RESIDUAL=False, num_warps=4 if block >= 1024 else 1,
+        BLOCK_R=block_r, BLOCK=block, GATED=kind == "gated", RESIDUAL=False, num_warps=warps,
     )
     return y.view(x.shape) if out is None else out
 
@@ -144,10 +147,10 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     x, residual = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, residual))
     n, d = x.shape
     s, y = torch.empty((2, n, d), dtype=x.dtype, device=x.device).unbind(0)
-    block = triton.next_power_of_2(d)
-    _rms_norm_kernel[(n,)](
-        x, weight, x, y, residual, s, d, eps, x.stride(0), x.stride(0), residual.stride(0), n, 0, d,
-        BLOCK=block, GATED=False, RESIDUAL=True, num_warps=4 if block >= 1024 else 1,
+    grid, block_r, block, warps = _norm_blocks(d, n)
+    _rms_norm_kernel[(grid,)](
+        x, weight, x, y, residual, s, n, d, eps, x.stride(0), x.stride(0), residual.stride(0), n, 0, d,
+        BLOCK_R=block_r, BLOCK=block, GATED=False, RESIDUAL=True, num_warps=warps,
     )
     return s, y
 
@@ -155,27 +158,40 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 if triton is not None:
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, w_ptr, g_ptr, y_ptr, r_ptr, s_ptr, n_cols, eps, stride_x, stride_g, stride_r,
-                         inner_y, stride_yo, stride_yi, BLOCK: tl.constexpr, GATED: tl.constexpr,
-                         RESIDUAL: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
+    def _rms_norm_kernel(x_ptr, w_ptr, g_ptr, y_ptr, r_ptr, s_ptr, n_rows, n_cols, eps, stride_x, stride_g, stride_r,
+                         inner_y, stride_yo, stride_yi, BLOCK_R: tl.constexpr, BLOCK: tl.constexpr,
+                         GATED: tl.constexpr, RESIDUAL: tl.constexpr):
+        # Rows of the block share nothing: each row's sum runs over its own lanes, the
+        # same ones whatever the block's position, so a row's result does not depend on
+        # which rows share its program (nor on how many rows the call has).
+        row = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        xr = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+        mask = (row < n_rows)[:, None] & (cols < n_cols)[None, :]
+        xr = tl.load(x_ptr + row[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
         if RESIDUAL:  # s = x + residual, rounded to the dtype, is both an output and the norm's input
-            rr = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0)
+            rr = tl.load(r_ptr + row[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
             xr = to_rtne(xr.to(tl.float32) + rr.to(tl.float32), s_ptr.dtype.element_ty)
-            tl.store(s_ptr + row * n_cols + cols, xr, mask=mask)
+            tl.store(s_ptr + row[:, None] * n_cols + cols[None, :], xr, mask=mask)
         x = xr.to(tl.float32)
-        var = tl.sum(x * x, 0) / n_cols
-        h = x * (1.0 / tl.sqrt_rn(var + eps))
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+        var = tl.sum(x * x, 1) / n_cols
+        h = x * (1.0 / tl.sqrt_rn(var + eps))[:, None]
+        w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0)[None, :]
         if GATED:
             # the module rounds x / rms(x) and its product with w to the input dtype
             hw = (w * h.to(xr.dtype)).to(xr.dtype).to(tl.float32)
-            z = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+            z = tl.load(g_ptr + row[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             y = hw * (z / (1.0 + tl.exp(-z)))
         else:
             y = h * (1.0 + w.to(tl.float32))
         y_row = (row // inner_y) * stride_yo + (row % inner_y) * stride_yi
-        tl.store(y_ptr + y_row + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_ptr + y_row[:, None] + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _norm_blocks(d: int, rows: int) -> tuple[int, int, int, int]:
+    """``(grid, BLOCK_R, BLOCK, num_warps)`` of a norm over ``rows`` rows of ``d``: rows
+    of ``BLOCK = next_power_of_2(d)`` lanes, ``BLOCK_R`` of them a program so that a
+    program holds at least 2048 elements (one row of the hidden size, 16 of a value
+    head's 128), depending on ``d`` alone so that a row's lanes never change."""
+    block = triton.next_power_of_2(d)
+    block_r = max(1, min(MAX_ROWS_PER_PROGRAM, 2048 // block))
+    return triton.cdiv(rows, block_r), block_r, block, 4 if block_r * block >= 1024 else 1
