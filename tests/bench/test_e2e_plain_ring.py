@@ -84,11 +84,11 @@ def test_speculative_modes_with_plain_buckets(tmp_path):
 
 def test_circular_ring_length(tmp_path):
     """``--ring-len``: circular's speculative steps run on a ring of that length (the row
-    reports it; without the option, the engine's least ring of 2 (num_draft + 1)), and
+    reports it; without the option, the engine's default of 4 (num_draft + 1)), and
     a forced acceptance gives every strategy the same accepted counts whatever L; bad
     lengths and a clash with ``--plain-from`` are one-line errors."""
     lengths = {}
-    for L in (None, 16):
+    for L in (None, 8):
         js = tmp_path / f"e{L}.json"
         rc = cli.main(["bench", "e2e", "--random", "tiny", "--batches", "2", "--max-new-tokens", "25",
                        "--prompt-len", "6", "--quiet", "--no-hf", "--no-plain", "--strategies", "circular",
@@ -96,9 +96,9 @@ def test_circular_ring_length(tmp_path):
                        "--json", str(js)] + ([] if L is None else ["--ring-len", str(L)]))
         assert rc == 0
         (row,) = json.loads(js.read_text())["rows"]
-        assert row["ring_len"] == (8 if L is None else 16)
+        assert row["ring_len"] == (16 if L is None else 8)  # the engine's default: 4 (num_draft + 1), rounded up
         lengths[L] = (row["mean_accept_length"], row["generated_tokens"])
-    assert lengths[None] == lengths[16]
+    assert lengths[None] == lengths[8]
     for bad in (["--ring-len", "12"], ["--ring-len", "4"], ["--ring-len", "16", "--plain-from", "2"]):
         assert cli.main(["bench", "e2e", "--random", "tiny", "--quiet", "--no-hf", "--num-draft", "2", *bad]) == 2
     with pytest.raises(ValueError, match="ring_len"):

@@ -99,7 +99,7 @@ def test_plain_from_is_checked(model, bad, err):
         StepGenerator(_engine(model, "fold", 1), plain_from=2)
     # circular with a ring of 2T records cannot decode through it: its plain steps would
     # run the recurrence, which needs the empty ring that a verify does not leave
-    eng = _engine(model, "circular", K + 1)
+    eng = _engine(model, "circular", K + 1, 2 * (K + 1))
     assert not eng.ring_decoding
     with pytest.raises(ValueError, match="ring_len > 8"):
         StepGenerator(eng, DeviceNgramDrafter(), num_draft=K, plain_from=3)

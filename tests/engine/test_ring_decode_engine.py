@@ -43,8 +43,10 @@ def engine(model, strategy="circular", **kw):
 def test_option_defaults_and_checks(tiny):
     assert engine(tiny).ring_decoding and engine(tiny).plain_via_ring
     assert not engine(tiny, "fold").ring_decoding
-    # L = 2T (the engine's default ring) would flush at every plain step: the recurrence by default
-    assert not engine(tiny, ring_len=8).ring_decoding and not engine(tiny, ring_len=None).ring_decoding
+    # L = 2T would flush at every plain step: the recurrence by default there; the engine's
+    # default ring, 4T (16 here), decodes through the ring
+    assert not engine(tiny, ring_len=8).ring_decoding
+    assert engine(tiny, ring_len=None).ring_decoding and engine(tiny, ring_len=None).pool.ring_len == 16
     assert engine(tiny, ring_len=8, plain_via_ring=True).ring_decoding
     assert not engine(tiny, plain_via_ring=False).ring_decoding
     with pytest.raises(ValueError, match="plain_via_ring=True needs a strategy with a ring"):

@@ -127,7 +127,7 @@ class E2EConfig:
     plain_ring: bool = False  # also plain decoding through circular's ring (mode plain-ring)
     plain_ring_len: int = 16  # its ring length L: a flush every L - 2 (num_draft + 1) + 1 tokens
     #: circular's ring length for its speculative steps; None: the engine's default, the
-    #: least power of two >= 2 (num_draft + 1), whose rows flush at every commit
+    #: least power of two >= 4 (num_draft + 1)
     ring_len: int | None = None
     hf: tuple[str, ...] = tuple(HF_CACHES)  # Hugging Face cache settings to time
     hf_max_batch: int | None = None  # time HF only at batches up to this (None: all)

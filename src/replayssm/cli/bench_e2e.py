@@ -61,9 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"ring length L of plain-ring: a power of two >= 2 (num_draft + 1); a flush every "
                              f"L - 2 (num_draft + 1) + 1 tokens (default {d.plain_ring_len})")
     parser.add_argument("--ring-len", type=positive_int, default=None, metavar="L",
-                        help="circular's ring length for its speculative steps: a power of two >= 2 (num_draft + 1) "
-                             "(default: that least power, whose rows flush at every commit; longer rings flush every "
-                             "~(L - 2 (num_draft + 1) + 1) / accepted tokens steps)")
+                        help="circular's ring length for its speculative steps: a power of two >= 2 (num_draft + 1); "
+                             "a row flushes every ~(L - 2 (num_draft + 1) + 1) / accepted tokens steps, at L = "
+                             "2 (num_draft + 1) at every one (default: the engine's, the least power >= 4 (num_draft + 1))")
     parser.add_argument("--hf", type=name_list(tuple(HF_CACHES), allow_none=True), default=d.hf,
                         help="Hugging Face generate baselines: dynamic (its default cache) and/or static "
                              "(cache_implementation='static'), comma-separated, or 'none' (default both)")

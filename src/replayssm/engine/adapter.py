@@ -365,7 +365,9 @@ class HybridEngine:
         window: largest verify window ``T`` (draft tokens + 1).
         max_len: most tokens per request (prompt + generated + one window).
         ring_len: circular ring length ``L``; default the smallest power of two
-            ``>= 2 T``.
+            ``>= 4 T``: at ``L = 2T`` every commit would raise the flush flag, so every
+            verify would fold (DESIGN.md section 3), and plain steps would not take the
+            ring.
         state_dtype: dtype of GDN checkpoints (float32 unless you know better).
         backend: op backend (``"auto"``: Triton on CUDA, the reference on the CPU).
         prefill: ``"recurrence"`` (the exact recurrence), ``"chunk"`` (a chunked
@@ -388,8 +390,8 @@ class HybridEngine:
             strategy's ring (:meth:`Strategy.decode`: the state is read once a step and
             written at a flush, DESIGN.md section 9) instead of the recurrence. Default
             (``None``): whenever the strategy has one (``circular``) longer than
-            ``2 * window`` records (with ``ring_len = 2 * window``, the default, every
-            plain step would flush). ``True`` with a strategy without a ring raises;
+            ``2 * window`` records, as the default ring is (with ``ring_len = 2 *
+            window`` every plain step would flush). ``True`` with a strategy without a ring raises;
             ``False`` keeps the recurrence. Steps
             through the recurrence (prompts, windows of several tokens) first fold a
             request's ring history into its checkpoint (:meth:`Strategy.fold_history`).
@@ -460,7 +462,7 @@ class HybridEngine:
         m0 = self.mixers[0]
         self.shape = GDNShape(m0.H, m0.HV, m0.K, m0.V, conv_kernel=m0.module.conv_kernel_size)
         if ring_len is None:
-            ring_len = 1 << max(1, (2 * window - 1).bit_length())
+            ring_len = 1 << max(1, (4 * window - 1).bit_length())
         self.plain_via_ring = _resolve_plain_via_ring(plain_via_ring, strategy, window, ring_len)
         self.strategy_name = strategy
         self.window = window
