@@ -18,27 +18,9 @@ from replayssm.engine.generator import StepGenerator
 from replayssm.engine.sampling import SamplingParams
 from replayssm.engine.random_model import build_tiny_model
 from replayssm.strategies import STRATEGY_NAMES
+from replayssm.testing.hashes import counter_hash_int as _ref_hash
 
 VOCAB = 260
-M32 = 0xFFFFFFFF
-
-
-def _ref_mix(x: int) -> int:
-    """lowbias32 on Python ints, with plain modular arithmetic (no 16-bit split)."""
-    x ^= x >> 16
-    x = (x * 0x7FEB352D) & M32
-    x ^= x >> 15
-    x = (x * 0x846CA68B) & M32
-    return x ^ (x >> 16)
-
-
-def _ref_hash(seed: int, *counters: int) -> int:
-    h = _ref_mix(seed & M32)
-    for c in counters:
-        h = _ref_mix((c & M32) ^ h)
-    return h
-
-
 def _ref_step(seed: int, p: float, k: int, request: int, step: int) -> tuple[int, list[int]]:
     """(accepted drafts, the k drafts) of one request's step, from the documented law."""
     threshold = torch.tensor(p, dtype=torch.float32).item() * 2**24  # P as the drafter holds it

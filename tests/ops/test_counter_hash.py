@@ -7,23 +7,7 @@ import pytest
 import torch
 
 from replayssm.ops.counter_hash import counter_hash, counter_hash_reference, counter_hash_triton
-
-M32 = 0xFFFFFFFF
-
-
-def _mix(x: int) -> int:
-    x ^= x >> 16
-    x = (x * 0x7FEB352D) & M32
-    x ^= x >> 15
-    x = (x * 0x846CA68B) & M32
-    return x ^ (x >> 16)
-
-
-def _hash(seed: int, a: int, b: int, c: int) -> int:
-    h = _mix(seed & M32)
-    for x in (a, b, c):
-        h = _mix((x & M32) ^ h)
-    return h
+from replayssm.testing.hashes import M32, counter_hash_int
 
 
 def _counters(n: int, g: torch.Generator) -> torch.Tensor:
@@ -52,7 +36,7 @@ def test_reference_is_the_documented_chain():
     a, b, c = _counters(9, g), _counters(9, g), _counters(4, g)
     got = counter_hash(seed, a, b, c, backend="reference").tolist()
     for i in range(9):
-        assert got[i] == [_hash(seed, int(a[i]), int(b[i]), int(c[j])) for j in range(4)]
+        assert got[i] == [counter_hash_int(seed, int(a[i]), int(b[i]), int(c[j])) for j in range(4)]
 
 
 @pytest.mark.parametrize("fn", [counter_hash_reference, counter_hash_triton])

@@ -6,7 +6,9 @@
   ``replayssm demo`` use it);
 * :mod:`.checkpoints`: checkpoint directories of random-weight models with a
   byte-level tokenizer (:func:`~.checkpoints.save_tiny_checkpoint`), for tests and
-  examples that need a model on disk.
+  examples that need a model on disk;
+* :mod:`.hashes`: the counter hash on Python ints, the independent implementation
+  that the hash op and the forced drafter are tested against.
 
 Nothing in the library imports this package; it may change without notice.
 """
