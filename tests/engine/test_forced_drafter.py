@@ -21,6 +21,8 @@ from replayssm.strategies import STRATEGY_NAMES
 from replayssm.testing.hashes import counter_hash_int as _ref_hash
 
 VOCAB = 260
+
+
 def _ref_step(seed: int, p: float, k: int, request: int, step: int) -> tuple[int, list[int]]:
     """(accepted drafts, the k drafts) of one request's step, from the documented law."""
     threshold = torch.tensor(p, dtype=torch.float32).item() * 2**24  # P as the drafter holds it
