@@ -13,6 +13,7 @@ import contextlib
 import sys
 
 from replayssm.cli import main
+from replayssm.cli.bench_kernels import _tune_item
 from replayssm.ops import tuning
 
 
@@ -23,13 +24,12 @@ def run(argv: list[str]) -> int:
     cut = argv.index("--")
     with contextlib.ExitStack() as stack:
         for item in argv[:cut]:
-            target, _, value = item.partition("=")
-            family, _, param = target.partition(".")
             try:
-                stack.enter_context(tuning.override(family, **{param: int(value)}))
+                family, param, value = _tune_item(item)  # bench kernels' --tune, checked against the table
             except ValueError as e:
-                print(f"with_tuning.py: error: {item}: {e}", file=sys.stderr)
+                print(f"with_tuning.py: error: {e}", file=sys.stderr)
                 return 2
+            stack.enter_context(tuning.override(family, **{param: value}))
             print(f"shape table override: {family}.{param} = {value}", flush=True)
         return main(argv[cut + 1:])
 

@@ -23,7 +23,10 @@ def test_blocked_norm_matches_the_modules_arithmetic(rng, d, rows, kind):
 
 def test_a_rows_bits_do_not_depend_on_its_neighbours(rng):
     """Value-head rows (16 a program): the same rows normalised in a call of 37 rows and
-    in calls that start 5 rows later or hold them alone give the same bits."""
+    in calls that start 5 rows later or hold them alone give the same bits, so no row
+    reads or writes another's lanes at any position in a block, full or partial. (The
+    interpreter sums without a layout; on the GPU, the graphed engine's test that a
+    token's logits do not depend on its window position covers the lanes.)"""
     assert _norm_blocks(128, 37)[1] == 16  # several rows a program: the case in question
     x, z = torch.randn(37, 128, generator=rng), torch.randn(37, 128, generator=rng)
     w = torch.randn(128, generator=rng)

@@ -46,11 +46,11 @@ def test_bad_arguments_are_refused(fn):
         fn(True, a, a, c)
     with pytest.raises(TypeError, match="seed"):
         fn(1.5, a, a, c)
-    with pytest.raises((TypeError, ValueError), match="a"):
+    with pytest.raises(TypeError, match="^a must have dtype"):
         fn(0, a.int(), a, c)
-    with pytest.raises(ValueError, match="b"):
+    with pytest.raises(ValueError, match="^b must have shape"):
         fn(0, a, a[:3], c)
-    with pytest.raises((TypeError, ValueError), match="c"):
+    with pytest.raises(ValueError, match="^c must have 1 dimensions"):
         fn(0, a, a, c[None])
 
 

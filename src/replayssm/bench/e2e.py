@@ -230,16 +230,17 @@ class E2EConfig:
             self._check_plain_ring()
 
     def _check_ring_len(self) -> None:
-        L, t = self.ring_len, self.num_draft + 1
-        if isinstance(L, bool) or not isinstance(L, int) or L < 2 * t or L & (L - 1):
-            raise ValueError(f"ring_len must be a power of two >= 2 * (num_draft + 1) = {2 * t}, got {L!r}")
+        self._check_ring("ring_len")
         if self.plain_from is not None:
             raise ValueError("with plain_from, circular's ring is plain_ring_len's; leave ring_len unset")
 
     def _check_plain_ring(self) -> None:
-        L, t = self.plain_ring_len, self.num_draft + 1
+        self._check_ring("plain_ring_len")
+
+    def _check_ring(self, name: str) -> None:
+        L, t = getattr(self, name), self.num_draft + 1
         if isinstance(L, bool) or not isinstance(L, int) or L < 2 * t or L & (L - 1):
-            raise ValueError(f"plain_ring_len must be a power of two >= 2 * (num_draft + 1) = {2 * t}, got {L!r}")
+            raise ValueError(f"{name} must be a power of two >= 2 * (num_draft + 1) = {2 * t}, got {L!r}")
 
     @property
     def modes(self) -> tuple[str, ...]:
