@@ -353,6 +353,35 @@ def packed_batch(lengths, slots):
     return (torch.tensor(slots, dtype=torch.int32, device=DEVICE), torch.tensor(cu, dtype=torch.int32, device=DEVICE))
 
 
+@pytest.mark.parametrize("c,w,with_bias", [(40, 4, True), (300, 3, False)])
+def test_conv_verify_short_windows_keep_buffer_and_advance_state(c, w, with_bias):
+    """One token block per window (verify, decoding), whose program loads every tap
+    before its first store: live windows of 1 and 2 tokens (fewer than ``W - 1``: the
+    new state mixes old entries and inputs), of ``T - 1`` and of ``T``, a padding row
+    between live ones, the window buffer kept and the state advanced in one launch,
+    against the reference."""
+    ns, t = 7, 5
+    lengths = [2, t, 3, 1, t - 1]
+    slots, cu = packed_batch(lengths, [4, 0, -1, 6, 2])
+    x = torch.randn(sum(lengths), c, device=DEVICE)
+    weight = torch.randn(c, w, device=DEVICE)
+    bias = torch.randn(c, device=DEVICE) if with_bias else None
+    state0 = torch.randn(ns, c, w - 1, device=DEVICE)
+    buf0 = torch.full((ns, t, c), NAN, device=DEVICE)
+    s_r, b_r = state0.clone(), buf0.clone()
+    y_r = causal_conv_verify(x, s_r, weight, bias, slots, cu, window_buf=b_r, update_state=True, backend="reference")
+    s_t, b_t = state0.clone(), buf0.clone()
+    y_t = causal_conv_verify(x, s_t, weight, bias, slots, cu, window_buf=b_t, update_state=True, backend="triton")
+    torch.testing.assert_close(y_t, y_r, **TOL)
+    assert torch.equal(s_t, s_r)
+    for s in untouched(slots, ns):
+        assert torch.equal(s_t[s], state0[s])
+    # Rows past a window's length stay unwritten (NaN), in the buffer as in the reference's.
+    assert torch.equal(b_t.isnan(), b_r.isnan()) and torch.equal(b_t.nan_to_num(0), b_r.nan_to_num(0))
+    pad = padding_tokens(slots, cu)
+    assert torch.equal(y_t[pad], torch.zeros_like(y_t[pad]))
+
+
 # (C, W, CONV_TOKEN_BLOCK, CONV_TOKEN_GROUP, bias), made small so that the interpreter
 # runs many token blocks: two load groups per block; C over two channel blocks, W = 2;
 # W = 6 at a block of 2, where the block grows to W - 1 = 5 (or later blocks would read

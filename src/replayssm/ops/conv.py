@@ -290,8 +290,9 @@ CONV_BLOCK = 256
 #: over many programs, and the compiled kernel does not depend on the prompt's length.
 #: Shorter windows (verify, decoding) take one block of their padded length.
 CONV_TOKEN_BLOCK = 16
-#: Tokens of a block whose input rows one program loads together (a multiple-block
-#: window's blocks are multiples of it).
+#: Tokens of a block after a window's first whose input rows one program loads
+#: together (a multiple-block window's blocks are multiples of it). A first block loads
+#: all of its rows together.
 CONV_TOKEN_GROUP = 8
 CONV_DTYPES_TRITON = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -318,38 +319,23 @@ if triton is not None:
         tl.store(state_at[:, None] + (p * stride_w)[None, :], new, mask=m & in_hist[None, :])
 
     @triton.jit
-    def _conv_tokens(x_at, state_at, w_ptr, bias_ptr, y_row, wbuf_at, offs_c, mask_c, length, stride_x_tok, C, ss_w,
-                     sb_pos, W: tl.constexpr, BT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_WBUF: tl.constexpr):
-        """A window's first ``BT`` positions (those below ``length``), token by token: taps
-        before the window read the conv state."""
-        for i in range(0, BT):
-            valid = i < length
-            if HAS_BIAS:
-                acc = tl.load(bias_ptr + offs_c, mask=mask_c, other=0.0).to(tl.float32)
-            else:
-                acc = tl.full(offs_c.shape, 0.0, tl.float32)
-            # Taps in the reference order: acc = bias + w_0 x_{i-W+1} + ... + w_{W-1} x_i.
-            for j in tl.static_range(W):
-                t = i - (W - 1) + j  # window position of tap j; < 0 reads the conv state
-                xv = tl.load(x_at + t * stride_x_tok, mask=_tl_mask_and(mask_c, valid & (t >= 0)), other=0.0)
-                sv = tl.load(state_at + (W - 1 + t) * ss_w, mask=_tl_mask_and(mask_c, valid & (t < 0)), other=0.0)
-                w = tl.load(w_ptr + offs_c * W + j, mask=mask_c, other=0.0).to(tl.float32)
-                acc = acc + w * tl.where(t >= 0, xv.to(tl.float32), sv.to(tl.float32))
-            y = tl.div_rn(acc, 1.0 + tl.exp(-acc))  # SiLU
-            tl.store(y_row + i * C, _tl_to_rtne(y, y_row.dtype.element_ty), mask=_tl_mask_and(mask_c, valid))
-            if HAS_WBUF:
-                xi = tl.load(x_at + i * stride_x_tok, mask=_tl_mask_and(mask_c, valid), other=0.0)
-                tl.store(wbuf_at + i * sb_pos, xi.to(wbuf_at.dtype.element_ty), mask=_tl_mask_and(mask_c, valid))
+    def _conv_tokens(x_at, state_at, w_ptr, bias_ptr, y_row, wbuf_at, offs_c, mask_c, t0, length, stride_x_tok, C, ss_w,
+                     sb_pos, W: tl.constexpr, BT: tl.constexpr, U: tl.constexpr, FIRST_BLOCK: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, HAS_WBUF: tl.constexpr):
+        """Positions ``t0 .. t0 + BT - 1`` (those below ``length``) of a window, in groups
+        of ``U`` tokens (``BT`` a multiple of ``U``).
 
-    @triton.jit
-    def _conv_inner_tokens(x_at, w_ptr, bias_ptr, y_row, wbuf_at, offs_c, mask_c, t0, length, stride_x_tok, C, sb_pos,
-                           W: tl.constexpr, BT: tl.constexpr, U: tl.constexpr, HAS_BIAS: tl.constexpr,
-                           HAS_WBUF: tl.constexpr):
-        """Positions ``t0 .. t0 + BT - 1`` (those below ``length``) of a window, ``t0 >=
-        W - 1``: every tap is an input. The taps and bias are loaded once, and each group
-        of ``U`` tokens loads its ``U + W - 1`` input rows before any of its stores (a
-        load cannot move above a store that may alias it), so that they are in flight
-        together; the products and sums are :func:`_conv_tokens`' own."""
+        A window's first block (``FIRST_BLOCK``, with ``t0 = 0`` and ``U = BT``: one group)
+        reads the taps before the window from the conv state, entry ``W - 1 + t`` for
+        position ``t < 0``; a later block has ``t0 >= W - 1``, so all its taps are inputs.
+        The taps and bias are loaded once, and each group loads its ``W - 1 + U`` rows
+        (positions ``p0 - W + 1 .. p0 + U - 1``) before any of its stores: a load cannot
+        move above a store that may alias it, so loads between one token's stores and
+        the next's would cost every token a few dependent memory round trips, where
+        these are in flight together. The window buffer gets the loaded rows. Each
+        output is ``silu(bias + w_0 x_{i-W+1} + ... + w_{W-1} x_i)``, summed in that order
+        (the reference's) whatever the block, so a token's bits do not depend on the
+        block that holds it."""
         ws = ()
         for j in tl.static_range(W):
             ws = ws + (tl.load(w_ptr + offs_c * W + j, mask=mask_c, other=0.0).to(tl.float32),)
@@ -357,10 +343,13 @@ if triton is not None:
             bias = tl.load(bias_ptr + offs_c, mask=mask_c, other=0.0).to(tl.float32)
         for g in range(0, BT // U):
             p0 = t0 + g * U
-            xs = ()  # rows p0 - W + 1 .. p0 + U - 1
+            xs = ()  # rows p0 - W + 1 .. p0 + U - 1 (a first block: conv state entries, then inputs)
             for k in tl.static_range(U + W - 1):
-                xs = xs + (tl.load(x_at + (p0 - (W - 1) + k) * stride_x_tok,
-                                   mask=_tl_mask_and(mask_c, p0 - (W - 1) + k < length), other=0.0),)
+                if FIRST_BLOCK and k < W - 1:
+                    xs = xs + (tl.load(state_at + k * ss_w, mask=mask_c, other=0.0),)
+                else:
+                    xs = xs + (tl.load(x_at + (p0 - (W - 1) + k) * stride_x_tok,
+                                       mask=_tl_mask_and(mask_c, p0 - (W - 1) + k < length), other=0.0),)
             for i in tl.static_range(U):
                 if HAS_BIAS:
                     acc = bias
@@ -408,8 +397,8 @@ if triton is not None:
         x_at = x_ptr + bos * stride_x_tok + offs_c
         wbuf_at = wbuf_ptr + slot * sb_slot + offs_c * sb_c
         if i_t == 0:
-            _conv_tokens(x_at, state_at, w_ptr, bias_ptr, y_row, wbuf_at, offs_c, mask_c, length, stride_x_tok, C, ss_w,
-                         sb_pos, W, BT, HAS_BIAS, HAS_WBUF)
+            _conv_tokens(x_at, state_at, w_ptr, bias_ptr, y_row, wbuf_at, offs_c, mask_c, 0, length, stride_x_tok, C,
+                         ss_w, sb_pos, W, BT, BT, True, HAS_BIAS, HAS_WBUF)
             if UPDATE_STATE:
                 # This block's programs are the only readers of the slot's history, and
                 # the new entries are inputs, which nothing writes: no other program
@@ -419,8 +408,8 @@ if triton is not None:
                 tl.debug_barrier()
                 _shift_history(state_at, ss_w, x_at, stride_x_tok, length, mask_c, W, WP)
         elif U > 0:  # U = 0: the grid has one token block, the first
-            _conv_inner_tokens(x_at, w_ptr, bias_ptr, y_row, wbuf_at, offs_c, mask_c, t0, length, stride_x_tok, C,
-                               sb_pos, W, BT, U, HAS_BIAS, HAS_WBUF)
+            _conv_tokens(x_at, state_at, w_ptr, bias_ptr, y_row, wbuf_at, offs_c, mask_c, t0, length, stride_x_tok, C,
+                         ss_w, sb_pos, W, BT, U, False, HAS_BIAS, HAS_WBUF)
 
     @triton.jit
     def _conv_verify_tree_kernel(
@@ -530,8 +519,10 @@ def causal_conv_verify_triton(
     ``BT`` comes from :func:`conv_token_block`: the whole window when ``T <=``
     :data:`CONV_TOKEN_BLOCK` ``= 16`` (verify windows and decoding), blocks of 16 tokens
     for longer ones (prompts), so that a long prompt spreads over many programs and the
-    compiled kernel does not depend on its length; blocks after a window's first load
-    their inputs :data:`CONV_TOKEN_GROUP` ``= 8`` tokens at a time. With
+    compiled kernel does not depend on its length. A window's first block loads its
+    conv state entries and all its input rows before any store, blocks after it
+    :data:`CONV_TOKEN_GROUP` ``= 8`` tokens at a time (a load cannot move above a store
+    that may alias it, so the loads are issued together, not token by token). With
     ``update_state`` the programs of a window's first token block, the only ones that
     read its conv state, shift the window's last ``W - 1`` inputs into it after their
     taps. Every output is the same bits whatever the block: the same products, summed
