@@ -2,8 +2,8 @@
 
 :class:`DeviceMTPDrafter` runs its head through a pass of its own (norms written into
 shared buffers, a rotary table, queries and keys rotated in place together). Here it is
-held against the head as the engine's generic static layers compute it
-(:meth:`MTPHead.pair_input`, ``rotary_cos_sin``, ``static_attention_forward``): drafts,
+held against the head composed op by op (:meth:`MTPHead.pair_input`,
+``rotary_cos_sin`` and transformers' rotary arithmetic, adds apart from norms): drafts,
 head outputs and head KV caches bit for bit (fp32, CPU), greedy, sampled and tree; and
 its kernel count per draft depth against a ceiling."""
 
@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from replayssm.engine.adapter import HybridEngine, is_moe, static_attention_forward, static_moe_forward
-from replayssm.engine.attention import slot_attention
+from replayssm.engine.adapter import HybridEngine, _attention_inputs
+from replayssm.engine.attention import slot_attention, tree_attention
 from replayssm.engine.device_drafters import DeviceMTPDrafter
 from replayssm.engine.drafters import load_mtp_head
 from replayssm.engine.loading import embedded_model_dir, load_model
@@ -26,8 +26,10 @@ CAPACITY = 96
 
 
 class GenericLayerDrafter(DeviceMTPDrafter):
-    """The drafter with the head pass composed of the engine's generic static layers
-    (the drafter's code before its pass was cut to fewer kernels): the oracle."""
+    """The drafter with the head pass composed op by op (the drafter's code before its
+    pass was cut to fewer kernels): transformers' rotary arithmetic
+    (``_attention_inputs``), the residual adds apart from their norms, the engine's
+    norm and MLP of a static step. The oracle."""
 
     def _layer(self, tokens, hidden, slot_idx, positions, rope, tree=None):
         eng, head = self.engine, self.head
@@ -35,10 +37,23 @@ class GenericLayerDrafter(DeviceMTPDrafter):
         x = head.pair_input(eng, tokens.reshape(-1), hidden, norm)
         cos, sin = eng.rotary_cos_sin(x, positions.reshape(-1))
         layer = head.layers[0]
-        x = x + static_attention_forward(layer.self_attn, norm(layer.input_layernorm, x), cos, sin, self.cache, 0,
-                                         slot_idx, positions, backend=eng.backend, norm=norm, tree=tree)
+        attn = layer.self_attn
+        b, t = positions.shape
+        q, k, v, gate = _attention_inputs(attn, norm(layer.input_layernorm, x), cos, sin, norm)
+        at = positions if tree is None else tree[0][:, None] + tree[1][None]
+        where = (slot_idx[:, None].expand(b, t), slice(None), at)
+        self.cache.k[0][where] = k.view(b, t, -1, attn.head_dim).to(self.cache.k.dtype)
+        self.cache.v[0][where] = v.view(b, t, -1, attn.head_dim).to(self.cache.v.dtype)
+        q = q.reshape(b, t, -1, attn.head_dim)
+        if tree is None:
+            o = slot_attention(q, self.cache.k[0], self.cache.v[0], slot_idx, positions[:, 0], attn.scaling,
+                               backend=eng.backend)
+        else:
+            o = tree_attention(q, self.cache.k[0], self.cache.v[0], slot_idx, tree[0], tree[2], attn.scaling,
+                               backend=eng.backend)
+        x = x + attn.o_proj(o.reshape(b * t, -1) * torch.sigmoid(gate))
         y = norm(layer.post_attention_layernorm, x)
-        x = x + (static_moe_forward(layer.mlp, y, eng.moe_kernel) if is_moe(layer.mlp) else layer.mlp(y))
+        x = x + eng.static_mlp(layer.mlp, y)
         return norm(head.norm, x)
 
 

@@ -34,7 +34,9 @@ from ..ops.guards import to_device
 from ..state import Batch, GDNShape, StatePool, strategy_class
 from .attention import slot_attention, tree_attention
 from .kv_cache import KVCache, PromptLayout, WindowLayout, cached_attention
-from .norms import norm_eps, norm_kind, rms_norm
+from .activations import dense_silu_mlp, silu_mul
+from .norms import add_rms_norm, norm_eps, norm_kind, rms_norm
+from .rotary import rope_rows, rotate_
 
 log = logging.getLogger("replayssm.engine")
 
@@ -173,14 +175,44 @@ def _attention_inputs(attn, x, cos, sin, norm=None):
     return q[0], k[0], v, gate
 
 
-def static_attention_forward(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+def rotated_qk(attn, x: torch.Tensor, rope: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]:
+    """A full-attention module's normed and rotated queries and keys, in one buffer.
+
+    Args:
+        x: ``[B * T, hidden]`` normed hidden states, row-major over ``(b, t)``.
+        rope: ``[B, T or 1, 2, R]`` rotary rows (:func:`~replayssm.engine.rotary.rope_rows`).
+        norm: ``norm(module, x, out=buffer)``, the ``q/k`` norms written into slices of
+            the result (:meth:`HybridEngine.static_norm`; default: the modules).
+
+    Returns:
+        ``qk [B, T, heads + kv_heads, D]`` (queries, then keys: the norms write there and
+        the rotation runs once, in place, for both) and the output gate ``[B * T, heads,
+        D]`` (a strided view of ``q_proj``'s output). The arithmetic of
+        :func:`_attention_inputs`, bit for bit.
+    """
+    norm = norm or (lambda module, y, out: out.copy_(module(y)))
+    n, d = x.shape[0], attn.head_dim
+    b, t = rope.shape[0], n // rope.shape[0]
+    q, gate = attn.q_proj(x).view(n, -1, 2 * d).chunk(2, dim=-1)
+    k = attn.k_proj(x).view(n, -1, d)
+    heads = q.shape[1]
+    qk = torch.empty((b, t, heads + k.shape[1], d), dtype=q.dtype, device=q.device)
+    norm(attn.q_norm, q, out=qk.view(n, -1, d)[:, :heads])
+    norm(attn.k_norm, k, out=qk.view(n, -1, d)[:, heads:])
+    rotate_(qk, rope)
+    return qk, gate
+
+
+def static_attention_forward(attn, x: torch.Tensor, rope: torch.Tensor, cache: KVCache,
                              layer: int, slot_idx: torch.Tensor, positions: torch.Tensor,
                              backend: str = "auto", norm=None, tree=None) -> torch.Tensor:
     """:func:`attention_forward` for a static-shape step of ``B`` rows of ``T`` tokens.
 
     Args:
         x: ``[B * T, hidden]`` normed hidden states, row-major over ``(b, t)``.
-        cos, sin: ``[B * T, rotary_dim]``.
+        rope: ``[B, T, 2, rotary_dim]`` rotary rows of the tokens
+            (:func:`~replayssm.engine.rotary.rope_rows`).
+        norm: as :func:`rotated_qk`'s.
         slot_idx: ``[B]`` cache slot per row (the cache's sink for padding rows).
         positions: ``[B, T]`` absolute position of every token (``starts[:, None] + t``).
         tree: ``None`` (a causal window), or ``(starts [B], nodes [T], visible [T, W])``
@@ -195,19 +227,19 @@ def static_attention_forward(attn, x: torch.Tensor, cos: torch.Tensor, sin: torc
     read on the host, so the call can be captured in a CUDA graph.
     """
     b, t = positions.shape
-    q, k, v, gate = _attention_inputs(attn, x, cos, sin, norm)
-    kv_heads, d = k.shape[1], k.shape[2]
+    qk, gate = rotated_qk(attn, x, rope, norm)
+    heads, d = gate.shape[1], attn.head_dim
     at = positions if tree is None else tree[0][:, None] + tree[1][None]
     where = (slot_idx[:, None].expand(b, t), slice(None), at)
-    cache.k[layer][where] = k.view(b, t, kv_heads, d).to(cache.k.dtype)
-    cache.v[layer][where] = v.view(b, t, kv_heads, d).to(cache.v.dtype)
+    cache.k[layer][where] = qk[:, :, heads:].to(cache.k.dtype)
+    cache.v[layer][where] = attn.v_proj(x).view(b, t, -1, d).to(cache.v.dtype)
     if tree is None:
-        o = slot_attention(q.view(b, t, -1, d), cache.k[layer], cache.v[layer], slot_idx, positions[:, 0],
+        o = slot_attention(qk[:, :, :heads], cache.k[layer], cache.v[layer], slot_idx, positions[:, 0],
                            attn.scaling, backend=backend)
     else:
-        o = tree_attention(q.view(b, t, -1, d), cache.k[layer], cache.v[layer], slot_idx, tree[0], tree[2],
+        o = tree_attention(qk[:, :, :heads], cache.k[layer], cache.v[layer], slot_idx, tree[0], tree[2],
                            attn.scaling, backend=backend)
-    return attn.o_proj(o.reshape(b * t, -1) * torch.sigmoid(gate))
+    return attn.o_proj((o.reshape(b * t, heads, d) * torch.sigmoid(gate)).view(b * t, -1))
 
 
 def _resolve_plain_via_ring(plain_via_ring, strategy, window: int, ring_len) -> bool:
@@ -484,8 +516,9 @@ class HybridEngine:
         )
         self.max_len = max_len
         self.backend = backend
-        # Steps run the norms as one kernel each on CUDA (a quarter of a batch-1 step
-        # was the modules' small kernels); the CPU keeps the modules.
+        # Steps run the norms, and the MLP's activation with its product, as one kernel
+        # each on CUDA (a quarter of a batch-1 step was the modules' small kernels); the
+        # CPU keeps the modules.
         self.fused_norms = backend == "triton" or (self.device.type == "cuda" and backend != "reference")
         self._pending: tuple | None = None
         #: Optional ``hook(j, q, k, v, a, b)`` called with GDN layer ``j``'s inputs of
@@ -820,6 +853,7 @@ class HybridEngine:
         b, t = ids.shape
         h = self.embed(ids.reshape(-1))
         cos, sin = self.rotary_cos_sin(h, positions.reshape(-1))
+        rope = rope_rows(cos, sin).view(b, t, 2, -1) if prompt is None else None
         strat = self.strategy
         norm = self.static_norm
         window = None
@@ -827,8 +861,10 @@ class HybridEngine:
             shape, trees, starts = tree
             nodes = torch.arange(shape.num_nodes, device=ids.device)
             window = (starts, nodes, shape.ancestors)
-        for layer, kind, j in zip(self.layers, self.kinds, self.index):
-            x = norm(layer.input_layernorm, h)
+        # Each residual add runs in the kernel of the norm after it (the next layer's
+        # input norm, or the final norm), so a layer's loop starts from its normed input.
+        x = norm(self.layers[0].input_layernorm, h)
+        for i, (layer, kind, j) in enumerate(zip(self.layers, self.kinds, self.index)):
             if kind == "gdn":
                 mixer = self.mixers[j]
                 mixed, z, a, bb = mixer.project(x)
@@ -848,21 +884,43 @@ class HybridEngine:
             elif prompt is not None:
                 x = attention_forward(layer.self_attn, x, cos, sin, self.kv, j, prompt, norm)
             else:
-                x = static_attention_forward(layer.self_attn, x, cos, sin, self.kv, j, slot_idx, positions,
+                x = static_attention_forward(layer.self_attn, x, rope, self.kv, j, slot_idx, positions,
                                              backend=self.backend, norm=norm, tree=window)
-            h = h + x
-            x = norm(layer.post_attention_layernorm, h)
-            h = h + (static_moe_forward(layer.mlp, x, self.moe_kernel) if is_moe(layer.mlp) else layer.mlp(x))
-        h = norm(self.norm, h)
-        return self.lm_head(h if last is None else h[last]).float(), h
+            h, x = self.static_add_norm(layer.post_attention_layernorm, h, x)
+            after = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            h, x = self.static_add_norm(after, h, self.static_mlp(layer.mlp, x))
+        return self.lm_head(x if last is None else x[last]).float(), x
 
-    def static_norm(self, module, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+    def static_norm(self, module, x: torch.Tensor, gate: torch.Tensor | None = None, *,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
         """A norm module (a gated one takes ``gate``) as a static step runs it: one fused kernel on CUDA (see
-        :mod:`replayssm.engine.norms`), the module itself elsewhere."""
+        :mod:`replayssm.engine.norms`), the module itself elsewhere. ``out``: where to write the result (shaped
+        like ``x``, e.g. a slice of a wider buffer; the fused kernel writes there itself)."""
         kind = norm_kind(module)
         if kind is None or not self.fused_norms:
-            return module(x) if gate is None else module(x, gate)
-        return rms_norm(x, module.weight, norm_eps(module), kind, gate)
+            y = module(x) if gate is None else module(x, gate)
+            return y if out is None else out.copy_(y)
+        return rms_norm(x, module.weight, norm_eps(module), kind, gate, out=out)
+
+    def static_add_norm(self, module, h: torch.Tensor, update: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(h + update, norm(h + update))`` for ``h, update [N, hidden]``: a residual add
+        and the norm after it, one fused kernel where the norms are fused (the sum
+        rounded to the dtype, as torch's add rounds it)."""
+        if norm_kind(module) == "offset" and self.fused_norms:
+            return add_rms_norm(h, update, module.weight, norm_eps(module))
+        h = h + update
+        return h, self.static_norm(module, h)
+
+    def static_mlp(self, mlp, x: torch.Tensor) -> torch.Tensor:
+        """A layer's MLP on ``x [N, hidden]`` as a static step runs it: a MoE block
+        without host syncs (:func:`static_moe_forward`); a dense SiLU MLP with its
+        activation and product in one kernel where the kernels are fused
+        (:func:`~replayssm.engine.activations.silu_mul`); else the module."""
+        if is_moe(mlp):
+            return static_moe_forward(mlp, x, self.moe_kernel)
+        if self.fused_norms and dense_silu_mlp(mlp):
+            return mlp.down_proj(silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
+        return mlp(x)
 
     def rotary_cos_sin(self, h: torch.Tensor, positions: torch.Tensor):
         """``(cos, sin) [N, rotary_dim]`` of the model's rotary embedding at ``positions [N]``."""

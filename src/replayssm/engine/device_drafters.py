@@ -32,7 +32,7 @@ import torch
 from ..ops.counter_hash import counter_hash
 from ..ops.guards import to_device
 from .attention import slot_attention, tree_attention
-from .norms import add_rms_norm, norm_eps, norm_kind, rms_norm
+from .rotary import rope_rows
 
 
 def _check_tree_device(tree, device) -> None:
@@ -498,8 +498,8 @@ class DeviceMTPDrafter(DeviceDrafter):
         self._join_pool = None
 
     def _rope_table(self, capacity: int, device) -> torch.Tensor:
-        """``[capacity, 2, R]`` the rotary ``cos`` and the ``sin`` that rotates in place
-        (``(sin_2, -sin_1)`` by halves, see :meth:`_rotate`) at every cache position, in
+        """``[capacity, 2, R]`` rotary rows (:func:`~replayssm.engine.rotary.rope_rows`)
+        of every cache position, in
         the model dtype: each step then gathers its rows (one kernel) instead of
         evaluating the rotary embedding (a dozen small kernels per head pass). The
         embedding is elementwise per position, so a row equals what a call at that
@@ -510,42 +510,7 @@ class DeviceMTPDrafter(DeviceDrafter):
             raise ValueError(f"the MTP drafter's rotary table needs a rotary embedding that does not change with the "
                              f"sequence length; this model's is {rope_type!r}")
         x = torch.empty((capacity, 1), dtype=eng.dtype, device=device)
-        cos, sin = eng.rotary_cos_sin(x, torch.arange(capacity, device=device))
-        half = cos.shape[-1] // 2
-        return torch.stack([cos, torch.cat([sin[:, half:], -sin[:, :half]], -1)], 1).contiguous()
-
-    def _rotate(self, qk: torch.Tensor, rope: torch.Tensor) -> None:
-        """Rotate the first ``R`` channels of ``qk [B, T, heads, D]`` in place with
-        ``rope [B, T or 1, 2, R]`` (rows of :meth:`_rope_table`): transformers'
-        ``x cos + rotate_half(x) sin`` with ``rotate_half(x) sin = (-x_2 sin_1, x_1 sin_2)``
-        written as ``x * (sin_2, -sin_1)`` with halves swapped, which rounds the same
-        (a negation is exact): four kernels for queries and keys together."""
-        r = rope.shape[-1]
-        half = r // 2
-        rot = qk[..., :r]
-        a = rot * rope[:, :, None, 0]
-        b = rot * rope[:, :, None, 1]
-        torch.add(a[..., :half], b[..., half:], out=rot[..., :half])
-        torch.add(a[..., half:], b[..., :half], out=rot[..., half:])
-
-    def _norm(self, module, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``engine.static_norm(module, x)``, written into ``out`` (a slice of a wider
-        buffer) when given: the fused kernel writes there itself."""
-        eng = self.engine
-        if out is None:
-            return eng.static_norm(module, x)
-        kind = norm_kind(module)
-        if kind is None or not eng.fused_norms:
-            return out.copy_(module(x))
-        return rms_norm(x, module.weight, norm_eps(module), kind, out=out)
-
-    def _add_norm(self, module, x: torch.Tensor, update: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(x + update, norm(x + update))``: the residual add and the norm after it,
-        one fused kernel where the norms are fused."""
-        if norm_kind(module) == "offset" and self.engine.fused_norms:
-            return add_rms_norm(x, update, module.weight, norm_eps(module))
-        x = x + update
-        return x, self._norm(module, x)
+        return rope_rows(*eng.rotary_cos_sin(x, torch.arange(capacity, device=device))).contiguous()
 
     def _layer(self, tokens: torch.Tensor, hidden: torch.Tensor, slot_idx: torch.Tensor,
                positions: torch.Tensor, rope: torch.Tensor, tree=None) -> torch.Tensor:
@@ -556,10 +521,10 @@ class DeviceMTPDrafter(DeviceDrafter):
 
         The arithmetic of :meth:`MTPHead.pair_input` and ``static_attention_forward``
         (the same values, bit for bit), in fewer kernels: the two input norms write the
-        halves of ``fc``'s input, the query and key norms the halves of one buffer that
-        is rotated in place and read where it lies (cache write, attention), the output
-        gate is applied without a copy, each residual add runs in its norm's kernel."""
-        from .adapter import is_moe, static_moe_forward
+        halves of ``fc``'s input, the queries and keys are normed and rotated as the
+        engine's static step does (:func:`~replayssm.engine.adapter.rotated_qk`), each
+        residual add runs in its norm's kernel."""
+        from .adapter import rotated_qk
 
         eng, head = self.engine, self.head
         layer = head.layers[0]
@@ -567,33 +532,26 @@ class DeviceMTPDrafter(DeviceDrafter):
         b, t = tokens.shape
         n, hid = hidden.shape
         pair = torch.empty((n, 2 * hid), dtype=eng.dtype, device=hidden.device)
-        self._norm(head.pre_fc_norm_embedding, eng.embed(tokens.reshape(-1)), pair[:, :hid])
-        self._norm(head.pre_fc_norm_hidden, hidden.to(eng.dtype), pair[:, hid:])
+        eng.static_norm(head.pre_fc_norm_embedding, eng.embed(tokens.reshape(-1)), out=pair[:, :hid])
+        eng.static_norm(head.pre_fc_norm_hidden, hidden.to(eng.dtype), out=pair[:, hid:])
         x = head.fc(pair)
-        xn = self._norm(layer.input_layernorm, x)
-        d = attn.head_dim
-        q, gate = attn.q_proj(xn).view(n, -1, 2 * d).chunk(2, dim=-1)  # [N, heads, D] each
-        k = attn.k_proj(xn).view(n, -1, d)
-        heads, kv_heads = q.shape[1], k.shape[1]
-        qk = torch.empty((b, t, heads + kv_heads, d), dtype=q.dtype, device=q.device)
-        self._norm(attn.q_norm, q, qk.view(n, -1, d)[:, :heads])
-        self._norm(attn.k_norm, k, qk.view(n, -1, d)[:, heads:])
-        self._rotate(qk, rope)
+        xn = eng.static_norm(layer.input_layernorm, x)
+        qk, gate = rotated_qk(attn, xn, rope, eng.static_norm)
+        heads, d = gate.shape[1], attn.head_dim
         cache = self.cache
         at = positions if tree is None else tree[0][:, None] + tree[1][None]
         where = (slot_idx[:, None].expand(b, t), slice(None), at)
         cache.k[0][where] = qk[:, :, heads:].to(cache.k.dtype)
-        cache.v[0][where] = attn.v_proj(xn).view(b, t, kv_heads, d).to(cache.v.dtype)
+        cache.v[0][where] = attn.v_proj(xn).view(b, t, -1, d).to(cache.v.dtype)
         if tree is None:
             o = slot_attention(qk[:, :, :heads], cache.k[0], cache.v[0], slot_idx, positions[:, 0], attn.scaling,
                                backend=eng.backend)
         else:
             o = tree_attention(qk[:, :, :heads], cache.k[0], cache.v[0], slot_idx, tree[0], tree[2], attn.scaling,
                                backend=eng.backend)
-        x, y = self._add_norm(layer.post_attention_layernorm, x,
-                              attn.o_proj((o.reshape(n, heads, d) * torch.sigmoid(gate)).view(n, -1)))
-        mlp = static_moe_forward(layer.mlp, y, eng.moe_kernel) if is_moe(layer.mlp) else layer.mlp(y)
-        return self._add_norm(head.norm, x, mlp)[1]
+        x, y = eng.static_add_norm(layer.post_attention_layernorm, x,
+                                   attn.o_proj((o.reshape(n, heads, d) * torch.sigmoid(gate)).view(n, -1)))
+        return eng.static_add_norm(head.norm, x, eng.static_mlp(layer.mlp, y))[1]
 
     def _rope_at(self, positions: torch.Tensor) -> torch.Tensor:
         """``[*positions.shape, 2, R]`` rows of the rotary table at ``positions``."""

@@ -192,6 +192,23 @@ if triton is not None:
             left to the default, so that every store names its rounding)."""
             return x.to(dtype, fp_downcast_rounding="rtne")
 
+    if INTERPRETER:
+
+        def expf(x):
+            """``exp(x)`` of an fp32 block (interpreter form: numpy's, correctly rounded
+            or nearly; the interpreter has no libdevice)."""
+            return tl.exp(x)
+
+    else:
+        from triton.language.extra import libdevice as _libdevice
+
+        @triton.jit
+        def expf(x):
+            """``exp(x)`` as CUDA's ``expf`` computes it (libdevice), the function torch's
+            elementwise kernels call, where ``tl.exp`` is the faster ``ex2.approx``: for
+            kernels that must round as a torch op does."""
+            return _libdevice.exp(x)
+
     @device_fn
     def gdn_gates(a, b, A_log, dt_bias):
         """Decay ``g`` and write strength ``beta`` (fp32) from raw gates.

@@ -1,0 +1,78 @@
+"""The gated MLP's activation, ``silu(gate) * up``, in one kernel for static steps.
+
+Transformers' dense Qwen MLP runs ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``: the
+activation and the product are two elementwise kernels, each reading and writing
+``[N, intermediate]``. :func:`silu_mul` does both in one pass with the module's
+rounding: ``silu(g)`` in fp32 rounded to the input dtype, then its product with ``up``
+in fp32 rounded again (torch rounds each op's result to the tensors' dtype), with
+CUDA's ``expf`` and an IEEE division as torch's SiLU kernel: on the GPU the module's
+bits.
+:func:`dense_silu_mlp` tells which MLP modules it applies to.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..ops.triton_common import INTERPRETER, triton
+
+if triton is not None:
+    import triton.language as tl
+
+    from ..ops.triton_common import expf, to_rtne
+
+#: Elements a program takes (a power of two).
+SILU_MUL_BLOCK = 2048
+
+
+def dense_silu_mlp(mlp) -> bool:
+    """Whether ``mlp`` is a dense gated MLP with a SiLU activation (``gate_proj``,
+    ``up_proj``, ``down_proj``; transformers' Qwen3.5 / Qwen3-Next ``*MLP``)."""
+    act = getattr(mlp, "act_fn", None)
+    silu = isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"
+    return silu and all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj"))
+
+
+def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """See :func:`silu_mul` (the module's two ops)."""
+    return torch.nn.functional.silu(gate) * up
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, backend: str = "triton") -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate, up [..., D]`` alike (dtype, shape, device), in one
+    launch; returns a new contiguous tensor of their shape.
+
+    ``backend``: ``"triton"`` (CUDA, or the Triton interpreter) or ``"reference"``.
+    """
+    if not isinstance(gate, torch.Tensor) or not isinstance(up, torch.Tensor):
+        raise TypeError("gate and up must be tensors")
+    if gate.shape != up.shape or gate.dtype != up.dtype or gate.device != up.device:
+        raise ValueError(f"gate and up must be alike, got {gate.dtype} {list(gate.shape)} on {gate.device} and "
+                         f"{up.dtype} {list(up.shape)} on {up.device}")
+    if backend == "reference":
+        return silu_mul_reference(gate, up)
+    if backend != "triton":
+        raise ValueError(f"backend must be 'triton' or 'reference', got {backend!r}")
+    if triton is None or (gate.device.type != "cuda" and not INTERPRETER):
+        raise RuntimeError("the Triton silu_mul needs CUDA tensors or the Triton interpreter")
+    gate, up = gate.contiguous(), up.contiguous()
+    out = torch.empty_like(gate)
+    n = gate.numel()
+    if n:
+        _silu_mul_kernel[(triton.cdiv(n, SILU_MUL_BLOCK),)](gate, up, out, n, BLOCK=SILU_MUL_BLOCK, num_warps=4)
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0)
+        u = tl.load(u_ptr + offs, mask=mask, other=0.0)
+        gf = g.to(tl.float32)
+        # torch's SiLU: x / (1 + expf(-x)) in fp32 (an IEEE division), rounded to the
+        # dtype; on CUDA the same bits as torch's kernel
+        a = to_rtne(tl.div_rn(gf, 1.0 + expf(-gf)), g.dtype).to(tl.float32)
+        tl.store(y_ptr + offs, to_rtne(a * u.to(tl.float32), y_ptr.dtype.element_ty), mask=mask)

@@ -1,0 +1,81 @@
+"""The static step's fused MLP activation and in-place rotary embedding, against
+transformers' ops: ``silu_mul`` (one kernel for ``silu(gate) * up``) and ``rotate_``
+(queries and keys rotated in place from ``rope_rows``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+
+from replayssm.engine.activations import dense_silu_mlp, silu_mul
+from replayssm.engine.random_model import build_tiny_model
+from replayssm.engine.rotary import rope_rows, rotate_
+
+
+@pytest.mark.parametrize("shape", [(37, 96), (5, 3, 2049)])
+def test_silu_mul_is_the_modules_two_ops(rng, shape):
+    g, u = 4 * torch.randn(shape, generator=rng), torch.randn(shape, generator=rng)
+    got = silu_mul(g, u)
+    want = torch.nn.functional.silu(g) * u
+    assert got.shape == want.shape and got.abs().max() > 0.5
+    # fp32 on the CPU: the interpreter's exp against torch's (each within an ulp or two)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * float(want.abs().max()))
+
+
+def test_silu_mul_rounds_bf16_at_both_ops(rng):
+    """bf16: the activation rounded before the product, as the module's two ops round
+    (the interpreter rounds to nearest even by hand, as the GPU does)."""
+    g = (4 * torch.randn(4096, generator=rng)).bfloat16()
+    u = torch.randn(4096, generator=rng).bfloat16()
+    got = silu_mul(g, u).float()
+    want = (torch.nn.functional.silu(g) * u).float()
+    one_rounding = (torch.nn.functional.silu(g.float()) * u.float()).bfloat16().float()
+    # the module's bits, up to a one-ulp flip where the CPU's exp and numpy's differ at a tie
+    ulp = torch.finfo(torch.bfloat16).eps * want.abs().clamp_min(1e-3)
+    assert ((got - want).abs() <= ulp).all()
+    assert (got == want).float().mean() > 0.99
+    assert not torch.equal(want, one_rounding)  # the two roundings are distinguishable on these inputs
+
+
+def test_silu_mul_refuses_mismatched_inputs(rng):
+    g = torch.randn(4, 8, generator=rng)
+    with pytest.raises(ValueError, match="gate and up must be alike"):
+        silu_mul(g, g[:, :4])
+    with pytest.raises(ValueError, match="gate and up must be alike"):
+        silu_mul(g, g.double())
+    with pytest.raises(TypeError, match="gate and up must be tensors"):
+        silu_mul(g, g.tolist())
+    with pytest.raises(ValueError, match="backend"):
+        silu_mul(g, g, backend="cuda")
+
+
+def test_dense_silu_mlp_tells_the_dense_mlp_from_a_moe_block():
+    dense = build_tiny_model("qwen3_5", seed=0).model.layers[0].mlp
+    moe = build_tiny_model("qwen3_next", seed=0).model.layers[0].mlp
+    assert dense_silu_mlp(dense) and not dense_silu_mlp(moe)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rotary,t_rope", [(16, 3), (64, 1)])
+def test_rotate_in_place_is_transformers_rotary_bit_for_bit(rng, dtype, rotary, t_rope):
+    """Partial (16 of 64 channels) and full rotary; one rope row per token or one per
+    request, broadcast over its tokens."""
+    b, t, heads, d = 2, 3, 5, 64
+    qk = torch.randn(b, t, heads, d, generator=rng).to(dtype)
+    angle = 50 * torch.rand(b, t_rope, rotary // 2, generator=rng)
+    emb = torch.cat([angle, angle], -1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    want, _ = hf.apply_rotary_pos_emb(qk, qk, cos.expand(b, t, rotary), sin.expand(b, t, rotary), unsqueeze_dim=2)
+    got = qk.clone()
+    rotate_(got, rope_rows(cos.reshape(-1, rotary), sin.reshape(-1, rotary)).view(b, t_rope, 2, rotary))
+    assert torch.equal(got, want)
+    assert torch.equal(got[..., rotary:], qk[..., rotary:]) and not torch.equal(got, qk)
+
+
+def test_rotary_shapes_are_checked(rng):
+    cos = torch.randn(6, 8, generator=rng)
+    with pytest.raises(ValueError, match="R even"):
+        rope_rows(cos[:, :7], cos[:, :7])
+    with pytest.raises(ValueError, match="qk must be"):
+        rotate_(torch.randn(2, 3, 4, 6, generator=rng), rope_rows(cos, cos).view(2, 3, 2, 8))
