@@ -149,7 +149,7 @@ if triton is not None:
 
     #: Most records a replay asks L2 for before its chain starts (a ring's first ones
     #: when it holds more).
-    PREFETCH_RECORDS = 32
+    PREFETCH_RECORDS = tl.constexpr(32)
 
     @_tl_device_fn
     def _load_record_at(rk_at, rv_at, rg_at, rb_at, pos, valid, offs_c, mask_c, mask_v, offs_v,
