@@ -431,32 +431,6 @@ def test_register_cap_changes_no_bit(state_dtype):
     assert not torch.equal(capped[1], case["checkpoint"])
 
 
-@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_record_prefetch_changes_no_bit(state_dtype):
-    """The exact replays asking L2 for their records first (``closed_form.flush_prefetch``,
-    ``exact_write.prefetch_records``, ``ring_decode.prefetch_records``: a hint, no
-    value) compute what they compute without it, bit for bit: the fused flush's outputs,
-    checkpoints and ``u``, the unfused flush's checkpoints, the fold kernel's, and ring
-    decoding's outputs and checkpoints, with flush rows of 0..L-1 records."""
-    case = make_case(32, 4, 64, state_dtype, torch.bfloat16, pad=False)
-    decode_case = make_case(HV_POOL, 1, 64, state_dtype, torch.bfloat16, pad=False)
-    runs = {}
-    for on in (0, 1):
-        with tuning.override("closed_form", flush_prefetch=on), tuning.override("exact_write", prefetch_records=on), \
-                tuning.override("ring_decode", prefetch_records=on):
-            fused = run(case, "triton", method="closed_form")
-            with tuning.override("closed_form", fuse_flush=0):
-                unfused = run(case, "triton", method="closed_form")
-            decode = run(decode_case, "triton", method="decode")
-        runs[on] = fused, unfused, decode
-    (f0, u0, d0), (f1, u1, d1) = runs[0], runs[1]
-    assert not torch.equal(f1[1], case["checkpoint"]), "no row flushed"
-    assert same(f1[0], f0[0]) and same(f1[3], f0[3]), "fused outputs or u differ"
-    assert torch.equal(f1[1], f0[1]) and torch.equal(u1[1], u0[1]), "flushed checkpoints differ"
-    assert torch.equal(f1[1], u1[1]), "fused and unfused flushes differ"
-    assert same(d1[0], d0[0]) and same(d1[3], d0[3]) and torch.equal(d1[1], d0[1]), "ring decoding differs"
-
-
 @pytest.mark.parametrize("state_dtype,act_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16),
                                                    (torch.float32, torch.float32)], ids=["fp32", "bf16", "fp32_acts"])
 def test_early_tile_keeps_the_checkpoints_and_the_outputs(state_dtype, act_dtype):

@@ -809,7 +809,7 @@ if triton is not None:
         BT: tl.constexpr, BTC: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr, BV: tl.constexpr,
         DOT_PRECISION: tl.constexpr, COEF_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
         FUSE_FLUSH: tl.constexpr, ROUND_STATE: tl.constexpr, AHEAD: tl.constexpr, TREE: tl.constexpr = False,
-        WAIT_COEF: tl.constexpr = False, EARLY_TILE: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+        WAIT_COEF: tl.constexpr = False, EARLY_TILE: tl.constexpr = False,
     ):
         """Outputs and corrected deltas of V block ``i_v`` of a (window, value head), from
         its rows of the (folded) checkpoint and the coefficients. With ``FUSE_FLUSH`` a
@@ -863,7 +863,7 @@ if triton is not None:
                     S0, S1, S2, S3, ckpt_at, tile, rk_ptr + ring_at * (H * K) + i_h * K,
                     rv_ptr + ring_at * (HV * V) + i_hv * V, rg_ptr + ring_at * HV + i_hv, rb_ptr + ring_at * HV + i_hv,
                     base, tl.minimum(wp, L), offs_c, offs_v, mask_v, H * K, HV * V, HV, HV, eps, K, L, KQ, AHEAD,
-                    ROUND_STATE, PREFETCH)
+                    ROUND_STATE)
                 SX = _parts_window_products(S0, S1, S2, S3, q_ptr, k_ptr, p_tok, i_h, offs_c, xk_ok, xq_ok,
                                             stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
                                             K, KQ, DOT_PRECISION)
@@ -1043,8 +1043,7 @@ def launch_flush(checkpoint, ring, slots, write_pos, cache_base, is_flush) -> No
     kd, vd = checkpoint.shape[3], checkpoint.shape[2]
     cfg = tuning.lookup("closed_form", K=kd, V=vd, state_dtype=checkpoint.dtype, batch=slots.shape[0])
     launch_fold(checkpoint[None], *(getattr(ring, f)[None] for f in ring._fields), slots, cache_base, write_pos, is_flush,
-                block_v=cfg["flush_block_v"], records_ahead=cfg["flush_records_ahead"],
-                prefetch_records=cfg["flush_prefetch"])
+                block_v=cfg["flush_block_v"], records_ahead=cfg["flush_records_ahead"])
 
 
 def launch_coefficients(q, k, a, b, A_log, dt_bias, checkpoint, ring, slots, cu_seqlens, write_pos, cache_base,
@@ -1104,7 +1103,6 @@ def launch_window_outputs(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, 
         KC=max(16, min(cfg["k_chunk"], bk)), BV=bv,
         DOT_PRECISION=product_precision(q.dtype), COEF_PRECISION=coef_precision, NUM_STAGES=cfg["num_stages"],
         FUSE_FLUSH=fuse, ROUND_STATE=checkpoint.dtype != torch.float32, AHEAD=cfg["flush_records_ahead"],
-        PREFETCH=bool(cfg["flush_prefetch"]),
         TREE=tree is not None, WAIT_COEF=dependent, EARLY_TILE=fuse and bool(cfg["early_tile"]),
         # A fused flush is an exact replay: the exact kernels' warps (their layout
         # decides the bits of every row sum).

@@ -145,11 +145,7 @@ except ImportError:  # the reference backend works without Triton
 if triton is not None:
     from .triton_common import NORM_EPS, exact_warps, device_fn as _tl_device_fn, gdn_state_step as _tl_state_step
     from .triton_common import load_parts as _tl_load_parts, mask_and as _tl_mask_and, normalized as _tl_normalized
-    from .triton_common import prefetch_l2 as _tl_prefetch_l2, store_parts as _tl_store_parts, to_rtne as _tl_to_rtne
-
-    #: Most records a replay asks L2 for before its chain starts (a ring's first ones
-    #: when it holds more).
-    PREFETCH_RECORDS = tl.constexpr(32)
+    from .triton_common import store_parts as _tl_store_parts, to_rtne as _tl_to_rtne
 
     @_tl_device_fn
     def _load_record_at(rk_at, rv_at, rg_at, rb_at, pos, valid, offs_c, mask_c, mask_v, offs_v,
@@ -173,25 +169,9 @@ if triton is not None:
                                mask_c, mask_v, offs_v, H * K, HV * V, HV, HV, K, KQ)
 
     @triton.jit
-    def prefetch_records(rk_at, rv_at, rg_at, rb_at, base, count, offs_v, mask_v, srk_pos, srv_pos, srg_pos, srb_pos,
-                         K: tl.constexpr, L: tl.constexpr):
-        """Ask L2 for the ``count`` records from ring position ``base`` (at most
-        :data:`PREFETCH_RECORDS`): each key row at four points (every line of a 128-key
-        row in 16 or 32 bits), the tile's value rows, the gates. A replay loads one
-        record per step, each step waiting on its load; from DRAM, under a full GPU's
-        traffic, that wait is the step. Positions past ``count`` repeat the last one, so
-        nothing outside the replay's records is fetched."""
-        j = tl.arange(0, PREFETCH_RECORDS)
-        pos = (base + tl.minimum(j, tl.maximum(count - 1, 0))) % L
-        _tl_prefetch_l2(rk_at + pos[:, None] * srk_pos + (tl.arange(0, 4) * (K // 4))[None, :])
-        _tl_prefetch_l2(rv_at + pos[:, None] * srv_pos + tl.where(mask_v, offs_v, 0)[None, :])
-        _tl_prefetch_l2(rg_at + pos * srg_pos)
-        _tl_prefetch_l2(rb_at + pos * srb_pos)
-
-    @triton.jit
     def replay_history(ckpt_at, tile, rk_at, rv_at, rg_at, rb_at, base, count, offs_c, offs_v, mask_v,
                        srk_pos, srv_pos, srg_pos, srb_pos, eps, K: tl.constexpr, L: tl.constexpr, KQ: tl.constexpr,
-                       AHEAD: tl.constexpr = 1, PREFETCH: tl.constexpr = False):
+                       AHEAD: tl.constexpr = 1):
         """Load a ``[BV, K]`` checkpoint tile as four parts and replay ``count`` raw
         records from ring position ``base`` (of ``L``) through the exact step; return the
         tile's parts. The records are read from pointers already at their (layer, slot,
@@ -201,22 +181,18 @@ if triton is not None:
         step c + AHEAD reads it (normalising a record right after its load would make
         every step wait for it). Which depth is faster depends on the kernel around the
         loop (registers against exposed load latency), so it is the caller's, from the
-        shape table. With ``PREFETCH`` every record is first asked of L2
-        (:func:`prefetch_records`). Neither changes any number. Unused ring entries may
-        hold NaN: masked loads give 0."""
+        shape table. The depth changes no number. Unused ring entries may hold NaN:
+        masked loads give 0."""
         S0, S1, S2, S3 = _tl_load_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ)
         return replay_tile(S0, S1, S2, S3, rk_at, rv_at, rg_at, rb_at, base, count, offs_c, offs_v, mask_v,
-                           srk_pos, srv_pos, srg_pos, srb_pos, eps, K, L, KQ, AHEAD, PREFETCH)
+                           srk_pos, srv_pos, srg_pos, srb_pos, eps, K, L, KQ, AHEAD)
 
     @triton.jit
     def replay_tile(S0, S1, S2, S3, rk_at, rv_at, rg_at, rb_at, base, count, offs_c, offs_v, mask_v,
                     srk_pos, srv_pos, srg_pos, srb_pos, eps, K: tl.constexpr, L: tl.constexpr, KQ: tl.constexpr,
-                    AHEAD: tl.constexpr = 1, PREFETCH: tl.constexpr = False):
+                    AHEAD: tl.constexpr = 1):
         """:func:`replay_history` on a tile already loaded (its four parts): for a kernel
         that loads the checkpoint before it knows whether the row replays."""
-        if PREFETCH:
-            prefetch_records(rk_at, rv_at, rg_at, rb_at, base, count, offs_v, mask_v, srk_pos, srv_pos, srg_pos,
-                             srb_pos, K, L)
         all_c = offs_c >= 0
         valid_n = count > 0
         k0n, k1n, k2n, k3n, v_n, g_n, b_n = _load_record_at(
@@ -250,15 +226,14 @@ if triton is not None:
     @triton.jit
     def replay_and_store_tile(S0, S1, S2, S3, ckpt_at, tile, rk_at, rv_at, rg_at, rb_at, base, count, offs_c, offs_v,
                               mask_v, srk_pos, srv_pos, srg_pos, srb_pos, eps, K: tl.constexpr, L: tl.constexpr,
-                              KQ: tl.constexpr, AHEAD: tl.constexpr, ROUND_STATE: tl.constexpr,
-                              PREFETCH: tl.constexpr = False):
+                              KQ: tl.constexpr, AHEAD: tl.constexpr, ROUND_STATE: tl.constexpr):
         """A flush inside another kernel: :func:`replay_tile` on a loaded checkpoint tile,
         the folded tile stored at ``ckpt_at + tile`` (this kernel's store, so the
         checkpoint is the fold's bit for bit), and the tile returned as stored (rounded
         to the checkpoint's dtype with ``ROUND_STATE``), which is where the caller's
         window or token starts from."""
         S0, S1, S2, S3 = replay_tile(S0, S1, S2, S3, rk_at, rv_at, rg_at, rb_at, base, count, offs_c, offs_v, mask_v,
-                                     srk_pos, srv_pos, srg_pos, srb_pos, eps, K, L, KQ, AHEAD, PREFETCH)
+                                     srk_pos, srv_pos, srg_pos, srb_pos, eps, K, L, KQ, AHEAD)
         _tl_store_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ, S0, S1, S2, S3)
         if ROUND_STATE:
             S0 = _tl_to_rtne(S0, ckpt_at.dtype.element_ty).to(tl.float32)
@@ -275,7 +250,6 @@ if triton is not None:
         eps,
         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
         BK: tl.constexpr, BV: tl.constexpr, R: tl.constexpr, PER_SLOT: tl.constexpr, AHEAD: tl.constexpr,
-        PREFETCH: tl.constexpr,
     ):
         i_v = tl.program_id(0)
         i_b = tl.program_id(1)
@@ -311,12 +285,11 @@ if triton is not None:
         tile = offs_v[:, None] * K + offs_c[None, :]
         ckpt_at = ckpt_ptr + i_l * sc_layer + slot * sc_slot + i_hv * (V * K)  # [HV, V, K] packed
         S0, S1, S2, S3 = replay_history(ckpt_at, tile, rk_at, rv_at, rg_at, rb_at, start, count, offs_c, offs_v, mask_v,
-                                        srk_pos, srv_pos, srg_pos, srb_pos, eps, K, R, KQ, AHEAD, PREFETCH)
+                                        srk_pos, srv_pos, srg_pos, srb_pos, eps, K, R, KQ, AHEAD)
         _tl_store_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ, S0, S1, S2, S3)
 
     def launch_fold(checkpoints, ring_k, ring_v, ring_g, ring_beta, slots, start, count, flush=None, *,
-                    block_v: int | None = None, records_ahead: int | None = None,
-                    prefetch_records: int | None = None) -> None:
+                    block_v: int | None = None, records_ahead: int | None = None) -> None:
         """Launch the fold kernel on validated 5-D buffers (one launch): checkpoints packed
         per (layer, slot), rings with any strides but a contiguous last axis.
 
@@ -324,9 +297,8 @@ if triton is not None:
         ``flush`` (``[num_slots]``): ``start``, ``count`` and ``flush`` are per-slot
         cursors (``cache_base``, ``write_pos``, ``is_flush``) and only rows whose slot
         has ``flush`` set fold; the other rows exit at once. ``block_v`` caps the tile
-        height, ``records_ahead`` the replay's record prefetch depth and
-        ``prefetch_records`` whether its records are first asked of L2 (defaults: the
-        shape table's ``exact_write`` row); none changes any number.
+        height and ``records_ahead`` the replay's record prefetch depth (defaults: the
+        shape table's ``exact_write`` row); neither changes any number.
         """
         nl, ns, hv, vd, kd = checkpoints.shape
         h, r = ring_k.shape[3], ring_k.shape[2]
@@ -342,9 +314,7 @@ if triton is not None:
             checkpoints.stride(0), checkpoints.stride(1), *ring_k.stride()[:4], *ring_v.stride()[:4],
             *ring_g.stride(), *ring_beta.stride(), NORM_EPS,
             H=h, HV=hv, K=kd, V=vd, BK=exact_block_k(kd), BV=bv, R=r, PER_SLOT=flush is not None,
-            AHEAD=records_ahead or row["records_ahead"],
-            PREFETCH=bool(row["prefetch_records"] if prefetch_records is None else prefetch_records),
-            num_warps=exact_warps(row["num_warps"], bv),
+            AHEAD=records_ahead or row["records_ahead"], num_warps=exact_warps(row["num_warps"], bv),
         )
 
 

@@ -151,7 +151,7 @@ if triton is not None:
         scale, eps,
         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
         BK: tl.constexpr, BV: tl.constexpr,
-        ROUND_STATE: tl.constexpr, AHEAD: tl.constexpr, EARLY_TILE: tl.constexpr, PREFETCH: tl.constexpr,
+        ROUND_STATE: tl.constexpr, AHEAD: tl.constexpr, EARLY_TILE: tl.constexpr,
     ):
         """Output, corrected delta and record of V block ``i_v`` (``BV`` rows) of a
         (request, value head), see the module notes."""
@@ -202,7 +202,7 @@ if triton is not None:
                 S0, S1, S2, S3, ckpt_at, tile, rk_ptr + ring_at * (H * K) + i_h * K,
                 rv_ptr + ring_at * (HV * V) + i_hv * V, rg_ptr + ring_at * HV + i_hv, rb_ptr + ring_at * HV + i_hv,
                 base, tl.minimum(wp, L), offs_c, offs_v, mask_v, H * K, HV * V, HV, HV, eps, K, L, KQ, AHEAD,
-                ROUND_STATE, PREFETCH)
+                ROUND_STATE)
             _token_rows(o_at, rv_at, ru_at, v_at, offs_v, mask_v, _tl_row_dot(S0, S1, S2, S3, kh0, kh1, kh2, kh3),
                         _tl_row_dot(S0, S1, S2, S3, qh0, qh1, qh2, qh3), e, beta, kq)
         else:
@@ -265,7 +265,7 @@ def launch_ring_decode(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, 
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
         kd**-0.5, NORM_EPS,
         H=h, HV=hv, K=kd, V=vd, L=ring.ring_len, BK=bk, BV=bv, ROUND_STATE=checkpoint.dtype != torch.float32,
-        AHEAD=cfg["records_ahead"], EARLY_TILE=bool(cfg["early_tile"]), PREFETCH=bool(cfg["prefetch_records"]),
+        AHEAD=cfg["records_ahead"], EARLY_TILE=bool(cfg["early_tile"]),
         num_warps=warps,
         **register_cap(cfg["max_registers"], q.device),
     )

@@ -209,23 +209,6 @@ if triton is not None:
             kernels that must round as a torch op does."""
             return _libdevice.exp(x)
 
-    if INTERPRETER:
-
-        def prefetch_l2(ptrs):
-            """No-op on the interpreter (a prefetch is a hint: it changes no value)."""
-            return
-
-    else:
-
-        @triton.jit
-        def prefetch_l2(ptrs):
-            """Ask L2 for the lines that a block of pointers ``ptrs`` addresses, without
-            waiting for them and without registers to hold them: a chain of dependent
-            loads that follows (an exact replay's records, one per step) then finds them
-            in L2 instead of waiting on DRAM at every step. Changes no value."""
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
-                                      dtype=tl.int32, is_pure=False, pack=1)
-
     @device_fn
     def gdn_gates(a, b, A_log, dt_bias):
         """Decay ``g`` and write strength ``beta`` (fp32) from raw gates.

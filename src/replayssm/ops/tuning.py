@@ -35,9 +35,7 @@ PARAMS = {
     # ``records_ahead``: how many records the exact replay (the fold; ops/fold.py
     # ``replay_history``) loads ahead of its step, 1 or 2. ``num_warps``: 4, or 8 on
     # tiles of 64+ rows (the extra warps stack along V; triton_common.exact_warps).
-    # ``prefetch_records``: whether the replay first asks L2 for all its records (1),
-    # so that its chain of one load per step does not wait on DRAM at every step.
-    "exact_write": ("block_v", "records_ahead", "num_warps", "prefetch_records"),
+    "exact_write": ("block_v", "records_ahead", "num_warps"),
     # The read-only exact verify: no state to write back, so a taller tile holds fewer
     # live registers per row and amortises the per-token loads further.
     "exact_read_only": ("block_v", "num_warps"),
@@ -50,8 +48,7 @@ PARAMS = {
     # tile height, which may differ from the fold's (rows are independent), and whether
     # the outputs kernel folds the flush rows itself (1: one read of their checkpoints;
     # the flush tile height then is the outputs kernel's) or a fold launch runs first (0),
-    # the flush's record prefetch depth (as exact_write.records_ahead) and whether it asks
-    # L2 for its records first (``flush_prefetch``, as exact_write.prefetch_records). And whether
+    # and the flush's record prefetch depth (as exact_write.records_ahead). And whether
     # the outputs kernel is launched as the coefficient kernel's programmatic dependent
     # where the GPU allows it (1: it overlaps the coefficients; ops/chunked.py
     # launch_closed_form) or after it (0), and a cap on the outputs kernel's registers
@@ -62,7 +59,7 @@ PARAMS = {
     # the k_chunk pipeline after them (0).
     "closed_form": ("block_v", "k_chunk", "num_stages", "num_warps", "tf32_coefficients", "coef_warps",
                     "heads_per_program", "flush_block_v", "fuse_flush", "flush_records_ahead", "dependent_launch",
-                    "max_registers", "early_tile", "flush_prefetch"),
+                    "max_registers", "early_tile"),
     # The tree recurrence (ops/tree_ops.py: fold's and snapshot's tree verify): rows of the
     # path stack a program holds in registers, all levels together (a level's tile is
     # stack_rows / levels rows high, at least 16).
@@ -77,18 +74,16 @@ PARAMS = {
     # theirs; more registers live at once) or after, in the row's branch (0), a cap
     # on its registers per thread on CUDA (as closed_form.max_registers), and its warps:
     # 4 (the exact kernels') or 8, which stack along V where the tile has at least 64
-    # rows (ops/ring_decode.py launch_ring_decode says why the flush keeps its bits),
-    # and whether a flush row asks L2 for its records first (as exact_write's).
-    "ring_decode": ("block_v", "records_ahead", "early_tile", "max_registers", "num_warps", "prefetch_records"),
+    # rows (ops/ring_decode.py launch_ring_decode says why the flush keeps its bits).
+    "ring_decode": ("block_v", "records_ahead", "early_tile", "max_registers", "num_warps"),
 }
 
 _KEY_FIELDS = ("K", "V", "state_dtype", "min_batch", "max_batch", "device")
 #: Parameters that may be 0 (the others are sizes, at least 1).
-_MAY_BE_ZERO = ("replay_max_batch", "tf32_coefficients", "fuse_flush", "early_tile", "dependent_launch", "max_registers",
-                "prefetch_records", "flush_prefetch")
+_MAY_BE_ZERO = ("replay_max_batch", "tf32_coefficients", "fuse_flush", "early_tile", "dependent_launch", "max_registers")
 #: Parameters with a closed set of values (by name, or ``family.name`` for one family).
 _CHOICES = {"tf32_coefficients": (0, 1), "fuse_flush": (0, 1), "records_ahead": (1, 2), "flush_records_ahead": (1, 2),
-            "early_tile": (0, 1), "dependent_launch": (0, 1), "prefetch_records": (0, 1), "flush_prefetch": (0, 1),
+            "early_tile": (0, 1), "dependent_launch": (0, 1),
             "ring_decode.num_warps": (4, 8), "exact_write.num_warps": (4, 8), "exact_read_only.num_warps": (4, 8)}
 
 #: The table (see the module notes). Values chosen by measurement at Qwen3.5 shapes
@@ -96,8 +91,7 @@ _CHOICES = {"tf32_coefficients": (0, 1), "fuse_flush": (0, 1), "records_ahead": 
 TABLE: dict[str, list[tuple[dict, dict]]] = {
     # Two records ahead: the fold's commit measured faster than with one (BENCHMARKS.md,
     # "The flush inside the outputs kernel").
-    # Records asked of L2 first: a replay's one-load-per-step chain stops waiting on DRAM.
-    "exact_write": [({}, dict(block_v=64, records_ahead=2, num_warps=4, prefetch_records=1))],
+    "exact_write": [({}, dict(block_v=64, records_ahead=2, num_warps=4))],
     # 16-bit states: a 64-row read-only tile runs at twice the programs per SM (the tile
     # is fp32 in registers whatever the storage), which the halved bytes need.
     "exact_read_only": [({"state_dtype": torch.bfloat16}, dict(block_v=64, num_warps=4)),
@@ -109,13 +103,13 @@ TABLE: dict[str, list[tuple[dict, dict]]] = {
     # measured slower (BENCHMARKS.md, "circular's outputs kernel under a register cap").
     "closed_form": [({"max_batch": 32}, dict(block_v=64, k_chunk=64, num_stages=2, num_warps=4, tf32_coefficients=1,
                                              coef_warps=1, heads_per_program=1, flush_block_v=32, fuse_flush=1, flush_records_ahead=1,
-                                             dependent_launch=1, max_registers=0, early_tile=0, flush_prefetch=1)),
+                                             dependent_launch=1, max_registers=0, early_tile=0)),
                     ({"state_dtype": torch.float32}, dict(block_v=64, k_chunk=64, num_stages=2, num_warps=4, tf32_coefficients=1,
                                                           coef_warps=1, heads_per_program=8, flush_block_v=32, fuse_flush=1,
-                                                          flush_records_ahead=1, dependent_launch=1, max_registers=128, early_tile=0, flush_prefetch=1)),
+                                                          flush_records_ahead=1, dependent_launch=1, max_registers=128, early_tile=0)),
                     ({}, dict(block_v=64, k_chunk=64, num_stages=2, num_warps=4, tf32_coefficients=1, coef_warps=1,
                               heads_per_program=8, flush_block_v=32, fuse_flush=1, flush_records_ahead=1,
-                              dependent_launch=1, max_registers=0, early_tile=0, flush_prefetch=1))],
+                              dependent_launch=1, max_registers=0, early_tile=0))],
     # Small batches are latency-bound: one launch with a chain of n + T exact steps
     # beats three launches and the window solve's per-head chain there. The switch sits
     # at the largest batch where replay measured faster (BENCHMARKS.md, kernels:
@@ -132,9 +126,8 @@ TABLE: dict[str, list[tuple[dict, dict]]] = {
     "exact_tree": [({}, dict(stack_rows=64))],
     # 16-bit states load the tile late: early, it spilled (offline sm_90) and ran slower.
     "ring_decode": [({"state_dtype": torch.bfloat16}, dict(block_v=128, records_ahead=1, early_tile=0, max_registers=0,
-                                                           num_warps=4, prefetch_records=1)),
-                    ({}, dict(block_v=128, records_ahead=1, early_tile=1, max_registers=0, num_warps=4,
-                              prefetch_records=1))],
+                                                           num_warps=4)),
+                    ({}, dict(block_v=128, records_ahead=1, early_tile=1, max_registers=0, num_warps=4))],
 }
 
 
