@@ -382,6 +382,37 @@ def test_conv_verify_short_windows_keep_buffer_and_advance_state(c, w, with_bias
     assert torch.equal(y_t[pad], torch.zeros_like(y_t[pad]))
 
 
+@pytest.mark.parametrize("c,w,with_bias,x_dtype", [(40, 4, True, torch.float32), (300, 2, False, torch.float32),
+                                                   (24, 5, True, torch.bfloat16)])
+def test_conv_decode_steps_advance_state_as_the_reference(c, w, with_bias, x_dtype):
+    """Decoding (one token a window, ``update_state``): the new state comes from the rows
+    that the program loaded for its taps. Three steps in a row, each with fresh inputs,
+    padding rows beside live ones and the live slots changing; bf16 inputs into an fp32
+    state (the state keeps the inputs' values exactly); against the reference, the
+    state bit for bit."""
+    ns, rows = 6, 4
+    weight = torch.randn(c, w, device=DEVICE).to(x_dtype)
+    bias = torch.randn(c, device=DEVICE).to(x_dtype) if with_bias else None
+    s_r = torch.randn(ns, c, w - 1, device=DEVICE)
+    s_t = s_r.clone()
+    for step, slot_list in enumerate(([3, -1, 0, 5], [-1, 3, 1, -1], [0, 5, -1, 2])):
+        slots, cu = packed_batch([1] * rows, slot_list)
+        x = torch.randn(rows, c, device=DEVICE).to(x_dtype)
+        before = s_t.clone()
+        y_r = causal_conv_verify(x, s_r, weight, bias, slots, cu, update_state=True, max_len=1, backend="reference")
+        y_t = causal_conv_verify(x, s_t, weight, bias, slots, cu, update_state=True, max_len=1, backend="triton")
+        # bf16 outputs: a few fp32 ulp apart may round one bf16 ulp apart
+        torch.testing.assert_close(y_t, y_r, **(TOL if x_dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)))
+        assert torch.equal(s_t, s_r), f"step {step}"
+        for i, s in enumerate(slot_list):
+            if s >= 0:  # the newest entry is this step's input, the older ones moved down
+                assert torch.equal(s_t[s, :, -1], x[i].float()) and torch.equal(s_t[s, :, :-1], before[s, :, 1:])
+        for s in untouched(slots, ns):
+            assert torch.equal(s_t[s], before[s])
+        pad = padding_tokens(slots, cu)
+        assert torch.equal(y_t[pad], torch.zeros_like(y_t[pad]))
+
+
 # (C, W, CONV_TOKEN_BLOCK, CONV_TOKEN_GROUP, bias), made small so that the interpreter
 # runs many token blocks: two load groups per block; C over two channel blocks, W = 2;
 # W = 6 at a block of 2, where the block grows to W - 1 = 5 (or later blocks would read

@@ -20,7 +20,7 @@ triton = pytest.importorskip("triton")
 
 from replayssm.ops import DraftTrees, RawRecords, gdn_recurrence, triton_common  # noqa: E402
 from replayssm.ops.chunked import gdn_chunked_window, gdn_tree_verify  # noqa: E402
-from replayssm.ops.conv import causal_conv_verify_tree  # noqa: E402
+from replayssm.ops.conv import causal_conv_verify, causal_conv_verify_tree  # noqa: E402
 from replayssm.ops.tree_ops import compact_path, gdn_tree_recurrence  # noqa: E402
 from replayssm.ops.trees import accepted_paths  # noqa: E402
 
@@ -153,6 +153,51 @@ def test_tree_recurrence_and_conv_match_the_reference():
         bufs.append(buf)
     torch.testing.assert_close(ys[1], ys[0], **TOL)
     assert torch.equal(bufs[1], bufs[0])
+
+
+@pytest.mark.parametrize("w,with_bias", [(4, True), (2, False), (6, True)])
+def test_tree_conv_keeps_the_window_buffer_and_matches_the_reference(w, with_bias):
+    """The tree conv alone: trees with nodes shallower than ``W - 1`` (taps from the conv
+    state) and deeper, a padding request, NaN inputs on padded nodes and a NaN-filled
+    window buffer: outputs against the reference, the buffer bit for bit (the nodes'
+    inputs, NaN where nothing is written), the conv state untouched; and a chain tree
+    gives the chain conv's bits, outputs and buffer."""
+    lists = list(SHAPES)
+    lists.insert(1, [-1])
+    trees = DraftTrees.from_parents(lists, max_nodes=N)
+    slots = torch.randperm(NS)[: trees.batch].to(torch.int32)
+    slots[1] = -1
+    slots = slots.to(DEVICE)
+    c = 40
+    x = torch.randn(trees.batch * N, c, device=DEVICE)
+    x[~trees.valid.reshape(-1).to(DEVICE)] = float("nan")
+    state0 = torch.randn(NS, c, w - 1, device=DEVICE)
+    weight = torch.randn(c, w, device=DEVICE)
+    bias = torch.randn(c, device=DEVICE) if with_bias else None
+    buf0 = torch.full((NS, N, c), float("nan"), device=DEVICE)
+    out = {}
+    for backend in ("reference", "triton"):
+        state, buf = state0.clone(), buf0.clone()
+        y = causal_conv_verify_tree(x, state, weight, bias, slots, trees, window_buf=buf, backend=backend)
+        assert torch.equal(state, state0), backend
+        out[backend] = (y, buf)
+    (y_r, b_r), (y_t, b_t) = out["reference"], out["triton"]
+    assert torch.isfinite(y_t).all()
+    torch.testing.assert_close(y_t, y_r, **TOL)
+    torch.testing.assert_close(b_t, b_r, rtol=0, atol=0, equal_nan=True)
+    for r, s in enumerate(slots.tolist()):
+        if s >= 0:  # the rows written are the real nodes' inputs
+            count = int(trees.num_nodes[r])
+            assert torch.equal(b_t[s, :count], x[r * N : r * N + count]) and b_t[s, count:].isnan().all()
+
+    chain = DraftTrees.chain(N, batch=trees.batch)
+    x = x.nan_to_num(1.5)
+    cu = torch.arange(0, (trees.batch + 1) * N, N, dtype=torch.int32, device=DEVICE)
+    b_tree, b_chain = buf0.clone(), buf0.clone()
+    y_tree = causal_conv_verify_tree(x, state0, weight, bias, slots, chain, window_buf=b_tree, backend="triton")
+    y_chain = causal_conv_verify(x, state0, weight, bias, slots, cu, window_buf=b_chain, backend="triton")
+    assert torch.equal(y_tree, y_chain)
+    torch.testing.assert_close(b_tree, b_chain, rtol=0, atol=0, equal_nan=True)
 
 
 def test_compact_path_matches_the_reference():

@@ -302,10 +302,10 @@ if triton is not None:
     @triton.jit
     def _shift_history(state_at, stride_w, src_at, stride_src, n, mask_c, W: tl.constexpr, WP: tl.constexpr):
         """Shift ``n`` inputs (``src_at + t * stride_src``, ``t < n``) into histories of
-        ``W - 1`` entries (``state_at + p * stride_w``). New entry ``p`` is input ``n - (W - 1) + p``
-        when that is ``>= 0``, else old entry ``p + n``. Everything is loaded before
-        anything is stored, with a barrier in between, so no thread can overwrite an
-        entry that another thread has yet to read."""
+        ``W - 1`` entries (``state_at + p * stride_w``): the commit's shift from the window
+        buffer. New entry ``p`` is input ``n - (W - 1) + p`` when that is ``>= 0``, else old
+        entry ``p + n``. Everything is loaded before anything is stored, with a barrier in
+        between, so no thread can overwrite an entry that another thread has yet to read."""
         p = tl.arange(0, WP)
         in_hist = p < W - 1
         t = n - (W - 1) + p
@@ -319,60 +319,137 @@ if triton is not None:
         tl.store(state_at[:, None] + (p * stride_w)[None, :], new, mask=m & in_hist[None, :])
 
     @triton.jit
-    def _conv_tokens(x_at, state_at, w_ptr, bias_ptr, y_row, wbuf_at, offs_c, mask_c, t0, length, stride_x_tok, C, ss_w,
-                     sb_pos, W: tl.constexpr, BT: tl.constexpr, U: tl.constexpr, FIRST_BLOCK: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, HAS_WBUF: tl.constexpr):
-        """Positions ``t0 .. t0 + BT - 1`` (those below ``length``) of a window, in groups
-        of ``U`` tokens (``BT`` a multiple of ``U``).
-
-        A window's first block (``FIRST_BLOCK``, with ``t0 = 0`` and ``U = BT``: one group)
-        reads the taps before the window from the conv state, entry ``W - 1 + t`` for
-        position ``t < 0``; a later block has ``t0 >= W - 1``, so all its taps are inputs.
-        The taps and bias are loaded once, and each group loads its ``W - 1 + U`` rows
-        (positions ``p0 - W + 1 .. p0 + U - 1``) before any of its stores: a load cannot
-        move above a store that may alias it, so loads between one token's stores and
-        the next's would cost every token a few dependent memory round trips, where
-        these are in flight together. The window buffer gets the loaded rows. Each
-        output is ``silu(bias + w_0 x_{i-W+1} + ... + w_{W-1} x_i)``, summed in that order
-        (the reference's) whatever the block, so a token's bits do not depend on the
-        block that holds it."""
+    def _conv_taps(w_ptr, bias_ptr, offs_c, mask_c, W: tl.constexpr, HAS_BIAS: tl.constexpr):
+        """The ``W`` taps of channels ``offs_c`` and the sum each output starts from (the
+        bias, or zeros), in float32."""
         ws = ()
         for j in tl.static_range(W):
             ws = ws + (tl.load(w_ptr + offs_c * W + j, mask=mask_c, other=0.0).to(tl.float32),)
         if HAS_BIAS:
             bias = tl.load(bias_ptr + offs_c, mask=mask_c, other=0.0).to(tl.float32)
+        else:
+            bias = tl.full(offs_c.shape, 0.0, tl.float32)
+        return ws, bias
+
+    @triton.jit
+    def _conv_rows(x_at, state_at, p0, length, stride_x_tok, ss_w, mask_c, W: tl.constexpr, U: tl.constexpr,
+                   FIRST_BLOCK: tl.constexpr):
+        """The ``W - 1 + U`` rows that positions ``p0 .. p0 + U - 1`` read (positions ``p0 - W
+        + 1 .. p0 + U - 1``) as stored, rows past ``length`` zeros. A window's first block
+        (``FIRST_BLOCK``, ``p0 = 0``) reads the rows before the window from the conv state,
+        entry ``W - 1 + t`` for position ``t < 0``."""
+        xs = ()
+        for k in tl.static_range(U + W - 1):
+            if FIRST_BLOCK and k < W - 1:
+                xs = xs + (tl.load(state_at + k * ss_w, mask=mask_c, other=0.0),)
+            else:
+                xs = xs + (tl.load(x_at + (p0 - (W - 1) + k) * stride_x_tok,
+                                   mask=_tl_mask_and(mask_c, p0 - (W - 1) + k < length), other=0.0),)
+        return xs
+
+    @triton.jit
+    def _conv_outputs(xs, ws, bias, y_row, wbuf_at, p0, length, mask_c, C, sb_pos, W: tl.constexpr, U: tl.constexpr,
+                      HAS_WBUF: tl.constexpr):
+        """Store positions ``p0 .. p0 + U - 1`` (those below ``length``) from their rows ``xs``
+        (:func:`_conv_rows`), and with ``HAS_WBUF`` their inputs to the window buffer. Each
+        output is ``silu(bias + w_0 x_{i-W+1} + ... + w_{W-1} x_i)``, summed in that order
+        (the reference's) whatever the block, so a token's bits do not depend on the block
+        that holds it."""
+        for i in tl.static_range(U):
+            acc = bias
+            for j in tl.static_range(W):
+                acc = acc + ws[j] * xs[i + j].to(tl.float32)
+            y = tl.div_rn(acc, 1.0 + tl.exp(-acc))  # SiLU
+            valid = _tl_mask_and(mask_c, p0 + i < length)
+            tl.store(y_row + (p0 + i) * C, _tl_to_rtne(y, y_row.dtype.element_ty), mask=valid)
+            if HAS_WBUF:
+                tl.store(wbuf_at + (p0 + i) * sb_pos, xs[i + W - 1].to(wbuf_at.dtype.element_ty), mask=valid)
+
+    @triton.jit
+    def _next_history(xs, x_at, state_at, length, stride_x_tok, mask_c, W: tl.constexpr, BT: tl.constexpr,
+                      LONG: tl.constexpr):
+        """A slot's ``W - 1`` conv state entries after a window of ``length`` tokens, from the
+        rows ``xs`` of the window's first block (:func:`_conv_rows`, ``U = BT``), as
+        :func:`_shift_history` writes them: new entry ``p`` is window position ``length - (W
+        - 1) + p``, row ``length + p`` of ``xs``, an old entry as it is or an input cast to
+        the state's dtype. ``length`` is known only at run time, so each entry is picked
+        among the rows it may be: rows ``p + 1 .. p + BT`` (``length = 1 .. BT``; one row
+        when ``BT = 1``). ``LONG``: the window may end past the block (a prompt, where
+        latency matters less than registers), so an entry that is an input is loaded
+        again (from cache when it lies in the block), and only old entries are picked."""
+        state_ty = state_at.dtype.element_ty
+        hist = ()
+        for p in tl.static_range(W - 1):
+            if LONG:
+                t = length - (W - 1) + p
+                new = tl.load(x_at + t * stride_x_tok, mask=_tl_mask_and(mask_c, t >= 0), other=0.0).to(state_ty)
+                for k in tl.static_range(p + 1, W - 1):
+                    new = tl.where(length + p == k, xs[k], new)
+            else:
+                for k in tl.static_range(p + 1, p + 1 + BT):
+                    if k < W - 1:
+                        row = xs[k]
+                    else:
+                        row = xs[k].to(state_ty)
+                    if k == p + 1:
+                        new = row
+                    else:
+                        new = tl.where(length + p == k, row, new)
+            hist = hist + (new,)
+        return hist
+
+    @triton.jit
+    def _conv_first_block(x_at, state_at, w_ptr, bias_ptr, y_row, wbuf_at, offs_c, mask_c, length, stride_x_tok, C,
+                          ss_w, sb_pos, W: tl.constexpr, BT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          HAS_WBUF: tl.constexpr, UPDATE_STATE: tl.constexpr, LONG: tl.constexpr):
+        """Positions ``0 .. BT - 1`` (those below ``length``) of a window, the taps before it
+        from the conv state; with ``UPDATE_STATE`` the state advanced over the whole window
+        (``LONG``: the window may be longer than the block).
+
+        Every load (taps, bias, the conv state entries, the block's input rows, the new
+        state's entries past the block) is issued before the first store: a load cannot
+        move above a store that may alias it, so loads between stores would cost a few
+        dependent memory round trips each, where these are in flight together. The new
+        state is picked from the rows already loaded."""
+        ws, bias = _conv_taps(w_ptr, bias_ptr, offs_c, mask_c, W, HAS_BIAS)
+        xs = _conv_rows(x_at, state_at, 0, length, stride_x_tok, ss_w, mask_c, W, BT, True)
+        if UPDATE_STATE:
+            hist = _next_history(xs, x_at, state_at, length, stride_x_tok, mask_c, W, BT, LONG)
+        _conv_outputs(xs, ws, bias, y_row, wbuf_at, 0, length, mask_c, C, sb_pos, W, BT, HAS_WBUF)
+        if UPDATE_STATE:
+            # This block's programs are the only readers of the slot's history, and the
+            # new entries are inputs, which nothing writes: no other program races with
+            # the update. Within the program, Triton may give the loads above and the
+            # stores below different thread layouts, so every thread must be done
+            # reading before any thread overwrites.
+            tl.debug_barrier()
+            for p in tl.static_range(W - 1):
+                tl.store(state_at + p * ss_w, hist[p], mask=mask_c)
+
+    @triton.jit
+    def _conv_tokens(x_at, state_at, w_ptr, bias_ptr, y_row, wbuf_at, offs_c, mask_c, t0, length, stride_x_tok, C, ss_w,
+                     sb_pos, W: tl.constexpr, BT: tl.constexpr, U: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     HAS_WBUF: tl.constexpr):
+        """Positions ``t0 .. t0 + BT - 1`` (those below ``length``) of a block after a window's
+        first (``t0 >= W - 1``: every tap is an input), in groups of ``U`` tokens (``BT`` a
+        multiple of ``U``). The taps and bias are loaded once, and each group loads its
+        ``W - 1 + U`` rows before any of its stores (see :func:`_conv_first_block`)."""
+        ws, bias = _conv_taps(w_ptr, bias_ptr, offs_c, mask_c, W, HAS_BIAS)
         for g in range(0, BT // U):
             p0 = t0 + g * U
-            xs = ()  # rows p0 - W + 1 .. p0 + U - 1 (a first block: conv state entries, then inputs)
-            for k in tl.static_range(U + W - 1):
-                if FIRST_BLOCK and k < W - 1:
-                    xs = xs + (tl.load(state_at + k * ss_w, mask=mask_c, other=0.0),)
-                else:
-                    xs = xs + (tl.load(x_at + (p0 - (W - 1) + k) * stride_x_tok,
-                                       mask=_tl_mask_and(mask_c, p0 - (W - 1) + k < length), other=0.0),)
-            for i in tl.static_range(U):
-                if HAS_BIAS:
-                    acc = bias
-                else:
-                    acc = tl.full(offs_c.shape, 0.0, tl.float32)
-                for j in tl.static_range(W):
-                    acc = acc + ws[j] * xs[i + j].to(tl.float32)
-                y = tl.div_rn(acc, 1.0 + tl.exp(-acc))  # SiLU
-                valid = _tl_mask_and(mask_c, p0 + i < length)
-                tl.store(y_row + (p0 + i) * C, _tl_to_rtne(y, y_row.dtype.element_ty), mask=valid)
-                if HAS_WBUF:
-                    tl.store(wbuf_at + (p0 + i) * sb_pos, xs[i + W - 1].to(wbuf_at.dtype.element_ty), mask=valid)
+            xs = _conv_rows(x_at, state_at, p0, length, stride_x_tok, ss_w, mask_c, W, U, False)
+            _conv_outputs(xs, ws, bias, y_row, wbuf_at, p0, length, mask_c, C, sb_pos, W, U, HAS_WBUF)
 
     @triton.jit
     def _conv_verify_kernel(
         x_ptr, state_ptr, w_ptr, bias_ptr, slots_ptr, cu_ptr, y_ptr, wbuf_ptr,
         stride_x_tok, C, ss_slot, ss_c, ss_w, sb_slot, sb_pos, sb_c,
-        W: tl.constexpr, WP: tl.constexpr, BT: tl.constexpr, U: tl.constexpr, BC: tl.constexpr,
+        W: tl.constexpr, BT: tl.constexpr, U: tl.constexpr, BC: tl.constexpr,
         HAS_BIAS: tl.constexpr, HAS_WBUF: tl.constexpr, UPDATE_STATE: tl.constexpr,
     ):
         """Window positions ``[i_t BT, (i_t + 1) BT)`` of window ``i_b``, channels
         ``[i_c BC, (i_c + 1) BC)``. ``BT >= W - 1`` whenever a window spans more than one
-        block, so only a window's first block reads its conv state."""
+        block (``U > 0``), so only a window's first block reads its conv state."""
         i_t = tl.program_id(0)
         i_c = tl.program_id(1)
         i_b = tl.program_id(2)
@@ -397,19 +474,11 @@ if triton is not None:
         x_at = x_ptr + bos * stride_x_tok + offs_c
         wbuf_at = wbuf_ptr + slot * sb_slot + offs_c * sb_c
         if i_t == 0:
-            _conv_tokens(x_at, state_at, w_ptr, bias_ptr, y_row, wbuf_at, offs_c, mask_c, 0, length, stride_x_tok, C,
-                         ss_w, sb_pos, W, BT, BT, True, HAS_BIAS, HAS_WBUF)
-            if UPDATE_STATE:
-                # This block's programs are the only readers of the slot's history, and
-                # the new entries are inputs, which nothing writes: no other program
-                # races with the shift. Within the program, Triton may give the loads
-                # above and the stores below different thread layouts, so every thread
-                # must be done reading before any thread overwrites.
-                tl.debug_barrier()
-                _shift_history(state_at, ss_w, x_at, stride_x_tok, length, mask_c, W, WP)
+            _conv_first_block(x_at, state_at, w_ptr, bias_ptr, y_row, wbuf_at, offs_c, mask_c, length, stride_x_tok, C,
+                              ss_w, sb_pos, W, BT, HAS_BIAS, HAS_WBUF, UPDATE_STATE, U > 0)
         elif U > 0:  # U = 0: the grid has one token block, the first
             _conv_tokens(x_at, state_at, w_ptr, bias_ptr, y_row, wbuf_at, offs_c, mask_c, t0, length, stride_x_tok, C,
-                         ss_w, sb_pos, W, BT, U, False, HAS_BIAS, HAS_WBUF)
+                         ss_w, sb_pos, W, BT, U, HAS_BIAS, HAS_WBUF)
 
     @triton.jit
     def _conv_verify_tree_kernel(
@@ -419,7 +488,14 @@ if triton is not None:
     ):
         """The tree conv: node ``i``'s tap ``j`` reads its ancestor at distance ``W - 1 - j``
         (found by walking ``parents``), or, past the root, conv state entry ``depth + j``;
-        the sums in the chain kernel's order, so a chain gets the chain's bits."""
+        the sums in the chain kernel's order, so a chain gets the chain's bits.
+
+        The node loop is unrolled, and every node's loads (its walk up ``parents``, its
+        taps, its own input) come before the first store, and before the first SiLU: a
+        load cannot move above a store that may alias it, nor, in practice, above the
+        branch to an IEEE division's slow path, which waits for the loads before it. So
+        the nodes' loads are in flight together, not each node's after the one before
+        it. A node's own input, its last tap, is also its window buffer row."""
         i_c = tl.program_id(0)
         i_b = tl.program_id(1)
         slot = tl.load(slots_ptr + i_b).to(tl.int64)
@@ -434,28 +510,35 @@ if triton is not None:
         count = tl.load(nodes_ptr + i_b)
         state_at = state_ptr + slot * ss_slot + offs_c * ss_c
         x_at = x_ptr + bos * stride_x_tok + offs_c
-        for i in range(0, TN):
+        ws, bias = _conv_taps(w_ptr, bias_ptr, offs_c, mask_c, W, HAS_BIAS)
+        sums = ()
+        xs = ()  # each node's own input
+        for i in tl.static_range(TN):
             valid = i < count
             d = tl.load(depth_ptr + i_b * TN + i)
-            if HAS_BIAS:
-                acc = tl.load(bias_ptr + offs_c, mask=mask_c, other=0.0).to(tl.float32)
-            else:
-                acc = tl.full([BC], 0.0, tl.float32)
-            for j in tl.static_range(W):
-                node = i + 0 * d  # the ancestor at distance W - 1 - j (-1 past the root)
-                for _ in tl.static_range(W - 1 - j):
-                    node = tl.where(node >= 0, tl.load(parents_ptr + i_b * TN + tl.maximum(node, 0)), -1)
+            xi = tl.load(x_at + i * stride_x_tok, mask=_tl_mask_and(mask_c, valid), other=0.0)
+            node = i + 0 * d
+            up = ()  # up[k]: the ancestor at distance k + 1 (-1 past the root), tap W - 2 - k's node
+            for _ in tl.static_range(W - 1):
+                node = tl.where(node >= 0, tl.load(parents_ptr + i_b * TN + tl.maximum(node, 0)), -1)
+                up = up + (node,)
+            acc = bias
+            for j in tl.static_range(W - 1):
+                node = up[W - 2 - j]
                 from_x = node >= 0
                 xv = tl.load(x_at + tl.maximum(node, 0) * stride_x_tok, mask=_tl_mask_and(mask_c, valid & from_x),
                              other=0.0)
                 sv = tl.load(state_at + (d + j) * ss_w, mask=_tl_mask_and(mask_c, valid & (node < 0)), other=0.0)
-                w = tl.load(w_ptr + offs_c * W + j, mask=mask_c, other=0.0).to(tl.float32)
-                acc = acc + w * tl.where(from_x, xv.to(tl.float32), sv.to(tl.float32))
+                acc = acc + ws[j] * tl.where(from_x, xv.to(tl.float32), sv.to(tl.float32))
+            sums = sums + (acc + ws[W - 1] * xi.to(tl.float32),)
+            xs = xs + (xi,)
+        for i in tl.static_range(TN):
+            valid = i < count
+            acc = sums[i]
             y = tl.div_rn(acc, 1.0 + tl.exp(-acc))  # SiLU
             tl.store(y_row + i * C, _tl_to_rtne(tl.where(valid, y, 0.0), y_ptr.dtype.element_ty), mask=mask_c)
             if HAS_WBUF:
-                xi = tl.load(x_at + i * stride_x_tok, mask=_tl_mask_and(mask_c, valid), other=0.0)
-                tl.store(wbuf_ptr + slot * sb_slot + i * sb_pos + offs_c * sb_c, xi.to(wbuf_ptr.dtype.element_ty),
+                tl.store(wbuf_ptr + slot * sb_slot + i * sb_pos + offs_c * sb_c, xs[i].to(wbuf_ptr.dtype.element_ty),
                          mask=_tl_mask_and(mask_c, valid))
 
     @triton.jit
@@ -524,8 +607,9 @@ def causal_conv_verify_triton(
     :data:`CONV_TOKEN_GROUP` ``= 8`` tokens at a time (a load cannot move above a store
     that may alias it, so the loads are issued together, not token by token). With
     ``update_state`` the programs of a window's first token block, the only ones that
-    read its conv state, shift the window's last ``W - 1`` inputs into it after their
-    taps. Every output is the same bits whatever the block: the same products, summed
+    read its conv state, write its new entries after their outputs, picked from the
+    rows loaded for the taps (a prompt's last inputs past the block are loaded with
+    them). Every output is the same bits whatever the block: the same products, summed
     in the same order.
     """
     n, c, w = check_conv_args(x, conv_state, weight, bias)
@@ -563,7 +647,7 @@ def causal_conv_verify_triton(
         x, conv_state, weight, bias if bias is not None else weight, slots, cu_seqlens, y,
         window_buf if window_buf is not None else y,
         x.stride(0), c, *conv_state.stride(), *wbuf_strides,
-        W=w, WP=triton.next_power_of_2(w - 1), BT=bt, U=CONV_TOKEN_GROUP if blocks > 1 else 0, BC=bc,
+        W=w, BT=bt, U=CONV_TOKEN_GROUP if blocks > 1 else 0, BC=bc,
         HAS_BIAS=bias is not None, HAS_WBUF=window_buf is not None, UPDATE_STATE=bool(update_state),
         num_warps=4,
     )
