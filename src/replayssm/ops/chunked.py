@@ -578,7 +578,7 @@ if triton is not None:
     )
     from .fold import launch_fold, replay_and_store_tile as _replay_and_store_tile, replay_history as _replay_history
     from .recurrent import _load_token as _rec_load_token, pick_block_v, exact_block_k
-    from .triton_common import EXACT_NUM_WARPS, NORM_EPS, block_rows, device_fn as _tl_device_fn, exact_warps
+    from .triton_common import EXACT_NUM_WARPS, NORM_EPS, block_rows, device_fn as _tl_device_fn
     from .triton_common import gdn_gates as _tl_gdn_gates
     from .triton_common import load_parts as _tl_load_parts
     from .triton_common import mask_and as _tl_mask_and, normalized as _tl_normalized
@@ -1105,8 +1105,8 @@ def launch_window_outputs(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, 
         FUSE_FLUSH=fuse, ROUND_STATE=checkpoint.dtype != torch.float32, AHEAD=cfg["flush_records_ahead"],
         TREE=tree is not None, WAIT_COEF=dependent, EARLY_TILE=fuse and bool(cfg["early_tile"]),
         # A fused flush is an exact replay: the exact kernels' warps (their layout
-        # decides the bits of every row sum; 8 stack along V on 64-row tiles).
-        num_warps=exact_warps(cfg["fused_warps"], bv) if fuse else cfg["num_warps"],
+        # decides the bits of every row sum).
+        num_warps=EXACT_NUM_WARPS if fuse else cfg["num_warps"],
         **({"launch_pdl": True} if dependent else {}),
         **register_cap(cfg["max_registers"], q.device),
     )

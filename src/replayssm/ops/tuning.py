@@ -56,12 +56,10 @@ PARAMS = {
     # per SM). ``early_tile`` (with fuse_flush): every row loads its whole checkpoint
     # tile into registers before its cursors (1: the loads overlap the cursors' and
     # a row that does not flush multiplies the tile as loaded) or streams it through
-    # the k_chunk pipeline after them (0). ``fused_warps``: the warps of the outputs
-    # kernel when it folds the flush rows (then an exact kernel: 4, or 8 on tiles of 64+
-    # rows, as exact_write.num_warps; ``num_warps`` is the unfused kernel's).
+    # the k_chunk pipeline after them (0).
     "closed_form": ("block_v", "k_chunk", "num_stages", "num_warps", "tf32_coefficients", "coef_warps",
                     "heads_per_program", "flush_block_v", "fuse_flush", "flush_records_ahead", "dependent_launch",
-                    "max_registers", "early_tile", "fused_warps"),
+                    "max_registers", "early_tile"),
     # The tree recurrence (ops/tree_ops.py: fold's and snapshot's tree verify): rows of the
     # path stack a program holds in registers, all levels together (a level's tile is
     # stack_rows / levels rows high, at least 16).
@@ -86,8 +84,7 @@ _MAY_BE_ZERO = ("replay_max_batch", "tf32_coefficients", "fuse_flush", "early_ti
 #: Parameters with a closed set of values (by name, or ``family.name`` for one family).
 _CHOICES = {"tf32_coefficients": (0, 1), "fuse_flush": (0, 1), "records_ahead": (1, 2), "flush_records_ahead": (1, 2),
             "early_tile": (0, 1), "dependent_launch": (0, 1),
-            "ring_decode.num_warps": (4, 8), "exact_write.num_warps": (4, 8), "exact_read_only.num_warps": (4, 8),
-            "closed_form.fused_warps": (4, 8)}
+            "ring_decode.num_warps": (4, 8), "exact_write.num_warps": (4, 8), "exact_read_only.num_warps": (4, 8)}
 
 #: The table (see the module notes). Values chosen by measurement at Qwen3.5 shapes
 #: (BENCHMARKS.md, tuning notes).
@@ -106,13 +103,13 @@ TABLE: dict[str, list[tuple[dict, dict]]] = {
     # measured slower (BENCHMARKS.md, "circular's outputs kernel under a register cap").
     "closed_form": [({"max_batch": 32}, dict(block_v=64, k_chunk=64, num_stages=2, num_warps=4, tf32_coefficients=1,
                                              coef_warps=1, heads_per_program=1, flush_block_v=32, fuse_flush=1, flush_records_ahead=1,
-                                             dependent_launch=1, max_registers=0, early_tile=0, fused_warps=4)),
+                                             dependent_launch=1, max_registers=0, early_tile=0)),
                     ({"state_dtype": torch.float32}, dict(block_v=64, k_chunk=64, num_stages=2, num_warps=4, tf32_coefficients=1,
                                                           coef_warps=1, heads_per_program=8, flush_block_v=32, fuse_flush=1,
-                                                          flush_records_ahead=1, dependent_launch=1, max_registers=128, early_tile=0, fused_warps=4)),
+                                                          flush_records_ahead=1, dependent_launch=1, max_registers=128, early_tile=0)),
                     ({}, dict(block_v=64, k_chunk=64, num_stages=2, num_warps=4, tf32_coefficients=1, coef_warps=1,
                               heads_per_program=8, flush_block_v=32, fuse_flush=1, flush_records_ahead=1,
-                              dependent_launch=1, max_registers=0, early_tile=0, fused_warps=4))],
+                              dependent_launch=1, max_registers=0, early_tile=0))],
     # Small batches are latency-bound: one launch with a chain of n + T exact steps
     # beats three launches and the window solve's per-head chain there. The switch sits
     # at the largest batch where replay measured faster (BENCHMARKS.md, kernels:
