@@ -317,15 +317,20 @@ def test_cursors_flush_every_matches_reference():
 
 
 # ---------------------------------------------------------------------------- conv
+def conv_inputs(n_tok, c, w, ns, t, with_bias):
+    """Fresh conv inputs ``x [n_tok, c]``, taps ``[c, w]``, bias (or ``None``), a random
+    conv state ``[ns, c, w - 1]`` and a NaN window buffer ``[ns, t, c]``."""
+    x = torch.randn(n_tok, c, device=DEVICE)
+    weight = torch.randn(c, w, device=DEVICE)
+    bias = torch.randn(c, device=DEVICE) if with_bias else None
+    return x, weight, bias, torch.randn(ns, c, w - 1, device=DEVICE), torch.full((ns, t, c), NAN, device=DEVICE)
+
+
 @pytest.mark.parametrize("c,w,t,with_bias", [(40, 4, 4, True), (24, 2, 3, False), (300, 4, 2, True)])
 def test_conv_verify_matches_reference(c, w, t, with_bias):
     ns, rows = 5, 4
     slots, cu, lengths = rand_batch(rows, t, ns)
-    x = torch.randn(sum(lengths), c, device=DEVICE)
-    weight = torch.randn(c, w, device=DEVICE)
-    bias = torch.randn(c, device=DEVICE) if with_bias else None
-    state0 = torch.randn(ns, c, w - 1, device=DEVICE)
-    buf0 = torch.full((ns, t, c), NAN, device=DEVICE)
+    x, weight, bias, state0, buf0 = conv_inputs(sum(lengths), c, w, ns, t, with_bias)
     s_r, b_r = state0.clone(), buf0.clone()
     y_r = causal_conv_verify(x, s_r, weight, bias, slots, cu, window_buf=b_r, backend="reference")
     s_t, b_t = state0.clone(), buf0.clone()
@@ -363,11 +368,7 @@ def test_conv_verify_short_windows_keep_buffer_and_advance_state(c, w, with_bias
     ns, t = 7, 5
     lengths = [2, t, 3, 1, t - 1]
     slots, cu = packed_batch(lengths, [4, 0, -1, 6, 2])
-    x = torch.randn(sum(lengths), c, device=DEVICE)
-    weight = torch.randn(c, w, device=DEVICE)
-    bias = torch.randn(c, device=DEVICE) if with_bias else None
-    state0 = torch.randn(ns, c, w - 1, device=DEVICE)
-    buf0 = torch.full((ns, t, c), NAN, device=DEVICE)
+    x, weight, bias, state0, buf0 = conv_inputs(sum(lengths), c, w, ns, t, with_bias)
     s_r, b_r = state0.clone(), buf0.clone()
     y_r = causal_conv_verify(x, s_r, weight, bias, slots, cu, window_buf=b_r, update_state=True, backend="reference")
     s_t, b_t = state0.clone(), buf0.clone()
