@@ -48,6 +48,8 @@ def test_silu_mul_refuses_mismatched_inputs(rng):
         silu_mul(g, g.tolist())
     with pytest.raises(ValueError, match="backend"):
         silu_mul(g, g, backend="cuda")
+    with pytest.raises(TypeError, match="must be one of"):
+        silu_mul(g.double(), g.double())
 
 
 def test_dense_silu_mlp_tells_the_dense_mlp_from_a_moe_block():

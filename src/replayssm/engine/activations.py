@@ -23,6 +23,8 @@ if triton is not None:
 
 #: Elements a program takes (a power of two).
 SILU_MUL_BLOCK = 2048
+#: What the kernel takes (it computes in fp32 and rounds to the inputs' dtype).
+SILU_MUL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def dense_silu_mlp(mlp) -> bool:
@@ -53,6 +55,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, backend: str = "triton") -
         return silu_mul_reference(gate, up)
     if backend != "triton":
         raise ValueError(f"backend must be 'triton' or 'reference', got {backend!r}")
+    if gate.dtype not in SILU_MUL_DTYPES:
+        raise TypeError(f"gate and up must be one of {SILU_MUL_DTYPES} for the Triton silu_mul, got {gate.dtype}")
     if triton is None or (gate.device.type != "cuda" and not INTERPRETER):
         raise RuntimeError("the Triton silu_mul needs CUDA tensors or the Triton interpreter")
     gate, up = gate.contiguous(), up.contiguous()
