@@ -39,6 +39,7 @@ from replayssm.ops import dispatch  # noqa: E402
 from replayssm.ops import fold as fold_ops  # noqa: E402
 from replayssm.ops import recurrent as rec_ops  # noqa: E402
 from replayssm.ops import snapshot as snap_ops  # noqa: E402
+from replayssm.ops import tuning  # noqa: E402
 from replayssm.state import GDNShape, StatePool  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -153,6 +154,39 @@ def test_recurrence_records_match_reference_and_leave_outputs_bit_identical(h, g
     assert_close_nan(rec_t.beta, rec_r.beta, rtol=1e-6, atol=1e-7)
     for s in untouched(slots, ns):
         assert all(getattr(rec_t, f)[s].isnan().all() for f in rec_t._fields)
+
+
+@pytest.mark.parametrize("h,group,kd,vd,t", CONFIGS[1:3])
+def test_recurrence_without_load_ahead_changes_no_bit(h, group, kd, vd, t):
+    """Each token's inputs loaded at its step's start (``load_ahead = 0`` in the exact
+    families' rows) instead of during the step before: the same arithmetic, so the
+    outputs, the written state, the snapshots and the records are the pipelined
+    kernel's bit for bit, in the read-only verify (records) and in the writing
+    kernel (snapshots and state), on windows of 1..T tokens beside a padding row; and
+    the reference's to fp32 rounding."""
+    hv, ns, rows = h * group, 5, 4
+    slots, cu, lengths = rand_batch(rows, t, ns)
+    x = rand_layer(sum(lengths), h, hv, kd, vd)
+    state0 = torch.randn(ns, hv, vd, kd, device=DEVICE)
+    runs = {}
+    for ahead in (1, 0):
+        with tuning.override("exact_write", load_ahead=ahead), tuning.override("exact_read_only", load_ahead=ahead):
+            rec = nan_records(ns, t + 1, h, kd, hv, vd)
+            o_verify = gdn_recurrence(*args(x), state0.clone(), slots, cu, records=rec, backend="triton")
+            st, sn = state0.clone(), torch.full((ns, t, hv, vd, kd), NAN, device=DEVICE)
+            o_write = gdn_recurrence(*args(x), st, slots, cu, snapshots=sn, update_state=True, backend="triton")
+        runs[ahead] = (o_verify, rec, o_write, st, sn)
+    (ov1, rec1, ow1, st1, sn1), (ov0, rec0, ow0, st0, sn0) = runs[1], runs[0]
+    assert torch.equal(ov0, ov1) and torch.equal(ow0, ow1), "outputs differ"
+    assert torch.equal(st0, st1), "states differ"
+    assert torch.equal(sn0.nan_to_num(7.0), sn1.nan_to_num(7.0)), "snapshots differ"
+    for f in rec0._fields:
+        assert torch.equal(getattr(rec0, f).nan_to_num(7.0), getattr(rec1, f).nan_to_num(7.0)), f"records.{f} differ"
+    st_r = state0.clone()
+    o_r = gdn_recurrence(*args(x), st_r, slots, cu, update_state=True, backend="reference")
+    torch.testing.assert_close(ow0, o_r, **TOL)
+    torch.testing.assert_close(st0, st_r, **TOL)
+    assert not torch.equal(st0, state0)
 
 
 def test_recurrence_strided_inputs_and_long_prefill_bound():

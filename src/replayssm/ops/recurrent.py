@@ -327,7 +327,7 @@ if triton is not None:
         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
         BK: tl.constexpr, BV: tl.constexpr, T: tl.constexpr,
         HAS_SNAPSHOTS: tl.constexpr, HAS_RECORDS: tl.constexpr, UPDATE_STATE: tl.constexpr,
-        STEPS_BY_LENGTH: tl.constexpr,
+        STEPS_BY_LENGTH: tl.constexpr, LOAD_AHEAD: tl.constexpr = True,
     ):
         i_v, i_b, i_hv, i_h, slot, bos, length = _tl_window_program(slots_ptr, cu_ptr, H, HV)
         # Short windows loop to the bound T (a compile-time trip count); prompts loop to
@@ -364,28 +364,43 @@ if triton is not None:
             rg_at = rec_g_ptr + slot * srg_slot + i_hv * srg_head
             rb_at = rec_beta_ptr + slot * srb_slot + i_hv * srb_head
 
-        # Software pipelining by hand: the next token's loads are issued before this
-        # token's step, so their latency hides behind the arithmetic. Masks that fold
-        # in the token's validity are built once per token and carried along.
-        valid_n = 0 < length
-        mc_n = _tl_mask_and(all_c, valid_n)
-        mv_n = _tl_mask_and(mask_v, valid_n)
-        q0n, q1n, q2n, q3n, k0n, k1n, k2n, k3n, v_n, a_n, b_n = _load_token(
-            q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, bos, valid_n, mc_n, mv_n, i_h, i_hv, offs_c, offs_v,
-            stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, stride_a_tok, stride_b_tok,
-            K, KQ,
-        )
-        for i in range(0, steps):
-            valid, mc, mv = valid_n, mc_n, mv_n
-            q0, q1, q2, q3, k0, k1, k2, k3, v, a, b = q0n, q1n, q2n, q3n, k0n, k1n, k2n, k3n, v_n, a_n, b_n
-            valid_n = i + 1 < length
+        # With LOAD_AHEAD, software pipelining by hand: the next token's loads are issued
+        # before this token's step, so their latency hides behind the arithmetic, at the
+        # cost of a second token's inputs live in registers (on sm_90, 255 registers a
+        # thread instead of 168 for a 64-row verify of 4 tokens: two programs an SM
+        # instead of three). Without it each step loads its own token first, and other
+        # programs hide the latency. Masks that fold in the token's validity are built
+        # once per token. The arithmetic is the same either way.
+        if LOAD_AHEAD:
+            valid_n = 0 < length
             mc_n = _tl_mask_and(all_c, valid_n)
             mv_n = _tl_mask_and(mask_v, valid_n)
             q0n, q1n, q2n, q3n, k0n, k1n, k2n, k3n, v_n, a_n, b_n = _load_token(
-                q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, bos + i + 1, valid_n, mc_n, mv_n, i_h, i_hv, offs_c, offs_v,
+                q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, bos, valid_n, mc_n, mv_n, i_h, i_hv, offs_c, offs_v,
                 stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
                 stride_a_tok, stride_b_tok, K, KQ,
             )
+        for i in range(0, steps):
+            if LOAD_AHEAD:
+                valid, mc, mv = valid_n, mc_n, mv_n
+                q0, q1, q2, q3, k0, k1, k2, k3, v, a, b = q0n, q1n, q2n, q3n, k0n, k1n, k2n, k3n, v_n, a_n, b_n
+                valid_n = i + 1 < length
+                mc_n = _tl_mask_and(all_c, valid_n)
+                mv_n = _tl_mask_and(mask_v, valid_n)
+                q0n, q1n, q2n, q3n, k0n, k1n, k2n, k3n, v_n, a_n, b_n = _load_token(
+                    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, bos + i + 1, valid_n, mc_n, mv_n, i_h, i_hv, offs_c, offs_v,
+                    stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+                    stride_a_tok, stride_b_tok, K, KQ,
+                )
+            else:
+                valid = i < length
+                mc = _tl_mask_and(all_c, valid)
+                mv = _tl_mask_and(mask_v, valid)
+                q0, q1, q2, q3, k0, k1, k2, k3, v, a, b = _load_token(
+                    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, bos + i, valid, mc, mv, i_h, i_hv, offs_c, offs_v,
+                    stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+                    stride_a_tok, stride_b_tok, K, KQ,
+                )
             g, beta = _tl_gdn_gates(a, b, A_log, dt_bias)
             kh0, kh1, kh2, kh3 = _tl_normalized(k0, k1, k2, k3, eps, 1.0)
             qh0, qh1, qh2, qh3 = _tl_normalized(q0, q1, q2, q3, eps, scale)
@@ -494,7 +509,7 @@ def gdn_recurrence_triton(
         kd**-0.5, NORM_EPS,
         H=h, HV=hv, K=kd, V=vd, BK=bk, BV=bv, T=t,
         HAS_SNAPSHOTS=snapshots is not None, HAS_RECORDS=records is not None, UPDATE_STATE=bool(update_state),
-        STEPS_BY_LENGTH=t > STEPS_BY_LENGTH_ABOVE,
+        STEPS_BY_LENGTH=t > STEPS_BY_LENGTH_ABOVE, LOAD_AHEAD=bool(row["load_ahead"]),
         num_warps=exact_warps(row["num_warps"], bv),
     )
     return o

@@ -35,10 +35,13 @@ PARAMS = {
     # ``records_ahead``: how many records the exact replay (the fold; ops/fold.py
     # ``replay_history``) loads ahead of its step, 1 or 2. ``num_warps``: 4, or 8 on
     # tiles of 64+ rows (the extra warps stack along V; triton_common.exact_warps).
-    "exact_write": ("block_v", "records_ahead", "num_warps"),
+    # ``load_ahead``: whether the recurrence kernel loads the next token's inputs during
+    # this token's step (1: latency hidden inside the program, a second token's inputs
+    # in registers) or at the step's start (0: fewer registers, more programs an SM).
+    "exact_write": ("block_v", "records_ahead", "num_warps", "load_ahead"),
     # The read-only exact verify: no state to write back, so a taller tile holds fewer
     # live registers per row and amortises the per-token loads further.
-    "exact_read_only": ("block_v", "num_warps"),
+    "exact_read_only": ("block_v", "num_warps", "load_ahead"),
     # circular's closed form (ops/chunked.py). Its outputs kernel: rows of V per program,
     # columns of K per step of its pass over the checkpoint, pipeline stages of that
     # pass, warps, and whether its small products with the coefficients run on tensor
@@ -80,10 +83,11 @@ PARAMS = {
 
 _KEY_FIELDS = ("K", "V", "state_dtype", "min_batch", "max_batch", "device")
 #: Parameters that may be 0 (the others are sizes, at least 1).
-_MAY_BE_ZERO = ("replay_max_batch", "tf32_coefficients", "fuse_flush", "early_tile", "dependent_launch", "max_registers")
+_MAY_BE_ZERO = ("replay_max_batch", "tf32_coefficients", "fuse_flush", "early_tile", "dependent_launch", "max_registers",
+                "load_ahead")
 #: Parameters with a closed set of values (by name, or ``family.name`` for one family).
 _CHOICES = {"tf32_coefficients": (0, 1), "fuse_flush": (0, 1), "records_ahead": (1, 2), "flush_records_ahead": (1, 2),
-            "early_tile": (0, 1), "dependent_launch": (0, 1),
+            "early_tile": (0, 1), "dependent_launch": (0, 1), "load_ahead": (0, 1),
             "ring_decode.num_warps": (4, 8), "exact_write.num_warps": (4, 8), "exact_read_only.num_warps": (4, 8)}
 
 #: The table (see the module notes). Values chosen by measurement at Qwen3.5 shapes
@@ -91,11 +95,11 @@ _CHOICES = {"tf32_coefficients": (0, 1), "fuse_flush": (0, 1), "records_ahead": 
 TABLE: dict[str, list[tuple[dict, dict]]] = {
     # Two records ahead: the fold's commit measured faster than with one (BENCHMARKS.md,
     # "The flush inside the outputs kernel").
-    "exact_write": [({}, dict(block_v=64, records_ahead=2, num_warps=4))],
+    "exact_write": [({}, dict(block_v=64, records_ahead=2, num_warps=4, load_ahead=1))],
     # 16-bit states: a 64-row read-only tile runs at twice the programs per SM (the tile
     # is fp32 in registers whatever the storage), which the halved bytes need.
-    "exact_read_only": [({"state_dtype": torch.bfloat16}, dict(block_v=64, num_warps=4)),
-                        ({}, dict(block_v=128, num_warps=4))],
+    "exact_read_only": [({"state_dtype": torch.bfloat16}, dict(block_v=64, num_warps=4, load_ahead=1)),
+                        ({}, dict(block_v=128, num_warps=4, load_ahead=1))],
     # Small batches are latency-bound: one value head per coefficient program keeps its
     # chain short; large ones share the key head's K pass. From batch 33 with fp32
     # states, the outputs kernel capped at 128 registers fits 4 programs per SM instead
