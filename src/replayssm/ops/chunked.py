@@ -998,10 +998,8 @@ if triton is not None:
         dt_bias = tl.load(dt_bias_ptr + i_hv)
         k_writer = (i_hv % (HV // H) == 0) & (i_v == 0)  # raw k once per key head
         valid_n = 0 < length
-        mc_n = _tl_mask_and(all_c, valid_n)
-        mv_n = _tl_mask_and(mask_v, valid_n)
-        q0n, q1n, q2n, q3n, k0n, k1n, k2n, k3n, xv_n, a_n, b_n = _rec_load_token(
-            q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, bos, valid_n, mc_n, mv_n, i_h, i_hv, offs_c, offs_v,
+        mc_n, mv_n, q0n, q1n, q2n, q3n, k0n, k1n, k2n, k3n, xv_n, a_n, b_n = _rec_load_token(
+            q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, bos, valid_n, all_c, mask_v, i_h, i_hv, offs_c, offs_v,
             stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, stride_a_tok, stride_b_tok,
             K, KQ,
         )
@@ -1009,10 +1007,8 @@ if triton is not None:
             valid, mc, mv = valid_n, mc_n, mv_n
             q0, q1, q2, q3, k0, k1, k2, k3, xv, a, b = q0n, q1n, q2n, q3n, k0n, k1n, k2n, k3n, xv_n, a_n, b_n
             valid_n = i + 1 < length
-            mc_n = _tl_mask_and(all_c, valid_n)
-            mv_n = _tl_mask_and(mask_v, valid_n)
-            q0n, q1n, q2n, q3n, k0n, k1n, k2n, k3n, xv_n, a_n, b_n = _rec_load_token(
-                q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, bos + i + 1, valid_n, mc_n, mv_n, i_h, i_hv, offs_c, offs_v,
+            mc_n, mv_n, q0n, q1n, q2n, q3n, k0n, k1n, k2n, k3n, xv_n, a_n, b_n = _rec_load_token(
+                q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, bos + i + 1, valid_n, all_c, mask_v, i_h, i_hv, offs_c, offs_v,
                 stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
                 stride_a_tok, stride_b_tok, K, KQ,
             )

@@ -300,19 +300,22 @@ if triton is not None:
 
     @_tl_device_fn
     def _load_token(
-        q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, tok, valid, mask_c, mask_v, i_h, i_hv, offs_c, offs_v,
+        q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, tok, valid, all_c, mask_v, i_h, i_hv, offs_c, offs_v,
         stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, stride_a_tok, stride_b_tok,
         K: tl.constexpr, KQ: tl.constexpr,
     ):
-        """Raw inputs of token ``tok`` for one (key head, value head, V block): ``q`` and
-        ``k`` as four fp32 parts each, then ``v``, ``a``, ``b``; zeros where ``valid``
-        (scalar) and the block masks (already including ``valid``) are off."""
+        """Raw inputs of token ``tok`` for one (key head, value head, V block), with the
+        block masks that fold in the token's validity: ``(mask_c, mask_v)``, then ``q``
+        and ``k`` as four fp32 parts each, then ``v``, ``a``, ``b``; zeros where
+        ``valid`` (scalar) is off. ``all_c`` / ``mask_v`` are the key and V block masks."""
+        mask_c = _tl_mask_and(all_c, valid)
+        mask_v = _tl_mask_and(mask_v, valid)
         q0, q1, q2, q3 = _tl_load_parts(q_ptr, tok * stride_q_tok + i_h * stride_q_head + offs_c, mask_c, offs_c, K, KQ)
         k0, k1, k2, k3 = _tl_load_parts(k_ptr, tok * stride_k_tok + i_h * stride_k_head + offs_c, mask_c, offs_c, K, KQ)
         v = tl.load(v_ptr + tok * stride_v_tok + i_hv * stride_v_head + offs_v, mask=mask_v, other=0.0)
         a = tl.load(a_ptr + tok * stride_a_tok + i_hv, mask=valid, other=0.0)
         b = tl.load(b_ptr + tok * stride_b_tok + i_hv, mask=valid, other=0.0)
-        return q0, q1, q2, q3, k0, k1, k2, k3, v, a, b
+        return mask_c, mask_v, q0, q1, q2, q3, k0, k1, k2, k3, v, a, b
 
     @triton.jit
     def _recurrence_kernel(
@@ -369,14 +372,11 @@ if triton is not None:
         # cost of a second token's inputs live in registers (on sm_90, 255 registers a
         # thread instead of 168 for a 64-row verify of 4 tokens: two programs an SM
         # instead of three). Without it each step loads its own token first, and other
-        # programs hide the latency. Masks that fold in the token's validity are built
-        # once per token. The arithmetic is the same either way.
+        # programs hide the latency. The arithmetic is the same either way.
         if LOAD_AHEAD:
             valid_n = 0 < length
-            mc_n = _tl_mask_and(all_c, valid_n)
-            mv_n = _tl_mask_and(mask_v, valid_n)
-            q0n, q1n, q2n, q3n, k0n, k1n, k2n, k3n, v_n, a_n, b_n = _load_token(
-                q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, bos, valid_n, mc_n, mv_n, i_h, i_hv, offs_c, offs_v,
+            mc_n, mv_n, q0n, q1n, q2n, q3n, k0n, k1n, k2n, k3n, v_n, a_n, b_n = _load_token(
+                q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, bos, valid_n, all_c, mask_v, i_h, i_hv, offs_c, offs_v,
                 stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
                 stride_a_tok, stride_b_tok, K, KQ,
             )
@@ -385,19 +385,15 @@ if triton is not None:
                 valid, mc, mv = valid_n, mc_n, mv_n
                 q0, q1, q2, q3, k0, k1, k2, k3, v, a, b = q0n, q1n, q2n, q3n, k0n, k1n, k2n, k3n, v_n, a_n, b_n
                 valid_n = i + 1 < length
-                mc_n = _tl_mask_and(all_c, valid_n)
-                mv_n = _tl_mask_and(mask_v, valid_n)
-                q0n, q1n, q2n, q3n, k0n, k1n, k2n, k3n, v_n, a_n, b_n = _load_token(
-                    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, bos + i + 1, valid_n, mc_n, mv_n, i_h, i_hv, offs_c, offs_v,
+                mc_n, mv_n, q0n, q1n, q2n, q3n, k0n, k1n, k2n, k3n, v_n, a_n, b_n = _load_token(
+                    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, bos + i + 1, valid_n, all_c, mask_v, i_h, i_hv, offs_c, offs_v,
                     stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
                     stride_a_tok, stride_b_tok, K, KQ,
                 )
             else:
                 valid = i < length
-                mc = _tl_mask_and(all_c, valid)
-                mv = _tl_mask_and(mask_v, valid)
-                q0, q1, q2, q3, k0, k1, k2, k3, v, a, b = _load_token(
-                    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, bos + i, valid, mc, mv, i_h, i_hv, offs_c, offs_v,
+                mc, mv, q0, q1, q2, q3, k0, k1, k2, k3, v, a, b = _load_token(
+                    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, bos + i, valid, all_c, mask_v, i_h, i_hv, offs_c, offs_v,
                     stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
                     stride_a_tok, stride_b_tok, K, KQ,
                 )

@@ -313,10 +313,8 @@ if triton is not None:
             valid = j < count
             node = tl.load(order_ptr + i_b * TN + j).to(tl.int64)
             d = tl.load(depth_ptr + i_b * TN + node)
-            mc = _tl_mask_and(all_c, valid)
-            mv = _tl_mask_and(mask_v, valid)
-            q0, q1, q2, q3, k0, k1, k2, k3, v, a, b = _rec_load_token(
-                q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, bos + node, valid, mc, mv, i_h, i_hv, offs_c, offs_v,
+            mc, mv, q0, q1, q2, q3, k0, k1, k2, k3, v, a, b = _rec_load_token(
+                q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, bos + node, valid, all_c, mask_v, i_h, i_hv, offs_c, offs_v,
                 stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
                 stride_a_tok, stride_b_tok, K, KQ,
             )
