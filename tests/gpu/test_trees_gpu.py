@@ -50,22 +50,27 @@ def _rel(x, ref):
     return float((x.double() - ref.double()).abs().max() / ref.double().abs().max().clamp(min=1.0))
 
 
+@pytest.mark.parametrize("method", ["closed_form", "replay"])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
-def test_tree_kernels_match_the_references(dtype, tol):
+def test_tree_kernels_match_the_references(dtype, tol, method):
+    """``replay`` (each leaf's root path through the exact step) reads a history by its
+    raw records where the closed form and the reference read its ``u``; the ring's
+    ``u`` here is random, so for it every live row flushes (the history is folded from
+    raw records by both)."""
     x = _inputs(TREE.batch * N, dtype)
     slots = torch.tensor([3, -1, 0], dtype=torch.int32, device=DEV)
     trees = DraftTrees.from_parents([TREE.parents[0].tolist(), [-1], TREE.parents[0].tolist()[:11]], max_nodes=N)
     ckpt = torch.randn(NS, HV, VD, KD, device=DEV) * 0.3
     wp = torch.tensor([5, 0, 0, 9, 0, 0], dtype=torch.int32, device=DEV)
     base = torch.tensor([30, 0, 0, 7, 0, 0], dtype=torch.int32, device=DEV)
-    flush = torch.tensor([1, 0, 0, 0, 0, 0], dtype=torch.int32, device=DEV)
+    flush = torch.tensor([1, 0, 0, int(method == "replay"), 0, 0], dtype=torch.int32, device=DEV)
     outs = {}
     for backend in ("reference", "triton"):
         torch.manual_seed(0)  # the same ring for both backends
         ring, ring_u = _ring(dtype)
         c = ckpt.clone()
         o = gdn_tree_verify(*(x[f] for f in ("q", "k", "v", "a", "b", "A_log", "dt_bias")), c, ring, ring_u, slots, wp,
-                            base, flush, trees, max_len=N, backend=backend)
+                            base, flush, trees, max_len=N, method=method, backend=backend)
         snaps = torch.zeros(NS, N, HV, VD, KD, device=DEV)
         o_rec = gdn_tree_recurrence(*(x[f] for f in ("q", "k", "v", "a", "b", "A_log", "dt_bias")), ckpt, slots, trees,
                                     snapshots=snaps, backend=backend)

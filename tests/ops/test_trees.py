@@ -256,3 +256,22 @@ class TestTreeVerify:
             gdn_tree_window_reference(*layer, c.ckpt, c.ring, c.ring_u[:, :4], c.slots, c.wp, c.cb, c.trees)
         assert_unchanged(before[0], c.ckpt)
         assert_unchanged(before[1], c.ring_u)
+
+
+def test_leaf_paths_cover_every_node_with_consecutive_paths():
+    """Every leaf's root path, leaves in depth-first preorder: each real node lies on a
+    path, the paths through a node are consecutive (so "the previous path has it" marks
+    a node's first path), padded nodes and requests with fewer leaves get -1."""
+    trees = DraftTrees.from_parents([[-1, 0, 0, 1, 1, 2, 4, 3], [-1, 0, 1], [-1]], max_nodes=8)
+    table = trees.leaf_paths()
+    assert table.shape == (3, 3, 4)
+    assert table[0].tolist() == [[0, 1, 3, 7], [0, 1, 4, 6], [0, 2, 5, -1]]
+    assert table[1].tolist()[0] == [0, 1, 2, -1] and (table[1, 1:] == -1).all()
+    assert table[2, 0].tolist() == [0, -1, -1, -1] and (table[2, 1:] == -1).all()
+    for r in range(trees.batch):
+        for node in range(int(trees.num_nodes[r])):
+            on = [p for p in range(table.shape[1]) if node in table[r, p].tolist()]
+            assert on and on == list(range(on[0], on[-1] + 1)), (r, node)
+            assert all(table[r, p].tolist()[: len(trees.path(r, node))] == trees.path(r, node) for p in on)
+    wide = DraftTrees.from_branching((3, 2, 1), batch=2).leaf_paths()
+    assert wide.shape == (2, 6, 4) and wide[1].tolist()[5] == [0, 3, 9, 15]

@@ -21,6 +21,7 @@ triton = pytest.importorskip("triton")
 from replayssm.ops import DraftTrees, RawRecords, gdn_recurrence, triton_common  # noqa: E402
 from replayssm.ops.chunked import gdn_chunked_window, gdn_tree_verify  # noqa: E402
 from replayssm.ops.conv import causal_conv_verify, causal_conv_verify_tree  # noqa: E402
+from replayssm.ops.gates import expand_heads, l2_normalize  # noqa: E402
 from replayssm.ops.tree_ops import compact_path, gdn_tree_recurrence  # noqa: E402
 from replayssm.ops.trees import accepted_paths  # noqa: E402
 
@@ -38,10 +39,13 @@ SHAPES = [
 ]
 
 
-def case(parent_lists, seed):
+def case(parent_lists, seed, consistent_u=False):
     """Requests with the given trees (a padding request second) on random slots, with
     random histories (wrapping the ring), alternating flush rows, NaN everywhere in the
-    ring outside the histories and NaN inputs on padded nodes."""
+    ring outside the histories and NaN inputs on padded nodes. With ``consistent_u``
+    every history record's ``u`` is the recurrence's own corrected delta (float64 from
+    the checkpoint through the raw records, as a pool's verifies leave it), so reading
+    a history by ``u`` (closed form) or by raw records (replay) gives one state."""
     torch.manual_seed(seed)
     lists = list(parent_lists)
     lists.insert(1, [-1])
@@ -67,6 +71,16 @@ def case(parent_lists, seed):
     for f in "qkvab":
         x[f][padded] = nan
     ckpt = torch.randn(NS, HV, VD, KD) * 0.5
+    if consistent_u:
+        for s in range(NS):
+            S = ckpt[s].double()
+            for c in range(int(wp[s])):
+                p = (int(base[s]) + c) % L
+                k_hat = expand_heads(l2_normalize(ring.k[s, p].double()), HV)  # [HV, K]
+                S = torch.exp(ring.g[s, p].double())[:, None, None] * S
+                u = ring.beta[s, p].double()[:, None] * (ring.v[s, p].double() - torch.einsum("hvk,hk->hv", S, k_hat))
+                S = S + u[:, :, None] * k_hat[:, None, :]
+                ring_u[s, p] = u.float()
     state = dict(ckpt=ckpt, ring=ring, ring_u=ring_u, wp=wp, base=base, flush=flush)
     return trees, slots.to(DEVICE), {k: _to(v) for k, v in x.items()}, {k: _to(v) for k, v in state.items()}
 
@@ -79,16 +93,20 @@ def _copy(st):
     return {k: _to(RawRecords(*(t.clone() for t in v))) if isinstance(v, RawRecords) else v.clone() for k, v in st.items()}
 
 
-def run_tree(backend, trees, slots, x, st):
+def run_tree(backend, trees, slots, x, st, method=None):
     return gdn_tree_verify(*args(x), st["ckpt"], st["ring"], st["ring_u"], slots, st["wp"], st["base"], st["flush"],
-                           trees, max_len=N, backend=backend)
+                           trees, max_len=N, method=method, backend=backend)
 
 
-def test_tree_closed_form_matches_the_reference():
-    trees, slots, x, st = case(SHAPES, seed=1)
+@pytest.mark.parametrize("method", ["closed_form", "replay"])
+def test_tree_verify_matches_the_reference(method):
+    """Both methods: outputs (zeros on padded nodes and the padding request, whose
+    inputs are NaN), folded checkpoints, records written where the nodes' window
+    positions are and nowhere else."""
+    trees, slots, x, st = case(SHAPES, seed=1, consistent_u=method == "replay")
     ref, tri = _copy(st), _copy(st)
     o_ref = run_tree("reference", trees, slots, x, ref)
-    o_tri = run_tree("triton", trees, slots, x, tri)
+    o_tri = run_tree("triton", trees, slots, x, tri, method=method)
     assert torch.isfinite(o_tri).all()
     torch.testing.assert_close(o_tri, o_ref, **TOL)
     torch.testing.assert_close(tri["ckpt"], ref["ckpt"], **TOL)  # flush rows folded
@@ -108,12 +126,66 @@ def test_chain_tree_through_the_tree_kernels_is_the_chain_bit_for_bit():
     cu = torch.arange(0, (trees.batch + 1) * N, N, dtype=torch.int32, device=DEVICE)
     o_chain = gdn_chunked_window(*args(x), chain["ckpt"], chain["ring"], chain["ring_u"], slots, cu, chain["wp"],
                                  chain["base"], chain["flush"], max_len=N, method="closed_form", backend="triton")
-    o_tree = run_tree("triton", DraftTrees.chain(N, batch=trees.batch), slots, x, tree)
+    o_tree = run_tree("triton", DraftTrees.chain(N, batch=trees.batch), slots, x, tree, method="closed_form")
     live = torch.repeat_interleave(slots >= 0, N)
     assert torch.equal(o_tree[live], o_chain[live])
     assert torch.equal(tree["ckpt"], chain["ckpt"])
     for a, b in zip(list(tree["ring"]) + [tree["ring_u"]], list(chain["ring"]) + [chain["ring_u"]]):
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+def test_tree_method_follows_the_shape_table(monkeypatch):
+    """``method=None`` replays the leaf paths exactly when requests x leaf paths is at
+    most the table's ``circular.tree_replay_max_paths``; the CUDA default's edge is 24."""
+    from replayssm.ops import chunked as chunked_ops, tuning
+
+    trees, slots, x, st = case(SHAPES, seed=6)  # 4 requests, at most 4 leaf paths each: 16
+    calls = []
+    monkeypatch.setattr(chunked_ops, "launch_tree_replay", lambda *a, **k: calls.append("replay"))
+    monkeypatch.setattr(chunked_ops, "launch_closed_form", lambda *a, **k: calls.append("closed_form"))
+    for most in (15, 16, 0):
+        with tuning.override("circular", tree_replay_max_paths=most):
+            run_tree("triton", trees, slots, x, _copy(st))
+    assert calls == ["closed_form", "replay", "closed_form"]
+    cuda = dict(kd=128, vd=128, state_dtype=torch.float32, device=torch.device("cuda"))
+    assert chunked_ops.replays_tree(4, 6, **cuda) and not chunked_ops.replays_tree(5, 5, **cuda)
+
+
+def test_chain_tree_replay_is_the_chain_replay_bit_for_bit():
+    """The trees' small-batch path on chains (one leaf path a request) runs the chain's
+    small-batch arithmetic: the same outputs, records and folded checkpoints, bit for
+    bit, though its flush rows fold in a launch of their own."""
+    trees, slots, x, st = case([list(range(-1, N - 1))] * 2, seed=4)
+    x = {k: torch.nan_to_num(v) for k, v in x.items()}
+    chain, tree = _copy(st), _copy(st)
+    cu = torch.arange(0, (trees.batch + 1) * N, N, dtype=torch.int32, device=DEVICE)
+    o_chain = gdn_chunked_window(*args(x), chain["ckpt"], chain["ring"], chain["ring_u"], slots, cu, chain["wp"],
+                                 chain["base"], chain["flush"], max_len=N, method="replay", backend="triton")
+    o_tree = run_tree("triton", DraftTrees.chain(N, batch=trees.batch), slots, x, tree, method="replay")
+    live = torch.repeat_interleave(slots >= 0, N)
+    assert torch.equal(o_tree[live], o_chain[live]) and not o_tree[~live].any()
+    assert torch.equal(tree["ckpt"], chain["ckpt"]) and not torch.equal(tree["ckpt"], st["ckpt"])
+    for a, b in zip(list(tree["ring"]) + [tree["ring_u"]], list(chain["ring"]) + [chain["ring_u"]]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+def test_tree_replay_nodes_are_their_root_paths_recurrence():
+    """Each node's output from the trees' small-batch path is the Triton recurrence's
+    along the node's root path from the row's folded state, bit for bit, whichever of
+    the paths through the node stored it (a node on several paths is stepped by each)."""
+    trees, slots, x, st = case(SHAPES, seed=5)
+    st["flush"].fill_(1)  # every row folds first, so each path starts from the checkpoint
+    tri = _copy(st)
+    o_tri = run_tree("triton", trees, slots, x, tri, method="replay")
+    one = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    for r in (0, 2, 3):
+        s = int(slots[r])
+        for node in range(int(trees.num_nodes[r])):
+            rows = [r * N + p for p in trees.path(r, node)]
+            cu = torch.tensor([0, len(rows)], dtype=torch.int32, device=DEVICE)
+            o = gdn_recurrence(*(x[f][rows] for f in "qkvab"), x["A_log"], x["dt_bias"], tri["ckpt"][s:s + 1].clone(),
+                               one, cu, update_state=True, max_len=N, backend="triton")
+            assert torch.equal(o_tri[r * N + node], o[-1]), (r, node)
 
 
 def test_tree_recurrence_and_conv_match_the_reference():

@@ -157,3 +157,54 @@ def test_ring_decode_refuses_a_window_of_two_tokens_before_writing(backend):
                         torch.tensor([0, 2, 3], dtype=torch.int32, device=DEVICE), *cursors, backend=backend)
     for a, b in zip(before, [checkpoint, ring_u, *ring]):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("tree_replay", [False, True], ids=["closed_form", "path_replay"])
+def test_triton_tree_steps_are_the_recurrence_along_the_accepted_paths(tree_replay):
+    """Tree steps on a Triton circular pool (T = 4, L = 16), with plain ring steps
+    between them, through the trees' closed form or their small-batch path (every
+    leaf's root path replayed): after each step the committed state is the Triton
+    recurrence over the committed tokens, bit for bit, and the outputs are a
+    reference pool's fed the same tokens within ``TOL``; the path replay flushes
+    every row at its commit."""
+    from replayssm.ops import DraftTrees
+
+    gen = torch.Generator().manual_seed(5)
+    window, ring_len = 4, 16
+    trees = DraftTrees.from_parents([[-1, 0, 0, 1], [-1, 0, 1, 0]], max_nodes=4)
+    pools = {be: StatePool(SHAPE, 1, 3, strategy="circular", window=window, ring_len=ring_len, backend=be,
+                           device=DEVICE) for be in ("reference", "triton")}
+    params = dict(A_log=torch.empty(1).uniform_(-2, -0.5, generator=gen), dt_bias=torch.randn(1, generator=gen) * 0.5,
+                  conv_weight=torch.randn(SHAPE.conv_dim, SHAPE.conv_kernel, generator=gen))
+    for pool in pools.values():
+        pool.set_layer_params(0, **params)
+        live = [pool.alloc(), pool.alloc()]
+    trit = pools["triton"]
+    p = trit.layer_params(0)
+    state = torch.zeros(2, 1, SHAPE.head_v_dim, SHAPE.head_k_dim, device=DEVICE)
+    rows = torch.tensor([0, 1], dtype=torch.int32, device=DEVICE)
+    with tuning.override("circular", replay_max_batch=0, tree_replay_max_paths=64 if tree_replay else 0):
+        for step in range(8):
+            tree_step = step % 2 == 1
+            n = trees.max_nodes if tree_step else 1
+            x = rand_tokens(2 * n, gen)
+            node = [int(torch.randint(0, int(c), (), generator=gen)) for c in trees.num_nodes] if tree_step else [0, 0]
+            outs = {}
+            for be, pool in pools.items():
+                batch = pool.batch(live, n)
+                if tree_step:
+                    outs[be] = pool.strategy.verify_tree(0, *x, batch, trees)
+                    pool.strategy.commit_tree(batch, trees, torch.tensor(node, dtype=torch.int32, device=DEVICE))
+                else:
+                    outs[be] = pool.strategy.decode(0, *x, batch)
+                    pool.strategy.commit(batch)
+            torch.testing.assert_close(outs["triton"], outs["reference"], **TOL, msg=f"outputs, step {step}")
+            paths = [trees.path(r, node[r]) if tree_step else [0] for r in range(2)]
+            keep = [r * n + i for r in range(2) for i in paths[r]]
+            cu = torch.tensor([0, len(paths[0]), len(keep)], dtype=torch.int32, device=DEVICE)
+            gdn_recurrence(*(t[keep] for t in x), p["A_log"], p["dt_bias"], state, rows, cu, update_state=True,
+                           max_len=window, backend="triton")
+            got = trit.strategy.committed_state(0, live)
+            assert torch.equal(got, state), f"committed state, step {step}: {(got - state).abs().max().item():.2e}"
+            if tree_step:
+                assert bool(trit.buffers["is_flush"][live].all()) == tree_replay

@@ -437,6 +437,7 @@ def gdn_tree_verify_reference(
     trees: DraftTrees,
     *,
     max_len: int | None = None,
+    method: str | None = None,
 ) -> torch.Tensor:
     """``circular``'s verify of a batch of draft trees: the window op
     (:func:`gdn_chunked_window_reference`) with the trees' ancestor mask.
@@ -457,11 +458,14 @@ def gdn_tree_verify_reference(
         slots: ``[B]`` slot per request, ``-1`` for padding.
         trees: the requests' :class:`DraftTrees`.
         max_len: ``T``, the pool's window (``N <= T``); ``None`` bounds ``N`` by the ring.
+        method: the Triton version's choice of kernels (:func:`gdn_tree_verify_triton`);
+            the reference has one method and only checks the name.
 
     Returns:
         ``o``: ``[B * N, HV, V]`` in the dtype of ``v``; padded nodes and padding
         requests give zeros.
     """
+    check_method(method)
     n, ns, L = check_ring_state_args(
         q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, state_dtypes=(torch.float32, torch.bfloat16, torch.float64),
         u_dtypes=(torch.float32, torch.float64), write_pos=write_pos, cache_base=cache_base, is_flush=is_flush,
@@ -503,7 +507,8 @@ def gdn_tree_verify_reference(
 
 
 def gdn_tree_verify(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, write_pos, cache_base, is_flush,
-                    trees, *, max_len: int | None = None, backend: str = "auto") -> torch.Tensor:
+                    trees, *, max_len: int | None = None, method: str | None = None,
+                    backend: str = "auto") -> torch.Tensor:
     """``circular``'s verify of draft trees: outputs ``o [B * N, HV, V]`` in closed form
     with the ancestor mask, the nodes' records written after the history. Arguments,
     shapes and results: :func:`gdn_tree_verify_reference`.
@@ -511,7 +516,7 @@ def gdn_tree_verify(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slo
     ``backend``: ``"reference"``, ``"triton"`` or ``"auto"``.
     """
     return pick("chunked_tree", backend, q)(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, write_pos,
-                                            cache_base, is_flush, trees, max_len=max_len)
+                                            cache_base, is_flush, trees, max_len=max_len, method=method)
 
 
 # --------------------------------------------------------------------------- Triton
@@ -552,6 +557,15 @@ def replays_window(batch: int, *, kd: int, vd: int, state_dtype: torch.dtype, de
     while the batch is this small. Both paths leave the same committed states."""
     cfg = tuning.lookup("circular", K=kd, V=vd, state_dtype=state_dtype, batch=batch, device=device.type)
     return batch <= cfg["replay_max_batch"]
+
+
+def replays_tree(batch: int, paths: int, *, kd: int, vd: int, state_dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a tree verify of ``batch`` requests with ``paths`` leaf paths each takes
+    the small-batch path (each leaf's root path through the exact recurrence, see
+    ``_tree_replay_kernel``): ``batch * paths <= tree_replay_max_paths`` of the shape
+    table's ``circular`` row."""
+    cfg = tuning.lookup("circular", K=kd, V=vd, state_dtype=state_dtype, batch=batch, device=device.type)
+    return batch * paths <= cfg["tree_replay_max_paths"]
 
 
 def product_precision(act_dtype: torch.dtype) -> str:
@@ -1033,6 +1047,124 @@ if triton is not None:
             tl.store(rb_ptr + rec * HV + i_hv, beta, mask=valid & (i_v == 0))
 
 
+    # The small-batch path for draft trees. One program per (V block, leaf path, value
+    # head) steps the exact recurrence along its leaf's root path, so a tree's latency is
+    # a chain of its depth (its paths run side by side), not the closed form's window of
+    # all its nodes. A node on several paths is stepped by each of them, with the same
+    # arithmetic from the same state, so the same bits; the first path through it stores
+    # its output and record. No program here writes a state: several read each row's
+    # checkpoint, so the flush rows' fold runs first, as a launch of its own.
+
+    @_tl_device_fn
+    def _path_node(path, offs_d, s):
+        """Node at depth ``s`` of a leaf path held as a ``[D]`` vector (``-1`` past its end)."""
+        return tl.max(tl.where(offs_d == s, path, -1), 0)
+
+    @triton.jit
+    def _tree_replay_kernel(
+        q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr,
+        ckpt_ptr, rk_ptr, rv_ptr, rg_ptr, rb_ptr, ru_ptr,
+        slots_ptr, wp_ptr, base_ptr, flush_ptr, nodes_ptr, paths_ptr, o_ptr,
+        stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+        stride_a_tok, stride_b_tok,
+        scale, eps,
+        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
+        BK: tl.constexpr, BV: tl.constexpr, TN: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
+        BD: tl.constexpr, ROUND_STATE: tl.constexpr,
+    ):
+        i_v = tl.program_id(0)
+        i_b = tl.program_id(1) // P
+        i_p = tl.program_id(1) % P
+        i_hv = tl.program_id(2)
+        i_h = i_hv // (HV // H)
+        slot = tl.load(slots_ptr + i_b).to(tl.int64)
+        bos = i_b.to(tl.int64) * TN  # request i_b's node i is packed row i_b * TN + i
+        KQ: tl.constexpr = BK // 4
+        offs_c = tl.arange(0, KQ)
+        all_c = offs_c >= 0
+        offs_v = i_v * BV + tl.arange(0, BV)
+        mask_v = offs_v < V
+        o_row = o_ptr + (bos * HV + i_hv) * V + offs_v  # o is a fresh contiguous [B * TN, HV, V]
+
+        # Padded nodes (all of a padding request's) output zeros, stored by its first path.
+        if i_p == 0:
+            num = tl.where(slot >= 0, tl.load(nodes_ptr + i_b), 0)
+            for i in range(0, TN):
+                tl.store(o_row + i * HV * V, tl.full([BV], 0, o_ptr.dtype.element_ty), mask=_tl_mask_and(mask_v, i >= num))
+        offs_d = tl.arange(0, BD)
+        row = paths_ptr + tl.program_id(1).to(tl.int64) * D
+        path = tl.load(row + offs_d, mask=offs_d < D, other=-1)
+        # The paths through a node are consecutive (leaves in depth-first preorder): the
+        # node at depth d is this path's to store unless the previous path has it too.
+        prev = tl.load(row - D + offs_d, mask=_tl_mask_and(offs_d < D, i_p > 0), other=-1)
+        own = path != prev
+        first = _path_node(path, offs_d, 0)
+        if (slot < 0) | (first < 0):
+            return
+
+        wp = tl.load(wp_ptr + slot).to(tl.int64)
+        base = tl.load(base_ptr + slot).to(tl.int64)
+        flush = tl.load(flush_ptr + slot) != 0
+        ring_at = slot * L
+        tile = offs_v[:, None] * K + offs_c[None, :]
+        ckpt_at = ckpt_ptr + (slot * HV + i_hv) * (V * K)
+        # A flush row's checkpoint already holds its history (the fold launch before this
+        # one); any other row's history is replayed here, read only.
+        count = tl.where(flush, 0, tl.minimum(wp, L))
+        S0, S1, S2, S3 = _replay_history(
+            ckpt_at, tile, rk_ptr + ring_at * (H * K) + i_h * K, rv_ptr + ring_at * (HV * V) + i_hv * V,
+            rg_ptr + ring_at * HV + i_hv, rb_ptr + ring_at * HV + i_hv, base, count, offs_c, offs_v, mask_v,
+            H * K, HV * V, HV, HV, eps, K, L, KQ)
+        if ROUND_STATE:
+            # As the chain's replay: the window starts from the state a fold would store.
+            S0 = _tl_to_rtne(S0, ckpt_ptr.dtype.element_ty).to(tl.float32)
+            S1 = _tl_to_rtne(S1, ckpt_ptr.dtype.element_ty).to(tl.float32)
+            S2 = _tl_to_rtne(S2, ckpt_ptr.dtype.element_ty).to(tl.float32)
+            S3 = _tl_to_rtne(S3, ckpt_ptr.dtype.element_ty).to(tl.float32)
+
+        # ---- the path, node by node (the next node's loads ahead of this node's step)
+        A_log = tl.load(A_log_ptr + i_hv)
+        dt_bias = tl.load(dt_bias_ptr + i_hv)
+        k_writer = (i_hv % (HV // H) == 0) & (i_v == 0)  # raw k once per key head
+        node_n = first
+        mc_n, mv_n, q0n, q1n, q2n, q3n, k0n, k1n, k2n, k3n, xv_n, a_n, b_n = _rec_load_token(
+            q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, bos + node_n, node_n >= 0, all_c, mask_v, i_h, i_hv, offs_c, offs_v,
+            stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, stride_a_tok, stride_b_tok,
+            K, KQ,
+        )
+        for s in range(0, D):
+            node, mc, mv = node_n, mc_n, mv_n
+            q0, q1, q2, q3, k0, k1, k2, k3, xv, a, b = q0n, q1n, q2n, q3n, k0n, k1n, k2n, k3n, xv_n, a_n, b_n
+            node_n = _path_node(path, offs_d, s + 1)
+            mc_n, mv_n, q0n, q1n, q2n, q3n, k0n, k1n, k2n, k3n, xv_n, a_n, b_n = _rec_load_token(
+                q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, bos + tl.maximum(node_n, 0), node_n >= 0, all_c, mask_v, i_h, i_hv,
+                offs_c, offs_v, stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+                stride_a_tok, stride_b_tok, K, KQ,
+            )
+            valid = node >= 0
+            store = valid & (tl.max(tl.where(offs_d == s, own.to(tl.int32), 0), 0) != 0)
+            g, beta = _tl_gdn_gates(a, b, A_log, dt_bias)
+            kh0, kh1, kh2, kh3 = _tl_normalized(k0, k1, k2, k3, eps, 1.0)
+            qh0, qh1, qh2, qh3 = _tl_normalized(q0, q1, q2, q3, eps, scale)
+            # Past the path's end the state stays (nothing of those steps is stored).
+            N0, N1, N2, N3, u = _window_step(S0, S1, S2, S3, kh0, kh1, kh2, kh3, xv.to(tl.float32), g, beta)
+            S0 = tl.where(valid, N0, S0)
+            S1 = tl.where(valid, N1, S1)
+            S2 = tl.where(valid, N2, S2)
+            S3 = tl.where(valid, N3, S3)
+            o = _tl_row_dot(S0, S1, S2, S3, qh0, qh1, qh2, qh3)
+            at = tl.maximum(node, 0)
+            mv_s = _tl_mask_and(mv, store)
+            tl.store(o_row + at * HV * V, _tl_to_rtne(o, o_ptr.dtype.element_ty), mask=mv_s)
+            # Node i's record at logical position write_pos + i, as a window's token i.
+            rec = ring_at + (base + wp + at) % L
+            _tl_store_parts(rk_ptr, (rec * H + i_h) * K + offs_c, _tl_mask_and(mc, k_writer & store), offs_c, K, KQ,
+                            k0, k1, k2, k3)
+            tl.store(rv_ptr + (rec * HV + i_hv) * V + offs_v, xv.to(rv_ptr.dtype.element_ty), mask=mv_s)
+            tl.store(ru_ptr + (rec * HV + i_hv) * V + offs_v, u, mask=mv_s)
+            tl.store(rg_ptr + rec * HV + i_hv, g, mask=store & (i_v == 0))
+            tl.store(rb_ptr + rec * HV + i_hv, beta, mask=store & (i_v == 0))
+
 def launch_flush(checkpoint, ring, slots, write_pos, cache_base, is_flush) -> None:
     """Launch the closed form's flush on validated arguments: the fold kernel on the rows
     with ``is_flush`` (their committed records, from ``cache_base``), the others exit."""
@@ -1175,6 +1307,27 @@ def launch_replay_window(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u
     )
 
 
+def launch_tree_replay(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, write_pos, cache_base, is_flush,
+                       o, tree: DeviceTrees) -> None:
+    """Launch the trees' small-batch path on validated arguments: the flush rows' fold,
+    then one program per (V block, leaf path, value head) stepping its path."""
+    h, kd = q.shape[1], q.shape[2]
+    hv, vd = v.shape[1], v.shape[2]
+    batch, paths, depth = tree.leaf_paths.shape
+    launch_flush(checkpoint, ring, slots, write_pos, cache_base, is_flush)
+    # The chain replay's tile height: the read-only height (128 rows for fp32) spills here.
+    bv = pick_block_v(kd, vd, batch * paths, hv, checkpoint.dtype, q.device)
+    _tree_replay_kernel[(triton.cdiv(vd, bv), batch * paths, hv)](
+        q, k, v, a, b, A_log, dt_bias,
+        checkpoint, ring.k, ring.v, ring.g, ring.beta, ring_u,
+        slots, write_pos, cache_base, is_flush, tree.num_nodes, tree.leaf_paths, o,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
+        kd**-0.5, NORM_EPS,
+        H=h, HV=hv, K=kd, V=vd, L=ring.ring_len, BK=exact_block_k(kd), BV=bv, TN=tree.parents.shape[1], P=paths,
+        D=depth, BD=triton.next_power_of_2(depth), ROUND_STATE=checkpoint.dtype != torch.float32,
+        num_warps=EXACT_NUM_WARPS,
+    )
+
 def check_triton_window_call(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos,
                              cache_base, is_flush, max_len: int):
     """The Triton window ops' checks (this op's and :mod:`~replayssm.ops.ring_decode`'s):
@@ -1288,13 +1441,21 @@ def tree_cu_seqlens(batch: int, nodes: int, device) -> torch.Tensor:
 
 @register("chunked_tree", "triton")
 def gdn_tree_verify_triton(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, write_pos, cache_base,
-                           is_flush, trees, *, max_len: int | None = None) -> torch.Tensor:
-    """Triton version of :func:`gdn_tree_verify_reference` (same arguments and results):
-    the closed form's kernels with ``TREE`` on (the ancestor mask from the trees'
-    bitmasks, on the device). Limits as :func:`gdn_chunked_window_triton`'s (``max_len``
-    required, at most :data:`MAX_WINDOW_TRITON`); the flush is the same fold. The
-    small-batch ``"replay"`` method has no tree form: trees always take the closed form,
-    whose committed states are the same."""
+                           is_flush, trees, *, max_len: int | None = None, method: str | None = None) -> torch.Tensor:
+    """Triton version of :func:`gdn_tree_verify_reference` (same arguments and results).
+    Limits as :func:`gdn_chunked_window_triton`'s (``max_len`` required, at most
+    :data:`MAX_WINDOW_TRITON`); the flush is the same fold.
+
+    Method (``None``: ``"replay"`` when :func:`replays_tree` says the requests' leaf
+    paths are few, else ``"closed_form"``). ``"closed_form"``: the chain's kernels with
+    ``TREE`` on (the ancestor mask from the trees' bitmasks, on the device).
+    ``"replay"``: the flush rows' fold, then each leaf's root path through the exact
+    recurrence step, all paths side by side, so the outputs and ``u`` are the
+    recurrence's along each node's root path (fp32 FMA) and the latency is a chain of
+    the trees' depth; a non-flush row's history is replayed by each of its paths, which
+    is why the strategy flushes at every commit at these sizes. Both leave the same
+    committed states."""
+    check_method(method)
     if not isinstance(trees, DraftTrees):
         raise TypeError(f"trees must be a DraftTrees, got {type(trees).__name__}")
     if not isinstance(slots, torch.Tensor) or slots.dim() != 1 or slots.shape[0] != trees.batch:
@@ -1324,6 +1485,15 @@ def gdn_tree_verify_triton(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring
     o = torch.empty(n, v.shape[1], v.shape[2], dtype=v.dtype, device=v.device)
     if slots.shape[0] == 0:
         return o
+    tree = trees.on(q.device)
+    if method is None:
+        small = replays_tree(trees.batch, tree.leaf_paths.shape[1], kd=q.shape[2], vd=v.shape[2],
+                             state_dtype=checkpoint.dtype, device=q.device)
+        method = "replay" if small else "closed_form"
+    if method == "replay":
+        launch_tree_replay(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, write_pos, cache_base,
+                           is_flush, o, tree)
+        return o
     launch_closed_form(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu, write_pos, cache_base,
-                       is_flush, o, max_len, tree=trees.on(q.device))
+                       is_flush, o, max_len, tree=tree)
     return o

@@ -45,6 +45,7 @@ class DeviceTrees(NamedTuple):
             the root path of node ``i`` (``i`` included); 0 for padded nodes.
         dfs_order: ``[B, N]`` int32, the real nodes in depth-first preorder (children in
             index order), then the padded nodes.
+        leaf_paths: ``[B, P, D]`` int32, :meth:`DraftTrees.leaf_paths`.
     """
 
     parents: torch.Tensor
@@ -52,6 +53,7 @@ class DeviceTrees(NamedTuple):
     depth: torch.Tensor
     ancestor_bits: torch.Tensor
     dfs_order: torch.Tensor
+    leaf_paths: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -216,6 +218,27 @@ class DraftTrees:
             rows.append(order + list(range(count, self.max_nodes)))
         return torch.tensor(rows, dtype=torch.int64).reshape(self.batch, self.max_nodes)
 
+    def leaf_paths(self) -> torch.Tensor:
+        """``[B, P, D]`` int64: the root path of every leaf (a real node with no child),
+        root first, ``-1`` past its end; ``P`` is the most leaves of any request and
+        ``D`` the longest path (deepest depth + 1), and a request with fewer leaves has
+        paths of ``-1``. Leaves come in depth-first preorder, so the paths through any
+        node are consecutive: a node at depth ``d`` of path ``p`` is on an earlier path
+        exactly when it is path ``p - 1``'s node at depth ``d``. Every real node lies on
+        at least one of them."""
+        rows = []
+        for r, (parents, count, order) in enumerate(zip(self.parents.tolist(), self.num_nodes.tolist(),
+                                                         self.dfs_order().tolist())):
+            has_child = {parents[i] for i in range(1, count)}
+            rows.append([self.path(r, i) for i in order[:count] if i not in has_child])
+        width = max(len(paths) for paths in rows)
+        depth = max(len(path) for paths in rows for path in paths)
+        table = torch.full((self.batch, width, depth), -1, dtype=torch.int64)
+        for r, paths in enumerate(rows):
+            for p, path in enumerate(paths):
+                table[r, p, : len(path)] = torch.tensor(path)
+        return table
+
     def on(self, device) -> DeviceTrees:
         """The trees' tensors on ``device`` (:class:`DeviceTrees`), built once per device
         and kept: a static tree shape uploads once, and a CUDA graph that captured a step
@@ -223,7 +246,7 @@ class DraftTrees:
         device = torch.device(device)
         cached = self._on_device.get(device)
         if cached is None:
-            host = (self.parents, self.num_nodes, self.depth, self.ancestor_bits(), self.dfs_order())
+            host = (self.parents, self.num_nodes, self.depth, self.ancestor_bits(), self.dfs_order(), self.leaf_paths())
             cached = DeviceTrees(*(t.to(device=device, dtype=torch.int32) for t in host))
             self._on_device[device] = cached
         return cached

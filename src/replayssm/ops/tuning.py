@@ -69,8 +69,10 @@ PARAMS = {
     "exact_tree": ("stack_rows",),
     # circular's small-batch path (ops/chunked.py): at batch <= replay_max_batch its
     # verify replays the exact recurrence in one launch and its commit flushes every
-    # step, instead of the closed form's three launches. 0 turns it off.
-    "circular": ("replay_max_batch",),
+    # step, instead of the closed form's three launches. 0 turns it off. A tree verify
+    # replays each leaf's root path side by side (ops/chunked.py ``_tree_replay_kernel``)
+    # while its requests times their leaves are at most tree_replay_max_paths.
+    "circular": ("replay_max_batch", "tree_replay_max_paths"),
     # Plain decoding through circular's ring (ops/ring_decode.py): rows of V per
     # program, a flush row's record prefetch depth (as exact_write.records_ahead), and
     # whether the checkpoint tile loads before the cursors (1: its latency overlaps
@@ -83,7 +85,7 @@ PARAMS = {
 
 _KEY_FIELDS = ("K", "V", "state_dtype", "min_batch", "max_batch", "device")
 #: Parameters that may be 0 (the others are sizes, at least 1).
-_MAY_BE_ZERO = ("replay_max_batch", "tf32_coefficients", "fuse_flush", "early_tile", "dependent_launch", "max_registers",
+_MAY_BE_ZERO = ("replay_max_batch", "tree_replay_max_paths", "tf32_coefficients", "fuse_flush", "early_tile", "dependent_launch", "max_registers",
                 "load_ahead")
 #: Parameters with a closed set of values (by name, or ``family.name`` for one family).
 _CHOICES = {"tf32_coefficients": (0, 1), "fuse_flush": (0, 1), "records_ahead": (1, 2), "flush_records_ahead": (1, 2),
@@ -98,8 +100,12 @@ TABLE: dict[str, list[tuple[dict, dict]]] = {
     "exact_write": [({}, dict(block_v=64, records_ahead=2, num_warps=4, load_ahead=1))],
     # 16-bit states: a 64-row read-only tile runs at twice the programs per SM (the tile
     # is fp32 in registers whatever the storage), which the halved bytes need.
-    "exact_read_only": [({"state_dtype": torch.bfloat16}, dict(block_v=64, num_warps=4, load_ahead=1)),
-                        ({}, dict(block_v=128, num_warps=4, load_ahead=1))],
+    # Each token's inputs loaded at its own step (load_ahead 0): fewer registers live
+    # across the step, and the fold measured 0.8-2.5% faster at batch 16-256
+    # in both dtypes (BENCHMARKS.md, "Each token loaded at its own step"); the writing
+    # kernels (snapshot's) measured slower that way and keep 1.
+    "exact_read_only": [({"state_dtype": torch.bfloat16}, dict(block_v=64, num_warps=4, load_ahead=0)),
+                        ({}, dict(block_v=128, num_warps=4, load_ahead=0))],
     # Small batches are latency-bound: one value head per coefficient program keeps its
     # chain short; large ones share the key head's K pass. From batch 33 with fp32
     # states, the outputs kernel capped at 128 registers fits 4 programs per SM instead
@@ -118,9 +124,13 @@ TABLE: dict[str, list[tuple[dict, dict]]] = {
     # beats three launches and the window solve's per-head chain there. The switch sits
     # at the largest batch where replay measured faster (BENCHMARKS.md, kernels:
     # "Where circular switches method").
+    # Trees replay their leaf paths up to 24 (requests x leaves): a 3,2,1 tree (6 paths)
+    # measured 2.0x / 1.7x / 1.3x faster that way than its closed form at batch 1 / 2 /
+    # 4 and 10% slower at 8 (BENCHMARKS.md, "Draft trees: each leaf's path replayed").
     # On the CPU the closed form stays the default so that the interpreter's tests
     # cover the history; tests turn the path on with override().
-    "circular": [({"device": "cpu"}, dict(replay_max_batch=0)), ({}, dict(replay_max_batch=8))],
+    "circular": [({"device": "cpu"}, dict(replay_max_batch=0, tree_replay_max_paths=0)),
+                 ({}, dict(replay_max_batch=8, tree_replay_max_paths=24))],
     # The whole V axis per program: the history's share (its keys, gates and u) is
     # loaded and reduced once per (request, head) instead of once per V block, and the
     # tile's loads are all in flight at once (BENCHMARKS.md, "Plain decoding through the

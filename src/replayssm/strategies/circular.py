@@ -12,8 +12,11 @@ come from the closed form and agree with the recurrence to rounding.
 Small batches (the shape table's ``circular.replay_max_batch``, by the step's row
 count): verify runs as one launch that replays each row's history and then its window
 through the exact recurrence (a flush row's fold included, the same bits), and commit
-flags every row for a flush, so the next history is one step's accepted tokens. The
-cursors, records and committed states follow the same rules either way.
+flags every row for a flush, so the next history is one step's accepted tokens. Draft
+trees do the same while their requests times leaf paths are few
+(``circular.tree_replay_max_paths``): the flush rows' fold, then every leaf's root path
+replayed side by side. The cursors, records and committed states follow the same rules
+either way.
 
 Open steps. A flush row's verify folds its history into layer ``l``'s checkpoint at
 layer ``l``'s verify, while the cursors still count that history until commit. The
@@ -38,11 +41,12 @@ from dataclasses import dataclass
 import torch
 
 from ..ops import _checks, guards
-from ..ops.chunked import MAX_WINDOW_TRITON, gdn_chunked_window, gdn_tree_verify, replays_window
+from ..ops.chunked import MAX_WINDOW_TRITON, gdn_chunked_window, gdn_tree_verify, replays_tree, replays_window
 from ..ops.cursors import advance_cursors
 from ..ops.fold import gdn_fold
 from ..ops.ring_decode import gdn_ring_decode
 from ..ops.tree_ops import compact_path
+from ..ops.trees import DeviceTrees
 from ..state.layout import BufferSpec, StepProtocolError
 from .base import Strategy
 from .fold import RecordBuffers, gate_dtype, record_specs
@@ -141,11 +145,12 @@ class CircularStrategy(Strategy):
         return gdn_chunked_window(*args, max_len=self.pool.window,
                                   method=None if self.small_batch_path else "closed_form", backend=self.pool.backend)
 
-    def _commit_states(self, batch, accepted):
+    def _commit_states(self, batch, accepted, *, flush_every: bool | None = None):
         buf = self.buf
         advance_cursors(
             buf.write_pos, buf.cache_base, buf.is_flush, batch.slots, accepted,
-            self.pool.window, self.pool.ring_len, flush_every=self._small_batch(batch), backend=self.pool.backend,
+            self.pool.window, self.pool.ring_len,
+            flush_every=self._small_batch(batch) if flush_every is None else flush_every, backend=self.pool.backend,
         )
 
     def _verify_tree(self, layer, q, k, v, a, b, A_log, dt_bias, batch, trees):
@@ -156,7 +161,7 @@ class CircularStrategy(Strategy):
         return gdn_tree_verify(
             q, k, v, a, b, A_log, dt_bias, self.pool.checkpoints[layer], buf.layer(layer), buf.ring_u[layer],
             batch.slots, buf.write_pos, buf.cache_base, buf.is_flush, trees, max_len=self.pool.window,
-            backend=self.pool.backend,
+            method=None if self.small_batch_path else "closed_form", backend=self.pool.backend,
         )
 
     def _commit_tree_states(self, batch, trees, accepted, path, count):
@@ -170,7 +175,7 @@ class CircularStrategy(Strategy):
         start = (buf.cache_base + buf.write_pos) & (self.pool.ring_len - 1)
         compact_path([buf.ring_k, buf.ring_v, buf.ring_g, buf.ring_beta, buf.ring_u], batch.slots, path, count, start,
                      backend=self.pool.backend)
-        self._commit_states(batch, count)
+        self._commit_states(batch, count, flush_every=self._small_batch(batch) or self._small_tree(trees))
 
     def _small_batch(self, batch) -> bool:
         """Whether a step of this many rows runs the small-batch path: verify replays the
@@ -184,6 +189,17 @@ class CircularStrategy(Strategy):
             int(batch.slots.shape[0]), kd=s.head_k_dim, vd=s.head_v_dim,
             state_dtype=self.pool.checkpoints.dtype, device=self.pool.device,
         )
+
+    def _small_tree(self, trees: DeviceTrees) -> bool:
+        """Whether a tree step of these trees ran the trees' small-batch path (each leaf
+        path replayed, history included, so the commit flushes every row as the chain's
+        small-batch path does); the shape table decides from the requests' leaf paths."""
+        if not self.small_batch_path:
+            return False
+        s = self.pool.shape
+        batch, paths = trees.leaf_paths.shape[:2]
+        return replays_tree(batch, paths, kd=s.head_k_dim, vd=s.head_v_dim,
+                            state_dtype=self.pool.checkpoints.dtype, device=self.pool.device)
 
     def _abort_states(self, batch):
         if not self._verified:
