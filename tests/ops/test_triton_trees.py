@@ -136,7 +136,7 @@ def test_chain_tree_through_the_tree_kernels_is_the_chain_bit_for_bit():
 
 def test_tree_method_follows_the_shape_table(monkeypatch):
     """``method=None`` replays the leaf paths exactly when requests x leaf paths is at
-    most the table's ``circular.tree_replay_max_paths``; the CUDA default's edge is 24."""
+    most the table's ``circular.tree_replay_max_paths``; the CUDA default's edge is 48."""
     from replayssm.ops import chunked as chunked_ops, tuning
 
     trees, slots, x, st = case(SHAPES, seed=6)  # 4 requests, at most 4 leaf paths each: 16
@@ -148,7 +148,7 @@ def test_tree_method_follows_the_shape_table(monkeypatch):
             run_tree("triton", trees, slots, x, _copy(st))
     assert calls == ["closed_form", "replay", "closed_form"]
     cuda = dict(kd=128, vd=128, state_dtype=torch.float32, device=torch.device("cuda"))
-    assert chunked_ops.replays_tree(4, 6, **cuda) and not chunked_ops.replays_tree(5, 5, **cuda)
+    assert chunked_ops.replays_tree(8, 6, **cuda) and not chunked_ops.replays_tree(7, 7, **cuda)
 
 
 def test_chain_tree_replay_is_the_chain_replay_bit_for_bit():
@@ -169,14 +169,20 @@ def test_chain_tree_replay_is_the_chain_replay_bit_for_bit():
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
 
 
-def test_tree_replay_nodes_are_their_root_paths_recurrence():
+@pytest.mark.parametrize("load_ahead", [0, 1])
+def test_tree_replay_nodes_are_their_root_paths_recurrence(load_ahead):
     """Each node's output from the trees' small-batch path is the Triton recurrence's
     along the node's root path from the row's folded state, bit for bit, whichever of
-    the paths through the node stored it (a node on several paths is stepped by each)."""
+    the paths through the node stored it (a node on several paths is stepped by each),
+    with each node's inputs loaded during the step before or at its own
+    (``exact_read_only.load_ahead``)."""
+    from replayssm.ops import tuning
+
     trees, slots, x, st = case(SHAPES, seed=5)
     st["flush"].fill_(1)  # every row folds first, so each path starts from the checkpoint
     tri = _copy(st)
-    o_tri = run_tree("triton", trees, slots, x, tri, method="replay")
+    with tuning.override("exact_read_only", load_ahead=load_ahead):
+        o_tri = run_tree("triton", trees, slots, x, tri, method="replay")
     one = torch.zeros(1, dtype=torch.int32, device=DEVICE)
     for r in (0, 2, 3):
         s = int(slots[r])

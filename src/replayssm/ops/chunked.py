@@ -591,7 +591,7 @@ if triton is not None:
         check_max_len,
     )
     from .fold import launch_fold, replay_and_store_tile as _replay_and_store_tile, replay_history as _replay_history
-    from .recurrent import _load_token as _rec_load_token, pick_block_v, exact_block_k
+    from .recurrent import _load_token as _rec_load_token, pick_block_v, exact_block_k, exact_row
     from .triton_common import EXACT_NUM_WARPS, NORM_EPS, block_rows, device_fn as _tl_device_fn
     from .triton_common import gdn_gates as _tl_gdn_gates
     from .triton_common import load_parts as _tl_load_parts
@@ -1070,7 +1070,7 @@ if triton is not None:
         scale, eps,
         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
         BK: tl.constexpr, BV: tl.constexpr, TN: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
-        BD: tl.constexpr, ROUND_STATE: tl.constexpr,
+        BD: tl.constexpr, ROUND_STATE: tl.constexpr, LOAD_AHEAD: tl.constexpr,
     ):
         i_v = tl.program_id(0)
         i_b = tl.program_id(1) // P
@@ -1122,25 +1122,36 @@ if triton is not None:
             S2 = _tl_to_rtne(S2, ckpt_ptr.dtype.element_ty).to(tl.float32)
             S3 = _tl_to_rtne(S3, ckpt_ptr.dtype.element_ty).to(tl.float32)
 
-        # ---- the path, node by node (the next node's loads ahead of this node's step)
+        # ---- the path, node by node; with LOAD_AHEAD the next node's loads are issued
+        # before this node's step (the recurrence kernel's flag, recurrent.py: fewer
+        # registers without it, so more programs an SM)
         A_log = tl.load(A_log_ptr + i_hv)
         dt_bias = tl.load(dt_bias_ptr + i_hv)
         k_writer = (i_hv % (HV // H) == 0) & (i_v == 0)  # raw k once per key head
-        node_n = first
-        mc_n, mv_n, q0n, q1n, q2n, q3n, k0n, k1n, k2n, k3n, xv_n, a_n, b_n = _rec_load_token(
-            q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, bos + node_n, node_n >= 0, all_c, mask_v, i_h, i_hv, offs_c, offs_v,
-            stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, stride_a_tok, stride_b_tok,
-            K, KQ,
-        )
-        for s in range(0, D):
-            node, mc, mv = node_n, mc_n, mv_n
-            q0, q1, q2, q3, k0, k1, k2, k3, xv, a, b = q0n, q1n, q2n, q3n, k0n, k1n, k2n, k3n, xv_n, a_n, b_n
-            node_n = _path_node(path, offs_d, s + 1)
+        if LOAD_AHEAD:
+            node_n = first
             mc_n, mv_n, q0n, q1n, q2n, q3n, k0n, k1n, k2n, k3n, xv_n, a_n, b_n = _rec_load_token(
-                q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, bos + tl.maximum(node_n, 0), node_n >= 0, all_c, mask_v, i_h, i_hv,
-                offs_c, offs_v, stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+                q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, bos + node_n, node_n >= 0, all_c, mask_v, i_h, i_hv, offs_c, offs_v,
+                stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
                 stride_a_tok, stride_b_tok, K, KQ,
             )
+        for s in range(0, D):
+            if LOAD_AHEAD:
+                node, mc, mv = node_n, mc_n, mv_n
+                q0, q1, q2, q3, k0, k1, k2, k3, xv, a, b = q0n, q1n, q2n, q3n, k0n, k1n, k2n, k3n, xv_n, a_n, b_n
+                node_n = _path_node(path, offs_d, s + 1)
+                mc_n, mv_n, q0n, q1n, q2n, q3n, k0n, k1n, k2n, k3n, xv_n, a_n, b_n = _rec_load_token(
+                    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, bos + tl.maximum(node_n, 0), node_n >= 0, all_c, mask_v, i_h,
+                    i_hv, offs_c, offs_v, stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok,
+                    stride_v_head, stride_a_tok, stride_b_tok, K, KQ,
+                )
+            else:
+                node = _path_node(path, offs_d, s)
+                mc, mv, q0, q1, q2, q3, k0, k1, k2, k3, xv, a, b = _rec_load_token(
+                    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, bos + tl.maximum(node, 0), node >= 0, all_c, mask_v, i_h,
+                    i_hv, offs_c, offs_v, stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok,
+                    stride_v_head, stride_a_tok, stride_b_tok, K, KQ,
+                )
             valid = node >= 0
             store = valid & (tl.max(tl.where(offs_d == s, own.to(tl.int32), 0), 0) != 0)
             g, beta = _tl_gdn_gates(a, b, A_log, dt_bias)
@@ -1315,8 +1326,10 @@ def launch_tree_replay(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, 
     hv, vd = v.shape[1], v.shape[2]
     batch, paths, depth = tree.leaf_paths.shape
     launch_flush(checkpoint, ring, slots, write_pos, cache_base, is_flush)
-    # The chain replay's tile height: the read-only height (128 rows for fp32) spills here.
+    # The writers' row (the chain replay's): the read-only height (128 rows for fp32)
+    # spills here. It writes no state, so it loads as the read-only kernels do.
     bv = pick_block_v(kd, vd, batch * paths, hv, checkpoint.dtype, q.device)
+    ahead = exact_row(kd, vd, batch * paths, checkpoint.dtype, read_only=True)["load_ahead"]
     _tree_replay_kernel[(triton.cdiv(vd, bv), batch * paths, hv)](
         q, k, v, a, b, A_log, dt_bias,
         checkpoint, ring.k, ring.v, ring.g, ring.beta, ring_u,
@@ -1325,7 +1338,7 @@ def launch_tree_replay(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, 
         kd**-0.5, NORM_EPS,
         H=h, HV=hv, K=kd, V=vd, L=ring.ring_len, BK=exact_block_k(kd), BV=bv, TN=tree.parents.shape[1], P=paths,
         D=depth, BD=triton.next_power_of_2(depth), ROUND_STATE=checkpoint.dtype != torch.float32,
-        num_warps=EXACT_NUM_WARPS,
+        LOAD_AHEAD=bool(ahead), num_warps=EXACT_NUM_WARPS,
     )
 
 def check_triton_window_call(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos,

@@ -124,13 +124,14 @@ TABLE: dict[str, list[tuple[dict, dict]]] = {
     # beats three launches and the window solve's per-head chain there. The switch sits
     # at the largest batch where replay measured faster (BENCHMARKS.md, kernels:
     # "Where circular switches method").
-    # Trees replay their leaf paths up to 24 (requests x leaves): a 3,2,1 tree (6 paths)
-    # measured 2.0x / 1.7x / 1.3x faster that way than its closed form at batch 1 / 2 /
-    # 4 and 10% slower at 8 (BENCHMARKS.md, "Draft trees: each leaf's path replayed").
+    # Trees replay their leaf paths up to 48 (requests x leaves): a 3,2,1 tree (6 paths)
+    # measured 2.4x / 1.8x / 1.5x / 1.1x faster that way than its closed form at batch
+    # 1 / 2 / 4 / 8 and 17% slower at 16 (BENCHMARKS.md, "Draft trees: each leaf's path
+    # replayed").
     # On the CPU the closed form stays the default so that the interpreter's tests
     # cover the history; tests turn the path on with override().
     "circular": [({"device": "cpu"}, dict(replay_max_batch=0, tree_replay_max_paths=0)),
-                 ({}, dict(replay_max_batch=8, tree_replay_max_paths=24))],
+                 ({}, dict(replay_max_batch=8, tree_replay_max_paths=48))],
     # The whole V axis per program: the history's share (its keys, gates and u) is
     # loaded and reduced once per (request, head) instead of once per V block, and the
     # tile's loads are all in flight at once (BENCHMARKS.md, "Plain decoding through the
