@@ -621,3 +621,36 @@ def test_lifecycle_triton_pool_tracks_reference_pool(strategy):
     assert max(errors[-quarter:]) <= 10 * max(errors[:quarter]) + 1e-6, "Triton vs reference error grows"
     ckpt = pools["triton"].buffers["checkpoints"]
     assert torch.equal(ckpt[:, slots[2]], torch.zeros_like(ckpt[:, slots[2]])), "untouched slot changed"
+
+
+def test_first_flushes_are_staggered_by_slot():
+    """``first_cycle``: requests admitted together on slots 0..P-1 decode one token a
+    step; each slot's first flush flag rises at ``write_pos = 1 + slot % P`` (so at P
+    different steps), then every P tokens as without the flags; the Triton kernel
+    moves the cursors and flags as the reference does, and without ``first_cycle``
+    every slot is flagged at the same step."""
+    window, ring_len = 2, 16
+    period = ring_len - 2 * window + 1
+    ns = period + 3
+    slots = torch.arange(ns, dtype=torch.int32, device=DEVICE)
+    ones = torch.ones(ns, dtype=torch.int32, device=DEVICE)
+    runs = {}
+    for backend, stagger in (("reference", True), ("triton", True), ("triton", False)):
+        cur = [torch.zeros(ns, dtype=torch.int32, device=DEVICE) for _ in range(3)]
+        first = torch.ones(ns, dtype=torch.int32, device=DEVICE) if stagger else None
+        flags = []
+        for _ in range(3 * period):
+            advance_cursors(*cur, slots, ones, window, ring_len, first_cycle=first, backend=backend)
+            flags.append(cur[2].clone())
+        runs[(backend, stagger)] = (torch.stack(flags), cur, first)
+    (f_ref, c_ref, first_ref), (f_tri, c_tri, first_tri) = runs[("reference", True)], runs[("triton", True)]
+    assert torch.equal(f_tri, f_ref) and all(torch.equal(a, b) for a, b in zip(c_tri, c_ref))
+    assert torch.equal(first_tri, first_ref) and not first_tri.any(), "every slot has flushed once"
+    raised = [torch.nonzero(f_ref[:, s]).flatten().tolist() for s in range(ns)]
+    for s in range(ns):
+        first_step = s % period  # write_pos 1 + s % P after step index s % P
+        assert raised[s][0] == first_step, (s, raised[s])
+        assert all(b - a == period for a, b in zip(raised[s][1:], raised[s][2:])), (s, raised[s])
+    assert len({r[0] for r in raised}) == period, "the first flushes fall on P different steps"
+    plain = runs[("triton", False)][0]
+    assert (plain[period - 1] != 0).all() and not plain[: period - 1].any()

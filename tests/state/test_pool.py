@@ -46,7 +46,7 @@ def test_byte_accounting_is_exact(strategy):
     else:
         expect.update(records(L))
         expect["ring_u"] = nl * ns * L * s.num_value_heads * s.head_v_dim * 4
-        expect.update(write_pos=ns * 4, cache_base=ns * 4, is_flush=ns * 4)
+        expect.update(write_pos=ns * 4, cache_base=ns * 4, is_flush=ns * 4, first_cycle=ns * 4)
     got = pool.nbytes()
     assert got.pop("total") == sum(expect.values())
     assert got == expect

@@ -132,8 +132,10 @@ def test_abort_of_a_decode_step_keeps_the_committed_state():
     """A decode step aborted after some layers (a flush row among them) leaves the
     committed state and what follows exactly as if the step never ran."""
     pool, lc = make(ring_len=8, window=2)
-    for _ in range(5):  # write_pos 5 = L - 2T + 1: flagged for a flush
+    for _ in range(6):  # a flush within L - 2T + 1 = 5 steps of any phase
         lc.decode_step()
+        if bool(pool.buffers["is_flush"][lc.slots].any()):
+            break
     assert bool(pool.buffers["is_flush"][lc.slots].any()), "the aborted step must include a flush row"
     before = committed(pool, lc.slots)
     batch = pool.batch(lc.slots, 1)

@@ -36,7 +36,7 @@ from ..strategies import STRATEGY_NAMES
 
 PLAIN = "plain"
 #: the buffers of a strategy's ring of records (and its cursors), DESIGN.md section 8
-RING_BUFFERS = ("ring_k", "ring_v", "ring_g", "ring_beta", "ring_u", "write_pos", "cache_base", "is_flush")
+RING_BUFFERS = ("ring_k", "ring_v", "ring_g", "ring_beta", "ring_u", "write_pos", "cache_base", "is_flush", "first_cycle")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}
 GIB = 2**30
 MIB = 2**20

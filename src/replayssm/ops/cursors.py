@@ -13,6 +13,14 @@ non-flush commit ``write_pos + T <= L``. A flush row folds its history into the
 checkpoint at its next verify. Rolling back rejected tokens is simply not counting them.
 With ``flush_every`` (the strategy's small-batch mode) ``is_flush`` is raised at every
 commit instead, so a history is never longer than one step's accepted tokens.
+
+Staggered flushes (the optional ``first_cycle`` flags, 1 for a slot that has not
+flushed since it was admitted): requests admitted together would otherwise fill their
+rings in step and all flush at the same step, one slow step every ``P = L - 2T + 1``
+tokens of plain decoding. A slot's first cycle instead ends early, once
+``write_pos >= 1 + slot % P``, which spreads the phases of consecutive slots over the
+``P`` steps; the flag clears at that flush. One flush more per request, of fewer
+records; the committed state is the same (a fold is exact whenever it runs).
 """
 
 from __future__ import annotations
@@ -42,6 +50,19 @@ def check_flush_every(flush_every):
         raise TypeError(f"flush_every must be a bool, got {type(flush_every).__name__}")
 
 
+def check_first_cycle(first_cycle, write_pos):
+    if first_cycle is not None:
+        _checks.tensor("first_cycle", first_cycle, ndim=1, dtypes=(torch.int32, torch.int64))
+        _checks.shape("first_cycle", first_cycle, [write_pos.shape[0]])
+        _checks.same_device(write_pos, first_cycle=first_cycle)
+
+
+def first_flush_at(slot, window: int, ring_len: int):
+    """``write_pos`` at which a slot's first cycle ends (module notes): ``1 + slot % P``
+    with ``P = L - 2T + 1``, the natural period, so ``P`` itself is the usual rule."""
+    return 1 + slot % (ring_len - 2 * window + 1)
+
+
 @register("advance_cursors", "reference")
 def advance_cursors_reference(
     write_pos: torch.Tensor,
@@ -53,6 +74,7 @@ def advance_cursors_reference(
     ring_len: int,
     *,
     flush_every: bool = False,
+    first_cycle: torch.Tensor | None = None,
 ) -> None:
     """Commit ``accepted[i]`` tokens for every row ``i`` with ``slots[i] >= 0``, in place.
 
@@ -65,9 +87,13 @@ def advance_cursors_reference(
         ring_len: ``L``, a power of two with ``L >= 2 T``.
         flush_every: raise ``is_flush`` for every committed row (fold the history at
             the next verify), not only when the ring is about to fill.
+        first_cycle: optional ``[num_slots]`` int32 flags (1: the slot has not flushed
+            since admission): stagger the first flushes (module notes); cleared, in
+            place, when the flagged flush happens.
     """
     check_cursor_args(write_pos, cache_base, is_flush, slots, accepted)
     check_flush_every(flush_every)
+    check_first_cycle(first_cycle, write_pos)
     live = slots >= 0
     s = slots[live].long()
     n = accepted[live].to(write_pos.dtype)
@@ -76,7 +102,12 @@ def advance_cursors_reference(
     new_wp = torch.where(flush, n, wp + n)
     write_pos[s] = new_wp
     cache_base[s] = new_base
-    is_flush[s] = ((new_wp + 2 * window > ring_len) | flush_every).to(is_flush.dtype)
+    new_flush = (new_wp + 2 * window > ring_len) | flush_every
+    if first_cycle is not None:
+        first = (first_cycle[s] != 0) & ~flush
+        new_flush = new_flush | (first & (new_wp >= first_flush_at(s, window, ring_len)))
+        first_cycle[s] = first.to(first_cycle.dtype)
+    is_flush[s] = new_flush.to(is_flush.dtype)
 
 
 @register("reset_cursors", "reference")
@@ -98,6 +129,7 @@ def advance_cursors(
     ring_len: int,
     *,
     flush_every: bool = False,
+    first_cycle: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> None:
     """``circular``'s commit: move each slot's ring cursors past its ``accepted``
@@ -108,7 +140,7 @@ def advance_cursors(
     fallback).
     """
     return pick("advance_cursors", backend, write_pos)(write_pos, cache_base, is_flush, slots, accepted, window,
-                                                       ring_len, flush_every=flush_every)
+                                                       ring_len, flush_every=flush_every, first_cycle=first_cycle)
 
 
 def reset_cursors(
@@ -139,8 +171,8 @@ if triton is not None:
 
     @triton.jit
     def _advance_cursors_kernel(
-        wp_ptr, base_ptr, flush_ptr, slots_ptr, acc_ptr, batch, window, ring_len,
-        BLOCK: tl.constexpr, FLUSH_EVERY: tl.constexpr,
+        wp_ptr, base_ptr, flush_ptr, first_ptr, slots_ptr, acc_ptr, batch, window, ring_len,
+        BLOCK: tl.constexpr, FLUSH_EVERY: tl.constexpr, STAGGER: tl.constexpr,
     ):
         rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         slot = tl.load(slots_ptr + rows, mask=rows < batch, other=-1).to(tl.int64)
@@ -160,6 +192,10 @@ if triton is not None:
             new_flush = live
         else:
             new_flush = new_wp + 2 * window > ring_len
+        if STAGGER:
+            first = (tl.load(first_ptr + at, mask=live, other=0) != 0) & (flush == 0)
+            new_flush = new_flush | (first & (new_wp >= 1 + at % (ring_len - 2 * window + 1)))
+            tl.store(first_ptr + at, first.to(first_ptr.dtype.element_ty), mask=live)
         tl.store(flush_ptr + at, new_flush.to(flush_ptr.dtype.element_ty), mask=live)
 
     @triton.jit
@@ -188,6 +224,7 @@ def advance_cursors_triton(
     ring_len: int,
     *,
     flush_every: bool = False,
+    first_cycle: torch.Tensor | None = None,
 ) -> None:
     """Triton version of :func:`advance_cursors_reference` (same arguments and results).
 
@@ -198,7 +235,9 @@ def advance_cursors_triton(
     """
     check_cursor_args(write_pos, cache_base, is_flush, slots, accepted)
     check_flush_every(flush_every)
+    check_first_cycle(first_cycle, write_pos)
     _check_cursor_launch(write_pos, cache_base, is_flush, slots, accepted)
+    _checks.contiguous(first_cycle=first_cycle)
     for name, value in (("window", window), ("ring_len", ring_len)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -208,8 +247,8 @@ def advance_cursors_triton(
     if batch == 0:
         return
     _advance_cursors_kernel[(triton.cdiv(batch, CURSOR_BLOCK),)](
-        write_pos, cache_base, is_flush, slots, accepted, batch, window, ring_len,
-        BLOCK=CURSOR_BLOCK, FLUSH_EVERY=flush_every, num_warps=4,
+        write_pos, cache_base, is_flush, write_pos if first_cycle is None else first_cycle, slots, accepted, batch,
+        window, ring_len, BLOCK=CURSOR_BLOCK, FLUSH_EVERY=flush_every, STAGGER=first_cycle is not None, num_warps=4,
     )
 
 

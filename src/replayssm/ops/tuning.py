@@ -101,9 +101,9 @@ TABLE: dict[str, list[tuple[dict, dict]]] = {
     # 16-bit states: a 64-row read-only tile runs at twice the programs per SM (the tile
     # is fp32 in registers whatever the storage), which the halved bytes need.
     # Each token's inputs loaded at its own step (load_ahead 0): fewer registers live
-    # across the step, and the fold measured 0.8-2.5% faster at batch 16-256
-    # in both dtypes (BENCHMARKS.md, "Each token loaded at its own step"); the writing
-    # kernels (snapshot's) measured slower that way and keep 1.
+    # across the step; the fold measured faster that way at every batch in both dtypes,
+    # the writing kernels (snapshot's) slower, so they keep 1 (BENCHMARKS.md, "Each
+    # token loaded at its own step").
     "exact_read_only": [({"state_dtype": torch.bfloat16}, dict(block_v=64, num_warps=4, load_ahead=0)),
                         ({}, dict(block_v=128, num_warps=4, load_ahead=0))],
     # Small batches are latency-bound: one value head per coefficient program keeps its
@@ -125,9 +125,8 @@ TABLE: dict[str, list[tuple[dict, dict]]] = {
     # at the largest batch where replay measured faster (BENCHMARKS.md, kernels:
     # "Where circular switches method").
     # Trees replay their leaf paths up to 48 (requests x leaves): a 3,2,1 tree (6 paths)
-    # measured 2.4x / 1.8x / 1.5x / 1.1x faster that way than its closed form at batch
-    # 1 / 2 / 4 / 8 and 17% slower at 16 (BENCHMARKS.md, "Draft trees: each leaf's path
-    # replayed").
+    # measured faster that way than its closed form at batch 1 to 8 and slower at 16
+    # (BENCHMARKS.md, "Draft trees: each leaf's path replayed").
     # On the CPU the closed form stays the default so that the interpreter's tests
     # cover the history; tests turn the path on with override().
     "circular": [({"device": "cpu"}, dict(replay_max_batch=0, tree_replay_max_paths=0)),

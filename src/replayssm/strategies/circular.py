@@ -55,13 +55,15 @@ from .fold import RecordBuffers, gate_dtype, record_specs
 @dataclass(frozen=True)
 class CircularBuffers(RecordBuffers):
     """The raw-record ring of ``L`` entries plus ``ring_u [layers, slots, L, HV, V]``
-    (the records' corrected deltas, for the closed form) and the per-request cursors
-    ``write_pos``, ``cache_base``, ``is_flush`` (``[slots]`` int32)."""
+    (the records' corrected deltas, for the closed form), the per-request cursors
+    ``write_pos``, ``cache_base``, ``is_flush`` and ``first_cycle`` (``[slots]`` int32;
+    the last staggers the requests' first flushes, :mod:`~replayssm.ops.cursors`)."""
 
     ring_u: torch.Tensor
     write_pos: torch.Tensor
     cache_base: torch.Tensor
     is_flush: torch.Tensor
+    first_cycle: torch.Tensor
 
 
 class CircularStrategy(Strategy):
@@ -120,6 +122,8 @@ class CircularStrategy(Strategy):
         for name in ("write_pos", "cache_base", "is_flush"):
             specs[name] = BufferSpec((), torch.int32, per_layer=False, fill=0, packed=1,
                                      why="the cursor kernels index [slots] contiguously")
+        specs["first_cycle"] = BufferSpec((), torch.int32, per_layer=False, fill=1, packed=1,
+                                          why="the cursor kernels index [slots] contiguously")
         return specs
 
     def __init__(self, pool):
@@ -127,6 +131,10 @@ class CircularStrategy(Strategy):
         # Reset by the pool, advanced by the cursor kernels with clamped counts: the
         # chunked verify's guard need not read them back (ops/guards.py).
         guards.mark_maintained(self.buf.write_pos, self.buf.cache_base)
+
+    #: Whether requests' first flushes are staggered by slot (ops/cursors.py), so that
+    #: requests admitted together do not all flush at the same plain step.
+    stagger_flushes = True
 
     #: Whether small batches take the one-launch path (ops/chunked.py ``"replay"``, with a
     #: flush at every commit); the open-loop control keeps the closed form and its flushes.
@@ -150,7 +158,8 @@ class CircularStrategy(Strategy):
         advance_cursors(
             buf.write_pos, buf.cache_base, buf.is_flush, batch.slots, accepted,
             self.pool.window, self.pool.ring_len,
-            flush_every=self._small_batch(batch) if flush_every is None else flush_every, backend=self.pool.backend,
+            flush_every=self._small_batch(batch) if flush_every is None else flush_every,
+            first_cycle=buf.first_cycle if self.stagger_flushes else None, backend=self.pool.backend,
         )
 
     def _verify_tree(self, layer, q, k, v, a, b, A_log, dt_bias, batch, trees):
