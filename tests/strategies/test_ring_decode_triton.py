@@ -40,13 +40,9 @@ def rand_tokens(n, gen):
         ((s.num_value_heads, s.head_v_dim), 1.0), ((s.num_value_heads,), 1.0), ((s.num_value_heads,), 2.0))]
 
 
-@pytest.mark.parametrize("small_batch", [False, True], ids=["closed_form", "replay"])
-def test_triton_plain_ring_steps_are_the_triton_recurrence(small_batch):
-    """20 steps on 2 requests (T = 2, L = 8: a pure plain request flushes every 5
-    steps), every fourth step speculative with random acceptance. ``replay``: the
-    small-batch kernel (one launch, a flush at every commit)."""
-    gen = torch.Generator().manual_seed(11)
-    window, ring_len = 2, 8
+def two_requests(window, ring_len, gen):
+    """A reference and a Triton circular pool with the same layer parameters and two
+    requests each: ``(pools by backend, the live slots, the Triton pool's parameters)``."""
     pools = {be: StatePool(SHAPE, 1, 3, strategy="circular", window=window, ring_len=ring_len, backend=be,
                            device=DEVICE) for be in ("reference", "triton")}
     params = dict(A_log=torch.empty(1).uniform_(-2, -0.5, generator=gen), dt_bias=torch.randn(1, generator=gen) * 0.5,
@@ -54,8 +50,18 @@ def test_triton_plain_ring_steps_are_the_triton_recurrence(small_batch):
     for pool in pools.values():
         pool.set_layer_params(0, **params)
         live = [pool.alloc(), pool.alloc()]
+    return pools, live, pools["triton"].layer_params(0)
+
+
+@pytest.mark.parametrize("small_batch", [False, True], ids=["closed_form", "replay"])
+def test_triton_plain_ring_steps_are_the_triton_recurrence(small_batch):
+    """20 steps on 2 requests (T = 2, L = 8: a pure plain request flushes every 5
+    steps), every fourth step speculative with random acceptance. ``replay``: the
+    small-batch kernel (one launch, a flush at every commit)."""
+    gen = torch.Generator().manual_seed(11)
+    window, ring_len = 2, 8
+    pools, live, p = two_requests(window, ring_len, gen)
     trit = pools["triton"]
-    p = trit.layer_params(0)
     state = torch.zeros(2, 1, SHAPE.head_v_dim, SHAPE.head_k_dim, device=DEVICE)  # the recurrence's
     rows = torch.tensor([0, 1], dtype=torch.int32, device=DEVICE)
     flushes = 0
@@ -172,15 +178,8 @@ def test_triton_tree_steps_are_the_recurrence_along_the_accepted_paths(tree_repl
     gen = torch.Generator().manual_seed(5)
     window, ring_len = 4, 16
     trees = DraftTrees.from_parents([[-1, 0, 0, 1], [-1, 0, 1, 0]], max_nodes=4)
-    pools = {be: StatePool(SHAPE, 1, 3, strategy="circular", window=window, ring_len=ring_len, backend=be,
-                           device=DEVICE) for be in ("reference", "triton")}
-    params = dict(A_log=torch.empty(1).uniform_(-2, -0.5, generator=gen), dt_bias=torch.randn(1, generator=gen) * 0.5,
-                  conv_weight=torch.randn(SHAPE.conv_dim, SHAPE.conv_kernel, generator=gen))
-    for pool in pools.values():
-        pool.set_layer_params(0, **params)
-        live = [pool.alloc(), pool.alloc()]
+    pools, live, p = two_requests(window, ring_len, gen)
     trit = pools["triton"]
-    p = trit.layer_params(0)
     state = torch.zeros(2, 1, SHAPE.head_v_dim, SHAPE.head_k_dim, device=DEVICE)
     rows = torch.tensor([0, 1], dtype=torch.int32, device=DEVICE)
     with tuning.override("circular", replay_max_batch=0, tree_replay_max_paths=64 if tree_replay else 0):

@@ -597,7 +597,7 @@ if triton is not None:
     from .triton_common import load_parts as _tl_load_parts
     from .triton_common import mask_and as _tl_mask_and, normalized as _tl_normalized
     from .triton_common import row_dot as _tl_row_dot, row_sum as _tl_row_sum, store_parts as _tl_store_parts
-    from .triton_common import to_rtne as _tl_to_rtne, window_program as _tl_window_program
+    from .triton_common import as_stored as _tl_as_stored, to_rtne as _tl_to_rtne, window_program as _tl_window_program
     from .triton_common import dependent_launch, register_cap
 
     @_tl_device_fn
@@ -959,6 +959,37 @@ if triton is not None:
         return (tl.fma(u[:, None], k0[None, :], S0), tl.fma(u[:, None], k1[None, :], S1),
                 tl.fma(u[:, None], k2[None, :], S2), tl.fma(u[:, None], k3[None, :], S3), u)
 
+    @_tl_device_fn
+    def _replay_token(S0, S1, S2, S3, q0, q1, q2, q3, k0, k1, k2, k3, xv, a, b, A_log, dt_bias, valid, eps, scale):
+        """One token of a replay kernel: its gates, its exact step on the tile (kept
+        where ``valid`` is off) and its output. Returns the tile's parts, ``o``, ``u``,
+        ``g`` and ``beta``."""
+        g, beta = _tl_gdn_gates(a, b, A_log, dt_bias)
+        kh0, kh1, kh2, kh3 = _tl_normalized(k0, k1, k2, k3, eps, 1.0)
+        qh0, qh1, qh2, qh3 = _tl_normalized(q0, q1, q2, q3, eps, scale)
+        N0, N1, N2, N3, u = _window_step(S0, S1, S2, S3, kh0, kh1, kh2, kh3, xv.to(tl.float32), g, beta)
+        S0 = tl.where(valid, N0, S0)
+        S1 = tl.where(valid, N1, S1)
+        S2 = tl.where(valid, N2, S2)
+        S3 = tl.where(valid, N3, S3)
+        return S0, S1, S2, S3, _tl_row_dot(S0, S1, S2, S3, qh0, qh1, qh2, qh3), u, g, beta
+
+    @_tl_device_fn
+    def _store_token(o_at, o, rk_ptr, rv_ptr, ru_ptr, rg_ptr, rb_ptr, rec, i_h, i_hv, offs_c, offs_v, mc, mv,
+                     k_writer, gate_writer, k0, k1, k2, k3, xv, u, g, beta,
+                     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KQ: tl.constexpr):
+        """A replayed token's output at ``o_at`` and its record at flat ring entry
+        ``rec``: raw ``k`` (where ``k_writer``: once per key head), ``v``, ``u``, and the
+        gates (where ``gate_writer``: once per value head); ``mc`` / ``mv`` the block
+        masks."""
+        tl.store(o_at, _tl_to_rtne(o, o_at.dtype.element_ty), mask=mv)
+        _tl_store_parts(rk_ptr, (rec * H + i_h) * K + offs_c, _tl_mask_and(mc, k_writer), offs_c, K, KQ,
+                        k0, k1, k2, k3)
+        tl.store(rv_ptr + (rec * HV + i_hv) * V + offs_v, xv.to(rv_ptr.dtype.element_ty), mask=mv)
+        tl.store(ru_ptr + (rec * HV + i_hv) * V + offs_v, u, mask=mv)
+        tl.store(rg_ptr + rec * HV + i_hv, g, mask=gate_writer)
+        tl.store(rb_ptr + rec * HV + i_hv, beta, mask=gate_writer)
+
     @triton.jit
     def _replay_window_kernel(
         q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr,
@@ -1002,10 +1033,7 @@ if triton is not None:
                         S0, S1, S2, S3)
         if ROUND_STATE:
             # The committed state is what a fold stores (16-bit): the window starts from it.
-            S0 = _tl_to_rtne(S0, ckpt_ptr.dtype.element_ty).to(tl.float32)
-            S1 = _tl_to_rtne(S1, ckpt_ptr.dtype.element_ty).to(tl.float32)
-            S2 = _tl_to_rtne(S2, ckpt_ptr.dtype.element_ty).to(tl.float32)
-            S3 = _tl_to_rtne(S3, ckpt_ptr.dtype.element_ty).to(tl.float32)
+            S0, S1, S2, S3 = _tl_as_stored(S0, S1, S2, S3, ckpt_ptr.dtype.element_ty)
 
         # ---- the window, token by token (next token's loads ahead of this token's step)
         A_log = tl.load(A_log_ptr + i_hv)
@@ -1026,25 +1054,13 @@ if triton is not None:
                 stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
                 stride_a_tok, stride_b_tok, K, KQ,
             )
-            g, beta = _tl_gdn_gates(a, b, A_log, dt_bias)
-            kh0, kh1, kh2, kh3 = _tl_normalized(k0, k1, k2, k3, eps, 1.0)
-            qh0, qh1, qh2, qh3 = _tl_normalized(q0, q1, q2, q3, eps, scale)
             # Positions past the row's end keep the state (nothing of theirs is stored).
-            N0, N1, N2, N3, u = _window_step(S0, S1, S2, S3, kh0, kh1, kh2, kh3, xv.to(tl.float32), g, beta)
-            S0 = tl.where(valid, N0, S0)
-            S1 = tl.where(valid, N1, S1)
-            S2 = tl.where(valid, N2, S2)
-            S3 = tl.where(valid, N3, S3)
-            o = _tl_row_dot(S0, S1, S2, S3, qh0, qh1, qh2, qh3)
-            tl.store(o_row + i * HV * V, _tl_to_rtne(o, o_ptr.dtype.element_ty), mask=mv)
+            S0, S1, S2, S3, o, u, g, beta = _replay_token(S0, S1, S2, S3, q0, q1, q2, q3, k0, k1, k2, k3, xv, a, b,
+                                                          A_log, dt_bias, valid, eps, scale)
             # The record at logical position write_pos + i (physical after cache_base).
-            rec = ring_at + (base + wp + i) % L
-            _tl_store_parts(rk_ptr, (rec * H + i_h) * K + offs_c, _tl_mask_and(mc, k_writer), offs_c, K, KQ,
-                            k0, k1, k2, k3)
-            tl.store(rv_ptr + (rec * HV + i_hv) * V + offs_v, xv.to(rv_ptr.dtype.element_ty), mask=mv)
-            tl.store(ru_ptr + (rec * HV + i_hv) * V + offs_v, u, mask=mv)
-            tl.store(rg_ptr + rec * HV + i_hv, g, mask=valid & (i_v == 0))
-            tl.store(rb_ptr + rec * HV + i_hv, beta, mask=valid & (i_v == 0))
+            _store_token(o_row + i * HV * V, o, rk_ptr, rv_ptr, ru_ptr, rg_ptr, rb_ptr, ring_at + (base + wp + i) % L,
+                         i_h, i_hv, offs_c, offs_v, mc, mv, k_writer, valid & (i_v == 0), k0, k1, k2, k3, xv, u, g,
+                         beta, H, HV, K, V, KQ)
 
 
     # The small-batch path for draft trees. One program per (V block, leaf path, value
@@ -1117,10 +1133,7 @@ if triton is not None:
             H * K, HV * V, HV, HV, eps, K, L, KQ)
         if ROUND_STATE:
             # As the chain's replay: the window starts from the state a fold would store.
-            S0 = _tl_to_rtne(S0, ckpt_ptr.dtype.element_ty).to(tl.float32)
-            S1 = _tl_to_rtne(S1, ckpt_ptr.dtype.element_ty).to(tl.float32)
-            S2 = _tl_to_rtne(S2, ckpt_ptr.dtype.element_ty).to(tl.float32)
-            S3 = _tl_to_rtne(S3, ckpt_ptr.dtype.element_ty).to(tl.float32)
+            S0, S1, S2, S3 = _tl_as_stored(S0, S1, S2, S3, ckpt_ptr.dtype.element_ty)
 
         # ---- the path, node by node; with LOAD_AHEAD the next node's loads are issued
         # before this node's step (the recurrence kernel's flag, recurrent.py: fewer
@@ -1154,27 +1167,14 @@ if triton is not None:
                 )
             valid = node >= 0
             store = valid & (tl.max(tl.where(offs_d == s, own.to(tl.int32), 0), 0) != 0)
-            g, beta = _tl_gdn_gates(a, b, A_log, dt_bias)
-            kh0, kh1, kh2, kh3 = _tl_normalized(k0, k1, k2, k3, eps, 1.0)
-            qh0, qh1, qh2, qh3 = _tl_normalized(q0, q1, q2, q3, eps, scale)
             # Past the path's end the state stays (nothing of those steps is stored).
-            N0, N1, N2, N3, u = _window_step(S0, S1, S2, S3, kh0, kh1, kh2, kh3, xv.to(tl.float32), g, beta)
-            S0 = tl.where(valid, N0, S0)
-            S1 = tl.where(valid, N1, S1)
-            S2 = tl.where(valid, N2, S2)
-            S3 = tl.where(valid, N3, S3)
-            o = _tl_row_dot(S0, S1, S2, S3, qh0, qh1, qh2, qh3)
-            at = tl.maximum(node, 0)
-            mv_s = _tl_mask_and(mv, store)
-            tl.store(o_row + at * HV * V, _tl_to_rtne(o, o_ptr.dtype.element_ty), mask=mv_s)
+            S0, S1, S2, S3, o, u, g, beta = _replay_token(S0, S1, S2, S3, q0, q1, q2, q3, k0, k1, k2, k3, xv, a, b,
+                                                          A_log, dt_bias, valid, eps, scale)
             # Node i's record at logical position write_pos + i, as a window's token i.
-            rec = ring_at + (base + wp + at) % L
-            _tl_store_parts(rk_ptr, (rec * H + i_h) * K + offs_c, _tl_mask_and(mc, k_writer & store), offs_c, K, KQ,
-                            k0, k1, k2, k3)
-            tl.store(rv_ptr + (rec * HV + i_hv) * V + offs_v, xv.to(rv_ptr.dtype.element_ty), mask=mv_s)
-            tl.store(ru_ptr + (rec * HV + i_hv) * V + offs_v, u, mask=mv_s)
-            tl.store(rg_ptr + rec * HV + i_hv, g, mask=store & (i_v == 0))
-            tl.store(rb_ptr + rec * HV + i_hv, beta, mask=store & (i_v == 0))
+            at = tl.maximum(node, 0)
+            _store_token(o_row + at * HV * V, o, rk_ptr, rv_ptr, ru_ptr, rg_ptr, rb_ptr, ring_at + (base + wp + at) % L,
+                         i_h, i_hv, offs_c, offs_v, mc, _tl_mask_and(mv, store), k_writer & store,
+                         store & (i_v == 0), k0, k1, k2, k3, xv, u, g, beta, H, HV, K, V, KQ)
 
 def launch_flush(checkpoint, ring, slots, write_pos, cache_base, is_flush) -> None:
     """Launch the closed form's flush on validated arguments: the fold kernel on the rows

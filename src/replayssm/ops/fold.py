@@ -145,7 +145,7 @@ except ImportError:  # the reference backend works without Triton
 if triton is not None:
     from .triton_common import NORM_EPS, exact_warps, device_fn as _tl_device_fn, gdn_state_step as _tl_state_step
     from .triton_common import load_parts as _tl_load_parts, mask_and as _tl_mask_and, normalized as _tl_normalized
-    from .triton_common import store_parts as _tl_store_parts, to_rtne as _tl_to_rtne
+    from .triton_common import as_stored as _tl_as_stored, store_parts as _tl_store_parts
 
     @_tl_device_fn
     def _load_record_at(rk_at, rv_at, rg_at, rb_at, pos, valid, offs_c, mask_c, mask_v, offs_v,
@@ -236,10 +236,7 @@ if triton is not None:
                                      srk_pos, srv_pos, srg_pos, srb_pos, eps, K, L, KQ, AHEAD)
         _tl_store_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ, S0, S1, S2, S3)
         if ROUND_STATE:
-            S0 = _tl_to_rtne(S0, ckpt_at.dtype.element_ty).to(tl.float32)
-            S1 = _tl_to_rtne(S1, ckpt_at.dtype.element_ty).to(tl.float32)
-            S2 = _tl_to_rtne(S2, ckpt_at.dtype.element_ty).to(tl.float32)
-            S3 = _tl_to_rtne(S3, ckpt_at.dtype.element_ty).to(tl.float32)
+            S0, S1, S2, S3 = _tl_as_stored(S0, S1, S2, S3, ckpt_at.dtype.element_ty)
         return S0, S1, S2, S3
 
     @triton.jit

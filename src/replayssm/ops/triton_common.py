@@ -192,6 +192,13 @@ if triton is not None:
             left to the default, so that every store names its rounding)."""
             return x.to(dtype, fp_downcast_rounding="rtne")
 
+    @device_fn
+    def as_stored(x0, x1, x2, x3, dtype: tl.constexpr):
+        """Four fp32 parts as a store in ``dtype`` leaves them (:func:`to_rtne`), back in
+        fp32: for a kernel that goes on from a state it stores in 16 bits."""
+        return (to_rtne(x0, dtype).to(tl.float32), to_rtne(x1, dtype).to(tl.float32),
+                to_rtne(x2, dtype).to(tl.float32), to_rtne(x3, dtype).to(tl.float32))
+
     if INTERPRETER:
 
         def expf(x):
