@@ -1062,7 +1062,6 @@ if triton is not None:
                          i_h, i_hv, offs_c, offs_v, mc, mv, k_writer, valid & (i_v == 0), k0, k1, k2, k3, xv, u, g,
                          beta, H, HV, K, V, KQ)
 
-
     # The small-batch path for draft trees. One program per (V block, leaf path, value
     # head) steps the exact recurrence along its leaf's root path, so a tree's latency is
     # a chain of its depth (its paths run side by side), not the closed form's window of
@@ -1175,6 +1174,7 @@ if triton is not None:
             _store_token(o_row + at * HV * V, o, rk_ptr, rv_ptr, ru_ptr, rg_ptr, rb_ptr, ring_at + (base + wp + at) % L,
                          i_h, i_hv, offs_c, offs_v, mc, _tl_mask_and(mv, store), k_writer & store,
                          store & (i_v == 0), k0, k1, k2, k3, xv, u, g, beta, H, HV, K, V, KQ)
+
 
 def launch_flush(checkpoint, ring, slots, write_pos, cache_base, is_flush) -> None:
     """Launch the closed form's flush on validated arguments: the fold kernel on the rows
