@@ -117,23 +117,6 @@ def test_tree_verify_matches_the_reference(method):
         torch.testing.assert_close(a, b, equal_nan=True, **TOL)
 
 
-def test_chain_tree_through_the_tree_kernels_is_the_chain_bit_for_bit():
-    """TREE on with a chain's ancestor sets runs the chain's arithmetic: same outputs,
-    records and folded checkpoints as the chain kernels, bit for bit."""
-    trees, slots, x, st = case([list(range(-1, N - 1))] * 2, seed=2)
-    x = {k: torch.nan_to_num(v) for k, v in x.items()}  # full chains: no padded node, except the padding request
-    chain, tree = _copy(st), _copy(st)
-    cu = torch.arange(0, (trees.batch + 1) * N, N, dtype=torch.int32, device=DEVICE)
-    o_chain = gdn_chunked_window(*args(x), chain["ckpt"], chain["ring"], chain["ring_u"], slots, cu, chain["wp"],
-                                 chain["base"], chain["flush"], max_len=N, method="closed_form", backend="triton")
-    o_tree = run_tree("triton", DraftTrees.chain(N, batch=trees.batch), slots, x, tree, method="closed_form")
-    live = torch.repeat_interleave(slots >= 0, N)
-    assert torch.equal(o_tree[live], o_chain[live])
-    assert torch.equal(tree["ckpt"], chain["ckpt"])
-    for a, b in zip(list(tree["ring"]) + [tree["ring_u"]], list(chain["ring"]) + [chain["ring_u"]]):
-        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
-
-
 def test_tree_method_follows_the_shape_table(monkeypatch):
     """``method=None`` replays the leaf paths exactly when requests x leaf paths is at
     most the table's ``circular.tree_replay_max_paths``; the CUDA default's edge is 48."""
@@ -151,17 +134,20 @@ def test_tree_method_follows_the_shape_table(monkeypatch):
     assert chunked_ops.replays_tree(8, 6, **cuda) and not chunked_ops.replays_tree(7, 7, **cuda)
 
 
-def test_chain_tree_replay_is_the_chain_replay_bit_for_bit():
-    """The trees' small-batch path on chains (one leaf path a request) runs the chain's
-    small-batch arithmetic: the same outputs, records and folded checkpoints, bit for
-    bit, though its flush rows fold in a launch of their own."""
-    trees, slots, x, st = case([list(range(-1, N - 1))] * 2, seed=4)
-    x = {k: torch.nan_to_num(v) for k, v in x.items()}
+@pytest.mark.parametrize("method", ["closed_form", "replay"])
+def test_chain_tree_is_the_chain_bit_for_bit(method):
+    """A chain-shaped tree runs the chain's arithmetic in either method: ``closed_form``
+    (TREE on with a chain's ancestor sets) against the chain's closed form, ``replay``
+    (one leaf path a request, its flush rows folded in a launch of their own) against
+    the chain's small-batch kernel. The same outputs (zeros for the padding request),
+    records and folded checkpoints, bit for bit."""
+    trees, slots, x, st = case([list(range(-1, N - 1))] * 2, seed=2)
+    x = {k: torch.nan_to_num(v) for k, v in x.items()}  # full chains: no padded node, except the padding request
     chain, tree = _copy(st), _copy(st)
     cu = torch.arange(0, (trees.batch + 1) * N, N, dtype=torch.int32, device=DEVICE)
     o_chain = gdn_chunked_window(*args(x), chain["ckpt"], chain["ring"], chain["ring_u"], slots, cu, chain["wp"],
-                                 chain["base"], chain["flush"], max_len=N, method="replay", backend="triton")
-    o_tree = run_tree("triton", DraftTrees.chain(N, batch=trees.batch), slots, x, tree, method="replay")
+                                 chain["base"], chain["flush"], max_len=N, method=method, backend="triton")
+    o_tree = run_tree("triton", DraftTrees.chain(N, batch=trees.batch), slots, x, tree, method=method)
     live = torch.repeat_interleave(slots >= 0, N)
     assert torch.equal(o_tree[live], o_chain[live]) and not o_tree[~live].any()
     assert torch.equal(tree["ckpt"], chain["ckpt"]) and not torch.equal(tree["ckpt"], st["ckpt"])
