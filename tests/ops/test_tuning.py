@@ -15,7 +15,7 @@ def test_defaults_are_the_measured_values():
     assert tuning.lookup("exact_write", **at) == {"block_v": 64, "records_ahead": 2, "num_warps": 4,
                                                        "load_ahead": 1}
     assert tuning.lookup("exact_read_only", **at) == {"block_v": 128, "num_warps": 4, "load_ahead": 0}
-    assert tuning.lookup("exact_read_only", **dict(at, state_dtype=BF16)) == {"block_v": 64, "num_warps": 4, "load_ahead": 0}
+    assert tuning.lookup("exact_read_only", **dict(at, state_dtype=BF16)) == {"block_v": 128, "num_warps": 4, "load_ahead": 0}
     assert tuning.lookup("closed_form", **dict(at, batch=16))["heads_per_program"] == 1
     assert tuning.lookup("closed_form", **at) == {"block_v": 64, "k_chunk": 64, "num_stages": 2, "num_warps": 4, "tf32_coefficients": 1,
                                                         "coef_warps": 1, "heads_per_program": 8, "flush_block_v": 32,

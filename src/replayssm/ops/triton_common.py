@@ -24,7 +24,11 @@ lays a block out from its shape, and an fp32 ``[BV, 32]`` part gets 4 consecutiv
 per thread x 8 lanes per row, so a thread holds 16 keys of a row and a row's dot
 product is 16 in-thread fused multiply-adds plus 3 shuffle steps. One ``[BV, 128]`` tile
 got 4 keys per thread x 32 lanes (5 shuffle steps for every 4 keys) and its key
-normalisation crossed warps through shared memory (BENCHMARKS.md, tuning notes). Sums
+normalisation crossed warps through shared memory (BENCHMARKS.md, tuning notes). A
+16-bit tile gets the same layout: Triton would give its loads 8 keys per thread x 4
+lanes (a 16-byte vector), which doubles the keys and queries each thread holds and the
+in-thread chain of every row sum, so :func:`load_parts` and :func:`store_parts` cap the
+tile pointers' contiguity at 4 (``tl.max_contiguous``, 8-byte vectors). Sums
 that decide bits are spelled
 with explicit ``tl.fma``, so that no kernel depends on the compiler's contraction
 choices.
@@ -78,7 +82,7 @@ def exact_warps(warps: int, bv: int) -> int:
     ``warps`` (4 or 8).
 
     8 warps stack along V: each four-part tile's per-thread keys and per-row lanes stay
-    as they are at 4 (4 x 8 for fp32 states, 8 x 4 for bf16 loads: sm_90 TTGIR), so every
+    as they are at 4 (4 x 8, for fp32 and 16-bit states: sm_90 TTGIR), so every
     row sum over K keeps its order, and so do the states' bits. That holds only while
     each warp gets its own row group at 8, which needs 64 rows; smaller tiles keep
     :data:`EXACT_NUM_WARPS`. The bits at 8 warps are GPU tests."""
@@ -249,10 +253,15 @@ if triton is not None:
         ``col`` is its key index (``[KQ]``, broadcast along ``offs``) and ``mask`` a block
         mask broadcastable to ``offs`` (rows, validity). Keys ``>= K`` load as zero.
         """
-        x0 = tl.load(ptr + offs, mask=mask & (col < K), other=0.0).to(tl.float32)
-        x1 = tl.load(ptr + offs + KQ, mask=mask & (col + KQ < K), other=0.0).to(tl.float32)
-        x2 = tl.load(ptr + offs + 2 * KQ, mask=mask & (col + 2 * KQ < K), other=0.0).to(tl.float32)
-        x3 = tl.load(ptr + offs + 3 * KQ, mask=mask & (col + 3 * KQ < K), other=0.0).to(tl.float32)
+        p0 = ptr + offs
+        if len(p0.shape) == 2:
+            # A tile: 4 keys a thread whatever the dtype (see the module notes). The
+            # hint sits on a pointer made here, since one on an argument is dropped.
+            p0 = tl.max_contiguous(p0, [1, 4])
+        x0 = tl.load(p0, mask=mask & (col < K), other=0.0).to(tl.float32)
+        x1 = tl.load(p0 + KQ, mask=mask & (col + KQ < K), other=0.0).to(tl.float32)
+        x2 = tl.load(p0 + 2 * KQ, mask=mask & (col + 2 * KQ < K), other=0.0).to(tl.float32)
+        x3 = tl.load(p0 + 3 * KQ, mask=mask & (col + 3 * KQ < K), other=0.0).to(tl.float32)
         return x0, x1, x2, x3
 
     @device_fn
@@ -260,10 +269,13 @@ if triton is not None:
         """Store four parts as :func:`load_parts` loads them (cast to ``ptr``'s dtype,
         rounded to nearest even)."""
         dtype = ptr.dtype.element_ty
-        tl.store(ptr + offs, to_rtne(x0, dtype), mask=mask & (col < K))
-        tl.store(ptr + offs + KQ, to_rtne(x1, dtype), mask=mask & (col + KQ < K))
-        tl.store(ptr + offs + 2 * KQ, to_rtne(x2, dtype), mask=mask & (col + 2 * KQ < K))
-        tl.store(ptr + offs + 3 * KQ, to_rtne(x3, dtype), mask=mask & (col + 3 * KQ < K))
+        p0 = ptr + offs
+        if len(p0.shape) == 2:
+            p0 = tl.max_contiguous(p0, [1, 4])  # as load_parts: no layout change to store
+        tl.store(p0, to_rtne(x0, dtype), mask=mask & (col < K))
+        tl.store(p0 + KQ, to_rtne(x1, dtype), mask=mask & (col + KQ < K))
+        tl.store(p0 + 2 * KQ, to_rtne(x2, dtype), mask=mask & (col + 2 * KQ < K))
+        tl.store(p0 + 3 * KQ, to_rtne(x3, dtype), mask=mask & (col + 3 * KQ < K))
 
     @device_fn
     def inv_norm(x0, x1, x2, x3, eps):

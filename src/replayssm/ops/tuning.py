@@ -98,14 +98,16 @@ TABLE: dict[str, list[tuple[dict, dict]]] = {
     # Two records ahead: the fold's commit measured faster than with one (BENCHMARKS.md,
     # "The flush inside the outputs kernel").
     "exact_write": [({}, dict(block_v=64, records_ahead=2, num_warps=4, load_ahead=1))],
-    # 16-bit states: a 64-row read-only tile runs at twice the programs per SM (the tile
-    # is fp32 in registers whatever the storage), which the halved bytes need.
+    # The read-only verify is bound by issue, and a token's loads, normalisations and
+    # gates cost each thread the same whatever its rows: 128 rows amortise them over
+    # twice the state of 64. With 16-bit states (loaded 4 keys a thread since
+    # triton_common's layout cap) the fold measured faster at 128 rows than at 64 at
+    # every batch (BENCHMARKS.md, "16-bit tiles in the fp32 tiles' layout").
     # Each token's inputs loaded at its own step (load_ahead 0): fewer registers live
     # across the step; the fold measured faster that way at every batch in both dtypes,
     # the writing kernels (snapshot's) slower, so they keep 1 (BENCHMARKS.md, "Each
     # token loaded at its own step").
-    "exact_read_only": [({"state_dtype": torch.bfloat16}, dict(block_v=64, num_warps=4, load_ahead=0)),
-                        ({}, dict(block_v=128, num_warps=4, load_ahead=0))],
+    "exact_read_only": [({}, dict(block_v=128, num_warps=4, load_ahead=0))],
     # Small batches are latency-bound: one value head per coefficient program keeps its
     # chain short; large ones share the key head's K pass. From batch 33 with fp32
     # states, the outputs kernel capped at 128 registers fits 4 programs per SM instead
