@@ -228,6 +228,22 @@ def test_ring_decode_register_cap_changes_no_bit(state_dtype, cap):
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_ring_decode_early_tile_changes_no_bit(state_dtype):
+    """The ring decoding kernel with its checkpoint tile loaded before the cursors
+    (``ring_decode.early_tile = 1``, the table's choice from batch 33 in both dtypes)
+    gives the late-loading kernel's outputs, ``u`` and folded checkpoints bit for bit."""
+    case = make_case(HV_POOL, 1, 64, state_dtype, torch.bfloat16, pad=False)
+    with tuning.override("ring_decode", early_tile=1):
+        early = run(case, "triton", method="decode")
+    with tuning.override("ring_decode", early_tile=0):
+        late = run(case, "triton", method="decode")
+    assert same(early[0], late[0]), "outputs differ"
+    assert same(early[3], late[3]), "u differs"
+    assert torch.equal(early[1], late[1]), "checkpoints differ"
+    assert not torch.equal(early[1], case["checkpoint"]), "no row flushed"
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("cap", [0, 128])
 def test_ring_decode_on_eight_warps_keeps_the_flush_bits(state_dtype, cap):
     """The ring decoding kernel on 8 warps (``ring_decode.num_warps = 8``, with or without

@@ -22,7 +22,9 @@ def test_defaults_are_the_measured_values():
                                                         "fuse_flush": 1, "flush_records_ahead": 1, "dependent_launch": 1,
                                                         "max_registers": 128, "early_tile": 0}
     assert tuning.lookup("closed_form", **dict(at, batch=32))["max_registers"] == 0
-    assert tuning.lookup("closed_form", **dict(at, state_dtype=BF16))["max_registers"] == 0
+    assert tuning.lookup("closed_form", **dict(at, state_dtype=BF16))["max_registers"] == 128
+    assert tuning.lookup("ring_decode", **dict(at, state_dtype=BF16))["early_tile"] == 1
+    assert tuning.lookup("ring_decode", **dict(at, state_dtype=BF16, batch=16))["early_tile"] == 0
     assert tuning.lookup("ring_decode", **at)["max_registers"] == 0
     assert tuning.lookup("ring_decode", **at)["num_warps"] == 4
 

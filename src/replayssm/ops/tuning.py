@@ -109,19 +109,18 @@ TABLE: dict[str, list[tuple[dict, dict]]] = {
     # token loaded at its own step").
     "exact_read_only": [({}, dict(block_v=128, num_warps=4, load_ahead=0))],
     # Small batches are latency-bound: one value head per coefficient program keeps its
-    # chain short; large ones share the key head's K pass. From batch 33 with fp32
-    # states, the outputs kernel capped at 128 registers fits 4 programs per SM instead
-    # of 3 and measured faster; at batch 16, and with 16-bit states (more spills), it
-    # measured slower (BENCHMARKS.md, "circular's outputs kernel under a register cap").
+    # chain short; large ones share the key head's K pass. From batch 33, the outputs
+    # kernel capped at 128 registers fits 4 programs per SM instead of 3 and measured
+    # faster; at batch 16 it measured slower (BENCHMARKS.md, "circular's outputs kernel
+    # under a register cap"). 16-bit states measured slower capped until their tiles
+    # took the fp32 layout, faster since (BENCHMARKS.md, "16-bit tiles in the fp32
+    # tiles' layout").
     "closed_form": [({"max_batch": 32}, dict(block_v=64, k_chunk=64, num_stages=2, num_warps=4, tf32_coefficients=1,
                                              coef_warps=1, heads_per_program=1, flush_block_v=32, fuse_flush=1, flush_records_ahead=1,
                                              dependent_launch=1, max_registers=0, early_tile=0)),
-                    ({"state_dtype": torch.float32}, dict(block_v=64, k_chunk=64, num_stages=2, num_warps=4, tf32_coefficients=1,
-                                                          coef_warps=1, heads_per_program=8, flush_block_v=32, fuse_flush=1,
-                                                          flush_records_ahead=1, dependent_launch=1, max_registers=128, early_tile=0)),
                     ({}, dict(block_v=64, k_chunk=64, num_stages=2, num_warps=4, tf32_coefficients=1, coef_warps=1,
                               heads_per_program=8, flush_block_v=32, fuse_flush=1, flush_records_ahead=1,
-                              dependent_launch=1, max_registers=0, early_tile=0))],
+                              dependent_launch=1, max_registers=128, early_tile=0))],
     # Small batches are latency-bound: one launch with a chain of n + T exact steps
     # beats three launches and the window solve's per-head chain there. The switch sits
     # at the largest batch where replay measured faster (BENCHMARKS.md, kernels:
@@ -140,9 +139,10 @@ TABLE: dict[str, list[tuple[dict, dict]]] = {
     # 64 rows: four levels of 16-row tiles (depth 3) stay in registers; the read-only
     # tile height (128 rows) held four times spilled.
     "exact_tree": [({}, dict(stack_rows=64))],
-    # 16-bit states load the tile late: early, it spilled (offline sm_90) and ran slower.
-    "ring_decode": [({"state_dtype": torch.bfloat16}, dict(block_v=128, records_ahead=1, early_tile=0, max_registers=0,
-                                                           num_warps=4)),
+    # 16-bit states at small batch load the tile late: early, it ran slower at batch 16
+    # (and spilled before the layout cap); from batch 33 early measured faster.
+    "ring_decode": [({"state_dtype": torch.bfloat16, "max_batch": 32}, dict(block_v=128, records_ahead=1, early_tile=0,
+                                                                            max_registers=0, num_warps=4)),
                     ({}, dict(block_v=128, records_ahead=1, early_tile=1, max_registers=0, num_warps=4))],
 }
 
