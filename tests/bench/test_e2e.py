@@ -252,6 +252,30 @@ def test_compare_tokens_classification():
         assert d["agreement"] == pytest.approx(6 / 8) and d["prefix_agreement"] == pytest.approx(5 / 8)
         assert d["verdict"] == ("mismatch" if mode in EXACT else "differs")
         assert e2e.compare_tokens(mode, [[1, 2, 3, 4], [5, 9, 9, 8]], ref, "bf16")["verdict"] == "differs"
+        d = e2e.compare_tokens(mode, [[1, 2, 3, 4], [5, 9, 9, 8]], ref, "fp32", "bf16")  # 16-bit checkpoints
+        assert d["verdict"] == "differs" and d["strict"] is False
+
+
+def test_state_dtype_reaches_the_pool(tmp_path, capsys):
+    """``--state-dtype bf16`` builds 16-bit checkpoints: every engine mode reports half
+    the fp32 run's checkpoint bytes (and the same conv state), the header names it, and
+    no row is strict."""
+    rows = {}
+    for sdt in ("fp32", "bf16"):
+        js = tmp_path / f"{sdt}.json"
+        rc = cli.main(["bench", "e2e", "--random", "tiny", "--batches", "2", "--max-new-tokens", "6", "--prompt-len", "5",
+                       "--quiet", "--no-hf", "--strategies", "fold,circular", "--drafter", "forced", "--acceptance", "0.5",
+                       "--state-dtype", sdt, "--seed", str(random.randint(0, 10**6)), "--json", str(js)])
+        assert rc == 0
+        assert f"{sdt} states" in capsys.readouterr().out
+        data = json.loads(js.read_text())
+        assert data["config"]["state_dtype"] == sdt
+        rows[sdt] = {r["mode"]: r for r in data["rows"]}
+    for mode, r in rows["bf16"].items():
+        assert r["strict"] is False
+        fp32 = rows["fp32"][mode]["state_bytes"]
+        assert 2 * r["state_bytes"]["checkpoints"] == fp32["checkpoints"] > 0
+        assert r["state_bytes"]["conv_state"] == fp32["conv_state"]
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -267,6 +291,7 @@ def test_compare_tokens_classification():
     (["--max-new-tokens", "8-x"], "--max-new-tokens"),
     (["--prefill-chunk", "0"], "--prefill-chunk"),
     (["--prefill", "fast"], "--prefill"),
+    (["--state-dtype", "fp16"], "--state-dtype"),
     (["--tree", "3,x"], "--tree"),
     (["--tree", "4,4"], "21 nodes"),
     (["--tree", "2,1", "--drafter", "forced"], "tree needs a drafter"),

@@ -54,6 +54,8 @@ closed form) and 16-bit models are reported: in bf16, a step of ``B x T`` rows r
 token's logits differently from a step of ``B`` rows, so near-ties can flip. With the
 ``forced`` drafter the text is the drafts' and the target's, not plain decoding's: its
 rows are compared only at ``P = 0`` (every draft rejected: plain greedy decoding).
+With ``--state-dtype bf16`` (16-bit GDN checkpoints) no row is strict: plain decoding
+rounds the state at every token, a speculative commit once per window.
 
 The model is a local Hugging Face checkpoint (``--model DIR``; default ``embedded``, the
 trained model shipped in the package) or, with ``--random``, a random-weight Qwen3.5
@@ -91,6 +93,7 @@ HF_CACHES = {"dynamic": HF, "static": HF_STATIC}  # --hf setting -> mode name
 DRAFTERS = ("ngram", "oracle", "forced", "mtp")
 SET_ACCEPTANCE = ("oracle", "forced")  # drafters that run once per --acceptance value
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+STATE_DTYPES = ("fp32", "bf16")  # the GDN checkpoints' dtypes (keys of DTYPES)
 RANDOM_MODELS = ("tiny", "qwen3.5-shapes")
 WARMUP_SEED_OFFSET = 10_007  # warm-up prompts come from another seed than the timed ones
 
@@ -141,6 +144,9 @@ class E2EConfig:
     acceptance: tuple[float, ...] = (0.0, 0.5, 0.8, 0.95)
     device: str = "cpu"
     dtype: str = "bf16"
+    #: the GDN checkpoints' dtype; with ``"bf16"`` no row is strict (plain decoding rounds
+    #: the state at every token, a speculative commit once per window)
+    state_dtype: str = "fp32"
     backend: str = "auto"
     graphs: bool = True  # CUDA graphs (CUDA only)
     repeats: int = 3
@@ -194,6 +200,8 @@ class E2EConfig:
             self._check_ring_len()
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.state_dtype not in STATE_DTYPES:
+            raise ValueError(f"state_dtype must be one of {STATE_DTYPES}, got {self.state_dtype!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.model is not None:
@@ -511,7 +519,7 @@ def run_mode(model, mode: str, prompts, warm, cfg: E2EConfig, *, on_done=None) -
     window = 1 if mode == PLAIN else cfg.window
     engine = HybridEngine(
         model, num_slots=len(prompts), window=window, max_len=cfg.longest + window, backend=cfg.backend,
-        prefill=cfg.prefill, **mode_engine_options(mode, cfg),
+        prefill=cfg.prefill, state_dtype=DTYPES[cfg.state_dtype], **mode_engine_options(mode, cfg),
     )
     tree = None
     if cfg.tree and mode not in PLAIN_MODES:
@@ -578,15 +586,18 @@ def mode_engine_options(mode: str, cfg: E2EConfig) -> dict:
     return {"strategy": mode}
 
 
-def compare_tokens(mode: str, tokens: list[list[int]], reference: list[list[int]] | None, dtype: str) -> dict:
+def compare_tokens(mode: str, tokens: list[list[int]], reference: list[list[int]] | None, dtype: str,
+                   state_dtype: str = "fp32") -> dict:
     """How ``mode``'s generated ``tokens`` compare with plain decoding's ``reference``
-    in model dtype ``dtype`` (see the module doc for the rule).
+    in model dtype ``dtype`` with GDN checkpoints in ``state_dtype`` (see the module doc
+    for the rule).
 
     Returns ``matches_plain`` (None without a reference or for ``plain`` itself),
     ``agreement`` (generated tokens equal to plain's at the same position, over plain's
     count), ``prefix_agreement`` (tokens inside each request's common prefix with plain,
     over plain's count), ``exact_outputs`` (of the strategy), ``strict`` (whether a
-    difference fails the run: an exact strategy in :data:`STRICT_DTYPES`) and ``verdict``:
+    difference fails the run: an exact strategy in :data:`STRICT_DTYPES` with fp32
+    checkpoints) and ``verdict``:
     ``None`` (nothing compared), ``"equal"``, ``"mismatch"`` (a strict row differs: a
     failure) or ``"differs"`` (a non-strict row differs: reported only).
     """
@@ -594,7 +605,7 @@ def compare_tokens(mode: str, tokens: list[list[int]], reference: list[list[int]
 
     baseline = mode == PLAIN or mode in HF_CACHES.values()
     exact = True if baseline else STRATEGIES["circular" if mode == PLAIN_RING else mode].exact_outputs
-    strict = not baseline and exact and dtype in STRICT_DTYPES
+    strict = not baseline and exact and dtype in STRICT_DTYPES and state_dtype == "fp32"
     out = {"matches_plain": None, "agreement": None, "prefix_agreement": None, "exact_outputs": exact,
            "strict": strict, "verdict": None}
     if baseline or reference is None:
@@ -622,8 +633,11 @@ def agreement(tokens: list[list[int]], reference: list[list[int]]) -> tuple[floa
     return (same / total, prefix / total) if total else (1.0, 1.0)
 
 
-def difference_reason(row: dict, dtype: str) -> str:
+def difference_reason(row: dict, dtype: str, state_dtype: str = "fp32") -> str:
     """Why a non-strict row may differ from plain decoding (one line for the NOTE)."""
+    if state_dtype != "fp32":
+        return (f"with {state_dtype} checkpoints plain decoding rounds the state at every token and a "
+                "speculative commit once per window, so the states, and then a near-tie, can differ")
     if not row["exact_outputs"]:
         return (f"{row['mode']} computes verify outputs in closed form, equal to the recurrence only to "
                 "rounding, so a near-tie can flip a greedy token")
@@ -683,7 +697,8 @@ def run_e2e(cfg: E2EConfig, *, progress: bool = True, on_batch=None) -> dict:
                 for row, tokens in results:
                     # forced drafts are not the model's tokens: only P = 0 (all rejected) is plain decoding
                     compared = not (cfg.drafter == "forced" and row["acceptance"] not in (None, 0.0))
-                    row.update(compare_tokens(mode, tokens, reference if compared else None, cfg.dtype))
+                    row.update(compare_tokens(mode, tokens, reference if compared else None, cfg.dtype,
+                                              cfg.state_dtype))
                     if mode == HF:
                         hf_tokens = tokens
                     elif mode == HF_STATIC and tokens is not None and hf_tokens is not None:
@@ -695,7 +710,8 @@ def run_e2e(cfg: E2EConfig, *, progress: bool = True, on_batch=None) -> dict:
                             mismatches.append(entry)
                         else:
                             differences.append({**entry, "reason": "inexact strategy" if not row["exact_outputs"]
-                                                else f"{cfg.dtype} rounding"})
+                                                else f"{cfg.dtype} rounding" if cfg.state_dtype == "fp32"
+                                                else f"{cfg.state_dtype} states"})
                     rows.append(row)
             best = add_speedups(rows[first:])
             if best is not None:
@@ -804,7 +820,8 @@ def print_table(result: dict, file=None) -> None:
     c = result["config"]
     env = result["environment"]
     print(
-        f"replayssm bench e2e: {c['model']}, {c['dtype']}, {env.get('device_name', env['device'])} ({env['backend']}, "
+        f"replayssm bench e2e: {c['model']}, {c['dtype']}, {c.get('state_dtype', 'fp32')} states, "
+        f"{env.get('device_name', env['device'])} ({env['backend']}, "
         f"{'CUDA graphs' if c['graphed'] else 'eager'}), {spec_text(c['prompt_len'])} prompt + "
         f"{spec_text(c['max_new_tokens'])} new tokens "
         f"per request, {drafts_text(c)} ({c['drafter']}), greedy, median of {c['repeats']}",
@@ -857,7 +874,8 @@ def print_table(result: dict, file=None) -> None:
     rows = {(r["mode"], r["batch"], r["acceptance"]): r for r in result["rows"]}
     notes: dict[str, list[str]] = {}
     for d in result.get("differences", []):
-        reason = difference_reason(rows[(d["mode"], d["batch"], d["acceptance"])], c["dtype"])
+        reason = difference_reason(rows[(d["mode"], d["batch"], d["acceptance"])], c["dtype"],
+                                   c.get("state_dtype", "fp32"))
         notes.setdefault(reason, []).append(
             f"{d['mode']} at batch {d['batch']} ({_pct(d['agreement'])} of tokens agree, "
             f"{_pct(d['prefix_agreement'])} before the first difference)")

@@ -7,7 +7,7 @@ import argparse
 
 import torch
 
-from ..bench.e2e import DRAFTERS, DTYPES, HF_CACHES, RANDOM_MODELS, E2EConfig
+from ..bench.e2e import DRAFTERS, DTYPES, HF_CACHES, RANDOM_MODELS, STATE_DTYPES, E2EConfig
 from ..engine.adapter import PREFILL_MODES
 from ..ops.dispatch import BACKENDS
 from ..strategies import STRATEGY_NAMES
@@ -97,6 +97,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "accepted one, one run per value (default 0,0.5,0.8,0.95)")
     parser.add_argument("--device", type=device_name, default=None, help="default cuda when available, else cpu")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="model dtype (default bf16 on CUDA, fp32 on the CPU)")
+    parser.add_argument("--state-dtype", choices=STATE_DTYPES, default=d.state_dtype,
+                        help="dtype of the GDN checkpoints (default fp32; with bf16 no strategy is held to plain "
+                             "decoding's tokens)")
     parser.add_argument("--backend", choices=BACKENDS, default=d.backend, help="op backend (auto: Triton on CUDA)")
     parser.add_argument("--no-graphs", action="store_true", help="run the static steps eagerly on CUDA (no graphs)")
     parser.add_argument("--repeats", type=positive_int, default=None, help="timed generations per configuration (default 3; 1 on the CPU)")
@@ -131,7 +134,7 @@ def config_from_args(args):
         num_draft=args.num_draft, max_new_tokens=pick(args.max_new_tokens, 128, 12),
         prompt_len=pick(args.prompt_len, 64, 8), drafter=args.drafter, acceptance=tuple(args.acceptance),
         prefill=args.prefill, prefill_chunk=args.prefill_chunk,
-        device=device, dtype=pick(args.dtype, "bf16", "fp32"), backend=args.backend, graphs=not args.no_graphs,
+        device=device, dtype=pick(args.dtype, "bf16", "fp32"), state_dtype=args.state_dtype, backend=args.backend, graphs=not args.no_graphs,
         repeats=pick(args.repeats, 3, 1), seed=args.seed, tree=tuple(args.tree), plain_from=args.plain_from,
     )
 
