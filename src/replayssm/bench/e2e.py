@@ -55,7 +55,8 @@ token's logits differently from a step of ``B`` rows, so near-ties can flip. Wit
 ``forced`` drafter the text is the drafts' and the target's, not plain decoding's: its
 rows are compared only at ``P = 0`` (every draft rejected: plain greedy decoding).
 With ``--state-dtype bf16`` (16-bit GDN checkpoints) no row is strict: plain decoding
-rounds the state at every token, a speculative commit once per window.
+rounds the state at every token, a speculative commit once per window, a ring once per
+flush.
 
 The model is a local Hugging Face checkpoint (``--model DIR``; default ``embedded``, the
 trained model shipped in the package) or, with ``--random``, a random-weight Qwen3.5
@@ -145,7 +146,7 @@ class E2EConfig:
     device: str = "cpu"
     dtype: str = "bf16"
     #: the GDN checkpoints' dtype; with ``"bf16"`` no row is strict (plain decoding rounds
-    #: the state at every token, a speculative commit once per window)
+    #: the state at every token, a speculative commit once per window, a ring once per flush)
     state_dtype: str = "fp32"
     backend: str = "auto"
     graphs: bool = True  # CUDA graphs (CUDA only)
@@ -636,8 +637,9 @@ def agreement(tokens: list[list[int]], reference: list[list[int]]) -> tuple[floa
 def difference_reason(row: dict, dtype: str, state_dtype: str = "fp32") -> str:
     """Why a non-strict row may differ from plain decoding (one line for the NOTE)."""
     if state_dtype != "fp32":
-        return (f"with {state_dtype} checkpoints plain decoding rounds the state at every token and a "
-                "speculative commit once per window, so the states, and then a near-tie, can differ")
+        return (f"with {state_dtype} checkpoints plain decoding rounds the state at every token, a speculative "
+                "commit once per window and a ring flush once per flush, so the states, and then a near-tie, "
+                "can differ")
     if not row["exact_outputs"]:
         return (f"{row['mode']} computes verify outputs in closed form, equal to the recurrence only to "
                 "rounding, so a near-tie can flip a greedy token")
