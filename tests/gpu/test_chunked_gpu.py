@@ -212,35 +212,22 @@ def test_ring_decode_matches_float64_oracle(batch, state_dtype, act_dtype, block
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("cap", [128, 168])
-def test_ring_decode_register_cap_changes_no_bit(state_dtype, cap):
+@pytest.mark.parametrize("param,value", [("max_registers", 128), ("max_registers", 168), ("early_tile", 1)])
+def test_ring_decode_launch_choices_change_no_bit(state_dtype, param, value):
     """The ring decoding kernel under a register cap (``ring_decode.max_registers``; the
-    compiler spills the tile instead) gives the uncapped kernel's outputs, ``u`` and
-    folded checkpoints bit for bit, on histories of 0..L-1 records with flush rows."""
+    compiler spills the tile instead) or with its checkpoint tile loaded before the
+    cursors (``ring_decode.early_tile = 1``, the table's choice from batch 33) gives the
+    kernel's outputs, ``u`` and folded checkpoints without it (the entry at 0) bit for
+    bit, on histories of 0..L-1 records with flush rows."""
     case = make_case(HV_POOL, 1, 64, state_dtype, torch.bfloat16, pad=False)
-    with tuning.override("ring_decode", max_registers=cap):
-        capped = run(case, "triton", method="decode")
-    free = run(case, "triton", method="decode")
-    assert same(capped[0], free[0]), "outputs differ"
-    assert same(capped[3], free[3]), "u differs"
-    assert torch.equal(capped[1], free[1]), "checkpoints differ"
-    assert not torch.equal(capped[1], case["checkpoint"]), "no row flushed"
-
-
-@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_ring_decode_early_tile_changes_no_bit(state_dtype):
-    """The ring decoding kernel with its checkpoint tile loaded before the cursors
-    (``ring_decode.early_tile = 1``, the table's choice from batch 33 in both dtypes)
-    gives the late-loading kernel's outputs, ``u`` and folded checkpoints bit for bit."""
-    case = make_case(HV_POOL, 1, 64, state_dtype, torch.bfloat16, pad=False)
-    with tuning.override("ring_decode", early_tile=1):
-        early = run(case, "triton", method="decode")
-    with tuning.override("ring_decode", early_tile=0):
-        late = run(case, "triton", method="decode")
-    assert same(early[0], late[0]), "outputs differ"
-    assert same(early[3], late[3]), "u differs"
-    assert torch.equal(early[1], late[1]), "checkpoints differ"
-    assert not torch.equal(early[1], case["checkpoint"]), "no row flushed"
+    with tuning.override("ring_decode", **{param: value}):
+        got = run(case, "triton", method="decode")
+    with tuning.override("ring_decode", **{param: 0}):
+        want = run(case, "triton", method="decode")
+    assert same(got[0], want[0]), "outputs differ"
+    assert same(got[3], want[3]), "u differs"
+    assert torch.equal(got[1], want[1]), "checkpoints differ"
+    assert not torch.equal(got[1], case["checkpoint"]), "no row flushed"
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
