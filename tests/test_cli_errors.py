@@ -78,6 +78,7 @@ CASES = [
     ("generate", ["--model", "{ck}", "--prompt", "x", "--temperature", "-1"], "--temperature"),
     ("generate", ["--model", "{ck}", "--prompt", "x", "--top-k", "-1"], "--top-k"),
     ("generate", ["--model", "{ck}", "--prompt", "x", "--dtype", "float8"], "--dtype"),
+    ("generate", ["--model", "{ck}", "--prompt", "x", "--state-dtype", "float16"], "--state-dtype"),
     ("generate", ["--model", "{ck}", "--prompt", "x", "--draft", "model"], "--draft-model"),
     ("generate", ["--model", "{ck}", "--prompt", "x", "--draft", "mtp"], "mtp"),
     ("generate", ["--model", "{ck}", "--prompt", "x", "--num-draft", "0"], "--num-draft"),

@@ -104,6 +104,18 @@ def test_bad_requests_raise_before_decoding(plain):
         SamplingParams(max_tokens=0)
 
 
+def test_state_dtype_sets_the_checkpoints(tiny):
+    """``state_dtype="bfloat16"`` gives the engine 16-bit GDN checkpoints (half the fp32
+    engine's checkpoint bytes) and generates as usual."""
+    engines = {sdt: LLM(tiny, strategy="circular", drafter="ngram", max_num_seqs=2, max_model_len=128, device="cpu",
+                        state_dtype=sdt) for sdt in ("float32", "bfloat16")}
+    pools = {sdt: llm.engine.pool for sdt, llm in engines.items()}
+    assert pools["bfloat16"].state_dtype == torch.bfloat16 and pools["float32"].state_dtype == torch.float32
+    assert 2 * pools["bfloat16"].nbytes()["checkpoints"] == pools["float32"].nbytes()["checkpoints"] > 0
+    out = engines["bfloat16"].generate([[5, 6, 7, 8]], SamplingParams(max_tokens=9, ignore_eos=True))
+    assert len(out[0].token_ids) == 9 and out[0].finish_reason == "length"
+
+
 def test_bad_construction_raises_before_loading(tiny, tmp_path):
     cases = [
         (dict(strategy="ring"), "strategy"),
@@ -114,6 +126,7 @@ def test_bad_construction_raises_before_loading(tiny, tmp_path):
         (dict(draft_model="embedded-draft"), "only used with drafter='model'"),
         (dict(drafter="model"), "needs draft_model"),
         (dict(max_model_len=10**6), "max_position_embeddings"),
+        (dict(state_dtype="float16"), "state_dtype must be one of"),
     ]
     for kwargs, text in cases:
         with pytest.raises(ValueError, match=text):

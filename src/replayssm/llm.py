@@ -72,6 +72,10 @@ class Output:
     stats: OutputStats
 
 
+#: ``state_dtype`` names of :class:`LLM` and ``replayssm generate --state-dtype``.
+STATE_DTYPES = ("float32", "bfloat16")
+
+
 class LLM:
     """A model, a GDN strategy and a drafter, ready to generate.
 
@@ -94,6 +98,10 @@ class LLM:
             this many per slot.
         dtype: ``"auto"`` (bf16 on CUDA, fp32 on the CPU), ``"float32"``,
             ``"bfloat16"`` or ``"float16"``.
+        state_dtype: the GDN checkpoints' dtype, ``"float32"`` (default) or
+            ``"bfloat16"`` (half the state memory and bytes a step; the state is rounded
+            to 16 bits at every store, so tokens can differ from fp32 states and
+            between strategies).
         device: ``"auto"`` (CUDA when available), ``"cpu"``, ``"cuda"``, ``"cuda:N"``.
         seed: seeds torch's random generators once, here (sampling draws from them).
 
@@ -105,7 +113,8 @@ class LLM:
 
     def __init__(self, model: str | os.PathLike = "embedded", *, strategy: str = "fold", drafter: str | None = "ngram",
                  num_draft: int = 3, draft_model: str | os.PathLike | None = None, max_num_seqs: int = 8,
-                 max_model_len: int | None = None, dtype: str = "auto", device: str = "auto", seed: int | None = 0):
+                 max_model_len: int | None = None, dtype: str = "auto", state_dtype: str = "float32",
+                 device: str = "auto", seed: int | None = 0):
         import torch
 
         from .engine.adapter import HybridEngine
@@ -126,6 +135,8 @@ class LLM:
             raise ValueError(f"num_draft must be at most {MAX_WINDOW - 1} (window num_draft + 1 <= {MAX_WINDOW}), "
                              f"got {num_draft}")
         _positive("max_num_seqs", max_num_seqs)
+        if state_dtype not in STATE_DTYPES:
+            raise ValueError(f"state_dtype must be one of {STATE_DTYPES}, got {state_dtype!r}")
         if device != "auto":
             check_device(device)
         if drafter != "model" and draft_model is not None:
@@ -166,7 +177,7 @@ class LLM:
         self.hf_model = load_model(path, dtype=dtype, device=str(self.device))
         #: the engine (its ``pool`` holds the GDN state, ``kv`` the attention layers' cache)
         self.engine = HybridEngine(self.hf_model, strategy=strategy, num_slots=max_num_seqs, window=window,
-                                   max_len=max_len)
+                                   max_len=max_len, state_dtype=getattr(torch, state_dtype))
         self._draft_dir = draft_path
         self._make_drafter = make_drafter
         self._generators: dict[tuple, object] = {}

@@ -14,6 +14,7 @@ import argparse
 import sys
 
 from ..engine.factory import DRAFT_CHOICES
+from ..llm import STATE_DTYPES
 from ..strategies import STRATEGY_NAMES
 from . import common
 from .args import branching, device_name, nonneg_float, nonneg_int, num_draft, positive_int, probability, utf8_text
@@ -46,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                         help="model dtype: auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16")
+    parser.add_argument("--state-dtype", choices=STATE_DTYPES, default="float32",
+                        help="dtype of the GDN checkpoints: float32 (default) or bfloat16 (half the state memory; "
+                             "tokens can differ from float32 states)")
     parser.add_argument("--device", type=device_name, default="auto", help="auto, cpu, cuda, cuda:N (default auto)")
     parser.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
     parser.add_argument("--ignore-eos", action="store_true", help="generate max-new-tokens whatever comes")
@@ -120,7 +124,7 @@ def main(args) -> int:
     max_len = args.max_len
     plain = args.draft == "none"
     engine = HybridEngine(model, strategy=args.strategy, num_slots=batch, window=1 if plain else args.num_draft + 1,
-                          max_len=max_len)
+                          max_len=max_len, state_dtype=getattr(torch, args.state_dtype))
     tree = None
     if args.tree is not None:
         from ..engine.trees import StaticTree
@@ -129,7 +133,7 @@ def main(args) -> int:
     drafter = make_drafter(args.draft, engine, model_dir=args.model, draft_model_dir=args.draft_model,
                            sampling=sampling, batch=batch, max_len=max_len, tree=tree)
     shape = f"k={args.num_draft}" if tree is None else f"tree {tree.describe()} ({tree.num_nodes} nodes)"
-    print(f"model {args.model} ({engine.family}, {model.dtype}, {engine.device}); "
+    print(f"model {args.model} ({engine.family}, {model.dtype}, {engine.pool.state_dtype} states, {engine.device}); "
           f"draft {args.draft}, strategy {args.strategy}, {shape}; prompt prefill: {engine.prefill_kernel}",
           file=sys.stderr)
 
@@ -168,7 +172,8 @@ def main(args) -> int:
     print(f"tokens/s {result.tokens_per_second:.1f} end to end, {result.decode_tokens_per_second:.1f} decoding")
     print(f"state memory: {common.describe_memory(engine)}")
     if args.compare_plain and not plain:
-        base_engine = HybridEngine(model, strategy=args.strategy, num_slots=batch, window=1, max_len=max_len)
+        base_engine = HybridEngine(model, strategy=args.strategy, num_slots=batch, window=1, max_len=max_len,
+                                   state_dtype=engine.pool.state_dtype)
         base = StepGenerator(base_engine, None, sampling=sampling, eos_token_ids=eos)
         ref = base.generate(prompts, args.max_new_tokens)
         print(f"plain decoding: tokens/s {ref.tokens_per_second:.1f}; speed-up "
