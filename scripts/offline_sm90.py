@@ -1,0 +1,228 @@
+"""Compile the state kernels for sm_90 without a GPU and report what the compiler made.
+
+For each launch of the chosen ops at Qwen3.5 shapes (``H=16, HV=32, K=V=128``) this
+prints the kernel, its tile constants, registers a thread and its stack frame (where
+spilled values go; both from ``cuobjdump -res-usage``), the blocked layouts Triton gave
+it, its layout conversions and its SASS instruction count (static; ``--sass`` adds a
+histogram). That is how BENCHMARKS.md's
+"offline sm_90" register counts are read, and how a table row or a kernel change can be
+checked for spills before device time is spent on it.
+
+    pip install --target DIR triton==3.6.0       # the card's compiler; it ships cuobjdump
+    PYTHONPATH=DIR:src python3 scripts/offline_sm90.py --ops recurrence,fold \\
+        --state-dtype bfloat16 [--batch 256] [--tune exact_read_only.block_v=128] [--sass]
+
+How: the ops run on CPU tensors through their real launchers; each ``kernel[grid](...)``
+is compiled (``JITFunction.run(warmup=True)``) against a stand-in driver that names an
+sm_90 target, so the launch's own specialisation (pointer alignment, stride
+divisibility) reaches the compiler, and nothing runs. Tile heights are the shape
+table's at ``--batch``, without the halving that small batches get on a real GPU
+(``triton_common.block_rows`` counts the card's SMs); register caps apply as on CUDA.
+
+Not for timing: registers and instruction counts predict occupancy and issue, and the
+device decides (BENCHMARKS.md records where they disagreed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+
+os.environ.pop("TRITON_INTERPRET", None)  # the kernels must be defined for compiling
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime import driver  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+OPS = ("recurrence", "fold", "ring_decode", "closed_form")
+H, HV, K, V, T, L = 16, 32, 128, 128, 4, 16
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+
+class _Sm90Driver:
+    """Enough of a CUDA driver for ``JITFunction.run`` to compile for sm_90."""
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+    def get_device_interface(self):
+        return torch.cuda
+
+
+LAUNCHES: list[tuple[str, dict, object]] = []
+
+
+def _compile_only(self, *args, grid, warmup, **kwargs):
+    kernel = _run(self, *args, grid=grid, warmup=True, **kwargs)
+    LAUNCHES.append((self.fn.__name__, kwargs, kernel))
+    return kernel
+
+
+_run = JITFunction.run
+
+
+def install() -> None:
+    """Route every launch to the compiler, and let the ops take CPU tensors."""
+    driver.set_active(_Sm90Driver())
+    JITFunction.run = _compile_only
+    from replayssm.ops import triton_common
+
+    def full_height(vd, rows, device, most, least=1):
+        return max(least, min(most, triton.next_power_of_2(vd)))
+
+    def cap(max_registers, device):
+        return {"maxnreg": max_registers} if max_registers else {}
+
+    for mod in list(sys.modules.values()):
+        if getattr(mod, "__name__", "").startswith("replayssm"):
+            if hasattr(mod, "block_rows"):
+                mod.block_rows = full_height
+            if hasattr(mod, "register_cap"):  # the table's caps apply on CUDA only
+                mod.register_cap = cap
+    # The ops' dispatch sends CPU tensors to Triton only under the interpreter; the
+    # kernels themselves were defined for compiling (checked at import, above).
+    triton_common.INTERPRETER = True
+
+
+def compiled(kernel, sass: bool) -> dict:
+    """Registers, stack frame (where spills go) and SASS of one compiled kernel, read off
+    the cubin the compiler made (cuobjdump)."""
+    with tempfile.TemporaryDirectory() as d:
+        cubin = os.path.join(d, "k.cubin")
+        with open(cubin, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        usage = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", cubin],
+                               capture_output=True, text=True, check=True).stdout
+        dump = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", cubin],
+                              capture_output=True, text=True, check=True).stdout
+    ops = [m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+ )?([A-Z0-9_]+)", dump)]
+    ttgir = kernel.asm["ttgir"]
+    return dict(registers=int(re.search(r"REG:(\d+)", usage).group(1)),
+                stack_bytes=int(re.search(r"STACK:(\d+)", usage).group(1)),
+                layouts=sorted(set(re.findall(r"#ttg\.blocked<\{([^}]*)\}>", ttgir))),
+                conversions=ttgir.count("ttg.convert_layout"), instructions=len(ops),
+                histogram=Counter(ops).most_common(16) if sass else None)
+
+
+def _acts(n, act):
+    return dict(q=torch.randn(n, H, K).to(act), k=torch.randn(n, H, K).to(act), v=torch.randn(n, HV, V).to(act),
+                a=torch.randn(n, HV).to(act), b=torch.randn(n, HV).to(act), A_log=-torch.rand(HV) - 0.3,
+                dt_bias=torch.randn(HV) * 0.5)
+
+
+def _ring_case(batch, t, sdt, act):
+    """Circular's buffers: random cursors and histories, about half the rows flushing."""
+    from replayssm.ops import RawRecords
+
+    x = _acts(batch * t, act)
+    ring = RawRecords(torch.randn(batch, L, H, K).to(act), torch.randn(batch, L, HV, V).to(act),
+                      -torch.rand(batch, L, HV) - 0.02, torch.rand(batch, L, HV))
+    cursors = (torch.arange(batch, dtype=torch.int32), torch.arange(0, batch * t + 1, t, dtype=torch.int32),
+               torch.randint(0, L - t + 1, (batch,), dtype=torch.int32), torch.randint(0, L, (batch,), dtype=torch.int32),
+               (torch.rand(batch) < 0.5).to(torch.int32))
+    ckpt = (torch.randn(batch, HV, V, K) * 0.1).to(sdt)
+    return x, ckpt, ring, torch.randn(batch, L, HV, V), cursors
+
+
+def run_op(op: str, batch: int, sdt: torch.dtype, act: torch.dtype) -> list[str]:
+    """Launch ``op``'s kernels once; return a label per launch."""
+    from replayssm.ops import RawRecords, gdn_chunked_window, gdn_fold
+    from replayssm.ops.recurrent import gdn_recurrence_triton
+    from replayssm.ops.ring_decode import gdn_ring_decode
+
+    labels = []
+    if op == "recurrence":
+        slots = torch.arange(batch, dtype=torch.int32)
+        state = torch.randn(batch, HV, V, K).to(sdt)
+        for mode in ("decode", "fold verify", "snapshot verify"):
+            t = 1 if mode == "decode" else T
+            x = _acts(batch * t, act)
+            kw = dict(update_state=True) if mode == "decode" else {}
+            if mode == "fold verify":
+                kw["records"] = RawRecords(torch.empty(batch, t, H, K, dtype=act), torch.empty(batch, t, HV, V, dtype=act),
+                                           torch.empty(batch, t, HV), torch.empty(batch, t, HV))
+            if mode == "snapshot verify":
+                kw["snapshots"] = torch.empty(batch, t, HV, V, K, dtype=sdt)
+            gdn_recurrence_triton(*x.values(), state, slots, torch.arange(0, batch * t + 1, t, dtype=torch.int32),
+                                  max_len=t, **kw)
+            labels.append(f"{mode}, T={t}")
+    elif op == "fold":
+        n = 3  # records folded per slot, as a fold commit of 3 accepted tokens
+        ck = torch.randn(2, batch, HV, V, K).to(sdt)
+        gdn_fold(ck, torch.randn(2, batch, T, H, K).to(act), torch.randn(2, batch, T, HV, V).to(act),
+                 -torch.rand(2, batch, T, HV), torch.rand(2, batch, T, HV), torch.arange(batch, dtype=torch.int32),
+                 torch.zeros(batch, dtype=torch.int32), torch.full((batch,), n, dtype=torch.int32), backend="triton")
+        labels.append(f"fold commit, {n} records")
+    elif op == "ring_decode":
+        x, ckpt, ring, ring_u, cursors = _ring_case(batch, 1, sdt, act)
+        gdn_ring_decode(*x.values(), ckpt, ring, ring_u, *cursors, backend="triton")
+        labels.append(f"plain step through a ring of {L}")
+    elif op == "closed_form":
+        x, ckpt, ring, ring_u, cursors = _ring_case(batch, T, sdt, act)
+        gdn_chunked_window(*x.values(), ckpt, ring, ring_u, *cursors, max_len=T, method="closed_form", backend="triton")
+        labels += [f"closed form T={T}, L={L}"] * (len(LAUNCHES) - len(labels))
+    return labels
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated, from {','.join(OPS)} (default all)")
+    p.add_argument("--state-dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--act-dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    p.add_argument("--batch", type=int, default=256, help="requests, for the shape table's lookups (default 256)")
+    p.add_argument("--tune", action="append", default=[], metavar="FAMILY.PARAM=VALUE",
+                   help="override a shape-table entry (repeatable), as bench kernels --tune")
+    p.add_argument("--sass", action="store_true", help="also print each kernel's 16 commonest SASS instructions")
+    args = p.parse_args()
+    if not triton.__version__.startswith("3.6"):
+        print(f"note: Triton {triton.__version__}; the H200's is 3.6.0, whose counts BENCHMARKS.md quotes",
+              file=sys.stderr)
+    ops = args.ops.split(",")
+    bad = [o for o in ops if o not in OPS]
+    if bad:
+        p.error(f"--ops: unknown {bad}; known: {', '.join(OPS)}")
+    install()
+    import contextlib
+
+    from replayssm.ops import tuning
+
+    with contextlib.ExitStack() as stack:
+        for item in args.tune:
+            name, _, value = item.partition("=")
+            family, _, param = name.partition(".")
+            stack.enter_context(tuning.override(family, **{param: int(value)}))
+        sdt, act = getattr(torch, args.state_dtype), getattr(torch, args.act_dtype)
+        for op in ops:
+            first = len(LAUNCHES)
+            labels = run_op(op, args.batch, sdt, act)
+            for (name, kw, kernel), label in zip(LAUNCHES[first:], labels):
+                c = compiled(kernel, args.sass)
+                consts = " ".join(f"{k}={v}" for k, v in kw.items()
+                                  if k in ("BV", "BK", "T", "num_warps", "LOAD_AHEAD", "EARLY_TILE", "FUSE_FLUSH"))
+                print(f"{label}: {name} [{consts}] {c['registers']} registers, {c['stack_bytes']} bytes of stack, "
+                      f"{c['instructions']} SASS instructions, {c['conversions']} layout conversions")
+                for lay in c["layouts"]:
+                    print(f"    layout {{{lay}}}")
+                if c["histogram"]:
+                    print("    " + ", ".join(f"{o} {n}" for o, n in c["histogram"]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
