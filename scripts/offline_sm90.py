@@ -17,7 +17,8 @@ is compiled (``JITFunction.run(warmup=True)``) against a stand-in driver that na
 sm_90 target, so the launch's own specialisation (pointer alignment, stride
 divisibility) reaches the compiler, and nothing runs. Tile heights are the shape
 table's at ``--batch``, without the halving that small batches get on a real GPU
-(``triton_common.block_rows`` counts the card's SMs); register caps apply as on CUDA.
+(``triton_common.block_rows`` counts the card's SMs); register caps and programmatic
+dependent launches apply as on an sm_90 card.
 
 Not for timing: registers and instruction counts predict occupancy and issue, and the
 device decides (BENCHMARKS.md records where they disagreed).
@@ -89,12 +90,17 @@ def install() -> None:
     def cap(max_registers, device):
         return {"maxnreg": max_registers} if max_registers else {}
 
+    def sm90_dependent_launch(device):  # as on the card: sm_90 launches programmatic dependents
+        return True
+
     for mod in list(sys.modules.values()):
         if getattr(mod, "__name__", "").startswith("replayssm"):
             if hasattr(mod, "block_rows"):
                 mod.block_rows = full_height
             if hasattr(mod, "register_cap"):  # the table's caps apply on CUDA only
                 mod.register_cap = cap
+            if hasattr(mod, "dependent_launch"):  # read off the device on CUDA
+                mod.dependent_launch = sm90_dependent_launch
     # The ops' dispatch sends CPU tensors to Triton only under the interpreter; the
     # kernels themselves were defined for compiling (checked at import, above).
     triton_common.INTERPRETER = True
@@ -111,7 +117,7 @@ def compiled(kernel, sass: bool) -> dict:
                                capture_output=True, text=True, check=True).stdout
         dump = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", cubin],
                               capture_output=True, text=True, check=True).stdout
-    ops = [m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+ )?([A-Z0-9_]+)", dump)]
+    ops = [m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+ )?([A-Z0-9_]+)", dump)]
     ttgir = kernel.asm["ttgir"]
     return dict(registers=int(re.search(r"REG:(\d+)", usage).group(1)),
                 stack_bytes=int(re.search(r"STACK:(\d+)", usage).group(1)),

@@ -114,6 +114,12 @@ def test_state_dtype_sets_the_checkpoints(tiny):
     assert 2 * pools["bfloat16"].nbytes()["checkpoints"] == pools["float32"].nbytes()["checkpoints"] > 0
     out = engines["bfloat16"].generate([[5, 6, 7, 8]], SamplingParams(max_tokens=9, ignore_eos=True))
     assert len(out[0].token_ids) == 9 and out[0].finish_reason == "length"
+    # a draft model's engine takes the target's state dtype too
+    draft = LLM(tiny, drafter="model", draft_model=tiny, max_num_seqs=1, max_model_len=64, device="cpu",
+                state_dtype="bfloat16")
+    draft.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))
+    (gen,) = draft._generators.values()
+    assert gen.drafter.engine.pool.state_dtype == torch.bfloat16
 
 
 def test_bad_construction_raises_before_loading(tiny, tmp_path):

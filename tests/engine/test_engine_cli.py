@@ -56,18 +56,14 @@ def test_generate_with_draft_trees(checkpoints, capsys):
 
 
 def test_generate_with_16_bit_states(checkpoints, capsys):
-    """``--state-dtype bfloat16``: the header names the checkpoints' dtype and the state
-    memory line reports half the fp32 run's checkpoint bytes."""
-    mem = {}
+    """``--state-dtype bfloat16`` reaches the engine's pool: the header names the
+    checkpoints' dtype read back from it (the bytes: tests/test_llm.py)."""
     for sdt in ("float32", "bfloat16"):
         rc = cli.main(["generate", "--model", checkpoints["qwen3_5"], "--prompt", "Hello, GDN", "--draft", "ngram",
                        "--strategy", "fold", "--max-new-tokens", "12", "--ignore-eos", "--state-dtype", sdt])
         cap = capsys.readouterr()
         assert rc == 0, cap.err
         assert f"torch.{sdt} states" in cap.err and "generated 12 tokens" in cap.out
-        line = cap.out.split("state memory:")[1].splitlines()[0]
-        mem[sdt] = float(line.split("(checkpoints ")[1].split(" MiB")[0])
-    assert mem["float32"] > 0 and mem["bfloat16"] == pytest.approx(mem["float32"] / 2, abs=0.01)
 
 
 def test_generate_batch_sampling_and_chat(checkpoints, capsys):

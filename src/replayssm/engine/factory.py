@@ -53,5 +53,7 @@ def make_drafter(kind: str, engine, *, model_dir=None, draft_model_dir=None, sam
     if load_tokenizer(draft_model_dir).get_vocab() != target_vocab:
         raise ValueError(f"{draft_model_dir!r} does not share the target's tokenizer")
     draft = load_model(draft_model_dir, dtype=engine.dtype, device=str(engine.device))
-    draft_engine = HybridEngine(draft, strategy="fold", num_slots=batch, window=1, max_len=max_len)
+    # The draft model's GDN checkpoints take the target's dtype (16-bit states halve both).
+    draft_engine = HybridEngine(draft, strategy="fold", num_slots=batch, window=1, max_len=max_len,
+                                state_dtype=engine.pool.state_dtype)
     return ModelDrafter(draft_engine, engine.vocab_size)
