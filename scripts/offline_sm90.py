@@ -42,7 +42,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-OPS = ("recurrence", "fold", "ring_decode", "closed_form")
+OPS = ("recurrence", "fold", "ring_decode", "closed_form", "tree_recurrence")
 H, HV, K, V, T, L = 16, 32, 128, 128, 4, 16
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
@@ -179,6 +179,21 @@ def run_op(op: str, batch: int, sdt: torch.dtype, act: torch.dtype) -> list[str]
         x, ckpt, ring, ring_u, cursors = _ring_case(batch, 1, sdt, act)
         gdn_ring_decode(*x.values(), ckpt, ring, ring_u, *cursors, backend="triton")
         labels.append(f"plain step through a ring of {L}")
+    elif op == "tree_recurrence":
+        from replayssm.ops import DraftTrees
+        from replayssm.ops.tree_ops import gdn_tree_recurrence
+
+        trees = DraftTrees.from_branching((3, 2, 1), batch=batch)
+        n = trees.batch * trees.max_nodes
+        x = _acts(n, act)
+        state = torch.randn(batch, HV, V, K).to(sdt)
+        rec = RawRecords(torch.empty(batch, trees.max_nodes, H, K, dtype=act),
+                         torch.empty(batch, trees.max_nodes, HV, V, dtype=act),
+                         torch.empty(batch, trees.max_nodes, HV), torch.empty(batch, trees.max_nodes, HV))
+        for method in ("stack", "paths"):
+            gdn_tree_recurrence(*x.values(), state, torch.arange(batch, dtype=torch.int32), trees, records=rec,
+                                method=method, backend="triton")
+            labels.append(f"fold's verify of a 3,2,1 tree, {method}")
     elif op == "closed_form":
         x, ckpt, ring, ring_u, cursors = _ring_case(batch, T, sdt, act)
         gdn_chunked_window(*x.values(), ckpt, ring, ring_u, *cursors, max_len=T, method="closed_form", backend="triton")

@@ -85,6 +85,30 @@ def test_tree_kernels_match_the_references(dtype, tol, method):
     assert _rel(y[1], y[0]) < tol
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_tree_recurrence_methods_agree_bit_for_bit(dtype):
+    """fold's and snapshot's tree verify compiled both ways (the depth-indexed stack and
+    a program per leaf path): outputs, node states and records bit for bit, written at
+    the same positions (buffers start as NaN), with a padding request and padded nodes."""
+    x = _inputs(TREE.batch * N, dtype)
+    slots = torch.tensor([3, -1, 0], dtype=torch.int32, device=DEV)
+    trees = DraftTrees.from_parents([TREE.parents[0].tolist(), [-1], TREE.parents[0].tolist()[:11]], max_nodes=N)
+    ckpt = (torch.randn(NS, HV, VD, KD, device=DEV) * 0.3).to(dtype)
+    runs = []
+    for method in ("stack", "paths"):
+        nan = float("nan")
+        snaps = torch.full((NS, N, HV, VD, KD), nan, device=DEV).to(dtype)
+        rec = RawRecords(torch.full((NS, N, H, KD), nan, device=DEV).to(dtype),
+                         torch.full((NS, N, HV, VD), nan, device=DEV).to(dtype),
+                         torch.full((NS, N, HV), nan, device=DEV), torch.full((NS, N, HV), nan, device=DEV))
+        o = gdn_tree_recurrence(*(x[f] for f in ("q", "k", "v", "a", "b", "A_log", "dt_bias")), ckpt, slots, trees,
+                                snapshots=snaps, records=rec, method=method, backend="triton")
+        runs.append((o, snaps, *rec))
+    for got, want in zip(*runs):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    assert torch.isfinite(runs[1][1][3, :16]).all() and torch.isfinite(runs[1][1][0, :11]).all()
+
+
 def _pool(strategy, seed):
     torch.manual_seed(seed)
     shape = GDNShape(num_heads=H, num_value_heads=HV, head_k_dim=KD, head_v_dim=VD)

@@ -180,15 +180,22 @@ def test_tree_replay_nodes_are_their_root_paths_recurrence(load_ahead):
             assert torch.equal(o_tri[r * N + node], o[-1]), (r, node)
 
 
-def test_tree_recurrence_and_conv_match_the_reference():
+def _tree_recurrence(backend, trees, slots, x, st, method=None, fill=0.0):
+    """Outputs, snapshots and records of the tree recurrence (fold's records and
+    snapshot's states in one launch), into buffers filled with ``fill``."""
+    snaps = torch.full((NS, N, HV, VD, KD), fill, device=DEVICE)
+    rec = RawRecords(torch.full((NS, N, H, KD), fill, device=DEVICE), torch.full((NS, N, HV, VD), fill, device=DEVICE),
+                     torch.full((NS, N, HV), fill, device=DEVICE), torch.full((NS, N, HV), fill, device=DEVICE))
+    o = gdn_tree_recurrence(*args(x), st["ckpt"], slots, trees, snapshots=snaps, records=rec, method=method,
+                            backend=backend)
+    return o, snaps, rec
+
+
+@pytest.mark.parametrize("method", ["stack", "paths"])
+def test_tree_recurrence_and_conv_match_the_reference(method):
     trees, slots, x, st = case(SHAPES, seed=3)
-    outs = {}
-    for backend in ("reference", "triton"):  # fold's records and snapshot's states in one launch
-        snaps = torch.zeros(NS, N, HV, VD, KD, device=DEVICE)
-        rec = RawRecords(torch.zeros(NS, N, H, KD, device=DEVICE), torch.zeros(NS, N, HV, VD, device=DEVICE),
-                         torch.zeros(NS, N, HV, device=DEVICE), torch.zeros(NS, N, HV, device=DEVICE))
-        o = gdn_tree_recurrence(*args(x), st["ckpt"], slots, trees, snapshots=snaps, records=rec, backend=backend)
-        outs[backend] = (o, snaps, rec)
+    outs = {backend: _tree_recurrence(backend, trees, slots, x, st, method=method)
+            for backend in ("reference", "triton")}
     (o_ref, snaps_ref, rec_ref), (o_tri, snaps_tri, rec_tri) = outs["reference"], outs["triton"]
     torch.testing.assert_close(o_tri, o_ref, **TOL)
     torch.testing.assert_close(snaps_tri, snaps_ref, **TOL)
@@ -217,6 +224,50 @@ def test_tree_recurrence_and_conv_match_the_reference():
         bufs.append(buf)
     torch.testing.assert_close(ys[1], ys[0], **TOL)
     assert torch.equal(bufs[1], bufs[0])
+
+
+def test_tree_recurrence_methods_agree_bit_for_bit():
+    """The stack and the leaf paths give the same outputs, node states and records bit
+    for bit, and write the same positions (buffers start as NaN: a missing or extra
+    write shows). The trees share nodes between paths (7 nodes on 4 leaf paths), pad
+    nodes with NaN inputs and hold a padding request."""
+    trees, slots, x, st = case(SHAPES + [[-1, 0, 0, 0, 1, 2, 3]], seed=11)
+    stack = _tree_recurrence("triton", trees, slots, x, st, method="stack", fill=float("nan"))
+    paths = _tree_recurrence("triton", trees, slots, x, st, method="paths", fill=float("nan"))
+    same = dict(rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(paths[0], stack[0], **same)
+    torch.testing.assert_close(paths[1], stack[1], **same)
+    for a, b in zip(paths[2], stack[2]):
+        torch.testing.assert_close(a, b, **same)
+    live = [int(s) for s in slots if s >= 0]
+    assert torch.isfinite(paths[1][live[0], : int(trees.num_nodes[0])]).all()  # every real node's state written
+
+
+def test_tree_recurrence_method_follows_the_shape_table(monkeypatch):
+    """``method=None`` walks the leaf paths exactly when requests x leaf paths is at most
+    the table's ``exact_tree.path_max_paths`` (0, off, by default); a bad name raises."""
+    from replayssm.ops import tree_ops, tuning
+
+    trees, slots, x, st = case(SHAPES, seed=6)  # 4 requests, at most 4 leaf paths each: 16
+    calls = []
+
+    class Launch:  # kernel[grid](...) records the kernel's name instead of running it
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *a, **k: calls.append(self.name)
+
+    for name in ("_tree_path_kernel", "_tree_recurrence_kernel"):
+        monkeypatch.setattr(tree_ops, name, Launch(name))
+    for most in (15, 16, 0):
+        with tuning.override("exact_tree", path_max_paths=most):
+            _tree_recurrence("triton", trees, slots, x, st)
+    assert calls == ["_tree_recurrence_kernel", "_tree_path_kernel", "_tree_recurrence_kernel"]
+    assert not tree_ops.walks_paths(1, 1, kd=128, vd=128, state_dtype=torch.float32)
+    for backend in ("reference", "triton"):
+        with pytest.raises(ValueError, match="method must be None or one of"):
+            _tree_recurrence(backend, trees, slots, x, st, method="chain")
 
 
 @pytest.mark.parametrize("w,with_bias", [(4, True), (2, False), (6, True)])

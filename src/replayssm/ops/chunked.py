@@ -599,6 +599,8 @@ if triton is not None:
     from .triton_common import row_dot as _tl_row_dot, row_sum as _tl_row_sum, store_parts as _tl_store_parts
     from .triton_common import as_stored as _tl_as_stored, to_rtne as _tl_to_rtne, window_program as _tl_window_program
     from .triton_common import dependent_launch, register_cap
+    from .tree_ops import leaf_path as _leaf_path, owns as _owns, path_node as _path_node
+    from .tree_ops import zero_padded_nodes as _zero_padded_nodes
 
     @_tl_device_fn
     def _window_rows(bos, length, BT: tl.constexpr):
@@ -1070,11 +1072,6 @@ if triton is not None:
     # its output and record. No program here writes a state: several read each row's
     # checkpoint, so the flush rows' fold runs first, as a launch of its own.
 
-    @_tl_device_fn
-    def _path_node(path, offs_d, s):
-        """Node at depth ``s`` of a leaf path held as a ``[D]`` vector (``-1`` past its end)."""
-        return tl.max(tl.where(offs_d == s, path, -1), 0)
-
     @triton.jit
     def _tree_replay_kernel(
         q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr,
@@ -1100,19 +1097,8 @@ if triton is not None:
         offs_v = i_v * BV + tl.arange(0, BV)
         mask_v = offs_v < V
         o_row = o_ptr + (bos * HV + i_hv) * V + offs_v  # o is a fresh contiguous [B * TN, HV, V]
-
-        # Padded nodes (all of a padding request's) output zeros, stored by its first path.
-        if i_p == 0:
-            num = tl.where(slot >= 0, tl.load(nodes_ptr + i_b), 0)
-            for i in range(0, TN):
-                tl.store(o_row + i * HV * V, tl.full([BV], 0, o_ptr.dtype.element_ty), mask=_tl_mask_and(mask_v, i >= num))
-        offs_d = tl.arange(0, BD)
-        row = paths_ptr + tl.program_id(1).to(tl.int64) * D
-        path = tl.load(row + offs_d, mask=offs_d < D, other=-1)
-        # The paths through a node are consecutive (leaves in depth-first preorder): the
-        # node at depth d is this path's to store unless the previous path has it too.
-        prev = tl.load(row - D + offs_d, mask=_tl_mask_and(offs_d < D, i_p > 0), other=-1)
-        own = path != prev
+        _zero_padded_nodes(o_row, nodes_ptr, i_b, i_p, slot, mask_v, HV, V, TN, BV)
+        path, own, offs_d = _leaf_path(paths_ptr, i_p, D, BD)
         first = _path_node(path, offs_d, 0)
         if (slot < 0) | (first < 0):
             return
@@ -1165,7 +1151,7 @@ if triton is not None:
                     stride_v_head, stride_a_tok, stride_b_tok, K, KQ,
                 )
             valid = node >= 0
-            store = valid & (tl.max(tl.where(offs_d == s, own.to(tl.int32), 0), 0) != 0)
+            store = valid & _owns(own, offs_d, s)
             # Past the path's end the state stays (nothing of those steps is stored).
             S0, S1, S2, S3, o, u, g, beta = _replay_token(S0, S1, S2, S3, q0, q1, q2, q3, k0, k1, k2, k3, xv, a, b,
                                                           A_log, dt_bias, valid, eps, scale)

@@ -317,6 +317,21 @@ if triton is not None:
         b = tl.load(b_ptr + tok * stride_b_tok + i_hv, mask=valid, other=0.0)
         return mask_c, mask_v, q0, q1, q2, q3, k0, k1, k2, k3, v, a, b
 
+    @_tl_device_fn
+    def exact_token(S0, S1, S2, S3, q0, q1, q2, q3, k0, k1, k2, k3, v, a, b, A_log, dt_bias, valid, eps, scale):
+        """One token of the exact recurrence on a state tile: its gates, normalised key
+        and query, the step (the tile kept where ``valid`` is off) and the output.
+        Returns the tile's parts, ``o``, ``g`` and ``beta``."""
+        g, beta = _tl_gdn_gates(a, b, A_log, dt_bias)
+        kh0, kh1, kh2, kh3 = _tl_normalized(k0, k1, k2, k3, eps, 1.0)
+        qh0, qh1, qh2, qh3 = _tl_normalized(q0, q1, q2, q3, eps, scale)
+        N0, N1, N2, N3 = _tl_state_step(S0, S1, S2, S3, kh0, kh1, kh2, kh3, v.to(tl.float32), g, beta)
+        S0 = tl.where(valid, N0, S0)
+        S1 = tl.where(valid, N1, S1)
+        S2 = tl.where(valid, N2, S2)
+        S3 = tl.where(valid, N3, S3)
+        return S0, S1, S2, S3, _tl_row_dot(S0, S1, S2, S3, qh0, qh1, qh2, qh3), g, beta
+
     @triton.jit
     def _recurrence_kernel(
         q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr,
@@ -397,16 +412,9 @@ if triton is not None:
                     stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
                     stride_a_tok, stride_b_tok, K, KQ,
                 )
-            g, beta = _tl_gdn_gates(a, b, A_log, dt_bias)
-            kh0, kh1, kh2, kh3 = _tl_normalized(k0, k1, k2, k3, eps, 1.0)
-            qh0, qh1, qh2, qh3 = _tl_normalized(q0, q1, q2, q3, eps, scale)
             # Positions past the row's end keep the state (their outputs are not stored).
-            N0, N1, N2, N3 = _tl_state_step(S0, S1, S2, S3, kh0, kh1, kh2, kh3, v.to(tl.float32), g, beta)
-            S0 = tl.where(valid, N0, S0)
-            S1 = tl.where(valid, N1, S1)
-            S2 = tl.where(valid, N2, S2)
-            S3 = tl.where(valid, N3, S3)
-            o = _tl_row_dot(S0, S1, S2, S3, qh0, qh1, qh2, qh3)
+            S0, S1, S2, S3, o, g, beta = exact_token(S0, S1, S2, S3, q0, q1, q2, q3, k0, k1, k2, k3, v, a, b,
+                                                     A_log, dt_bias, valid, eps, scale)
             tl.store(o_row + i * HV * V, _tl_to_rtne(o, o_ptr.dtype.element_ty), mask=mv)
             if HAS_SNAPSHOTS:
                 snap_at = snap_ptr + slot * stride_snap_slot + (i * HV + i_hv) * (V * K)

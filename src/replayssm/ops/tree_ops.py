@@ -8,7 +8,11 @@ Two ops for draft trees (:class:`~replayssm.ops.trees.DraftTrees`, node ``i`` of
   advanced by node ``i``'s token (``state_update``), so its output is the path
   recurrence's, bit for bit. ``fold`` keeps no node state (it also records the nodes'
   raw inputs, node ``i`` at record ``i``, for its commit); ``snapshot`` writes node
-  ``i``'s state to its scratch at position ``i`` (the peer engines' method).
+  ``i``'s state to its scratch at position ``i`` (the peer engines' method). Two Triton
+  methods give the same bits: a depth-indexed stack of path states, one program per
+  request (``"stack"``), or every leaf's root path stepped by a program of its own
+  (``"paths"``, for small batches: a chain as long as the tree is deep, not as its node
+  count). The shape table's ``exact_tree.path_max_paths`` picks.
 * :func:`compact_path`: the commit's gather. For each live row, the records of the
   accepted root path (nodes ``path[0..count)``, at window positions ``offset + path[d]``)
   move to the consecutive positions ``offset + d``; after it, a commit of ``count``
@@ -27,6 +31,18 @@ from .dispatch import pick, register
 from .records import RawRecords, slots_error
 from .recurrent import check_layer_inputs, prepare_window, readout, state_update
 from .trees import DraftTrees
+
+
+#: How the Triton op walks the trees (its ``method``): ``"stack"`` (one program per
+#: request visits the nodes in depth-first preorder, its root path's states in
+#: registers) or ``"paths"`` (one program per leaf steps the leaf's root path). Same
+#: outputs, snapshots and records, bit for bit.
+METHODS = ("stack", "paths")
+
+
+def check_method(method) -> None:
+    if method is not None and method not in METHODS:
+        raise ValueError(f"method must be None or one of {METHODS}, got {method!r}")
 
 
 def check_tree_rows(n: int, trees, slots: torch.Tensor) -> tuple[int, int]:
@@ -74,6 +90,7 @@ def gdn_tree_recurrence_reference(
     *,
     snapshots: torch.Tensor | None = None,
     records: RawRecords | None = None,
+    method: str | None = None,
 ) -> torch.Tensor:
     """Outputs of every node of a batch of draft trees by the exact recurrence along the
     nodes' root paths.
@@ -90,12 +107,16 @@ def gdn_tree_recurrence_reference(
             goes to ``snapshots[slot, i]``.
         records: optional raw-record rings of ``R >= N`` entries: node ``i``'s raw
             record goes to position ``i``. A side channel: it changes no output.
+        method: how the Triton op walks the trees (:data:`METHODS`; None: the shape
+            table's choice). Validated here; the reference steps each node from its
+            parent either way.
 
     Returns:
         ``o``: ``[B * N, HV, V]`` in the dtype of ``v``; padded nodes and padding
         requests give zeros.
     """
     n, h, kd, hv, vd = check_layer_inputs(q, k, v, a, b, A_log, dt_bias)
+    check_method(method)
     _checks.tensor("state", state, ndim=4, dtypes=(torch.float32, torch.bfloat16, torch.float64))
     ns = state.shape[0]
     _checks.shape("state", state, [ns, hv, vd, kd])
@@ -130,16 +151,24 @@ def gdn_tree_recurrence_reference(
 
 
 def gdn_tree_recurrence(q, k, v, a, b, A_log, dt_bias, state, slots, trees, *, snapshots=None, records=None,
-                        backend: str = "auto") -> torch.Tensor:
+                        method: str | None = None, backend: str = "auto") -> torch.Tensor:
     """Every tree node's output by the exact recurrence along its root path (``fold``'s
     and ``snapshot``'s tree verify). Arguments, shapes and results:
     :func:`gdn_tree_recurrence_reference`.
 
-    ``backend``: ``"reference"``, ``"triton"`` or ``"auto"`` (Triton for CUDA tensors, the
-    reference elsewhere).
+    ``method``: how the Triton op walks the trees (:data:`METHODS`; None: the shape
+    table's ``exact_tree.path_max_paths``). ``backend``: ``"reference"``, ``"triton"`` or
+    ``"auto"`` (Triton for CUDA tensors, the reference elsewhere).
     """
     return pick("tree_recurrence", backend, q)(q, k, v, a, b, A_log, dt_bias, state, slots, trees,
-                                               snapshots=snapshots, records=records)
+                                               snapshots=snapshots, records=records, method=method)
+
+
+def walks_paths(batch: int, paths: int, *, kd: int, vd: int, state_dtype: torch.dtype) -> bool:
+    """Whether a tree recurrence of ``batch`` requests with ``paths`` leaf paths each takes
+    the ``"paths"`` method: ``batch * paths <= exact_tree.path_max_paths``."""
+    cfg = tuning.lookup("exact_tree", K=kd, V=vd, state_dtype=state_dtype, batch=batch)
+    return batch * paths <= cfg["path_max_paths"]
 
 
 def check_compact_args(buffers, slots, path, count, offset):
@@ -248,11 +277,12 @@ COMPACT_BLOCK = 1024
 # tree holds 4 levels.
 
 if triton is not None:
-    from .recurrent import _load_token as _rec_load_token, exact_block_k, pick_block_v
+    from .recurrent import _load_token as _rec_load_token, exact_block_k, exact_token as _exact_token, pick_block_v
     from .triton_common import EXACT_NUM_WARPS, NORM_EPS, gdn_gates as _tl_gdn_gates
     from .triton_common import gdn_state_step as _tl_state_step, load_parts as _tl_load_parts
     from .triton_common import mask_and as _tl_mask_and, normalized as _tl_normalized, row_dot as _tl_row_dot
     from .triton_common import row_sum as _tl_row_sum, store_parts as _tl_store_parts, to_rtne as _tl_to_rtne
+    from .triton_common import device_fn as _tl_device_fn
 
     @triton.jit
     def _pop_level(stack, lvl, d):
@@ -347,6 +377,113 @@ if triton is not None:
                 tl.store(rg_at + node * srg_pos, g, mask=valid & (i_v == 0))
                 tl.store(rb_at + node * srb_pos, beta, mask=valid & (i_v == 0))
 
+    # The "paths" method: one program per (V block, leaf path, value head) loads its
+    # state tile and steps the path's nodes from the root, as the recurrence kernel steps
+    # a window. A node on several paths is stepped by each with the same arithmetic from
+    # the same state, so the same bits (the stack method's too: same helpers, tile and
+    # warps); the first path through it stores its output, snapshot and record (leaf
+    # paths are in depth-first preorder, DraftTrees.leaf_paths). A program's chain is
+    # the tree's depth, not its node count, which is what small batches wait for.
+
+    @_tl_device_fn
+    def path_node(path, offs_d, s):
+        """Node at depth ``s`` of a leaf path held as a ``[D]`` vector (``-1`` past its end)."""
+        return tl.max(tl.where(offs_d == s, path, -1), 0)
+
+    @_tl_device_fn
+    def leaf_path(paths_ptr, i_p, D: tl.constexpr, BD: tl.constexpr):
+        """Program ``(*, b * P + p, *)``'s leaf path (``[BD]``, ``-1`` past its end), which of
+        its nodes it stores, and the depth index. The paths through a node are consecutive
+        (leaves in depth-first preorder): the node at depth ``d`` is this path's to store
+        unless the previous path has it too."""
+        offs_d = tl.arange(0, BD)
+        row = paths_ptr + tl.program_id(1).to(tl.int64) * D
+        path = tl.load(row + offs_d, mask=offs_d < D, other=-1)
+        prev = tl.load(row - D + offs_d, mask=_tl_mask_and(offs_d < D, i_p > 0), other=-1)
+        return path, path != prev, offs_d
+
+    @_tl_device_fn
+    def owns(own, offs_d, s):
+        """Whether a path program stores its node at depth ``s`` (:func:`leaf_path`)."""
+        return tl.max(tl.where(offs_d == s, own.to(tl.int32), 0), 0) != 0
+
+    @triton.jit
+    def zero_padded_nodes(o_at, nodes_ptr, i_b, i_p, slot, mask_v, HV: tl.constexpr, V: tl.constexpr,
+                          TN: tl.constexpr, BV: tl.constexpr):
+        """Zero outputs on the padded nodes of request ``i_b`` (all of a padding
+        request's), stored by its first path program."""
+        if i_p == 0:
+            num = tl.where(slot >= 0, tl.load(nodes_ptr + i_b), 0)
+            for i in range(0, TN):
+                tl.store(o_at + i * HV * V, tl.full([BV], 0, o_at.dtype.element_ty), mask=_tl_mask_and(mask_v, i >= num))
+
+    @triton.jit
+    def _tree_path_kernel(
+        q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr,
+        state_ptr, slots_ptr, nodes_ptr, paths_ptr, o_ptr,
+        snap_ptr, rec_k_ptr, rec_v_ptr, rec_g_ptr, rec_beta_ptr,
+        stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+        stride_a_tok, stride_b_tok, stride_state_slot, stride_snap_slot,
+        srk_slot, srk_pos, srk_head, srv_slot, srv_pos, srv_head, srg_slot, srg_pos, srg_head,
+        srb_slot, srb_pos, srb_head,
+        scale, eps,
+        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+        TN: tl.constexpr, P: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+        HAS_SNAPSHOTS: tl.constexpr, HAS_RECORDS: tl.constexpr,
+    ):
+        i_v = tl.program_id(0)
+        i_b = tl.program_id(1) // P
+        i_p = tl.program_id(1) % P
+        i_hv = tl.program_id(2)
+        i_h = i_hv // (HV // H)
+        slot = tl.load(slots_ptr + i_b).to(tl.int64)
+        bos = i_b.to(tl.int64) * TN
+        KQ: tl.constexpr = BK // 4
+        offs_c = tl.arange(0, KQ)
+        all_c = offs_c >= 0
+        offs_v = i_v * BV + tl.arange(0, BV)
+        mask_v = offs_v < V
+        o_at = o_ptr + (bos * HV + i_hv) * V + offs_v  # o is a fresh contiguous [B * TN, HV, V]
+        zero_padded_nodes(o_at, nodes_ptr, i_b, i_p, slot, mask_v, HV, V, TN, BV)
+        path, own, offs_d = leaf_path(paths_ptr, i_p, D, BD)
+        if (slot < 0) | (path_node(path, offs_d, 0) < 0):
+            return
+        A_log = tl.load(A_log_ptr + i_hv)
+        dt_bias = tl.load(dt_bias_ptr + i_hv)
+        tile = offs_v[:, None] * K + offs_c[None, :]
+        S0, S1, S2, S3 = _tl_load_parts(state_ptr + slot * stride_state_slot + i_hv * (V * K), tile, mask_v[:, None],
+                                        offs_c[None, :], K, KQ)
+        if HAS_RECORDS:
+            k_writer = (i_hv % (HV // H) == 0) & (i_v == 0)
+            rk_at = rec_k_ptr + slot * srk_slot + i_h * srk_head
+            rv_at = rec_v_ptr + slot * srv_slot + i_hv * srv_head
+            rg_at = rec_g_ptr + slot * srg_slot + i_hv * srg_head
+            rb_at = rec_beta_ptr + slot * srb_slot + i_hv * srb_head
+        for s in range(0, D):
+            node = path_node(path, offs_d, s)
+            valid = node >= 0
+            at = tl.maximum(node, 0)
+            mc, mv, q0, q1, q2, q3, k0, k1, k2, k3, v, a, b = _rec_load_token(
+                q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, bos + at, valid, all_c, mask_v, i_h, i_hv, offs_c, offs_v,
+                stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+                stride_a_tok, stride_b_tok, K, KQ,
+            )
+            store = valid & owns(own, offs_d, s)
+            # Past the path's end the state stays (nothing of those steps is stored).
+            S0, S1, S2, S3, o, g, beta = _exact_token(S0, S1, S2, S3, q0, q1, q2, q3, k0, k1, k2, k3, v, a, b,
+                                                      A_log, dt_bias, valid, eps, scale)
+            ms = _tl_mask_and(mv, store)
+            tl.store(o_at + at * HV * V, _tl_to_rtne(o, o_ptr.dtype.element_ty), mask=ms)
+            if HAS_SNAPSHOTS:
+                snap_at = snap_ptr + slot * stride_snap_slot + (at * HV + i_hv) * (V * K)
+                _tl_store_parts(snap_at, tile, ms[:, None], offs_c[None, :], K, KQ, S0, S1, S2, S3)
+            if HAS_RECORDS:
+                _tl_store_parts(rk_at, at * srk_pos + offs_c, _tl_mask_and(mc, k_writer & store), offs_c, K, KQ,
+                                k0, k1, k2, k3)
+                tl.store(rv_at + at * srv_pos + offs_v, v.to(rec_v_ptr.dtype.element_ty), mask=ms)
+                tl.store(rg_at + at * srg_pos, g, mask=store & (i_v == 0))
+                tl.store(rb_at + at * srb_pos, beta, mask=store & (i_v == 0))
+
     @triton.jit
     def _compact_path_kernel(
         x_ptr, slots_ptr, path_ptr, count_ptr, offset_ptr,
@@ -405,15 +542,18 @@ def compact_path_triton(buffers, slots, path, count, offset=None) -> None:
 
 
 @register("tree_recurrence", "triton")
-def gdn_tree_recurrence_triton(q, k, v, a, b, A_log, dt_bias, state, slots, trees, *, snapshots=None, records=None):
+def gdn_tree_recurrence_triton(q, k, v, a, b, A_log, dt_bias, state, slots, trees, *, snapshots=None, records=None,
+                               method=None):
     """Triton version of :func:`gdn_tree_recurrence_reference` (same arguments and
-    results): the depth-indexed stack of path states in registers (see the module
-    notes above the kernel). Layouts and limits as ``gdn_recurrence_triton``'s (no
-    float64; ``state`` and ``snapshots`` packed per slot, records with a contiguous last
-    axis and float32 gates)."""
+    results): the depth-indexed stack of path states in registers, or each leaf's root
+    path stepped by its own program (``method``, see the notes above the kernels).
+    Layouts and limits as ``gdn_recurrence_triton``'s (no float64; ``state`` and
+    ``snapshots`` packed per slot, records with a contiguous last axis and float32
+    gates)."""
     from .recurrent import ACT_DTYPES_TRITON, STATE_DTYPES_TRITON, check_inner_contiguous
 
     n, h, kd, hv, vd = check_layer_inputs(q, k, v, a, b, A_log, dt_bias)
+    check_method(method)
     for name, x in (("q", q), ("k", k), ("v", v), ("a", a), ("b", b)):
         _checks.tensor(name, x, dtypes=ACT_DTYPES_TRITON)
     check_inner_contiguous(q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias)
@@ -436,21 +576,35 @@ def gdn_tree_recurrence_triton(q, k, v, a, b, A_log, dt_bias, state, slots, tree
     if nb == 0:
         return o
     dev = trees.on(q.device)
+    dummy = o
+    rec = records if records is not None else RawRecords(dummy, dummy, dummy, dummy)
+    rec_strides = [x.stride(d) if records is not None else 0 for x in rec for d in range(3)]
+    common = (
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
+        state.stride(0), snapshots.stride(0) if snapshots is not None else 0, *rec_strides,
+        kd**-0.5, NORM_EPS,
+    )
+    outputs = (snapshots if snapshots is not None else dummy, rec.k, rec.v, rec.g, rec.beta)
+    _, paths, depth = dev.leaf_paths.shape
+    if method is None:
+        method = "paths" if walks_paths(nb, paths, kd=kd, vd=vd, state_dtype=state.dtype) else "stack"
+    if method == "paths":
+        bv = pick_block_v(kd, vd, nb * paths, hv, state.dtype, q.device)
+        _tree_path_kernel[(triton.cdiv(vd, bv), nb * paths, hv)](
+            q, k, v, a, b, A_log, dt_bias, state, slots, dev.num_nodes, dev.leaf_paths, o, *outputs, *common,
+            H=h, HV=hv, K=kd, V=vd, BK=exact_block_k(kd), BV=bv, TN=nn, P=paths, D=depth,
+            BD=triton.next_power_of_2(depth), HAS_SNAPSHOTS=snapshots is not None, HAS_RECORDS=records is not None,
+            num_warps=EXACT_NUM_WARPS,
+        )
+        return o
     levels = max(1, int(trees.depth.max()))  # stack levels: depths 0 .. max - 1 are parents
     # The stack holds DP path states of BV rows in registers: its rows, not one tile's,
     # are what the register file bounds (the shape table's exact_tree.stack_rows).
     dp = triton.next_power_of_2(levels)
     stack_rows = tuning.lookup("exact_tree", K=kd, V=vd, state_dtype=state.dtype, batch=nb)["stack_rows"]
     bv = pick_block_v(kd, vd, nb, hv, state.dtype, q.device, most=max(16, stack_rows // dp))
-    dummy = o
-    rec = records if records is not None else RawRecords(dummy, dummy, dummy, dummy)
-    rec_strides = [x.stride(d) if records is not None else 0 for x in rec for d in range(3)]
     _tree_recurrence_kernel[(triton.cdiv(vd, bv), nb, hv)](
-        q, k, v, a, b, A_log, dt_bias, state, slots, dev.num_nodes, dev.depth, dev.dfs_order, o,
-        snapshots if snapshots is not None else dummy, rec.k, rec.v, rec.g, rec.beta,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
-        state.stride(0), snapshots.stride(0) if snapshots is not None else 0, *rec_strides,
-        kd**-0.5, NORM_EPS,
+        q, k, v, a, b, A_log, dt_bias, state, slots, dev.num_nodes, dev.depth, dev.dfs_order, o, *outputs, *common,
         H=h, HV=hv, K=kd, V=vd, BK=exact_block_k(kd), BV=bv, TN=nn, DP=dp,
         HAS_SNAPSHOTS=snapshots is not None, HAS_RECORDS=records is not None, num_warps=EXACT_NUM_WARPS,
     )

@@ -65,8 +65,10 @@ PARAMS = {
                     "max_registers", "early_tile"),
     # The tree recurrence (ops/tree_ops.py: fold's and snapshot's tree verify): rows of the
     # path stack a program holds in registers, all levels together (a level's tile is
-    # stack_rows / levels rows high, at least 16).
-    "exact_tree": ("stack_rows",),
+    # stack_rows / levels rows high, at least 16); and the most requests x leaf paths
+    # for which it steps each leaf's root path in a program of its own instead (the
+    # "paths" method; 0: never).
+    "exact_tree": ("stack_rows", "path_max_paths"),
     # circular's small-batch path (ops/chunked.py): at batch <= replay_max_batch its
     # verify replays the exact recurrence in one launch and its commit flushes every
     # step, instead of the closed form's three launches. 0 turns it off. A tree verify
@@ -85,7 +87,7 @@ PARAMS = {
 
 _KEY_FIELDS = ("K", "V", "state_dtype", "min_batch", "max_batch", "device")
 #: Parameters that may be 0 (the others are sizes, at least 1).
-_MAY_BE_ZERO = ("replay_max_batch", "tree_replay_max_paths", "tf32_coefficients", "fuse_flush", "early_tile", "dependent_launch", "max_registers",
+_MAY_BE_ZERO = ("replay_max_batch", "tree_replay_max_paths", "path_max_paths", "tf32_coefficients", "fuse_flush", "early_tile", "dependent_launch", "max_registers",
                 "load_ahead")
 #: Parameters with a closed set of values (by name, or ``family.name`` for one family).
 _CHOICES = {"tf32_coefficients": (0, 1), "fuse_flush": (0, 1), "records_ahead": (1, 2), "flush_records_ahead": (1, 2),
@@ -138,7 +140,10 @@ TABLE: dict[str, list[tuple[dict, dict]]] = {
     # ring, one launch").
     # 64 rows: four levels of 16-row tiles (depth 3) stay in registers; the read-only
     # tile height (128 rows) held four times spilled.
-    "exact_tree": [({}, dict(stack_rows=64))],
+    # path_max_paths: 0 (off) until the card times the paths method against the stack;
+    # circular's path replay of a 3,2,1 tree beat its closed form up to 48 requests x
+    # leaves (BENCHMARKS.md, "Draft trees: each leaf's path replayed"), the prior to test.
+    "exact_tree": [({}, dict(stack_rows=64, path_max_paths=0))],
     # 16-bit states at small batch load the tile late: early, it ran slower at batch 16
     # (and spilled before the layout cap); from batch 33 early measured faster.
     "ring_decode": [({"state_dtype": torch.bfloat16, "max_batch": 32}, dict(block_v=128, records_ahead=1, early_tile=0,
