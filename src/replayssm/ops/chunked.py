@@ -592,6 +592,7 @@ if triton is not None:
     )
     from .fold import launch_fold, replay_and_store_tile as _replay_and_store_tile, replay_history as _replay_history
     from .recurrent import _load_token as _rec_load_token, pick_block_v, exact_block_k, exact_row
+    from .recurrent import exact_token as _exact_token
     from .triton_common import EXACT_NUM_WARPS, NORM_EPS, block_rows, device_fn as _tl_device_fn
     from .triton_common import gdn_gates as _tl_gdn_gates
     from .triton_common import load_parts as _tl_load_parts
@@ -949,34 +950,6 @@ if triton is not None:
     # accepted tokens, so a program's chain is at most 2T steps.
 
     @_tl_device_fn
-    def _window_step(S0, S1, S2, S3, k0, k1, k2, k3, v, g, beta):
-        """:func:`~replayssm.ops.triton_common.gdn_state_step` that also returns the
-        step's corrected delta ``u [BV]`` (the ring keeps it for the closed form)."""
-        e = tl.exp(g)
-        S0 = e * S0
-        S1 = e * S1
-        S2 = e * S2
-        S3 = e * S3
-        u = beta * (v - _tl_row_dot(S0, S1, S2, S3, k0, k1, k2, k3))
-        return (tl.fma(u[:, None], k0[None, :], S0), tl.fma(u[:, None], k1[None, :], S1),
-                tl.fma(u[:, None], k2[None, :], S2), tl.fma(u[:, None], k3[None, :], S3), u)
-
-    @_tl_device_fn
-    def _replay_token(S0, S1, S2, S3, q0, q1, q2, q3, k0, k1, k2, k3, xv, a, b, A_log, dt_bias, valid, eps, scale):
-        """One token of a replay kernel: its gates, its exact step on the tile (kept
-        where ``valid`` is off) and its output. Returns the tile's parts, ``o``, ``u``,
-        ``g`` and ``beta``."""
-        g, beta = _tl_gdn_gates(a, b, A_log, dt_bias)
-        kh0, kh1, kh2, kh3 = _tl_normalized(k0, k1, k2, k3, eps, 1.0)
-        qh0, qh1, qh2, qh3 = _tl_normalized(q0, q1, q2, q3, eps, scale)
-        N0, N1, N2, N3, u = _window_step(S0, S1, S2, S3, kh0, kh1, kh2, kh3, xv.to(tl.float32), g, beta)
-        S0 = tl.where(valid, N0, S0)
-        S1 = tl.where(valid, N1, S1)
-        S2 = tl.where(valid, N2, S2)
-        S3 = tl.where(valid, N3, S3)
-        return S0, S1, S2, S3, _tl_row_dot(S0, S1, S2, S3, qh0, qh1, qh2, qh3), u, g, beta
-
-    @_tl_device_fn
     def _store_token(o_at, o, rk_ptr, rv_ptr, ru_ptr, rg_ptr, rb_ptr, rec, i_h, i_hv, offs_c, offs_v, mc, mv,
                      k_writer, gate_writer, k0, k1, k2, k3, xv, u, g, beta,
                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KQ: tl.constexpr):
@@ -1057,7 +1030,7 @@ if triton is not None:
                 stride_a_tok, stride_b_tok, K, KQ,
             )
             # Positions past the row's end keep the state (nothing of theirs is stored).
-            S0, S1, S2, S3, o, u, g, beta = _replay_token(S0, S1, S2, S3, q0, q1, q2, q3, k0, k1, k2, k3, xv, a, b,
+            S0, S1, S2, S3, o, u, g, beta = _exact_token(S0, S1, S2, S3, q0, q1, q2, q3, k0, k1, k2, k3, xv, a, b,
                                                           A_log, dt_bias, valid, eps, scale)
             # The record at logical position write_pos + i (physical after cache_base).
             _store_token(o_row + i * HV * V, o, rk_ptr, rv_ptr, ru_ptr, rg_ptr, rb_ptr, ring_at + (base + wp + i) % L,
@@ -1153,7 +1126,7 @@ if triton is not None:
             valid = node >= 0
             store = valid & _owns(own, offs_d, s)
             # Past the path's end the state stays (nothing of those steps is stored).
-            S0, S1, S2, S3, o, u, g, beta = _replay_token(S0, S1, S2, S3, q0, q1, q2, q3, k0, k1, k2, k3, xv, a, b,
+            S0, S1, S2, S3, o, u, g, beta = _exact_token(S0, S1, S2, S3, q0, q1, q2, q3, k0, k1, k2, k3, xv, a, b,
                                                           A_log, dt_bias, valid, eps, scale)
             # Node i's record at logical position write_pos + i, as a window's token i.
             at = tl.maximum(node, 0)
@@ -1326,6 +1299,7 @@ def launch_tree_replay(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, 
         D=depth, BD=triton.next_power_of_2(depth), ROUND_STATE=checkpoint.dtype != torch.float32,
         LOAD_AHEAD=bool(ahead), num_warps=EXACT_NUM_WARPS,
     )
+
 
 def check_triton_window_call(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos,
                              cache_base, is_flush, max_len: int):

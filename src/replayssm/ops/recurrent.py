@@ -294,7 +294,7 @@ def check_inner_contiguous(**named: torch.Tensor):
 
 if triton is not None:
     from .triton_common import NORM_EPS, device_fn as _tl_device_fn, gdn_gates as _tl_gdn_gates
-    from .triton_common import gdn_state_step as _tl_state_step, load_parts as _tl_load_parts, mask_and as _tl_mask_and
+    from .triton_common import gdn_step as _tl_step, load_parts as _tl_load_parts, mask_and as _tl_mask_and
     from .triton_common import normalized as _tl_normalized, row_dot as _tl_row_dot, store_parts as _tl_store_parts
     from .triton_common import to_rtne as _tl_to_rtne, window_program as _tl_window_program
 
@@ -319,18 +319,19 @@ if triton is not None:
 
     @_tl_device_fn
     def exact_token(S0, S1, S2, S3, q0, q1, q2, q3, k0, k1, k2, k3, v, a, b, A_log, dt_bias, valid, eps, scale):
-        """One token of the exact recurrence on a state tile: its gates, normalised key
-        and query, the step (the tile kept where ``valid`` is off) and the output.
-        Returns the tile's parts, ``o``, ``g`` and ``beta``."""
+        """One token of the exact recurrence on a state tile (this kernel's, the tree
+        kernels' and the replay kernels'): its gates, normalised key and query, the step
+        (the tile kept where ``valid`` is off) and the output. Returns the tile's parts,
+        ``o``, ``u`` (the step's corrected delta), ``g`` and ``beta``."""
         g, beta = _tl_gdn_gates(a, b, A_log, dt_bias)
         kh0, kh1, kh2, kh3 = _tl_normalized(k0, k1, k2, k3, eps, 1.0)
         qh0, qh1, qh2, qh3 = _tl_normalized(q0, q1, q2, q3, eps, scale)
-        N0, N1, N2, N3 = _tl_state_step(S0, S1, S2, S3, kh0, kh1, kh2, kh3, v.to(tl.float32), g, beta)
+        N0, N1, N2, N3, u = _tl_step(S0, S1, S2, S3, kh0, kh1, kh2, kh3, v.to(tl.float32), g, beta)
         S0 = tl.where(valid, N0, S0)
         S1 = tl.where(valid, N1, S1)
         S2 = tl.where(valid, N2, S2)
         S3 = tl.where(valid, N3, S3)
-        return S0, S1, S2, S3, _tl_row_dot(S0, S1, S2, S3, qh0, qh1, qh2, qh3), g, beta
+        return S0, S1, S2, S3, _tl_row_dot(S0, S1, S2, S3, qh0, qh1, qh2, qh3), u, g, beta
 
     @triton.jit
     def _recurrence_kernel(
@@ -413,8 +414,8 @@ if triton is not None:
                     stride_a_tok, stride_b_tok, K, KQ,
                 )
             # Positions past the row's end keep the state (their outputs are not stored).
-            S0, S1, S2, S3, o, g, beta = exact_token(S0, S1, S2, S3, q0, q1, q2, q3, k0, k1, k2, k3, v, a, b,
-                                                     A_log, dt_bias, valid, eps, scale)
+            S0, S1, S2, S3, o, u, g, beta = exact_token(S0, S1, S2, S3, q0, q1, q2, q3, k0, k1, k2, k3, v, a, b,
+                                                        A_log, dt_bias, valid, eps, scale)
             tl.store(o_row + i * HV * V, _tl_to_rtne(o, o_ptr.dtype.element_ty), mask=mv)
             if HAS_SNAPSHOTS:
                 snap_at = snap_ptr + slot * stride_snap_slot + (i * HV + i_hv) * (V * K)

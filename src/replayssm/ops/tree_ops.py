@@ -470,8 +470,8 @@ if triton is not None:
             )
             store = valid & owns(own, offs_d, s)
             # Past the path's end the state stays (nothing of those steps is stored).
-            S0, S1, S2, S3, o, g, beta = _exact_token(S0, S1, S2, S3, q0, q1, q2, q3, k0, k1, k2, k3, v, a, b,
-                                                      A_log, dt_bias, valid, eps, scale)
+            S0, S1, S2, S3, o, u, g, beta = _exact_token(S0, S1, S2, S3, q0, q1, q2, q3, k0, k1, k2, k3, v, a, b,
+                                                         A_log, dt_bias, valid, eps, scale)
             ms = _tl_mask_and(mv, store)
             tl.store(o_at + at * HV * V, _tl_to_rtne(o, o_ptr.dtype.element_ty), mask=ms)
             if HAS_SNAPSHOTS:

@@ -297,21 +297,28 @@ if triton is not None:
         return row_sum(p, 1)
 
     @device_fn
-    def gdn_state_step(S0, S1, S2, S3, k0, k1, k2, k3, v, g, beta):
+    def gdn_step(S0, S1, S2, S3, k0, k1, k2, k3, v, g, beta):
         """One exact GDN step of a state tile held as four fp32 ``[BV, KQ]`` parts.
 
         ``k0..k3`` are the normalised key's parts (:func:`normalized`), ``v`` the
         ``[BV]`` fp32 values of the tile's rows, ``g`` and ``beta`` fp32 scalars.
-        Returns the new tile's parts.
+        Returns the new tile's parts and the step's corrected delta ``u [BV]`` (the
+        ring keeps it for the closed form).
         """
         e = tl.exp(g)
         S0 = e * S0
         S1 = e * S1
         S2 = e * S2
         S3 = e * S3
-        u = (beta * (v - row_dot(S0, S1, S2, S3, k0, k1, k2, k3)))[:, None]
-        return (tl.fma(u, k0[None, :], S0), tl.fma(u, k1[None, :], S1),
-                tl.fma(u, k2[None, :], S2), tl.fma(u, k3[None, :], S3))
+        u = beta * (v - row_dot(S0, S1, S2, S3, k0, k1, k2, k3))
+        return (tl.fma(u[:, None], k0[None, :], S0), tl.fma(u[:, None], k1[None, :], S1),
+                tl.fma(u[:, None], k2[None, :], S2), tl.fma(u[:, None], k3[None, :], S3), u)
+
+    @device_fn
+    def gdn_state_step(S0, S1, S2, S3, k0, k1, k2, k3, v, g, beta):
+        """:func:`gdn_step`'s new tile parts alone."""
+        N0, N1, N2, N3, u = gdn_step(S0, S1, S2, S3, k0, k1, k2, k3, v, g, beta)
+        return N0, N1, N2, N3
 
     @device_fn
     def window_program(slots_ptr, cu_ptr, H, HV):
