@@ -295,6 +295,7 @@ def test_state_dtype_reaches_the_pool(tmp_path, capsys):
     (["--tree", "3,x"], "--tree"),
     (["--tree", "4,4"], "21 nodes"),
     (["--tree", "2,1", "--drafter", "forced"], "tree needs a drafter"),
+    (["--requests-per-slot", "0"], "--requests-per-slot"),
 ])
 def test_cli_rejects_bad_settings(argv, message, capsys):
     rc = cli.main(["bench", "e2e", "--device", "cpu", "--quiet", *argv])
@@ -386,6 +387,34 @@ def test_length_ranges_ttft_latency_and_the_prefill_floor(tmp_path, capsys):
         assert r["tokens_per_s_with_prefill"] < r["tokens_per_s"]
         assert r["speedup_vs_plain_with_prefill"] is not None
     assert f"{lo}-{hi} prompt + 5-12 new tokens" in out and "TTFT p50" in out and "x floor" in out
+
+
+def test_requests_queue_through_the_slots(tmp_path, capsys):
+    """``--requests-per-slot K``: K x batch requests through batch slots. Every mode
+    generates each request's budget; plain decoding runs K closed batches back to back
+    (its requests finish together); the exact strategy at P = 0 is still plain greedy
+    decoding (fp32), so a queued request starts from a clean slot; Hugging Face runs
+    the requests a batch at a time, so the last call's requests wait for the first's."""
+    js = tmp_path / "e.json"
+    # k >= 3: the p90 request's first token then comes after the median request's last
+    k, new, seed = random.randint(3, 4), random.randint(6, 10), random.randint(0, 10**6)
+    strategy = random.choice(EXACT)
+    rc = cli.main(["bench", "e2e", "--random", "tiny", "--batches", "2", "--requests-per-slot", str(k),
+                   "--max-new-tokens", str(new), "--prompt-len", "5", "--quiet", "--strategies", strategy,
+                   "--drafter", "forced", "--acceptance", "0,0.8", "--hf", "dynamic", "--seed", str(seed),
+                   "--json", str(js)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert f"loaded: {k} x batch requests through batch slots" in out
+    data = json.loads(js.read_text())
+    assert data["config"]["requests_per_slot"] == k and data["mismatches"] == []
+    rows = {(r["mode"], r["acceptance"]): r for r in data["rows"]}
+    for r in rows.values():
+        assert r["batch"] == 2 and r["requests"] == 2 * k and r["generated_tokens"] == 2 * k * new, r["mode"]
+    assert rows[("plain", None)]["steps"] == k * (new - 1)  # the first token comes from the prefill
+    assert rows[(strategy, 0.0)]["verdict"] == "equal"
+    hf = rows[("hf", None)]
+    assert hf["error"] is None and hf["ttft_ms_p90"] > hf["latency_ms_p50"]
 
 
 def test_hf_cuts_each_request_at_its_budget(tmp_path):

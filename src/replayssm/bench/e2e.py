@@ -43,6 +43,14 @@ beside the prefill's compute floor (:mod:`replayssm.bench.compute_floor`: the pr
 matmul FLOPs at the rate of a large ``torch.mm`` timed in the same run), and tokens/s
 counting the prefill.
 
+A batch is a closed batch by default: its requests are admitted together and the run
+ends when the last finishes. Speculative requests finish unevenly (each step accepts a
+drawn number of drafts), so a closed batch ends with steps that run for its slowest
+requests alone, which plain decoding, whose requests all finish at the same step, never
+pays. ``--requests-per-slot K`` runs ``K x batch`` requests through ``batch`` slots
+instead, each joining as a slot frees up: a loaded server, where that drain comes once
+per run rather than once per ``batch`` requests.
+
 ``--prompt-len`` and ``--max-new-tokens`` take one length or a range ``LO-HI``: each
 request then draws its own, uniformly and seeded (the warm-up requests other ones from
 the same range). Hugging Face ``generate`` takes the batch with left padding and runs
@@ -159,9 +167,14 @@ class E2EConfig:
     #: (``StepGenerator(plain_from=)``; circular's then decode through a ring of
     #: ``plain_ring_len``); None: every step speculates
     plain_from: int | None = None
+    #: requests queued per slot: ``requests_per_slot x batch`` requests run through
+    #: ``batch`` slots, each joining as a slot frees up (a loaded server: finished
+    #: requests are replaced, so speculation's uneven finishing leaves no batch
+    #: draining at the end, except once); 1: one closed batch, all admitted at once
+    requests_per_slot: int = 1
 
     def check(self) -> None:
-        for name in ("num_draft", "repeats"):
+        for name in ("num_draft", "repeats", "requests_per_slot"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -256,6 +269,10 @@ class E2EConfig:
         hf = tuple(m for h, m in HF_CACHES.items() if h in self.hf)  # dynamic first: static is compared with it
         plain = ((PLAIN,) if self.plain else ()) + ((PLAIN_RING,) if self.plain_ring else ())
         return hf + plain + tuple(self.strategies)
+
+    def requests(self, batch: int) -> int:
+        """Requests a run at ``batch`` slots generates: ``requests_per_slot x batch``."""
+        return self.requests_per_slot * batch
 
     def modes_at(self, batch: int) -> tuple[str, ...]:
         """The modes run at ``batch`` (HF only up to :attr:`hf_max_batch`)."""
@@ -397,7 +414,8 @@ def _summary(mode: str, runs: list, batch: int, drafter: str | None, acceptance:
     """One table row from the timed runs (a :class:`GenerationResult` each)."""
     last = runs[-1]
     row = {
-        "mode": mode, "batch": batch, "drafter": drafter, "acceptance": acceptance, "error": None,
+        "mode": mode, "batch": batch, "requests": len(last.tokens), "drafter": drafter, "acceptance": acceptance,
+        "error": None,
         "tokens_per_s": statistics.median(r.decode_tokens_per_second for r in runs),
         "tokens_per_s_with_prefill": statistics.median(r.tokens_per_second for r in runs),
         "tokens_per_s_runs": [r.decode_tokens_per_second for r in runs],
@@ -451,11 +469,16 @@ class _Stamps:
 
 
 def run_hf(model, prompts, warm, cfg: E2EConfig, cache: str = "dynamic",
-           on_done=None) -> tuple[dict, list[list[int]] | None]:
+           on_done=None, batch: int | None = None) -> tuple[dict, list[list[int]] | None]:
     """Hugging Face ``generate`` (greedy, exactly the longest budget of new tokens, each
     request's cut at its own) with its ``cache`` setting (``dynamic``: the default cache; ``static``:
     ``cache_implementation="static"``, which on a GPU also compiles the decode forward),
     once untimed on ``warm`` (compilation included) and then ``repeats`` times.
+
+    ``generate`` takes a fixed batch: with more prompts than ``batch`` (default all of
+    them) it runs them ``batch`` at a time, one call after another, as a user without
+    continuous batching would; time to first token and latency count from the first
+    call's start.
 
     A setting that fails (not every model supports the static cache; memory may run
     out) gives a row whose ``error`` names the exception and no tokens, so that the run
@@ -485,11 +508,29 @@ def run_hf(model, prompts, warm, cfg: E2EConfig, cache: str = "dynamic",
                                 accept_lengths=[1] * sum(budgets), prefill_s=ttft, decode_s=total - ttft,
                                 ttft_s=[ttft] * len(ps), latency_s=[stamps.times[b] - t0 for b in budgets])
 
+    batch = batch or len(prompts)
+
+    def in_batches(ps, budgets):
+        parts, waited = [], 0.0
+        for i in range(0, len(ps), batch):
+            r = once(ps[i : i + batch], budgets[i : i + batch])
+            r.ttft_s = [t + waited for t in r.ttft_s]
+            r.latency_s = [t + waited for t in r.latency_s]
+            waited += r.prefill_s + r.decode_s
+            parts.append(r)
+        if len(parts) == 1:
+            return parts[0]
+        return GenerationResult(
+            tokens=[t for r in parts for t in r.tokens], finish_reasons=[f for r in parts for f in r.finish_reasons],
+            steps=sum(r.steps for r in parts), accept_lengths=[n for r in parts for n in r.accept_lengths],
+            prefill_s=sum(r.prefill_s for r in parts), decode_s=sum(r.decode_s for r in parts),
+            ttft_s=[t for r in parts for t in r.ttft_s], latency_s=[t for r in parts for t in r.latency_s])
+
     runs = []
     try:
-        once(warm, request_budgets(cfg, len(warm), warmup=True))
+        in_batches(warm, request_budgets(cfg, len(warm), warmup=True))
         for _ in range(cfg.repeats):
-            runs.append(once(prompts, request_budgets(cfg, len(prompts))))
+            runs.append(in_batches(prompts, request_budgets(cfg, len(prompts))))
             if on_done:
                 on_done()
     except Exception as e:  # a baseline that fails is reported, not fatal
@@ -499,27 +540,30 @@ def run_hf(model, prompts, warm, cfg: E2EConfig, cache: str = "dynamic",
                 on_done()
         lines = str(e).strip().splitlines()
         reason = f"{type(e).__name__}: {lines[0][:200] if lines else ''}".rstrip(": ")
-        row = {"mode": mode, "batch": len(prompts), "drafter": None, "acceptance": None, "error": reason,
-               "tokens_per_s": None}
+        row = {"mode": mode, "batch": batch, "requests": len(prompts), "drafter": None, "acceptance": None,
+               "error": reason, "tokens_per_s": None}
         tokens = None
     else:
-        row = _summary(mode, runs, len(prompts), None, None)
+        row = _summary(mode, runs, batch, None, None)
         tokens = runs[-1].tokens
     row.update(hf_cache=cache, state_bytes=None)
     return row, tokens
 
 
-def run_mode(model, mode: str, prompts, warm, cfg: E2EConfig, *, on_done=None) -> list[tuple[dict, list[list[int]]]]:
-    """Generate ``prompts`` with ``mode`` (``plain`` or a strategy), once untimed on
-    ``warm`` and then ``repeats`` times; for the oracle and forced drafters, once per
-    acceptance.
+def run_mode(model, mode: str, prompts, warm, cfg: E2EConfig, *, on_done=None,
+             batch: int | None = None) -> list[tuple[dict, list[list[int]]]]:
+    """Generate ``prompts`` with ``mode`` (``plain`` or a strategy) on an engine of
+    ``batch`` slots (default one per prompt; fewer: the others queue and join as slots
+    free up), once untimed on ``warm`` and then ``repeats`` times; for the oracle and
+    forced drafters, once per acceptance.
     Returns ``(row, tokens of the last run)`` per drafter setting."""
     from ..engine.adapter import HybridEngine
     from ..engine.generator import StepGenerator
 
     window = 1 if mode == PLAIN else cfg.window
+    batch = batch or len(prompts)
     engine = HybridEngine(
-        model, num_slots=len(prompts), window=window, max_len=cfg.longest + window, backend=cfg.backend,
+        model, num_slots=batch, window=window, max_len=cfg.longest + window, backend=cfg.backend,
         prefill=cfg.prefill, state_dtype=DTYPES[cfg.state_dtype], **mode_engine_options(mode, cfg),
     )
     tree = None
@@ -534,7 +578,13 @@ def run_mode(model, mode: str, prompts, warm, cfg: E2EConfig, *, on_done=None) -
     budgets, warm_budgets = request_budgets(cfg, len(prompts)), request_budgets(cfg, len(warm), warmup=True)
     gen.capture()  # every bucket now: requests finishing unevenly must not capture inside a timed run
     if engine.prompt_graphs is not None and cfg.prefill_chunk is None:  # the first pass: every prompt whole
-        engine.prompt_graphs.prepare(len(prompts), sum(len(p) for p in prompts))
+        first = prompts[:batch]
+        engine.prompt_graphs.prepare(len(first), sum(len(p) for p in first))
+        if len(prompts) > batch and isinstance(cfg.prompt_len, int):
+            # queued requests join a few at a time as slots free up: those passes' shapes too
+            for k in range(1, batch):
+                if engine.prompt_graphs.prepare(k, k * cfg.prompt_len) is None:
+                    break
     oracle = cfg.drafter == "oracle" and mode not in PLAIN_MODES
     if oracle:
         references, warm_references = _own_references(gen, prompts, warm, cfg)
@@ -553,7 +603,7 @@ def run_mode(model, mode: str, prompts, warm, cfg: E2EConfig, *, on_done=None) -
             if on_done:
                 on_done()
         depth = cfg.num_draft if tree is None else tree.max_depth  # drafts on the longest path a step examines
-        row = _summary(mode, runs, len(prompts), None if mode in PLAIN_MODES else cfg.drafter, p, depth)
+        row = _summary(mode, runs, batch, None if mode in PLAIN_MODES else cfg.drafter, p, depth)
         row["graphed"] = gen.graphs
         row["state_bytes"] = engine.state_nbytes()
         row["prefill_kernel"] = engine.prefill_kernel
@@ -685,15 +735,15 @@ def run_e2e(cfg: E2EConfig, *, progress: bool = True, on_batch=None) -> dict:
     t0 = time.perf_counter()
     with torch.inference_mode():
         for batch in cfg.batches:
-            prompts = make_prompts(cfg, batch, vocab, tokenizer)
-            warm = make_prompts(cfg, batch, vocab, tokenizer, warmup=True)
+            prompts = make_prompts(cfg, cfg.requests(batch), vocab, tokenizer)
+            warm = make_prompts(cfg, cfg.requests(batch), vocab, tokenizer, warmup=True)
             reference, hf_tokens, first = None, None, len(rows)
             for mode in cfg.modes_at(batch):
                 if mode in HF_CACHES.values():
                     cache = next(c for c, m in HF_CACHES.items() if m == mode)
-                    results = [run_hf(model, prompts, warm, cfg, cache, on_done=lambda: bar.update(1))]
+                    results = [run_hf(model, prompts, warm, cfg, cache, on_done=lambda: bar.update(1), batch=batch)]
                 else:
-                    results = run_mode(model, mode, prompts, warm, cfg, on_done=lambda: bar.update(1))
+                    results = run_mode(model, mode, prompts, warm, cfg, on_done=lambda: bar.update(1), batch=batch)
                     if mode == PLAIN:
                         reference = results[0][1]
                 for row, tokens in results:
@@ -829,6 +879,10 @@ def print_table(result: dict, file=None) -> None:
         f"per request, {drafts_text(c)} ({c['drafter']}), greedy, median of {c['repeats']}",
         file=file,
     )
+    k = c.get("requests_per_slot", 1)
+    if k > 1:
+        print(f"loaded: {k} x batch requests through batch slots, each joining as a slot frees up (decode tok/s "
+              "excludes their prefill passes; TTFT and latency include the wait for a slot)", file=file)
     kernels = sorted({r["prefill_kernel"] for r in result["rows"] if r.get("prefill_kernel")})
     if kernels:
         chunk = c.get("prefill_chunk")

@@ -79,6 +79,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-len", type=_lengths, default=None,
                         help="prompt tokens per request, or a range LO-HI as for --max-new-tokens (default 64; 8 on "
                              "the CPU)")
+    parser.add_argument("--requests-per-slot", type=positive_int, default=d.requests_per_slot, metavar="K",
+                        help="K x batch requests through batch slots, each joining as a slot frees up: a loaded "
+                             "server, where a finished request's slot goes to the next one (default 1: one closed "
+                             "batch, whose last steps run as its slowest requests drain)")
     parser.add_argument("--prefill", choices=PREFILL_MODES, default=d.prefill,
                         help="GDN prompt kernel: auto (fla-core's chunked kernel on CUDA in bf16/fp16 when it "
                              "imports: the 'gpu' extra), chunk (that kernel, an error without it) or recurrence")
@@ -136,6 +140,7 @@ def config_from_args(args):
         prefill=args.prefill, prefill_chunk=args.prefill_chunk,
         device=device, dtype=pick(args.dtype, "bf16", "fp32"), state_dtype=args.state_dtype, backend=args.backend, graphs=not args.no_graphs,
         repeats=pick(args.repeats, 3, 1), seed=args.seed, tree=tuple(args.tree), plain_from=args.plain_from,
+        requests_per_slot=args.requests_per_slot,
     )
 
 
