@@ -513,8 +513,13 @@ def test_conv_token_block_does_not_follow_the_prompt_length():
     assert {conv_ops.conv_token_block(t, 4) for t in range(cap + 1, 5000, 7)} == {cap}
 
 
-def test_conv_commit_is_the_reference_shift():
-    nl, ns, c, w, t = 2, 6, 24, 4, 5
+@pytest.mark.parametrize("blocks", [1, 2])
+def test_conv_commit_is_the_reference_shift(blocks):
+    """Channels in one commit program, and across two (the last one partly masked)."""
+    block = conv_ops.CONV_BLOCK
+    nl, ns, w, t = 2, 6, 4, 5
+    lo, hi = (3, 40) if blocks == 1 else (block + 1, 2 * block - 1)
+    c = int(torch.randint(lo, hi + 1, ()))
     state0 = torch.randn(nl, ns, c, w - 1, device=DEVICE)
     buf = torch.randn(nl, ns, t, c, device=DEVICE)
     # n below, equal to and above W - 1; a padding row.

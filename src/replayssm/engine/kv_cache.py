@@ -134,7 +134,7 @@ class KVCache:
         for s in slots:
             self.lengths[s] = 0
         if slots:
-            self.device_lengths[to_device(slots, self.device)] = 0
+            self.device_lengths.index_fill_(0, to_device(slots, self.device), 0)  # as pool._reset_slots
 
     def advance_host(self, slots: Sequence[int], counts: Sequence[int]) -> None:
         """Advance the host lengths only: the device already did (a graphed step)."""

@@ -140,10 +140,12 @@ TABLE: dict[str, list[tuple[dict, dict]]] = {
     # ring, one launch").
     # 64 rows: four levels of 16-row tiles (depth 3) stay in registers; the read-only
     # tile height (128 rows) held four times spilled.
-    # path_max_paths: 0 (off) until the card times the paths method against the stack;
-    # circular's path replay of a 3,2,1 tree beat its closed form up to 48 requests x
-    # leaves (BENCHMARKS.md, "Draft trees: each leaf's path replayed"), the prior to test.
-    "exact_tree": [({}, dict(stack_rows=64, path_max_paths=0))],
+    # path_max_paths: a 3,2,1 tree (6 leaf paths) measured faster by paths than by the
+    # stack at every batch timed, 1 to 16 (up to 96 requests x leaves; fold 1.7x at batch
+    # 1, 2.5x at 16; snapshot 1.3x and 1.6x), so the paths method takes every call up to
+    # there; beyond, untimed, the stack (BENCHMARKS.md, "fold's and snapshot's trees by
+    # leaf paths: timed").
+    "exact_tree": [({}, dict(stack_rows=64, path_max_paths=96))],
     # 16-bit states at small batch load the tile late: early, it ran slower at batch 16
     # (and spilled before the layout cap); from batch 33 early measured faster.
     "ring_decode": [({"state_dtype": torch.bfloat16, "max_batch": 32}, dict(block_v=128, records_ahead=1, early_tile=0,

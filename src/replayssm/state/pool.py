@@ -344,7 +344,7 @@ class StatePool:
 
     def _take_many(self, slots: list[int]) -> None:
         self._live.update(slots)
-        self._live_mask[slots[0] if len(slots) == 1 else guards.to_device(slots, self.device)] = True
+        self._live_mask.index_fill_(0, guards.to_device(slots, self.device), True)
         for slot in slots:
             self._generation[slot] += 1
 
@@ -370,7 +370,7 @@ class StatePool:
         self._free += slots
         for slot in slots:
             self._generation[slot] += 1
-        self._live_mask[guards.to_device(slots, self.device)] = False
+        self._live_mask.index_fill_(0, guards.to_device(slots, self.device), False)
 
     def fork(self, src: int) -> int:
         """Copy request ``src`` (checkpoint, conv, ring, cursors) into a new slot."""
@@ -394,15 +394,15 @@ class StatePool:
         self._reset_slots([slot])
 
     def _reset_slots(self, slots: Iterable[int], keep: Sequence[str] = ()) -> None:
+        # index_fill_, not ``buf[idx] = fill``: an indexed assignment of a Python scalar
+        # goes through index_put_, whose host side cost the GPU's decode loop ~0.4 ms a
+        # call at batch 64-256 (BENCHMARKS.md, "Requests joining a loaded server").
         idx = guards.to_device(slots, self.device)  # pinned, no synchronisation
         for name, buf in self._buffers.items():
             if name in keep:
                 continue
             spec = self._specs[name]
-            if spec.per_layer:
-                buf[:, idx] = spec.fill
-            else:
-                buf[idx] = spec.fill
+            buf.index_fill_(1 if spec.per_layer else 0, idx, spec.fill)
 
     @property
     def specs(self) -> Mapping[str, BufferSpec]:
