@@ -36,6 +36,7 @@ def main() -> None:
     ap.add_argument("--requests-per-slot", type=int, default=4)
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--device", default="cuda", help="cpu: the tiny model in fp32, to try the script")
+    ap.add_argument("--no-join-ahead", action="store_true", help="StepGenerator(join_ahead=False)")
     a = ap.parse_args()
     cuda = a.device == "cuda"
     cfg = E2EConfig(random_model="qwen3.5-shapes" if cuda else "tiny", device=a.device, dtype="bf16" if cuda else "fp32", drafter="forced", acceptance=(0.8,),
@@ -48,7 +49,8 @@ def main() -> None:
     drafter = None if a.mode == "plain" else make_drafter(cfg, engine, model)
     if drafter is not None:
         drafter.set_acceptance(0.8)
-    gen = StepGenerator(engine, drafter, num_draft=cfg.num_draft, eos_token_ids=(), graphs=cuda)
+    gen = StepGenerator(engine, drafter, num_draft=cfg.num_draft, eos_token_ids=(), graphs=cuda,
+                        join_ahead=not a.no_join_ahead)
     gen.capture()
     with torch.inference_mode():
         gen.generate(make_prompts(cfg, n, 256, None, warmup=True), request_budgets(cfg, n, warmup=True))
@@ -58,7 +60,7 @@ def main() -> None:
         res = gen.generate(prompts, budgets)
         prof.disable()
     s = res.stats
-    print(f"{a.mode} batch {a.batch}, {n} requests: {res.steps} steps, decode {1e3 * res.decode_s / res.steps:.3f} "
+    print(f"{a.mode} batch {a.batch}, {n} requests, joins {'between steps' if a.no_join_ahead else 'ahead'}: {res.steps} steps, decode {1e3 * res.decode_s / res.steps:.3f} "
           f"ms a step against a step p50 of {1e3 * statistics.median(s.seconds):.3f} (mean "
           f"{1e3 * statistics.mean(s.seconds):.3f}); launched ahead {sum(s.ahead) / len(s.ahead):.0%}; "
           f"{len(s.prefills)} prompt passes, {1e3 * res.prefill_s:.1f} ms")

@@ -214,7 +214,7 @@ def test_an_exact_strategy_that_changes_the_tokens_in_fp32_fails(monkeypatch, tm
     plain decoding gives exit 1; circular differing beside it does not."""
     bad = random.choice(EXACT)
 
-    def fake_run_mode(model, mode, prompts, warm, cfg, on_done=None):
+    def fake_run_mode(model, mode, prompts, warm, cfg, on_done=None, batch=None):
         tokens = [[7] * cfg.max_new_tokens for _ in prompts]
         if mode in (bad, "circular"):
             tokens[-1][-1] = 8

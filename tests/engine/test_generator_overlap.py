@@ -61,8 +61,9 @@ def _run(model, mode, slots, prompts, budgets, *, overlap, seed, sampling=Sampli
 
 
 def _check_same(model, mode, slots, prompts, budgets, seed, **kwargs):
-    """Overlap on and off give the same everything; returns the overlapped run."""
-    on = _run(model, mode, slots, prompts, budgets, overlap=True, seed=seed, **kwargs)
+    """Overlap on and off give the same everything; returns the overlapped run. (Joins
+    ahead of a step change when the joiners decode: see the join tests below.)"""
+    on = _run(model, mode, slots, prompts, budgets, overlap=True, seed=seed, join_ahead=False, **kwargs)
     off = _run(model, mode, slots, prompts, budgets, overlap=False, seed=seed, **kwargs)
     (a, a_line, a_stream), (b, b_line, b_stream) = on, off
     assert a.tokens == b.tokens
@@ -119,6 +120,48 @@ def test_steps_on_the_rows_left_are_launched_ahead_when_no_request_waits(mode, s
     assert len(shrunk) >= 3 and rows[-1] == 1
     assert all(ahead[i] for i in shrunk)  # a step on fewer rows than the one before: launched ahead
     assert all(ahead[1:])  # no request waits: every step after the first one is
+
+
+@pytest.mark.parametrize("mode", ["plain", "spec"])
+def test_joins_ahead_of_a_step_keep_every_greedy_token(mode, seed, rng):
+    """Seven requests on three slots, budgets ending at different steps, one of a single
+    token, an end-of-sequence token: with joins ahead, each later prompt pass runs
+    while a step of the other rows is in flight (after it, never on a slot it holds),
+    its requests decode from the next step, and every request's greedy tokens, stop
+    and stream are those of the loop without overlap; more steps are launched ahead
+    than with overlap alone."""
+    model = build_tiny_model("qwen3_5", seed=seed)
+    prompts = _prompts(rng, 7)
+    budgets = [40, 11, 27, 1, 40, 18, 23]
+    probe, _, _ = _run(model, mode, 3, prompts, budgets, overlap=False, seed=seed)
+    eos = probe.tokens[0][len(probe.tokens[0]) // 2]
+    off, _, off_stream = _run(model, mode, 3, prompts, budgets, overlap=False, seed=seed, eos_token_ids=[eos])
+    alone, _, _ = _run(model, mode, 3, prompts, budgets, overlap=True, join_ahead=False, seed=seed,
+                       eos_token_ids=[eos])
+    on, line, on_stream = _run(model, mode, 3, prompts, budgets, overlap=True, seed=seed, eos_token_ids=[eos])
+    assert on.tokens == off.tokens and on.finish_reasons == off.finish_reasons
+    for i in range(len(prompts)):
+        assert [t for j, t in on_stream if j == i] == [t for j, t in off_stream if j == i]
+    passes = [k for k, e in enumerate(line) if e[0] == "prefill"]
+    assert len(passes) >= 3
+    for k, p in zip(passes[1:], on.stats.prefills[1:]):
+        before, after = line[k - 1], next(e for e in line[k + 1 :] if e[0] == "step")
+        joined = set(line[k][1])
+        assert before[0] == "step" and not joined & set(before[1])  # behind a step of the other rows
+        # and in the next one, but for a request that its first token ended
+        assert len(joined & set(after[1])) == sum(len(on.tokens[i]) > 1 for i in p.requests)
+    assert [p.after_step for p in on.stats.prefills[1:]] == [
+        sum(e[0] == "step" for e in line[:k]) for k in passes[1:]]
+    assert sum(on.stats.ahead) > sum(alone.stats.ahead)
+
+
+def test_joins_ahead_with_sampling_emit_every_budget(seed, rng):
+    """Sampled decoding with joins ahead: every request gets its budget (its draws
+    differ from the loop without overlap's, since a step's rows do)."""
+    model = build_tiny_model("qwen3_5", seed=seed)
+    budgets = [int(torch.randint(2, 30, (1,), generator=rng)) for _ in range(6)]
+    res, _, _ = _run(model, "spec", 2, _prompts(rng, 6), budgets, overlap=True, seed=seed, sampling=SAMPLED)
+    assert [len(t) for t in res.tokens] == budgets and any(res.stats.ahead)
 
 
 def test_no_step_is_launched_ahead_while_a_prompt_is_prefilled_in_chunks(seed, rng):

@@ -491,6 +491,15 @@ class StepGenerator:
             its rows are known from the outputs alone: the same rows, or those left
             when requests stop and none is queued (default); ``False``: every step
             after the host's work on the one before.
+        join_ahead: with ``overlap`` and whole-prompt passes (no ``prefill_chunk``),
+            requests also join without stopping the others (default): when some stop
+            and others are queued, the next step is launched on the rows left, and the
+            queued requests take the freed slots and get their prompt pass while it
+            runs (after it, on the device); they decode from the step after it. The
+            host's work at a join (freeing and resetting slots, the bookkeeping) then
+            hides behind a step, at the price of the joiners' rows sitting out one
+            step. Greedy tokens are the same; with sampling the draws differ (a step's
+            rows do). ``False``: a join runs between two steps, as without overlap.
         plain_from: with a drafter, the batch buckets of at least this many rows take
             plain steps (one token a request; through the strategy's ring where it has
             one) instead of speculative ones: the engine's choice per bucket, where
@@ -504,7 +513,8 @@ class StepGenerator:
     def __init__(self, engine: HybridEngine, drafter=None, *, num_draft: int = 3,
                  sampling: SamplingParams = SamplingParams(), eos_token_ids: Sequence[int] = (),
                  graphs: bool | None = None, buckets: Sequence[int] | None = None,
-                 prefill_chunk: int | None = None, tree=None, overlap: bool = True, plain_from: int | None = None):
+                 prefill_chunk: int | None = None, tree=None, overlap: bool = True, plain_from: int | None = None,
+                 join_ahead: bool = True):
         from .device_drafters import DeviceDrafter
 
         if tree is not None:
@@ -545,6 +555,10 @@ class StepGenerator:
         self.eos = {int(t) for t in eos_token_ids}
         self._eos_ids = np.array(sorted(self.eos), dtype=np.int64)  # for the vectorised stop check
         self.overlap = bool(overlap)
+        if not isinstance(join_ahead, bool):
+            raise TypeError(f"join_ahead must be a bool, got {type(join_ahead).__name__}")
+        # whole prompts only: a chunked prompt's passes alternate with the steps by design
+        self.join_ahead = self.overlap and join_ahead and prefill_chunk is None
         self.graphs = graphs
         self.buckets = buckets
         self.prefill_chunk = prefill_chunk
@@ -626,9 +640,12 @@ class StepGenerator:
         active: list[_Request] = []  # decoding
         filling: list[_Request] = []  # holding a slot, prompt not yet fully prefilled
         running = None  # a step of ``active`` launched ahead (a _Running), not yet read
+        pending: list[_Request] = []  # prefilled while ``running`` ran: they join the step after it
         try:
-            while queue or active or filling:
+            while queue or active or filling or pending:
                 if running is None:
+                    active += pending
+                    pending = []
                     room = eng.pool.num_slots - len(active) - len(filling)
                     joining = [queue.pop() for _ in range(min(len(queue), room))]
                     for r, slot in zip(joining, eng.alloc_many(len(joining))):  # one reset for all of them
@@ -643,14 +660,32 @@ class StepGenerator:
                     if not active:
                         continue
                     running = self._launch(active)
+                elif self.join_ahead and queue:
+                    # a step is in flight: queued requests take the slots the last step
+                    # freed and get their prompt pass behind it
+                    room = eng.pool.num_slots - len(active) - len(pending)
+                    joining = [queue.pop() for _ in range(min(len(queue), room))]
+                    if joining:
+                        for r, slot in zip(joining, eng.alloc_many(len(joining))):
+                            r.slot, r.generation = slot, eng.pool.generation(slot)
+                        _sync(eng.device)  # the step in flight first: the pass's time is its own
+                        done = self._prefill_pass(joining, stats, on_tokens, in_flight=True)
+                        result.prefill_s += stats.prefills[-1].seconds
+                        self._release([r for r in done if r.finish])
+                        pending += [r for r in done if r.finish is None]
                 # steady: unless a request stops at this step, the next iteration would
                 # only run the next step on the same rows (no prompt half prefilled, no
-                # queued request that a free slot could take); with no request queued at
-                # all, it would run the next step on the rows that do not stop
-                steady = self.overlap and not filling and not (queue and len(active) < eng.pool.num_slots)
-                running = self._decode_step(running, active, steady, steady and not queue, result, stats,
-                                            on_tokens)
+                # queued request that a free slot could take, unless joins go ahead);
+                # with no request queued at all (or joins going ahead), it would run the
+                # next step on the rows that do not stop, and the joiners'
+                steady = self.overlap and not filling and (
+                    self.join_ahead or not (queue and len(active) < eng.pool.num_slots))
+                running = self._decode_step(running, active, steady, steady and (self.join_ahead or not queue),
+                                            result, stats, on_tokens, joiners=pending)
                 active = _retire(self, active)
+                if running is not None and pending:  # the step launched ahead holds them
+                    active += pending
+                    pending = []
             result.decode_s = _elapsed(eng.device, t_start) - result.prefill_s
             eng.pool.check_errors()  # what the graphed steps' device-side index checks found (one read)
         finally:
@@ -684,12 +719,14 @@ class StepGenerator:
         return stops
 
     def _decode_step(self, running: _Running, active: list[_Request], steady: bool, shrink: bool,
-                     result: GenerationResult, stats: StepStats, on_tokens) -> _Running | None:
+                     result: GenerationResult, stats: StepStats, on_tokens,
+                     joiners: Sequence[_Request] = ()) -> _Running | None:
         """Read the outputs of the step ``running`` of ``active``; if ``steady`` and no
-        request stops at it, launch the next step on the same rows at once, or if
-        ``shrink`` and some stop, on the rows of the others (in order: the rows that
-        retiring the stopped requests leaves); then this step's bookkeeping. Returns
-        the step launched ahead, or ``None``."""
+        request stops at it (and none joins), launch the next step on the same rows at
+        once, or if ``shrink`` and some stop or ``joiners`` wait (requests prefilled
+        while this step ran), on the rows of the others (in order: the rows that
+        retiring the stopped requests leaves), then the joiners'; then this step's
+        bookkeeping. Returns the step launched ahead, or ``None``."""
         step = running.step
         slots = step.batch.host_slots  # this step's rows (a launch ahead may rewrite them)
         live = len(active)
@@ -701,12 +738,14 @@ class StepGenerator:
         stops = self._stops(out, running.left)
         left = running.left - out[:, 0]
         ahead = None
-        if steady and not stops.any():
+        if steady and not stops.any() and not joiners:
             ahead = _Running(step, time.perf_counter(), True, left)
             step.run()  # its rows hold ``active`` still
-        elif shrink and not stops.all():
+        elif shrink and (joiners or not stops.all()):
             going = ~stops
-            ahead = self._launch([r for r, g in zip(active, going.tolist()) if g], left[going], ahead=True)
+            rows = [r for r, g in zip(active, going.tolist()) if g] + list(joiners)
+            budgets = np.fromiter((r.max_new - len(r.generated) for r in joiners), np.int64, len(joiners))
+            ahead = self._launch(rows, np.concatenate([left[going], budgets]), ahead=True)
         counts = out[:, 0].tolist()
         rows = out.tolist()
         self.engine.kv.advance_host(slots, counts)  # the live rows come first: zip stops at them
@@ -727,10 +766,12 @@ class StepGenerator:
         result.steps += 1
         return ahead
 
-    def _prefill_pass(self, filling: list[_Request], stats: StepStats, on_tokens) -> list[_Request]:
+    def _prefill_pass(self, filling: list[_Request], stats: StepStats, on_tokens,
+                      in_flight: bool = False) -> list[_Request]:
         """One packed prefill forward over the next prompt tokens of ``filling`` (in
         order, at most ``prefill_chunk`` tokens); the requests whose prompt it completed
-        get their first token and first drafts. Returns those requests."""
+        get their first token and first drafts. Returns those requests. ``in_flight``:
+        a step launched before it is not yet read (the pass comes after that step)."""
         eng = self.engine
         t0 = time.perf_counter()
         left = self.prefill_chunk or sum(len(r.prompt) - r.filled for r in filling)
@@ -754,7 +795,7 @@ class StepGenerator:
             self._join([picked[i][0] for i in done], out, done, on_tokens)
         _sync(eng.device)
         stats.prefills.append(PrefillPass(
-            after_step=len(stats.seconds), requests=[r.index for r, _, _ in picked], tokens=[n for _, _, n in picked],
+            after_step=len(stats.seconds) + in_flight, requests=[r.index for r, _, _ in picked], tokens=[n for _, _, n in picked],
             completed=[picked[i][0].index for i in done], seconds=time.perf_counter() - t0))
         return [picked[i][0] for i in done]
 
