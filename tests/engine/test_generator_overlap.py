@@ -155,6 +155,27 @@ def test_joins_ahead_of_a_step_keep_every_greedy_token(mode, seed, rng):
     assert sum(on.stats.ahead) > sum(alone.stats.ahead)
 
 
+def test_a_step_a_join_went_ahead_of_does_not_count_the_join(seed, rng, monkeypatch):
+    """A step's time ends before the prompt pass that a join ran behind it: a pass made
+    slow (0.2 s) shows in the passes' times and in no step's."""
+    import time
+
+    model = build_tiny_model("qwen3_5", seed=seed)
+    eng = HybridEngine(model, strategy="fold", num_slots=2, window=4, max_len=160)
+    gen = StepGenerator(eng, DeviceNgramDrafter(), num_draft=3)
+    extend = eng.extend
+
+    def slow_extend(*args, **kw):
+        time.sleep(0.2)
+        return extend(*args, **kw)
+
+    monkeypatch.setattr(eng, "extend", slow_extend)
+    res = gen.generate(_prompts(rng, 4), [6, 3, 5, 4])
+    late = [p for p in res.stats.prefills if p.after_step > 0]
+    assert late and all(p.seconds >= 0.2 for p in late)
+    assert max(res.stats.seconds) < 0.2
+
+
 def test_joins_ahead_with_sampling_emit_every_budget(seed, rng):
     """Sampled decoding with joins ahead: every request gets its budget (its draws
     differ from the loop without overlap's, since a step's rows do)."""

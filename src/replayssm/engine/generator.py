@@ -362,6 +362,9 @@ class _Running(NamedTuple):
     t0: float  # perf_counter() at its launch
     ahead: bool  # launched before the host's bookkeeping of the step before it
     left: np.ndarray  # [R] int64: each row's budget left before the step (tokens it may still emit)
+    #: perf_counter() when the host saw it end before reading it (a join went ahead of
+    #: its read: the prompt pass after it is not its time); None: at its read
+    ended: float | None = None
 
 
 def default_buckets(num_slots: int) -> tuple[int, ...]:
@@ -404,7 +407,8 @@ class StepStats:
             body) to the host holding its outputs. A step launched ahead (``ahead``)
             ran on the device while the host did the previous step's bookkeeping, so
             its time is the longer of the two plus the read: with the device the
-            slower, the device's step time.
+            slower, the device's step time. A step that a join went ahead of ends when
+            the host waits for it, before the joiners' prompt pass.
         ahead: per decode step, whether it was launched before the host's bookkeeping
             of the step before it (see :class:`StepGenerator`, "Overlap").
         rows: live rows of each step.
@@ -669,6 +673,7 @@ class StepGenerator:
                         for r, slot in zip(joining, eng.alloc_many(len(joining))):
                             r.slot, r.generation = slot, eng.pool.generation(slot)
                         _sync(eng.device)  # the step in flight first: the pass's time is its own
+                        running = running._replace(ended=time.perf_counter())
                         done = self._prefill_pass(joining, stats, on_tokens, in_flight=True)
                         result.prefill_s += stats.prefills[-1].seconds
                         self._release([r for r in done if r.finish])
@@ -733,7 +738,7 @@ class StepGenerator:
         # The step's one host synchronisation. A copy, also on the CPU: the next step
         # rewrites the output buffer, maybe before this step's bookkeeping.
         out = step.out[:live].to("cpu", copy=True).numpy()
-        stats.seconds.append(time.perf_counter() - running.t0)
+        stats.seconds.append((running.ended or time.perf_counter()) - running.t0)
         stats.ahead.append(running.ahead)
         stops = self._stops(out, running.left)
         left = running.left - out[:, 0]
