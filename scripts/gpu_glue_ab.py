@@ -6,8 +6,8 @@ one run, on Qwen3.5 shapes (bench e2e's ``qwen3.5-shapes``):
   keys ``--context`` long, at each ``attention.KV_STAGES``; its outputs against the
   reference backend's;
 * the conv commit (``ops/conv.py``): 6 GDN layers' conv states (8192 channels, 3
-  entries) advanced by 3 accepted inputs, at each ``conv.CONV_COMMIT_BLOCK``; its states
-  bit for bit the reference's.
+  entries) advanced by 3 accepted inputs, at each channel block ``conv.CONV_BLOCK``
+  (which the verify shares); its states bit for bit the reference's.
 
 Each op runs from a CUDA graph of 10 calls (``triton.testing.do_bench``, median), on
 inputs that rotate among 4 sets so that repeats do not time the L2. Bytes are the
@@ -68,6 +68,7 @@ def attention_rows(batch: int, t: int, context: int, stages: list[int], bw: floa
     ref = attention.slot_attention(q[0], kc[0], vc[0], slot, starts, scale, backend="reference").float()
     seen = (starts.long() + t).sum().item()  # keys the rows see, each read once per key head
     nbytes = 2 * seen * KV_HEADS * HEAD_DIM * 2 + 2 * q[0].numel() * 2
+    default = attention.KV_STAGES
     for st in stages:
         attention.KV_STAGES = st
         out = attention.slot_attention(q[0], kc[0], vc[0], slot, starts, scale, backend="triton").float()
@@ -76,7 +77,7 @@ def attention_rows(batch: int, t: int, context: int, stages: list[int], bw: floa
                                                            backend="triton"), sets)
         rows.append(dict(op="attention", batch=batch, T=t, context=context, kv_stages=st, us=us,
                          floor_us=nbytes / bw * 1e6, rel_err=err))
-    attention.KV_STAGES = 1
+    attention.KV_STAGES = default
     return rows
 
 
@@ -92,15 +93,16 @@ def commit_rows(batch: int, blocks: list[int], bw: float, window: int = 4, accep
     conv.causal_conv_commit(want, buf[0], idx, acc, backend="reference")
     moved = min(accepted, TAPS - 1)  # entries taken from the buffer; the rest shift within the state
     nbytes = LAYERS * batch * CHANNELS * 2 * (moved + (TAPS - 1) + (TAPS - 1 - moved))
+    default = conv.CONV_BLOCK
     for bc in blocks:
-        conv.CONV_COMMIT_BLOCK = bc
+        conv.CONV_BLOCK = bc
         got = state[0].clone()
         conv.causal_conv_commit(got, buf[0], idx, acc, backend="triton")
         work = [s.clone() for s in state]
         us = graphed_us(lambda i: conv.causal_conv_commit(work[i], buf[i], idx, acc, backend="triton"), sets)
         rows.append(dict(op="conv_commit", batch=batch, block=bc, us=us, floor_us=nbytes / bw * 1e6,
                          bit_equal=bool(torch.equal(got, want))))
-    conv.CONV_COMMIT_BLOCK = 1024
+    conv.CONV_BLOCK = default
     return rows
 
 

@@ -6,7 +6,9 @@ compares everything the loop produces, plus a timeline of what reached the engin
 step launched (its rows' slots and their allocation generations) and every prompt pass.
 A step launched ahead when it should not have been (a request stopped at the step
 before, a queued request could take a slot, a prompt is half prefilled) shows there as
-an extra step, a step on stale rows or a step before a prompt pass.
+an extra step, a step on stale rows or a step before a prompt pass. Those cases turn
+joins ahead off (``join_ahead=False``); the join tests compare the default, whose
+joiners decode a step later, with the loop without overlap request by request.
 """
 
 from __future__ import annotations

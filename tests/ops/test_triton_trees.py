@@ -245,8 +245,8 @@ def test_tree_recurrence_methods_agree_bit_for_bit():
 
 def test_tree_recurrence_method_follows_the_shape_table(monkeypatch):
     """``method=None`` walks the leaf paths exactly when requests x leaf paths is at most
-    the table's ``exact_tree.path_max_paths`` (96: 16 requests of a 3,2,1 tree); a bad
-    name raises."""
+    the table's ``exact_tree.path_max_paths`` (on CUDA 96: 16 requests of a 3,2,1 tree;
+    on the CPU 0, the stack); a bad name raises."""
     from replayssm.ops import tree_ops, tuning
 
     trees, slots, x, st = case(SHAPES, seed=6)  # 4 requests, at most 4 leaf paths each: 16
@@ -265,8 +265,10 @@ def test_tree_recurrence_method_follows_the_shape_table(monkeypatch):
         with tuning.override("exact_tree", path_max_paths=most):
             _tree_recurrence("triton", trees, slots, x, st)
     assert calls == ["_tree_recurrence_kernel", "_tree_path_kernel", "_tree_recurrence_kernel"]
-    assert tree_ops.walks_paths(16, 6, kd=128, vd=128, state_dtype=torch.float32)
-    assert not tree_ops.walks_paths(17, 6, kd=128, vd=128, state_dtype=torch.float32)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert tree_ops.walks_paths(16, 6, kd=128, vd=128, state_dtype=torch.float32, device=cuda)
+    assert not tree_ops.walks_paths(17, 6, kd=128, vd=128, state_dtype=torch.float32, device=cuda)
+    assert not tree_ops.walks_paths(1, 1, kd=128, vd=128, state_dtype=torch.float32, device=cpu)
     for backend in ("reference", "triton"):
         with pytest.raises(ValueError, match="method must be None or one of"):
             _tree_recurrence(backend, trees, slots, x, st, method="chain")

@@ -511,12 +511,12 @@ def run_hf(model, prompts, warm, cfg: E2EConfig, cache: str = "dynamic",
     batch = batch or len(prompts)
 
     def in_batches(ps, budgets):
-        parts, waited = [], 0.0
+        parts, start = [], time.perf_counter()
         for i in range(0, len(ps), batch):
+            waited = time.perf_counter() - start  # the calls before this one, and the gaps between
             r = once(ps[i : i + batch], budgets[i : i + batch])
             r.ttft_s = [t + waited for t in r.ttft_s]
             r.latency_s = [t + waited for t in r.latency_s]
-            waited += r.prefill_s + r.decode_s
             parts.append(r)
         if len(parts) == 1:
             return parts[0]
@@ -580,11 +580,19 @@ def run_mode(model, mode: str, prompts, warm, cfg: E2EConfig, *, on_done=None,
     if engine.prompt_graphs is not None and cfg.prefill_chunk is None:  # the first pass: every prompt whole
         first = prompts[:batch]
         engine.prompt_graphs.prepare(len(first), sum(len(p) for p in first))
-        if len(prompts) > batch and isinstance(cfg.prompt_len, int):
-            # queued requests join a few at a time as slots free up: those passes' shapes too
+        if len(prompts) > batch:
+            # queued requests join a few at a time as slots free up: those passes' shapes
+            # too, every capacity that k prompts of the drawn lengths can need
+            graphs = engine.prompt_graphs
+            lo, hi = (cfg.prompt_len,) * 2 if isinstance(cfg.prompt_len, int) else cfg.prompt_len
             for k in range(1, batch):
-                if engine.prompt_graphs.prepare(k, k * cfg.prompt_len) is None:
+                top = min(k * hi, graphs.max_chunked_tokens if k == 1 else graphs.max_tokens)
+                if k > 1 and k * lo > top:  # every pass of k or more joiners runs eagerly
                     break
+                shapes = {graphs.shape(n, k): n for n in range(k * lo, top + 1)}
+                shapes.pop(None, None)
+                for n in shapes.values():
+                    graphs.prepare(k, n)
     oracle = cfg.drafter == "oracle" and mode not in PLAIN_MODES
     if oracle:
         references, warm_references = _own_references(gen, prompts, warm, cfg)

@@ -151,8 +151,23 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 #: programs are few (requests x key heads) and each walks its keys in order, so other
 #: programs do not hide a load's latency. Three stages measured 1.3-1.5x faster than
 #: one on the H200 at Qwen3.5 shapes, verify (T = 4) and decoding (T = 1), batch 64 and
-#: 256 (BENCHMARKS.md, "The window attention pipelined").
+#: 256 (BENCHMARKS.md, "The window attention pipelined"). An upper bound: a launch
+#: takes fewer where the stages' key and value blocks would not fit the device's
+#: shared memory (:func:`kv_stages`).
 KV_STAGES = 3
+
+
+def kv_stages(device: torch.device, block_m: int, block_n: int, d: int, itemsize: int) -> int:
+    """Pipeline stages of the key pass for a launch: :data:`KV_STAGES`, or fewer, at
+    least 1, so that the stages' key and value blocks (``2 x block_n x d`` elements
+    each) beside the query tile and the probabilities fit the device's shared memory
+    per block (fp32 heads of 256 on an H200 take 2; smaller cards fewer)."""
+    if device.type != "cuda":
+        return KV_STAGES  # the interpreter ignores stages
+    room = torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+    fixed = (block_m * d + block_m * block_n) * itemsize + 8 * 1024  # the dots' other operands, and slack
+    per_stage = 2 * block_n * d * itemsize
+    return max(1, min(KV_STAGES, (room - fixed) // per_stage))
 
 
 def _slot_attention_triton(q, k_cache, v_cache, slot_idx, starts, scale, tree_bits=None, window=0):
@@ -172,7 +187,8 @@ def _slot_attention_triton(q, k_cache, v_cache, slot_idx, starts, scale, tree_bi
         q, k_cache, v_cache, slot_idx, starts, out, tree_bits if tree else starts, scale,
         q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        T=t, G=groups, D=d, BLOCK_M=block_m, BLOCK_N=block_n, TREE=tree, W=window if tree else t, STAGES=KV_STAGES,
+        T=t, G=groups, D=d, BLOCK_M=block_m, BLOCK_N=block_n, TREE=tree, W=window if tree else t,
+        STAGES=kv_stages(q.device, block_m, block_n, d, max(q.element_size(), k_cache.element_size())),
         # fp32 models get fp32 products (tl.dot would round fp32 operands to tf32 on
         # CUDA); 16-bit operands are exact in either.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",

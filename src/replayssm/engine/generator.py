@@ -468,11 +468,18 @@ class StepGenerator:
     the device runs it. When some requests stop but none is queued (the end of a run),
     the next step would run on the rows of the others, so it is launched on those
     (maybe in a smaller bucket) before the bookkeeping and the stopped requests'
-    retirement. Otherwise (a prompt half prefilled, or a stop that frees a slot for a
-    queued request) the bookkeeping, retirement, joins and prefill passes come first,
-    as without overlap. The tokens, stops, callbacks and their order are
-    the same either way; only when the host does its work changes (``StepStats.ahead``
-    says which steps were launched ahead). The time stamps keep their meaning: a
+    retirement. With ``join_ahead`` (the default) the same happens when requests are
+    queued: the step runs on the rows left while the host does the bookkeeping, frees
+    the stopped requests' slots and gives them to queued requests; the host then waits
+    for that step, runs the joiners' prompt pass, and the joiners decode from the next
+    step. Otherwise (a prompt half prefilled, or ``join_ahead=False`` and a stop that
+    frees a slot for a queued request) the bookkeeping, retirement, joins and prefill
+    passes come first, as without overlap. Without joins ahead, the tokens, stops,
+    callbacks and their order are the same with or without overlap; only when the host
+    does its work changes (``StepStats.ahead`` says which steps were launched ahead).
+    Joins ahead move a joiner's first decode step one step later, so the steps, the
+    callbacks' order across requests and sampled draws change; each request's greedy
+    tokens and stop do not. The time stamps keep their meaning: a
     request's first and last tokens are stamped when the host books them, after the
     read of their step (with overlap, the next step may be running by then), and
     ``StepStats.seconds`` counts from a step's launch to its outputs on the host.
@@ -495,15 +502,16 @@ class StepGenerator:
             its rows are known from the outputs alone: the same rows, or those left
             when requests stop and none is queued (default); ``False``: every step
             after the host's work on the one before.
-        join_ahead: with ``overlap`` and whole-prompt passes (no ``prefill_chunk``),
-            requests also join without stopping the others (default): when some stop
-            and others are queued, the next step is launched on the rows left, and the
-            queued requests take the freed slots and get their prompt pass while it
-            runs (after it, on the device); they decode from the step after it. The
-            host's work at a join (freeing and resetting slots, the bookkeeping) then
-            hides behind a step, at the price of the joiners' rows sitting out one
-            step. Greedy tokens are the same; with sampling the draws differ (a step's
-            rows do). ``False``: a join runs between two steps, as without overlap.
+        join_ahead: with ``overlap`` and whole-prompt passes (no ``prefill_chunk``; it
+            has no effect otherwise), requests also join without holding up the others
+            (default): when some stop and others are queued, the next step is launched
+            on the rows left, the queued requests take the freed slots while it runs,
+            then the host waits for it and runs their prompt pass, and they decode from
+            the step after. The host's work at a join (freeing and resetting slots, the
+            bookkeeping) so hides behind a step, at the price of the joiners' rows
+            sitting out one step. Each request's greedy tokens are the same; with
+            sampling the draws differ (a step's rows do). ``False``: a join runs between
+            two steps, as without overlap.
         plain_from: with a drafter, the batch buckets of at least this many rows take
             plain steps (one token a request; through the strategy's ring where it has
             one) instead of speculative ones: the engine's choice per bucket, where
@@ -620,7 +628,8 @@ class StepGenerator:
 
         ``on_tokens(request_index, new_tokens)`` is called as for
         :meth:`SpeculativeGenerator.generate`, in the same order with or without
-        overlap; the host KV lengths (:meth:`HybridEngine.length`) are those after the
+        overlap (with ``join_ahead``, in the same order for each request); the host KV
+        lengths (:meth:`HybridEngine.length`) are those after the
         step that emitted the tokens. With overlap, though, the next step may have run
         or be running on the device by then: a callback that reads the device state of
         the engine (committed GDN state, KV cache, drafter buffers) needs
@@ -738,7 +747,7 @@ class StepGenerator:
         # The step's one host synchronisation. A copy, also on the CPU: the next step
         # rewrites the output buffer, maybe before this step's bookkeeping.
         out = step.out[:live].to("cpu", copy=True).numpy()
-        stats.seconds.append((running.ended or time.perf_counter()) - running.t0)
+        stats.seconds.append((time.perf_counter() if running.ended is None else running.ended) - running.t0)
         stats.ahead.append(running.ahead)
         stops = self._stops(out, running.left)
         left = running.left - out[:, 0]

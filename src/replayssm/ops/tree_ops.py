@@ -164,10 +164,11 @@ def gdn_tree_recurrence(q, k, v, a, b, A_log, dt_bias, state, slots, trees, *, s
                                                snapshots=snapshots, records=records, method=method)
 
 
-def walks_paths(batch: int, paths: int, *, kd: int, vd: int, state_dtype: torch.dtype) -> bool:
+def walks_paths(batch: int, paths: int, *, kd: int, vd: int, state_dtype: torch.dtype,
+                device: torch.device) -> bool:
     """Whether a tree recurrence of ``batch`` requests with ``paths`` leaf paths each takes
     the ``"paths"`` method: ``batch * paths <= exact_tree.path_max_paths``."""
-    cfg = tuning.lookup("exact_tree", K=kd, V=vd, state_dtype=state_dtype, batch=batch)
+    cfg = tuning.lookup("exact_tree", K=kd, V=vd, state_dtype=state_dtype, batch=batch, device=device.type)
     return batch * paths <= cfg["path_max_paths"]
 
 
@@ -587,7 +588,8 @@ def gdn_tree_recurrence_triton(q, k, v, a, b, A_log, dt_bias, state, slots, tree
     outputs = (snapshots if snapshots is not None else dummy, rec.k, rec.v, rec.g, rec.beta)
     _, paths, depth = dev.leaf_paths.shape
     if method is None:
-        method = "paths" if walks_paths(nb, paths, kd=kd, vd=vd, state_dtype=state.dtype) else "stack"
+        paths_ok = walks_paths(nb, paths, kd=kd, vd=vd, state_dtype=state.dtype, device=state.device)
+        method = "paths" if paths_ok else "stack"
     if method == "paths":
         bv = pick_block_v(kd, vd, nb * paths, hv, state.dtype, q.device)
         _tree_path_kernel[(triton.cdiv(vd, bv), nb * paths, hv)](

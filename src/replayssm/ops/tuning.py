@@ -140,12 +140,15 @@ TABLE: dict[str, list[tuple[dict, dict]]] = {
     # ring, one launch").
     # 64 rows: four levels of 16-row tiles (depth 3) stay in registers; the read-only
     # tile height (128 rows) held four times spilled.
-    # path_max_paths: a 3,2,1 tree (6 leaf paths) measured faster by paths than by the
-    # stack at every batch timed, 1 to 16 (up to 96 requests x leaves; fold 1.7x at batch
-    # 1, 2.5x at 16; snapshot 1.3x and 1.6x), so the paths method takes every call up to
-    # there; beyond, untimed, the stack (BENCHMARKS.md, "fold's and snapshot's trees by
-    # leaf paths: timed").
-    "exact_tree": [({}, dict(stack_rows=64, path_max_paths=96))],
+    # path_max_paths: a 3,2,1 tree (6 leaf paths) with fp32 states measured faster by
+    # paths than by the stack at every batch timed, 1 to 16 (up to 96 requests x leaves;
+    # fold 1.7x at batch 1, 2.5x at 16; snapshot 1.3x and 1.6x), so the paths method
+    # takes every call up to there, other trees and 16-bit states included (untimed);
+    # beyond, the stack (BENCHMARKS.md, "fold's and snapshot's trees by leaf paths:
+    # timed"). On the CPU the stack stays the default, so that the interpreter's engine
+    # tests cover it too (the op tests run both).
+    "exact_tree": [({"device": "cpu"}, dict(stack_rows=64, path_max_paths=0)),
+                   ({}, dict(stack_rows=64, path_max_paths=96))],
     # 16-bit states at small batch load the tile late: early, it ran slower at batch 16
     # (and spilled before the layout cap); from batch 33 early measured faster.
     "ring_decode": [({"state_dtype": torch.bfloat16, "max_batch": 32}, dict(block_v=128, records_ahead=1, early_tile=0,
