@@ -177,3 +177,17 @@ def test_a_shape_may_hold_more_tokens_than_a_request_may(rng, seed):
     le, ls = (eng.extend([eng.alloc()], prompt, prompt=True).logits for eng in (eager, static))
     assert static.prompt_passes["static"] == 1 and static.prompt_graphs.shape(35) == 64
     torch.testing.assert_close(ls / le.abs().max(), le / le.abs().max(), **TOL)
+
+
+def test_prepare_joins_builds_every_shape_joining_prompts_can_take(rng):
+    """Passes of 1..most requests of lo..hi prompt tokens each: every such pass that
+    runs at a static shape finds its shape built, and none beyond."""
+    model = build_tiny_model("qwen3_5", seed=0)
+    eng = HybridEngine(model, strategy="fold", num_slots=8, window=4, max_len=600)
+    graphs = PromptGraphs(eng, graph=False)
+    lo = int(torch.randint(3, 20, (1,), generator=rng))
+    hi = lo + int(torch.randint(0, 60, (1,), generator=rng))
+    graphs.prepare_joins(6, lo, hi)
+    want = {(k, graphs.shape(n, k)) for k in range(1, 7) for n in range(k * lo, k * hi + 1)
+            if graphs.shape(n, k) is not None}
+    assert set(graphs._shapes) == want and want

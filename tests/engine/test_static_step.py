@@ -266,13 +266,10 @@ def test_attention_stages_fit_the_shared_memory(monkeypatch):
     """The key pass takes KV_STAGES stages where their key and value blocks fit a
     block's shared memory, fewer where not (at least one): an H200's 227 KiB holds three
     bf16 stages of 256-wide heads and two fp32 ones; a 99 KiB card two bf16 ones."""
-    from types import SimpleNamespace
-
     from replayssm.engine import attention
 
     cuda = torch.device("cuda", 0)
     for room, itemsize, want in ((232448, 2, 3), (232448, 4, 2), (101376, 2, 2), (40000, 4, 1)):
-        monkeypatch.setattr(torch.cuda, "get_device_properties",
-                            lambda dev, room=room: SimpleNamespace(shared_memory_per_block_optin=room))
+        monkeypatch.setattr(attention, "_shared_memory", lambda index, room=room: room)
         assert attention.kv_stages(cuda, 32, 32, 256, itemsize) == want, (room, itemsize)
     assert attention.kv_stages(torch.device("cpu"), 32, 32, 256, 4) == attention.KV_STAGES

@@ -580,19 +580,9 @@ def run_mode(model, mode: str, prompts, warm, cfg: E2EConfig, *, on_done=None,
     if engine.prompt_graphs is not None and cfg.prefill_chunk is None:  # the first pass: every prompt whole
         first = prompts[:batch]
         engine.prompt_graphs.prepare(len(first), sum(len(p) for p in first))
-        if len(prompts) > batch:
-            # queued requests join a few at a time as slots free up: those passes' shapes
-            # too, every capacity that k prompts of the drawn lengths can need
-            graphs = engine.prompt_graphs
+        if len(prompts) > batch:  # queued requests join a few at a time as slots free up
             lo, hi = (cfg.prompt_len,) * 2 if isinstance(cfg.prompt_len, int) else cfg.prompt_len
-            for k in range(1, batch):
-                top = min(k * hi, graphs.max_chunked_tokens if k == 1 else graphs.max_tokens)
-                if k > 1 and k * lo > top:  # every pass of k or more joiners runs eagerly
-                    break
-                shapes = {graphs.shape(n, k): n for n in range(k * lo, top + 1)}
-                shapes.pop(None, None)
-                for n in shapes.values():
-                    graphs.prepare(k, n)
+            engine.prompt_graphs.prepare_joins(batch - 1, lo, hi)
     oracle = cfg.drafter == "oracle" and mode not in PLAIN_MODES
     if oracle:
         references, warm_references = _own_references(gen, prompts, warm, cfg)

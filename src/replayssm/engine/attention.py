@@ -27,6 +27,8 @@ visible entries as a bitmask.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -157,6 +159,12 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 KV_STAGES = 3
 
 
+@functools.lru_cache(maxsize=None)
+def _shared_memory(index: int) -> int:
+    """Shared memory a block of CUDA device ``index`` may opt in to, in bytes."""
+    return torch.cuda.get_device_properties(index).shared_memory_per_block_optin
+
+
 def kv_stages(device: torch.device, block_m: int, block_n: int, d: int, itemsize: int) -> int:
     """Pipeline stages of the key pass for a launch: :data:`KV_STAGES`, or fewer, at
     least 1, so that the stages' key and value blocks (``2 x block_n x d`` elements
@@ -164,7 +172,7 @@ def kv_stages(device: torch.device, block_m: int, block_n: int, d: int, itemsize
     per block (fp32 heads of 256 on an H200 take 2; smaller cards fewer)."""
     if device.type != "cuda":
         return KV_STAGES  # the interpreter ignores stages
-    room = torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+    room = _shared_memory(device.index if device.index is not None else torch.cuda.current_device())
     fixed = (block_m * d + block_m * block_n) * itemsize + 8 * 1024  # the dots' other operands, and slack
     per_stage = 2 * block_n * d * itemsize
     return max(1, min(KV_STAGES, (room - fixed) // per_stage))

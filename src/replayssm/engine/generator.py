@@ -659,11 +659,7 @@ class StepGenerator:
                 if running is None:
                     active += pending
                     pending = []
-                    room = eng.pool.num_slots - len(active) - len(filling)
-                    joining = [queue.pop() for _ in range(min(len(queue), room))]
-                    for r, slot in zip(joining, eng.alloc_many(len(joining))):  # one reset for all of them
-                        r.slot, r.generation = slot, eng.pool.generation(slot)
-                    filling += joining
+                    filling += self._admit(queue, eng.pool.num_slots - len(active) - len(filling))
                     if filling:
                         done = self._prefill_pass(filling, stats, on_tokens)
                         result.prefill_s += stats.prefills[-1].seconds
@@ -675,12 +671,10 @@ class StepGenerator:
                     running = self._launch(active)
                 elif self.join_ahead and queue:
                     # a step is in flight: queued requests take the slots the last step
-                    # freed and get their prompt pass behind it
-                    room = eng.pool.num_slots - len(active) - len(pending)
-                    joining = [queue.pop() for _ in range(min(len(queue), room))]
+                    # freed, then get their prompt pass after it (``pending`` is empty
+                    # here: the last decode step took its joiners into ``active``)
+                    joining = self._admit(queue, eng.pool.num_slots - len(active))
                     if joining:
-                        for r, slot in zip(joining, eng.alloc_many(len(joining))):
-                            r.slot, r.generation = slot, eng.pool.generation(slot)
                         _sync(eng.device)  # the step in flight first: the pass's time is its own
                         running = running._replace(ended=time.perf_counter())
                         done = self._prefill_pass(joining, stats, on_tokens, in_flight=True)
@@ -706,6 +700,14 @@ class StepGenerator:
             _close(self, result, reqs)
         result.stats = stats
         return result
+
+    def _admit(self, queue: list[_Request], room: int) -> list[_Request]:
+        """The next requests of ``queue`` (at most ``room``), each given a slot (one
+        reset for all of them)."""
+        joining = [queue.pop() for _ in range(min(len(queue), room))]
+        for r, slot in zip(joining, self.engine.alloc_many(len(joining))):
+            r.slot, r.generation = slot, self.engine.pool.generation(slot)
+        return joining
 
     def _launch(self, active: list[_Request], left: np.ndarray | None = None, ahead: bool = False) -> _Running:
         """Start a step of the decoding requests ``active`` (the smallest bucket that
@@ -757,9 +759,9 @@ class StepGenerator:
             step.run()  # its rows hold ``active`` still
         elif shrink and (joiners or not stops.all()):
             going = ~stops
-            rows = [r for r, g in zip(active, going.tolist()) if g] + list(joiners)
+            staying = [r for r, g in zip(active, going.tolist()) if g]
             budgets = np.fromiter((r.max_new - len(r.generated) for r in joiners), np.int64, len(joiners))
-            ahead = self._launch(rows, np.concatenate([left[going], budgets]), ahead=True)
+            ahead = self._launch(staying + list(joiners), np.concatenate([left[going], budgets]), ahead=True)
         counts = out[:, 0].tolist()
         rows = out.tolist()
         self.engine.kv.advance_host(slots, counts)  # the live rows come first: zip stops at them

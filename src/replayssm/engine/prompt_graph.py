@@ -210,6 +210,19 @@ class PromptGraphs:
             self._shapes[key] = PromptGraph(self.engine, requests, n, graph=self.graph, pool=self._pool)
         return self._shapes[key]
 
+    def prepare_joins(self, most: int, lo: int, hi: int) -> None:
+        """:meth:`prepare` every shape a pass of ``1..most`` fresh requests whose prompts
+        are ``lo..hi`` tokens each can take: the passes of requests joining a running
+        batch as slots free up, built before a timed run."""
+        for k in range(1, most + 1):
+            top = min(k * hi, self.max_chunked_tokens if k == 1 else self.max_tokens)
+            if k > 1 and k * lo > top:  # every pass of k or more such requests runs eagerly
+                break
+            shapes = {self.shape(n, k): n for n in range(k * lo, top + 1)}
+            shapes.pop(None, None)
+            for n in shapes.values():
+                self.prepare(k, n)
+
     @torch.inference_mode()  # as the eager pass: no autograd record inside a capture
     def run(self, slots: Sequence[int], windows: Sequence[Sequence[int]]) -> StepOutput:
         """The pass through its shape's :class:`PromptGraph` (``fits`` must hold)."""
