@@ -396,7 +396,7 @@ class StatePool:
     def _reset_slots(self, slots: Iterable[int], keep: Sequence[str] = ()) -> None:
         # index_fill_, not ``buf[idx] = fill``: an indexed assignment of a Python scalar
         # goes through index_put_, whose host side cost the GPU's decode loop ~0.4 ms a
-        # call at batch 64-256 (BENCHMARKS.md, "Requests joining a loaded server").
+        # call at batch 64-256 (BENCHMARKS.md, "A closed batch against a loaded server").
         idx = guards.to_device(slots, self.device)  # pinned, no synchronisation
         for name, buf in self._buffers.items():
             if name in keep:
