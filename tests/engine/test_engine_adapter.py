@@ -11,6 +11,7 @@ import torch
 
 from replayssm.engine.adapter import HybridEngine
 from replayssm.engine.random_model import build_tiny_model
+from replayssm.testing.chunk_kernel import chunk_kernel_on_cpu as fake_chunk_kernel
 
 FAMILIES = ("qwen3_5", "qwen3_next")
 TOL = 2e-5  # logits are O(1); fp32 with different summation orders
@@ -145,29 +146,9 @@ def _no_fla() -> bool:
     return load_chunk_kernel() is None
 
 
-def fake_chunk_kernel(q, k, v, g, beta, *, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel):
-    """fla-core's varlen ``chunk_gated_delta_rule`` contract, built from transformers'
-    chunked PyTorch implementation run per sequence: ``[1, N, HV, *]`` inputs, initial
-    and final states ``[B, HV, K, V]``."""
-    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
-
-    assert q.shape[0] == 1 and output_final_state and use_qk_l2norm_in_kernel
-    outs, finals = [], []
-    cu = cu_seqlens.tolist()
-    for i in range(len(cu) - 1):
-        sl = slice(cu[i], cu[i + 1])
-        h0 = None if initial_state is None else initial_state[i : i + 1].float()
-        o, s = torch_chunk_gated_delta_rule(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], chunk_size=8,
-                                            initial_state=h0, output_final_state=True,
-                                            use_qk_l2norm_in_kernel=True)
-        outs.append(o)
-        finals.append(s)
-    return torch.cat(outs, 1), torch.cat(finals, 0)
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_chunked_prompt_prefill_plumbing(family, rng, seed):
-    """The chunk-kernel path (layouts, final-state transpose into the checkpoints)
+    """The chunk-kernel path (layouts, shared key heads, final states into the checkpoints)
     agrees with the recurrence path, for the prompt and for the decoding after it."""
     model = build_tiny_model(family, seed=seed)
     prompts = [torch.randint(0, 256, (n,), generator=rng).tolist() for n in (23, 9)]
@@ -222,11 +203,9 @@ def test_prompt_kernel_gets_one_offsets_tensor_per_pass(seed, rng):
     model = build_tiny_model("qwen3_5", seed=seed)
     seen = []
 
-    def kernel(q, k, v, g, beta, *, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
-               cu_seqlens_cpu=None):
+    def kernel(*args, cu_seqlens, cu_seqlens_cpu=None, **kwargs):
         seen.append((cu_seqlens, cu_seqlens_cpu))
-        return fake_chunk_kernel(q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
-                                 cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True)
+        return fake_chunk_kernel(*args, cu_seqlens=cu_seqlens, **kwargs)
 
     eng = HybridEngine(model, strategy="fold", num_slots=3, window=2, max_len=64, prefill="chunk", chunk_kernel=kernel)
     lengths = [int(x) for x in torch.randint(1, 20, (3,), generator=rng)]

@@ -17,6 +17,7 @@ from replayssm.engine.adapter import HybridEngine
 from replayssm.engine.generator import StepGenerator
 from replayssm.engine.prompt_graph import MIN_TOKENS, PromptGraph, PromptGraphs
 from replayssm.engine.random_model import build_tiny_model
+from replayssm.testing.chunk_kernel import chunk_kernel_on_cpu as _chunk_kernel
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -123,22 +124,6 @@ def test_bad_inputs_are_refused_before_any_write(rng, seed):
         PromptGraph(eng, 1, 32, graph=True)
     with pytest.raises(ValueError, match="exclude"):
         HybridEngine(model, num_slots=1, window=2, max_len=64, prompt_graphs=True, fixed_shape=(2, 2))
-
-
-def _chunk_kernel(q, k, v, g, beta, *, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel):
-    """fla-core's ``chunk_gated_delta_rule`` contract from transformers' chunked PyTorch
-    implementation, per sequence; ``cu_seqlens=None`` is one sequence (the static pass)."""
-    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
-
-    cu = [0, q.shape[1]] if cu_seqlens is None else cu_seqlens.tolist()
-    outs, finals = [], []
-    for i in range(len(cu) - 1):
-        sl = slice(cu[i], cu[i + 1])
-        o, s = torch_chunk_gated_delta_rule(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], chunk_size=8,
-                                            initial_state=None, output_final_state=True, use_qk_l2norm_in_kernel=True)
-        outs.append(o)
-        finals.append(s)
-    return torch.cat(outs, 1), torch.cat(finals, 0)
 
 
 def test_one_request_runs_the_chunked_kernel_as_one_sequence(rng, seed):

@@ -9,7 +9,7 @@ import torch
 from replayssm import ops
 
 FRONTS = ["gdn_recurrence", "gdn_chunked_window", "gdn_fold", "causal_conv_verify", "causal_conv_commit",
-          "snapshot_commit", "advance_cursors", "reset_cursors"]
+          "snapshot_commit", "advance_cursors", "reset_cursors", "prompt_gates", "write_checkpoints"]
 
 
 @pytest.mark.parametrize("name", FRONTS)

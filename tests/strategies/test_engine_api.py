@@ -161,35 +161,38 @@ def test_save_restore_protocol(strategy):
 
 
 # ---------------------------------------------------------------------------- chunk_prefill
-def fake_chunk_kernel(q, k, v, g, beta, *, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel):
-    """fla-core's chunk_gated_delta_rule contract, computed token by token in float64
-    from DESIGN.md section 1, written here without the library's ops: states in fla's
-    [K, V] layout, outputs [1, N, HV, V], final states [B, HV, K, V]."""
-    assert initial_state is None and output_final_state and use_qk_l2norm_in_kernel
+def fake_chunk_kernel(q, k, v, g, beta, *, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
+                      state_v_first):
+    """fla-core's (>= 0.6) chunk_gated_delta_rule contract, computed token by token in
+    float64 from DESIGN.md section 1, written here without the library's ops: q, k
+    [1, N, H, K] shared by groups of HV / H value heads, outputs [1, N, HV, V], final
+    states [B, HV, V, K] (state_v_first)."""
+    assert initial_state is None and output_final_state and use_qk_l2norm_in_kernel and state_v_first
     assert cu_seqlens.dtype == torch.int64
-    _, n, hv, kd = q.shape
-    vd = v.shape[-1]
+    _, n, h, kd = q.shape
+    hv, vd = v.shape[2], v.shape[-1]
     q, k, v, g, beta = (t[0].double() for t in (q, k, v, g, beta))
+    key_head = torch.arange(hv) // (hv // h)
     o = torch.zeros(1, n, hv, vd, dtype=torch.float64)
     cu = cu_seqlens.tolist()
-    final = torch.zeros(len(cu) - 1, hv, kd, vd, dtype=torch.float64)
+    final = torch.zeros(len(cu) - 1, hv, vd, kd, dtype=torch.float64)
     for i in range(len(cu) - 1):
-        S = torch.zeros(hv, kd, vd, dtype=torch.float64)
+        S = torch.zeros(hv, vd, kd, dtype=torch.float64)
         for t in range(cu[i], cu[i + 1]):
-            kh = k[t] / torch.sqrt((k[t] ** 2).sum(-1, keepdim=True) + 1e-6)
-            qh = q[t] / torch.sqrt((q[t] ** 2).sum(-1, keepdim=True) + 1e-6) * kd**-0.5
+            kh = (k[t] / torch.sqrt((k[t] ** 2).sum(-1, keepdim=True) + 1e-6))[key_head]
+            qh = (q[t] / torch.sqrt((q[t] ** 2).sum(-1, keepdim=True) + 1e-6) * kd**-0.5)[key_head]
             S = torch.exp(g[t])[:, None, None] * S
-            u = beta[t][:, None] * (v[t] - torch.einsum("hkv,hk->hv", S, kh))
-            S = S + kh[:, :, None] * u[:, None, :]
-            o[0, t] = torch.einsum("hkv,hk->hv", S, qh)
+            u = beta[t][:, None] * (v[t] - torch.einsum("hvk,hk->hv", S, kh))
+            S = S + u[:, :, None] * kh[:, None, :]
+            o[0, t] = torch.einsum("hvk,hk->hv", S, qh)
         final[i] = S
     return o.float(), final.float()
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_chunk_prefill_matches_prefill(strategy):
-    """New API: chunk_prefill computes the gates, expands key heads, calls the kernel with
-    fla's signature and loads the final states (transposed to [V, K]) for the live rows;
+    """New API: chunk_prefill computes the gates, calls the kernel with fla's signature
+    (key heads shared by value heads, states [V, K]) and loads the final states for the live rows;
     padding rows get zero outputs. Against strategy.prefill on an identical pool: outputs
     and committed states within 1e-5 of their scale (the fake kernel is float64)."""
     pools = [make(strategy, requests=0, slots=4, seed=9) for _ in range(2)]

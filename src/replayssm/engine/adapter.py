@@ -82,16 +82,18 @@ def _family(gdn_module) -> str:
 
 
 #: how to get the chunked prompt kernel (the package's optional GPU extra)
-CHUNK_KERNEL_INSTALL = "pip install 'replayssm[gpu]' (fla-core)"
+CHUNK_KERNEL_INSTALL = "pip install 'replayssm[gpu]' (fla-core >= 0.6)"
 
 
 def load_chunk_kernel() -> Callable | None:
-    """fla-core's ``chunk_gated_delta_rule`` if importable, else ``None``."""
+    """fla-core's ``chunk_gated_delta_rule`` if importable and recent enough (0.6 on:
+    grouped value heads and ``state_v_first``, the pool's ``[V, K]`` state layout),
+    else ``None``."""
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except ImportError:
         return None
-    return chunk_gated_delta_rule
+    return chunk_gated_delta_rule if takes(chunk_gated_delta_rule, "state_v_first") else None
 
 
 class _GDNMixer:
@@ -340,14 +342,14 @@ def is_moe(mlp) -> bool:
     return hasattr(mlp, "experts")
 
 
-def takes_host_offsets(kernel: Callable) -> bool:
-    """Whether ``kernel`` takes ``cu_seqlens_cpu`` (newer fla-core releases: the host
-    copy of the offsets, so that the kernel derives its chunk indices without reading
-    the device)."""
+def takes(kernel: Callable, parameter: str) -> bool:
+    """Whether ``kernel``'s signature names ``parameter`` (for fla-core's releases:
+    ``cu_seqlens_cpu``, the host copy of the offsets, so that the kernel derives its
+    chunk indices without reading the device; ``state_v_first``, from 0.6)."""
     import inspect
 
     try:
-        return "cu_seqlens_cpu" in inspect.signature(kernel).parameters
+        return parameter in inspect.signature(kernel).parameters
     except (TypeError, ValueError):
         return False
 
@@ -362,9 +364,9 @@ class _PromptKernel:
       layer; a kernel that takes ``cu_seqlens_cpu`` gets the host copy and reads
       nothing.
     * Requests that hold committed tokens (a prompt prefilled in chunks) start from
-      their committed state: the kernel's ``initial_state`` ``[B, HV, K, V]``, the
-      layer's committed states (``[B, HV, V, K]`` in the pool) transposed; fresh
-      requests start from zero, which their committed state is.
+      their committed state: the kernel's ``initial_state`` ``[B, HV, V, K]``, the
+      layer's committed states; fresh requests start from zero, which their committed
+      state is.
     """
 
     def __init__(self, kernel: Callable, strategy, batch: Batch, starts: Sequence[int]):
@@ -374,13 +376,13 @@ class _PromptKernel:
         self.history = any(starts)
         self.cu_seqlens = batch.cu_seqlens.long()
         self.extra = {}
-        if takes_host_offsets(kernel):
+        if takes(kernel, "cu_seqlens_cpu"):
             self.extra["cu_seqlens_cpu"] = torch.tensor(list(itertools.accumulate(batch.lengths, initial=0)))
 
     def layer(self, j: int) -> Callable:
         def call(q, k, v, g, beta, *, initial_state=None, cu_seqlens=None, **kwargs):
             if self.history:
-                initial_state = self.strategy.committed_state(j, self.slots).transpose(-1, -2)
+                initial_state = self.strategy.committed_state(j, self.slots)
             return self.kernel(q, k, v, g, beta, initial_state=initial_state, cu_seqlens=self.cu_seqlens,
                                **kwargs, **self.extra)
 
@@ -538,7 +540,7 @@ class HybridEngine:
         if prefill == "chunk":
             self.chunk_kernel = chunk_kernel or load_chunk_kernel()
             if self.chunk_kernel is None:
-                raise ValueError("prefill='chunk' needs fla-core (fla.ops.gated_delta_rule) or a chunk_kernel: "
+                raise ValueError("prefill='chunk' needs fla-core >= 0.6 (fla.ops.gated_delta_rule) or a chunk_kernel: "
                                  + CHUNK_KERNEL_INSTALL)
             self.prefill_kernel = "chunk"
         elif prefill == "auto" and self.device.type == "cuda":
@@ -547,7 +549,7 @@ class HybridEngine:
             else:
                 self.chunk_kernel = chunk_kernel or load_chunk_kernel()
                 self.prefill_kernel = ("chunk (fla-core)" if self.chunk_kernel
-                                       else f"recurrence (fla-core not importable: {CHUNK_KERNEL_INSTALL})")
+                                       else f"recurrence (fla-core >= 0.6 not importable: {CHUNK_KERNEL_INSTALL})")
         else:
             self.prefill_kernel = "recurrence"
         # A CUDA engine that could run prompts through the chunked kernel but cannot

@@ -20,10 +20,12 @@ from .conv import (
     causal_conv_verify_tree,
     causal_conv_verify_tree_reference,
 )
+from .checkpoints import write_checkpoints, write_checkpoints_reference
 from .counter_hash import counter_hash, counter_hash_reference
 from .cursors import advance_cursors, advance_cursors_reference, reset_cursors, reset_cursors_reference
 from .fold import gdn_fold, gdn_fold_reference
 from .gates import expand_heads, gdn_gates, l2_normalize
+from .prompt_gates import prompt_gates, prompt_gates_reference
 from .records import RawRecords
 from .recurrent import gdn_recurrence, gdn_recurrence_reference, readout, state_update
 from .ring_decode import gdn_ring_decode, gdn_ring_decode_reference
@@ -64,10 +66,14 @@ __all__ = [
     "gdn_tree_verify_reference",
     "gdn_tree_window_reference",
     "l2_normalize",
+    "prompt_gates",
+    "prompt_gates_reference",
     "readout",
     "reset_cursors",
     "reset_cursors_reference",
     "snapshot_commit",
     "snapshot_commit_reference",
     "state_update",
+    "write_checkpoints",
+    "write_checkpoints_reference",
 ]

@@ -31,7 +31,8 @@ import torch
 
 from ..ops import _checks, guards
 from ..ops.conv import causal_conv_commit, causal_conv_verify, causal_conv_verify_tree
-from ..ops.gates import expand_heads, gdn_gates
+from ..ops.checkpoints import write_checkpoints
+from ..ops.prompt_gates import prompt_gates
 from ..ops.recurrent import check_layer_inputs, gdn_recurrence
 from ..ops.tree_ops import compact_path
 from ..ops.trees import DeviceTrees, DraftTrees, accepted_paths
@@ -525,14 +526,16 @@ class Strategy:
     def chunk_prefill(self, layer: int, q, k, v, a, b, batch: Batch, kernel: Callable) -> torch.Tensor:
         """Prompt tokens of fresh requests through an external chunked kernel.
 
-        Computes ``g, beta`` (fp32) from the raw gates, repeats key heads to value heads,
-        and calls ``kernel`` with fla-core's ``chunk_gated_delta_rule`` signature:
-        ``kernel(q [1, N, HV, K], k [1, N, HV, K], v [1, N, HV, V], g [1, N, HV],
-        beta [1, N, HV] (v's dtype), initial_state=None, output_final_state=True,
-        cu_seqlens=[B + 1] int64, use_qk_l2norm_in_kernel=True) -> (o [1, N, HV, V],
-        final [B, HV, K, V])``. The final states become the committed states of the
-        batch's live slots (:meth:`load_states`; the kernel's ``[K, V]`` layout is
-        transposed to the pool's ``[V, K]``).
+        Computes ``g`` (fp32) and ``beta`` from the raw gates (:func:`prompt_gates`, one
+        launch) and calls ``kernel`` with the signature of fla-core's (>= 0.6)
+        ``chunk_gated_delta_rule``: ``kernel(q [1, N, H, K], k [1, N, H, K],
+        v [1, N, HV, V], g [1, N, HV], beta [1, N, HV] (v's dtype), initial_state=None,
+        output_final_state=True, cu_seqlens=[B + 1] int64, use_qk_l2norm_in_kernel=True,
+        state_v_first=True) -> (o [1, N, HV, V], final [B, HV, V, K])``. Key heads are
+        shared by value heads (value head ``h`` reads key head ``h // (HV / H)``, fla's
+        grouped value attention), and the states are in the pool's ``[V, K]`` layout.
+        The final states become the committed states of the batch's live slots
+        (:meth:`load_states`).
 
         Args:
             layer, q, k, v, a, b, batch: as for :meth:`prefill` (every live row fresh:
@@ -550,7 +553,7 @@ class Strategy:
         o, final = self._run_chunk_kernel(layer, q, k, v, a, b, kernel, batch.num_tokens, batch.size,
                                           cu_seqlens=batch.cu_seqlens.long())
         slots = batch.host_slots if batch.host_slots is not None else tuple(batch.slots.tolist())
-        self._load_states(layer, slots, final.transpose(-1, -2))
+        self._load_states(layer, slots, final)
         o = o[0].to(v.dtype)
         if any(sl < 0 for sl in slots):  # padding rows: zero outputs, as prefill gives
             pad = [t for i, sl in enumerate(slots) if sl < 0 for t in range(*_token_range(batch, i))]
@@ -582,36 +585,27 @@ class Strategy:
             raise ValueError(f"a static chunked prompt batch is one request and a padding row, got {batch.size} "
                              f"rows with slots {batch.host_slots}")
         self._check_prefill_rows(batch)
-        real = torch.arange(batch.num_tokens, device=q.device) < batch.cu_seqlens[1]
         o, final = self._run_chunk_kernel(layer, q, k, v, a, b, kernel, batch.num_tokens, 1, cu_seqlens=None,
-                                          real=real)
-        slot = batch.slots[:1].long()
-        live = slot >= 0
-        ck = self.pool.checkpoints[layer]
-        # a padding slot (-1) writes its own current state back: nothing moves
-        ck[slot.clamp(min=0)] = torch.where(live[:, None, None, None], final.transpose(-1, -2).to(ck.dtype),
-                                            ck[slot.clamp(min=0)])
+                                          real=batch.cu_seqlens[1:2])
+        write_checkpoints(self.pool.checkpoints[layer], batch.slots[:1], final, backend=self.pool.backend)
         return o[0].to(v.dtype)
 
     def _run_chunk_kernel(self, layer: int, q, k, v, a, b, kernel: Callable, num_tokens: int, num_seqs: int, *,
                           cu_seqlens, real=None):
-        """Gates, key heads repeated to value heads, the chunked kernel's call and the
-        check of what it returns; ``real [N]`` bool zeroes the other tokens' gates."""
+        """Gates, the chunked kernel's call and the check of what it returns; ``real [1]``
+        (a device count) zeroes the gates of tokens from ``real[0]`` on."""
         s = self.pool.shape
         hv = s.num_value_heads
         A_log, dt_bias = self._gates(layer)
-        g, beta = gdn_gates(a, b, A_log, dt_bias)
-        if real is not None:
-            g, beta = torch.where(real[:, None], g, 0.0), torch.where(real[:, None], beta, 0.0)
-        qe, ke = expand_heads(q, hv), expand_heads(k, hv)
+        g, beta = prompt_gates(a, b, A_log, dt_bias, real, beta_dtype=v.dtype, backend=self.pool.backend)
         o, final = kernel(
-            qe[None], ke[None], v[None], g[None], beta.to(v.dtype)[None], initial_state=None,
-            output_final_state=True, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True,
+            q[None], k[None], v[None], g[None], beta[None], initial_state=None, output_final_state=True,
+            cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True, state_v_first=True,
         )
         _checks.tensor("kernel's o", o, ndim=4, dtypes=_checks.FLOAT_DTYPES)
         _checks.shape("kernel's o", o, [1, num_tokens, hv, s.head_v_dim])
         _checks.tensor("kernel's final state", final, ndim=4, dtypes=_checks.FLOAT_DTYPES)
-        _checks.shape("kernel's final state", final, [num_seqs, hv, s.head_k_dim, s.head_v_dim])
+        _checks.shape("kernel's final state", final, [num_seqs, hv, s.head_v_dim, s.head_k_dim])
         return o, final
 
     def load_states(self, layer: int, slots: torch.Tensor, states: torch.Tensor) -> None:

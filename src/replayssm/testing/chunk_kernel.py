@@ -1,0 +1,53 @@
+"""A stand-in for fla-core's chunked prompt kernel that runs on the CPU.
+
+:func:`chunk_kernel_on_cpu` keeps the contract the strategies call the chunked kernel
+with (:meth:`~replayssm.strategies.Strategy.chunk_prefill`: fla-core's
+``chunk_gated_delta_rule`` from 0.6, grouped value heads, states ``[V, K]`` with
+``state_v_first=True``) and computes it with transformers' chunked PyTorch
+implementation, one sequence at a time. It is another implementation than the
+library's recurrence, so the engine's chunked paths can be tested against it on the CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def chunk_kernel_on_cpu(q, k, v, g, beta, *, initial_state=None, output_final_state=False, cu_seqlens=None,
+                        use_qk_l2norm_in_kernel=False, state_v_first=False, chunk_size: int = 8):
+    """fla-core's ``chunk_gated_delta_rule`` (the arguments the strategies pass).
+
+    Args:
+        q, k: ``[1, N, H, K]``; value head ``h`` reads key head ``h // (HV / H)``.
+        v: ``[1, N, HV, V]``.
+        g, beta: ``[1, N, HV]`` log decays and write strengths.
+        initial_state: ``[B, HV, V, K]`` (``state_v_first``) or ``[B, HV, K, V]``;
+            ``None``: zero.
+        cu_seqlens: ``[B + 1]`` int64 offsets; ``None``: one sequence.
+        chunk_size: transformers' chunk length (small, so short test prompts span
+            several chunks).
+
+    Returns:
+        ``(o [1, N, HV, V], final [B, HV, V, K] or [B, HV, K, V], or None)``.
+    """
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+
+    if q.shape[0] != 1 or k.shape != q.shape or v.shape[:2] != q.shape[:2] or v.shape[2] % q.shape[2]:
+        raise ValueError(f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} break the contract")
+    group = v.shape[2] // q.shape[2]
+    q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
+    if cu_seqlens is not None and cu_seqlens.dtype != torch.int64:
+        raise TypeError(f"cu_seqlens must be int64, got {cu_seqlens.dtype}")
+    cu = [0, q.shape[1]] if cu_seqlens is None else cu_seqlens.tolist()
+    outs, finals = [], []
+    for i in range(len(cu) - 1):
+        sl = slice(cu[i], cu[i + 1])
+        h0 = None if initial_state is None else initial_state[i : i + 1].float()
+        if h0 is not None and state_v_first:
+            h0 = h0.transpose(-1, -2)
+        o, s = torch_chunk_gated_delta_rule(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl],
+                                            chunk_size=chunk_size, initial_state=h0, output_final_state=True,
+                                            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        outs.append(o)
+        finals.append(s.transpose(-1, -2) if state_v_first else s)
+    return torch.cat(outs, 1), (torch.cat(finals, 0) if output_final_state else None)
