@@ -33,7 +33,7 @@ def _states(eng, slots):
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
-@pytest.mark.parametrize("lengths", [(9,), (31,), (5, 17, 1)])
+@pytest.mark.parametrize("lengths", [(9,), (31,), (32,), (5, 17, 1)])
 def test_static_prompt_pass_equals_eager(family, lengths, rng, seed):
     """Logits of the last tokens, every token's hidden state, the GDN and conv states,
     the keys and values written and the KV lengths: as the eager pass; a live request
@@ -90,7 +90,7 @@ def test_routing_long_continued_and_all_logits_passes_run_eagerly(rng, seed):
     eng = HybridEngine(model, strategy="fold", num_slots=3, window=2, max_len=160, prompt_graphs=True,
                        prompt_graph_tokens=64)
     s = eng.alloc()
-    eng.extend([s], [torch.randint(0, 256, (64,), generator=rng).tolist()], prompt=True)  # 64 tokens: N = 128
+    eng.extend([s], [torch.randint(0, 256, (65,), generator=rng).tolist()], prompt=True)  # 65 tokens: N = 128
     eng.extend([s], [[1, 2, 3]], prompt=True)  # continued
     t = eng.alloc()
     eng.extend([t], [[4, 5]], prompt=True, all_logits=True)
@@ -99,7 +99,8 @@ def test_routing_long_continued_and_all_logits_passes_run_eagerly(rng, seed):
     u = eng.alloc()
     eng.extend([u], [[6, 7]], prompt=True)
     assert seen and eng.prompt_passes == {"static": 0, "eager": 4}
-    assert eng.prompt_graphs.shape(63) == 64 and eng.prompt_graphs.shape(64) is None
+    assert eng.prompt_graphs.shape(64) == 64 and eng.prompt_graphs.shape(65) is None
+    assert eng.prompt_graphs.shape(63, requests=2) == 64 and eng.prompt_graphs.shape(64, requests=2) is None
     assert eng.prompt_graphs.shape(1) == MIN_TOKENS
 
 
@@ -120,34 +121,42 @@ def test_bad_inputs_are_refused_before_any_write(rng, seed):
         PromptGraphs(eng, max_tokens=48)
     with pytest.raises(ValueError, match="requests < tokens"):
         PromptGraph(eng, 4, 4, graph=False)
+    with pytest.raises(ValueError, match="without padding is one request"):
+        PromptGraph(eng, 2, 32, graph=False, padded=False)
+    with pytest.raises(ValueError, match="exactly 32 tokens"):
+        PromptGraph(eng, 1, 32, graph=False, padded=False).run([s], [[1] * 31])
     with pytest.raises(ValueError, match="CUDA"):
         PromptGraph(eng, 1, 32, graph=True)
     with pytest.raises(ValueError, match="exclude"):
         HybridEngine(model, num_slots=1, window=2, max_len=64, prompt_graphs=True, fixed_shape=(2, 2))
 
 
-def test_one_request_runs_the_chunked_kernel_as_one_sequence(rng, seed):
+@pytest.mark.parametrize("length", [21, 32])
+def test_one_request_runs_the_chunked_kernel_as_one_sequence(length, rng, seed):
     """With a chunked kernel, a one-request shape hands the kernel every token as one
-    sequence with the padding tokens' gates zeroed: states and logits as the eager
-    chunked pass's; a pass of two requests keeps the recurrence."""
+    sequence with the padding tokens' gates zeroed (none at 32 tokens: the request
+    fills its shape): states and logits as the eager chunked pass's; a pass of two
+    requests keeps the recurrence."""
     model = build_tiny_model("qwen3_5", seed=seed)
     eager, static = _engines(model, prefill="chunk", chunk_kernel=_chunk_kernel)
-    prompt = [torch.randint(0, 256, (21,), generator=rng).tolist()]
+    prompt = [torch.randint(0, 256, (length,), generator=rng).tolist()]
     outs = []
     for eng in (eager, static):
         slot = eng.alloc()
         outs.append((eng.extend([slot], prompt, prompt=True), _states(eng, [slot])))
     (oe, se), (os_, ss) = outs
-    assert static.prompt_graphs.prepare(1, 21).chunk_kernel is _chunk_kernel
-    assert static.prompt_graphs.prepare(2, 21).chunk_kernel is None
+    graph = static.prompt_graphs.prepare(1, length)
+    assert graph.chunk_kernel is _chunk_kernel and graph.padded == (length < 32)
+    assert static.prompt_graphs.prepare(2, length).chunk_kernel is None
     scale = oe.logits.abs().max()
     torch.testing.assert_close(os_.logits / scale, oe.logits / scale, **TOL)
     torch.testing.assert_close(ss[0], se[0], **TOL)
     torch.testing.assert_close(ss[1], se[1], **TOL)
     big = HybridEngine(model, num_slots=2, window=1, max_len=2048, prefill="chunk", chunk_kernel=_chunk_kernel,
                        prompt_graphs=True).prompt_graphs
-    shapes = [big.shape(n) for n in (511, 512, 600, 2047, 8191, 8192)]
-    assert shapes == [512, 768, 768, 2048, 8192, None]
+    shapes = [big.key(n) for n in (511, 512, 513, 2048, 8191, 8192, 8193)]
+    assert shapes == [(1, 512, True), (1, 512, False), (1, 768, True), (1, 2048, False), (1, 8192, True),
+                      (1, 8192, False), None]
     assert big.shape(511, requests=2) == 512 and big.shape(512, requests=2) is None
 
 
@@ -173,6 +182,5 @@ def test_prepare_joins_builds_every_shape_joining_prompts_can_take(rng):
     lo = int(torch.randint(3, 20, (1,), generator=rng))
     hi = lo + int(torch.randint(0, 60, (1,), generator=rng))
     graphs.prepare_joins(6, lo, hi)
-    want = {(k, graphs.shape(n, k)) for k in range(1, 7) for n in range(k * lo, k * hi + 1)
-            if graphs.shape(n, k) is not None}
+    want = {graphs.key(n, k) for k in range(1, 7) for n in range(k * lo, k * hi + 1)} - {None}
     assert set(graphs._shapes) == want and want

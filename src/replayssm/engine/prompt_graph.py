@@ -7,10 +7,12 @@ batch 1 on Qwen3.5 shapes: 16 ms of host time for 1.9 ms of GPU work). A
 whole pass (embedding, every layer, the last tokens' logits, the KV lengths) from buffers
 the host fills with one asynchronous copy.
 
-Layout of a pass: the requests' prompt tokens packed in request order, then ``N - n >= 1``
-padding tokens that form one more request with slot ``-1`` (the batch's index contract
-wants every token in a request; the strategy's kernels give padding requests zero
-outputs and leave every state alone). GDN layers of several requests run the strategy's
+Layout of a pass: the requests' prompt tokens packed in request order, then the ``N - n``
+padding tokens, which form one more request with slot ``-1`` (the batch's index contract
+wants every token in a request, of at least one token; the strategy's kernels give
+padding requests zero outputs and leave every state alone). Shapes of several requests
+always have one (``N > n``); a request alone that fills its shape (``n = N``, a prompt of
+a power-of-two length, say) has its own shape without, so that it pays no padding. GDN layers of several requests run the strategy's
 exact :meth:`~replayssm.strategies.Strategy.prefill` (the recurrence, graph-safe); those
 of one request the chunked kernel when the engine has one
 (:meth:`~replayssm.strategies.Strategy.chunk_prefill_static`: the whole pass as one
@@ -20,8 +22,9 @@ layers run the fresh-request attention of
 layout (one request: its own row, the padding after it, which a causal mask keeps from
 every real query). Padding tokens write their keys and values into the cache's sink slot.
 
-:class:`PromptGraphs` picks the shape of a pass (``B`` exact, ``N`` above the pass's
-tokens: a power of two up to 512, then a multiple of 256) and captures it at its first use.
+:class:`PromptGraphs` picks the shape of a pass (``B`` exact, ``N`` a power of two up to
+512, then a multiple of 256: above the pass's tokens, or from them for one request) and
+captures it at its first use.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ LONG_STEP = 256
 
 class PromptGraph:
     """One prompt-pass shape: ``requests`` fresh requests with fewer than ``tokens``
-    prompt tokens in all.
+    prompt tokens in all (``padded``), or one request of exactly ``tokens``.
 
     Args:
         engine: the engine whose states, KV cache and strategy the pass advances.
@@ -53,17 +56,26 @@ class PromptGraph:
         graph: capture a CUDA graph (CUDA only); else :meth:`run` runs the body eagerly
             (the CPU path, and what the graph is tested against).
         pool: a CUDA graph memory pool shared by the engine's prompt graphs.
+        padded: the pass ends in a padding request; ``False`` (one request only): the
+            request fills the ``N`` rows.
     """
 
-    def __init__(self, engine: HybridEngine, requests: int, tokens: int, *, graph: bool, pool=None):
-        if not 1 <= requests < tokens:
+    def __init__(self, engine: HybridEngine, requests: int, tokens: int, *, graph: bool, pool=None,
+                 padded: bool = True):
+        if padded and not 1 <= requests < tokens:
             raise ValueError(f"need 1 <= requests < tokens, got requests={requests}, tokens={tokens}")
+        if not padded and (requests != 1 or tokens < 1):
+            raise ValueError(f"a shape without padding is one request of >= 1 tokens, got requests={requests}, "
+                             f"tokens={tokens}")
         if graph and engine.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA engine")
-        self.engine, self.requests, self.tokens = engine, requests, tokens
+        self.engine, self.requests, self.tokens, self.padded = engine, requests, tokens, padded
         dev, b, n, sink = engine.device, requests, tokens, engine.kv.sink
         # Capture-time windows: every request padding, so warm-up and capture move no state.
-        self.batch = engine.pool.batch([-1] * (b + 1), [1] * b + [n - b], prefill=True)
+        if padded:
+            self.batch = engine.pool.batch([-1] * (b + 1), [1] * b + [n - b], prefill=True)
+        else:
+            self.batch = engine.pool.batch([-1], [n], prefill=True)
         # meta = ids [N] | row, col, position, cache slot [4, N] | last [B] | cache slot, length [2, B]
         self.meta = torch.zeros(5 * n + 3 * b, dtype=torch.int64, device=dev)
         self.ids = self.meta[:n]
@@ -85,15 +97,17 @@ class PromptGraph:
 
     def run(self, slots: Sequence[int], windows: Sequence[Sequence[int]]) -> StepOutput:
         """Prefill ``windows`` (prompt tokens, checked by the caller: fresh, live,
-        unique slots, token ids in range, fewer than ``tokens`` in all) into ``slots``.
+        unique slots, token ids in range; fewer than ``tokens`` in all, or exactly
+        ``tokens`` for a shape without padding) into ``slots``.
 
         Returns the eager pass's :class:`StepOutput` (last-token logits), in tensors of
         its own (the graph's buffers are copied out)."""
         eng, b, n = self.engine, self.requests, self.tokens
         lengths = [len(w) for w in windows]
         used = sum(lengths)
-        if len(slots) != b or used >= n:
-            raise ValueError(f"this shape takes {b} requests of fewer than {n} tokens in all, got {len(slots)} "
+        if len(slots) != b or (used >= n if self.padded else used != n):
+            room = f"fewer than {n}" if self.padded else f"exactly {n}"
+            raise ValueError(f"this shape takes {b} requests of {room} tokens in all, got {len(slots)} "
                              f"requests of {used}")
         pad = n - used
         offsets = [0]
@@ -121,7 +135,10 @@ class PromptGraph:
         kv_slot[used:] = eng.kv.sink
         host[5 * n : 5 * n + b] = torch.tensor(offsets[1:]) - 1
         host[5 * n + b :] = torch.cat([sl, lens])
-        self.batch.set_windows(list(slots) + [-1], lengths + [pad])
+        if self.padded:
+            self.batch.set_windows(list(slots) + [-1], lengths + [pad])
+        else:
+            self.batch.set_windows(slots, lengths)
         self.meta.copy_(host, non_blocking=self._copied is not None)
         if self._copied is not None:
             self._copied.record()
@@ -152,10 +169,10 @@ class PromptGraphs:
     """The prompt shapes of one engine, each built (and on CUDA captured) at first use.
 
     A pass of ``B`` fresh requests with ``n`` prompt tokens in all takes the shape ``(B,
-    N)`` with ``N > n``: the smallest power of two ``>= MIN_TOKENS`` up to 512, above that
-    the next multiple of ``LONG_STEP``. Passes with ``N`` above the bound, and any pass with
-    a request that holds tokens already (a prompt continued in chunks), run eagerly
-    (:meth:`fits` says which).
+    N)`` with ``N > n`` (``N >= n`` for one request): the smallest power of two ``>=
+    MIN_TOKENS`` up to 512, above that the smallest multiple of ``LONG_STEP``. Passes with
+    ``N`` above the bound, and any pass with a request that holds tokens already (a
+    prompt continued in chunks), run eagerly (:meth:`fits` says which).
 
     Args:
         engine: the engine.
@@ -181,11 +198,21 @@ class PromptGraphs:
     def shape(self, num_tokens: int, requests: int = 1) -> int | None:
         """The token capacity ``N`` of a pass of ``num_tokens`` tokens of ``requests``
         requests (``None``: it runs eagerly)."""
-        if num_tokens < 512:
-            n = max(MIN_TOKENS, 1 << num_tokens.bit_length())  # the smallest power of two > num_tokens
+        key = self.key(num_tokens, requests)
+        return None if key is None else key[1]
+
+    def key(self, num_tokens: int, requests: int = 1) -> tuple[int, int, bool] | None:
+        """``(B, N, padded)``: the shape of such a pass (``None``: it runs eagerly)."""
+        if num_tokens < 1 or not 1 <= requests <= num_tokens:
+            return None
+        below = num_tokens - 1 if requests == 1 else num_tokens  # the capacity must exceed this
+        if below < 512:
+            n = max(MIN_TOKENS, 1 << below.bit_length())  # the smallest power of two > below
         else:
-            n = (num_tokens // LONG_STEP + 1) * LONG_STEP
-        return n if n <= (self.max_chunked_tokens if requests == 1 else self.max_tokens) else None
+            n = (below // LONG_STEP + 1) * LONG_STEP
+        if n > (self.max_chunked_tokens if requests == 1 else self.max_tokens):
+            return None
+        return requests, n, n > num_tokens
 
     def fits(self, slots: Sequence[int], windows: Sequence[Sequence[int]]) -> bool:
         """Whether a prompt pass of ``windows`` into ``slots`` runs as a static shape:
@@ -200,14 +227,14 @@ class PromptGraphs:
         """The shape of a pass of ``requests`` requests and ``num_tokens`` tokens, built
         (and captured) now if it was not; ``None`` if such a pass runs eagerly. A
         benchmark calls this before timing, so no capture lands inside a timed run."""
-        n = self.shape(num_tokens, requests)
-        if n is None or not 1 <= requests <= num_tokens:
+        key = self.key(num_tokens, requests)
+        if key is None:
             return None
-        key = (requests, n)
         if key not in self._shapes:
             if self.graph and self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
-            self._shapes[key] = PromptGraph(self.engine, requests, n, graph=self.graph, pool=self._pool)
+            self._shapes[key] = PromptGraph(self.engine, requests, key[1], graph=self.graph, pool=self._pool,
+                                            padded=key[2])
         return self._shapes[key]
 
     def prepare_joins(self, most: int, lo: int, hi: int) -> None:
@@ -218,7 +245,7 @@ class PromptGraphs:
             top = min(k * hi, self.max_chunked_tokens if k == 1 else self.max_tokens)
             if k > 1 and k * lo > top:  # every pass of k or more such requests runs eagerly
                 break
-            shapes = {self.shape(n, k): n for n in range(k * lo, top + 1)}
+            shapes = {self.key(n, k): n for n in range(k * lo, top + 1)}
             shapes.pop(None, None)
             for n in shapes.values():
                 self.prepare(k, n)

@@ -562,16 +562,16 @@ class Strategy:
 
     def chunk_prefill_static(self, layer: int, q, k, v, a, b, batch: Batch, kernel: Callable) -> torch.Tensor:
         """:meth:`chunk_prefill` of a static prompt batch (a CUDA-graphed prompt pass,
-        :mod:`replayssm.engine.prompt_graph`): one fresh request, then a padding request
-        (slot ``-1``) over the rest of the tokens, both rewritten on the device between
-        replays. Nothing is read on the host: the kernel sees every token as one
+        :mod:`replayssm.engine.prompt_graph`): one fresh request, then (unless the
+        request fills the batch) a padding request (slot ``-1``) over the rest of the
+        tokens, both rewritten on the device between replays. Nothing is read on the host: the kernel sees every token as one
         sequence (no offsets) with the padding tokens' gates ``g = 0, beta = 0``, which
         pass the state on unchanged, and the final state goes to the request's slot
         through the batch's device slots (``-1``, as at capture, writes nothing).
 
         Args:
             layer, q, k, v, a, b, kernel: as for :meth:`chunk_prefill`.
-            batch: two rows, the second one padding.
+            batch: one row, or two with the second one padding.
 
         Returns:
             ``o``: ``[N, HV, V]`` in the dtype of ``v``; the padding tokens' rows are
@@ -581,8 +581,9 @@ class Strategy:
         self._check_inputs(layer, q, k, v, a, b, batch)
         if not callable(kernel):
             raise TypeError(f"kernel must be callable, got {type(kernel).__name__}")
-        if batch.size != 2 or (batch.host_slots is not None and batch.host_slots[1] != -1):
-            raise ValueError(f"a static chunked prompt batch is one request and a padding row, got {batch.size} "
+        if batch.size not in (1, 2) or (batch.size == 2 and batch.host_slots is not None
+                                        and batch.host_slots[1] != -1):
+            raise ValueError(f"a static chunked prompt batch is one request (and a padding row), got {batch.size} "
                              f"rows with slots {batch.host_slots}")
         self._check_prefill_rows(batch)
         o, final = self._run_chunk_kernel(layer, q, k, v, a, b, kernel, batch.num_tokens, 1, cu_seqlens=None,
