@@ -159,7 +159,8 @@ def test_static_prompt_pass_replays_the_eager_pass(dtype):
 
 def test_static_prompt_pass_of_one_request_through_fla():
     """One request's shape runs fla-core's kernel in the graph (every token one
-    sequence, the padding's gates zero): logits and states as the eager chunked pass's."""
+    sequence, the padding's gates zero; a request that fills its shape has none):
+    logits and states as the eager chunked pass's."""
     if load_chunk_kernel() is None:
         pytest.skip("fla-core is not importable here")
     model = build_tiny_model("qwen3_5", seed=7, dtype=torch.bfloat16, device="cuda", **HEADS)
@@ -167,7 +168,7 @@ def test_static_prompt_pass_of_one_request_through_fla():
     eager = HybridEngine(model, prompt_graphs=False, **common)
     static = HybridEngine(model, prompt_graphs=True, **common)
     with torch.inference_mode():
-        for n in (1500, 2000):  # one shape (2048), replayed with another prompt
+        for n in (1500, 2000, 2048):  # one shape (2048), replayed with another prompt; then 2048 tokens: no padding
             prompt = _prompts(n, (n,))
             outs = []
             for eng in (eager, static):
@@ -178,5 +179,42 @@ def test_static_prompt_pass_of_one_request_through_fla():
             (le, se), (ls, ss) = outs
             assert (ls - le).abs().max().item() < 0.05 * le.abs().max().item()
             assert (ss - se).abs().max().item() < 0.05 * se.abs().max().item()
-    assert static.prompt_passes == {"static": 2, "eager": 0}
+    assert static.prompt_passes == {"static": 3, "eager": 0}
     assert static.prompt_graphs.prepare(1, 2000).chunk_kernel is not None
+    assert not static.prompt_graphs.prepare(1, 2048).padded
+
+
+def test_prompt_ops_on_the_card_and_in_a_graph():
+    """prompt_gates' kernel on bf16 projections (the model's) against the reference, and
+    write_checkpoints replayed from a graph captured with slot -1 (which wrote nothing)
+    after the slot is rewritten on the device: the slot's checkpoint is the state, the
+    others are untouched."""
+    from replayssm.ops.checkpoints import write_checkpoints
+    from replayssm.ops.prompt_gates import prompt_gates
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    n, hv = 3000, 32
+    a = torch.randn(n, 2 * hv, generator=g, device="cuda").mul(6).bfloat16()[:, :hv]
+    b = torch.randn(n, hv, generator=g, device="cuda").mul(3).bfloat16()
+    A_log, dt_bias = torch.rand(hv, generator=g, device="cuda") * 3 - 1, torch.randn(hv, generator=g, device="cuda")
+    real = torch.tensor([2100], device="cuda", dtype=torch.int32)
+    ref = prompt_gates(a, b, A_log, dt_bias, real, beta_dtype=torch.bfloat16, backend="reference")
+    got = prompt_gates(a, b, A_log, dt_bias, real, beta_dtype=torch.bfloat16, backend="triton")
+    assert ((got[0] - ref[0]).abs() <= 1e-6 * ref[0].abs()).all() and torch.equal(got[0][2100:], ref[0][2100:])
+    assert ((got[1].float() - ref[1].float()).abs() <= 2**-8 * ref[1].float().abs()).all()
+
+    ck = torch.randn(2, 5, 4, 128, 128, generator=g, device="cuda").bfloat16()
+    before = ck.clone()
+    states = torch.randn(1, 4, 128, 128, generator=g, device="cuda")
+    slots = torch.full((1,), -1, dtype=torch.int32, device="cuda")
+    write_checkpoints(ck[1], slots, states)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        write_checkpoints(ck[1], slots, states)
+    torch.cuda.synchronize()
+    assert torch.equal(ck, before)
+    slots.fill_(3)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(ck[1, 3], states[0].bfloat16())
+    assert torch.equal(ck[0], before[0]) and torch.equal(ck[1, [0, 1, 2, 4]], before[1, [0, 1, 2, 4]])

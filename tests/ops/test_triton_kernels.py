@@ -504,6 +504,38 @@ def test_conv_token_blocks_match_reference(monkeypatch, c, w, block, group, with
     assert torch.equal(y_t, y_1) and torch.equal(b_t.nan_to_num(0), b_1.nan_to_num(0))
 
 
+@pytest.mark.parametrize("c,parts", [(40, (16, 16, 8)), (300, (7, 101, 192)), (24, (1, 1, 22))])
+def test_conv_planar_parts_are_the_split_output(monkeypatch, c, parts):
+    """``parts``: the outputs in three contiguous parts, bit for bit the one-buffer
+    output's column blocks (Triton against Triton, the reference against the
+    reference), over token blocks and channel blocks that straddle the parts' bounds,
+    a padding row included; the conv state advances the same way."""
+    monkeypatch.setattr(conv_ops, "CONV_TOKEN_BLOCK", 4)
+    monkeypatch.setattr(conv_ops, "CONV_BLOCK", 32)
+    w, ns = 4, 6
+    lengths = [9, 1, 14, 5]
+    slot_list = torch.randperm(ns)[: len(lengths)].tolist()
+    slot_list[2] = -1
+    slots, cu = packed_batch(lengths, slot_list)
+    x, weight, bias, state0, _ = conv_inputs(sum(lengths), c, w, ns, 1, True)
+    for backend in ("reference", "triton"):
+        outs = []
+        for p in (None, parts):
+            state = state0.clone()
+            y = causal_conv_verify(x, state, weight, bias, slots, cu, update_state=True, max_len=14, parts=p,
+                                   backend=backend)
+            outs.append((y, state))
+        (y, s_whole), (planes, s_planar) = outs
+        assert len(planes) == 3 and all(pl.is_contiguous() for pl in planes)
+        for got, want in zip(planes, y.split(parts, dim=1)):
+            assert torch.equal(got, want), backend
+        assert torch.equal(s_planar, s_whole) and not torch.equal(s_planar, state0)
+    with pytest.raises(ValueError, match="sum to the channel count"):
+        causal_conv_verify(x, state0.clone(), weight, bias, slots, cu, max_len=14, parts=(1, 1, 1))
+    with pytest.raises(TypeError, match="three positive ints"):
+        causal_conv_verify(x, state0.clone(), weight, bias, slots, cu, max_len=14, parts=(c, 0, 0))
+
+
 def test_conv_token_block_does_not_follow_the_prompt_length():
     """Windows up to the block take one block of their own length (verify and decoding
     keep their one-block launch); every longer window takes the same block size, so

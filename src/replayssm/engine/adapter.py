@@ -121,9 +121,16 @@ class _GDNMixer:
         mixed = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
         return mixed, z[0].reshape(n, self.HV, self.V), a[0].reshape(n, self.HV), b[0].reshape(n, self.HV)
 
-    def split(self, mixed: torch.Tensor):
-        n = mixed.shape[0]
-        q, k, v = torch.split(mixed, [self.H * self.K, self.H * self.K, self.HV * self.V], dim=-1)
+    @property
+    def parts(self) -> tuple[int, int, int]:
+        """The channel counts of ``q|k|v`` in the conv's input."""
+        return self.H * self.K, self.H * self.K, self.HV * self.V
+
+    def split(self, mixed):
+        """Post-conv channels ``[N, C]`` (or their three parts, a planar conv output) ->
+        ``q, k [N, H, K]``, ``v [N, HV, V]``."""
+        q, k, v = torch.split(mixed, self.parts, dim=-1) if isinstance(mixed, torch.Tensor) else mixed
+        n = q.shape[0]
         return q.reshape(n, self.H, self.K), k.reshape(n, self.H, self.K), v.reshape(n, self.HV, self.V)
 
     def finish(self, o: torch.Tensor, z: torch.Tensor, norm=None) -> torch.Tensor:
@@ -763,7 +770,10 @@ class HybridEngine:
                 mixer = self.mixers[j]
                 mixed, z, a, b = mixer.project(x)
                 mixed, a, b = mixed[:n], a[:n], b[:n]
-                mixed = (strat.conv_verify if verify else strat.conv_prefill)(j, mixed, batch)
+                if verify:
+                    mixed = strat.conv_verify(j, mixed, batch)
+                else:  # the chunked kernel wants q, k, v contiguous: the conv stores them so
+                    mixed = strat.conv_prefill(j, mixed, batch, parts=mixer.parts if prompt_kernel is not None else None)
                 q, k, v = mixer.split(mixed)
                 if self.gdn_inputs_hook is not None:
                     self.gdn_inputs_hook(j, q, k, v, a, b)
@@ -877,7 +887,8 @@ class HybridEngine:
                     q, k, v = mixer.split(strat.conv_verify(j, mixed, batch))
                     o = (strat.verify if verify else strat.decode)(j, q, k, v, a, bb, batch)
                 else:
-                    q, k, v = mixer.split(strat.conv_prefill(j, mixed, batch))
+                    parts = mixer.parts if chunk_kernel is not None else None
+                    q, k, v = mixer.split(strat.conv_prefill(j, mixed, batch, parts=parts))
                     if chunk_kernel is not None:
                         o = strat.chunk_prefill_static(j, q, k, v, a, bb, batch, chunk_kernel)
                     else:

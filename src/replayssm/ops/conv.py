@@ -22,6 +22,18 @@ from .records import check_varlen, slots_error
 from .recurrent import check_index_pair, check_inner_contiguous, check_max_len, window_bound
 
 
+def check_parts(parts, c: int) -> tuple[int, int, int] | None:
+    """Validate a planar conv output's ``parts`` (three channel counts summing to ``C``)."""
+    if parts is None:
+        return None
+    if (not isinstance(parts, (tuple, list)) or len(parts) != 3
+            or any(isinstance(p, bool) or not isinstance(p, int) or p < 1 for p in parts)):
+        raise TypeError(f"parts must be three positive ints (the q, k, v channel counts), got {parts!r}")
+    if sum(parts) != c:
+        raise ValueError(f"parts {tuple(parts)} must sum to the channel count {c}")
+    return tuple(parts)
+
+
 def check_conv_args(x, conv_state, weight, bias):
     """Validate a conv call (metadata only); return ``(N, C, W)``. ``C`` and ``W`` come
     from the registered ``weight``, so an input with the wrong channel count is the one
@@ -54,7 +66,8 @@ def causal_conv_verify_reference(
     window_buf: torch.Tensor | None = None,
     update_state: bool = False,
     max_len: int | None = None,
-) -> torch.Tensor:
+    parts: tuple[int, int, int] | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Causal depthwise conv + SiLU over a packed batch of windows.
 
     Args:
@@ -69,12 +82,17 @@ def causal_conv_verify_reference(
         max_len: optional bound on every window's length. The Triton backend needs a
             bound from ``window_buf`` or ``max_len`` (it never reads ``cu_seqlens`` on
             the host); the reference checks the windows against it.
+        parts: optional channel counts ``(C_q, C_k, C_v)`` summing to ``C``: the output
+            in three contiguous parts instead of one ``[N, C]`` (a chunked kernel that
+            wants contiguous ``q``, ``k``, ``v`` would otherwise copy each).
 
     Returns:
-        ``y``: ``[N, C]`` in the dtype of ``x``. Computed in float32 (float64 for
-        float64 inputs).
+        ``y``: ``[N, C]`` in the dtype of ``x``, or with ``parts`` the tuple ``(y_q [N,
+        C_q], y_k [N, C_k], y_v [N, C_v])``, each contiguous (the same values). Computed
+        in float32 (float64 for float64 inputs).
     """
     n, c, w = check_conv_args(x, conv_state, weight, bias)
+    parts = check_parts(parts, c)
     ns = conv_state.shape[0]
     max_len = check_max_len(max_len)
     if window_buf is not None:
@@ -101,7 +119,7 @@ def causal_conv_verify_reference(
             window_buf[s, : eos - bos] = x[bos:eos]
         if update_state:
             conv_state[s] = torch.cat([conv_state[s].T, x[bos:eos].to(conv_state.dtype)], 0)[-(w - 1) :].T
-    return y
+    return y if parts is None else tuple(part.contiguous() for part in y.split(parts, dim=1))
 
 
 def check_conv_commit_args(conv_state, window_buf, slots, accepted):
@@ -149,8 +167,9 @@ def causal_conv_verify(
     window_buf: torch.Tensor | None = None,
     update_state: bool = False,
     max_len: int | None = None,
+    parts: tuple[int, int, int] | None = None,
     backend: str = "auto",
-) -> torch.Tensor:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The depthwise causal conv (with SiLU) over packed windows ``x [N, C] -> [N, C]``,
     each window continuing its slot's ``conv_state``. Arguments, shapes and results:
     :func:`causal_conv_verify_reference`.
@@ -160,7 +179,7 @@ def causal_conv_verify(
     fallback).
     """
     return pick("conv_verify", backend, x)(x, conv_state, weight, bias, slots, cu_seqlens, window_buf=window_buf,
-                                           update_state=update_state, max_len=max_len)
+                                           update_state=update_state, max_len=max_len, parts=parts)
 
 
 def causal_conv_commit(
@@ -348,10 +367,11 @@ if triton is not None:
         return xs
 
     @triton.jit
-    def _conv_outputs(xs, ws, bias, y_row, wbuf_at, p0, length, mask_c, C, sb_pos, W: tl.constexpr, U: tl.constexpr,
-                      HAS_WBUF: tl.constexpr):
+    def _conv_outputs(xs, ws, bias, y_row, wbuf_at, p0, length, mask_c, y_tok, sb_pos, W: tl.constexpr,
+                      U: tl.constexpr, HAS_WBUF: tl.constexpr):
         """Store positions ``p0 .. p0 + U - 1`` (those below ``length``) from their rows ``xs``
-        (:func:`_conv_rows`), and with ``HAS_WBUF`` their inputs to the window buffer. Each
+        (:func:`_conv_rows`; ``y_tok``: the outputs' token stride, per channel in a planar
+        output), and with ``HAS_WBUF`` their inputs to the window buffer. Each
         output is ``silu(bias + w_0 x_{i-W+1} + ... + w_{W-1} x_i)``, summed in that order
         (the reference's) whatever the block, so a token's bits do not depend on the block
         that holds it."""
@@ -361,7 +381,7 @@ if triton is not None:
                 acc = acc + ws[j] * xs[i + j].to(tl.float32)
             y = tl.div_rn(acc, 1.0 + tl.exp(-acc))  # SiLU
             valid = _tl_mask_and(mask_c, p0 + i < length)
-            tl.store(y_row + (p0 + i) * C, _tl_to_rtne(y, y_row.dtype.element_ty), mask=valid)
+            tl.store(y_row + (p0 + i) * y_tok, _tl_to_rtne(y, y_row.dtype.element_ty), mask=valid)
             if HAS_WBUF:
                 tl.store(wbuf_at + (p0 + i) * sb_pos, xs[i + W - 1].to(wbuf_at.dtype.element_ty), mask=valid)
 
@@ -399,8 +419,8 @@ if triton is not None:
         return hist
 
     @triton.jit
-    def _conv_first_block(x_at, state_at, w_ptr, bias_ptr, y_row, wbuf_at, offs_c, mask_c, length, stride_x_tok, C,
-                          ss_w, sb_pos, W: tl.constexpr, BT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    def _conv_first_block(x_at, state_at, w_ptr, bias_ptr, y_row, wbuf_at, offs_c, mask_c, length, stride_x_tok,
+                          y_tok, ss_w, sb_pos, W: tl.constexpr, BT: tl.constexpr, HAS_BIAS: tl.constexpr,
                           HAS_WBUF: tl.constexpr, UPDATE_STATE: tl.constexpr, LONG: tl.constexpr):
         """Positions ``0 .. BT - 1`` (those below ``length``) of a window, the taps before it
         from the conv state; with ``UPDATE_STATE`` the state advanced over the whole window
@@ -415,7 +435,7 @@ if triton is not None:
         xs = _conv_rows(x_at, state_at, 0, length, stride_x_tok, ss_w, mask_c, W, BT, True)
         if UPDATE_STATE:
             hist = _next_history(xs, x_at, state_at, length, stride_x_tok, mask_c, W, BT, LONG)
-        _conv_outputs(xs, ws, bias, y_row, wbuf_at, 0, length, mask_c, C, sb_pos, W, BT, HAS_WBUF)
+        _conv_outputs(xs, ws, bias, y_row, wbuf_at, 0, length, mask_c, y_tok, sb_pos, W, BT, HAS_WBUF)
         if UPDATE_STATE:
             # This block's programs are the only readers of the slot's history, and the
             # new entries are inputs, which nothing writes: no other program races with
@@ -427,8 +447,8 @@ if triton is not None:
                 tl.store(state_at + p * ss_w, hist[p], mask=mask_c)
 
     @triton.jit
-    def _conv_tokens(x_at, state_at, w_ptr, bias_ptr, y_row, wbuf_at, offs_c, mask_c, t0, length, stride_x_tok, C, ss_w,
-                     sb_pos, W: tl.constexpr, BT: tl.constexpr, U: tl.constexpr, HAS_BIAS: tl.constexpr,
+    def _conv_tokens(x_at, state_at, w_ptr, bias_ptr, y_row, wbuf_at, offs_c, mask_c, t0, length, stride_x_tok, y_tok,
+                     ss_w, sb_pos, W: tl.constexpr, BT: tl.constexpr, U: tl.constexpr, HAS_BIAS: tl.constexpr,
                      HAS_WBUF: tl.constexpr):
         """Positions ``t0 .. t0 + BT - 1`` (those below ``length``) of a block after a window's
         first (``t0 >= W - 1``: every tap is an input), in groups of ``U`` tokens (``BT`` a
@@ -438,18 +458,23 @@ if triton is not None:
         for g in range(0, BT // U):
             p0 = t0 + g * U
             xs = _conv_rows(x_at, state_at, p0, length, stride_x_tok, ss_w, mask_c, W, U, False)
-            _conv_outputs(xs, ws, bias, y_row, wbuf_at, p0, length, mask_c, C, sb_pos, W, U, HAS_WBUF)
+            _conv_outputs(xs, ws, bias, y_row, wbuf_at, p0, length, mask_c, y_tok, sb_pos, W, U, HAS_WBUF)
 
     @triton.jit
     def _conv_verify_kernel(
         x_ptr, state_ptr, w_ptr, bias_ptr, slots_ptr, cu_ptr, y_ptr, wbuf_ptr,
-        stride_x_tok, C, ss_slot, ss_c, ss_w, sb_slot, sb_pos, sb_c,
+        stride_x_tok, C, ss_slot, ss_c, ss_w, sb_slot, sb_pos, sb_c, N, start_k, start_v,
         W: tl.constexpr, BT: tl.constexpr, U: tl.constexpr, BC: tl.constexpr,
-        HAS_BIAS: tl.constexpr, HAS_WBUF: tl.constexpr, UPDATE_STATE: tl.constexpr,
+        HAS_BIAS: tl.constexpr, HAS_WBUF: tl.constexpr, UPDATE_STATE: tl.constexpr, PLANAR: tl.constexpr,
     ):
         """Window positions ``[i_t BT, (i_t + 1) BT)`` of window ``i_b``, channels
         ``[i_c BC, (i_c + 1) BC)``. ``BT >= W - 1`` whenever a window spans more than one
-        block (``U > 0``), so only a window's first block reads its conv state."""
+        block (``U > 0``), so only a window's first block reads its conv state.
+
+        ``y`` is a fresh contiguous ``[N, C]``, or with ``PLANAR`` three contiguous parts
+        one after another, ``[N, start_k]``, ``[N, start_v - start_k]`` and ``[N, C -
+        start_v]`` (channels ``[0, start_k)``, ``[start_k, start_v)``, ``[start_v, C)``):
+        each channel's outputs start at its part's base and step by its part's width."""
         i_t = tl.program_id(0)
         i_c = tl.program_id(1)
         i_b = tl.program_id(2)
@@ -461,10 +486,18 @@ if triton is not None:
             return  # the grid covers the longest window; this one ends before the block
         offs_c = i_c * BC + tl.arange(0, BC)
         mask_c = offs_c < C
-        y_row = y_ptr + bos * C + offs_c  # y is a fresh contiguous [N, C]
+        if PLANAR:
+            in_k = offs_c >= start_k
+            in_v = offs_c >= start_v
+            start = tl.where(in_v, start_v, tl.where(in_k, start_k, 0))
+            y_tok = tl.where(in_v, C - start_v, tl.where(in_k, start_v - start_k, start_k)).to(tl.int64)
+            y_row = y_ptr + start.to(tl.int64) * N + (offs_c - start) + bos * y_tok
+        else:
+            y_tok = C
+            y_row = y_ptr + bos * C + offs_c
         if slot < 0:
             for i in range(0, BT):
-                tl.store(y_row + (t0 + i) * C, tl.full([BC], 0, y_ptr.dtype.element_ty),
+                tl.store(y_row + (t0 + i) * y_tok, tl.full([BC], 0, y_ptr.dtype.element_ty),
                          mask=_tl_mask_and(mask_c, t0 + i < length))
             return
 
@@ -474,11 +507,11 @@ if triton is not None:
         x_at = x_ptr + bos * stride_x_tok + offs_c
         wbuf_at = wbuf_ptr + slot * sb_slot + offs_c * sb_c
         if i_t == 0:
-            _conv_first_block(x_at, state_at, w_ptr, bias_ptr, y_row, wbuf_at, offs_c, mask_c, length, stride_x_tok, C,
-                              ss_w, sb_pos, W, BT, HAS_BIAS, HAS_WBUF, UPDATE_STATE, U > 0)
+            _conv_first_block(x_at, state_at, w_ptr, bias_ptr, y_row, wbuf_at, offs_c, mask_c, length, stride_x_tok,
+                              y_tok, ss_w, sb_pos, W, BT, HAS_BIAS, HAS_WBUF, UPDATE_STATE, U > 0)
         elif U > 0:  # U = 0: the grid has one token block, the first
-            _conv_tokens(x_at, state_at, w_ptr, bias_ptr, y_row, wbuf_at, offs_c, mask_c, t0, length, stride_x_tok, C,
-                         ss_w, sb_pos, W, BT, U, HAS_BIAS, HAS_WBUF)
+            _conv_tokens(x_at, state_at, w_ptr, bias_ptr, y_row, wbuf_at, offs_c, mask_c, t0, length, stride_x_tok,
+                         y_tok, ss_w, sb_pos, W, BT, U, HAS_BIAS, HAS_WBUF)
 
     @triton.jit
     def _conv_verify_tree_kernel(
@@ -586,7 +619,8 @@ def causal_conv_verify_triton(
     window_buf: torch.Tensor | None = None,
     update_state: bool = False,
     max_len: int | None = None,
-) -> torch.Tensor:
+    parts: tuple[int, int, int] | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton version of :func:`causal_conv_verify_reference` (same arguments and results).
 
     Differences: no float64. Layouts: ``conv_state`` and ``window_buf`` any strides (a
@@ -610,9 +644,10 @@ def causal_conv_verify_triton(
     read its conv state, write its new entries after their outputs, picked from the
     rows loaded for the taps (a prompt's last inputs past the block are loaded with
     them). Every output is the same bits whatever the block: the same products, summed
-    in the same order.
+    in the same order. ``parts`` changes only where the outputs are stored.
     """
     n, c, w = check_conv_args(x, conv_state, weight, bias)
+    parts = check_parts(parts, c)
     ns = conv_state.shape[0]
     for name, t in (("x", x), ("conv_state", conv_state), ("weight", weight), ("bias", bias), ("window_buf", window_buf)):
         if t is not None:
@@ -628,10 +663,12 @@ def causal_conv_verify_triton(
         _checks.shape("window_buf", window_buf, [ns, None, c])
         _checks.same_device(x, window_buf=window_buf)
         buf_len = window_buf.shape[1]
-    y = torch.empty(n, c, dtype=x.dtype, device=x.device)
+    y = torch.empty(n * c, dtype=x.dtype, device=x.device)
+    planes = y.view(n, c) if parts is None else tuple(
+        y[n * lo : n * (lo + width)].view(n, width) for lo, width in zip((0, parts[0], parts[0] + parts[1]), parts))
     batch = slots.shape[0]
     if batch == 0 or c == 0:
-        return y
+        return planes
     t = window_bound(max_len, buf_len)
     given = slots
     bound = min(b for b in (max_len, buf_len) if b)
@@ -646,12 +683,13 @@ def causal_conv_verify_triton(
     _conv_verify_kernel[(blocks, triton.cdiv(c, bc), batch)](
         x, conv_state, weight, bias if bias is not None else weight, slots, cu_seqlens, y,
         window_buf if window_buf is not None else y,
-        x.stride(0), c, *conv_state.stride(), *wbuf_strides,
+        x.stride(0), c, *conv_state.stride(), *wbuf_strides, n,
+        *((parts[0], parts[0] + parts[1]) if parts is not None else (0, 0)),
         W=w, BT=bt, U=CONV_TOKEN_GROUP if blocks > 1 else 0, BC=bc,
         HAS_BIAS=bias is not None, HAS_WBUF=window_buf is not None, UPDATE_STATE=bool(update_state),
-        num_warps=4,
+        PLANAR=parts is not None, num_warps=4,
     )
-    return y
+    return planes
 
 
 @register("conv_commit", "triton")

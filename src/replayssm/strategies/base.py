@@ -237,14 +237,17 @@ class Strategy:
         self._conv_verified.add(layer)
         return y
 
-    def conv_prefill(self, layer: int, x: torch.Tensor, batch: Batch) -> torch.Tensor:
-        """The layer's causal conv over prompt tokens, advancing the conv state."""
+    def conv_prefill(self, layer: int, x: torch.Tensor, batch: Batch, *, parts: tuple[int, int, int] | None = None):
+        """The layer's causal conv over prompt tokens, advancing the conv state:
+        ``x [N, C] -> [N, C]``, or with ``parts = (C_q, C_k, C_v)`` three contiguous
+        parts (:func:`~replayssm.ops.causal_conv_verify`'s ``parts``), as a chunked
+        kernel wants ``q``, ``k`` and ``v``."""
         self._check_batch(batch, step=False)
         self._check_conv_input(layer, x)
         p = self.pool.layer_params(layer)
         return causal_conv_verify(
             x, self.pool.conv_state[layer], p["conv_weight"], p["conv_bias"], batch.slots, batch.cu_seqlens,
-            update_state=True, max_len=batch.max_len or None, backend=self.pool.backend,
+            update_state=True, max_len=batch.max_len or None, parts=parts, backend=self.pool.backend,
         )
 
     # ------------------------------------------------------------------ state
