@@ -200,7 +200,11 @@ def test_prompt_ops_on_the_card_and_in_a_graph():
     real = torch.tensor([2100], device="cuda", dtype=torch.int32)
     ref = prompt_gates(a, b, A_log, dt_bias, real, beta_dtype=torch.bfloat16, backend="reference")
     got = prompt_gates(a, b, A_log, dt_bias, real, beta_dtype=torch.bfloat16, backend="triton")
-    assert ((got[0] - ref[0]).abs() <= 1e-6 * ref[0].abs()).all() and torch.equal(got[0][2100:], ref[0][2100:])
+    # softplus far below zero: the kernels' log(1 + exp(x)) resolves 1 + exp(x) to one fp32
+    # ulp of 1, so there its g is off by up to ulp(1) * exp(A_log) (a decay exp(g) that fp32
+    # cannot tell from 1 either); elsewhere a few ulps of the value
+    floor = 2.0**-23 * A_log.exp()
+    assert ((got[0] - ref[0]).abs() <= 1e-6 * ref[0].abs() + floor).all() and torch.equal(got[0][2100:], ref[0][2100:])
     assert ((got[1].float() - ref[1].float()).abs() <= 2**-8 * ref[1].float().abs()).all()
 
     ck = torch.randn(2, 5, 4, 128, 128, generator=g, device="cuda").bfloat16()

@@ -219,6 +219,18 @@ def test_values_are_read_once_per_step(monkeypatch):
         with pytest.raises(ValueError, match="lengths"):
             b.set_windows([2, 1, -1], bad)
     assert b.cu_seqlens.tolist() == [0, 1, 2, 4]
+    # announced on the host only, then loaded from the owner's device buffer (a graph's):
+    # nothing reaches the device before the load, and the guards read nothing back after it
+    src = torch.tensor([0, 2, -1, 0, 2, 3, 4], device=DEVICE)
+    b.set_windows([0, 2, -1], [2, 1, 1], upload=False)
+    assert b.slots.tolist() == [2, 1, -1] and b.host_slots == (0, 2, -1) and b.lengths == (2, 1, 1)
+    b.load_windows(src[:3], src[3:])
+    assert b.slots.tolist() == [0, 2, -1] and b.cu_seqlens.tolist() == [0, 2, 3, 4]
+    reads.clear()
+    guards.check_indices(b.slots, b.cu_seqlens, num_slots=NS, num_tokens=4, max_len=4)
+    assert reads == []
+    with pytest.raises(ValueError, match="slots"):
+        b.set_windows([0, 2], [2, 1, 1], upload=False)
 
 
 def test_pool_refuses_a_window_the_triton_kernels_cannot_take():

@@ -29,8 +29,10 @@ captures it at its first use.
 
 from __future__ import annotations
 
+import itertools
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from .adapter import HybridEngine, StepOutput
@@ -42,6 +44,21 @@ MIN_TOKENS = 32
 #: Capacities above 512 tokens are multiples of this (a power of two would pad a long
 #: prompt's token-wise layers by up to 2x).
 LONG_STEP = 256
+
+
+class _Meta:
+    """The fields of a pass's metadata, views of ``buf`` (the device tensor or the host
+    array that fills it): token ids ``[N]``; per token its attention row, column,
+    position and cache slot ``[4, N]``; per request its last token, cache slot and
+    length ``[B]`` each; the batch's slots ``[R]`` and offsets ``[R + 1]`` (``R`` rows:
+    the requests, then the padding request if any)."""
+
+    def __init__(self, buf, n: int, b: int):
+        o = 5 * n
+        self.ids, self.index = buf[:n], buf[n:o].reshape(4, n)
+        self.last, self.kv_rows, self.kv_lengths = buf[o : o + b], buf[o + b : o + 2 * b], buf[o + 2 * b : o + 3 * b]
+        rows = (buf.shape[0] - o - 3 * b - 1) // 2
+        self.slots, self.offsets = buf[o + 3 * b : o + 3 * b + rows], buf[o + 3 * b + rows :]
 
 
 class PromptGraph:
@@ -76,17 +93,20 @@ class PromptGraph:
             self.batch = engine.pool.batch([-1] * (b + 1), [1] * b + [n - b], prefill=True)
         else:
             self.batch = engine.pool.batch([-1], [n], prefill=True)
-        # meta = ids [N] | row, col, position, cache slot [4, N] | last [B] | cache slot, length [2, B]
-        self.meta = torch.zeros(5 * n + 3 * b, dtype=torch.int64, device=dev)
-        self.ids = self.meta[:n]
-        index = self.meta[n : 5 * n].view(4, n)
-        self.last = self.meta[5 * n : 5 * n + b]
-        self.kv_rows, self.kv_lengths = self.meta[5 * n + b :].view(2, b)
-        index[3].fill_(sink)
-        self.kv_rows.fill_(sink)
-        self.layout = PromptLayout(1 if b == 1 else b + 1, n - b if b > 1 else n, index)
-        # the host side of ``meta``, pinned; the next pass refills it once the copy is done
+        # the pass's metadata (see _Meta), which the host fills and uploads in one copy
+        self.meta = torch.zeros(5 * n + 3 * b + 2 * self.batch.size + 1, dtype=torch.int64, device=dev)
+        m = self._fields = _Meta(self.meta, n, b)
+        self.ids, self.last, self.kv_rows, self.kv_lengths = m.ids, m.last, m.kv_rows, m.kv_lengths
+        m.index[3].fill_(sink)
+        m.kv_rows.fill_(sink)
+        m.slots.copy_(self.batch.slots)  # as captured: every row padding
+        m.offsets.copy_(self.batch.cu_seqlens)
+        self.layout = PromptLayout(1 if b == 1 else b + 1, n - b if b > 1 else n, m.index)
+        # the host side of ``meta``, pinned, whose numpy view each pass fills (a few vector
+        # operations: torch's per-call overhead cost ~0.1 ms a pass); the next pass
+        # refills it once the copy is done
         self._host = torch.empty(self.meta.shape, dtype=torch.int64, pin_memory=dev.type == "cuda")
+        self._host_fields = _Meta(self._host.numpy(), n, b)
         self._copied = torch.cuda.Event() if dev.type == "cuda" else None
         #: the chunked kernel of GDN layers (one request, an engine that has one), else the recurrence
         self.chunk_kernel = engine.chunk_kernel if b == 1 else None
@@ -110,36 +130,36 @@ class PromptGraph:
             raise ValueError(f"this shape takes {b} requests of {room} tokens in all, got {len(slots)} "
                              f"requests of {used}")
         pad = n - used
-        offsets = [0]
-        for m in lengths:
-            offsets.append(offsets[-1] + m)
+        lens = np.fromiter(lengths, np.int64, b)
+        ends = np.cumsum(lens)
+        sl = np.fromiter(slots, np.int64, b)
         if self._copied is not None:
             self._copied.synchronize()  # the last pass's copy has left the pinned buffer
-        host = self._host
-        ids, index = host[:n], host[n : 5 * n].view(4, n)
-        row, col, pos, kv_slot = index
-        ids[:used] = torch.tensor([t for w in windows for t in w])
-        ids[used:] = 0
-        lens, sl = torch.tensor(lengths), torch.tensor(slots)
-        row[:used] = torch.repeat_interleave(torch.arange(b), lens)
-        col[:used] = torch.arange(used) - torch.repeat_interleave(torch.tensor(offsets[:-1]), lens)
+        h = self._host_fields
+        row, col, pos, kv_slot = h.index
+        h.ids[:used] = np.fromiter(itertools.chain.from_iterable(windows), np.int64, used)
+        h.ids[used:] = 0
+        row[:used] = np.repeat(np.arange(b), lens)
+        col[:used] = np.arange(used) - np.repeat(ends - lens, lens)
         if b == 1:  # the padding follows the request in its own attention row
             row[used:] = 0
-            col[used:] = torch.arange(used, n)
+            col[used:] = np.arange(used, n)
         else:
             row[used:] = b
-            col[used:] = torch.arange(pad)
+            col[used:] = np.arange(pad)
         pos[:used] = col[:used]
         pos[used:] = 0  # padding writes at the sink's first position (its rotary position does not matter)
-        kv_slot[:used] = torch.repeat_interleave(sl, lens)
+        kv_slot[:used] = np.repeat(sl, lens)
         kv_slot[used:] = eng.kv.sink
-        host[5 * n : 5 * n + b] = torch.tensor(offsets[1:]) - 1
-        host[5 * n + b :] = torch.cat([sl, lens])
-        if self.padded:
-            self.batch.set_windows(list(slots) + [-1], lengths + [pad])
+        h.last[:] = ends - 1
+        h.kv_rows[:], h.kv_lengths[:] = sl, lens
+        h.slots[:b], h.offsets[0], h.offsets[1 : b + 1] = sl, 0, ends
+        if self.padded:  # the padding request last
+            h.slots[b], h.offsets[b + 1] = -1, n
+            self.batch.set_windows(list(slots) + [-1], lengths + [pad], upload=False)
         else:
-            self.batch.set_windows(slots, lengths)
-        self.meta.copy_(host, non_blocking=self._copied is not None)
+            self.batch.set_windows(slots, lengths, upload=False)
+        self.meta.copy_(self._host, non_blocking=self._copied is not None)
         if self._copied is not None:
             self._copied.record()
         if self.graph is not None:
@@ -148,10 +168,11 @@ class PromptGraph:
             self._body()
         eng.kv.advance_host(slots, lengths)
         return StepOutput(logits=self.logits.clone(), hidden=self.hidden[:used].clone(), lengths=lengths,
-                          offsets=offsets)
+                          offsets=[0, *ends.tolist()])
 
     def _body(self) -> None:
         eng = self.engine
+        self.batch.load_windows(self._fields.slots, self._fields.offsets)
         positions = self.layout.positions
         self.logits, self.hidden = eng.forward_static(self.ids[None], positions[None], None, self.batch, verify=False,
                                                       prompt=self.layout, last=self.last,

@@ -64,21 +64,44 @@ class Batch:
             raise ValueError(f"need {self.size} slots, got {host.size}")
         self.host_slots = guards.copy_to_device(self.slots, host)
 
-    def set_windows(self, slots: Sequence[int], lengths: Sequence[int]) -> None:
+    def set_windows(self, slots: Sequence[int], lengths: Sequence[int], *, upload: bool = True) -> None:
         """Rewrite the rows' slots and window lengths in place (a static prompt batch a
         CUDA graph was captured with); the caller has checked the slots. The token count
         and the bound :attr:`max_len` (the captured shape's) stay: the lengths must sum
-        to :attr:`num_tokens` and each lie in ``1 .. max_len``."""
+        to :attr:`num_tokens` and each lie in ``1 .. max_len``.
+
+        ``upload=False``: only the host side changes (the values recorded for the
+        guards); the caller's graph writes the device tensors through
+        :meth:`load_windows` before any kernel reads them, from a buffer it uploads
+        anyway (one host copy a pass instead of three)."""
         lengths = tuple(int(n) for n in lengths)
         if len(lengths) != self.size:
             raise ValueError(f"need {self.size} lengths, got {len(lengths)}")
         if sum(lengths) != self.num_tokens or not all(1 <= n <= self.max_len for n in lengths):
             raise ValueError(f"lengths {list(lengths)} must each be in 1..{self.max_len} and sum to "
                              f"{self.num_tokens}")
-        self.set_slots(slots)
-        guards.copy_to_device(self.cu_seqlens, itertools.accumulate(lengths, initial=0))
+        if upload:
+            self.set_slots(slots)
+            guards.copy_to_device(self.cu_seqlens, itertools.accumulate(lengths, initial=0))
+        else:
+            host = guards.host_ints(slots)
+            if host.size != self.size:
+                raise ValueError(f"need {self.size} slots, got {host.size}")
+            self.host_slots = tuple(host.tolist())
+            guards.record_host_values(self.slots, self.host_slots)
+            guards.record_host_values(self.cu_seqlens, itertools.accumulate(lengths, initial=0))
         self.lengths = lengths
         self._device_lengths = None
+
+    def load_windows(self, slots: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
+        """Copy the rows' slots and offsets from device tensors (``[B]`` and ``[B + 1]``,
+        any integer dtype) that hold what :meth:`set_windows` announced with
+        ``upload=False``; inside a captured graph, every replay copies them. The host
+        records stay those values."""
+        self.slots.copy_(slots)
+        self.cu_seqlens.copy_(cu_seqlens)
+        guards.record_host_values(self.slots, self.host_slots)  # the copies bumped their versions
+        guards.record_host_values(self.cu_seqlens, itertools.accumulate(self.lengths, initial=0))
 
     @property
     def size(self) -> int:
