@@ -23,6 +23,17 @@ def test_silu_mul_is_the_modules_two_ops(rng, shape):
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * float(want.abs().max()))
 
 
+def test_silu_mul_reads_the_halves_of_one_output_in_place(rng):
+    """gate and up as the two column halves of one [N, 2D] matmul output (row stride
+    2D), and a transposed pair (copied): the values of the contiguous call."""
+    gu = 4 * torch.randn(37, 2 * 2100, generator=rng)
+    g, u = gu[:, :2100], gu[:, 2100:]
+    assert not g.is_contiguous()
+    assert torch.equal(silu_mul(g, u), silu_mul(g.contiguous(), u.contiguous()))
+    t = gu[:, :74].T  # [74, 37], its last axis strided
+    assert torch.equal(silu_mul(t, t), silu_mul(t.contiguous(), t.contiguous()))
+
+
 def test_silu_mul_rounds_bf16_at_both_ops(rng):
     """bf16: the activation rounded before the product, as the module's two ops round
     (the interpreter rounds to nearest even by hand, as the GPU does)."""

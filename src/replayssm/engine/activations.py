@@ -42,7 +42,8 @@ def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, backend: str = "triton") -> torch.Tensor:
     """``silu(gate) * up`` for ``gate, up [..., D]`` alike (dtype, shape, device), in one
-    launch; returns a new contiguous tensor of their shape.
+    launch; returns a new contiguous tensor of their shape. Rows at any stride are read
+    in place (the two halves of one ``[N, 2D]`` matmul output, say).
 
     ``backend``: ``"triton"`` (CUDA, or the Triton interpreter) or ``"reference"``.
     """
@@ -59,22 +60,30 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, backend: str = "triton") -
         raise TypeError(f"gate and up must be one of {SILU_MUL_DTYPES} for the Triton silu_mul, got {gate.dtype}")
     if triton is None or (gate.device.type != "cuda" and not INTERPRETER):
         raise RuntimeError("the Triton silu_mul needs CUDA tensors or the Triton interpreter")
-    gate, up = gate.contiguous(), up.contiguous()
-    out = torch.empty_like(gate)
+    d = gate.shape[-1] if gate.dim() else 1
+    g2, u2 = gate.reshape(-1, d), up.reshape(-1, d)  # views unless a row is not one stride
+    if g2.stride(-1) != 1:
+        g2 = g2.contiguous()
+    if u2.stride(-1) != 1:
+        u2 = u2.contiguous()
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     n = gate.numel()
     if n:
-        _silu_mul_kernel[(triton.cdiv(n, SILU_MUL_BLOCK),)](gate, up, out, n, BLOCK=SILU_MUL_BLOCK, num_warps=4)
+        _silu_mul_kernel[(triton.cdiv(n, SILU_MUL_BLOCK),)](g2, u2, out, n, d, g2.stride(0), u2.stride(0),
+                                                            BLOCK=SILU_MUL_BLOCK, num_warps=4)
     return out
 
 
 if triton is not None:
 
     @triton.jit
-    def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, n, D, stride_g, stride_u, BLOCK: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
-        g = tl.load(g_ptr + offs, mask=mask, other=0.0)
-        u = tl.load(u_ptr + offs, mask=mask, other=0.0)
+        row = offs // D  # y is contiguous; the inputs' rows are at their own strides
+        col = offs - row * D
+        g = tl.load(g_ptr + row * stride_g + col, mask=mask, other=0.0)
+        u = tl.load(u_ptr + row * stride_u + col, mask=mask, other=0.0)
         gf = g.to(tl.float32)
         # torch's SiLU: x / (1 + expf(-x)) in fp32 (an IEEE division), rounded to the
         # dtype; on CUDA the same bits as torch's kernel

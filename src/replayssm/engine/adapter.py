@@ -35,6 +35,7 @@ from ..state import Batch, GDNShape, StatePool, strategy_class
 from .attention import slot_attention, tree_attention
 from .kv_cache import KVCache, PromptLayout, WindowLayout, cached_attention
 from .activations import dense_silu_mlp, silu_mul
+from .fused_linear import fuse_linears, fused_weight
 from .norms import add_rms_norm, norm_eps, norm_kind, rms_norm
 from .rotary import rope_rows, rotate_
 
@@ -106,14 +107,24 @@ class _GDNMixer:
         self.HV = module.num_v_heads
         self.K = module.head_k_dim
         self.V = module.head_v_dim
+        # Qwen3.5's q|k|v, a and b projections in one matmul: their weights laid out as one
+        # tensor (the module's weights views of it). z keeps its own: as a column slice
+        # of a wider output the gated norm would copy it.
+        self.fused = (module.in_proj_qkv, module.in_proj_a, module.in_proj_b) if self.family == "qwen3_5" else ()
+        fuse_linears(self.fused)
 
     def project(self, x: torch.Tensor):
         """``x [N, hidden]`` -> ``mixed_qkv [N, C]`` (q|k|v, pre-conv), ``z [N, HV, V]``,
-        raw gates ``a, b [N, HV]``."""
+        raw gates ``a, b [N, HV]`` (row-strided views of one output where the
+        projections are fused)."""
         m, n = self.module, x.shape[0]
         if self.family == "qwen3_5":
-            mixed = m.in_proj_qkv(x)
+            w = fused_weight(self.fused)
             z = m.in_proj_z(x).view(n, self.HV, self.V)
+            if w is not None:
+                mixed, a, b = torch.nn.functional.linear(x, w).split([p.out_features for p in self.fused], dim=-1)
+                return mixed, z, a, b
+            mixed = m.in_proj_qkv(x)
             return mixed, z, m.in_proj_a(x), m.in_proj_b(x)
         # Qwen3-Next interleaves q, k, v, z (and b, a) per key head; the module's own
         # reordering yields q, k [1, N, H, K], v, z [1, N, HV, V], b, a [1, N, HV].
@@ -497,6 +508,8 @@ class HybridEngine:
                 attn_modules.append(layer.self_attn)
             else:
                 raise TypeError(f"decoder layer {i} has neither linear_attn nor self_attn")
+            if dense_silu_mlp(getattr(layer, "mlp", None)):  # gate and up in one matmul (static_mlp)
+                fuse_linears((layer.mlp.gate_proj, layer.mlp.up_proj))
         if not self.mixers:
             raise TypeError("the model has no GDN (linear_attention) layers")
         self.family = self.mixers[0].family
@@ -928,11 +941,17 @@ class HybridEngine:
         """A layer's MLP on ``x [N, hidden]`` as a static step runs it: a MoE block
         without host syncs (:func:`static_moe_forward`); a dense SiLU MLP with its
         activation and product in one kernel where the kernels are fused
-        (:func:`~replayssm.engine.activations.silu_mul`); else the module."""
+        (:func:`~replayssm.engine.activations.silu_mul`), ``gate`` and ``up`` in one
+        matmul where their weights are laid out as one (:func:`fuse_linears`); else the
+        module."""
         if is_moe(mlp):
             return static_moe_forward(mlp, x, self.moe_kernel)
         if self.fused_norms and dense_silu_mlp(mlp):
-            return mlp.down_proj(silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
+            w = fused_weight((mlp.gate_proj, mlp.up_proj))
+            if w is None:
+                return mlp.down_proj(silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
+            gate_up, i = torch.nn.functional.linear(x, w), mlp.gate_proj.out_features
+            return mlp.down_proj(silu_mul(gate_up[..., :i], gate_up[..., i:]))
         return mlp(x)
 
     def rotary_cos_sin(self, h: torch.Tensor, positions: torch.Tensor):

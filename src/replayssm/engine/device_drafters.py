@@ -31,7 +31,9 @@ import torch
 
 from ..ops.counter_hash import counter_hash
 from ..ops.guards import to_device
+from .activations import dense_silu_mlp
 from .attention import slot_attention, tree_attention
+from .fused_linear import fuse_linears
 from .rotary import rope_rows
 
 
@@ -496,6 +498,9 @@ class DeviceMTPDrafter(DeviceDrafter):
         self._rotary = self._rope_table(capacity, device)
         self._join_graphs: dict[int, _JoinGraph] = {}
         self._join_pool = None
+        mlp = self.head.layers[0].mlp
+        if dense_silu_mlp(mlp):  # gate and up in one matmul (HybridEngine.static_mlp)
+            fuse_linears((mlp.gate_proj, mlp.up_proj))
 
     def _rope_table(self, capacity: int, device) -> torch.Tensor:
         """``[capacity, 2, R]`` rotary rows (:func:`~replayssm.engine.rotary.rope_rows`)
