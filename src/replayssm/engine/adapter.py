@@ -411,7 +411,11 @@ class HybridEngine:
     """A Qwen3.5 / Qwen3-Next model whose GDN state lives in a :class:`StatePool`.
 
     Args:
-        hf_model: a loaded ``*ForCausalLM`` (its parameters are used, not copied).
+        hf_model: a loaded ``*ForCausalLM`` (its parameters are used, not copied). The
+            projections that share an input (a Qwen3.5 GDN layer's ``q|k|v``, ``a``,
+            ``b``; a dense MLP's ``gate`` and ``up``) get their weights laid out as one
+            tensor each, the modules' weights becoming views of it (same values and
+            memory; :mod:`~replayssm.engine.fused_linear`), so each group is one matmul.
         strategy: ``"snapshot"``, ``"fold"`` or ``"circular"`` (DESIGN.md section 3).
         num_slots: concurrent requests.
         window: largest verify window ``T`` (draft tokens + 1).
