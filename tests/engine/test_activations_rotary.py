@@ -32,6 +32,8 @@ def test_silu_mul_reads_the_halves_of_one_output_in_place(rng):
     assert torch.equal(silu_mul(g, u), silu_mul(g.contiguous(), u.contiguous()))
     t = gu[:, :74].T  # [74, 37], its last axis strided
     assert torch.equal(silu_mul(t, t), silu_mul(t.contiguous(), t.contiguous()))
+    empty = gu[:, :0]
+    assert silu_mul(empty, empty).shape == (37, 0)
 
 
 def test_silu_mul_rounds_bf16_at_both_ops(rng):

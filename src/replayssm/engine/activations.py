@@ -60,17 +60,18 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, backend: str = "triton") -
         raise TypeError(f"gate and up must be one of {SILU_MUL_DTYPES} for the Triton silu_mul, got {gate.dtype}")
     if triton is None or (gate.device.type != "cuda" and not INTERPRETER):
         raise RuntimeError("the Triton silu_mul needs CUDA tensors or the Triton interpreter")
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    n = gate.numel()
+    if n == 0:
+        return out
     d = gate.shape[-1] if gate.dim() else 1
     g2, u2 = gate.reshape(-1, d), up.reshape(-1, d)  # views unless a row is not one stride
     if g2.stride(-1) != 1:
         g2 = g2.contiguous()
     if u2.stride(-1) != 1:
         u2 = u2.contiguous()
-    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    n = gate.numel()
-    if n:
-        _silu_mul_kernel[(triton.cdiv(n, SILU_MUL_BLOCK),)](g2, u2, out, n, d, g2.stride(0), u2.stride(0),
-                                                            BLOCK=SILU_MUL_BLOCK, num_warps=4)
+    _silu_mul_kernel[(triton.cdiv(n, SILU_MUL_BLOCK),)](g2, u2, out, n, d, g2.stride(0), u2.stride(0),
+                                                        BLOCK=SILU_MUL_BLOCK, num_warps=4)
     return out
 
 

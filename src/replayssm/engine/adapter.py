@@ -112,6 +112,7 @@ class _GDNMixer:
         # of a wider output the gated norm would copy it.
         self.fused = (module.in_proj_qkv, module.in_proj_a, module.in_proj_b) if self.family == "qwen3_5" else ()
         fuse_linears(self.fused)
+        self.fused_sizes = [p.out_features for p in self.fused]
 
     def project(self, x: torch.Tensor):
         """``x [N, hidden]`` -> ``mixed_qkv [N, C]`` (q|k|v, pre-conv), ``z [N, HV, V]``,
@@ -122,7 +123,7 @@ class _GDNMixer:
             w = fused_weight(self.fused)
             z = m.in_proj_z(x).view(n, self.HV, self.V)
             if w is not None:
-                mixed, a, b = torch.nn.functional.linear(x, w).split([p.out_features for p in self.fused], dim=-1)
+                mixed, a, b = torch.nn.functional.linear(x, w).split(self.fused_sizes, dim=-1)
                 return mixed, z, a, b
             mixed = m.in_proj_qkv(x)
             return mixed, z, m.in_proj_a(x), m.in_proj_b(x)

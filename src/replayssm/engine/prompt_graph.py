@@ -53,12 +53,15 @@ class _Meta:
     length ``[B]`` each; the batch's slots ``[R]`` and offsets ``[R + 1]`` (``R`` rows:
     the requests, then the padding request if any)."""
 
-    def __init__(self, buf, n: int, b: int):
+    def __init__(self, buf, n: int, b: int, rows: int):
         o = 5 * n
         self.ids, self.index = buf[:n], buf[n:o].reshape(4, n)
         self.last, self.kv_rows, self.kv_lengths = buf[o : o + b], buf[o + b : o + 2 * b], buf[o + 2 * b : o + 3 * b]
-        rows = (buf.shape[0] - o - 3 * b - 1) // 2
-        self.slots, self.offsets = buf[o + 3 * b : o + 3 * b + rows], buf[o + 3 * b + rows :]
+        self.slots, self.offsets = buf[o + 3 * b : o + 3 * b + rows], buf[o + 3 * b + rows : o + 3 * b + 2 * rows + 1]
+
+    @staticmethod
+    def size(n: int, b: int, rows: int) -> int:
+        return 5 * n + 3 * b + 2 * rows + 1
 
 
 class PromptGraph:
@@ -94,9 +97,9 @@ class PromptGraph:
         else:
             self.batch = engine.pool.batch([-1], [n], prefill=True)
         # the pass's metadata (see _Meta), which the host fills and uploads in one copy
-        self.meta = torch.zeros(5 * n + 3 * b + 2 * self.batch.size + 1, dtype=torch.int64, device=dev)
-        m = self._fields = _Meta(self.meta, n, b)
-        self.ids, self.last, self.kv_rows, self.kv_lengths = m.ids, m.last, m.kv_rows, m.kv_lengths
+        rows = self.batch.size
+        self.meta = torch.zeros(_Meta.size(n, b, rows), dtype=torch.int64, device=dev)
+        m = self._fields = _Meta(self.meta, n, b, rows)
         m.index[3].fill_(sink)
         m.kv_rows.fill_(sink)
         m.slots.copy_(self.batch.slots)  # as captured: every row padding
@@ -106,7 +109,7 @@ class PromptGraph:
         # operations: torch's per-call overhead cost ~0.1 ms a pass); the next pass
         # refills it once the copy is done
         self._host = torch.empty(self.meta.shape, dtype=torch.int64, pin_memory=dev.type == "cuda")
-        self._host_fields = _Meta(self._host.numpy(), n, b)
+        self._host_fields = _Meta(self._host.numpy(), n, b, rows)
         self._copied = torch.cuda.Event() if dev.type == "cuda" else None
         #: the chunked kernel of GDN layers (one request, an engine that has one), else the recurrence
         self.chunk_kernel = engine.chunk_kernel if b == 1 else None
@@ -171,14 +174,14 @@ class PromptGraph:
                           offsets=[0, *ends.tolist()])
 
     def _body(self) -> None:
-        eng = self.engine
-        self.batch.load_windows(self._fields.slots, self._fields.offsets)
+        eng, m = self.engine, self._fields
+        self.batch.load_windows(m.slots, m.offsets)
         positions = self.layout.positions
-        self.logits, self.hidden = eng.forward_static(self.ids[None], positions[None], None, self.batch, verify=False,
-                                                      prompt=self.layout, last=self.last,
+        self.logits, self.hidden = eng.forward_static(m.ids[None], positions[None], None, self.batch, verify=False,
+                                                      prompt=self.layout, last=m.last,
                                                       chunk_kernel=self.chunk_kernel)
         kv_len = eng.kv.device_lengths
-        kv_len[self.kv_rows] = self.kv_lengths  # fresh requests: the prompt is the whole history
+        kv_len[m.kv_rows] = m.kv_lengths  # fresh requests: the prompt is the whole history
         kv_len[eng.kv.sink:].zero_()
 
     def _capture(self, pool) -> None:

@@ -59,10 +59,13 @@ class Batch:
         steps, e.g. one a CUDA graph was captured with); the caller has checked them.
         Keeps the recorded host copy in step with the device values. ``slots`` is
         converted once (any integer sequence, e.g. a numpy array)."""
+        self.host_slots = guards.copy_to_device(self.slots, self._slots_of(slots))
+
+    def _slots_of(self, slots: Sequence[int]):
         host = guards.host_ints(slots)
         if host.size != self.size:
             raise ValueError(f"need {self.size} slots, got {host.size}")
-        self.host_slots = guards.copy_to_device(self.slots, host)
+        return host
 
     def set_windows(self, slots: Sequence[int], lengths: Sequence[int], *, upload: bool = True) -> None:
         """Rewrite the rows' slots and window lengths in place (a static prompt batch a
@@ -84,10 +87,7 @@ class Batch:
             self.set_slots(slots)
             guards.copy_to_device(self.cu_seqlens, itertools.accumulate(lengths, initial=0))
         else:
-            host = guards.host_ints(slots)
-            if host.size != self.size:
-                raise ValueError(f"need {self.size} slots, got {host.size}")
-            self.host_slots = tuple(host.tolist())
+            self.host_slots = tuple(self._slots_of(slots).tolist())
             guards.record_host_values(self.slots, self.host_slots)
             guards.record_host_values(self.cu_seqlens, itertools.accumulate(lengths, initial=0))
         self.lengths = lengths
