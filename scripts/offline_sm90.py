@@ -178,7 +178,7 @@ def run_op(op: str, batch: int, sdt: torch.dtype, act: torch.dtype) -> list[str]
     elif op == "ring_decode":
         x, ckpt, ring, ring_u, cursors = _ring_case(batch, 1, sdt, act)
         gdn_ring_decode(*x.values(), ckpt, ring, ring_u, *cursors, backend="triton")
-        labels.append(f"plain step through a ring of {L}")
+        labels += [f"plain step through a ring of {L}"] * (len(LAUNCHES) - len(labels))
     elif op == "tree_recurrence":
         from replayssm.ops import DraftTrees
         from replayssm.ops.tree_ops import gdn_tree_recurrence

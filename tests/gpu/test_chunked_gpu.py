@@ -212,13 +212,17 @@ def test_ring_decode_matches_float64_oracle(batch, state_dtype, act_dtype, block
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("param,value", [("max_registers", 128), ("max_registers", 168), ("early_tile", 1)])
+@pytest.mark.parametrize("param,value", [("max_registers", 128), ("max_registers", 168), ("early_tile", 1),
+                                         ("split_flush", 1), ("split_flush", 2)])
 def test_ring_decode_launch_choices_change_no_bit(state_dtype, param, value):
     """The ring decoding kernel under a register cap (``ring_decode.max_registers``; the
-    compiler spills the tile instead) or with its checkpoint tile loaded before the
-    cursors (``ring_decode.early_tile = 1``, the table's choice from batch 33) gives the
-    kernel's outputs, ``u`` and folded checkpoints without it (the entry at 0) bit for
-    bit, on histories of 0..L-1 records with flush rows."""
+    compiler spills the tile instead), with its checkpoint tile loaded before the
+    cursors (``ring_decode.early_tile = 1``, the table's choice from batch 33) or with
+    the flush rows in a kernel of their own (``ring_decode.split_flush``, after the token
+    kernel or beside it on a side stream; both kernels at the one launch's tile height,
+    so every row keeps its lanes) gives the kernel's outputs, ``u`` and folded
+    checkpoints without it (the entry at 0) bit for bit, on histories of 0..L-1 records
+    with flush rows."""
     case = make_case(HV_POOL, 1, 64, state_dtype, torch.bfloat16, pad=False)
     with tuning.override("ring_decode", **{param: value}):
         got = run(case, "triton", method="decode")

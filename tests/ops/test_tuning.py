@@ -23,7 +23,11 @@ def test_defaults_are_the_measured_values():
                                                         "max_registers": 128, "early_tile": 0}
     assert tuning.lookup("closed_form", **dict(at, batch=32))["max_registers"] == 0
     assert tuning.lookup("closed_form", **dict(at, state_dtype=BF16))["max_registers"] == 128
-    assert tuning.lookup("ring_decode", **dict(at, state_dtype=BF16))["early_tile"] == 1
+    assert tuning.lookup("ring_decode", **at)["early_tile"] == 1
+    assert tuning.lookup("ring_decode", **at)["split_flush"] == 0
+    bf16_ring = tuning.lookup("ring_decode", **dict(at, state_dtype=BF16))
+    assert (bf16_ring["split_flush"], bf16_ring["early_tile"], bf16_ring["token_block_v"]) == (2, 0, 128)
+    assert tuning.lookup("ring_decode", **dict(at, state_dtype=BF16, batch=16))["split_flush"] == 0
     assert tuning.lookup("ring_decode", **dict(at, state_dtype=BF16, batch=16))["early_tile"] == 0
     assert tuning.lookup("ring_decode", **at)["max_registers"] == 0
     assert tuning.lookup("ring_decode", **at)["num_warps"] == 4

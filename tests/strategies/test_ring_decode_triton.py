@@ -93,11 +93,12 @@ def test_triton_plain_ring_steps_are_the_triton_recurrence(small_batch):
     assert flushes >= (38 if small_batch else 6), flushes
 
 
-@pytest.mark.parametrize("early_tile", [0, 1])
-def test_ring_decode_kernel_against_the_window_op(early_tile):
+@pytest.mark.parametrize("early_tile,split_flush", [(0, 0), (1, 0), (0, 1), (1, 2)])
+def test_ring_decode_kernel_against_the_window_op(early_tile, split_flush):
     """``gdn_ring_decode`` (Triton) on one-token windows over histories of 0..7 records,
-    flush and non-flush rows and a padding row (V = 24: two 16-row blocks), with the
-    checkpoint tile loaded before or after the cursors, against
+    flush and non-flush rows (one with no records: the token kernel's) and a padding
+    row (V = 24: two 16-row blocks), with the checkpoint tile loaded before or after the
+    cursors, in one launch or with the flush rows in their own kernel, against
     ``gdn_chunked_window``: the
     flushed checkpoints bit for bit against the Triton window op's (both the fold's
     replay), outputs and ``u`` within ``TOL`` of the reference's (the history's sum in
@@ -122,7 +123,7 @@ def test_ring_decode_kernel_against_the_window_op(early_tile):
     is_flush = torch.tensor([1, 0, 1, 0, 1, 0], dtype=torch.int32, device=DEVICE)
     results = {}
     def decode(*a):
-        with tuning.override("ring_decode", early_tile=early_tile):
+        with tuning.override("ring_decode", early_tile=early_tile, split_flush=split_flush):
             return gdn_ring_decode(*a, backend="triton")
 
     for name, run in (

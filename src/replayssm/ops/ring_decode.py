@@ -18,12 +18,15 @@ position ``write_pos``, physical ``(cache_base + write_pos) & (L - 1)``; cursors
 changed (commit moves them, as after any verify).
 
 This is :func:`~replayssm.ops.chunked.gdn_chunked_window` on one-token windows, with
-one launch per layer instead of the closed form's two (no window system, so no
-coefficient kernel) and no masked window rows. The results are that op's to rounding:
+no window system (so no coefficient kernel) and no masked window rows: one launch per
+layer, or two side by side where the flush rows run apart (the shape table's
+``split_flush``, see the Triton notes below). The results are that op's to rounding:
 the reference below is it.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -107,12 +110,25 @@ def gdn_ring_decode(
 
 
 # ---------------------------------------------------------------------------- Triton
-# One launch: one program per (V block, request, value head), the whole V axis by
-# default. A non-flush row loads its [BV, K] checkpoint tile once (the step's only state
-# traffic) for S0 k^ and S0 q^, and adds the history's share from its records' keys,
-# gates and u (a few hundred bytes a record next to the tile's BV x K). A flush row
-# replays its records on the exact four-part tile instead and stores it: the exact
-# kernels' tile and warps.
+# One program per (V block, request, value head), the whole V axis by default. A
+# non-flush row loads its [BV, K] checkpoint tile once (the step's only state traffic)
+# for S0 k^ and S0 q^, and adds the history's share from its records' keys, gates and
+# u (a few hundred bytes a record next to the tile's BV x K). A flush row replays its
+# records on the exact four-part tile instead and stores it: the exact kernels' tile
+# and warps.
+#
+# Two ways to launch it (the shape table's ``split_flush``):
+# * one launch for every row (0). The kernel then holds the flush's registers (the
+#   exact replay's tile and records: ~250 a thread at 128 rows), so two programs share
+#   an SM, and a flush row's chain of record steps keeps its SM slot while the rest of
+#   the rows wait for one.
+# * the rows apart (1, 2): a flush kernel of a few programs per SM that walk the
+#   flush rows (found on the device: a prefix count of the batch's flags), and the
+#   token kernel, compiled without the flush branch, for every other row. The two
+#   touch disjoint rows (each row's checkpoint, records and output belong to one of
+#   them), so nothing orders them: with 2 the flush kernel runs on a side stream
+#   beside the token kernel (a fork and a join, which a CUDA graph keeps as two
+#   branches), with 1 after it on the caller's stream.
 
 try:
     import triton
@@ -123,12 +139,10 @@ except ImportError:  # the reference backend works without Triton
 if triton is not None:
     from .fold import replay_and_store_tile as _replay_and_store_tile
     from .recurrent import exact_block_k
-    from .triton_common import NORM_EPS, block_rows, exact_warps, register_cap, device_fn as _tl_device_fn
-    from .triton_common import inv_norm as _tl_inv_norm
+    from .triton_common import NORM_EPS, block_rows, exact_warps, register_cap, sm_count, device_fn as _tl_device_fn
     from .triton_common import gdn_gates as _tl_gdn_gates, load_parts as _tl_load_parts, mask_and as _tl_mask_and
     from .triton_common import normalized as _tl_normalized, row_dot as _tl_row_dot, row_sum as _tl_row_sum
     from .triton_common import store_parts as _tl_store_parts, to_rtne as _tl_to_rtne
-    from .triton_common import window_program as _tl_window_program
 
     @_tl_device_fn
     def _token_rows(o_at, rv_at, ru_at, v_at, offs, mask, S_k, S_q, e, beta, kq):
@@ -142,7 +156,8 @@ if triton is not None:
         tl.store(ru_at + offs, u, mask=mask)
 
     @triton.jit
-    def _ring_decode_kernel(
+    def _ring_row(
+        i_v, i_b, i_hv,
         q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr,
         ckpt_ptr, rk_ptr, rv_ptr, rg_ptr, rb_ptr, ru_ptr,
         slots_ptr, cu_ptr, wp_ptr, base_ptr, flush_ptr, o_ptr,
@@ -152,123 +167,256 @@ if triton is not None:
         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
         BK: tl.constexpr, BV: tl.constexpr,
         ROUND_STATE: tl.constexpr, AHEAD: tl.constexpr, EARLY_TILE: tl.constexpr,
+        FLUSH_ROWS: tl.constexpr, TOKEN_ROWS: tl.constexpr,
     ):
-        """Output, corrected delta and record of V block ``i_v`` (``BV`` rows) of a
-        (request, value head), see the module notes."""
-        i_v, i_b, i_hv, i_h, slot, bos, length = _tl_window_program(slots_ptr, cu_ptr, H, HV)
+        """Output, corrected delta and record of V block ``i_v`` (``BV`` rows) of request
+        ``i_b``'s value head ``i_hv`` (see the module notes), for the rows its kernel
+        owns: flush rows where ``FLUSH_ROWS``, the others (padding included) where
+        ``TOKEN_ROWS``. A branch that its kernel never takes is not compiled."""
+        i_h = i_hv // (HV // H)
+        slot = tl.load(slots_ptr + i_b).to(tl.int64)
+        bos = tl.load(cu_ptr + i_b).to(tl.int64)
+        length = tl.load(cu_ptr + i_b + 1).to(tl.int64) - bos
         KQ: tl.constexpr = BK // 4
         offs_c = tl.arange(0, KQ)  # key index within a part
         all_c = offs_c >= 0
         offs_v = i_v * BV + tl.arange(0, BV)
         mask_v = offs_v < V
         o_at = o_ptr + (bos * HV + i_hv) * V  # o is a fresh contiguous [N, HV, V]
-        has_token = length > 0
         if (slot < 0) | (length <= 0):
-            # Padding row: zero outputs, nothing else.
-            tl.store(o_at + offs_v, tl.full([BV], 0, o_ptr.dtype.element_ty), mask=_tl_mask_and(mask_v, has_token))
-            return
-        ckpt_at = ckpt_ptr + (slot * HV + i_hv) * (V * K)
-        tile = offs_v[:, None] * K + offs_c[None, :]
-        if EARLY_TILE:
-            # The checkpoint tile first, before the row's kind is known: its loads wait
-            # only for the slot, not for the cursors.
-            S0, S1, S2, S3 = _tl_load_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ)
-        wp = tl.load(wp_ptr + slot).to(tl.int64)
-        base = tl.load(base_ptr + slot).to(tl.int64)
-        folds = (tl.load(flush_ptr + slot) != 0) & (wp > 0)
-        ring_at = slot * L  # flat record index of the slot's ring
-        rec = ring_at + (base + wp) % L  # the token's record: logical position write_pos
-        rv_at = rv_ptr + (rec * HV + i_hv) * V
-        ru_at = ru_ptr + (rec * HV + i_hv) * V
-        v_at = v_ptr + bos * stride_v_tok + i_hv * stride_v_head
-
-        q_at = q_ptr + bos * stride_q_tok + i_h * stride_q_head
-        k_at = k_ptr + bos * stride_k_tok + i_h * stride_k_head
-        q0, q1, q2, q3 = _tl_load_parts(q_at, offs_c, all_c, offs_c, K, KQ)
-        k0, k1, k2, k3 = _tl_load_parts(k_at, offs_c, all_c, offs_c, K, KQ)
-        g, beta = _tl_gdn_gates(tl.load(a_ptr + bos * stride_a_tok + i_hv), tl.load(b_ptr + bos * stride_b_tok + i_hv),
-                                tl.load(A_log_ptr + i_hv), tl.load(dt_bias_ptr + i_hv))
-        kh0, kh1, kh2, kh3 = _tl_normalized(k0, k1, k2, k3, eps, 1.0)
-        qh0, qh1, qh2, qh3 = _tl_normalized(q0, q1, q2, q3, eps, scale)
-        e = tl.exp(g)
-        kq = _tl_row_sum(tl.fma(kh3, qh3, tl.fma(kh2, qh2, tl.fma(kh1, qh1, kh0 * qh0))), 0)
-
-        if folds:
-            # Fold the history into the checkpoint (the fold's replay and store), then take
-            # the token from the folded rows as stored: the history is empty.
-            if not EARLY_TILE:
-                S0, S1, S2, S3 = _tl_load_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ)
-            S0, S1, S2, S3 = _replay_and_store_tile(
-                S0, S1, S2, S3, ckpt_at, tile, rk_ptr + ring_at * (H * K) + i_h * K,
-                rv_ptr + ring_at * (HV * V) + i_hv * V, rg_ptr + ring_at * HV + i_hv, rb_ptr + ring_at * HV + i_hv,
-                base, tl.minimum(wp, L), offs_c, offs_v, mask_v, H * K, HV * V, HV, HV, eps, K, L, KQ, AHEAD,
-                ROUND_STATE)
-            _token_rows(o_at, rv_at, ru_at, v_at, offs_v, mask_v, _tl_row_dot(S0, S1, S2, S3, kh0, kh1, kh2, kh3),
-                        _tl_row_dot(S0, S1, S2, S3, qh0, qh1, qh2, qh3), e, beta, kq)
+            if TOKEN_ROWS:
+                # Padding row: zero outputs, nothing else.
+                tl.store(o_at + offs_v, tl.full([BV], 0, o_ptr.dtype.element_ty),
+                         mask=_tl_mask_and(mask_v, length > 0))
         else:
-            # The committed history (a flush row has none here: its history folds instead):
-            #   S x = exp(Gtot) S0 x + sum_c exp(g_{c+1} + ... + g_h) u_c (k^_c . x)
-            offs_h = tl.arange(0, L)
-            hist = offs_h < wp
-            rec_h = ring_at + (base + offs_h) % L
-            # Unused ring entries may hold NaN: masked loads give 0 instead.
-            h0, h1, h2, h3 = _tl_load_parts(rk_ptr, (rec_h[:, None] * H + i_h) * K + offs_c[None, :], hist[:, None],
-                                            offs_c[None, :], K, KQ)
-            g_h = tl.load(rg_ptr + rec_h * HV + i_hv, mask=hist, other=0.0)
-            # The history's weights before the tile's products, so that its keys are dead
-            # by then: c_x[c] = exp(g_{c+1} + ... + g_h) (k^_c . x^).
-            hh = _tl_row_sum(tl.fma(h3, h3, tl.fma(h2, h2, tl.fma(h1, h1, h0 * h0))), 1)
-            r_h = tl.div_rn(tl.full([L], 1.0, tl.float32), tl.sqrt_rn(hh + eps))  # 1 / |k_c|
-            later = offs_h[None, :] > offs_h[:, None]
-            w_h = tl.where(hist, tl.exp(_tl_row_sum(tl.where(later, g_h[None, :], 0.0), 1)), 0.0) * r_h
-            c_k = _tl_row_dot(h0, h1, h2, h3, kh0, kh1, kh2, kh3) * w_h
-            c_q = _tl_row_dot(h0, h1, h2, h3, qh0, qh1, qh2, qh3) * w_h
-            e_Gh = tl.exp(_tl_row_sum(g_h, 0))
-            # S0 k^ and S0 q^ from the whole tile, loaded at once: the most bytes in flight
-            # a program can have (a chunked stream was slower, BENCHMARKS.md).
-            if not EARLY_TILE:
+            ckpt_at = ckpt_ptr + (slot * HV + i_hv) * (V * K)
+            tile = offs_v[:, None] * K + offs_c[None, :]
+            if EARLY_TILE:
+                # The checkpoint tile first, before the row's kind is known: its loads wait
+                # only for the slot, not for the cursors.
                 S0, S1, S2, S3 = _tl_load_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ)
-            S0_k = _tl_row_dot(S0, S1, S2, S3, kh0, kh1, kh2, kh3)
-            S0_q = _tl_row_dot(S0, S1, S2, S3, qh0, qh1, qh2, qh3)
-            u_h = tl.load(ru_ptr + (rec_h[None, :] * HV + i_hv) * V + offs_v[:, None],
-                          mask=mask_v[:, None] & hist[None, :], other=0.0)
-            S_k = e_Gh * S0_k + _tl_row_sum(u_h * c_k[None, :], 1)
-            S_q = e_Gh * S0_q + _tl_row_sum(u_h * c_q[None, :], 1)
-            _token_rows(o_at, rv_at, ru_at, v_at, offs_v, mask_v, S_k, S_q, e, beta, kq)
-        # The raw key and the gates, once per (request, key head) and value head, after
-        # every load (the history's records are read from the same ring).
-        k_writer = (i_hv % (HV // H) == 0) & (i_v == 0)
-        _tl_store_parts(rk_ptr, (rec * H + i_h) * K + offs_c, _tl_mask_and(all_c, k_writer), offs_c, K, KQ,
-                        k0, k1, k2, k3)
-        tl.store(rg_ptr + rec * HV + i_hv, g, mask=i_v == 0)
-        tl.store(rb_ptr + rec * HV + i_hv, beta, mask=i_v == 0)
+            else:
+                S0, S1, S2, S3 = 0.0, 0.0, 0.0, 0.0  # loaded in the row's branch
+            wp = tl.load(wp_ptr + slot).to(tl.int64)
+            base = tl.load(base_ptr + slot).to(tl.int64)
+            folds = (tl.load(flush_ptr + slot) != 0) & (wp > 0)
+            if FLUSH_ROWS and TOKEN_ROWS:
+                owned = wp >= 0
+            elif TOKEN_ROWS:
+                owned = ~folds
+            else:
+                owned = folds
+            if owned:
+                ring_at = slot * L  # flat record index of the slot's ring
+                rec = ring_at + (base + wp) % L  # the token's record: logical position write_pos
+                rv_at = rv_ptr + (rec * HV + i_hv) * V
+                ru_at = ru_ptr + (rec * HV + i_hv) * V
+                v_at = v_ptr + bos * stride_v_tok + i_hv * stride_v_head
+                q_at = q_ptr + bos * stride_q_tok + i_h * stride_q_head
+                k_at = k_ptr + bos * stride_k_tok + i_h * stride_k_head
+                q0, q1, q2, q3 = _tl_load_parts(q_at, offs_c, all_c, offs_c, K, KQ)
+                k0, k1, k2, k3 = _tl_load_parts(k_at, offs_c, all_c, offs_c, K, KQ)
+                g, beta = _tl_gdn_gates(tl.load(a_ptr + bos * stride_a_tok + i_hv),
+                                        tl.load(b_ptr + bos * stride_b_tok + i_hv),
+                                        tl.load(A_log_ptr + i_hv), tl.load(dt_bias_ptr + i_hv))
+                kh0, kh1, kh2, kh3 = _tl_normalized(k0, k1, k2, k3, eps, 1.0)
+                qh0, qh1, qh2, qh3 = _tl_normalized(q0, q1, q2, q3, eps, scale)
+                e = tl.exp(g)
+                kq = _tl_row_sum(tl.fma(kh3, qh3, tl.fma(kh2, qh2, tl.fma(kh1, qh1, kh0 * qh0))), 0)
+                if FLUSH_ROWS and TOKEN_ROWS:
+                    if folds:
+                        _fold_and_token(S0, S1, S2, S3, ckpt_at, tile, rk_ptr, rv_ptr, rg_ptr, rb_ptr, ring_at, base,
+                                        wp, i_h, i_hv, offs_c, offs_v, mask_v, o_at, rv_at, ru_at, v_at,
+                                        kh0, kh1, kh2, kh3, qh0, qh1, qh2, qh3, e, beta, kq, eps,
+                                        H, HV, K, V, L, KQ, AHEAD, ROUND_STATE, EARLY_TILE)
+                    else:
+                        _history_and_token(S0, S1, S2, S3, ckpt_at, tile, rk_ptr, rg_ptr, ru_ptr, ring_at, base, wp,
+                                           i_h, i_hv, offs_c, offs_v, mask_v, o_at, rv_at, ru_at, v_at,
+                                           kh0, kh1, kh2, kh3, qh0, qh1, qh2, qh3, e, beta, kq, eps,
+                                           H, HV, K, V, L, KQ, EARLY_TILE)
+                elif FLUSH_ROWS:
+                    _fold_and_token(S0, S1, S2, S3, ckpt_at, tile, rk_ptr, rv_ptr, rg_ptr, rb_ptr, ring_at, base, wp,
+                                    i_h, i_hv, offs_c, offs_v, mask_v, o_at, rv_at, ru_at, v_at,
+                                    kh0, kh1, kh2, kh3, qh0, qh1, qh2, qh3, e, beta, kq, eps,
+                                    H, HV, K, V, L, KQ, AHEAD, ROUND_STATE, EARLY_TILE)
+                else:
+                    _history_and_token(S0, S1, S2, S3, ckpt_at, tile, rk_ptr, rg_ptr, ru_ptr, ring_at, base, wp,
+                                       i_h, i_hv, offs_c, offs_v, mask_v, o_at, rv_at, ru_at, v_at,
+                                       kh0, kh1, kh2, kh3, qh0, qh1, qh2, qh3, e, beta, kq, eps,
+                                       H, HV, K, V, L, KQ, EARLY_TILE)
+                # The raw key and the gates, once per (request, key head) and value head,
+                # after every load (the history's records are read from the same ring).
+                k_writer = (i_hv % (HV // H) == 0) & (i_v == 0)
+                _tl_store_parts(rk_ptr, (rec * H + i_h) * K + offs_c, _tl_mask_and(all_c, k_writer), offs_c, K, KQ,
+                                k0, k1, k2, k3)
+                tl.store(rg_ptr + rec * HV + i_hv, g, mask=i_v == 0)
+                tl.store(rb_ptr + rec * HV + i_hv, beta, mask=i_v == 0)
+
+    @triton.jit
+    def _fold_and_token(S0, S1, S2, S3, ckpt_at, tile, rk_ptr, rv_ptr, rg_ptr, rb_ptr, ring_at, base, wp, i_h, i_hv,
+                        offs_c, offs_v, mask_v, o_at, rv_at, ru_at, v_at, kh0, kh1, kh2, kh3, qh0, qh1, qh2, qh3,
+                        e, beta, kq, eps, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                        L: tl.constexpr, KQ: tl.constexpr, AHEAD: tl.constexpr, ROUND_STATE: tl.constexpr,
+                        EARLY_TILE: tl.constexpr):
+        """A flush row: fold the history into the checkpoint (the fold's replay and
+        store), then take the token from the folded rows as stored (an empty history)."""
+        if not EARLY_TILE:
+            S0, S1, S2, S3 = _tl_load_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ)
+        S0, S1, S2, S3 = _replay_and_store_tile(
+            S0, S1, S2, S3, ckpt_at, tile, rk_ptr + ring_at * (H * K) + i_h * K,
+            rv_ptr + ring_at * (HV * V) + i_hv * V, rg_ptr + ring_at * HV + i_hv, rb_ptr + ring_at * HV + i_hv,
+            base, tl.minimum(wp, L), offs_c, offs_v, mask_v, H * K, HV * V, HV, HV, eps, K, L, KQ, AHEAD,
+            ROUND_STATE)
+        _token_rows(o_at, rv_at, ru_at, v_at, offs_v, mask_v, _tl_row_dot(S0, S1, S2, S3, kh0, kh1, kh2, kh3),
+                    _tl_row_dot(S0, S1, S2, S3, qh0, qh1, qh2, qh3), e, beta, kq)
+
+    @triton.jit
+    def _history_and_token(S0, S1, S2, S3, ckpt_at, tile, rk_ptr, rg_ptr, ru_ptr, ring_at, base, wp, i_h, i_hv,
+                           offs_c, offs_v, mask_v, o_at, rv_at, ru_at, v_at, kh0, kh1, kh2, kh3, qh0, qh1, qh2, qh3,
+                           e, beta, kq, eps, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                           L: tl.constexpr, KQ: tl.constexpr, EARLY_TILE: tl.constexpr):
+        """A row that does not flush: the token from the checkpoint and the committed
+        history (a flush row with no records has none),
+            S x = exp(Gtot) S0 x + sum_c exp(g_{c+1} + ... + g_h) u_c (k^_c . x)."""
+        offs_h = tl.arange(0, L)
+        hist = offs_h < wp
+        rec_h = ring_at + (base + offs_h) % L
+        # Unused ring entries may hold NaN: masked loads give 0 instead.
+        h0, h1, h2, h3 = _tl_load_parts(rk_ptr, (rec_h[:, None] * H + i_h) * K + offs_c[None, :], hist[:, None],
+                                        offs_c[None, :], K, KQ)
+        g_h = tl.load(rg_ptr + rec_h * HV + i_hv, mask=hist, other=0.0)
+        # The history's weights before the tile's products, so that its keys are dead
+        # by then: c_x[c] = exp(g_{c+1} + ... + g_h) (k^_c . x^).
+        hh = _tl_row_sum(tl.fma(h3, h3, tl.fma(h2, h2, tl.fma(h1, h1, h0 * h0))), 1)
+        r_h = tl.div_rn(tl.full([L], 1.0, tl.float32), tl.sqrt_rn(hh + eps))  # 1 / |k_c|
+        later = offs_h[None, :] > offs_h[:, None]
+        w_h = tl.where(hist, tl.exp(_tl_row_sum(tl.where(later, g_h[None, :], 0.0), 1)), 0.0) * r_h
+        c_k = _tl_row_dot(h0, h1, h2, h3, kh0, kh1, kh2, kh3) * w_h
+        c_q = _tl_row_dot(h0, h1, h2, h3, qh0, qh1, qh2, qh3) * w_h
+        e_Gh = tl.exp(_tl_row_sum(g_h, 0))
+        # S0 k^ and S0 q^ from the whole tile, loaded at once: the most bytes in flight
+        # a program can have (a chunked stream was slower, BENCHMARKS.md).
+        if not EARLY_TILE:
+            S0, S1, S2, S3 = _tl_load_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ)
+        S0_k = _tl_row_dot(S0, S1, S2, S3, kh0, kh1, kh2, kh3)
+        S0_q = _tl_row_dot(S0, S1, S2, S3, qh0, qh1, qh2, qh3)
+        u_h = tl.load(ru_ptr + (rec_h[None, :] * HV + i_hv) * V + offs_v[:, None],
+                      mask=mask_v[:, None] & hist[None, :], other=0.0)
+        S_k = e_Gh * S0_k + _tl_row_sum(u_h * c_k[None, :], 1)
+        S_q = e_Gh * S0_q + _tl_row_sum(u_h * c_q[None, :], 1)
+        _token_rows(o_at, rv_at, ru_at, v_at, offs_v, mask_v, S_k, S_q, e, beta, kq)
+
+    @triton.jit
+    def _ring_decode_kernel(
+        q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr,
+        ckpt_ptr, rk_ptr, rv_ptr, rg_ptr, rb_ptr, ru_ptr,
+        slots_ptr, cu_ptr, wp_ptr, base_ptr, flush_ptr, o_ptr,
+        stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+        stride_a_tok, stride_b_tok,
+        scale, eps,
+        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
+        BK: tl.constexpr, BV: tl.constexpr,
+        ROUND_STATE: tl.constexpr, AHEAD: tl.constexpr, EARLY_TILE: tl.constexpr, FLUSH_ROWS: tl.constexpr,
+    ):
+        """Grid ``(V blocks, requests, HV)``: every row's token (``FLUSH_ROWS``) or every
+        row's but the flush rows' (the flush kernel's)."""
+        _ring_row(tl.program_id(0), tl.program_id(1), tl.program_id(2),
+                  q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr,
+                  ckpt_ptr, rk_ptr, rv_ptr, rg_ptr, rb_ptr, ru_ptr,
+                  slots_ptr, cu_ptr, wp_ptr, base_ptr, flush_ptr, o_ptr,
+                  stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+                  stride_a_tok, stride_b_tok, scale, eps,
+                  H, HV, K, V, L, BK, BV, ROUND_STATE, AHEAD, EARLY_TILE, FLUSH_ROWS, True)
+
+    @triton.jit
+    def _ring_flush_kernel(
+        q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr,
+        ckpt_ptr, rk_ptr, rv_ptr, rg_ptr, rb_ptr, ru_ptr,
+        slots_ptr, cu_ptr, wp_ptr, base_ptr, flush_ptr, o_ptr,
+        stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+        stride_a_tok, stride_b_tok,
+        scale, eps, batch,
+        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
+        BK: tl.constexpr, BV: tl.constexpr, BB: tl.constexpr,
+        ROUND_STATE: tl.constexpr, AHEAD: tl.constexpr, EARLY_TILE: tl.constexpr,
+    ):
+        """A few programs that walk the flush rows' (V block, value head) items: item
+        ``t`` of ``n x HV x NV`` is the ``t // (HV NV)``-th flush row of the batch (``BB``
+        >= ``batch`` rows, counted on the device), so the grid is fixed by the batch alone
+        (CUDA graphs) and costs nothing where no row flushes."""
+        NV: tl.constexpr = (V + BV - 1) // BV
+        rows = tl.arange(0, BB)
+        in_batch = rows < batch
+        slot_b = tl.load(slots_ptr + rows, mask=in_batch, other=-1)
+        length_b = tl.load(cu_ptr + rows + 1, mask=in_batch, other=0) - tl.load(cu_ptr + rows, mask=in_batch, other=0)
+        live = (slot_b >= 0) & (length_b > 0)
+        at = tl.where(live, slot_b, 0)
+        folds = live & (tl.load(flush_ptr + at, mask=live, other=0) != 0) & (tl.load(wp_ptr + at, mask=live, other=0) > 0)
+        before = tl.cumsum(folds.to(tl.int32), 0)  # flush rows up to and including each row
+        items = tl.sum(folds.to(tl.int32), 0) * (HV * NV)
+        for t in range(tl.program_id(0), items, tl.num_programs(0)):
+            j = t // (HV * NV)
+            i_b = tl.sum((before <= j).to(tl.int32), 0)  # the j-th flush row (from 0): j rows before it
+            i_hv = (t % (HV * NV)) // NV
+            _ring_row(t % NV, i_b, i_hv,
+                      q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr,
+                      ckpt_ptr, rk_ptr, rv_ptr, rg_ptr, rb_ptr, ru_ptr,
+                      slots_ptr, cu_ptr, wp_ptr, base_ptr, flush_ptr, o_ptr,
+                      stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+                      stride_a_tok, stride_b_tok, scale, eps,
+                      H, HV, K, V, L, BK, BV, ROUND_STATE, AHEAD, EARLY_TILE, True, False)
+
+
+@functools.lru_cache(maxsize=None)
+def _flush_stream(index: int) -> torch.cuda.Stream:
+    """The side stream that the flush kernel runs on beside the token kernel, one per
+    CUDA device."""
+    return torch.cuda.Stream(device=index)
 
 
 def launch_ring_decode(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos,
                        cache_base, is_flush, o) -> None:
-    """Launch the ring decoding kernel on validated arguments (one launch)."""
+    """Launch the ring decoding kernels on validated arguments: one launch, or the flush
+    rows' kernel beside the token kernel (the shape table's ``split_flush``; module notes)."""
     h, kd = q.shape[1], q.shape[2]
     hv, vd = v.shape[1], v.shape[2]
     batch = slots.shape[0]
     cfg = tuning.lookup("ring_decode", K=kd, V=vd, state_dtype=checkpoint.dtype, batch=batch, device=q.device.type)
-    bv = block_rows(vd, batch * hv, q.device, cfg["block_v"])
     bk = exact_block_k(kd)
+    args = (q, k, v, a, b, A_log, dt_bias, checkpoint, ring.k, ring.v, ring.g, ring.beta, ring_u,
+            slots, cu_seqlens, write_pos, cache_base, is_flush, o,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
+            kd**-0.5, NORM_EPS)
+    common = dict(H=h, HV=hv, K=kd, V=vd, L=ring.ring_len, BK=bk, ROUND_STATE=checkpoint.dtype != torch.float32,
+                  AHEAD=cfg["records_ahead"])
+    split = cfg["split_flush"]
+    bv = block_rows(vd, batch * hv, q.device, cfg["token_block_v" if split else "block_v"])
     # A flush row replays exactly, so its row sums must be the fold's: the same parts,
     # lanes and order at either warp count (exact_warps). At 8 warps only the history's
     # sums over its records (outputs and u, stated to rounding) change order, since their
     # record axis lies across warps.
-    warps = exact_warps(cfg["num_warps"], bv)
-    _ring_decode_kernel[(triton.cdiv(vd, bv), batch, hv)](
-        q, k, v, a, b, A_log, dt_bias,
-        checkpoint, ring.k, ring.v, ring.g, ring.beta, ring_u,
-        slots, cu_seqlens, write_pos, cache_base, is_flush, o,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
-        kd**-0.5, NORM_EPS,
-        H=h, HV=hv, K=kd, V=vd, L=ring.ring_len, BK=bk, BV=bv, ROUND_STATE=checkpoint.dtype != torch.float32,
-        AHEAD=cfg["records_ahead"], EARLY_TILE=bool(cfg["early_tile"]),
-        num_warps=warps,
-        **register_cap(cfg["max_registers"], q.device),
-    )
+    token = lambda: _ring_decode_kernel[(triton.cdiv(vd, bv), batch, hv)](  # noqa: E731
+        *args, **common, BV=bv, EARLY_TILE=bool(cfg["early_tile"]), FLUSH_ROWS=not split,
+        num_warps=exact_warps(cfg["num_warps"], bv), **register_cap(cfg["max_registers"], q.device))
+    if not split:
+        token()
+        return
+    fbv = min(cfg["block_v"], triton.next_power_of_2(vd))
+    programs = cfg["flush_programs"] * sm_count(q.device)
+    flush = lambda: _ring_flush_kernel[(min(programs, batch * hv * triton.cdiv(vd, fbv)),)](  # noqa: E731
+        *args, batch, **common, BV=fbv, BB=triton.next_power_of_2(batch), EARLY_TILE=True,
+        num_warps=exact_warps(cfg["num_warps"], fbv))
+    if split == 1 or q.device.type != "cuda":
+        token()
+        flush()
+        return
+    main = torch.cuda.current_stream(q.device)
+    side = _flush_stream(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        flush()
+    token()
+    main.wait_stream(side)
 
 
 @register("ring_decode", "triton")
@@ -290,7 +438,7 @@ def gdn_ring_decode_triton(
     is_flush: torch.Tensor,
 ) -> torch.Tensor:
     """Triton version of :func:`gdn_ring_decode_reference` (same arguments and results),
-    one launch.
+    one launch or two (``split_flush``).
 
     Limits as :func:`~replayssm.ops.chunked.gdn_chunked_window_triton`'s: float32 or
     bfloat16 checkpoints, float32 ``ring_u`` and ring gates, contiguous buffers and index

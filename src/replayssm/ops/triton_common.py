@@ -93,6 +93,14 @@ def exact_warps(warps: int, bv: int) -> int:
 #: below are written for four.
 EXACT_PARTS = 4
 
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA ``device`` (1 elsewhere: the interpreter runs
+    one program at a time), the unit that launch sizes are counted in."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def block_rows(vd: int, rows: int, device: torch.device, most: int, least: int = 1) -> int:
     """Rows ``BV`` of a kernel's ``[BV, *]`` state tile, for ``rows`` (windows x heads)
     tiles of ``vd`` rows each.
@@ -106,7 +114,7 @@ def block_rows(vd: int, rows: int, device: torch.device, most: int, least: int =
     full = triton.next_power_of_2(vd)
     if device.type != "cuda":
         return min(16, full)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = sm_count(device)
     bv = max(least, min(most, full))
     while bv > 16 and rows * triton.cdiv(vd, bv) < 2 * sms:
         bv //= 2

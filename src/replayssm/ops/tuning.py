@@ -82,16 +82,22 @@ PARAMS = {
     # on its registers per thread on CUDA (as closed_form.max_registers), and its warps:
     # 4 (the exact kernels') or 8, which stack along V where the tile has at least 64
     # rows (ops/ring_decode.py launch_ring_decode says why the flush keeps its bits).
-    "ring_decode": ("block_v", "records_ahead", "early_tile", "max_registers", "num_warps"),
+    # ``split_flush``: one launch for every row (0), or the flush rows in a kernel of
+    # their own, ``flush_programs`` programs an SM walking them on tiles of ``block_v``
+    # rows (loaded before the cursors), beside the token kernel on ``token_block_v`` rows
+    # a program (``early_tile`` is then the token kernel's; 2: on a side stream, 1:
+    # after it on the caller's stream).
+    "ring_decode": ("block_v", "records_ahead", "early_tile", "max_registers", "num_warps", "split_flush",
+                    "token_block_v", "flush_programs"),
 }
 
 _KEY_FIELDS = ("K", "V", "state_dtype", "min_batch", "max_batch", "device")
 #: Parameters that may be 0 (the others are sizes, at least 1).
 _MAY_BE_ZERO = ("replay_max_batch", "tree_replay_max_paths", "path_max_paths", "tf32_coefficients", "fuse_flush", "early_tile", "dependent_launch", "max_registers",
-                "load_ahead")
+                "load_ahead", "split_flush")
 #: Parameters with a closed set of values (by name, or ``family.name`` for one family).
 _CHOICES = {"tf32_coefficients": (0, 1), "fuse_flush": (0, 1), "records_ahead": (1, 2), "flush_records_ahead": (1, 2),
-            "early_tile": (0, 1), "dependent_launch": (0, 1), "load_ahead": (0, 1),
+            "early_tile": (0, 1), "dependent_launch": (0, 1), "load_ahead": (0, 1), "split_flush": (0, 1, 2),
             "ring_decode.num_warps": (4, 8), "exact_write.num_warps": (4, 8), "exact_read_only.num_warps": (4, 8)}
 
 #: The table (see the module notes). Values chosen by measurement at Qwen3.5 shapes
@@ -150,10 +156,24 @@ TABLE: dict[str, list[tuple[dict, dict]]] = {
     "exact_tree": [({"device": "cpu"}, dict(stack_rows=64, path_max_paths=0)),
                    ({}, dict(stack_rows=64, path_max_paths=96))],
     # 16-bit states at small batch load the tile late: early, it ran slower at batch 16
-    # (and spilled before the layout cap); from batch 33 early measured faster.
+    # (and spilled before the layout cap). From batch 33 their flush rows run in a kernel
+    # of their own beside the token kernel, whose tile loads late: without the flush it
+    # fits three programs an SM, and it measured faster than one launch with the tile
+    # early (the fastest one launch there). With fp32 states the token kernel still
+    # holds two programs an SM, and one launch measured faster from batch 33, the rows
+    # apart at batch 16 (BENCHMARKS.md, "The flush rows apart").
     "ring_decode": [({"state_dtype": torch.bfloat16, "max_batch": 32}, dict(block_v=128, records_ahead=1, early_tile=0,
-                                                                            max_registers=0, num_warps=4)),
-                    ({}, dict(block_v=128, records_ahead=1, early_tile=1, max_registers=0, num_warps=4))],
+                                                                            max_registers=0, num_warps=4,
+                                                                            split_flush=0, token_block_v=128,
+                                                                            flush_programs=2)),
+                    ({"state_dtype": torch.bfloat16}, dict(block_v=128, records_ahead=1, early_tile=0, max_registers=0,
+                                                           num_warps=4, split_flush=2, token_block_v=128,
+                                                           flush_programs=2)),
+                    ({"min_batch": 16, "max_batch": 32}, dict(block_v=128, records_ahead=1, early_tile=1,
+                                                              max_registers=0, num_warps=4, split_flush=2,
+                                                              token_block_v=128, flush_programs=2)),
+                    ({}, dict(block_v=128, records_ahead=1, early_tile=1, max_registers=0, num_warps=4, split_flush=0,
+                              token_block_v=128, flush_programs=2))],
 }
 
 
