@@ -16,6 +16,7 @@ from replayssm.engine.adapter import HybridEngine, _attention_inputs
 from replayssm.engine.attention import slot_attention, tree_attention
 from replayssm.engine.device_drafters import DeviceMTPDrafter
 from replayssm.engine.drafters import load_mtp_head
+from replayssm.engine.fused_linear import fused_weight
 from replayssm.engine.loading import embedded_model_dir, load_model
 from replayssm.engine.norms import add_rms_norm, rms_norm
 from replayssm.engine.sampling import SamplingParams
@@ -176,26 +177,27 @@ def test_join_drafts_in_a_graph_are_the_eager_ones(mode, rng):
 
 # Kernel ceilings of the GPU path (fused norms, Triton attention; here under the
 # interpreter), counted by replayssm.testing.op_count.
-OBSERVE_OPS = 31
-DEPTH_OPS = 27
+OBSERVE_OPS = 29
+DEPTH_OPS = 25
 FIRST_DRAFT_OPS = 3
 
 
 def test_kernels_per_draft_depth(model, rng):
     """Kernels of the drafter's work per step on the fused (GPU) path: ``observe`` (the
-    head over the ``T`` emitted pairs) at most 31, the first draft (LM head, argmax,
-    the drafts' stack) 3, each further draft depth at most 27.
+    head over the ``T`` emitted pairs) at most 29, the first draft (LM head, argmax,
+    the drafts' stack) 3, each further draft depth at most 25.
 
     A depth is one head pass plus its LM head and argmax: the embedding, 7 norms
     (two write ``fc``'s input halves, two the query/key buffer, two take the
-    residual adds in), 8 matmuls (``fc``, q, k, v, o, gate and up as one, down, LM head), 4
-    rotary kernels for queries and keys together, 2 cache writes, the attention, the
-    output gate (sigmoid, multiply), SiLU with its product (one kernel), the argmax.
-    The positions and rotary rows of all depths are gathered once per proposal (2
-    kernels), so a chain of ``k`` drafts costs ``3 + 2 + 27 (k - 1)`` (before the cut
-    pass: ``3 + 53 (k - 1)``, and 54 for ``observe``; 29 a depth and 33 before SiLU and
-    its product became one kernel, 28 and 32 before gate and up became one matmul): a
-    count past the ceiling is a kernel added per draft."""
+    residual adds in), 6 matmuls (``fc``, q|gate, k and v as one, o, gate and up as
+    one, down, LM head), 4 rotary kernels for queries and keys together, 2 cache
+    writes, the attention, the output gate (sigmoid, multiply), SiLU with its product
+    (one kernel), the argmax. The positions and rotary rows of all depths are gathered
+    once per proposal (2 kernels), so a chain of ``k`` drafts costs ``3 + 2 + 25 (k -
+    1)`` (before the cut pass: ``3 + 53 (k - 1)``, and 54 for ``observe``; 29 a depth
+    and 33 before SiLU and its product became one kernel, 28 and 32 before gate and up
+    became one matmul, 27 and 31 before q, k and v did): a count past the ceiling is a
+    kernel added per draft."""
     counts = {}
     for k in (1, 3, 4):
         d = _drafter(DeviceMTPDrafter, model, "triton", k)
@@ -217,6 +219,30 @@ def test_kernels_per_draft_depth(model, rng):
     # the rotary embedding and the concatenations are gone from the passes, not moved
     names = set(counts[4][0].counts) | set(counts[4][1].counts)
     assert not names & {"aten.cos", "aten.sin", "aten.cat", "aten.copy_", "aten.clone"}, names
+
+
+@pytest.mark.parametrize("mode", ["greedy", "tree"])
+def test_fused_attention_projections_give_the_unfused_heads_bits(model, mode, rng, seed):
+    """The drafter with the head's (and the engine's) q_proj, k_proj, v_proj as one
+    matmul against one on a fresh copy of the model with them unfused (three modules):
+    drafts, head outputs and head caches bit for bit (fp32, CPU, fused norms)."""
+    kw = dict(tree=StaticTree.from_branching((3, 2, 1))) if mode == "tree" else {}
+    k = kw["tree"].num_nodes - 1 if mode == "tree" else 3
+    fast = _drafter(DeviceMTPDrafter, model, "triton", k, **kw)
+    slow = _drafter(DeviceMTPDrafter, load_model(str(embedded_model_dir("embedded")), dtype="float32", device="cpu"),
+                    "triton", k, **kw)
+    for d, fused in ((fast, True), (slow, False)):
+        attns = [d.head.layers[0].self_attn] + [layer.self_attn for kind, layer in zip(d.engine.kinds, d.engine.layers)
+                                                if kind == "attn"]
+        for attn in attns:
+            if not fused:  # k_proj's weight its own tensor again: the layout ends
+                attn.k_proj.weight = torch.nn.Parameter(attn.k_proj.weight.detach().clone())
+            assert (fused_weight((attn.q_proj, attn.k_proj, attn.v_proj)) is not None) == fused
+    rounds = _rounds(rng, fast.engine.embed.weight.shape[1], fast.engine.vocab_size, k, k + 1 if mode != "tree" else 4)
+    got, want = _drive(fast, rounds, seed), _drive(slow, rounds, seed)
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.dtype == w.dtype and torch.equal(g, w), f"output {i} differs"
 
 
 def test_op_counter_counts_kernels_not_views(rng):

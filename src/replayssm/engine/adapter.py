@@ -180,48 +180,64 @@ def attention_forward(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     return attn.o_proj(o)
 
 
+def attention_projections(attn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A full-attention module's projections of ``x [N, hidden]``: ``q, gate [N, heads,
+    D]`` (interleaved per head in ``q_proj``'s output), ``k, v [N, kv_heads, D]``.
+
+    Where the weights of ``q_proj``, ``k_proj`` and ``v_proj`` are laid out as one
+    tensor (:func:`fuse_linears`), one matmul computes all four, each a strided view of
+    its output ``[N, W]``, ``W = 2 heads D + 2 kv_heads D``: ``q, gate`` at strides ``(W,
+    2D, 1)``, ``k, v`` at ``(W, D, 1)`` (the norms read them in place); else the three
+    modules.
+    """
+    n, d = x.shape[0], attn.head_dim
+    projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+    w = fused_weight(projections)
+    if w is None:
+        qg, k, v = (p(x) for p in projections)
+    else:
+        qg, k, v = torch.nn.functional.linear(x, w).split([p.out_features for p in projections], dim=-1)
+    q, gate = qg.view(n, -1, 2 * d).chunk(2, dim=-1)
+    return q, gate, k.view(n, -1, d), v.view(n, -1, d)
+
+
 def _attention_inputs(attn, x, cos, sin, norm=None):
     """Rotated ``q [N, heads, D]``, ``k [N, kv_heads, D]`` of the first ``N = len(cos)``
     rows, ``v [R, kv_heads, D]`` and the output gate ``[R, heads * D]``. ``norm(module,
     x)`` applies the ``q/k`` norms (default: the modules themselves)."""
     norm = norm or (lambda module, t: module(t))
-    rows, n, d = x.shape[0], cos.shape[0], attn.head_dim
-    q, gate = torch.chunk(attn.q_proj(x).view(rows, -1, 2 * d), 2, dim=-1)
+    rows, n = x.shape[0], cos.shape[0]
+    q, gate, k, v = attention_projections(attn, x)
     gate = gate.reshape(rows, -1)
     q = norm(attn.q_norm, q)
-    k = norm(attn.k_norm, attn.k_proj(x).view(rows, -1, d))
-    v = attn.v_proj(x).view(rows, -1, d)
+    k = norm(attn.k_norm, k)
     rope = getattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb")
     q, k = rope(q[None, :n], k[None, :n], cos[None], sin[None], unsqueeze_dim=2)
     return q[0], k[0], v, gate
 
 
-def rotated_qk(attn, x: torch.Tensor, rope: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]:
+def rotated_qk(attn, q: torch.Tensor, k: torch.Tensor, rope: torch.Tensor, norm) -> torch.Tensor:
     """A full-attention module's normed and rotated queries and keys, in one buffer.
 
     Args:
-        x: ``[B * T, hidden]`` normed hidden states, row-major over ``(b, t)``.
+        q: ``[B * T, heads, D]``, k: ``[B * T, kv_heads, D]`` projections, row-major
+            over ``(b, t)`` (:func:`attention_projections`: strided views, read in place).
         rope: ``[B, T or 1, 2, R]`` rotary rows (:func:`~replayssm.engine.rotary.rope_rows`).
         norm: ``norm(module, x, out=buffer)``, the ``q/k`` norms written into slices of
             the result (:meth:`HybridEngine.static_norm`; default: the modules).
 
     Returns:
-        ``qk [B, T, heads + kv_heads, D]`` (queries, then keys: the norms write there and
-        the rotation runs once, in place, for both) and the output gate ``[B * T, heads,
-        D]`` (a strided view of ``q_proj``'s output). The arithmetic of
+        ``qk [B, T, heads + kv_heads, D]``: queries, then keys (the norms write there and
+        the rotation runs once, in place, for both). The arithmetic of
         :func:`_attention_inputs`, bit for bit.
     """
     norm = norm or (lambda module, y, out: out.copy_(module(y)))
-    n, d = x.shape[0], attn.head_dim
-    b, t = rope.shape[0], n // rope.shape[0]
-    q, gate = attn.q_proj(x).view(n, -1, 2 * d).chunk(2, dim=-1)
-    k = attn.k_proj(x).view(n, -1, d)
-    heads = q.shape[1]
-    qk = torch.empty((b, t, heads + k.shape[1], d), dtype=q.dtype, device=q.device)
+    (n, heads, d), b = q.shape, rope.shape[0]
+    qk = torch.empty((b, n // b, heads + k.shape[1], d), dtype=q.dtype, device=q.device)
     norm(attn.q_norm, q, out=qk.view(n, -1, d)[:, :heads])
     norm(attn.k_norm, k, out=qk.view(n, -1, d)[:, heads:])
     rotate_(qk, rope)
-    return qk, gate
+    return qk
 
 
 def static_attention_forward(attn, x: torch.Tensor, rope: torch.Tensor, cache: KVCache,
@@ -248,12 +264,13 @@ def static_attention_forward(attn, x: torch.Tensor, rope: torch.Tensor, cache: K
     read on the host, so the call can be captured in a CUDA graph.
     """
     b, t = positions.shape
-    qk, gate = rotated_qk(attn, x, rope, norm)
+    q, gate, k, v = attention_projections(attn, x)
+    qk = rotated_qk(attn, q, k, rope, norm)
     heads, d = gate.shape[1], attn.head_dim
     at = positions if tree is None else tree[0][:, None] + tree[1][None]
     where = (slot_idx[:, None].expand(b, t), slice(None), at)
     cache.k[layer][where] = qk[:, :, heads:].to(cache.k.dtype)
-    cache.v[layer][where] = attn.v_proj(x).view(b, t, -1, d).to(cache.v.dtype)
+    cache.v[layer][where] = v.view(b, t, -1, d).to(cache.v.dtype)  # a strided view of the projections
     if tree is None:
         o = slot_attention(qk[:, :, :heads], cache.k[layer], cache.v[layer], slot_idx, positions[:, 0],
                            attn.scaling, backend=backend)
@@ -414,9 +431,10 @@ class HybridEngine:
     Args:
         hf_model: a loaded ``*ForCausalLM`` (its parameters are used, not copied). The
             projections that share an input (a Qwen3.5 GDN layer's ``q|k|v``, ``a``,
-            ``b``; a dense MLP's ``gate`` and ``up``) get their weights laid out as one
-            tensor each, the modules' weights becoming views of it (same values and
-            memory; :mod:`~replayssm.engine.fused_linear`), so each group is one matmul.
+            ``b``; a full-attention layer's ``q_proj``, ``k_proj``, ``v_proj``; a dense
+            MLP's ``gate`` and ``up``) get their weights laid out as one tensor each,
+            the modules' weights becoming views of it (same values and memory;
+            :mod:`~replayssm.engine.fused_linear`), so each group is one matmul.
         strategy: ``"snapshot"``, ``"fold"`` or ``"circular"`` (DESIGN.md section 3).
         num_slots: concurrent requests.
         window: largest verify window ``T`` (draft tokens + 1).
@@ -510,7 +528,9 @@ class HybridEngine:
             elif hasattr(layer, "self_attn"):
                 self.kinds.append("attn")
                 self.index.append(len(attn_modules))
-                attn_modules.append(layer.self_attn)
+                attn = layer.self_attn
+                attn_modules.append(attn)
+                fuse_linears((attn.q_proj, attn.k_proj, attn.v_proj))  # one matmul (attention_projections)
             else:
                 raise TypeError(f"decoder layer {i} has neither linear_attn nor self_attn")
             if dense_silu_mlp(getattr(layer, "mlp", None)):  # gate and up in one matmul (static_mlp)

@@ -501,6 +501,7 @@ class DeviceMTPDrafter(DeviceDrafter):
         mlp = self.head.layers[0].mlp
         if dense_silu_mlp(mlp):  # gate and up in one matmul (HybridEngine.static_mlp)
             fuse_linears((mlp.gate_proj, mlp.up_proj))
+        fuse_linears((attn.q_proj, attn.k_proj, attn.v_proj))  # one matmul (adapter.attention_projections)
 
     def _rope_table(self, capacity: int, device) -> torch.Tensor:
         """``[capacity, 2, R]`` rotary rows (:func:`~replayssm.engine.rotary.rope_rows`)
@@ -526,10 +527,12 @@ class DeviceMTPDrafter(DeviceDrafter):
 
         The arithmetic of :meth:`MTPHead.pair_input` and ``static_attention_forward``
         (the same values, bit for bit), in fewer kernels: the two input norms write the
-        halves of ``fc``'s input, the queries and keys are normed and rotated as the
-        engine's static step does (:func:`~replayssm.engine.adapter.rotated_qk`), each
-        residual add runs in its norm's kernel."""
-        from .adapter import rotated_qk
+        halves of ``fc``'s input, q|gate, k and v are one matmul
+        (:func:`~replayssm.engine.adapter.attention_projections`), the queries and keys
+        are normed and rotated as the engine's static step does
+        (:func:`~replayssm.engine.adapter.rotated_qk`), each residual add runs in its
+        norm's kernel."""
+        from .adapter import attention_projections, rotated_qk
 
         eng, head = self.engine, self.head
         layer = head.layers[0]
@@ -541,13 +544,14 @@ class DeviceMTPDrafter(DeviceDrafter):
         eng.static_norm(head.pre_fc_norm_hidden, hidden.to(eng.dtype), out=pair[:, hid:])
         x = head.fc(pair)
         xn = eng.static_norm(layer.input_layernorm, x)
-        qk, gate = rotated_qk(attn, xn, rope, eng.static_norm)
+        q, gate, k, v = attention_projections(attn, xn)
+        qk = rotated_qk(attn, q, k, rope, eng.static_norm)
         heads, d = gate.shape[1], attn.head_dim
         cache = self.cache
         at = positions if tree is None else tree[0][:, None] + tree[1][None]
         where = (slot_idx[:, None].expand(b, t), slice(None), at)
         cache.k[0][where] = qk[:, :, heads:].to(cache.k.dtype)
-        cache.v[0][where] = attn.v_proj(xn).view(b, t, -1, d).to(cache.v.dtype)
+        cache.v[0][where] = v.view(b, t, -1, d).to(cache.v.dtype)
         if tree is None:
             o = slot_attention(qk[:, :, :heads], cache.k[0], cache.v[0], slot_idx, positions[:, 0], attn.scaling,
                                backend=eng.backend)

@@ -1,5 +1,5 @@
-"""Projections of one input in one matmul: a GDN layer's ``q|k|v``, ``a`` and ``b``; an
-MLP's ``gate`` and ``up``.
+"""Projections of one input in one matmul: a GDN layer's ``q|k|v``, ``a`` and ``b``; a
+full-attention layer's ``q_proj``, ``k_proj`` and ``v_proj``; an MLP's ``gate`` and ``up``.
 
 Transformers' modules run each ``nn.Linear`` as its own matmul. At small batch a matmul
 is a weight read plus a launch's latency, so the two ``[HV, hidden]`` gate projections

@@ -57,19 +57,17 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, kind: 
     return (h * torch.nn.functional.silu(gate.float())).to(x.dtype)
 
 
-def _out_rows(out: torch.Tensor, x: torch.Tensor) -> tuple[int, int, int]:
-    """``(inner, stride_outer, stride_inner)`` addressing the rows of ``out`` (like
-    ``x``): row ``r`` of ``x.reshape(-1, D)`` goes to ``(r // inner) * stride_outer +
-    (r % inner) * stride_inner``. Rows of one stride (any contiguous block, a column
-    slice of a matrix) or of two (a slice of heads ``[N, heads, D]``)."""
-    if out.shape != x.shape or out.dtype != x.dtype or out.device != x.device:
-        raise ValueError(f"out must be a {x.dtype} tensor of shape {list(x.shape)} on {x.device}, got "
-                         f"{out.dtype} {list(out.shape)} on {out.device}")
-    if out.stride(-1) != 1:
-        raise ValueError("out must be contiguous along its last axis")
-    rows = x.numel() // max(x.shape[-1], 1)
+def _row_strides(t: torch.Tensor, name: str) -> tuple[int, int, int]:
+    """``(inner, stride_outer, stride_inner)`` addressing the rows of ``t [..., D]``:
+    row ``r`` of ``t.reshape(-1, D)`` lies at ``(r // inner) * stride_outer + (r % inner)
+    * stride_inner``. Rows of one stride (any contiguous block, a column slice of a
+    matrix) or of two (a slice of heads ``[N, heads, D]`` of a wider matrix, which no
+    single stride reaches: reshaping would copy). ``name`` names ``t`` in the errors."""
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous along its last axis, got strides {list(t.stride())}")
+    rows = t.numel() // max(t.shape[-1], 1)
     lead = []  # the leading axes (size, stride), merged where one stride covers two
-    for n, s in zip(out.shape[:-1], out.stride()[:-1]):
+    for n, s in zip(t.shape[:-1], t.stride()[:-1]):
         if n == 1:
             continue
         if lead and lead[-1][1] == n * s:
@@ -81,53 +79,59 @@ def _out_rows(out: torch.Tensor, x: torch.Tensor) -> tuple[int, int, int]:
     if len(lead) == 2:
         (_, s_outer), (n_inner, s_inner) = lead
         return n_inner, s_outer, s_inner
-    raise ValueError(f"out's rows must have at most two strides, got shape {list(out.shape)} strides "
-                     f"{list(out.stride())}")
+    raise ValueError(f"{name}'s rows must have at most two strides, got shape {list(t.shape)} strides "
+                     f"{list(t.stride())}")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, kind: str, gate: torch.Tensor | None = None,
              *, backend: str = "triton", out: torch.Tensor | None = None) -> torch.Tensor:
     """Normalise the last axis of ``x [..., D]`` (see the module docstring).
 
+    ``x``, ``gate`` and ``out`` are read and written in place: each contiguous along
+    its last axis, its rows at one or two strides (``[N, heads, D]`` heads of a wider
+    matrix, say the queries and keys as column slices of one projection's output ``[N,
+    W]``, strides ``(W, 2D, 1)`` and ``(W, D, 1)``); anything else raises.
+
     Args:
-        weight: ``[D]``; kind: ``"offset"`` or ``"gated"``; gate: ``z`` like ``x``
-            (gated only).
+        weight: ``[D]``; kind: ``"offset"`` or ``"gated"``; gate: ``z`` shaped like
+            ``x`` (gated only).
         backend: ``"triton"`` (one launch) or ``"reference"``.
-        out: ``None`` (a new tensor), or where to write the result: shaped like ``x``,
-            contiguous along its last axis, its rows at one or two strides (a slice of
-            a wider buffer, so that a concatenation of norms costs no copy).
+        out: ``None`` (a new tensor), or where to write the result, shaped like ``x``
+            (a slice of a wider buffer, so that a concatenation of norms costs no copy).
     """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if (gate is None) != (kind == "offset"):
         raise ValueError("a gated norm needs gate=z; an offset norm takes none")
-    rows_out = None if out is None else _out_rows(out, x)
+    rows_x = rows_g = _row_strides(x, "x")
+    if gate is not None:
+        if gate.shape != x.shape:
+            raise ValueError(f"gate must be shaped like x {list(x.shape)}, got {list(gate.shape)}")
+        rows_g = _row_strides(gate, "gate")
+    rows_out = None
+    if out is not None:
+        if out.shape != x.shape or out.dtype != x.dtype or out.device != x.device:
+            raise ValueError(f"out must be a {x.dtype} tensor of shape {list(x.shape)} on {x.device}, got "
+                             f"{out.dtype} {list(out.shape)} on {out.device}")
+        rows_out = _row_strides(out, "out")
     if backend == "reference":
         y = rms_norm_reference(x, weight, eps, kind, gate)
         return y if out is None else out.copy_(y)
     if triton is None or (x.device.type != "cuda" and not INTERPRETER):
         raise RuntimeError("the Triton norm needs CUDA tensors or the Triton interpreter")
     d = x.shape[-1]
-    x2 = x.reshape(-1, d)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    g2 = None
-    if gate is not None:
-        g2 = gate.reshape(-1, d)
-        if g2.stride(-1) != 1:
-            g2 = g2.contiguous()
+    rows = x.numel() // max(d, 1)
     if out is None:
-        y = torch.empty((x2.shape[0], d), dtype=x.dtype, device=x.device)
-        rows_out = (x2.shape[0], 0, d)
+        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        rows_out = (rows, 0, d)
     else:
         y = out
-    grid, block_r, block, warps = _norm_blocks(d, x2.shape[0])
+    grid, block_r, block, warps = _norm_blocks(d, rows)
     _rms_norm_kernel[(grid,)](
-        x2, weight, g2 if g2 is not None else x2, y, x2, x2, x2.shape[0], d, eps, x2.stride(0),
-        (g2 if g2 is not None else x2).stride(0), 0, *rows_out,
+        x, weight, x if gate is None else gate, y, x, x, rows, d, eps, *rows_x, *rows_g, 0, *rows_out,
         BLOCK_R=block_r, BLOCK=block, GATED=kind == "gated", RESIDUAL=False, num_warps=warps,
     )
-    return y.view(x.shape) if out is None else out
+    return y
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
@@ -149,7 +153,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     s, y = torch.empty((2, n, d), dtype=x.dtype, device=x.device).unbind(0)
     grid, block_r, block, warps = _norm_blocks(d, n)
     _rms_norm_kernel[(grid,)](
-        x, weight, x, y, residual, s, n, d, eps, x.stride(0), x.stride(0), residual.stride(0), n, 0, d,
+        x, weight, x, y, residual, s, n, d, eps, n, 0, x.stride(0), n, 0, x.stride(0), residual.stride(0), n, 0, d,
         BLOCK_R=block_r, BLOCK=block, GATED=False, RESIDUAL=True, num_warps=warps,
     )
     return s, y
@@ -158,16 +162,18 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 if triton is not None:
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, w_ptr, g_ptr, y_ptr, r_ptr, s_ptr, n_rows, n_cols, eps, stride_x, stride_g, stride_r,
-                         inner_y, stride_yo, stride_yi, BLOCK_R: tl.constexpr, BLOCK: tl.constexpr,
-                         GATED: tl.constexpr, RESIDUAL: tl.constexpr):
+    def _rms_norm_kernel(x_ptr, w_ptr, g_ptr, y_ptr, r_ptr, s_ptr, n_rows, n_cols, eps, inner_x, stride_xo, stride_xi,
+                         inner_g, stride_go, stride_gi, stride_r, inner_y, stride_yo, stride_yi,
+                         BLOCK_R: tl.constexpr, BLOCK: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr):
         # Rows of the block share nothing: each row's sum runs over its own lanes, the
         # same ones whatever the block's position, so a row's result does not depend on
         # which rows share its program (nor on how many rows the call has).
         row = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = tl.arange(0, BLOCK)
         mask = (row < n_rows)[:, None] & (cols < n_cols)[None, :]
-        xr = tl.load(x_ptr + row[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+        # x, gate and y address their rows at one or two strides each (_row_strides)
+        x_row = (row // inner_x) * stride_xo + (row % inner_x) * stride_xi
+        xr = tl.load(x_ptr + x_row[:, None] + cols[None, :], mask=mask, other=0.0)
         if RESIDUAL:  # s = x + residual, rounded to the dtype, is both an output and the norm's input
             rr = tl.load(r_ptr + row[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
             xr = to_rtne(xr.to(tl.float32) + rr.to(tl.float32), s_ptr.dtype.element_ty)
@@ -179,7 +185,8 @@ if triton is not None:
         if GATED:
             # the module rounds x / rms(x) and its product with w to the input dtype
             hw = (w * h.to(xr.dtype)).to(xr.dtype).to(tl.float32)
-            z = tl.load(g_ptr + row[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            g_row = (row // inner_g) * stride_go + (row % inner_g) * stride_gi
+            z = tl.load(g_ptr + g_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             y = hw * (z / (1.0 + tl.exp(-z)))
         else:
             y = h * (1.0 + w.to(tl.float32))
