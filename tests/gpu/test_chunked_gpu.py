@@ -218,8 +218,8 @@ def test_ring_decode_launch_choices_change_no_bit(state_dtype, param, value):
     """The ring decoding kernel under a register cap (``ring_decode.max_registers``; the
     compiler spills the tile instead), with its checkpoint tile loaded before the
     cursors (``ring_decode.early_tile = 1``, the table's choice from batch 33) or with
-    the flush rows in a kernel of their own (``ring_decode.split_flush``, after the token
-    kernel or beside it on a side stream; both kernels at the one launch's tile height,
+    the flush rows in a kernel of their own (``ring_decode.split_flush``, in order with the
+    token kernel or beside it on a side stream; both kernels at the one launch's tile height,
     so every row keeps its lanes) gives the kernel's outputs, ``u`` and folded
     checkpoints without it (the entry at 0) bit for bit, on histories of 0..L-1 records
     with flush rows."""

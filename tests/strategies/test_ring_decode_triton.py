@@ -106,7 +106,9 @@ def test_ring_decode_kernel_against_the_window_op(early_tile, split_flush):
     Triton op: the same gate helper)."""
     gen = torch.Generator().manual_seed(3)
     h, hv, kd, vd, L, slots_n = 1, 2, 16, 24, 8, 6
-    slots = torch.tensor([3, -1, 0, 4, 1, 5], dtype=torch.int32, device=DEVICE)
+    # Slots 0 and 4 fold (rows 2 and 4: the flush kernel's walk must skip row 3);
+    # slot 2 raises is_flush with no records, so the token kernel takes it.
+    slots = torch.tensor([3, -1, 0, 4, 1, 5, 2], dtype=torch.int32, device=DEVICE)
     cu = torch.arange(len(slots) + 1, dtype=torch.int32, device=DEVICE)
     x = [(torch.randn(len(slots), *sh, generator=gen) * sc).to(DEVICE)
          for sh, sc in (((h, kd), 1.0), ((h, kd), 1.0), ((hv, vd), 1.0), ((hv,), 1.0), ((hv,), 2.0))]

@@ -26,6 +26,7 @@ the reference below is it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -128,7 +129,7 @@ def gdn_ring_decode(
 #   touch disjoint rows (each row's checkpoint, records and output belong to one of
 #   them), so nothing orders them: with 2 the flush kernel runs on a side stream
 #   beside the token kernel (a fork and a join, which a CUDA graph keeps as two
-#   branches), with 1 after it on the caller's stream.
+#   branches), with 1 in order with it on the caller's stream.
 
 try:
     import triton
@@ -200,12 +201,18 @@ if triton is not None:
             wp = tl.load(wp_ptr + slot).to(tl.int64)
             base = tl.load(base_ptr + slot).to(tl.int64)
             folds = (tl.load(flush_ptr + slot) != 0) & (wp > 0)
+            # Which rows this kernel owns, and whether they fold: decided at run time in
+            # one launch, at compile time in the split kernels (the flush kernel is only
+            # ever given flush rows), so each of those compiles one branch.
             if FLUSH_ROWS and TOKEN_ROWS:
-                owned = wp >= 0
+                owned = True
+                folds_here = folds
             elif TOKEN_ROWS:
                 owned = ~folds
+                folds_here = False
             else:
-                owned = folds
+                owned = True
+                folds_here = True
             if owned:
                 ring_at = slot * L  # flat record index of the slot's ring
                 rec = ring_at + (base + wp) % L  # the token's record: logical position write_pos
@@ -223,18 +230,7 @@ if triton is not None:
                 qh0, qh1, qh2, qh3 = _tl_normalized(q0, q1, q2, q3, eps, scale)
                 e = tl.exp(g)
                 kq = _tl_row_sum(tl.fma(kh3, qh3, tl.fma(kh2, qh2, tl.fma(kh1, qh1, kh0 * qh0))), 0)
-                if FLUSH_ROWS and TOKEN_ROWS:
-                    if folds:
-                        _fold_and_token(S0, S1, S2, S3, ckpt_at, tile, rk_ptr, rv_ptr, rg_ptr, rb_ptr, ring_at, base,
-                                        wp, i_h, i_hv, offs_c, offs_v, mask_v, o_at, rv_at, ru_at, v_at,
-                                        kh0, kh1, kh2, kh3, qh0, qh1, qh2, qh3, e, beta, kq, eps,
-                                        H, HV, K, V, L, KQ, AHEAD, ROUND_STATE, EARLY_TILE)
-                    else:
-                        _history_and_token(S0, S1, S2, S3, ckpt_at, tile, rk_ptr, rg_ptr, ru_ptr, ring_at, base, wp,
-                                           i_h, i_hv, offs_c, offs_v, mask_v, o_at, rv_at, ru_at, v_at,
-                                           kh0, kh1, kh2, kh3, qh0, qh1, qh2, qh3, e, beta, kq, eps,
-                                           H, HV, K, V, L, KQ, EARLY_TILE)
-                elif FLUSH_ROWS:
+                if folds_here:
                     _fold_and_token(S0, S1, S2, S3, ckpt_at, tile, rk_ptr, rv_ptr, rg_ptr, rb_ptr, ring_at, base, wp,
                                     i_h, i_hv, offs_c, offs_v, mask_v, o_at, rv_at, ru_at, v_at,
                                     kh0, kh1, kh2, kh3, qh0, qh1, qh2, qh3, e, beta, kq, eps,
@@ -390,33 +386,26 @@ def launch_ring_decode(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, 
     common = dict(H=h, HV=hv, K=kd, V=vd, L=ring.ring_len, BK=bk, ROUND_STATE=checkpoint.dtype != torch.float32,
                   AHEAD=cfg["records_ahead"])
     split = cfg["split_flush"]
+    side = None  # the flush kernel's stream with split_flush = 2 (CUDA; elsewhere one stream runs both)
+    if split == 2 and q.device.type == "cuda":
+        side = _flush_stream(q.device.index if q.device.index is not None else torch.cuda.current_device())
+        side.wait_stream(torch.cuda.current_stream(q.device))
+    if split:
+        fbv = min(cfg["block_v"], triton.next_power_of_2(vd))
+        programs = min(cfg["flush_programs"] * sm_count(q.device), batch * hv * triton.cdiv(vd, fbv))
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            _ring_flush_kernel[(programs,)](*args, batch, **common, BV=fbv, BB=triton.next_power_of_2(batch),
+                                            EARLY_TILE=True, num_warps=exact_warps(cfg["num_warps"], fbv))
     bv = block_rows(vd, batch * hv, q.device, cfg["token_block_v" if split else "block_v"])
     # A flush row replays exactly, so its row sums must be the fold's: the same parts,
     # lanes and order at either warp count (exact_warps). At 8 warps only the history's
     # sums over its records (outputs and u, stated to rounding) change order, since their
     # record axis lies across warps.
-    token = lambda: _ring_decode_kernel[(triton.cdiv(vd, bv), batch, hv)](  # noqa: E731
+    _ring_decode_kernel[(triton.cdiv(vd, bv), batch, hv)](
         *args, **common, BV=bv, EARLY_TILE=bool(cfg["early_tile"]), FLUSH_ROWS=not split,
         num_warps=exact_warps(cfg["num_warps"], bv), **register_cap(cfg["max_registers"], q.device))
-    if not split:
-        token()
-        return
-    fbv = min(cfg["block_v"], triton.next_power_of_2(vd))
-    programs = cfg["flush_programs"] * sm_count(q.device)
-    flush = lambda: _ring_flush_kernel[(min(programs, batch * hv * triton.cdiv(vd, fbv)),)](  # noqa: E731
-        *args, batch, **common, BV=fbv, BB=triton.next_power_of_2(batch), EARLY_TILE=True,
-        num_warps=exact_warps(cfg["num_warps"], fbv))
-    if split == 1 or q.device.type != "cuda":
-        token()
-        flush()
-        return
-    main = torch.cuda.current_stream(q.device)
-    side = _flush_stream(q.device.index if q.device.index is not None else torch.cuda.current_device())
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        flush()
-    token()
-    main.wait_stream(side)
+    if side is not None:
+        torch.cuda.current_stream(q.device).wait_stream(side)
 
 
 @register("ring_decode", "triton")

@@ -86,7 +86,7 @@ PARAMS = {
     # their own, ``flush_programs`` programs an SM walking them on tiles of ``block_v``
     # rows (loaded before the cursors), beside the token kernel on ``token_block_v`` rows
     # a program (``early_tile`` is then the token kernel's; 2: on a side stream, 1:
-    # after it on the caller's stream).
+    # in order with it on the caller's stream).
     "ring_decode": ("block_v", "records_ahead", "early_tile", "max_registers", "num_warps", "split_flush",
                     "token_block_v", "flush_programs"),
 }
