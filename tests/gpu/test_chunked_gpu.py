@@ -325,11 +325,48 @@ def _circular_vs_fold(act_dtype, state_dtype):
     assert flushes >= requests, "every request should have flushed at least once"
 
 
-@pytest.mark.parametrize("method", ["closed_form", "replay"])
-def test_cuda_graph_replay_of_a_circular_step(method):
+@pytest.mark.parametrize("split_flush", [2, 3])
+@pytest.mark.parametrize("state_dtype,flush_block_v", [(torch.float32, 64), (torch.bfloat16, 64), (torch.float32, 32)],
+                         ids=["fp32", "bf16", "fp32_bv32"])
+def test_flush_rows_apart_change_no_bit(state_dtype, flush_block_v, split_flush):
+    """The rows that fold in a kernel of their own beside the outputs kernel without the
+    fold (``closed_form.split_flush``: 2, the flush rows on a side stream; 3, the other
+    rows there) against one launch, both with the tile loaded after the cursors:
+    checkpoints, raw records and gates bit for bit; outputs and ``u`` bit for bit on the
+    one launch's 64-row tiles (the same products), and to tf32 rounding on 32-row flush
+    tiles (their window products round differently: measured 1.1e-3 of the outputs'
+    largest value; bound 5e-3, the early-tile test's). Fresh inputs each round; about
+    half the rows fold."""
+    for _ in range(3):
+        case = make_case(32, 4, 256, state_dtype, torch.bfloat16, pad=True)
+        with tuning.override("closed_form", split_flush=split_flush, early_tile=0, flush_block_v=flush_block_v):
+            apart = run(case, "triton", method="closed_form")
+        with tuning.override("closed_form", split_flush=0, early_tile=0):
+            one = run(case, "triton", method="closed_form")
+        assert same(apart[1], one[1]), "checkpoints differ"
+        assert not torch.equal(apart[1], case["checkpoint"])
+        assert all(same(a, b) for a, b in zip(apart[2], one[2])), "records differ"
+        for got, want, name in ((apart[0], one[0], "outputs"), (apart[3], one[3], "u")):
+            if flush_block_v == 64:
+                assert same(got, want), name
+            else:
+                got, want = got.float().nan_to_num(), want.float().nan_to_num()
+                assert (got - want).abs().max() <= 5e-3 * want.abs().max(), name
+
+
+@pytest.mark.parametrize("method,split_flush", [("closed_form", 0), ("closed_form", 2), ("closed_form", 3),
+                                                ("replay", 0)], ids=["closed_form", "split2", "split3", "replay"])
+def test_cuda_graph_replay_of_a_circular_step(method, split_flush):
     """One circular layer-step (this kernel) plus the commit's cursor update, captured in
     a CUDA graph and replayed on fresh inputs: outputs and every buffer equal the eager
-    twin's bit for bit, flushes included (``replay``: with a flush at every commit)."""
+    twin's bit for bit, flushes included (``replay``: with a flush at every commit;
+    ``split``: the flush rows' kernel beside the outputs kernel, the side stream a branch
+    of the graph)."""
+    with tuning.override("closed_form", split_flush=split_flush):
+        _graph_replay_of_a_circular_step(method)
+
+
+def _graph_replay_of_a_circular_step(method):
     hv, t, batch = 32, 4, 16
     case = make_case(hv, t, batch, torch.float32, torch.bfloat16, pad=True)
     slots, cu, write_pos, cache_base, is_flush = case["cursors"]

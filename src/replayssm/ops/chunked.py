@@ -22,6 +22,7 @@ stay outside ``write_pos`` and are overwritten by the next window.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -599,7 +600,7 @@ if triton is not None:
     from .triton_common import mask_and as _tl_mask_and, normalized as _tl_normalized
     from .triton_common import row_dot as _tl_row_dot, row_sum as _tl_row_sum, store_parts as _tl_store_parts
     from .triton_common import as_stored as _tl_as_stored, to_rtne as _tl_to_rtne, window_program as _tl_window_program
-    from .triton_common import dependent_launch, register_cap
+    from .triton_common import dependent_launch, register_cap, side_stream, sm_count
     from .tree_ops import leaf_path as _leaf_path, owns as _owns, path_node as _path_node
     from .tree_ops import zero_padded_nodes as _zero_padded_nodes
 
@@ -818,30 +819,61 @@ if triton is not None:
         return tl.dot(S3, tl.trans(x3), SX, input_precision=DOT_PRECISION)
 
     @triton.jit
-    def _window_outputs_kernel(
+    def _folded_window_products(S0, S1, S2, S3, q_ptr, k_ptr, ckpt_at, tile, rk_ptr, rv_ptr, rg_ptr, rb_ptr, ring_at,
+                                base, wp, p_tok, i_h, i_hv, offs_c, offs_v, mask_v, xk_ok, xq_ok,
+                                stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, eps,
+                                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
+                                KQ: tl.constexpr, AHEAD: tl.constexpr, ROUND_STATE: tl.constexpr,
+                                DOT_PRECISION: tl.constexpr, EARLY_TILE: tl.constexpr):
+        """A flush row's ``S x_r``: the fold's replay and store on its tile (so the
+        checkpoint is the fold's, bit for bit), then the window's products with the
+        folded tile as stored, as every other row's are with its checkpoint."""
+        if not EARLY_TILE:
+            S0, S1, S2, S3 = _tl_load_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ)
+        S0, S1, S2, S3 = _replay_and_store_tile(
+            S0, S1, S2, S3, ckpt_at, tile, rk_ptr + ring_at * (H * K) + i_h * K,
+            rv_ptr + ring_at * (HV * V) + i_hv * V, rg_ptr + ring_at * HV + i_hv, rb_ptr + ring_at * HV + i_hv,
+            base, tl.minimum(wp, L), offs_c, offs_v, mask_v, H * K, HV * V, HV, HV, eps, K, L, KQ, AHEAD,
+            ROUND_STATE)
+        return _parts_window_products(S0, S1, S2, S3, q_ptr, k_ptr, p_tok, i_h, offs_c, xk_ok, xq_ok,
+                                      stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, K, KQ, DOT_PRECISION)
+
+    @triton.jit
+    def _window_row(
+        i_v, i_b, i_hv,
         q_ptr, k_ptr, v_ptr, ckpt_ptr, rk_ptr, rv_ptr, rg_ptr, rb_ptr, ru_ptr,
         slots_ptr, cu_ptr, wp_ptr, base_ptr, flush_ptr, coef_ptr, o_ptr, nodes_ptr,
         stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, eps,
         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
         BT: tl.constexpr, BTC: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr, BV: tl.constexpr,
         DOT_PRECISION: tl.constexpr, COEF_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
-        FUSE_FLUSH: tl.constexpr, ROUND_STATE: tl.constexpr, AHEAD: tl.constexpr, TREE: tl.constexpr = False,
-        WAIT_COEF: tl.constexpr = False, EARLY_TILE: tl.constexpr = False,
+        FUSE_FLUSH: tl.constexpr, ROUND_STATE: tl.constexpr, AHEAD: tl.constexpr, TREE: tl.constexpr,
+        WAIT_COEF: tl.constexpr, EARLY_TILE: tl.constexpr, FLUSH_ROWS: tl.constexpr, TOKEN_ROWS: tl.constexpr,
     ):
-        """Outputs and corrected deltas of V block ``i_v`` of a (window, value head), from
-        its rows of the (folded) checkpoint and the coefficients. With ``FUSE_FLUSH`` a
-        flush row folds its history here (:func:`~replayssm.ops.fold.replay_and_store_tile`), so its
-        checkpoint is read once for the fold and the window together; without it the
-        flush kernel has already run. With ``EARLY_TILE`` (``FUSE_FLUSH`` only) every
-        row loads its whole checkpoint tile, as four parts in registers, first: its
-        address needs the slot alone, so its loads are in flight while the cursors
-        load, and a row that does not flush multiplies the parts as they are (no
-        pipelined pass over K after the cursors). With ``TREE`` tokens past ``nodes_ptr[i_b]`` are a
-        tree's padded nodes: read by nothing, zero outputs, no records (the tree lives
-        in the coefficients). With ``WAIT_COEF`` the kernel runs as the coefficient
-        kernel's programmatic dependent and waits for its end before reading ``coef``."""
+        """Outputs and corrected deltas of V block ``i_v`` (``BV`` rows) of window ``i_b``'s
+        value head ``i_hv``, from its rows of the (folded) checkpoint and the
+        coefficients, for the rows its kernel owns: rows that fold their history here
+        where ``FLUSH_ROWS``, the others (padding included) where ``TOKEN_ROWS``; one
+        launch owns both. A branch that its kernel never takes is not compiled.
+
+        ``FUSE_FLUSH`` (with ``FLUSH_ROWS``): a flush row folds its history here
+        (:func:`_folded_window_products`), so its checkpoint is read once for the fold
+        and the window together; without it (one launch) the fold kernel has already
+        run. ``EARLY_TILE``: every row loads its whole checkpoint tile, as four parts in
+        registers, first: its address needs the slot alone, so its loads are in flight
+        while the cursors load, and a row that does not flush multiplies the parts as
+        they are (no pipelined pass over K after the cursors). ``TREE``: tokens past
+        ``nodes_ptr[i_b]`` are a tree's padded nodes: read by nothing, zero outputs, no
+        records (the tree lives in the coefficients). ``WAIT_COEF``: the kernel runs as
+        the coefficient kernel's programmatic dependent and waits for its end before
+        reading ``coef``."""
         BX: tl.constexpr = 2 * BT
-        i_v, i_b, i_hv, i_h, slot, bos, length = _tl_window_program(slots_ptr, cu_ptr, H, HV)
+        BXC: tl.constexpr = 2 * BTC  # the coefficient kernel's stacked window (BTC <= BT)
+        KQ: tl.constexpr = BK // 4
+        i_h = i_hv // (HV // H)
+        slot = tl.load(slots_ptr + i_b).to(tl.int64)
+        bos = tl.load(cu_ptr + i_b).to(tl.int64)
+        length = tl.load(cu_ptr + i_b + 1).to(tl.int64) - bos
         offs_v = i_v * BV + tl.arange(0, BV)
         mask_v = offs_v < V
         if TREE:
@@ -852,89 +884,161 @@ if triton is not None:
         # o is a fresh contiguous [N, HV, V]; column r >= BT of a [BV, BX] block is token r - BT
         p_o = o_ptr + (p_tok[None, :] * HV + i_hv) * V + offs_v[:, None]
         if (slot < 0) | (length <= 0):
-            # Padding row: zero outputs, nothing else.
-            tl.store(p_o, tl.zeros([BV, BX], dtype=o_ptr.dtype.element_ty), mask=mask_v[:, None] & xq_ok[None, :])
-            return
-        ckpt_at = ckpt_ptr + (slot * HV + i_hv) * (V * K)
-        KQ: tl.constexpr = BK // 4
-        offs_c = tl.arange(0, KQ)
-        tile = offs_v[:, None] * K + offs_c[None, :]
-        if EARLY_TILE:
-            S0, S1, S2, S3 = _tl_load_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ)
-        wp = tl.load(wp_ptr + slot).to(tl.int64)
-        base = tl.load(base_ptr + slot).to(tl.int64)
-        flush = tl.load(flush_ptr + slot) != 0
-        n_hist = tl.where(flush, 0, wp)
-        ring_at = slot * L
-
-        # Without FUSE_FLUSH the fused branch must not exist at all (a Python flag
-        # assigned in the kernel would become a run-time one): its four-part products
-        # need K >= 64 on CUDA.
-        if FUSE_FLUSH:
-            if flush & (wp > 0):
-                if not EARLY_TILE:
-                    S0, S1, S2, S3 = _tl_load_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ)
-                # The fold's replay and store (so the checkpoint is the fold's, bit for bit);
-                # the window starts from the folded tile as stored, as every other row's does.
-                S0, S1, S2, S3 = _replay_and_store_tile(
-                    S0, S1, S2, S3, ckpt_at, tile, rk_ptr + ring_at * (H * K) + i_h * K,
-                    rv_ptr + ring_at * (HV * V) + i_hv * V, rg_ptr + ring_at * HV + i_hv, rb_ptr + ring_at * HV + i_hv,
-                    base, tl.minimum(wp, L), offs_c, offs_v, mask_v, H * K, HV * V, HV, HV, eps, K, L, KQ, AHEAD,
-                    ROUND_STATE)
-                SX = _parts_window_products(S0, S1, S2, S3, q_ptr, k_ptr, p_tok, i_h, offs_c, xk_ok, xq_ok,
-                                            stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
-                                            K, KQ, DOT_PRECISION)
-            elif EARLY_TILE:
-                SX = _parts_window_products(S0, S1, S2, S3, q_ptr, k_ptr, p_tok, i_h, offs_c, xk_ok, xq_ok,
-                                            stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
-                                            K, KQ, DOT_PRECISION)
+            if TOKEN_ROWS:
+                # Padding row: zero outputs, nothing else.
+                tl.store(p_o, tl.zeros([BV, BX], dtype=o_ptr.dtype.element_ty),
+                         mask=mask_v[:, None] & xq_ok[None, :])
+        else:
+            ckpt_at = ckpt_ptr + (slot * HV + i_hv) * (V * K)
+            offs_c = tl.arange(0, KQ)
+            tile = offs_v[:, None] * K + offs_c[None, :]
+            if EARLY_TILE:
+                S0, S1, S2, S3 = _tl_load_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ)
             else:
-                SX = _checkpoint_window_products(q_ptr, k_ptr, ckpt_at, p_tok, i_h, offs_v, mask_v, xk_ok, xq_ok,
-                                                 stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
-                                                 K, BK, KC, BX, BV, DOT_PRECISION, NUM_STAGES)
-        else:
-            SX = _checkpoint_window_products(q_ptr, k_ptr, ckpt_at, p_tok, i_h, offs_v, mask_v, xk_ok, xq_ok,
-                                             stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
-                                             K, BK, KC, BX, BV, DOT_PRECISION, NUM_STAGES)
+                S0, S1, S2, S3 = 0.0, 0.0, 0.0, 0.0  # loaded where they are needed
+            wp = tl.load(wp_ptr + slot).to(tl.int64)
+            base = tl.load(base_ptr + slot).to(tl.int64)
+            flush = tl.load(flush_ptr + slot) != 0
+            folds = flush & (wp > 0)
+            n_hist = tl.where(flush, 0, wp)
+            ring_at = slot * L
+            # Which rows this kernel owns: decided at run time in one launch, at compile
+            # time in the split kernels (the flush kernel is only ever given rows that
+            # fold).
+            if FLUSH_ROWS and TOKEN_ROWS:
+                owned = True
+            elif TOKEN_ROWS:
+                owned = ~folds
+            else:
+                owned = True
+            if owned:
+                # The fold's branch exists only where the kernel folds (a Python flag
+                # assigned here would become a run-time one): its four-part products
+                # need K >= 64 on CUDA.
+                if FUSE_FLUSH and FLUSH_ROWS and TOKEN_ROWS:
+                    if folds:
+                        SX = _folded_window_products(S0, S1, S2, S3, q_ptr, k_ptr, ckpt_at, tile, rk_ptr, rv_ptr,
+                                                     rg_ptr, rb_ptr, ring_at, base, wp, p_tok, i_h, i_hv, offs_c,
+                                                     offs_v, mask_v, xk_ok, xq_ok, stride_q_tok, stride_q_head,
+                                                     stride_k_tok, stride_k_head, eps, H, HV, K, V, L, KQ, AHEAD,
+                                                     ROUND_STATE, DOT_PRECISION, EARLY_TILE)
+                    elif EARLY_TILE:
+                        SX = _parts_window_products(S0, S1, S2, S3, q_ptr, k_ptr, p_tok, i_h, offs_c, xk_ok, xq_ok,
+                                                    stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
+                                                    K, KQ, DOT_PRECISION)
+                    else:
+                        SX = _checkpoint_window_products(q_ptr, k_ptr, ckpt_at, p_tok, i_h, offs_v, mask_v, xk_ok,
+                                                         xq_ok, stride_q_tok, stride_q_head, stride_k_tok,
+                                                         stride_k_head, K, BK, KC, BX, BV, DOT_PRECISION, NUM_STAGES)
+                elif FLUSH_ROWS and not TOKEN_ROWS:
+                    SX = _folded_window_products(S0, S1, S2, S3, q_ptr, k_ptr, ckpt_at, tile, rk_ptr, rv_ptr, rg_ptr,
+                                                 rb_ptr, ring_at, base, wp, p_tok, i_h, i_hv, offs_c, offs_v, mask_v,
+                                                 xk_ok, xq_ok, stride_q_tok, stride_q_head, stride_k_tok,
+                                                 stride_k_head, eps, H, HV, K, V, L, KQ, AHEAD, ROUND_STATE,
+                                                 DOT_PRECISION, EARLY_TILE)
+                elif EARLY_TILE:
+                    SX = _parts_window_products(S0, S1, S2, S3, q_ptr, k_ptr, p_tok, i_h, offs_c, xk_ok, xq_ok,
+                                                stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
+                                                K, KQ, DOT_PRECISION)
+                else:
+                    SX = _checkpoint_window_products(q_ptr, k_ptr, ckpt_at, p_tok, i_h, offs_v, mask_v, xk_ok, xq_ok,
+                                                     stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
+                                                     K, BK, KC, BX, BV, DOT_PRECISION, NUM_STAGES)
+                # [U | o] = (S0 x_r) C1 + u_h Z + v D
+                offs_h = tl.arange(0, BH)
+                hist = offs_h < n_hist
+                rec_h = ring_at + (base + offs_h) % L
+                rec_w = ring_at + (base + wp + tok) % L
+                # The coefficients were computed on the coefficient kernel's stacked window
+                # of 2 BTC rows: row r of this one is its row cx(r); the rest are zero.
+                if WAIT_COEF:
+                    # Everything above overlapped the coefficient kernel: it reads nothing
+                    # that kernel writes (its records are the window's, past the history:
+                    # ops/cursors.py), and writes nothing it reads (the flush rows'
+                    # checkpoints). From here on it reads the coefficients and writes the
+                    # window's records.
+                    tl.extra.cuda.gdc_wait()
+                cx = tok + tl.where(is_q, BTC, 0)
+                c_ok = tok < BTC
+                coef_at = coef_ptr + (i_b * HV + i_hv) * ((2 * BXC + BH) * BXC)
+                C1 = tl.load(coef_at + cx[:, None] * BXC + cx[None, :], mask=c_ok[:, None] & c_ok[None, :], other=0.0)
+                Z = tl.load(coef_at + (BXC + offs_h[:, None]) * BXC + cx[None, :], mask=c_ok[None, :], other=0.0)
+                D = tl.load(coef_at + (BXC + BH + cx[:, None]) * BXC + cx[None, :],
+                            mask=c_ok[:, None] & c_ok[None, :], other=0.0)
+                # (Unused ring entries may hold NaN: masked loads give 0 instead.)
+                u_h = tl.load(ru_ptr + (rec_h[None, :] * HV + i_hv) * V + offs_v[:, None],
+                              mask=mask_v[:, None] & hist[None, :], other=0.0)
+                vk_ok = mask_v[:, None] & xk_ok[None, :]
+                v_x = tl.load(v_ptr + p_tok[None, :] * stride_v_tok + i_hv * stride_v_head + offs_v[:, None],
+                              mask=vk_ok, other=0.0)
+                out = tl.dot(SX, C1, input_precision=COEF_PRECISION)
+                out = tl.dot(u_h, Z, out, input_precision=COEF_PRECISION)
+                # U on key columns, o on query columns
+                out = tl.dot(v_x.to(tl.float32), D, out, input_precision=COEF_PRECISION)
+                if TREE:
+                    # Padded nodes' rows get zeros.
+                    tl.store(p_o, _tl_to_rtne(tl.where(xq_ok[None, :], out, 0.0), o_ptr.dtype.element_ty),
+                             mask=mask_v[:, None] & (is_q & rows_ok)[None, :])
+                else:
+                    tl.store(p_o, _tl_to_rtne(out, o_ptr.dtype.element_ty), mask=mask_v[:, None] & xq_ok[None, :])
+                rec = (rec_w[None, :] * HV + i_hv) * V + offs_v[:, None]
+                tl.store(rv_ptr + rec, v_x.to(rv_ptr.dtype.element_ty), mask=vk_ok)
+                tl.store(ru_ptr + rec, out, mask=vk_ok)
 
-        # [U | o] = (S0 x_r) C1 + u_h Z + v D
-        offs_h = tl.arange(0, BH)
-        hist = offs_h < n_hist
-        rec_h = ring_at + (base + offs_h) % L
-        rec_w = ring_at + (base + wp + tok) % L
-        # The coefficients were computed on the coefficient kernel's stacked window of
-        # 2 BTC rows (BTC <= BT): row r of this one is its row cx(r); the rest are zero.
-        BXC: tl.constexpr = 2 * BTC
-        if WAIT_COEF:
-            # Everything above overlapped the coefficient kernel: it reads nothing that
-            # kernel writes (its records are the window's, past the history: ops/cursors.py),
-            # and writes nothing it reads (the flush rows' checkpoints). From here on it
-            # reads the coefficients and writes the window's records.
-            tl.extra.cuda.gdc_wait()
-        cx = tok + tl.where(is_q, BTC, 0)
-        c_ok = tok < BTC
-        coef_at = coef_ptr + (i_b * HV + i_hv) * ((2 * BXC + BH) * BXC)
-        C1 = tl.load(coef_at + cx[:, None] * BXC + cx[None, :], mask=c_ok[:, None] & c_ok[None, :], other=0.0)
-        Z = tl.load(coef_at + (BXC + offs_h[:, None]) * BXC + cx[None, :], mask=c_ok[None, :], other=0.0)
-        D = tl.load(coef_at + (BXC + BH + cx[:, None]) * BXC + cx[None, :], mask=c_ok[:, None] & c_ok[None, :],
-                    other=0.0)
-        # (Unused ring entries may hold NaN: masked loads give 0 instead.)
-        u_h = tl.load(ru_ptr + (rec_h[None, :] * HV + i_hv) * V + offs_v[:, None], mask=mask_v[:, None] & hist[None, :],
-                      other=0.0)
-        vk_ok = mask_v[:, None] & xk_ok[None, :]
-        v_x = tl.load(v_ptr + p_tok[None, :] * stride_v_tok + i_hv * stride_v_head + offs_v[:, None], mask=vk_ok, other=0.0)
-        out = tl.dot(SX, C1, input_precision=COEF_PRECISION)
-        out = tl.dot(u_h, Z, out, input_precision=COEF_PRECISION)
-        out = tl.dot(v_x.to(tl.float32), D, out, input_precision=COEF_PRECISION)  # U on key columns, o on query columns
-        if TREE:
-            # Padded nodes' rows get zeros.
-            tl.store(p_o, _tl_to_rtne(tl.where(xq_ok[None, :], out, 0.0), o_ptr.dtype.element_ty),
-                     mask=mask_v[:, None] & (is_q & rows_ok)[None, :])
-        else:
-            tl.store(p_o, _tl_to_rtne(out, o_ptr.dtype.element_ty), mask=mask_v[:, None] & xq_ok[None, :])
-        rec = (rec_w[None, :] * HV + i_hv) * V + offs_v[:, None]
-        tl.store(rv_ptr + rec, v_x.to(rv_ptr.dtype.element_ty), mask=vk_ok)
-        tl.store(ru_ptr + rec, out, mask=vk_ok)
+    @triton.jit
+    def _window_outputs_kernel(
+        q_ptr, k_ptr, v_ptr, ckpt_ptr, rk_ptr, rv_ptr, rg_ptr, rb_ptr, ru_ptr,
+        slots_ptr, cu_ptr, wp_ptr, base_ptr, flush_ptr, coef_ptr, o_ptr, nodes_ptr,
+        stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, eps,
+        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
+        BT: tl.constexpr, BTC: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr, BV: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, COEF_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
+        FUSE_FLUSH: tl.constexpr, ROUND_STATE: tl.constexpr, AHEAD: tl.constexpr, TREE: tl.constexpr = False,
+        WAIT_COEF: tl.constexpr = False, EARLY_TILE: tl.constexpr = False, FLUSH_ROWS: tl.constexpr = True,
+    ):
+        """Grid ``(V blocks, windows, HV)``: every row's window (``FLUSH_ROWS``) or every
+        row's but those that fold (the flush kernel's); :func:`_window_row`."""
+        _window_row(tl.program_id(0), tl.program_id(1), tl.program_id(2),
+                    q_ptr, k_ptr, v_ptr, ckpt_ptr, rk_ptr, rv_ptr, rg_ptr, rb_ptr, ru_ptr,
+                    slots_ptr, cu_ptr, wp_ptr, base_ptr, flush_ptr, coef_ptr, o_ptr, nodes_ptr,
+                    stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, eps,
+                    H, HV, K, V, L, BT, BTC, BH, BK, KC, BV, DOT_PRECISION, COEF_PRECISION, NUM_STAGES,
+                    FUSE_FLUSH, ROUND_STATE, AHEAD, TREE, WAIT_COEF, EARLY_TILE, FLUSH_ROWS, True)
+
+    @triton.jit
+    def _window_flush_kernel(
+        q_ptr, k_ptr, v_ptr, ckpt_ptr, rk_ptr, rv_ptr, rg_ptr, rb_ptr, ru_ptr,
+        slots_ptr, cu_ptr, wp_ptr, base_ptr, flush_ptr, coef_ptr, o_ptr, nodes_ptr,
+        stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, eps, batch,
+        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
+        BT: tl.constexpr, BTC: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr, BV: tl.constexpr,
+        BB: tl.constexpr, DOT_PRECISION: tl.constexpr, COEF_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
+        ROUND_STATE: tl.constexpr, AHEAD: tl.constexpr, WAIT_COEF: tl.constexpr = False,
+    ):
+        """A few programs that walk the (V block, value head) items of the rows that fold
+        (a chain's windows; ``BB >= batch``): the walk of
+        :func:`~replayssm.ops.ring_decode._ring_flush_kernel`, so the grid is fixed by the
+        batch alone (CUDA graphs) and costs nothing where no row folds. Each item folds
+        its tile and takes the window from it (:func:`_window_row`)."""
+        NV: tl.constexpr = (V + BV - 1) // BV
+        rows = tl.arange(0, BB)
+        in_batch = rows < batch
+        slot_b = tl.load(slots_ptr + rows, mask=in_batch, other=-1)
+        length_b = tl.load(cu_ptr + rows + 1, mask=in_batch, other=0) - tl.load(cu_ptr + rows, mask=in_batch, other=0)
+        live = (slot_b >= 0) & (length_b > 0)
+        at = tl.where(live, slot_b, 0)
+        folds = live & (tl.load(flush_ptr + at, mask=live, other=0) != 0) & (tl.load(wp_ptr + at, mask=live, other=0) > 0)
+        before = tl.cumsum(folds.to(tl.int32), 0)  # rows that fold up to and including each row
+        items = tl.sum(folds.to(tl.int32), 0) * (HV * NV)
+        for t in range(tl.program_id(0), items, tl.num_programs(0)):
+            j = t // (HV * NV)
+            i_b = tl.sum((before <= j).to(tl.int32), 0)  # the j-th row that folds (from 0): j rows before it
+            _window_row(t % NV, i_b, (t % (HV * NV)) // NV,
+                        q_ptr, k_ptr, v_ptr, ckpt_ptr, rk_ptr, rv_ptr, rg_ptr, rb_ptr, ru_ptr,
+                        slots_ptr, cu_ptr, wp_ptr, base_ptr, flush_ptr, coef_ptr, o_ptr, nodes_ptr,
+                        stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, eps,
+                        H, HV, K, V, L, BT, BTC, BH, BK, KC, BV, DOT_PRECISION, COEF_PRECISION, NUM_STAGES,
+                        True, ROUND_STATE, AHEAD, False, WAIT_COEF, True, True, False)
 
     # ---- small batches: one launch, the exact recurrence all the way ("replay")
     # At a few requests every kernel is latency-bound: the time is the length of each
@@ -1175,49 +1279,84 @@ def launch_coefficients(q, k, a, b, A_log, dt_bias, checkpoint, ring, slots, cu_
     return coef
 
 
+def _outputs_launch(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos, cache_base, is_flush, coef, o,
+                    max_len: int, tree: DeviceTrees | None, cfg: dict) -> tuple[tuple, dict]:
+    """The arguments and constexprs that the outputs kernel and the flush rows' kernel
+    share."""
+    kd, vd = q.shape[2], v.shape[2]
+    bt, bh = _window_blocks(max_len, ring.ring_len)
+    bk = exact_block_k(kd)
+    args = (q, k, v, checkpoint, ring.k, ring.v, ring.g, ring.beta, ring_u,
+            slots, cu_seqlens, write_pos, cache_base, is_flush, coef, o, slots if tree is None else tree.num_nodes,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), NORM_EPS)
+    common = dict(H=q.shape[1], HV=v.shape[1], K=kd, V=vd, L=ring.ring_len, BT=bt, BTC=_coefficient_block(max_len),
+                  BH=bh, BK=bk, KC=max(16, min(cfg["k_chunk"], bk)), DOT_PRECISION=product_precision(q.dtype),
+                  COEF_PRECISION="tf32" if cfg["tf32_coefficients"] and q.dtype != torch.float32 else "ieee",
+                  NUM_STAGES=cfg["num_stages"], ROUND_STATE=checkpoint.dtype != torch.float32,
+                  AHEAD=cfg["flush_records_ahead"])
+    return args, common
+
+
 def launch_window_outputs(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos, cache_base, is_flush, coef,
                           o, max_len: int, *, fuse_flush: bool | None = None, tree: DeviceTrees | None = None,
-                          dependent: bool = False) -> None:
+                          dependent: bool = False, flush_rows: bool = True) -> None:
     """Launch the closed form's outputs kernel (outputs and corrected deltas from the
     checkpoint and ``coef``) on validated arguments; ``fuse_flush``: whether it folds the
     flush rows itself (default: :func:`fuses_flush`); ``dependent``: launch it as the
     programmatic dependent of the coefficient kernel just launched (which must have
     been launched with ``dependent`` too, and on a device where
-    :func:`~replayssm.ops.triton_common.dependent_launch` holds)."""
-    h, kd = q.shape[1], q.shape[2]
+    :func:`~replayssm.ops.triton_common.dependent_launch` holds); ``flush_rows=False``:
+    it leaves the rows that fold to :func:`launch_window_flush` (a chain's windows, on
+    heads where :func:`fuses_flush` may hold)."""
     hv, vd = v.shape[1], v.shape[2]
     batch = slots.shape[0]
-    bt, bh = _window_blocks(max_len, ring.ring_len)
-    bk = exact_block_k(kd)
-    cfg = tuning.lookup("closed_form", K=kd, V=vd, state_dtype=checkpoint.dtype, batch=batch)
+    cfg = tuning.lookup("closed_form", K=q.shape[2], V=vd, state_dtype=checkpoint.dtype, batch=batch)
+    args, common = _outputs_launch(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos, cache_base,
+                                   is_flush, coef, o, max_len, tree, cfg)
     bv = block_rows(vd, batch * hv, q.device, cfg["block_v"], least=16)
-    coef_precision = "tf32" if cfg["tf32_coefficients"] and q.dtype != torch.float32 else "ieee"
-    fuse = fuses_flush(kd, vd, checkpoint.dtype, batch, q.device) if fuse_flush is None else fuse_flush
+    fuse = fuses_flush(q.shape[2], vd, checkpoint.dtype, batch, q.device) if fuse_flush is None else fuse_flush
+    # Four-part tiles (EARLY_TILE, a fused fold) need the heads a fused flush needs.
+    parts_ok = fuses_flush(q.shape[2], vd, checkpoint.dtype, batch, q.device, table=False)
+    fold_here = fuse and flush_rows
     _window_outputs_kernel[(triton.cdiv(vd, bv), batch, hv)](
-        q, k, v, checkpoint, ring.k, ring.v, ring.g, ring.beta, ring_u,
-        slots, cu_seqlens, write_pos, cache_base, is_flush, coef, o, slots if tree is None else tree.num_nodes,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), NORM_EPS,
-        H=h, HV=hv, K=kd, V=vd, L=ring.ring_len, BT=bt, BTC=_coefficient_block(max_len), BH=bh, BK=bk,
-        KC=max(16, min(cfg["k_chunk"], bk)), BV=bv,
-        DOT_PRECISION=product_precision(q.dtype), COEF_PRECISION=coef_precision, NUM_STAGES=cfg["num_stages"],
-        FUSE_FLUSH=fuse, ROUND_STATE=checkpoint.dtype != torch.float32, AHEAD=cfg["flush_records_ahead"],
-        TREE=tree is not None, WAIT_COEF=dependent, EARLY_TILE=fuse and bool(cfg["early_tile"]),
+        *args, **common, BV=bv, FUSE_FLUSH=fold_here, TREE=tree is not None, WAIT_COEF=dependent,
+        EARLY_TILE=(fold_here or (not flush_rows and parts_ok)) and bool(cfg["early_tile"]), FLUSH_ROWS=flush_rows,
         # A fused flush is an exact replay: the exact kernels' warps (their layout
         # decides the bits of every row sum).
-        num_warps=EXACT_NUM_WARPS if fuse else cfg["num_warps"],
+        num_warps=EXACT_NUM_WARPS if fold_here else cfg["num_warps"],
         **({"launch_pdl": True} if dependent else {}),
         **register_cap(cfg["max_registers"], q.device),
     )
 
 
-def fuses_flush(kd: int, vd: int, state_dtype: torch.dtype, batch: int, device: torch.device) -> bool:
+def launch_window_flush(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos, cache_base, is_flush, coef,
+                        o, max_len: int, *, dependent: bool = False) -> None:
+    """Launch the kernel of the rows that fold (a chain's windows, beside
+    :func:`launch_window_outputs` with ``flush_rows=False``) on validated arguments:
+    ``closed_form.flush_programs`` programs an SM walk those rows' items on tiles of
+    ``closed_form.flush_block_v`` rows; ``dependent``: as for the outputs kernel."""
+    hv, vd = v.shape[1], v.shape[2]
+    batch = slots.shape[0]
+    cfg = tuning.lookup("closed_form", K=q.shape[2], V=vd, state_dtype=checkpoint.dtype, batch=batch)
+    args, common = _outputs_launch(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos, cache_base,
+                                   is_flush, coef, o, max_len, None, cfg)
+    # The window's products are tl.dot on [BV, 2 BT] blocks: at least 16 rows.
+    fbv = max(16, min(cfg["flush_block_v"], triton.next_power_of_2(vd)))
+    programs = min(cfg["flush_programs"] * sm_count(q.device), batch * hv * triton.cdiv(vd, fbv))
+    _window_flush_kernel[(programs,)](
+        *args, batch, **common, BV=fbv, BB=triton.next_power_of_2(batch), WAIT_COEF=dependent,
+        num_warps=EXACT_NUM_WARPS, **({"launch_pdl": True} if dependent else {}))
+
+
+def fuses_flush(kd: int, vd: int, state_dtype: torch.dtype, batch: int, device: torch.device, *,
+                table: bool = True) -> bool:
     """Whether the closed form folds its flush rows inside the outputs kernel (one read
     of a flush row's checkpoint for the fold and the window, one launch fewer) rather
-    than in a fold launch before it: the shape table's ``closed_form.fuse_flush``, on
-    heads whose four-part key blocks are tensor-core operands (``K >= 64``; the
-    interpreter takes any)."""
+    than in a fold launch before it: the shape table's ``closed_form.fuse_flush``
+    (``table=False``: whatever the table says), on heads whose four-part key blocks are
+    tensor-core operands (``K >= 64``; the interpreter takes any)."""
     cfg = tuning.lookup("closed_form", K=kd, V=vd, state_dtype=state_dtype, batch=batch, device=device.type)
-    return bool(cfg["fuse_flush"]) and (device.type != "cuda" or exact_block_k(kd) // 4 >= 16)
+    return (bool(cfg["fuse_flush"]) or not table) and (device.type != "cuda" or exact_block_k(kd) // 4 >= 16)
 
 
 def _window_blocks(max_len: int, ring_len: int) -> tuple[int, int]:
@@ -1244,17 +1383,42 @@ def launch_closed_form(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, 
     programs start while the coefficients are computed, make their pass over the
     checkpoint (and fold their flush rows), and wait only before they read the
     coefficients. The coefficient kernel is one wave of short programs, a dependent
-    chain rather than bytes, so this hides it behind the first wave of the outputs."""
+    chain rather than bytes, so this hides it behind the first wave of the outputs.
+
+    ``closed_form.split_flush`` (a chain's fused flush): the rows that fold run in a
+    kernel of their own (:func:`launch_window_flush`) beside the outputs kernel compiled
+    without the fold. The two touch disjoint rows, so after the coefficients nothing
+    orders them: 1 runs them in order on the caller's stream (the outputs kernel the
+    coefficients' dependent); 2 runs the flush rows on a side stream; 3 runs the other
+    rows on the side stream and the flush rows as the coefficients' dependent (their
+    chains start first)."""
     batch = slots.shape[0]
     fuse = fuses_flush(q.shape[2], v.shape[2], checkpoint.dtype, batch, q.device)
     cfg = tuning.lookup("closed_form", K=q.shape[2], V=v.shape[2], state_dtype=checkpoint.dtype, batch=batch)
     dependent = bool(cfg["dependent_launch"]) and dependent_launch(q.device)
+    split = cfg["split_flush"] if fuse and tree is None else 0
     if not fuse:
         launch_flush(checkpoint, ring, slots, write_pos, cache_base, is_flush)
     coef = launch_coefficients(q, k, a, b, A_log, dt_bias, checkpoint, ring, slots, cu_seqlens, write_pos, cache_base,
                                is_flush, max_len, tree=tree, dependent=dependent)
-    launch_window_outputs(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos, cache_base, is_flush, coef,
-                          o, max_len, fuse_flush=fuse, tree=tree, dependent=dependent)
+    window = (q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos, cache_base, is_flush, coef, o, max_len)
+    if not split:
+        launch_window_outputs(*window, fuse_flush=fuse, tree=tree, dependent=dependent)
+        return
+    side = side_stream(q.device) if split >= 2 and q.device.type == "cuda" else None
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream(q.device))  # after the coefficients
+    if split == 3:
+        launch_window_flush(*window, dependent=dependent)
+    else:
+        launch_window_outputs(*window, dependent=dependent, flush_rows=False)
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        if split == 3:
+            launch_window_outputs(*window, flush_rows=False)
+        else:
+            launch_window_flush(*window)
+    if side is not None:
+        torch.cuda.current_stream(q.device).wait_stream(side)
 
 
 def launch_replay_window(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos,

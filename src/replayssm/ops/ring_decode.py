@@ -27,7 +27,6 @@ the reference below is it.
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import torch
 
@@ -140,7 +139,8 @@ except ImportError:  # the reference backend works without Triton
 if triton is not None:
     from .fold import replay_and_store_tile as _replay_and_store_tile
     from .recurrent import exact_block_k
-    from .triton_common import NORM_EPS, block_rows, exact_warps, register_cap, sm_count, device_fn as _tl_device_fn
+    from .triton_common import NORM_EPS, block_rows, exact_warps, register_cap, side_stream, sm_count
+    from .triton_common import device_fn as _tl_device_fn
     from .triton_common import gdn_gates as _tl_gdn_gates, load_parts as _tl_load_parts, mask_and as _tl_mask_and
     from .triton_common import normalized as _tl_normalized, row_dot as _tl_row_dot, row_sum as _tl_row_sum
     from .triton_common import store_parts as _tl_store_parts, to_rtne as _tl_to_rtne
@@ -363,13 +363,6 @@ if triton is not None:
                       H, HV, K, V, L, BK, BV, ROUND_STATE, AHEAD, EARLY_TILE, True, False)
 
 
-@functools.lru_cache(maxsize=None)
-def _flush_stream(index: int) -> torch.cuda.Stream:
-    """The side stream that the flush kernel runs on beside the token kernel, one per
-    CUDA device."""
-    return torch.cuda.Stream(device=index)
-
-
 def launch_ring_decode(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos,
                        cache_base, is_flush, o) -> None:
     """Launch the ring decoding kernels on validated arguments: one launch, or the flush
@@ -388,7 +381,7 @@ def launch_ring_decode(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, 
     split = cfg["split_flush"]
     side = None  # the flush kernel's stream with split_flush = 2 (CUDA; elsewhere one stream runs both)
     if split == 2 and q.device.type == "cuda":
-        side = _flush_stream(q.device.index if q.device.index is not None else torch.cuda.current_device())
+        side = side_stream(q.device)
         side.wait_stream(torch.cuda.current_stream(q.device))
     if split:
         fbv = min(cfg["block_v"], triton.next_power_of_2(vd))

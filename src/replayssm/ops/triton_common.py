@@ -101,6 +101,18 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@functools.lru_cache(maxsize=None)
+def _side_stream(index: int) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device=index)
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The side stream on which a split kernel pair runs its second kernel beside the
+    first (a fork and a join, which a CUDA graph keeps as two branches): one per CUDA
+    device, shared by every op, so a captured step holds one such stream."""
+    return _side_stream(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def block_rows(vd: int, rows: int, device: torch.device, most: int, least: int = 1) -> int:
     """Rows ``BV`` of a kernel's ``[BV, *]`` state tile, for ``rows`` (windows x heads)
     tiles of ``vd`` rows each.

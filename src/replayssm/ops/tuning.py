@@ -59,10 +59,16 @@ PARAMS = {
     # per SM). ``early_tile`` (with fuse_flush): every row loads its whole checkpoint
     # tile into registers before its cursors (1: the loads overlap the cursors' and
     # a row that does not flush multiplies the tile as loaded) or streams it through
-    # the k_chunk pipeline after them (0).
+    # the k_chunk pipeline after them (0). ``split_flush`` (with fuse_flush, a chain's
+    # windows): one outputs launch for every row (0), or the rows that fold in a kernel
+    # of their own, ``flush_programs`` programs an SM walking them on tiles of
+    # ``flush_block_v`` rows, beside the outputs kernel compiled without the fold
+    # (``early_tile`` is then that kernel's): in order on the caller's stream (1), the
+    # flush rows on a side stream (2), or the other rows on it and the flush rows the
+    # coefficients' dependent (3) (ops/chunked.py launch_closed_form).
     "closed_form": ("block_v", "k_chunk", "num_stages", "num_warps", "tf32_coefficients", "coef_warps",
                     "heads_per_program", "flush_block_v", "fuse_flush", "flush_records_ahead", "dependent_launch",
-                    "max_registers", "early_tile"),
+                    "max_registers", "early_tile", "split_flush", "flush_programs"),
     # The tree recurrence (ops/tree_ops.py: fold's and snapshot's tree verify): rows of the
     # path stack a program holds in registers, all levels together (a level's tile is
     # stack_rows / levels rows high, at least 16); and the most requests x leaf paths
@@ -97,7 +103,8 @@ _MAY_BE_ZERO = ("replay_max_batch", "tree_replay_max_paths", "path_max_paths", "
                 "load_ahead", "split_flush")
 #: Parameters with a closed set of values (by name, or ``family.name`` for one family).
 _CHOICES = {"tf32_coefficients": (0, 1), "fuse_flush": (0, 1), "records_ahead": (1, 2), "flush_records_ahead": (1, 2),
-            "early_tile": (0, 1), "dependent_launch": (0, 1), "load_ahead": (0, 1), "split_flush": (0, 1, 2),
+            "early_tile": (0, 1), "dependent_launch": (0, 1), "load_ahead": (0, 1), "ring_decode.split_flush": (0, 1, 2),
+            "closed_form.split_flush": (0, 1, 2, 3),
             "ring_decode.num_warps": (4, 8), "exact_write.num_warps": (4, 8), "exact_read_only.num_warps": (4, 8)}
 
 #: The table (see the module notes). Values chosen by measurement at Qwen3.5 shapes
@@ -122,13 +129,16 @@ TABLE: dict[str, list[tuple[dict, dict]]] = {
     # faster; at batch 16 it measured slower (BENCHMARKS.md, "circular's outputs kernel
     # under a register cap"). 16-bit states measured slower capped until their tiles
     # took the fp32 layout, faster since (BENCHMARKS.md, "16-bit tiles in the fp32
-    # tiles' layout").
+    # tiles' layout"). The flush rows apart (split_flush) measured slower at every
+    # batch in both dtypes (BENCHMARKS.md, "circular's flush rows apart: slower").
     "closed_form": [({"max_batch": 32}, dict(block_v=64, k_chunk=64, num_stages=2, num_warps=4, tf32_coefficients=1,
                                              coef_warps=1, heads_per_program=1, flush_block_v=32, fuse_flush=1, flush_records_ahead=1,
-                                             dependent_launch=1, max_registers=0, early_tile=0)),
+                                             dependent_launch=1, max_registers=0, early_tile=0, split_flush=0,
+                                             flush_programs=2)),
                     ({}, dict(block_v=64, k_chunk=64, num_stages=2, num_warps=4, tf32_coefficients=1, coef_warps=1,
                               heads_per_program=8, flush_block_v=32, fuse_flush=1, flush_records_ahead=1,
-                              dependent_launch=1, max_registers=128, early_tile=0))],
+                              dependent_launch=1, max_registers=128, early_tile=0, split_flush=0,
+                              flush_programs=2))],
     # Small batches are latency-bound: one launch with a chain of n + T exact steps
     # beats three launches and the window solve's per-head chain there. The switch sits
     # at the largest batch where replay measured faster (BENCHMARKS.md, kernels:
