@@ -600,7 +600,7 @@ if triton is not None:
     from .triton_common import mask_and as _tl_mask_and, normalized as _tl_normalized
     from .triton_common import row_dot as _tl_row_dot, row_sum as _tl_row_sum, store_parts as _tl_store_parts
     from .triton_common import as_stored as _tl_as_stored, to_rtne as _tl_to_rtne, window_program as _tl_window_program
-    from .triton_common import dependent_launch, register_cap, side_stream, sm_count
+    from .triton_common import dependent_launch, folding_rows as _tl_folding_rows, register_cap, side_stream, sm_count
     from .tree_ops import leaf_path as _leaf_path, owns as _owns, path_node as _path_node
     from .tree_ops import zero_padded_nodes as _zero_padded_nodes
 
@@ -1021,15 +1021,8 @@ if triton is not None:
         batch alone (CUDA graphs) and costs nothing where no row folds. Each item folds
         its tile and takes the window from it (:func:`_window_row`)."""
         NV: tl.constexpr = (V + BV - 1) // BV
-        rows = tl.arange(0, BB)
-        in_batch = rows < batch
-        slot_b = tl.load(slots_ptr + rows, mask=in_batch, other=-1)
-        length_b = tl.load(cu_ptr + rows + 1, mask=in_batch, other=0) - tl.load(cu_ptr + rows, mask=in_batch, other=0)
-        live = (slot_b >= 0) & (length_b > 0)
-        at = tl.where(live, slot_b, 0)
-        folds = live & (tl.load(flush_ptr + at, mask=live, other=0) != 0) & (tl.load(wp_ptr + at, mask=live, other=0) > 0)
-        before = tl.cumsum(folds.to(tl.int32), 0)  # rows that fold up to and including each row
-        items = tl.sum(folds.to(tl.int32), 0) * (HV * NV)
+        before, count = _tl_folding_rows(slots_ptr, cu_ptr, wp_ptr, flush_ptr, batch, BB)
+        items = count * (HV * NV)
         for t in range(tl.program_id(0), items, tl.num_programs(0)):
             j = t // (HV * NV)
             i_b = tl.sum((before <= j).to(tl.int32), 0)  # the j-th row that folds (from 0): j rows before it

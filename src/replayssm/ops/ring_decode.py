@@ -140,7 +140,7 @@ if triton is not None:
     from .fold import replay_and_store_tile as _replay_and_store_tile
     from .recurrent import exact_block_k
     from .triton_common import NORM_EPS, block_rows, exact_warps, register_cap, side_stream, sm_count
-    from .triton_common import device_fn as _tl_device_fn
+    from .triton_common import device_fn as _tl_device_fn, folding_rows as _tl_folding_rows
     from .triton_common import gdn_gates as _tl_gdn_gates, load_parts as _tl_load_parts, mask_and as _tl_mask_and
     from .triton_common import normalized as _tl_normalized, row_dot as _tl_row_dot, row_sum as _tl_row_sum
     from .triton_common import store_parts as _tl_store_parts, to_rtne as _tl_to_rtne
@@ -341,15 +341,8 @@ if triton is not None:
         >= ``batch`` rows, counted on the device), so the grid is fixed by the batch alone
         (CUDA graphs) and costs nothing where no row flushes."""
         NV: tl.constexpr = (V + BV - 1) // BV
-        rows = tl.arange(0, BB)
-        in_batch = rows < batch
-        slot_b = tl.load(slots_ptr + rows, mask=in_batch, other=-1)
-        length_b = tl.load(cu_ptr + rows + 1, mask=in_batch, other=0) - tl.load(cu_ptr + rows, mask=in_batch, other=0)
-        live = (slot_b >= 0) & (length_b > 0)
-        at = tl.where(live, slot_b, 0)
-        folds = live & (tl.load(flush_ptr + at, mask=live, other=0) != 0) & (tl.load(wp_ptr + at, mask=live, other=0) > 0)
-        before = tl.cumsum(folds.to(tl.int32), 0)  # flush rows up to and including each row
-        items = tl.sum(folds.to(tl.int32), 0) * (HV * NV)
+        before, count = _tl_folding_rows(slots_ptr, cu_ptr, wp_ptr, flush_ptr, batch, BB)
+        items = count * (HV * NV)
         for t in range(tl.program_id(0), items, tl.num_programs(0)):
             j = t // (HV * NV)
             i_b = tl.sum((before <= j).to(tl.int32), 0)  # the j-th flush row (from 0): j rows before it

@@ -341,6 +341,21 @@ if triton is not None:
         return N0, N1, N2, N3
 
     @device_fn
+    def folding_rows(slots_ptr, cu_ptr, wp_ptr, flush_ptr, batch, BB: tl.constexpr):
+        """The batch's rows that fold this step (live, ``is_flush`` set, ``write_pos >
+        0``), counted on the device for kernels that walk them (``BB >= batch``):
+        ``(before, count)``, ``before[r]`` the folding rows up to and including row
+        ``r``. The ``j``-th of them (from 0) is row ``sum(before <= j)``."""
+        rows = tl.arange(0, BB)
+        in_batch = rows < batch
+        slot_b = tl.load(slots_ptr + rows, mask=in_batch, other=-1)
+        length_b = tl.load(cu_ptr + rows + 1, mask=in_batch, other=0) - tl.load(cu_ptr + rows, mask=in_batch, other=0)
+        live = (slot_b >= 0) & (length_b > 0)
+        at = tl.where(live, slot_b, 0)
+        folds = live & (tl.load(flush_ptr + at, mask=live, other=0) != 0) & (tl.load(wp_ptr + at, mask=live, other=0) > 0)
+        return tl.cumsum(folds.to(tl.int32), 0), tl.sum(folds.to(tl.int32), 0)
+
+    @device_fn
     def window_program(slots_ptr, cu_ptr, H, HV):
         """Where a window kernel's program works, for grids ``(V blocks, windows, HV)``.
 
