@@ -1308,12 +1308,11 @@ def launch_window_outputs(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, 
                                    is_flush, coef, o, max_len, tree, cfg)
     bv = block_rows(vd, batch * hv, q.device, cfg["block_v"], least=16)
     fuse = fuses_flush(q.shape[2], vd, checkpoint.dtype, batch, q.device) if fuse_flush is None else fuse_flush
-    # Four-part tiles (EARLY_TILE, a fused fold) need the heads a fused flush needs.
-    parts_ok = fuses_flush(q.shape[2], vd, checkpoint.dtype, batch, q.device, table=False)
     fold_here = fuse and flush_rows
     _window_outputs_kernel[(triton.cdiv(vd, bv), batch, hv)](
         *args, **common, BV=bv, FUSE_FLUSH=fold_here, TREE=tree is not None, WAIT_COEF=dependent,
-        EARLY_TILE=(fold_here or (not flush_rows and parts_ok)) and bool(cfg["early_tile"]), FLUSH_ROWS=flush_rows,
+        EARLY_TILE=(fold_here or (not flush_rows and _four_parts_ok(q.shape[2], q.device))) and bool(cfg["early_tile"]),
+        FLUSH_ROWS=flush_rows,
         # A fused flush is an exact replay: the exact kernels' warps (their layout
         # decides the bits of every row sum).
         num_warps=EXACT_NUM_WARPS if fold_here else cfg["num_warps"],
@@ -1341,15 +1340,20 @@ def launch_window_flush(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, wr
         num_warps=EXACT_NUM_WARPS, **({"launch_pdl": True} if dependent else {}))
 
 
-def fuses_flush(kd: int, vd: int, state_dtype: torch.dtype, batch: int, device: torch.device, *,
-                table: bool = True) -> bool:
+def _four_parts_ok(kd: int, device: torch.device) -> bool:
+    """Whether the outputs kernel may hold a tile as four parts (a fused fold, an early
+    tile): their key blocks are tensor-core operands (``K >= 64``; the interpreter takes
+    any)."""
+    return device.type != "cuda" or exact_block_k(kd) // 4 >= 16
+
+
+def fuses_flush(kd: int, vd: int, state_dtype: torch.dtype, batch: int, device: torch.device) -> bool:
     """Whether the closed form folds its flush rows inside the outputs kernel (one read
     of a flush row's checkpoint for the fold and the window, one launch fewer) rather
-    than in a fold launch before it: the shape table's ``closed_form.fuse_flush``
-    (``table=False``: whatever the table says), on heads whose four-part key blocks are
-    tensor-core operands (``K >= 64``; the interpreter takes any)."""
+    than in a fold launch before it: the shape table's ``closed_form.fuse_flush``, on
+    heads that allow four-part tiles (:func:`_four_parts_ok`)."""
     cfg = tuning.lookup("closed_form", K=kd, V=vd, state_dtype=state_dtype, batch=batch, device=device.type)
-    return (bool(cfg["fuse_flush"]) or not table) and (device.type != "cuda" or exact_block_k(kd) // 4 >= 16)
+    return bool(cfg["fuse_flush"]) and _four_parts_ok(kd, device)
 
 
 def _window_blocks(max_len: int, ring_len: int) -> tuple[int, int]:
