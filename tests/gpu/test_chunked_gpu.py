@@ -272,20 +272,24 @@ def test_flush_fold_is_the_fold_kernel_bit_for_bit(state_dtype, act_dtype, metho
     assert not torch.equal(ck_t, case["checkpoint"])
 
 
-@pytest.mark.parametrize("state_dtype,replay_max_batch", [(torch.float32, 0), (torch.float32, 256), (torch.bfloat16, 256)],
-                         ids=["fp32-closed_form", "fp32-replay", "bf16-replay"])
+@pytest.mark.parametrize("state_dtype,replay_max_batch,flush_every_max_batch",
+                         [(torch.float32, 0, 0), (torch.float32, 256, 0), (torch.bfloat16, 256, 0),
+                          (torch.float32, 0, 256), (torch.bfloat16, 0, 256)],
+                         ids=["fp32-closed_form", "fp32-replay", "bf16-replay", "fp32-flush_every", "bf16-flush_every"])
 @pytest.mark.parametrize("act_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_circular_committed_state_equals_fold_strategy_bit_for_bit(act_dtype, state_dtype, replay_max_batch):
+def test_circular_committed_state_equals_fold_strategy_bit_for_bit(act_dtype, state_dtype, replay_max_batch,
+                                                                   flush_every_max_batch):
     """Two Triton pools, ``circular`` and ``fold``, fed the same tokens and acceptances
     for STEPS steps (several flushes per request): the committed states are identical at
     every step. Circular's checkpoint is folded by this kernel at flushes and the rest of
     its history by the fold kernel; fold's by the fold kernel at every commit; both
     replay the same raw records through the same exact step. ``replay``: circular's
-    small-batch mode forced on (one-launch verify, a flush at every commit). bf16 states
-    only there: a 16-bit checkpoint is rounded where it is stored, after every commit's
-    records for fold and for circular's small-batch mode, after a whole history for its
-    closed-form mode, so that mode matches fold bit for bit in fp32 only."""
-    with tuning.override("circular", replay_max_batch=replay_max_batch):
+    small-batch mode forced on (one-launch verify, a flush at every commit);
+    ``flush_every``: the closed form with a flush at every commit. bf16 states only with
+    a flush at every commit: a 16-bit checkpoint is rounded where it is stored, after
+    every commit's records for fold and for those two modes, after a whole history for
+    the closed form's ring rule, so that mode matches fold bit for bit in fp32 only."""
+    with tuning.override("circular", replay_max_batch=replay_max_batch, flush_every_max_batch=flush_every_max_batch):
         _circular_vs_fold(act_dtype, state_dtype)
 
 
@@ -352,6 +356,25 @@ def test_flush_rows_apart_change_no_bit(state_dtype, flush_block_v, split_flush)
             else:
                 got, want = got.float().nan_to_num(), want.float().nan_to_num()
                 assert (got - want).abs().max() <= 5e-3 * want.abs().max(), name
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("batch", [16, 256])
+def test_flush_rows_first_change_no_bit(state_dtype, batch):
+    """The outputs kernel's grid with the rows that fold first (``closed_form.flush_first``)
+    against its grid in batch order: outputs, checkpoints, records and ``u`` bit for bit
+    (each row runs the same code wherever the grid puts it), with padding rows and about
+    half the rows folding. Fresh inputs each round."""
+    for _ in range(3):
+        case = make_case(32, 4, batch, state_dtype, torch.bfloat16, pad=True)
+        got = {}
+        for first in (0, 1):
+            with tuning.override("closed_form", split_flush=0, flush_first=first):
+                got[first] = run(case, "triton", method="closed_form")
+        assert not torch.equal(got[1][1], case["checkpoint"])
+        for i, name in ((0, "outputs"), (1, "checkpoints"), (3, "u")):
+            assert same(got[1][i], got[0][i]), name
+        assert all(same(a, b) for a, b in zip(got[1][2], got[0][2])), "records differ"
 
 
 @pytest.mark.parametrize("method,split_flush", [("closed_form", 0), ("closed_form", 2), ("closed_form", 3),

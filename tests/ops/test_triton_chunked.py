@@ -373,6 +373,24 @@ def test_flush_rows_apart_match_reference(split_flush, early_tile):
         check_against_reference(_split_case(), method="closed_form")
 
 
+def test_flush_rows_first_change_no_bit():
+    """The outputs kernel's grid with the rows that fold first (``closed_form.flush_first``)
+    on a batch of padding, non-flush rows, a flush row with no records and two folding
+    rows apart: every row's outputs, checkpoint and records are those of the grid in
+    batch order, bit for bit (the same code per row; a row missed or taken twice by the
+    order would differ), and within tolerance of the reference."""
+    case = _split_case()
+    got = {}
+    for first in (0, 1):
+        with tuning.override("closed_form", fuse_flush=1, split_flush=0, flush_first=first):
+            got[first] = case.run("triton")
+    (o0, ck0, ring0, u0), (o1, ck1, ring1, u1) = got[0], got[1]
+    assert same(o0, o1) and same(ck0, ck1) and same(u0, u1)
+    assert all(same(x, y) for x, y in zip(ring0, ring1))
+    with tuning.override("closed_form", fuse_flush=1, split_flush=0, flush_first=1):
+        check_against_reference(case, method="closed_form")
+
+
 def test_flush_rows_apart_touch_disjoint_rows():
     """Each of the two split kernels writes only its own rows (the GPU runs them side by
     side, so a row written by both would race): outputs start as NaN, and after the

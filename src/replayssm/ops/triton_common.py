@@ -356,6 +356,16 @@ if triton is not None:
         return tl.cumsum(folds.to(tl.int32), 0), tl.sum(folds.to(tl.int32), 0)
 
     @device_fn
+    def flush_first_row(j, slots_ptr, cu_ptr, wp_ptr, flush_ptr, batch, BB: tl.constexpr):
+        """The batch row at position ``j`` of an order that puts the rows that fold
+        (:func:`folding_rows`) first, each group in batch order (``BB >= batch``): a grid
+        laid out in that order starts the longest programs first."""
+        before, count = folding_rows(slots_ptr, cu_ptr, wp_ptr, flush_ptr, batch, BB)
+        rows = tl.arange(0, BB)
+        rest = tl.where(rows < batch, rows + 1 - before, BB + 1)  # the other rows up to and including r
+        return tl.where(j < count, tl.sum((before <= j).to(tl.int32), 0), tl.sum((rest <= j - count).to(tl.int32), 0))
+
+    @device_fn
     def window_program(slots_ptr, cu_ptr, H, HV):
         """Where a window kernel's program works, for grids ``(V blocks, windows, HV)``.
 

@@ -65,10 +65,12 @@ PARAMS = {
     # ``flush_block_v`` rows, beside the outputs kernel compiled without the fold
     # (``early_tile`` is then that kernel's): in order on the caller's stream (1), the
     # flush rows on a side stream (2), or the other rows on it and the flush rows the
-    # coefficients' dependent (3) (ops/chunked.py launch_closed_form).
+    # coefficients' dependent (3) (ops/chunked.py launch_closed_form). ``flush_first``
+    # (with fuse_flush, one launch): the grid in an order that starts the rows that fold
+    # first (1) or in batch order (0).
     "closed_form": ("block_v", "k_chunk", "num_stages", "num_warps", "tf32_coefficients", "coef_warps",
                     "heads_per_program", "flush_block_v", "fuse_flush", "flush_records_ahead", "dependent_launch",
-                    "max_registers", "early_tile", "split_flush", "flush_programs"),
+                    "max_registers", "early_tile", "split_flush", "flush_programs", "flush_first"),
     # The tree recurrence (ops/tree_ops.py: fold's and snapshot's tree verify): rows of the
     # path stack a program holds in registers, all levels together (a level's tile is
     # stack_rows / levels rows high, at least 16); and the most requests x leaf paths
@@ -79,8 +81,11 @@ PARAMS = {
     # verify replays the exact recurrence in one launch and its commit flushes every
     # step, instead of the closed form's three launches. 0 turns it off. A tree verify
     # replays each leaf's root path side by side (ops/chunked.py ``_tree_replay_kernel``)
-    # while its requests times their leaves are at most tree_replay_max_paths.
-    "circular": ("replay_max_batch", "tree_replay_max_paths"),
+    # while its requests times their leaves are at most tree_replay_max_paths. At batch
+    # <= flush_every_max_batch the closed form's commit flushes every row at every step
+    # too (each program's fold then a chain of one step's accepted tokens instead of a
+    # third of the programs folding three steps'; 0: by the ring's rule).
+    "circular": ("replay_max_batch", "tree_replay_max_paths", "flush_every_max_batch"),
     # Plain decoding through circular's ring (ops/ring_decode.py): rows of V per
     # program, a flush row's record prefetch depth (as exact_write.records_ahead), and
     # whether the checkpoint tile loads before the cursors (1: its latency overlaps
@@ -99,13 +104,20 @@ PARAMS = {
 
 _KEY_FIELDS = ("K", "V", "state_dtype", "min_batch", "max_batch", "device")
 #: Parameters that may be 0 (the others are sizes, at least 1).
-_MAY_BE_ZERO = ("replay_max_batch", "tree_replay_max_paths", "path_max_paths", "tf32_coefficients", "fuse_flush", "early_tile", "dependent_launch", "max_registers",
-                "load_ahead", "split_flush")
+_MAY_BE_ZERO = ("replay_max_batch", "tree_replay_max_paths", "flush_every_max_batch", "path_max_paths",
+                "tf32_coefficients", "fuse_flush", "early_tile", "dependent_launch", "max_registers", "load_ahead",
+                "split_flush", "flush_first")
 #: Parameters with a closed set of values (by name, or ``family.name`` for one family).
 _CHOICES = {"tf32_coefficients": (0, 1), "fuse_flush": (0, 1), "records_ahead": (1, 2), "flush_records_ahead": (1, 2),
-            "early_tile": (0, 1), "dependent_launch": (0, 1), "load_ahead": (0, 1), "ring_decode.split_flush": (0, 1, 2),
+            "early_tile": (0, 1), "dependent_launch": (0, 1), "flush_first": (0, 1), "load_ahead": (0, 1),
+            "ring_decode.split_flush": (0, 1, 2),
             "closed_form.split_flush": (0, 1, 2, 3),
             "ring_decode.num_warps": (4, 8), "exact_write.num_warps": (4, 8), "exact_read_only.num_warps": (4, 8)}
+
+#: circular's closed form up to batch 32 (``TABLE["closed_form"]``).
+_CLOSED_FORM_SMALL = dict(block_v=64, k_chunk=64, num_stages=2, num_warps=4, tf32_coefficients=1, coef_warps=1,
+                          heads_per_program=1, flush_block_v=32, fuse_flush=1, flush_records_ahead=1, dependent_launch=1,
+                          max_registers=0, early_tile=0, split_flush=0, flush_programs=2, flush_first=0)
 
 #: The table (see the module notes). Values chosen by measurement at Qwen3.5 shapes
 #: (BENCHMARKS.md, tuning notes).
@@ -131,14 +143,16 @@ TABLE: dict[str, list[tuple[dict, dict]]] = {
     # took the fp32 layout, faster since (BENCHMARKS.md, "16-bit tiles in the fp32
     # tiles' layout"). The flush rows apart (split_flush) measured slower at every
     # batch in both dtypes (BENCHMARKS.md, "circular's flush rows apart: slower").
-    "closed_form": [({"max_batch": 32}, dict(block_v=64, k_chunk=64, num_stages=2, num_warps=4, tf32_coefficients=1,
-                                             coef_warps=1, heads_per_program=1, flush_block_v=32, fuse_flush=1, flush_records_ahead=1,
-                                             dependent_launch=1, max_registers=0, early_tile=0, split_flush=0,
-                                             flush_programs=2)),
+    # Up to batch 16 the programs that fold fit in the first wave: the grid starts them
+    # first (flush_first), measured 11-20% faster at batch 16 and slower at 64 and 256,
+    # where they no longer fit and would run apart from the other rows' reads
+    # (BENCHMARKS.md, "circular's folding rows first").
+    "closed_form": [({"max_batch": 16}, dict(_CLOSED_FORM_SMALL, flush_first=1)),
+                    ({"max_batch": 32}, _CLOSED_FORM_SMALL),
                     ({}, dict(block_v=64, k_chunk=64, num_stages=2, num_warps=4, tf32_coefficients=1, coef_warps=1,
                               heads_per_program=8, flush_block_v=32, fuse_flush=1, flush_records_ahead=1,
                               dependent_launch=1, max_registers=128, early_tile=0, split_flush=0,
-                              flush_programs=2))],
+                              flush_programs=2, flush_first=0))],
     # Small batches are latency-bound: one launch with a chain of n + T exact steps
     # beats three launches and the window solve's per-head chain there. The switch sits
     # at the largest batch where replay measured faster (BENCHMARKS.md, kernels:
@@ -148,8 +162,8 @@ TABLE: dict[str, list[tuple[dict, dict]]] = {
     # (BENCHMARKS.md, "Draft trees: each leaf's path replayed").
     # On the CPU the closed form stays the default so that the interpreter's tests
     # cover the history; tests turn the path on with override().
-    "circular": [({"device": "cpu"}, dict(replay_max_batch=0, tree_replay_max_paths=0)),
-                 ({}, dict(replay_max_batch=8, tree_replay_max_paths=48))],
+    "circular": [({"device": "cpu"}, dict(replay_max_batch=0, tree_replay_max_paths=0, flush_every_max_batch=0)),
+                 ({}, dict(replay_max_batch=8, tree_replay_max_paths=48, flush_every_max_batch=0))],
     # The whole V axis per program: the history's share (its keys, gates and u) is
     # loaded and reduced once per (request, head) instead of once per V block, and the
     # tile's loads are all in flight at once (BENCHMARKS.md, "Plain decoding through the
