@@ -329,21 +329,23 @@ def _circular_vs_fold(act_dtype, state_dtype):
     assert flushes >= requests, "every request should have flushed at least once"
 
 
-@pytest.mark.parametrize("split_flush", [2, 3])
+@pytest.mark.parametrize("split_flush,flush_grid", [(2, 0), (3, 0), (2, 1), (3, 1)], ids=["2", "3", "2grid", "3grid"])
 @pytest.mark.parametrize("state_dtype,flush_block_v", [(torch.float32, 64), (torch.bfloat16, 64), (torch.float32, 32)],
                          ids=["fp32", "bf16", "fp32_bv32"])
-def test_flush_rows_apart_change_no_bit(state_dtype, flush_block_v, split_flush):
+def test_flush_rows_apart_change_no_bit(state_dtype, flush_block_v, split_flush, flush_grid):
     """The rows that fold in a kernel of their own beside the outputs kernel without the
     fold (``closed_form.split_flush``: 2, the flush rows on a side stream; 3, the other
     rows there) against one launch, both with the tile loaded after the cursors:
     checkpoints, raw records and gates bit for bit; outputs and ``u`` bit for bit on the
     one launch's 64-row tiles (the same products), and to tf32 rounding on 32-row flush
     tiles (their window products round differently: measured 1.1e-3 of the outputs'
-    largest value; bound 5e-3, the early-tile test's). Fresh inputs each round; about
-    half the rows fold."""
+    largest value; bound 5e-3, the early-tile test's). The flush kernel walks its items,
+    or (``flush_grid``) takes one a program. Fresh inputs each round; about half the rows
+    fold."""
     for _ in range(3):
         case = make_case(32, 4, 256, state_dtype, torch.bfloat16, pad=True)
-        with tuning.override("closed_form", split_flush=split_flush, early_tile=0, flush_block_v=flush_block_v):
+        with tuning.override("closed_form", split_flush=split_flush, early_tile=0, flush_block_v=flush_block_v,
+                             flush_grid=flush_grid):
             apart = run(case, "triton", method="closed_form")
         with tuning.override("closed_form", split_flush=0, early_tile=0):
             one = run(case, "triton", method="closed_form")

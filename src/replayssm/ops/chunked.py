@@ -1037,17 +1037,29 @@ if triton is not None:
         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
         BT: tl.constexpr, BTC: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr, BV: tl.constexpr,
         BB: tl.constexpr, DOT_PRECISION: tl.constexpr, COEF_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
-        ROUND_STATE: tl.constexpr, AHEAD: tl.constexpr, WAIT_COEF: tl.constexpr = False,
+        ROUND_STATE: tl.constexpr, AHEAD: tl.constexpr, WAIT_COEF: tl.constexpr = False, GRID: tl.constexpr = False,
     ):
-        """A few programs that walk the (V block, value head) items of the rows that fold
-        (a chain's windows; ``BB >= batch``): the walk of
-        :func:`~replayssm.ops.ring_decode._ring_flush_kernel`, so the grid is fixed by the
-        batch alone (CUDA graphs) and costs nothing where no row folds. Each item folds
-        its tile and takes the window from it (:func:`_window_row`)."""
+        """The (V block, value head) items of the rows that fold (a chain's windows;
+        ``BB >= batch``), each folding its tile and taking the window from it
+        (:func:`_window_row`). The grid is fixed by the batch alone (CUDA graphs):
+
+        - a few programs walk the items (the walk of
+          :func:`~replayssm.ops.ring_decode._ring_flush_kernel`), which costs nothing
+          where no row folds;
+        - ``GRID``: grid ``(V blocks, HV, windows)``, program ``(.., .., j)`` on the
+          ``j``-th row that folds and the rest exiting at once (they come last in grid
+          order), so the items' chains run side by side as in one launch."""
         NV: tl.constexpr = (V + BV - 1) // BV
         before, count = _tl_folding_rows(slots_ptr, cu_ptr, wp_ptr, flush_ptr, batch, BB)
         items = count * (HV * NV)
-        for t in range(tl.program_id(0), items, tl.num_programs(0)):
+        if GRID:
+            # This program's item, in the walk's numbering; at most one step.
+            first = (tl.program_id(2) * HV + tl.program_id(1)) * NV + tl.program_id(0)
+            stride = tl.maximum(items, 1)
+        else:
+            first = tl.program_id(0)
+            stride = tl.num_programs(0)
+        for t in range(first, items, stride):
             j = t // (HV * NV)
             i_b = tl.sum((before <= j).to(tl.int32), 0)  # the j-th row that folds (from 0): j rows before it
             _window_row(t % NV, i_b, (t % (HV * NV)) // NV,
@@ -1353,7 +1365,9 @@ def launch_window_flush(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, wr
     """Launch the kernel of the rows that fold (a chain's windows, beside
     :func:`launch_window_outputs` with ``flush_rows=False``) on validated arguments:
     ``closed_form.flush_programs`` programs an SM walk those rows' items on tiles of
-    ``closed_form.flush_block_v`` rows; ``dependent``: as for the outputs kernel."""
+    ``closed_form.flush_block_v`` rows, or with ``closed_form.flush_grid`` a program
+    per item of a grid sized for every row folding; ``dependent``: as for the outputs
+    kernel."""
     hv, vd = v.shape[1], v.shape[2]
     batch = slots.shape[0]
     cfg = tuning.lookup("closed_form", K=q.shape[2], V=vd, state_dtype=checkpoint.dtype, batch=batch)
@@ -1361,10 +1375,13 @@ def launch_window_flush(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, wr
                                    is_flush, coef, o, max_len, None, cfg)
     # The window's products are tl.dot on [BV, 2 BT] blocks: at least 16 rows.
     fbv = max(16, min(cfg["flush_block_v"], triton.next_power_of_2(vd)))
-    programs = min(cfg["flush_programs"] * sm_count(q.device), batch * hv * triton.cdiv(vd, fbv))
-    _window_flush_kernel[(programs,)](
+    if cfg["flush_grid"]:
+        grid = (triton.cdiv(vd, fbv), hv, batch)
+    else:
+        grid = (min(cfg["flush_programs"] * sm_count(q.device), batch * hv * triton.cdiv(vd, fbv)),)
+    _window_flush_kernel[grid](
         *args, batch, **common, BV=fbv, BB=triton.next_power_of_2(batch), WAIT_COEF=dependent,
-        num_warps=EXACT_NUM_WARPS, **({"launch_pdl": True} if dependent else {}))
+        GRID=bool(cfg["flush_grid"]), num_warps=EXACT_NUM_WARPS, **({"launch_pdl": True} if dependent else {}))
 
 
 def _four_parts_ok(kd: int, device: torch.device) -> bool:

@@ -65,12 +65,14 @@ PARAMS = {
     # ``flush_block_v`` rows, beside the outputs kernel compiled without the fold
     # (``early_tile`` is then that kernel's): in order on the caller's stream (1), the
     # flush rows on a side stream (2), or the other rows on it and the flush rows the
-    # coefficients' dependent (3) (ops/chunked.py launch_closed_form). ``flush_first``
+    # coefficients' dependent (3) (ops/chunked.py launch_closed_form); ``flush_grid`` 1:
+    # instead of the walk, one program per item of a grid sized for every row folding
+    # (the programs past the folding rows exit). ``flush_first``
     # (with fuse_flush, one launch): the grid in an order that starts the rows that fold
     # first (1) or in batch order (0).
     "closed_form": ("block_v", "k_chunk", "num_stages", "num_warps", "tf32_coefficients", "coef_warps",
                     "heads_per_program", "flush_block_v", "fuse_flush", "flush_records_ahead", "dependent_launch",
-                    "max_registers", "early_tile", "split_flush", "flush_programs", "flush_first"),
+                    "max_registers", "early_tile", "split_flush", "flush_programs", "flush_first", "flush_grid"),
     # The tree recurrence (ops/tree_ops.py: fold's and snapshot's tree verify): rows of the
     # path stack a program holds in registers, all levels together (a level's tile is
     # stack_rows / levels rows high, at least 16); and the most requests x leaf paths
@@ -106,10 +108,10 @@ _KEY_FIELDS = ("K", "V", "state_dtype", "min_batch", "max_batch", "device")
 #: Parameters that may be 0 (the others are sizes, at least 1).
 _MAY_BE_ZERO = ("replay_max_batch", "tree_replay_max_paths", "flush_every_max_batch", "path_max_paths",
                 "tf32_coefficients", "fuse_flush", "early_tile", "dependent_launch", "max_registers", "load_ahead",
-                "split_flush", "flush_first")
+                "split_flush", "flush_first", "flush_grid")
 #: Parameters with a closed set of values (by name, or ``family.name`` for one family).
 _CHOICES = {"tf32_coefficients": (0, 1), "fuse_flush": (0, 1), "records_ahead": (1, 2), "flush_records_ahead": (1, 2),
-            "early_tile": (0, 1), "dependent_launch": (0, 1), "flush_first": (0, 1), "load_ahead": (0, 1),
+            "early_tile": (0, 1), "dependent_launch": (0, 1), "flush_first": (0, 1), "flush_grid": (0, 1), "load_ahead": (0, 1),
             "ring_decode.split_flush": (0, 1, 2),
             "closed_form.split_flush": (0, 1, 2, 3),
             "ring_decode.num_warps": (4, 8), "exact_write.num_warps": (4, 8), "exact_read_only.num_warps": (4, 8)}
@@ -117,7 +119,8 @@ _CHOICES = {"tf32_coefficients": (0, 1), "fuse_flush": (0, 1), "records_ahead": 
 #: circular's closed form up to batch 32 (``TABLE["closed_form"]``).
 _CLOSED_FORM_SMALL = dict(block_v=64, k_chunk=64, num_stages=2, num_warps=4, tf32_coefficients=1, coef_warps=1,
                           heads_per_program=1, flush_block_v=32, fuse_flush=1, flush_records_ahead=1, dependent_launch=1,
-                          max_registers=0, early_tile=0, split_flush=0, flush_programs=2, flush_first=0)
+                          max_registers=0, early_tile=0, split_flush=0, flush_programs=2, flush_first=0,
+                          flush_grid=0)
 
 #: The table (see the module notes). Values chosen by measurement at Qwen3.5 shapes
 #: (BENCHMARKS.md, tuning notes).
@@ -152,7 +155,7 @@ TABLE: dict[str, list[tuple[dict, dict]]] = {
                     ({}, dict(block_v=64, k_chunk=64, num_stages=2, num_warps=4, tf32_coefficients=1, coef_warps=1,
                               heads_per_program=8, flush_block_v=32, fuse_flush=1, flush_records_ahead=1,
                               dependent_launch=1, max_registers=128, early_tile=0, split_flush=0,
-                              flush_programs=2, flush_first=0))],
+                              flush_programs=2, flush_first=0, flush_grid=0))],
     # Small batches are latency-bound: one launch with a chain of n + T exact steps
     # beats three launches and the window solve's per-head chain there. The switch sits
     # at the largest batch where replay measured faster (BENCHMARKS.md, kernels:
