@@ -18,7 +18,7 @@ from layer_inputs import args, rand_layer
 
 triton = pytest.importorskip("triton")
 
-from replayssm.ops import DraftTrees, RawRecords, gdn_recurrence, triton_common  # noqa: E402
+from replayssm.ops import DraftTrees, RawRecords, gdn_recurrence, triton_common, tuning  # noqa: E402
 from replayssm.ops.chunked import gdn_chunked_window, gdn_tree_verify  # noqa: E402
 from replayssm.ops.conv import causal_conv_verify, causal_conv_verify_tree  # noqa: E402
 from replayssm.ops.gates import expand_heads, l2_normalize  # noqa: E402
@@ -98,15 +98,18 @@ def run_tree(backend, trees, slots, x, st, method=None):
                            trees, max_len=N, method=method, backend=backend)
 
 
-@pytest.mark.parametrize("method", ["closed_form", "replay"])
-def test_tree_verify_matches_the_reference(method):
+@pytest.mark.parametrize("method,flush_first", [("closed_form", 0), ("closed_form", 1), ("replay", 0)],
+                         ids=["closed_form", "closed_form-flush_first", "replay"])
+def test_tree_verify_matches_the_reference(method, flush_first):
     """Both methods: outputs (zeros on padded nodes and the padding request, whose
     inputs are NaN), folded checkpoints, records written where the nodes' window
-    positions are and nowhere else."""
+    positions are and nowhere else. ``flush_first``: the closed form's outputs grid
+    with the folding requests first (``closed_form.flush_first``)."""
     trees, slots, x, st = case(SHAPES, seed=1, consistent_u=method == "replay")
     ref, tri = _copy(st), _copy(st)
     o_ref = run_tree("reference", trees, slots, x, ref)
-    o_tri = run_tree("triton", trees, slots, x, tri, method=method)
+    with tuning.override("closed_form", flush_first=flush_first):
+        o_tri = run_tree("triton", trees, slots, x, tri, method=method)
     assert torch.isfinite(o_tri).all()
     torch.testing.assert_close(o_tri, o_ref, **TOL)
     torch.testing.assert_close(tri["ckpt"], ref["ckpt"], **TOL)  # flush rows folded
@@ -120,7 +123,7 @@ def test_tree_verify_matches_the_reference(method):
 def test_tree_method_follows_the_shape_table(monkeypatch):
     """``method=None`` replays the leaf paths exactly when requests x leaf paths is at
     most the table's ``circular.tree_replay_max_paths``; the CUDA default's edge is 48."""
-    from replayssm.ops import chunked as chunked_ops, tuning
+    from replayssm.ops import chunked as chunked_ops
 
     trees, slots, x, st = case(SHAPES, seed=6)  # 4 requests, at most 4 leaf paths each: 16
     calls = []
