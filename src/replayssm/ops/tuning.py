@@ -147,8 +147,8 @@ TABLE: dict[str, list[tuple[dict, dict]]] = {
     # tiles' layout"). The flush rows apart (split_flush) measured slower at every
     # batch in both dtypes (BENCHMARKS.md, "circular's flush rows apart: slower").
     # Up to batch 16 the programs that fold fit in the first wave: the grid starts them
-    # first (flush_first), measured 11-20% faster at batch 16 and slower at 64 and 256,
-    # where they no longer fit and would run apart from the other rows' reads
+    # first (flush_first), measured faster at batch 16 and slower at 64 and 256, where
+    # they no longer fit and would run apart from the other rows' reads
     # (BENCHMARKS.md, "circular's folding rows first").
     "closed_form": [({"max_batch": 16}, dict(_CLOSED_FORM_SMALL, flush_first=1)),
                     ({"max_batch": 32}, _CLOSED_FORM_SMALL),
