@@ -116,12 +116,6 @@ _CHOICES = {"tf32_coefficients": (0, 1), "fuse_flush": (0, 1), "records_ahead": 
             "closed_form.split_flush": (0, 1, 2, 3),
             "ring_decode.num_warps": (4, 8), "exact_write.num_warps": (4, 8), "exact_read_only.num_warps": (4, 8)}
 
-#: circular's closed form up to batch 32 (``TABLE["closed_form"]``).
-_CLOSED_FORM_SMALL = dict(block_v=64, k_chunk=64, num_stages=2, num_warps=4, tf32_coefficients=1, coef_warps=1,
-                          heads_per_program=1, flush_block_v=32, fuse_flush=1, flush_records_ahead=1, dependent_launch=1,
-                          max_registers=0, early_tile=0, split_flush=0, flush_programs=2, flush_first=0,
-                          flush_grid=0)
-
 #: The table (see the module notes). Values chosen by measurement at Qwen3.5 shapes
 #: (BENCHMARKS.md, tuning notes).
 TABLE: dict[str, list[tuple[dict, dict]]] = {
@@ -146,12 +140,14 @@ TABLE: dict[str, list[tuple[dict, dict]]] = {
     # took the fp32 layout, faster since (BENCHMARKS.md, "16-bit tiles in the fp32
     # tiles' layout"). The flush rows apart (split_flush) measured slower at every
     # batch in both dtypes (BENCHMARKS.md, "circular's flush rows apart: slower").
-    # Up to batch 16 the programs that fold fit in the first wave: the grid starts them
-    # first (flush_first), measured faster at batch 16 and slower at 64 and 256, where
-    # they no longer fit and would run apart from the other rows' reads
-    # (BENCHMARKS.md, "circular's folding rows first").
-    "closed_form": [({"max_batch": 16}, dict(_CLOSED_FORM_SMALL, flush_first=1)),
-                    ({"max_batch": 32}, _CLOSED_FORM_SMALL),
+    # Up to batch 32 the grid starts the programs that fold first (flush_first): at 16
+    # they fit in the first wave, and the order measured faster at 16, 24 and 32 and
+    # slower at 64 and 256, where the first waves would hold only chains and the last
+    # ones only reads (BENCHMARKS.md, "circular's folding rows first").
+    "closed_form": [({"max_batch": 32}, dict(block_v=64, k_chunk=64, num_stages=2, num_warps=4, tf32_coefficients=1,
+                                             coef_warps=1, heads_per_program=1, flush_block_v=32, fuse_flush=1,
+                                             flush_records_ahead=1, dependent_launch=1, max_registers=0, early_tile=0,
+                                             split_flush=0, flush_programs=2, flush_first=1, flush_grid=0)),
                     ({}, dict(block_v=64, k_chunk=64, num_stages=2, num_warps=4, tf32_coefficients=1, coef_warps=1,
                               heads_per_program=8, flush_block_v=32, fuse_flush=1, flush_records_ahead=1,
                               dependent_launch=1, max_registers=128, early_tile=0, split_flush=0,
