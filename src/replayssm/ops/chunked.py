@@ -563,9 +563,10 @@ def replays_window(batch: int, *, kd: int, vd: int, state_dtype: torch.dtype, de
 def flushes_every_step(batch: int, *, kd: int, vd: int, state_dtype: torch.dtype, device: torch.device) -> bool:
     """Whether ``circular``'s commit after a call of ``batch`` windows flags every row for
     a flush: on the small-batch path (:func:`replays_window`), and on the closed form's
-    up to ``flush_every_max_batch`` of the shape table's ``circular`` row (there every
-    program's fold is one step's accepted tokens, not a third of them three steps').
-    The committed states are the same either way: a fold is exact whenever it runs."""
+    up to ``flush_every_max_batch`` of the shape table's ``circular`` row (then every
+    row folds one step's accepted tokens at each verify, instead of some rows folding
+    several steps' at once). The committed states are the same either way: a fold is
+    exact whenever it runs."""
     cfg = tuning.lookup("circular", K=kd, V=vd, state_dtype=state_dtype, batch=batch, device=device.type)
     return batch <= max(cfg["replay_max_batch"], cfg["flush_every_max_batch"])
 
@@ -1014,8 +1015,8 @@ if triton is not None:
         ``FLUSH_FIRST`` (``BB >= batch``): grid ``(V blocks, HV, windows)``, its last axis
         a position in the order that puts the rows that fold first
         (:func:`~replayssm.ops.triton_common.flush_first_row`). The GPU starts programs
-        in grid order, so the folds' chains, the longest programs, all start in the
-        first wave instead of some in the last."""
+        in grid order, so the folds' chains, the longest programs, start in the first
+        waves instead of some in the last."""
         if FLUSH_FIRST:
             i_b = _tl_flush_first_row(tl.program_id(2), slots_ptr, cu_ptr, wp_ptr, flush_ptr, batch, BB)
             i_hv = tl.program_id(1)
