@@ -361,22 +361,23 @@ def test_flush_rows_apart_change_no_bit(state_dtype, flush_block_v, split_flush,
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("batch", [16, 256])
-def test_flush_rows_first_change_no_bit(state_dtype, batch):
-    """The outputs kernel's grid with the rows that fold first (``closed_form.flush_first``)
+@pytest.mark.parametrize("batch,tail", [(16, 16), (256, 256), (256, 16)], ids=["16-first", "256-first", "256-tail16"])
+def test_short_tail_changes_no_bit(state_dtype, batch, tail):
+    """The outputs kernel's grid with short programs last (``closed_form.short_tail``:
+    every folding row first, or the last 16 rows that do not fold moved to the end)
     against its grid in batch order: outputs, checkpoints, records and ``u`` bit for bit
     (each row runs the same code wherever the grid puts it), with padding rows and about
     half the rows folding. Fresh inputs each round."""
     for _ in range(3):
         case = make_case(32, 4, batch, state_dtype, torch.bfloat16, pad=True)
         got = {}
-        for first in (0, 1):
-            with tuning.override("closed_form", split_flush=0, flush_first=first):
-                got[first] = run(case, "triton", method="closed_form")
-        assert not torch.equal(got[1][1], case["checkpoint"])
+        for t in (0, tail):
+            with tuning.override("closed_form", split_flush=0, short_tail=t):
+                got[t] = run(case, "triton", method="closed_form")
+        assert not torch.equal(got[tail][1], case["checkpoint"])
         for i, name in ((0, "outputs"), (1, "checkpoints"), (3, "u")):
-            assert same(got[1][i], got[0][i]), name
-        assert all(same(a, b) for a, b in zip(got[1][2], got[0][2])), "records differ"
+            assert same(got[tail][i], got[0][i]), name
+        assert all(same(a, b) for a, b in zip(got[tail][2], got[0][2])), "records differ"
 
 
 @pytest.mark.parametrize("method,split_flush", [("closed_form", 0), ("closed_form", 2), ("closed_form", 3),

@@ -375,21 +375,51 @@ def test_flush_rows_apart_match_reference(split_flush, early_tile, flush_grid):
         check_against_reference(_split_case(), method="closed_form")
 
 
-def test_flush_rows_first_change_no_bit():
-    """The outputs kernel's grid with the rows that fold first (``closed_form.flush_first``)
-    on a batch of padding, non-flush rows, a flush row with no records and two folding
-    rows apart: every row's outputs, checkpoint and records are those of the grid in
-    batch order, bit for bit (the same code per row; a row missed or taken twice by the
-    order would differ), and within tolerance of the reference."""
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _short_tail_order_kernel(slots_ptr, cu_ptr, wp_ptr, flush_ptr, out_ptr, batch, tail, BB: tl.constexpr):
+        j = tl.program_id(0)
+        tl.store(out_ptr + j, triton_common.short_tail_row(j, slots_ptr, cu_ptr, wp_ptr, flush_ptr, batch, tail, BB))
+
+
+@pytest.mark.parametrize("tail", [0, 1, 2, 3, 9])
+def test_short_tail_order_moves_the_last_non_folding_rows_to_the_end(tail):
+    """``triton_common.short_tail_row`` for every position of a batch of 7 rows (BB 8):
+    a permutation of the rows in which the last ``tail`` rows that do not fold (padding
+    and a flush row without records count as not folding) come last, the others in
+    batch order; past the non-folding count, every folding row first."""
+    slots = torch.tensor([4, -1, 0, 2, 5, 1, 3], dtype=torch.int32, device=DEVICE)
+    cu = torch.tensor([0, 2, 3, 5, 6, 8, 9, 11], dtype=torch.int32, device=DEVICE)
+    flush = torch.tensor([1, 0, 1, 1, 1, 0], dtype=torch.int32, device=DEVICE)  # by slot
+    wp = torch.tensor([3, 2, 5, 4, 0, 6], dtype=torch.int32, device=DEVICE)  # slot 4 flushes with no records
+    out = torch.full((7,), -1, dtype=torch.int32, device=DEVICE)
+    _short_tail_order_kernel[(7,)](slots, cu, wp, flush, out, 7, tail, BB=8)
+    folds = [s >= 0 and bool(flush[s]) and int(wp[s]) > 0 for s in slots.tolist()]
+    others = [r for r in range(7) if not folds[r]]
+    assert sum(folds) == 3 and len(others) == 4
+    moved = others[len(others) - min(tail, len(others)):]
+    assert out.tolist() == [r for r in range(7) if r not in moved] + moved
+
+
+@pytest.mark.parametrize("tail", [1, 64])
+def test_short_tail_changes_no_bit(tail):
+    """The outputs kernel's grid with short programs last (``closed_form.short_tail``:
+    one row moved, and every folding row first) on a batch of padding, non-flush rows,
+    a flush row with no records and two folding rows apart: every row's outputs,
+    checkpoint and records are those of the grid in batch order, bit for bit (the same
+    code per row; a row missed or taken twice by the order would differ), and within
+    tolerance of the reference."""
     case = _split_case()
     got = {}
-    for first in (0, 1):
-        with tuning.override("closed_form", fuse_flush=1, split_flush=0, flush_first=first):
-            got[first] = case.run("triton")
-    (o0, ck0, ring0, u0), (o1, ck1, ring1, u1) = got[0], got[1]
+    for t in (0, tail):
+        with tuning.override("closed_form", fuse_flush=1, split_flush=0, short_tail=t):
+            got[t] = case.run("triton")
+    (o0, ck0, ring0, u0), (o1, ck1, ring1, u1) = got[0], got[tail]
     assert same(o0, o1) and same(ck0, ck1) and same(u0, u1)
     assert all(same(x, y) for x, y in zip(ring0, ring1))
-    with tuning.override("closed_form", fuse_flush=1, split_flush=0, flush_first=1):
+    with tuning.override("closed_form", fuse_flush=1, split_flush=0, short_tail=tail):
         check_against_reference(case, method="closed_form")
 
 

@@ -611,7 +611,7 @@ if triton is not None:
     from .triton_common import mask_and as _tl_mask_and, normalized as _tl_normalized
     from .triton_common import row_dot as _tl_row_dot, row_sum as _tl_row_sum, store_parts as _tl_store_parts
     from .triton_common import as_stored as _tl_as_stored, to_rtne as _tl_to_rtne, window_program as _tl_window_program
-    from .triton_common import dependent_launch, flush_first_row as _tl_flush_first_row, folding_rows as _tl_folding_rows
+    from .triton_common import dependent_launch, short_tail_row as _tl_short_tail_row, folding_rows as _tl_folding_rows
     from .triton_common import register_cap, side_stream, sm_count
     from .tree_ops import leaf_path as _leaf_path, owns as _owns, path_node as _path_node
     from .tree_ops import zero_padded_nodes as _zero_padded_nodes
@@ -1001,24 +1001,24 @@ if triton is not None:
     def _window_outputs_kernel(
         q_ptr, k_ptr, v_ptr, ckpt_ptr, rk_ptr, rv_ptr, rg_ptr, rb_ptr, ru_ptr,
         slots_ptr, cu_ptr, wp_ptr, base_ptr, flush_ptr, coef_ptr, o_ptr, nodes_ptr,
-        stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, eps, batch,
+        stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, eps, batch, tail,
         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
         BT: tl.constexpr, BTC: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr, BV: tl.constexpr,
         DOT_PRECISION: tl.constexpr, COEF_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
         FUSE_FLUSH: tl.constexpr, ROUND_STATE: tl.constexpr, AHEAD: tl.constexpr, TREE: tl.constexpr = False,
         WAIT_COEF: tl.constexpr = False, EARLY_TILE: tl.constexpr = False, FLUSH_ROWS: tl.constexpr = True,
-        FLUSH_FIRST: tl.constexpr = False, BB: tl.constexpr = 1,
+        SHORT_TAIL: tl.constexpr = False, BB: tl.constexpr = 1,
     ):
         """Grid ``(V blocks, windows, HV)``: every row's window (``FLUSH_ROWS``) or every
         row's but those that fold (the flush kernel's); :func:`_window_row`.
 
-        ``FLUSH_FIRST`` (``BB >= batch``): grid ``(V blocks, HV, windows)``, its last axis
-        a position in the order that puts the rows that fold first
-        (:func:`~replayssm.ops.triton_common.flush_first_row`). The GPU starts programs
-        in grid order, so the folds' chains, the longest programs, start in the first
-        waves instead of some in the last."""
-        if FLUSH_FIRST:
-            i_b = _tl_flush_first_row(tl.program_id(2), slots_ptr, cu_ptr, wp_ptr, flush_ptr, batch, BB)
+        ``SHORT_TAIL`` (``BB >= batch``): grid ``(V blocks, HV, windows)``, its last axis a
+        position in the order that moves the last ``tail`` rows that do not fold to the
+        end (:func:`~replayssm.ops.triton_common.short_tail_row`). The GPU starts
+        programs in grid order, so no fold's chain, the longest program, starts in the
+        last waves; with ``tail >= batch`` the folds all start first."""
+        if SHORT_TAIL:
+            i_b = _tl_short_tail_row(tl.program_id(2), slots_ptr, cu_ptr, wp_ptr, flush_ptr, batch, tail, BB)
             i_hv = tl.program_id(1)
         else:
             i_b = tl.program_id(1)
@@ -1346,13 +1346,13 @@ def launch_window_outputs(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, 
     bv = block_rows(vd, batch * hv, q.device, cfg["block_v"], least=16)
     fuse = fuses_flush(q.shape[2], vd, checkpoint.dtype, batch, q.device) if fuse_flush is None else fuse_flush
     fold_here = fuse and flush_rows
-    # The folding rows' programs first (the longest: a chain of exact steps), where they
-    # are among the programs of this launch.
-    first = fold_here and bool(cfg["flush_first"])
-    _window_outputs_kernel[(triton.cdiv(vd, bv), hv, batch) if first else (triton.cdiv(vd, bv), batch, hv)](
-        *args, batch, **common, BV=bv, FUSE_FLUSH=fold_here, TREE=tree is not None, WAIT_COEF=dependent,
+    # Short programs last (the folding rows' are the longest: a chain of exact steps),
+    # where those are among the programs of this launch.
+    tail = cfg["short_tail"] if fold_here else 0
+    _window_outputs_kernel[(triton.cdiv(vd, bv), hv, batch) if tail else (triton.cdiv(vd, bv), batch, hv)](
+        *args, batch, tail, **common, BV=bv, FUSE_FLUSH=fold_here, TREE=tree is not None, WAIT_COEF=dependent,
         EARLY_TILE=(fold_here or (not flush_rows and _four_parts_ok(q.shape[2], q.device))) and bool(cfg["early_tile"]),
-        FLUSH_ROWS=flush_rows, FLUSH_FIRST=first, BB=triton.next_power_of_2(batch) if first else 1,
+        FLUSH_ROWS=flush_rows, SHORT_TAIL=tail > 0, BB=triton.next_power_of_2(batch) if tail else 1,
         # A fused flush is an exact replay: the exact kernels' warps (their layout
         # decides the bits of every row sum).
         num_warps=EXACT_NUM_WARPS if fold_here else cfg["num_warps"],

@@ -356,14 +356,21 @@ if triton is not None:
         return tl.cumsum(folds.to(tl.int32), 0), tl.sum(folds.to(tl.int32), 0)
 
     @device_fn
-    def flush_first_row(j, slots_ptr, cu_ptr, wp_ptr, flush_ptr, batch, BB: tl.constexpr):
-        """The batch row at position ``j`` of an order that puts the rows that fold
-        (:func:`folding_rows`) first, each group in batch order (``BB >= batch``): a grid
-        laid out in that order starts the longest programs first."""
+    def short_tail_row(j, slots_ptr, cu_ptr, wp_ptr, flush_ptr, batch, tail, BB: tl.constexpr):
+        """The batch row at position ``j`` of an order that moves the last ``tail`` rows
+        that do not fold (:func:`folding_rows`) to the end and keeps the others in batch
+        order (``BB >= batch``). A grid laid out in that order ends on short programs,
+        so no fold's chain starts in its last waves; with ``tail`` at least the rows
+        that do not fold, the folding rows come first."""
         before, count = folding_rows(slots_ptr, cu_ptr, wp_ptr, flush_ptr, batch, BB)
         rows = tl.arange(0, BB)
-        rest = tl.where(rows < batch, rows + 1 - before, BB + 1)  # the other rows up to and including r
-        return tl.where(j < count, tl.sum((before <= j).to(tl.int32), 0), tl.sum((rest <= j - count).to(tl.int32), 0))
+        in_batch = rows < batch
+        rest = rows + 1 - before  # the rows that do not fold, up to and including r
+        keep = batch - count - tl.minimum(tail, batch - count)  # of those, the ones that stay in place
+        head = tl.where(in_batch, rows + 1 - tl.maximum(rest - keep, 0), BB + 1)  # rows in place up to r
+        n_head = count + keep
+        return tl.where(j < n_head, tl.sum((head <= j).to(tl.int32), 0),
+                        tl.sum((tl.where(in_batch, rest, BB + 1) <= keep + j - n_head).to(tl.int32), 0))
 
     @device_fn
     def window_program(slots_ptr, cu_ptr, H, HV):

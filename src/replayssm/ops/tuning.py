@@ -67,12 +67,13 @@ PARAMS = {
     # flush rows on a side stream (2), or the other rows on it and the flush rows the
     # coefficients' dependent (3) (ops/chunked.py launch_closed_form); ``flush_grid`` 1:
     # instead of the walk, one program per item of a grid sized for every row folding
-    # (the programs past the folding rows exit). ``flush_first``
-    # (with fuse_flush, one launch): the grid in an order that starts the rows that fold
-    # first (1) or in batch order (0).
+    # (the programs past the folding rows exit). ``short_tail``
+    # (with fuse_flush, one launch): the grid in batch order (0), or in an order that
+    # moves the last short_tail rows that do not fold to its end (so no fold's chain
+    # starts in the last waves; at least the batch: every folding row first).
     "closed_form": ("block_v", "k_chunk", "num_stages", "num_warps", "tf32_coefficients", "coef_warps",
                     "heads_per_program", "flush_block_v", "fuse_flush", "flush_records_ahead", "dependent_launch",
-                    "max_registers", "early_tile", "split_flush", "flush_programs", "flush_first", "flush_grid"),
+                    "max_registers", "early_tile", "split_flush", "flush_programs", "short_tail", "flush_grid"),
     # The tree recurrence (ops/tree_ops.py: fold's and snapshot's tree verify): rows of the
     # path stack a program holds in registers, all levels together (a level's tile is
     # stack_rows / levels rows high, at least 16); and the most requests x leaf paths
@@ -108,10 +109,10 @@ _KEY_FIELDS = ("K", "V", "state_dtype", "min_batch", "max_batch", "device")
 #: Parameters that may be 0 (the others are sizes, at least 1).
 _MAY_BE_ZERO = ("replay_max_batch", "tree_replay_max_paths", "flush_every_max_batch", "path_max_paths",
                 "tf32_coefficients", "fuse_flush", "early_tile", "dependent_launch", "max_registers", "load_ahead",
-                "split_flush", "flush_first", "flush_grid")
+                "split_flush", "short_tail", "flush_grid")
 #: Parameters with a closed set of values (by name, or ``family.name`` for one family).
 _CHOICES = {"tf32_coefficients": (0, 1), "fuse_flush": (0, 1), "records_ahead": (1, 2), "flush_records_ahead": (1, 2),
-            "early_tile": (0, 1), "dependent_launch": (0, 1), "flush_first": (0, 1), "flush_grid": (0, 1), "load_ahead": (0, 1),
+            "early_tile": (0, 1), "dependent_launch": (0, 1), "flush_grid": (0, 1), "load_ahead": (0, 1),
             "ring_decode.split_flush": (0, 1, 2),
             "closed_form.split_flush": (0, 1, 2, 3),
             "ring_decode.num_warps": (4, 8), "exact_write.num_warps": (4, 8), "exact_read_only.num_warps": (4, 8)}
@@ -140,18 +141,19 @@ TABLE: dict[str, list[tuple[dict, dict]]] = {
     # took the fp32 layout, faster since (BENCHMARKS.md, "16-bit tiles in the fp32
     # tiles' layout"). The flush rows apart (split_flush) measured slower at every
     # batch in both dtypes (BENCHMARKS.md, "circular's flush rows apart: slower").
-    # Up to batch 32 the grid starts the programs that fold first (flush_first): at 16
-    # they fit in the first wave, and the order measured faster at 16, 24 and 32 and
-    # slower at 64 and 256, where the first waves would hold only chains and the last
-    # ones only reads (BENCHMARKS.md, "circular's folding rows first").
+    # Up to batch 32 the grid starts the programs that fold first (short_tail 32, every
+    # other row after them): at 16 they fit in the first wave, and the order measured
+    # faster at 16, 24 and 32 and slower at 64 and 256, where the first waves would hold
+    # only chains and the last ones only reads (BENCHMARKS.md, "circular's folding rows
+    # first"). Shorter tails there are not timed yet.
     "closed_form": [({"max_batch": 32}, dict(block_v=64, k_chunk=64, num_stages=2, num_warps=4, tf32_coefficients=1,
                                              coef_warps=1, heads_per_program=1, flush_block_v=32, fuse_flush=1,
                                              flush_records_ahead=1, dependent_launch=1, max_registers=0, early_tile=0,
-                                             split_flush=0, flush_programs=2, flush_first=1, flush_grid=0)),
+                                             split_flush=0, flush_programs=2, short_tail=32, flush_grid=0)),
                     ({}, dict(block_v=64, k_chunk=64, num_stages=2, num_warps=4, tf32_coefficients=1, coef_warps=1,
                               heads_per_program=8, flush_block_v=32, fuse_flush=1, flush_records_ahead=1,
                               dependent_launch=1, max_registers=128, early_tile=0, split_flush=0,
-                              flush_programs=2, flush_first=0, flush_grid=0))],
+                              flush_programs=2, short_tail=0, flush_grid=0))],
     # Small batches are latency-bound: one launch with a chain of n + T exact steps
     # beats three launches and the window solve's per-head chain there. The switch sits
     # at the largest batch where replay measured faster (BENCHMARKS.md, kernels:
