@@ -58,7 +58,7 @@ def test_cpu_smoke_run_writes_one_row_per_strategy_and_batch(tmp_path, capsys):
         assert r["timing"]["method"] == "eager-wallclock" and r["timing"]["blocks"] == 1
         # the bytes in the row are the byte model's for this shape
         expected = common.step_bytes(r["strategy"], cfg.step_shape(r["batch"]),
-                                     flush_every=bool(r.get("flush_every_step")))
+                                     circular_replay=r.get("circular_method") == "replay")
         assert r["bytes_per_layer_step"]["total"] == pytest.approx(expected.total)
         assert r["achieved_GBps"] == pytest.approx(expected.total / (r["us_per_layer_step"] * 1e-6) / 1e9)
         if r["kind"] == "strategy":
@@ -271,13 +271,13 @@ def test_circular_replay_moves_two_state_passes_and_one_steps_records():
     row's state, and its history is the last step's n raw records."""
     s = _shape()
     sb, t, n, b = s.state_bytes, s.window, s.accept, s.batch
-    closed, replay = common.step_bytes("circular", s), common.step_bytes("circular", s, flush_every=True)
+    closed, replay = common.step_bytes("circular", s), common.step_bytes("circular", s, circular_replay=True)
     assert replay.state_read == sb and replay.state_write == sb
     assert replay.records_read == b * n * s.raw_record_bytes
     assert replay.records_write == closed.records_write == b * t * (s.raw_record_bytes + s.u_record_bytes)
     assert replay.state > closed.state  # a closed-form flush comes once per cursor cycle only
-    with pytest.raises(ValueError, match="flush_every"):
-        common.step_bytes("fold", s, flush_every=True)
+    with pytest.raises(ValueError, match="circular_replay"):
+        common.step_bytes("fold", s, circular_replay=True)
 
 
 def test_plain_ring_bytes_are_one_read_and_a_share_of_a_flush():
@@ -286,7 +286,7 @@ def test_plain_ring_bytes_are_one_read_and_a_share_of_a_flush():
     small batches (replay: a flush every step) two state passes, as plain decoding."""
     s = _shape()
     sb, b, t = s.state_bytes, s.batch, s.window
-    ring, replay = common.step_bytes("plain_ring", s), common.step_bytes("plain_ring", s, flush_every=True)
+    ring, replay = common.step_bytes("plain_ring", s), common.step_bytes("plain_ring", s, circular_replay=True)
     plain = common.step_bytes("plain_decode", s)
     assert common.cursor_cycle(t, s.ring_len, 1).steps == s.ring_len - 2 * t + 1
     assert ring.state_read == sb and ring.state_write == pytest.approx(sb / (s.ring_len - 2 * t + 1))
@@ -298,34 +298,15 @@ def test_plain_ring_bytes_are_one_read_and_a_share_of_a_flush():
         common.step_bytes("plain_ring", _shape(ring_len=0))
 
 
-def _circular_rows(tmp_path, tune: str) -> dict:
-    """circular's rows at batches 1 and 3 on the CPU under one ``--tune``, by batch."""
+def test_rows_name_circulars_method_by_the_table(tmp_path):
     path = tmp_path / "kernels.json"
     rc = cli.main(["bench", "kernels", "--device", "cpu", "--batches", "1,3", "--layers", "2", "--ring-len", "16",
                    "--repeats", "1", "--quiet", "--strategies", "circular", "--baselines", "none",
-                   "--tune", tune, "--json", str(path)])
+                   "--tune", "circular.replay_max_batch=2", "--json", str(path)])
     assert rc == 0
-    return {r["batch"]: r for r in json.loads(path.read_text())["rows"]}
-
-
-def test_rows_name_circulars_method_by_the_table(tmp_path):
-    by_batch = _circular_rows(tmp_path, "circular.replay_max_batch=2")
+    by_batch = {r["batch"]: r for r in json.loads(path.read_text())["rows"]}
     assert by_batch[1]["circular_method"] == "replay" and by_batch[3]["circular_method"] == "closed_form"
     assert by_batch[1]["cursor_cycle_steps"] == 1 and by_batch[3]["cursor_cycle_steps"] > 1
-    assert by_batch[1]["flush_every_step"] and not by_batch[3]["flush_every_step"]
-
-
-def test_rows_count_the_closed_forms_flush_at_every_step(tmp_path):
-    """``circular.flush_every_max_batch``: the closed form with a flush at every commit
-    moves a state write a step (the byte model's flush_every count) and has no cursor
-    cycle; above it the ring's rule holds."""
-    by_batch = _circular_rows(tmp_path, "circular.flush_every_max_batch=2")
-    assert [by_batch[b]["circular_method"] for b in (1, 3)] == ["closed_form", "closed_form"]
-    assert by_batch[1]["flush_every_step"] and not by_batch[3]["flush_every_step"]
-    assert by_batch[1]["cursor_cycle_steps"] == 1 and by_batch[3]["cursor_cycle_steps"] > 1
-    sb = by_batch[1]["state_bytes_per_layer"]
-    assert by_batch[1]["bytes_per_layer_step"]["state_write"] == pytest.approx(sb)
-    assert by_batch[3]["bytes_per_layer_step"]["state_write"] < by_batch[3]["state_bytes_per_layer"]
 
 
 def test_bytes_scale_linearly_with_batch():

@@ -272,24 +272,20 @@ def test_flush_fold_is_the_fold_kernel_bit_for_bit(state_dtype, act_dtype, metho
     assert not torch.equal(ck_t, case["checkpoint"])
 
 
-@pytest.mark.parametrize("state_dtype,replay_max_batch,flush_every_max_batch",
-                         [(torch.float32, 0, 0), (torch.float32, 256, 0), (torch.bfloat16, 256, 0),
-                          (torch.float32, 0, 256), (torch.bfloat16, 0, 256)],
-                         ids=["fp32-closed_form", "fp32-replay", "bf16-replay", "fp32-flush_every", "bf16-flush_every"])
+@pytest.mark.parametrize("state_dtype,replay_max_batch", [(torch.float32, 0), (torch.float32, 256), (torch.bfloat16, 256)],
+                         ids=["fp32-closed_form", "fp32-replay", "bf16-replay"])
 @pytest.mark.parametrize("act_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_circular_committed_state_equals_fold_strategy_bit_for_bit(act_dtype, state_dtype, replay_max_batch,
-                                                                   flush_every_max_batch):
+def test_circular_committed_state_equals_fold_strategy_bit_for_bit(act_dtype, state_dtype, replay_max_batch):
     """Two Triton pools, ``circular`` and ``fold``, fed the same tokens and acceptances
     for STEPS steps (several flushes per request): the committed states are identical at
     every step. Circular's checkpoint is folded by this kernel at flushes and the rest of
     its history by the fold kernel; fold's by the fold kernel at every commit; both
     replay the same raw records through the same exact step. ``replay``: circular's
-    small-batch mode forced on (one-launch verify, a flush at every commit);
-    ``flush_every``: the closed form with a flush at every commit. bf16 states only with
-    a flush at every commit: a 16-bit checkpoint is rounded where it is stored, after
-    every commit's records for fold and for those two modes, after a whole history for
-    the closed form's ring rule, so that mode matches fold bit for bit in fp32 only."""
-    with tuning.override("circular", replay_max_batch=replay_max_batch, flush_every_max_batch=flush_every_max_batch):
+    small-batch mode forced on (one-launch verify, a flush at every commit). bf16 states
+    only there: a 16-bit checkpoint is rounded where it is stored, after every commit's
+    records for fold and for circular's small-batch mode, after a whole history for its
+    closed-form mode, so that mode matches fold bit for bit in fp32 only."""
+    with tuning.override("circular", replay_max_batch=replay_max_batch):
         _circular_vs_fold(act_dtype, state_dtype)
 
 
@@ -329,23 +325,21 @@ def _circular_vs_fold(act_dtype, state_dtype):
     assert flushes >= requests, "every request should have flushed at least once"
 
 
-@pytest.mark.parametrize("split_flush,flush_grid", [(2, 0), (3, 0), (2, 1), (3, 1)], ids=["2", "3", "2grid", "3grid"])
+@pytest.mark.parametrize("split_flush", [2, 3])
 @pytest.mark.parametrize("state_dtype,flush_block_v", [(torch.float32, 64), (torch.bfloat16, 64), (torch.float32, 32)],
                          ids=["fp32", "bf16", "fp32_bv32"])
-def test_flush_rows_apart_change_no_bit(state_dtype, flush_block_v, split_flush, flush_grid):
+def test_flush_rows_apart_change_no_bit(state_dtype, flush_block_v, split_flush):
     """The rows that fold in a kernel of their own beside the outputs kernel without the
     fold (``closed_form.split_flush``: 2, the flush rows on a side stream; 3, the other
     rows there) against one launch, both with the tile loaded after the cursors:
     checkpoints, raw records and gates bit for bit; outputs and ``u`` bit for bit on the
     one launch's 64-row tiles (the same products), and to tf32 rounding on 32-row flush
     tiles (their window products round differently: measured 1.1e-3 of the outputs'
-    largest value; bound 5e-3, the early-tile test's). The flush kernel walks its items,
-    or (``flush_grid``) takes one a program. Fresh inputs each round; about half the rows
-    fold."""
+    largest value; bound 5e-3, the early-tile test's). Fresh inputs each round; about
+    half the rows fold."""
     for _ in range(3):
         case = make_case(32, 4, 256, state_dtype, torch.bfloat16, pad=True)
-        with tuning.override("closed_form", split_flush=split_flush, early_tile=0, flush_block_v=flush_block_v,
-                             flush_grid=flush_grid):
+        with tuning.override("closed_form", split_flush=split_flush, early_tile=0, flush_block_v=flush_block_v):
             apart = run(case, "triton", method="closed_form")
         with tuning.override("closed_form", split_flush=0, early_tile=0):
             one = run(case, "triton", method="closed_form")

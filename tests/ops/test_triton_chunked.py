@@ -28,6 +28,7 @@ import torch
 from layer_inputs import rand_layer as _rand_layer
 
 triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
 
 from replayssm.ops import RawRecords, gdn_chunked_window, gdn_fold, triton_common  # noqa: E402
 from replayssm.ops import chunked as chunked_ops  # noqa: E402
@@ -363,25 +364,20 @@ def _split_case(t=3) -> Case:
     return case.but(is_flush=flush, write_pos=wp)
 
 
-@pytest.mark.parametrize("split_flush,early_tile,flush_grid", [(1, 0, 0), (2, 1, 0), (3, 0, 0), (1, 0, 1), (3, 1, 1)])
-def test_flush_rows_apart_match_reference(split_flush, early_tile, flush_grid):
+@pytest.mark.parametrize("split_flush,early_tile", [(1, 0), (2, 1), (3, 0)])
+def test_flush_rows_apart_match_reference(split_flush, early_tile):
     """The rows that fold in a kernel of their own beside the outputs kernel compiled
     without the fold (the table's ``closed_form.split_flush``, each launch order; the
     interpreter runs them in order) against the reference, on a batch where the flush
-    kernel's walk (or its grid, ``flush_grid``) must skip padding, non-flush rows and a
-    flush row with no records."""
-    with tuning.override("closed_form", fuse_flush=1, split_flush=split_flush, early_tile=early_tile,
-                         flush_grid=flush_grid):
+    kernel's walk must skip padding, non-flush rows and a flush row with no records."""
+    with tuning.override("closed_form", fuse_flush=1, split_flush=split_flush, early_tile=early_tile):
         check_against_reference(_split_case(), method="closed_form")
 
 
-if triton is not None:
-    import triton.language as tl
-
-    @triton.jit
-    def _short_tail_order_kernel(slots_ptr, cu_ptr, wp_ptr, flush_ptr, out_ptr, batch, tail, BB: tl.constexpr):
-        j = tl.program_id(0)
-        tl.store(out_ptr + j, triton_common.short_tail_row(j, slots_ptr, cu_ptr, wp_ptr, flush_ptr, batch, tail, BB))
+@triton.jit
+def _short_tail_order_kernel(slots_ptr, cu_ptr, wp_ptr, flush_ptr, out_ptr, batch, tail, BB: tl.constexpr):
+    j = tl.program_id(0)
+    tl.store(out_ptr + j, triton_common.short_tail_row(j, slots_ptr, cu_ptr, wp_ptr, flush_ptr, batch, tail, BB))
 
 
 @pytest.mark.parametrize("tail", [0, 1, 2, 3, 9])
@@ -428,7 +424,7 @@ def test_flush_rows_apart_touch_disjoint_rows():
     side, so a row written by both would race): outputs start as NaN, and after the
     outputs kernel compiled without the fold the folding rows' outputs, ``u`` records
     and checkpoints are untouched and every other live row's outputs are written;
-    after the flush kernel alone (its walk, then its grid), the reverse."""
+    after the flush kernel alone, the reverse."""
     case = _split_case()
     q, k, v, a, b, A_log, dt_bias = case.inputs()
     slots, cu, wp, base, flush = case.cursors()
@@ -436,15 +432,14 @@ def test_flush_rows_apart_touch_disjoint_rows():
     folding = [i for i, s in rows if s >= 0 and flush[s] and wp[s] > 0]
     others = [i for i, s in rows if i not in folding]
     assert folding and len(others) > len(folding)
-    for flush_rows_kernel, flush_grid in ((False, 0), (True, 0), (True, 1)):
+    for flush_rows_kernel in (False, True):
         ckpt, ring, ring_u = case.buffers()
         coef = chunked_ops.launch_coefficients(q, k, a, b, A_log, dt_bias, ckpt, ring, slots, cu, wp, base, flush,
                                                case.t)
         o = torch.full((q.shape[0], case.hv, case.vd), float("nan"), device=DEVICE)
         args = (q, k, v, ckpt, ring, ring_u, slots, cu, wp, base, flush, coef, o, case.t)
         if flush_rows_kernel:
-            with tuning.override("closed_form", flush_grid=flush_grid):
-                chunked_ops.launch_window_flush(*args)
+            chunked_ops.launch_window_flush(*args)
         else:
             chunked_ops.launch_window_outputs(*args, flush_rows=False)
         mine, theirs = (folding, others) if flush_rows_kernel else (others, folding)

@@ -21,11 +21,10 @@ def test_defaults_are_the_measured_values():
                                                         "coef_warps": 1, "heads_per_program": 8, "flush_block_v": 32,
                                                         "fuse_flush": 1, "flush_records_ahead": 1, "dependent_launch": 1,
                                                         "max_registers": 128, "early_tile": 0, "split_flush": 0,
-                                                        "flush_programs": 2, "short_tail": 0, "flush_grid": 0}
+                                                        "flush_programs": 2, "short_tail": 0}
     assert tuning.lookup("closed_form", **dict(at, batch=32))["max_registers"] == 0
     assert [tuning.lookup("closed_form", **dict(at, batch=b, state_dtype=d))["short_tail"]
             for d in (F32, BF16) for b in (32, 33)] == [32, 0, 32, 0]
-    assert tuning.lookup("circular", **at)["flush_every_max_batch"] == 0
     assert tuning.lookup("closed_form", **dict(at, state_dtype=BF16))["max_registers"] == 128
     assert tuning.lookup("ring_decode", **at)["early_tile"] == 1
     assert tuning.lookup("ring_decode", **at)["split_flush"] == 0

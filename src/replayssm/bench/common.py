@@ -271,7 +271,7 @@ class StepBytes:
         return d
 
 
-def step_bytes(kind: str, shape: StepShape, *, flush_every: bool = False) -> StepBytes:
+def step_bytes(kind: str, shape: StepShape, *, circular_replay: bool = False) -> StepBytes:
     """The bytes a layer-step of ``kind`` has to move, DESIGN.md section 4.
 
     With ``Sb`` = :attr:`StepShape.state_bytes`, ``T`` the window and ``n`` accepted:
@@ -284,14 +284,14 @@ def step_bytes(kind: str, shape: StepShape, *, flush_every: bool = False) -> Ste
       record) and writes ``T`` records with their ``u``; a flush, once per cursor cycle,
       reads the folded raw records and writes ``Sb`` (counted as fused with the verify's
       read, the least a flush can cost). Averaged over :func:`cursor_cycle`.
-      With ``flush_every`` (its small-batch path, ``ops.chunked.flushes_every_step``):
+      With ``circular_replay`` (its small-batch path, ``ops.chunked.replays_window``):
       a flush at every step, so verify reads ``Sb`` and the last step's ``n`` raw
       records, writes ``Sb`` and ``T`` records with their ``u``.
     - ``plain_decode``: one token: reads ``Sb``, writes ``Sb``.
     - ``plain_ring``: one token through circular's ring (DESIGN.md section 9):
       ``circular``'s count for a window of one token with one accepted, its flushes
       averaged over the plain cursor cycle (the pool's window ``T`` in the cursor rule:
-      a flush every ``L - 2T + 1`` tokens), or with ``flush_every`` one at every step.
+      a flush every ``L - 2T + 1`` tokens), or with ``circular_replay`` one at every step.
     - ``snapshot_verify``: the snapshot strategy's verify alone: reads ``Sb``, writes
       ``T Sb``.
 
@@ -302,8 +302,8 @@ def step_bytes(kind: str, shape: StepShape, *, flush_every: bool = False) -> Ste
         raise ValueError(f"kind must be one of {STEP_KINDS}, got {kind!r}")
     if not isinstance(shape, StepShape):
         raise TypeError(f"shape must be a StepShape, got {type(shape).__name__}")
-    if flush_every and kind not in RING_KINDS:
-        raise ValueError(f"flush_every applies to the kinds {RING_KINDS} only, got {kind!r}")
+    if circular_replay and kind not in RING_KINDS:
+        raise ValueError(f"circular_replay applies to the kinds {RING_KINDS} only, got {kind!r}")
     sb, b, t, n = shape.state_bytes, shape.batch, shape.window, shape.accept
     plain = kind in ("plain_decode", "plain_ring")
     tokens = b if plain else b * t
@@ -318,7 +318,7 @@ def step_bytes(kind: str, shape: StepShape, *, flush_every: bool = False) -> Ste
             raise ValueError(f"shape.ring_len must be set for {kind}")
         # per request: tokens verified (records written) and accepted
         m, n = (1, 1) if plain else (t, n)
-        if flush_every:
+        if circular_replay:
             return StepBytes(state_read=sb, state_write=sb, records_read=b * n * raw,
                              records_write=b * m * (raw + shape.u_record_bytes), activations=act)
         cyc = cursor_cycle(t, shape.ring_len, n)

@@ -33,8 +33,7 @@ that exercises the code path; it makes no floor claims (``floor_us`` is null).
 
 JSON rows (one per strategy or reference step and batch): ``strategy``, ``kind``
 (``strategy``/``baseline``), ``batch``, ``layers``, ``window``, ``accepted_per_request``,
-``ring_len``, ``cursor_cycle_steps``, ``circular_method``, ``flush_every_step`` (ring kinds:
-whether every row flushes at every step), ``exact_outputs``, ``us_per_step`` (all layers),
+``ring_len``, ``cursor_cycle_steps``, ``exact_outputs``, ``us_per_step`` (all layers),
 ``us_per_layer_step``, ``floor_us``, ``floor_ratio``, ``achieved_GBps`` (bytes of the model
 per layer-step / time), ``committed_tokens_per_us_per_layer``, ``state_bytes_per_layer``
 (``Sb``), ``bytes_per_layer_step`` (by kind, with ``total``) and ``timing`` (method,
@@ -369,18 +368,6 @@ def _generator(cfg: BenchConfig, *key) -> torch.Generator:
     return gen
 
 
-def circular_flushes_every(cfg: BenchConfig, name: str, batch: int) -> bool:
-    """Whether ``name`` (a ring kind) at ``batch`` flushes every row at every step under
-    the shape table as it stands: on circular's small-batch path, and for speculative
-    windows up to ``circular.flush_every_max_batch``."""
-    from ..ops.chunked import flushes_every_step
-
-    if circular_replays(cfg, batch):
-        return True
-    return name == "circular" and flushes_every_step(batch, kd=cfg.head_k_dim, vd=cfg.head_v_dim,
-                                                     state_dtype=cfg.state_dtype, device=cfg.device)
-
-
 def circular_replays(cfg: BenchConfig, batch: int) -> bool:
     """Whether ``circular`` at ``batch`` runs its small-batch path (one launch, a flush
     at every step) under the shape table as it stands (``--tune`` included)."""
@@ -400,9 +387,8 @@ def measure(cfg: BenchConfig, name: str, batch: int, *, copy_bw: float | None, l
     shape = cfg.step_shape(batch, conv=cfg.conv and is_strategy)
     ring = name in common.RING_KINDS
     replay = ring and circular_replays(cfg, batch)
-    every = ring and circular_flushes_every(cfg, name, batch)
-    nbytes = common.step_bytes(name, shape, flush_every=every)
-    cycle = common.cursor_cycle(cfg.window, cfg.ring_len, committed_per_request(cfg, name)).steps if ring and not every else 1
+    nbytes = common.step_bytes(name, shape, circular_replay=replay)
+    cycle = common.cursor_cycle(cfg.window, cfg.ring_len, committed_per_request(cfg, name)).steps if ring and not replay else 1
     copies = 1
     if cfg.graph and l2_bytes:
         copies = common.rotation_copies(shape.state_bytes * cfg.layers, l2_bytes)
@@ -428,7 +414,7 @@ def measure(cfg: BenchConfig, name: str, batch: int, *, copy_bw: float | None, l
         gc.collect()
         if cfg.device.type == "cuda":
             torch.cuda.empty_cache()
-    row = make_row(cfg, name, batch, timing, nbytes, shape, copy_bw, cycle, replay, every)
+    row = make_row(cfg, name, batch, timing, nbytes, shape, copy_bw, cycle, replay)
     if tree_kind is not None:
         # Bytes: a tree moves what a chain of its N nodes does (one read of the state,
         # N records written); circular's tree verify always takes the closed form.
@@ -446,7 +432,7 @@ def committed_per_request(cfg: BenchConfig, name: str) -> int | None:
 
 
 def make_row(cfg: BenchConfig, name: str, batch: int, timing: Timing, nbytes: common.StepBytes, shape: StepShape,
-             copy_bw: float | None, cycle: int, replay: bool = False, flush_every: bool = False) -> dict:
+             copy_bw: float | None, cycle: int, replay: bool = False) -> dict:
     """The JSON row of one configuration (fields: see the module docstring)."""
     from ..strategies import STRATEGIES
 
@@ -465,7 +451,6 @@ def make_row(cfg: BenchConfig, name: str, batch: int, timing: Timing, nbytes: co
         "ring_len": cfg.ring_len if ring else None,
         "cursor_cycle_steps": cycle if ring else None,
         "circular_method": ("replay" if replay else "closed_form") if ring else None,
-        "flush_every_step": (replay or flush_every) if ring else None,
         "exact_outputs": exact,
         "us_per_step": timing.us_per_step,
         "us_per_layer_step": us,

@@ -560,17 +560,6 @@ def replays_window(batch: int, *, kd: int, vd: int, state_dtype: torch.dtype, de
     return batch <= cfg["replay_max_batch"]
 
 
-def flushes_every_step(batch: int, *, kd: int, vd: int, state_dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether ``circular``'s commit after a call of ``batch`` windows flags every row for
-    a flush: on the small-batch path (:func:`replays_window`), and on the closed form's
-    up to ``flush_every_max_batch`` of the shape table's ``circular`` row (then every
-    row folds one step's accepted tokens at each verify, instead of some rows folding
-    several steps' at once). The committed states are the same either way: a fold is
-    exact whenever it runs."""
-    cfg = tuning.lookup("circular", K=kd, V=vd, state_dtype=state_dtype, batch=batch, device=device.type)
-    return batch <= max(cfg["replay_max_batch"], cfg["flush_every_max_batch"])
-
-
 def replays_tree(batch: int, paths: int, *, kd: int, vd: int, state_dtype: torch.dtype, device: torch.device) -> bool:
     """Whether a tree verify of ``batch`` requests with ``paths`` leaf paths each takes
     the small-batch path (each leaf's root path through the exact recurrence, see
@@ -611,7 +600,7 @@ if triton is not None:
     from .triton_common import mask_and as _tl_mask_and, normalized as _tl_normalized
     from .triton_common import row_dot as _tl_row_dot, row_sum as _tl_row_sum, store_parts as _tl_store_parts
     from .triton_common import as_stored as _tl_as_stored, to_rtne as _tl_to_rtne, window_program as _tl_window_program
-    from .triton_common import dependent_launch, short_tail_row as _tl_short_tail_row, folding_rows as _tl_folding_rows
+    from .triton_common import dependent_launch, folding_rows as _tl_folding_rows, short_tail_row as _tl_short_tail_row
     from .triton_common import register_cap, side_stream, sm_count
     from .tree_ops import leaf_path as _leaf_path, owns as _owns, path_node as _path_node
     from .tree_ops import zero_padded_nodes as _zero_padded_nodes
@@ -1038,29 +1027,17 @@ if triton is not None:
         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
         BT: tl.constexpr, BTC: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr, BV: tl.constexpr,
         BB: tl.constexpr, DOT_PRECISION: tl.constexpr, COEF_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
-        ROUND_STATE: tl.constexpr, AHEAD: tl.constexpr, WAIT_COEF: tl.constexpr = False, GRID: tl.constexpr = False,
+        ROUND_STATE: tl.constexpr, AHEAD: tl.constexpr, WAIT_COEF: tl.constexpr = False,
     ):
-        """The (V block, value head) items of the rows that fold (a chain's windows;
-        ``BB >= batch``), each folding its tile and taking the window from it
-        (:func:`_window_row`). The grid is fixed by the batch alone (CUDA graphs):
-
-        - a few programs walk the items (the walk of
-          :func:`~replayssm.ops.ring_decode._ring_flush_kernel`), which costs nothing
-          where no row folds;
-        - ``GRID``: grid ``(V blocks, HV, windows)``, program ``(.., .., j)`` on the
-          ``j``-th row that folds and the rest exiting at once (they come last in grid
-          order), so the items' chains run side by side as in one launch."""
+        """A few programs that walk the (V block, value head) items of the rows that fold
+        (a chain's windows; ``BB >= batch``): the walk of
+        :func:`~replayssm.ops.ring_decode._ring_flush_kernel`, so the grid is fixed by the
+        batch alone (CUDA graphs) and costs nothing where no row folds. Each item folds
+        its tile and takes the window from it (:func:`_window_row`)."""
         NV: tl.constexpr = (V + BV - 1) // BV
         before, count = _tl_folding_rows(slots_ptr, cu_ptr, wp_ptr, flush_ptr, batch, BB)
         items = count * (HV * NV)
-        if GRID:
-            # This program's item, in the walk's numbering; at most one step.
-            first = (tl.program_id(2) * HV + tl.program_id(1)) * NV + tl.program_id(0)
-            stride = tl.maximum(items, 1)
-        else:
-            first = tl.program_id(0)
-            stride = tl.num_programs(0)
-        for t in range(first, items, stride):
+        for t in range(tl.program_id(0), items, tl.num_programs(0)):
             j = t // (HV * NV)
             i_b = tl.sum((before <= j).to(tl.int32), 0)  # the j-th row that folds (from 0): j rows before it
             _window_row(t % NV, i_b, (t % (HV * NV)) // NV,
@@ -1366,9 +1343,7 @@ def launch_window_flush(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, wr
     """Launch the kernel of the rows that fold (a chain's windows, beside
     :func:`launch_window_outputs` with ``flush_rows=False``) on validated arguments:
     ``closed_form.flush_programs`` programs an SM walk those rows' items on tiles of
-    ``closed_form.flush_block_v`` rows, or with ``closed_form.flush_grid`` a program
-    per item of a grid sized for every row folding; ``dependent``: as for the outputs
-    kernel."""
+    ``closed_form.flush_block_v`` rows; ``dependent``: as for the outputs kernel."""
     hv, vd = v.shape[1], v.shape[2]
     batch = slots.shape[0]
     cfg = tuning.lookup("closed_form", K=q.shape[2], V=vd, state_dtype=checkpoint.dtype, batch=batch)
@@ -1376,13 +1351,10 @@ def launch_window_flush(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, wr
                                    is_flush, coef, o, max_len, None, cfg)
     # The window's products are tl.dot on [BV, 2 BT] blocks: at least 16 rows.
     fbv = max(16, min(cfg["flush_block_v"], triton.next_power_of_2(vd)))
-    if cfg["flush_grid"]:
-        grid = (triton.cdiv(vd, fbv), hv, batch)
-    else:
-        grid = (min(cfg["flush_programs"] * sm_count(q.device), batch * hv * triton.cdiv(vd, fbv)),)
-    _window_flush_kernel[grid](
+    programs = min(cfg["flush_programs"] * sm_count(q.device), batch * hv * triton.cdiv(vd, fbv))
+    _window_flush_kernel[(programs,)](
         *args, batch, **common, BV=fbv, BB=triton.next_power_of_2(batch), WAIT_COEF=dependent,
-        GRID=bool(cfg["flush_grid"]), num_warps=EXACT_NUM_WARPS, **({"launch_pdl": True} if dependent else {}))
+        num_warps=EXACT_NUM_WARPS, **({"launch_pdl": True} if dependent else {}))
 
 
 def _four_parts_ok(kd: int, device: torch.device) -> bool:

@@ -11,9 +11,8 @@ tokens (bonus included) and window ``T``:
 ``is_flush`` is raised one window early, so a window never overwrites history: after a
 non-flush commit ``write_pos + T <= L``. A flush row folds its history into the
 checkpoint at its next verify. Rolling back rejected tokens is simply not counting them.
-With ``flush_every`` (the strategy's small-batch mode, and its closed form's where the
-shape table's ``circular.flush_every_max_batch`` says so) ``is_flush`` is raised at
-every commit instead, so a history is never longer than one step's accepted tokens.
+With ``flush_every`` (the strategy's small-batch mode) ``is_flush`` is raised at every
+commit instead, so a history is never longer than one step's accepted tokens.
 
 Staggered flushes (the optional ``first_cycle`` flags, 1 for a slot that has not
 flushed since it was admitted): requests admitted together would otherwise fill their

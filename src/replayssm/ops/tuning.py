@@ -65,15 +65,13 @@ PARAMS = {
     # ``flush_block_v`` rows, beside the outputs kernel compiled without the fold
     # (``early_tile`` is then that kernel's): in order on the caller's stream (1), the
     # flush rows on a side stream (2), or the other rows on it and the flush rows the
-    # coefficients' dependent (3) (ops/chunked.py launch_closed_form); ``flush_grid`` 1:
-    # instead of the walk, one program per item of a grid sized for every row folding
-    # (the programs past the folding rows exit). ``short_tail``
+    # coefficients' dependent (3) (ops/chunked.py launch_closed_form). ``short_tail``
     # (with fuse_flush, one launch): the grid in batch order (0), or in an order that
     # moves the last short_tail rows that do not fold to its end (so no fold's chain
     # starts in the last waves; at least the batch: every folding row first).
     "closed_form": ("block_v", "k_chunk", "num_stages", "num_warps", "tf32_coefficients", "coef_warps",
                     "heads_per_program", "flush_block_v", "fuse_flush", "flush_records_ahead", "dependent_launch",
-                    "max_registers", "early_tile", "split_flush", "flush_programs", "short_tail", "flush_grid"),
+                    "max_registers", "early_tile", "split_flush", "flush_programs", "short_tail"),
     # The tree recurrence (ops/tree_ops.py: fold's and snapshot's tree verify): rows of the
     # path stack a program holds in registers, all levels together (a level's tile is
     # stack_rows / levels rows high, at least 16); and the most requests x leaf paths
@@ -84,11 +82,8 @@ PARAMS = {
     # verify replays the exact recurrence in one launch and its commit flushes every
     # step, instead of the closed form's three launches. 0 turns it off. A tree verify
     # replays each leaf's root path side by side (ops/chunked.py ``_tree_replay_kernel``)
-    # while its requests times their leaves are at most tree_replay_max_paths. At batch
-    # <= flush_every_max_batch the closed form's commit flushes every row at every step
-    # too (each program's fold then a chain of one step's accepted tokens instead of a
-    # third of the programs folding three steps'; 0: by the ring's rule).
-    "circular": ("replay_max_batch", "tree_replay_max_paths", "flush_every_max_batch"),
+    # while its requests times their leaves are at most tree_replay_max_paths.
+    "circular": ("replay_max_batch", "tree_replay_max_paths"),
     # Plain decoding through circular's ring (ops/ring_decode.py): rows of V per
     # program, a flush row's record prefetch depth (as exact_write.records_ahead), and
     # whether the checkpoint tile loads before the cursors (1: its latency overlaps
@@ -107,12 +102,12 @@ PARAMS = {
 
 _KEY_FIELDS = ("K", "V", "state_dtype", "min_batch", "max_batch", "device")
 #: Parameters that may be 0 (the others are sizes, at least 1).
-_MAY_BE_ZERO = ("replay_max_batch", "tree_replay_max_paths", "flush_every_max_batch", "path_max_paths",
+_MAY_BE_ZERO = ("replay_max_batch", "tree_replay_max_paths", "path_max_paths",
                 "tf32_coefficients", "fuse_flush", "early_tile", "dependent_launch", "max_registers", "load_ahead",
-                "split_flush", "short_tail", "flush_grid")
+                "split_flush", "short_tail")
 #: Parameters with a closed set of values (by name, or ``family.name`` for one family).
 _CHOICES = {"tf32_coefficients": (0, 1), "fuse_flush": (0, 1), "records_ahead": (1, 2), "flush_records_ahead": (1, 2),
-            "early_tile": (0, 1), "dependent_launch": (0, 1), "flush_grid": (0, 1), "load_ahead": (0, 1),
+            "early_tile": (0, 1), "dependent_launch": (0, 1), "load_ahead": (0, 1),
             "ring_decode.split_flush": (0, 1, 2),
             "closed_form.split_flush": (0, 1, 2, 3),
             "ring_decode.num_warps": (4, 8), "exact_write.num_warps": (4, 8), "exact_read_only.num_warps": (4, 8)}
@@ -149,11 +144,11 @@ TABLE: dict[str, list[tuple[dict, dict]]] = {
     "closed_form": [({"max_batch": 32}, dict(block_v=64, k_chunk=64, num_stages=2, num_warps=4, tf32_coefficients=1,
                                              coef_warps=1, heads_per_program=1, flush_block_v=32, fuse_flush=1,
                                              flush_records_ahead=1, dependent_launch=1, max_registers=0, early_tile=0,
-                                             split_flush=0, flush_programs=2, short_tail=32, flush_grid=0)),
+                                             split_flush=0, flush_programs=2, short_tail=32)),
                     ({}, dict(block_v=64, k_chunk=64, num_stages=2, num_warps=4, tf32_coefficients=1, coef_warps=1,
                               heads_per_program=8, flush_block_v=32, fuse_flush=1, flush_records_ahead=1,
                               dependent_launch=1, max_registers=128, early_tile=0, split_flush=0,
-                              flush_programs=2, short_tail=0, flush_grid=0))],
+                              flush_programs=2, short_tail=0))],
     # Small batches are latency-bound: one launch with a chain of n + T exact steps
     # beats three launches and the window solve's per-head chain there. The switch sits
     # at the largest batch where replay measured faster (BENCHMARKS.md, kernels:
@@ -163,8 +158,8 @@ TABLE: dict[str, list[tuple[dict, dict]]] = {
     # (BENCHMARKS.md, "Draft trees: each leaf's path replayed").
     # On the CPU the closed form stays the default so that the interpreter's tests
     # cover the history; tests turn the path on with override().
-    "circular": [({"device": "cpu"}, dict(replay_max_batch=0, tree_replay_max_paths=0, flush_every_max_batch=0)),
-                 ({}, dict(replay_max_batch=8, tree_replay_max_paths=48, flush_every_max_batch=0))],
+    "circular": [({"device": "cpu"}, dict(replay_max_batch=0, tree_replay_max_paths=0)),
+                 ({}, dict(replay_max_batch=8, tree_replay_max_paths=48))],
     # The whole V axis per program: the history's share (its keys, gates and u) is
     # loaded and reduced once per (request, head) instead of once per V block, and the
     # tile's loads are all in flight at once (BENCHMARKS.md, "Plain decoding through the

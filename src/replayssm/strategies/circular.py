@@ -41,8 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from ..ops import _checks, guards
-from ..ops.chunked import (MAX_WINDOW_TRITON, flushes_every_step, gdn_chunked_window, gdn_tree_verify, replays_tree,
-                           replays_window)
+from ..ops.chunked import MAX_WINDOW_TRITON, gdn_chunked_window, gdn_tree_verify, replays_tree, replays_window
 from ..ops.cursors import advance_cursors
 from ..ops.fold import gdn_fold
 from ..ops.ring_decode import gdn_ring_decode
@@ -159,7 +158,7 @@ class CircularStrategy(Strategy):
         advance_cursors(
             buf.write_pos, buf.cache_base, buf.is_flush, batch.slots, accepted,
             self.pool.window, self.pool.ring_len,
-            flush_every=self._flushes_every(batch) if flush_every is None else flush_every,
+            flush_every=self._small_batch(batch) if flush_every is None else flush_every,
             first_cycle=buf.first_cycle if self.stagger_flushes else None, backend=self.pool.backend,
         )
 
@@ -185,7 +184,7 @@ class CircularStrategy(Strategy):
         start = (buf.cache_base + buf.write_pos) & (self.pool.ring_len - 1)
         compact_path([buf.ring_k, buf.ring_v, buf.ring_g, buf.ring_beta, buf.ring_u], batch.slots, path, count, start,
                      backend=self.pool.backend)
-        self._commit_states(batch, count, flush_every=self._flushes_every(batch) or self._small_tree(trees))
+        self._commit_states(batch, count, flush_every=self._small_batch(batch) or self._small_tree(trees))
 
     def _small_batch(self, batch) -> bool:
         """Whether a step of this many rows runs the small-batch path: verify replays the
@@ -196,22 +195,6 @@ class CircularStrategy(Strategy):
             return False
         s = self.pool.shape
         return replays_window(
-            int(batch.slots.shape[0]), kd=s.head_k_dim, vd=s.head_v_dim,
-            state_dtype=self.pool.checkpoints.dtype, device=self.pool.device,
-        )
-
-    def _flushes_every(self, batch) -> bool:
-        """Whether this step's commit flags every row for a flush: on the small-batch path
-        (:meth:`_small_batch`), and for speculative windows up to the shape table's
-        ``circular.flush_every_max_batch`` (ops/chunked.py
-        :func:`~replayssm.ops.chunked.flushes_every_step`). Plain decoding through the
-        ring keeps the ring's rule there: its flushes are what it saves."""
-        if self._small_batch(batch):
-            return True
-        if not self.small_batch_path or batch.max_len <= 1:
-            return False
-        s = self.pool.shape
-        return flushes_every_step(
             int(batch.slots.shape[0]), kd=s.head_k_dim, vd=s.head_v_dim,
             state_dtype=self.pool.checkpoints.dtype, device=self.pool.device,
         )
