@@ -194,12 +194,15 @@ def test_chunked_window_matches_float64_oracle(hv, t, batch, state_dtype, act_dt
     (256, torch.float32, torch.bfloat16), (64, torch.bfloat16, torch.bfloat16), (5, torch.float32, torch.float32),
     (1, torch.bfloat16, torch.float32)])
 @pytest.mark.parametrize("block_v", [64, 128])
-def test_ring_decode_matches_float64_oracle(batch, state_dtype, act_dtype, block_v):
+@pytest.mark.parametrize("dot", [0, 1], ids=["fma", "dot"])
+def test_ring_decode_matches_float64_oracle(batch, state_dtype, act_dtype, block_v, dot):
     """The ring decoding kernel (one token per request, histories of 0..L-1 records) against
     the float64 closed form; its flushed checkpoints bit for bit against the window op's
-    (both the fold's replay), at two tile heights."""
+    (both the fold's replay), at two tile heights, with the products of the rows that do
+    not flush by FMA or on tensor cores (``ring_decode.dot_products``, split or not)."""
     case = with_consistent_u(make_case(HV_POOL, 1, batch, state_dtype, act_dtype))
-    with tuning.override("ring_decode", block_v=block_v):
+    choice = dict(dot_products=1, early_tile=0, split_flush=2 if batch >= 64 else 0) if dot else {}
+    with tuning.override("ring_decode", block_v=block_v, token_block_v=block_v, **choice):
         o_t, ck_t, ring_t, u_t = run(case, "triton", method="decode")
     o_64, ck_64, ring_64, u_64 = run(case, "reference", torch.float64)
     torch.testing.assert_close(o_t.double(), o_64, **tol(o_64, state_dtype, act_dtype))
@@ -212,9 +215,10 @@ def test_ring_decode_matches_float64_oracle(batch, state_dtype, act_dtype, block
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("param,value", [("max_registers", 128), ("max_registers", 168), ("early_tile", 1),
-                                         ("split_flush", 1), ("split_flush", 2)])
-def test_ring_decode_launch_choices_change_no_bit(state_dtype, param, value):
+@pytest.mark.parametrize("param,value,dot", [("max_registers", 128, 0), ("max_registers", 168, 0), ("early_tile", 1, 0),
+                                             ("split_flush", 1, 0), ("split_flush", 2, 0), ("split_flush", 1, 1),
+                                             ("split_flush", 2, 1), ("max_registers", 128, 1)])
+def test_ring_decode_launch_choices_change_no_bit(state_dtype, param, value, dot):
     """The ring decoding kernel under a register cap (``ring_decode.max_registers``; the
     compiler spills the tile instead), with its checkpoint tile loaded before the
     cursors (``ring_decode.early_tile = 1``, the table's choice from batch 33) or with
@@ -222,11 +226,13 @@ def test_ring_decode_launch_choices_change_no_bit(state_dtype, param, value):
     token kernel or beside it on a side stream; both kernels at the one launch's tile height,
     so every row keeps its lanes) gives the kernel's outputs, ``u`` and folded
     checkpoints without it (the entry at 0) bit for bit, on histories of 0..L-1 records
-    with flush rows."""
+    with flush rows, with the other rows' products by FMA or on tensor cores
+    (``dot_products``; its checkpoint streams, so the tile is never loaded early)."""
     case = make_case(HV_POOL, 1, 64, state_dtype, torch.bfloat16, pad=False)
-    with tuning.override("ring_decode", **{param: value}):
+    products = dict(dot_products=dot, **({"early_tile": 0} if dot else {}))
+    with tuning.override("ring_decode", **products, **{param: value}):
         got = run(case, "triton", method="decode")
-    with tuning.override("ring_decode", **{param: 0}):
+    with tuning.override("ring_decode", **products, **{param: 0}):
         want = run(case, "triton", method="decode")
     assert same(got[0], want[0]), "outputs differ"
     assert same(got[3], want[3]), "u differs"

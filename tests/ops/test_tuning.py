@@ -30,8 +30,11 @@ def test_defaults_are_the_measured_values():
     assert tuning.lookup("ring_decode", **at)["split_flush"] == 0
     bf16_ring = tuning.lookup("ring_decode", **dict(at, state_dtype=BF16))
     assert (bf16_ring["split_flush"], bf16_ring["early_tile"], bf16_ring["token_block_v"]) == (2, 0, 128)
-    assert tuning.lookup("ring_decode", **dict(at, state_dtype=BF16, batch=16))["split_flush"] == 0
-    assert tuning.lookup("ring_decode", **dict(at, state_dtype=BF16, batch=16))["early_tile"] == 0
+    assert [tuning.lookup("ring_decode", **dict(at, state_dtype=d, batch=b))["dot_products"]
+            for d in (F32, BF16) for b in (1, 15, 16, 256)] == [0, 0, 0, 0, 0, 0, 1, 1]
+    assert tuning.lookup("ring_decode", **dict(at, state_dtype=BF16, batch=15))["split_flush"] == 0
+    assert tuning.lookup("ring_decode", **dict(at, state_dtype=BF16, batch=16))["split_flush"] == 2
+    assert tuning.lookup("ring_decode", **dict(at, state_dtype=BF16, batch=15))["early_tile"] == 0
     assert tuning.lookup("ring_decode", **at)["max_registers"] == 0
     assert tuning.lookup("ring_decode", **at)["num_warps"] == 4
 

@@ -93,12 +93,13 @@ def test_triton_plain_ring_steps_are_the_triton_recurrence(small_batch):
     assert flushes >= (38 if small_batch else 6), flushes
 
 
-@pytest.mark.parametrize("early_tile,split_flush", [(0, 0), (1, 0), (0, 1), (1, 2)])
-def test_ring_decode_kernel_against_the_window_op(early_tile, split_flush):
+@pytest.mark.parametrize("early_tile,split_flush,dot", [(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 2, 0), (0, 0, 1), (0, 2, 1)])
+def test_ring_decode_kernel_against_the_window_op(early_tile, split_flush, dot):
     """``gdn_ring_decode`` (Triton) on one-token windows over histories of 0..7 records,
     flush and non-flush rows (one with no records: the token kernel's) and a padding
     row (V = 24: two 16-row blocks), with the checkpoint tile loaded before or after the
-    cursors, in one launch or with the flush rows in their own kernel, against
+    cursors, in one launch or with the flush rows in their own kernel, the other rows'
+    products by FMA or on tensor cores (``dot_products``), against
     ``gdn_chunked_window``: the
     flushed checkpoints bit for bit against the Triton window op's (both the fold's
     replay), outputs and ``u`` within ``TOL`` of the reference's (the history's sum in
@@ -125,7 +126,7 @@ def test_ring_decode_kernel_against_the_window_op(early_tile, split_flush):
     is_flush = torch.tensor([1, 0, 1, 0, 1, 0], dtype=torch.int32, device=DEVICE)
     results = {}
     def decode(*a):
-        with tuning.override("ring_decode", early_tile=early_tile, split_flush=split_flush):
+        with tuning.override("ring_decode", early_tile=early_tile, split_flush=split_flush, dot_products=dot):
             return gdn_ring_decode(*a, backend="triton")
 
     for name, run in (
@@ -164,6 +165,27 @@ def test_ring_decode_refuses_a_window_of_two_tokens_before_writing(backend):
     with pytest.raises(ValueError, match="max_len|window"):
         gdn_ring_decode(*x, *params, checkpoint, ring, ring_u, torch.tensor([0, 1], dtype=torch.int32, device=DEVICE),
                         torch.tensor([0, 2, 3], dtype=torch.int32, device=DEVICE), *cursors, backend=backend)
+    for a, b in zip(before, [checkpoint, ring_u, *ring]):
+        assert torch.equal(a, b)
+
+
+def test_ring_decode_refuses_tensor_core_products_on_an_early_tile_before_writing():
+    """``dot_products`` streams the checkpoint; ``early_tile`` holds it in registers: a
+    table row with both is refused by name before any kernel runs."""
+    gen = torch.Generator().manual_seed(6)
+    h, hv, kd, vd, L = 1, 1, 16, 8, 8
+    x = [(torch.randn(2, *sh, generator=gen)).to(DEVICE) for sh in ((h, kd), (h, kd), (hv, vd), (hv,), (hv,))]
+    params = [torch.full((hv,), -1.0, device=DEVICE), torch.zeros(hv, device=DEVICE)]
+    checkpoint = torch.randn(2, hv, vd, kd, generator=gen).to(DEVICE)
+    ring = RawRecords(*(t.to(DEVICE) for t in (torch.randn(2, L, h, kd, generator=gen), torch.randn(2, L, hv, vd, generator=gen),
+                                              -torch.rand(2, L, hv, generator=gen), torch.rand(2, L, hv, generator=gen))))
+    ring_u = torch.randn(2, L, hv, vd, generator=gen).to(DEVICE)
+    cursors = [torch.tensor(c, dtype=torch.int32, device=DEVICE) for c in ([3, 0], [1, 2], [1, 0])]
+    before = [checkpoint.clone(), ring_u.clone(), *(t.clone() for t in ring)]
+    with tuning.override("ring_decode", dot_products=1, early_tile=1), \
+            pytest.raises(ValueError, match="dot_products.*early_tile"):
+        gdn_ring_decode(*x, *params, checkpoint, ring, ring_u, torch.tensor([0, 1], dtype=torch.int32, device=DEVICE),
+                        torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE), *cursors, backend="triton")
     for a, b in zip(before, [checkpoint, ring_u, *ring]):
         assert torch.equal(a, b)
 

@@ -31,7 +31,7 @@ import contextlib
 import torch
 
 from . import tuning
-from .chunked import check_triton_window_call, gdn_chunked_window_reference
+from .chunked import check_triton_window_call, gdn_chunked_window_reference, product_precision
 from .dispatch import pick, register
 from .records import RawRecords
 
@@ -129,6 +129,14 @@ def gdn_ring_decode(
 #   them), so nothing orders them: with 2 the flush kernel runs on a side stream
 #   beside the token kernel (a fork and a join, which a CUDA graph keeps as two
 #   branches), with 1 in order with it on the caller's stream.
+#
+# And two ways for a row that does not flush to take S0 k^ and S0 q^ (``dot_products``):
+# FMA on the four-part tile held in registers (0; the tile's registers set the
+# occupancy), or tl.dot on tensor cores with the checkpoint streamed through shared
+# memory in K chunks (1): the raw key and query are rows 0 and 1 of a 16-row block and
+# their norms scale the products after, so a 16-bit checkpoint multiplies 16-bit
+# activations in their own dtype, exactly. The history's loads are issued before the
+# stream so that their latency overlaps it.
 
 try:
     import triton
@@ -142,7 +150,7 @@ if triton is not None:
     from .triton_common import NORM_EPS, block_rows, exact_warps, register_cap, side_stream, sm_count
     from .triton_common import device_fn as _tl_device_fn, folding_rows as _tl_folding_rows
     from .triton_common import gdn_gates as _tl_gdn_gates, load_parts as _tl_load_parts, mask_and as _tl_mask_and
-    from .triton_common import normalized as _tl_normalized, row_dot as _tl_row_dot, row_sum as _tl_row_sum
+    from .triton_common import inv_norm as _tl_inv_norm, row_dot as _tl_row_dot, row_sum as _tl_row_sum
     from .triton_common import store_parts as _tl_store_parts, to_rtne as _tl_to_rtne
 
     @_tl_device_fn
@@ -155,6 +163,36 @@ if triton is not None:
         tl.store(o_at + offs, _tl_to_rtne(e * S_q + u * kq, o_at.dtype.element_ty), mask=mask)
         tl.store(rv_at + offs, xv.to(rv_at.dtype.element_ty), mask=mask)
         tl.store(ru_at + offs, u, mask=mask)
+
+    @_tl_device_fn
+    def _checkpoint_products(ckpt_at, k_at, q_at, r_k, r_q, offs_v, mask_v, K: tl.constexpr, BK: tl.constexpr,
+                             KC: tl.constexpr, BV: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                             NUM_STAGES: tl.constexpr):
+        """``S0 k^`` and ``S0 q^`` (``[BV]`` each) on tensor cores: the checkpoint streamed in
+        ``KC``-wide chunks (pipelined ``NUM_STAGES`` deep, none of it held in registers)
+        times the raw key and query as loaded (rows 0 and 1 of a 16-row block, tl.dot's
+        least side), scaled by their inverse norms ``r_k``, ``r_q`` after the products.
+        A 16-bit checkpoint with 16-bit activations multiplies in their own dtype (exact
+        products, fp32 sums); otherwise both sides go to fp32 at ``DOT_PRECISION``."""
+        offs_c = tl.arange(0, KC)
+        offs_x = tl.arange(0, 16)
+        is_k = offs_x == 0
+        is_q = offs_x == 1
+        SX = tl.zeros([BV, 16], dtype=tl.float32)
+        for kc in tl.range(0, BK, KC, num_stages=NUM_STAGES):
+            offs_k = kc + offs_c
+            mask_k = (offs_k < K)[None, :]
+            S_c = tl.load(ckpt_at + offs_v[:, None] * K + offs_k[None, :], mask=mask_v[:, None] & mask_k, other=0.0)
+            # Row 0 the key, row 1 the query, the rest zero: a sum of two masked loads.
+            x_c = (tl.load(k_at + offs_x[:, None] * 0 + offs_k[None, :], mask=is_k[:, None] & mask_k, other=0.0)
+                   + tl.load(q_at + offs_x[:, None] * 0 + offs_k[None, :], mask=is_q[:, None] & mask_k, other=0.0))
+            if S_c.dtype == x_c.dtype:
+                SX = tl.dot(S_c, tl.trans(x_c), SX, input_precision=DOT_PRECISION)
+            else:
+                SX = tl.dot(S_c.to(tl.float32), tl.trans(x_c.to(tl.float32)), SX, input_precision=DOT_PRECISION)
+        S0_k = _tl_row_sum(tl.where(is_k[None, :], SX, 0.0), 1) * r_k
+        S0_q = _tl_row_sum(tl.where(is_q[None, :], SX, 0.0), 1) * r_q
+        return S0_k, S0_q
 
     @triton.jit
     def _ring_row(
@@ -169,11 +207,14 @@ if triton is not None:
         BK: tl.constexpr, BV: tl.constexpr,
         ROUND_STATE: tl.constexpr, AHEAD: tl.constexpr, EARLY_TILE: tl.constexpr,
         FLUSH_ROWS: tl.constexpr, TOKEN_ROWS: tl.constexpr,
+        DOT: tl.constexpr, KC: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ):
         """Output, corrected delta and record of V block ``i_v`` (``BV`` rows) of request
         ``i_b``'s value head ``i_hv`` (see the module notes), for the rows its kernel
         owns: flush rows where ``FLUSH_ROWS``, the others (padding included) where
-        ``TOKEN_ROWS``. A branch that its kernel never takes is not compiled."""
+        ``TOKEN_ROWS``. A branch that its kernel never takes is not compiled. ``DOT``: a
+        row that does not flush takes its products with the checkpoint on tensor cores
+        (:func:`_checkpoint_products`) instead of FMA on the four-part tile."""
         i_h = i_hv // (HV // H)
         slot = tl.load(slots_ptr + i_b).to(tl.int64)
         bos = tl.load(cu_ptr + i_b).to(tl.int64)
@@ -226,8 +267,10 @@ if triton is not None:
                 g, beta = _tl_gdn_gates(tl.load(a_ptr + bos * stride_a_tok + i_hv),
                                         tl.load(b_ptr + bos * stride_b_tok + i_hv),
                                         tl.load(A_log_ptr + i_hv), tl.load(dt_bias_ptr + i_hv))
-                kh0, kh1, kh2, kh3 = _tl_normalized(k0, k1, k2, k3, eps, 1.0)
-                qh0, qh1, qh2, qh3 = _tl_normalized(q0, q1, q2, q3, eps, scale)
+                r_k = _tl_inv_norm(k0, k1, k2, k3, eps)
+                r_q = _tl_inv_norm(q0, q1, q2, q3, eps) * scale
+                kh0, kh1, kh2, kh3 = k0 * r_k, k1 * r_k, k2 * r_k, k3 * r_k
+                qh0, qh1, qh2, qh3 = q0 * r_q, q1 * r_q, q2 * r_q, q3 * r_q
                 e = tl.exp(g)
                 kq = _tl_row_sum(tl.fma(kh3, qh3, tl.fma(kh2, qh2, tl.fma(kh1, qh1, kh0 * qh0))), 0)
                 if folds_here:
@@ -237,9 +280,9 @@ if triton is not None:
                                     H, HV, K, V, L, KQ, AHEAD, ROUND_STATE, EARLY_TILE)
                 else:
                     _history_and_token(S0, S1, S2, S3, ckpt_at, tile, rk_ptr, rg_ptr, ru_ptr, ring_at, base, wp,
-                                       i_h, i_hv, offs_c, offs_v, mask_v, o_at, rv_at, ru_at, v_at,
-                                       kh0, kh1, kh2, kh3, qh0, qh1, qh2, qh3, e, beta, kq, eps,
-                                       H, HV, K, V, L, KQ, EARLY_TILE)
+                                       i_h, i_hv, offs_c, offs_v, mask_v, o_at, rv_at, ru_at, v_at, k_at, q_at,
+                                       kh0, kh1, kh2, kh3, qh0, qh1, qh2, qh3, r_k, r_q, e, beta, kq, eps,
+                                       H, HV, K, V, L, BK, KQ, BV, EARLY_TILE, DOT, KC, NUM_STAGES, DOT_PRECISION)
                 # The raw key and the gates, once per (request, key head) and value head,
                 # after every load (the history's records are read from the same ring).
                 k_writer = (i_hv % (HV // H) == 0) & (i_v == 0)
@@ -268,9 +311,12 @@ if triton is not None:
 
     @triton.jit
     def _history_and_token(S0, S1, S2, S3, ckpt_at, tile, rk_ptr, rg_ptr, ru_ptr, ring_at, base, wp, i_h, i_hv,
-                           offs_c, offs_v, mask_v, o_at, rv_at, ru_at, v_at, kh0, kh1, kh2, kh3, qh0, qh1, qh2, qh3,
-                           e, beta, kq, eps, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                           L: tl.constexpr, KQ: tl.constexpr, EARLY_TILE: tl.constexpr):
+                           offs_c, offs_v, mask_v, o_at, rv_at, ru_at, v_at, k_at, q_at,
+                           kh0, kh1, kh2, kh3, qh0, qh1, qh2, qh3, r_k, r_q, e, beta, kq, eps,
+                           H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
+                           BK: tl.constexpr, KQ: tl.constexpr, BV: tl.constexpr, EARLY_TILE: tl.constexpr,
+                           DOT: tl.constexpr, KC: tl.constexpr, NUM_STAGES: tl.constexpr,
+                           DOT_PRECISION: tl.constexpr):
         """A row that does not flush: the token from the checkpoint and the committed
         history (a flush row with no records has none),
             S x = exp(Gtot) S0 x + sum_c exp(g_{c+1} + ... + g_h) u_c (k^_c . x)."""
@@ -281,8 +327,15 @@ if triton is not None:
         h0, h1, h2, h3 = _tl_load_parts(rk_ptr, (rec_h[:, None] * H + i_h) * K + offs_c[None, :], hist[:, None],
                                         offs_c[None, :], K, KQ)
         g_h = tl.load(rg_ptr + rec_h * HV + i_hv, mask=hist, other=0.0)
-        # The history's weights before the tile's products, so that its keys are dead
-        # by then: c_x[c] = exp(g_{c+1} + ... + g_h) (k^_c . x^).
+        if DOT:
+            # Every history load issued before the checkpoint's stream, so that their
+            # latencies overlap its chunks' instead of following them.
+            u_h = tl.load(ru_ptr + (rec_h[None, :] * HV + i_hv) * V + offs_v[:, None],
+                          mask=mask_v[:, None] & hist[None, :], other=0.0)
+            S0_k, S0_q = _checkpoint_products(ckpt_at, k_at, q_at, r_k, r_q, offs_v, mask_v, K, BK, KC, BV,
+                                              DOT_PRECISION, NUM_STAGES)
+        # The history's weights (before the FMA tile's products, so that its keys are
+        # dead by then): c_x[c] = exp(g_{c+1} + ... + g_h) (k^_c . x^).
         hh = _tl_row_sum(tl.fma(h3, h3, tl.fma(h2, h2, tl.fma(h1, h1, h0 * h0))), 1)
         r_h = tl.div_rn(tl.full([L], 1.0, tl.float32), tl.sqrt_rn(hh + eps))  # 1 / |k_c|
         later = offs_h[None, :] > offs_h[:, None]
@@ -290,14 +343,15 @@ if triton is not None:
         c_k = _tl_row_dot(h0, h1, h2, h3, kh0, kh1, kh2, kh3) * w_h
         c_q = _tl_row_dot(h0, h1, h2, h3, qh0, qh1, qh2, qh3) * w_h
         e_Gh = tl.exp(_tl_row_sum(g_h, 0))
-        # S0 k^ and S0 q^ from the whole tile, loaded at once: the most bytes in flight
-        # a program can have (a chunked stream was slower, BENCHMARKS.md).
-        if not EARLY_TILE:
-            S0, S1, S2, S3 = _tl_load_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ)
-        S0_k = _tl_row_dot(S0, S1, S2, S3, kh0, kh1, kh2, kh3)
-        S0_q = _tl_row_dot(S0, S1, S2, S3, qh0, qh1, qh2, qh3)
-        u_h = tl.load(ru_ptr + (rec_h[None, :] * HV + i_hv) * V + offs_v[:, None],
-                      mask=mask_v[:, None] & hist[None, :], other=0.0)
+        if not DOT:
+            # S0 k^ and S0 q^ from the whole tile, loaded at once: the most bytes in
+            # flight an FMA program can have (a chunked FMA stream was slower, BENCHMARKS.md).
+            if not EARLY_TILE:
+                S0, S1, S2, S3 = _tl_load_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ)
+            S0_k = _tl_row_dot(S0, S1, S2, S3, kh0, kh1, kh2, kh3)
+            S0_q = _tl_row_dot(S0, S1, S2, S3, qh0, qh1, qh2, qh3)
+            u_h = tl.load(ru_ptr + (rec_h[None, :] * HV + i_hv) * V + offs_v[:, None],
+                          mask=mask_v[:, None] & hist[None, :], other=0.0)
         S_k = e_Gh * S0_k + _tl_row_sum(u_h * c_k[None, :], 1)
         S_q = e_Gh * S0_q + _tl_row_sum(u_h * c_q[None, :], 1)
         _token_rows(o_at, rv_at, ru_at, v_at, offs_v, mask_v, S_k, S_q, e, beta, kq)
@@ -313,6 +367,7 @@ if triton is not None:
         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
         BK: tl.constexpr, BV: tl.constexpr,
         ROUND_STATE: tl.constexpr, AHEAD: tl.constexpr, EARLY_TILE: tl.constexpr, FLUSH_ROWS: tl.constexpr,
+        DOT: tl.constexpr, KC: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ):
         """Grid ``(V blocks, requests, HV)``: every row's token (``FLUSH_ROWS``) or every
         row's but the flush rows' (the flush kernel's)."""
@@ -322,7 +377,8 @@ if triton is not None:
                   slots_ptr, cu_ptr, wp_ptr, base_ptr, flush_ptr, o_ptr,
                   stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
                   stride_a_tok, stride_b_tok, scale, eps,
-                  H, HV, K, V, L, BK, BV, ROUND_STATE, AHEAD, EARLY_TILE, FLUSH_ROWS, True)
+                  H, HV, K, V, L, BK, BV, ROUND_STATE, AHEAD, EARLY_TILE, FLUSH_ROWS, True,
+                  DOT, KC, NUM_STAGES, DOT_PRECISION)
 
     @triton.jit
     def _ring_flush_kernel(
@@ -353,7 +409,8 @@ if triton is not None:
                       slots_ptr, cu_ptr, wp_ptr, base_ptr, flush_ptr, o_ptr,
                       stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
                       stride_a_tok, stride_b_tok, scale, eps,
-                      H, HV, K, V, L, BK, BV, ROUND_STATE, AHEAD, EARLY_TILE, True, False)
+                      H, HV, K, V, L, BK, BV, ROUND_STATE, AHEAD, EARLY_TILE, True, False,
+                      False, BK, 1, "ieee")
 
 
 def launch_ring_decode(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos,
@@ -372,6 +429,10 @@ def launch_ring_decode(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, 
     common = dict(H=h, HV=hv, K=kd, V=vd, L=ring.ring_len, BK=bk, ROUND_STATE=checkpoint.dtype != torch.float32,
                   AHEAD=cfg["records_ahead"])
     split = cfg["split_flush"]
+    dot = bool(cfg["dot_products"])
+    if dot and cfg["early_tile"]:
+        raise ValueError("ring_decode: dot_products streams the checkpoint through its chunks; early_tile loads it "
+                         "first: one or the other (the shape table's row for this call has both)")
     side = None  # the flush kernel's stream with split_flush = 2 (CUDA; elsewhere one stream runs both)
     if split == 2 and q.device.type == "cuda":
         side = side_stream(q.device)
@@ -389,6 +450,8 @@ def launch_ring_decode(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, 
     # record axis lies across warps.
     _ring_decode_kernel[(triton.cdiv(vd, bv), batch, hv)](
         *args, **common, BV=bv, EARLY_TILE=bool(cfg["early_tile"]), FLUSH_ROWS=not split,
+        DOT=dot, KC=max(16, min(cfg["k_chunk"], bk)), NUM_STAGES=cfg["num_stages"],
+        DOT_PRECISION=product_precision(q.dtype),
         num_warps=exact_warps(cfg["num_warps"], bv), **register_cap(cfg["max_registers"], q.device))
     if side is not None:
         torch.cuda.current_stream(q.device).wait_stream(side)
@@ -422,7 +485,11 @@ def gdn_ring_decode_triton(
 
     Precision: a flush row's folded checkpoint is the fold kernel's, bit for bit (the
     same replay, tile and warps). Outputs and ``u`` are the reference's to fp32 rounding
-    (fp32 FMA throughout, no tf32 at any activation dtype).
+    with FMA products (the table's ``dot_products = 0``). On tensor cores (1) a 16-bit
+    checkpoint times 16-bit keys and queries multiplies exactly and sums in fp32; an fp32
+    checkpoint with 16-bit activations rounds to tf32 in the product, as the closed
+    form's does (:func:`~replayssm.ops.chunked.product_precision`), and fp32 activations
+    keep fp32 ("ieee") products.
     """
     slots, cu_seqlens, n = check_triton_window_call(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots,
                                                     cu_seqlens, write_pos, cache_base, is_flush, 1)

@@ -95,18 +95,22 @@ PARAMS = {
     # their own, ``flush_programs`` programs an SM walking them on tiles of ``block_v``
     # rows (loaded before the cursors), beside the token kernel on ``token_block_v`` rows
     # a program (``early_tile`` is then the token kernel's; 2: on a side stream, 1:
-    # in order with it on the caller's stream).
+    # in order with it on the caller's stream). ``dot_products``: a row that does not
+    # flush multiplies its checkpoint by the token's key and query on tensor cores,
+    # streamed in ``k_chunk``-wide chunks ``num_stages`` deep (1; not with early_tile,
+    # which holds the tile in registers), or by FMA on the four-part tile (0).
     "ring_decode": ("block_v", "records_ahead", "early_tile", "max_registers", "num_warps", "split_flush",
-                    "token_block_v", "flush_programs"),
+                    "token_block_v", "flush_programs", "dot_products", "k_chunk", "num_stages"),
 }
 
 _KEY_FIELDS = ("K", "V", "state_dtype", "min_batch", "max_batch", "device")
 #: Parameters that may be 0 (the others are sizes, at least 1).
 _MAY_BE_ZERO = ("replay_max_batch", "tree_replay_max_paths", "path_max_paths",
                 "tf32_coefficients", "fuse_flush", "early_tile", "dependent_launch", "max_registers", "load_ahead",
-                "split_flush", "short_tail")
+                "split_flush", "short_tail", "dot_products")
 #: Parameters with a closed set of values (by name, or ``family.name`` for one family).
-_CHOICES = {"tf32_coefficients": (0, 1), "fuse_flush": (0, 1), "records_ahead": (1, 2), "flush_records_ahead": (1, 2),
+_CHOICES = {"tf32_coefficients": (0, 1), "dot_products": (0, 1), "fuse_flush": (0, 1), "records_ahead": (1, 2),
+            "flush_records_ahead": (1, 2),
             "early_tile": (0, 1), "dependent_launch": (0, 1), "load_ahead": (0, 1),
             "ring_decode.split_flush": (0, 1, 2),
             "closed_form.split_flush": (0, 1, 2, 3),
@@ -140,7 +144,8 @@ TABLE: dict[str, list[tuple[dict, dict]]] = {
     # other row after them): at 16 they fit in the first wave, and the order measured
     # faster at 16, 24 and 32 and slower at 64 and 256, where the first waves would hold
     # only chains and the last ones only reads (BENCHMARKS.md, "circular's folding rows
-    # first"). Shorter tails there are not timed yet.
+    # first"). Shorter tails there (8 or 16 rows) measured 4-9% slower at 64 and 256
+    # (BENCHMARKS.md, "circular's grid order at the table's other batches").
     "closed_form": [({"max_batch": 32}, dict(block_v=64, k_chunk=64, num_stages=2, num_warps=4, tf32_coefficients=1,
                                              coef_warps=1, heads_per_program=1, flush_block_v=32, fuse_flush=1,
                                              flush_records_ahead=1, dependent_launch=1, max_registers=0, early_tile=0,
@@ -175,25 +180,32 @@ TABLE: dict[str, list[tuple[dict, dict]]] = {
     # tests cover it too (the op tests run both).
     "exact_tree": [({"device": "cpu"}, dict(stack_rows=64, path_max_paths=0)),
                    ({}, dict(stack_rows=64, path_max_paths=96))],
-    # 16-bit states at small batch load the tile late: early, it ran slower at batch 16
-    # (and spilled before the layout cap). From batch 33 their flush rows run in a kernel
-    # of their own beside the token kernel, whose tile loads late: without the flush it
-    # fits three programs an SM, and it measured faster than one launch with the tile
-    # early (the fastest one launch there). With fp32 states the token kernel still
-    # holds two programs an SM, and one launch measured faster from batch 33, the rows
-    # apart at batch 16 (BENCHMARKS.md, "The flush rows apart").
-    "ring_decode": [({"state_dtype": torch.bfloat16, "max_batch": 32}, dict(block_v=128, records_ahead=1, early_tile=0,
+    # 16-bit states below batch 16 load the tile late: early, it ran slower at batch 16
+    # (and spilled before the layout cap). From batch 16 their flush rows run in a kernel
+    # of their own beside the token kernel, whose products with the checkpoint run on
+    # tensor cores (dot_products: 86-128 registers, no tile in registers, the history's
+    # loads issued before the checkpoint's stream) measured faster at batch 16, 64 and
+    # 256 than the FMA token kernel, split or not (BENCHMARKS.md, "16-bit states on
+    # tensor cores as stored"); at batch 1 the second launch costs more than it saves.
+    # With fp32 states the FMA token kernel stays: its tensor-core form, with two 64 KB
+    # pipeline stages of shared memory a program, measured slower, and one launch
+    # measured faster from batch 33, the rows apart at batch 16 (BENCHMARKS.md, "The
+    # flush rows apart").
+    "ring_decode": [({"state_dtype": torch.bfloat16, "max_batch": 15}, dict(block_v=128, records_ahead=1, early_tile=0,
                                                                             max_registers=0, num_warps=4,
                                                                             split_flush=0, token_block_v=128,
-                                                                            flush_programs=2)),
+                                                                            flush_programs=2, dot_products=0,
+                                                                            k_chunk=64, num_stages=2)),
                     ({"state_dtype": torch.bfloat16}, dict(block_v=128, records_ahead=1, early_tile=0, max_registers=0,
                                                            num_warps=4, split_flush=2, token_block_v=128,
-                                                           flush_programs=2)),
+                                                           flush_programs=2, dot_products=1, k_chunk=64,
+                                                           num_stages=2)),
                     ({"min_batch": 16, "max_batch": 32}, dict(block_v=128, records_ahead=1, early_tile=1,
                                                               max_registers=0, num_warps=4, split_flush=2,
-                                                              token_block_v=128, flush_programs=2)),
+                                                              token_block_v=128, flush_programs=2, dot_products=0,
+                                                              k_chunk=64, num_stages=2)),
                     ({}, dict(block_v=128, records_ahead=1, early_tile=1, max_registers=0, num_warps=4, split_flush=0,
-                              token_block_v=128, flush_programs=2))],
+                              token_block_v=128, flush_programs=2, dot_products=0, k_chunk=64, num_stages=2))],
 }
 
 
