@@ -787,17 +787,23 @@ if triton is not None:
                                     K: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr, BX: tl.constexpr,
                                     BV: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr):
         """``S0 x_r [BV, BX]`` for the stacked raw keys and queries: the checkpoint's one
-        read, in ``KC``-wide chunks pipelined ``NUM_STAGES`` deep."""
+        read, in ``KC``-wide chunks pipelined ``NUM_STAGES`` deep. A bf16 checkpoint with
+        bf16 activations multiplies as stored (each stacked row is one key or query, so
+        it is bf16 exactly; the products are exact and sum in fp32, as in tf32, with no
+        conversion of the chunk); other dtypes go through fp32 at ``DOT_PRECISION``."""
         offs_c = tl.arange(0, KC)
         SX = tl.zeros([BV, BX], dtype=tl.float32)
         for kc in tl.range(0, BK, KC, num_stages=NUM_STAGES):
             offs_k = kc + offs_c
             mask_k = offs_k < K
             S_c = tl.load(ckpt_at + offs_v[:, None] * K + offs_k[None, :], mask=mask_v[:, None] & mask_k[None, :],
-                          other=0.0).to(tl.float32)
+                          other=0.0)
             _, x_c = _load_window_x(q_ptr, k_ptr, p_tok, i_h, offs_k, mask_k, xk_ok, xq_ok,
                                     stride_q_tok, stride_q_head, stride_k_tok, stride_k_head)
-            SX = tl.dot(S_c, tl.trans(x_c), SX, input_precision=DOT_PRECISION)
+            if S_c.dtype == tl.bfloat16 and q_ptr.dtype.element_ty == tl.bfloat16:
+                SX = tl.dot(S_c, tl.trans(x_c.to(tl.bfloat16)), SX)
+            else:
+                SX = tl.dot(S_c.to(tl.float32), tl.trans(x_c), SX, input_precision=DOT_PRECISION)
         return SX
 
     @triton.jit
@@ -1542,7 +1548,9 @@ def gdn_chunked_window_triton(
     device (the fold kernel replays the raw records). Outputs and the window's ``u``
     agree with the reference to fp32 rounding for fp32 activations; for 16-bit
     activations the products with the state run on tensor cores in tf32 (see
-    :func:`product_precision`), ~2^-12 relative, below the output's own rounding, and so
+    :func:`product_precision`; a bf16 checkpoint's with bf16 activations, where they
+    are not folded first, multiply as stored: exact products, fp32 sums), ~2^-12
+    relative, below the output's own rounding, and so
     do the outputs kernel's small products with the coefficients (the shape table's
     ``closed_form.tf32_coefficients``).
 
