@@ -150,18 +150,25 @@ def test_ring_decode_kernel_against_the_window_op(early_tile, split_flush, dot):
     assert torch.equal(got["o"][1], torch.zeros_like(got["o"][1])), "padding row"
 
 
-@pytest.mark.parametrize("backend", ["reference", "triton"])
-def test_ring_decode_refuses_a_window_of_two_tokens_before_writing(backend):
-    gen = torch.Generator().manual_seed(5)
+def _two_slot_ring(seed: int, tokens: int):
+    """Random inputs of ``tokens`` tokens and a two-slot ring (H = HV = 1, K = 16, V = 8,
+    L = 8): ``(x, params, checkpoint, ring, ring_u, before)``, ``before`` a copy of every
+    buffer a failed call must leave as it was."""
+    gen = torch.Generator().manual_seed(seed)
     h, hv, kd, vd, L = 1, 1, 16, 8, 8
-    x = [(torch.randn(3, *sh, generator=gen)).to(DEVICE) for sh in ((h, kd), (h, kd), (hv, vd), (hv,), (hv,))]
+    x = [(torch.randn(tokens, *sh, generator=gen)).to(DEVICE) for sh in ((h, kd), (h, kd), (hv, vd), (hv,), (hv,))]
     params = [torch.full((hv,), -1.0, device=DEVICE), torch.zeros(hv, device=DEVICE)]
     checkpoint = torch.randn(2, hv, vd, kd, generator=gen).to(DEVICE)
     ring = RawRecords(*(t.to(DEVICE) for t in (torch.randn(2, L, h, kd, generator=gen), torch.randn(2, L, hv, vd, generator=gen),
                                               -torch.rand(2, L, hv, generator=gen), torch.rand(2, L, hv, generator=gen))))
     ring_u = torch.randn(2, L, hv, vd, generator=gen).to(DEVICE)
+    return x, params, checkpoint, ring, ring_u, [checkpoint.clone(), ring_u.clone(), *(t.clone() for t in ring)]
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_ring_decode_refuses_a_window_of_two_tokens_before_writing(backend):
+    x, params, checkpoint, ring, ring_u, before = _two_slot_ring(5, 3)
     cursors = [torch.tensor(c, dtype=torch.int32, device=DEVICE) for c in ([1, 0], [0, 3], [0, 0])]
-    before = [checkpoint.clone(), ring_u.clone(), *(t.clone() for t in ring)]
     with pytest.raises(ValueError, match="max_len|window"):
         gdn_ring_decode(*x, *params, checkpoint, ring, ring_u, torch.tensor([0, 1], dtype=torch.int32, device=DEVICE),
                         torch.tensor([0, 2, 3], dtype=torch.int32, device=DEVICE), *cursors, backend=backend)
@@ -172,16 +179,8 @@ def test_ring_decode_refuses_a_window_of_two_tokens_before_writing(backend):
 def test_ring_decode_refuses_tensor_core_products_on_an_early_tile_before_writing():
     """``dot_products`` streams the checkpoint; ``early_tile`` holds it in registers: a
     table row with both is refused by name before any kernel runs."""
-    gen = torch.Generator().manual_seed(6)
-    h, hv, kd, vd, L = 1, 1, 16, 8, 8
-    x = [(torch.randn(2, *sh, generator=gen)).to(DEVICE) for sh in ((h, kd), (h, kd), (hv, vd), (hv,), (hv,))]
-    params = [torch.full((hv,), -1.0, device=DEVICE), torch.zeros(hv, device=DEVICE)]
-    checkpoint = torch.randn(2, hv, vd, kd, generator=gen).to(DEVICE)
-    ring = RawRecords(*(t.to(DEVICE) for t in (torch.randn(2, L, h, kd, generator=gen), torch.randn(2, L, hv, vd, generator=gen),
-                                              -torch.rand(2, L, hv, generator=gen), torch.rand(2, L, hv, generator=gen))))
-    ring_u = torch.randn(2, L, hv, vd, generator=gen).to(DEVICE)
+    x, params, checkpoint, ring, ring_u, before = _two_slot_ring(6, 2)
     cursors = [torch.tensor(c, dtype=torch.int32, device=DEVICE) for c in ([3, 0], [1, 2], [1, 0])]
-    before = [checkpoint.clone(), ring_u.clone(), *(t.clone() for t in ring)]
     with tuning.override("ring_decode", dot_products=1, early_tile=1), \
             pytest.raises(ValueError, match="dot_products.*early_tile"):
         gdn_ring_decode(*x, *params, checkpoint, ring, ring_u, torch.tensor([0, 1], dtype=torch.int32, device=DEVICE),
