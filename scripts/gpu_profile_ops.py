@@ -2,7 +2,7 @@
 
 Where ``replayssm bench kernels`` times whole strategy steps, this separates their parts
 (a verify kernel, a commit kernel, the chunked window with an empty or full history,
-with and without flush rows) so that a slow step can be traced to its kernel. Each op
+with and without flush rows, ring decoding's token and flush rows) so that a slow step can be traced to its kernel. Each op
 is captured in a CUDA graph of ``--reps`` calls and the graph replayed; the time per
 call is printed next to the one-read floor ``Sb / copy bandwidth``.
 
@@ -165,6 +165,21 @@ def main() -> int:
                 attempt(f"[{vname}] closed_form part: outputs, mixed", batch,
                         lambda: chunked.launch_window_outputs(q, k, v, ckpt, ring, ring_u, slots, cu, wp, base, fl, coef,
                                                               o, T), sb)
+                # Plain decoding through the ring (one token a request) at the bench's cursors
+                # (a flush every 9 tokens): the token rows alone, flush rows alone, and mixed,
+                # which says how much of a plain ring step its flush rows cost.
+                from replayssm.ops.ring_decode import gdn_ring_decode_triton
+                step = torch.arange(batch, device="cuda") % 9
+                for label, w, f in (("history 8, no flush", 8, 0), ("flush 9 (every row)", 9, 1),
+                                    ("mixed: 1/9 flush 9, rest history 1-8", None, None)):
+                    if w is None:
+                        wp.copy_((step + 1).int())
+                        fl.copy_((step == 8).int())
+                    else:
+                        wp.fill_(w)
+                        fl.fill_(f)
+                    attempt(f"[{vname}] ring decode {label}", batch, lambda: gdn_ring_decode_triton(
+                        *args1, ckpt, ring, ring_u, slots, one, wp, base, fl), sb)
         apply({})
     if args.json:
         with open(args.json, "w") as fh:
