@@ -189,6 +189,26 @@ def test_draft_trees_with_padding_rows(tmp_path):
         assert r["tree"] == "2,1" and r["window"] == 5 and r["matches_plain"] and r["generated_tokens"] == 36
 
 
+def test_draft_trees_and_their_spines_per_bucket(tmp_path):
+    """``--tree --chain-from 2``: the batch-2 runs verify the tree's spine while both
+    requests run (a bucket of 2), the batch-1 runs the whole tree at every step; both
+    give plain decoding's tokens."""
+    js = tmp_path / "e.json"
+    rc = cli.main(["bench", "e2e", "--random", "tiny", "--batches", "1,2", "--max-new-tokens", "12", "--prompt-len", "6",
+                   "--quiet", "--no-hf", "--strategies", "fold", "--tree", "2,2", "--chain-from", "2",
+                   "--json", str(js)])
+    assert rc == 0
+    data = json.loads(js.read_text())
+    assert data["config"]["chain_from"] == 2
+    rows = {r["batch"]: r for r in data["rows"] if r["mode"] == "fold"}
+    for batch, r in rows.items():
+        assert r["chain_from"] == 2 and r["matches_plain"] and r["generated_tokens"] == 12 * batch
+        if batch == 1:
+            assert r["tree_steps"] == r["steps"]
+        else:  # tree steps only once one request has finished and one row is left
+            assert r["tree_steps"] < r["steps"]
+
+
 def test_checkpoint_with_its_mtp_head(tmp_path):
     """A local checkpoint drafted by its own MTP head (inside the static step), beside
     the static-cache HF baseline of the same checkpoint."""
@@ -295,6 +315,8 @@ def test_state_dtype_reaches_the_pool(tmp_path, capsys):
     (["--tree", "3,x"], "--tree"),
     (["--tree", "4,4"], "21 nodes"),
     (["--tree", "2,1", "--drafter", "forced"], "tree needs a drafter"),
+    (["--chain-from", "2"], "chain_from chooses between a draft tree and its spine"),
+    (["--tree", "2,1", "--chain-from", "0"], "--chain-from"),
     (["--requests-per-slot", "0"], "--requests-per-slot"),
 ])
 def test_cli_rejects_bad_settings(argv, message, capsys):

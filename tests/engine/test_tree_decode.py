@@ -76,3 +76,84 @@ def test_sampled_tree_steps_emit_the_budget(model, prompts):
                         sampling=SamplingParams(temperature=0.7)).generate(prompts, 24)
     assert [len(t) for t in got.tokens] == [24] and all(0 <= x < eng.vocab_size for x in got.tokens[0])
     assert got.steps < 23
+
+
+def test_tree_spines_are_the_first_child_paths():
+    """The spine is the root and then each node's first child (the best candidate) down
+    to a leaf: in index order for full trees, and along the first children of an
+    irregular one even where a later child goes deeper."""
+    from replayssm.ops.trees import DraftTrees
+
+    assert StaticTree.from_branching((3, 2, 1)).spine.tolist() == [0, 1, 4, 10]
+    assert StaticTree.from_branching((2, 2)).spine.tolist() == [0, 1, 3]
+    assert StaticTree.chain(4).spine.tolist() == [0, 1, 2, 3]
+    # root -> (1, 2); 1 -> 3; 2 -> 4 -> 5: the spine stops at leaf 3
+    irregular = StaticTree(DraftTrees.from_parents([[-1, 0, 0, 1, 2, 4]]))
+    assert irregular.spine.tolist() == [0, 1, 3]
+
+
+def _two_prompts(model):
+    tok = load_tokenizer(str(embedded_model_dir("embedded")))
+    return [tok.encode(TEXT), tok.encode("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n")]
+
+
+@pytest.mark.parametrize("strategy,drafter,branching", [("fold", "mtp", (3, 2, 1)), ("circular", "ngram", (2, 2))])
+def test_tree_and_spine_steps_mixed_per_bucket_equal_plain_decoding(model, strategy, drafter, branching):
+    """``chain_from=2``: two requests run as a bucket of 2 (spine steps: the tree's best
+    chain) until the shorter one ends, then as a bucket of 1 (tree steps), so each
+    request takes both kinds; greedy tokens are plain decoding's, and drafts past the
+    root are accepted in the spine steps too."""
+    prompts = _two_prompts(model)
+    budgets = [20, 48]
+    want = StepGenerator(HybridEngine(model, strategy="fold", num_slots=1, window=1, max_len=160)).generate(
+        prompts, budgets).tokens
+    tree = StaticTree.from_branching(branching)
+    eng = HybridEngine(model, strategy=strategy, num_slots=2, window=tree.num_nodes, max_len=160)
+    if drafter == "mtp":
+        d = DeviceMTPDrafter(eng, load_mtp_head(eng, str(embedded_model_dir("embedded"))), tree=tree)
+    else:
+        d = DeviceNgramDrafter(tree=tree)
+    gen = StepGenerator(eng, d, tree=tree, chain_from=2)
+    assert (gen.verifies_tree(1), gen.verifies_tree(2)) == (True, False)
+    got = gen.generate(prompts, budgets)
+    assert got.tokens == want
+    rows = got.stats.rows
+    assert 2 in rows and 1 in rows, rows
+    spine = len(tree.spine)
+    # drafts verified: the spine's at two rows, the whole tree's at one
+    assert got.drafted == sum(r * ((spine - 1) if r == 2 else (tree.num_nodes - 1)) for r in rows)
+    # the two-row steps come first; one of them accepted two drafts in a row, so the
+    # spine's second draft is its first draft's child
+    two = got.accept_lengths[: 2 * rows.count(2)]
+    assert max(two) >= 3, two
+
+
+def test_chain_from_needs_a_tree(model):
+    eng = _engine(model, "fold", 4)
+    d = DeviceMTPDrafter(eng, load_mtp_head(eng, str(embedded_model_dir("embedded"))))
+    with pytest.raises(ValueError, match="chain_from .*needs a tree"):
+        StepGenerator(eng, d, num_draft=3, chain_from=2)
+    tree = StaticTree.from_branching((2, 1))
+    eng = _engine(model, "fold", tree.num_nodes)
+    d = DeviceNgramDrafter(tree=tree)
+    for bad in (0, True, 1.5):
+        with pytest.raises(ValueError, match="chain_from must be a positive int"):
+            StepGenerator(eng, d, tree=tree, chain_from=bad)
+
+
+def test_a_spine_step_needs_a_tree_drafter_and_no_tree_of_its_own(model):
+    import torch
+
+    from replayssm.engine.graph_step import StaticStep
+
+    tree = StaticTree.from_branching((2, 1))
+    eng = _engine(model, "fold", tree.num_nodes)
+    windows = torch.zeros((2, tree.num_nodes), dtype=torch.int64)
+    with pytest.raises(ValueError, match="tree or its spine"):
+        StaticStep(eng, windows, 1, drafter=DeviceNgramDrafter(tree=tree), tree=tree, spine=True)
+    with pytest.raises(ValueError, match="drafter that proposes trees"):
+        StaticStep(eng, windows, 1, drafter=DeviceNgramDrafter(), spine=True)
+    with pytest.raises(ValueError, match="5-node trees, got 3 columns"):
+        StaticStep(eng, windows[:, :3], 1, drafter=DeviceNgramDrafter(tree=tree), spine=True)
+    with pytest.raises(TypeError, match="spine must be a bool"):
+        StaticStep(eng, windows, 1, drafter=DeviceNgramDrafter(tree=tree), spine=1)

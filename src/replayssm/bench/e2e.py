@@ -167,6 +167,9 @@ class E2EConfig:
     #: (``StepGenerator(plain_from=)``; circular's then decode through a ring of
     #: ``plain_ring_len``); None: every step speculates
     plain_from: int | None = None
+    #: with ``tree``, the speculative modes' batch buckets of at least this many rows
+    #: verify the tree's spine as a chain (``StepGenerator(chain_from=)``); None: the tree
+    chain_from: int | None = None
     #: requests queued per slot: ``requests_per_slot x batch`` requests run through
     #: ``batch`` slots, each joining as a slot frees up (a loaded server: finished
     #: requests are replaced, so speculation's uneven finishing leaves no batch
@@ -210,6 +213,11 @@ class E2EConfig:
             self._check_tree()
         if self.plain_from is not None:
             self._check_plain_from()
+        if self.chain_from is not None:
+            if isinstance(self.chain_from, bool) or not isinstance(self.chain_from, int) or self.chain_from < 1:
+                raise ValueError(f"chain_from must be a positive int or None, got {self.chain_from!r}")
+            if not self.tree:
+                raise ValueError("chain_from chooses between a draft tree and its spine: it needs a tree")
         if self.ring_len is not None:
             self._check_ring_len()
         if self.dtype not in DTYPES:
@@ -574,7 +582,8 @@ def run_mode(model, mode: str, prompts, warm, cfg: E2EConfig, *, on_done=None,
     drafter = None if mode in PLAIN_MODES else make_drafter(cfg, engine, model, tree=tree)
     gen = StepGenerator(engine, drafter, num_draft=cfg.num_draft, eos_token_ids=(), graphs=cfg.graphed,
                         prefill_chunk=cfg.prefill_chunk, tree=tree,
-                        plain_from=None if mode in PLAIN_MODES else cfg.plain_from)
+                        plain_from=None if mode in PLAIN_MODES else cfg.plain_from,
+                        chain_from=None if tree is None else cfg.chain_from)
     budgets, warm_budgets = request_budgets(cfg, len(prompts)), request_budgets(cfg, len(warm), warmup=True)
     gen.capture()  # every bucket now: requests finishing unevenly must not capture inside a timed run
     if engine.prompt_graphs is not None and cfg.prefill_chunk is None:  # the first pass: every prompt whole
@@ -616,6 +625,9 @@ def run_mode(model, mode: str, prompts, warm, cfg: E2EConfig, *, on_done=None,
                        per_draft_acceptance=per_draft_acceptance(speculative_accept_lengths(runs[-1], gen), depth))
         if tree is not None:
             row.update(tree=tree.describe(), window=window)
+            if gen.chain_from is not None:
+                tree_steps = [sum(map(gen.verifies_tree, r.stats.rows)) for r in runs]
+                row.update(chain_from=gen.chain_from, tree_steps=sum(tree_steps) / len(runs))
         out.append((row, runs[-1].tokens))
     del gen, drafter
     del engine
@@ -922,6 +934,9 @@ def print_table(result: dict, file=None) -> None:
     if c.get("plain_from") is not None:
         print(f"plain from {c['plain_from']}: the speculative modes' buckets of {c['plain_from']} rows or more take "
               "plain steps (plain_steps per run in the JSON rows)", file=file)
+    if c.get("chain_from") is not None:
+        print(f"chain from {c['chain_from']}: the tree modes' buckets of {c['chain_from']} rows or more verify the "
+              "tree's spine, its best chain (tree_steps per run in the JSON rows)", file=file)
     if any(r.get("verdict") in ("mismatch", "differs") for r in result["rows"]):
         print("== plain: the share of tokens equal to plain's; NO: a failure (exact strategy in "
               f"{'/'.join(STRICT_DTYPES)}), ~: reported only", file=file)

@@ -96,6 +96,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tree", type=branching, default=(), metavar="BRANCHING",
                         help="verify draft trees of this shape (children per depth, e.g. 3,2,1; the ngram or mtp "
                              "drafter) instead of chains of --num-draft")
+    parser.add_argument("--chain-from", type=positive_int, default=None, metavar="B",
+                        help="with --tree: the batch buckets of at least B rows verify the tree's spine (its best "
+                             "chain) instead of the whole tree (the engine's choice per bucket); default: every "
+                             "speculative step verifies the tree")
     parser.add_argument("--acceptance", type=_probabilities, default=d.acceptance,
                         help="oracle and forced drafters: probabilities of accepting each draft token after an "
                              "accepted one, one run per value (default 0,0.5,0.8,0.95)")
@@ -140,7 +144,7 @@ def config_from_args(args):
         prefill=args.prefill, prefill_chunk=args.prefill_chunk,
         device=device, dtype=pick(args.dtype, "bf16", "fp32"), state_dtype=args.state_dtype, backend=args.backend, graphs=not args.no_graphs,
         repeats=pick(args.repeats, 3, 1), seed=args.seed, tree=tuple(args.tree), plain_from=args.plain_from,
-        requests_per_slot=args.requests_per_slot,
+        chain_from=args.chain_from, requests_per_slot=args.requests_per_slot,
     )
 
 

@@ -520,13 +520,20 @@ class StepGenerator:
             steps' tokens but proposes nothing during them, so the first speculative
             step after plain ones verifies older drafts (probably rejected). ``None``
             (default): every step speculates.
+        chain_from: with ``tree``, the batch buckets of at least this many rows verify
+            the tree's spine as a chain (:attr:`~replayssm.engine.trees.StaticTree.spine`:
+            the drafter's best draft at each depth, ``depth`` drafts) instead of the
+            whole tree: the engine's choice per bucket, where a tree's wider verify
+            stops paying. The drafter proposes trees throughout, so a request moves
+            between the two kinds as the batch grows and shrinks. ``None`` (default):
+            every speculative step verifies the tree.
     """
 
     def __init__(self, engine: HybridEngine, drafter=None, *, num_draft: int = 3,
                  sampling: SamplingParams = SamplingParams(), eos_token_ids: Sequence[int] = (),
                  graphs: bool | None = None, buckets: Sequence[int] | None = None,
                  prefill_chunk: int | None = None, tree=None, overlap: bool = True, plain_from: int | None = None,
-                 join_ahead: bool = True):
+                 join_ahead: bool = True, chain_from: int | None = None):
         from .device_drafters import DeviceDrafter
 
         if tree is not None:
@@ -535,6 +542,12 @@ class StepGenerator:
                                  "(e.g. DeviceMTPDrafter(..., tree=tree))")
             num_draft = tree.num_nodes - 1
             tree = None if tree.is_chain else tree
+        if chain_from is not None:
+            if isinstance(chain_from, bool) or not isinstance(chain_from, int) or chain_from < 1:
+                raise ValueError(f"chain_from must be a positive int or None, got {chain_from!r}")
+            if tree is None:
+                raise ValueError("chain_from chooses between a draft tree and its spine: it needs a tree that is "
+                                 "not a chain")
         check_generator_args(engine, drafter, DeviceDrafter, sampling, num_draft)
         if drafter is not None:
             drafter.check_sampling(sampling)
@@ -576,6 +589,7 @@ class StepGenerator:
         self.prefill_chunk = prefill_chunk
         self.tree = tree
         self.plain_from = plain_from
+        self.chain_from = chain_from
         self._steps: dict[int, object] = {}
         self._pool = None
         self._joins_captured = False
@@ -589,6 +603,12 @@ class StepGenerator:
         ``plain_from`` rows) rather than speculative."""
         return self.plain_from is not None and self._bucket(live) >= self.plain_from
 
+    def verifies_tree(self, live: int) -> bool:
+        """Whether a step of ``live`` requests verifies the whole draft tree (its bucket is
+        below ``chain_from``), rather than the tree's spine or plain decoding."""
+        return (self.tree is not None and not self.takes_plain_steps(live)
+                and (self.chain_from is None or self._bucket(live) < self.chain_from))
+
     def _bucket(self, live: int) -> int:
         return next(b for b in self.buckets if b >= live)
 
@@ -600,9 +620,11 @@ class StepGenerator:
             if self.graphs and self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             plain = self.takes_plain_steps(rows)
+            tree = self.verifies_tree(rows)
             windows = self.windows[:, :1] if plain else self.windows  # a plain step's window: the last token
             self._steps[rows] = StaticStep(self.engine, windows, rows, drafter=self.drafter, sampling=self.sampling,
-                                           graph=self.graphs, pool=self._pool, tree=None if plain else self.tree)
+                                           graph=self.graphs, pool=self._pool, tree=self.tree if tree else None,
+                                           spine=self.tree is not None and not plain and not tree)
         return self._steps[rows]
 
     def capture(self, rows: Sequence[int] | None = None) -> None:

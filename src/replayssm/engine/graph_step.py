@@ -26,7 +26,11 @@ positions ``start + depth``), step 3 is the tree acceptance (greedy:
 top-k tokens as deterministic candidates), step 4 :meth:`Strategy.commit_tree` of the
 accepted node and the KV compaction of its path
 (:func:`~replayssm.engine.kv_cache.compact_kv_path`), and the drafter observes the path
-(``depth + 1`` tokens) and proposes the next tree.
+(``depth + 1`` tokens) and proposes the next tree. A spine step (``spine``) takes a
+tree drafter's proposals as a chain: its window is the tree's spine (the root, then the
+best draft at each depth), verified and committed as any chain, and the drafter's next
+proposal is a whole tree again, so a request may take tree and spine steps in any order
+(the driver's choice per batch bucket).
 
 Per-slot buffers (windows, KV lengths, drafter history) are indexed by slot, not by
 row, so requests may finish or join between steps (the driver rewrites the rows' slots)
@@ -76,11 +80,23 @@ class StaticStep:
         pool: a CUDA graph memory pool shared by the engine's step graphs.
         tree: a :class:`~replayssm.engine.trees.StaticTree` of ``T`` nodes (not a chain:
             a chain is the plain window) whose nodes the drafter proposes; ``None``.
+        spine: a chain step for a drafter that proposes trees (``windows`` holds its
+            trees' ``N`` nodes): the step verifies the tree's spine
+            (:attr:`~replayssm.engine.trees.StaticTree.spine`, ``S`` columns: the root,
+            then the best draft at each depth) as its window of ``S`` tokens, and stores
+            the drafter's next whole tree in ``windows``, so that tree steps and spine
+            steps of one request can follow each other. ``False`` (default): the window
+            is every column.
     """
 
     def __init__(self, engine: HybridEngine, windows: torch.Tensor, rows: int, *, drafter: DeviceDrafter | None,
-                 sampling: SamplingParams = SamplingParams(), graph: bool = False, pool=None, tree=None):
-        t = windows.shape[1]
+                 sampling: SamplingParams = SamplingParams(), graph: bool = False, pool=None, tree=None,
+                 spine: bool = False):
+        if not isinstance(spine, bool):
+            raise TypeError(f"spine must be a bool, got {type(spine).__name__}")
+        if spine:
+            _check_spine(windows, drafter, tree)
+        t = windows.shape[1] if not spine else drafter.tree.spine.shape[0]
         if t > 1 and drafter is None:
             raise ValueError(f"a window of {t} tokens needs a drafter")
         if t > engine.window:
@@ -95,6 +111,9 @@ class StaticStep:
                                  "whose tokens the target verifies")
         self.tree = tree
         self.trees = None if tree is None else tree.draft_trees(rows)  # one object for every layer of every step
+        self.spine = drafter.tree.spine.to(engine.device) if spine else None
+        # the spine's drafts among the tree's (for their draft probabilities, if sampled)
+        self._spine_drafts = self.spine[1:] - 1 if spine else None
         if graph and engine.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA engine")
         self.engine, self.windows, self.drafter, self.sampling = engine, windows, drafter, sampling
@@ -151,10 +170,14 @@ class StaticStep:
             return self._tree_body()
         eng, t = self.engine, self.window
         kv_len = eng.kv.device_lengths
-        ids = self.windows[self.slot_idx]  # [B, T]
+        ids = self.windows[self.slot_idx]  # [B, T] (a tree's [B, N] for a spine step)
+        if self.spine is not None:
+            ids = ids[:, self.spine]
         verify = t > 1
         # the probabilities this window's drafts were sampled from (None: deterministic)
         q = self.drafter.draft_probs(self.slot_idx) if verify and not self.sampling.greedy else None
+        if q is not None and self.spine is not None:
+            q = q[:, self._spine_drafts]
         starts = kv_len[self.slot_idx]
         positions = starts[:, None] + self._steps
         logits, hidden = eng.forward_static(ids, positions, self.slot_idx, self.batch, verify=verify, ring=self.ring)
@@ -220,6 +243,18 @@ class StaticStep:
     def _capture(self, pool) -> None:
         # every row is padding while it warms up, so no request's state moves
         self.graph = capture_graph(self._body, self.engine.device, pool=pool)
+
+
+def _check_spine(windows: torch.Tensor, drafter, tree) -> None:
+    """A spine step's arguments (see :class:`StaticStep`): a drafter that proposes trees of
+    ``windows``' width, and no tree for the step itself."""
+    if tree is not None:
+        raise ValueError("a step verifies a tree or its spine, not both")
+    own = getattr(drafter, "tree", None)
+    if own is None or own.is_chain:
+        raise ValueError("spine needs a drafter that proposes trees (built with a tree that is not a chain)")
+    if own.num_nodes != windows.shape[1]:
+        raise ValueError(f"windows must hold the drafter's {own.num_nodes}-node trees, got {windows.shape[1]} columns")
 
 
 def capture_graph(body: Callable[[], object], device=None, *, pool=None, warmup_steps: int = 2) -> torch.cuda.CUDAGraph:

@@ -46,6 +46,9 @@ class StaticTree:
             (``-1`` past ``depth[i]``).
         children: ``[N, C]`` int64, each node's children in index order (``-1`` padding).
         levels: per depth ``d``, the ``[M_d]`` int64 nodes at that depth.
+        spine: ``[S]`` int64, the root and then each node's first child down to a leaf
+            (``S <= D + 1``): the chain the tree holds, its drafter's best token at
+            each depth (children take a node's candidates in order, best first).
         branching: the children per depth it was built from, or ``None``.
     """
 
@@ -77,6 +80,10 @@ class StaticTree:
         self.children = torch.tensor([k + [-1] * (c - len(k)) for k in kids], dtype=torch.int64, device=dev)
         self.levels = [torch.tensor([i for i in range(n) if int(depth[i]) == k], dtype=torch.int64, device=dev)
                        for k in range(d + 1)]
+        spine = [0]
+        while kids[spine[-1]]:
+            spine.append(kids[spine[-1]][0])
+        self.spine = torch.tensor(spine, dtype=torch.int64, device=dev)
         #: host copies (static shapes are decided from these, never from device values)
         self.host_parents, self.host_children = plist, kids
         self.host_depth = depth.tolist()
