@@ -157,3 +157,19 @@ def test_a_spine_step_needs_a_tree_drafter_and_no_tree_of_its_own(model):
         StaticStep(eng, windows[:, :3], 1, drafter=DeviceNgramDrafter(tree=tree), spine=True)
     with pytest.raises(TypeError, match="spine must be a bool"):
         StaticStep(eng, windows, 1, drafter=DeviceNgramDrafter(tree=tree), spine=1)
+
+
+def test_sampled_spine_steps_emit_the_budget(model, prompts):
+    """Sampling through spine steps (the tree drafter's best chain as deterministic
+    drafts, rejection as for any chain): every request gets its budget of vocabulary
+    tokens, and drafts get accepted."""
+    from replayssm.engine.sampling import SamplingParams
+
+    tree = StaticTree.from_branching((2, 1))
+    eng = _engine(model, "fold", tree.num_nodes)
+    gen = StepGenerator(eng, DeviceNgramDrafter(tree=tree), tree=tree, chain_from=1,
+                        sampling=SamplingParams(temperature=0.7))
+    got = gen.generate(prompts, 24)
+    assert not gen.verifies_tree(1)
+    assert [len(t) for t in got.tokens] == [24] and all(0 <= x < eng.vocab_size for x in got.tokens[0])
+    assert got.drafted == 2 * got.steps and got.steps < 23
