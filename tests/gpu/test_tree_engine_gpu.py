@@ -12,6 +12,8 @@ Run on the GPU machine:  python -m pytest -q -s tests/gpu/test_tree_engine_gpu.p
   token for every strategy, and for the exact-output strategies (fold, snapshot) the
   tokens equal plain greedy decoding's over 256 tokens per prompt. Sampled tree steps
   replay too and emit tokens of the vocabulary. Tokens per step are printed (``-s``).
+* Spine steps (the tree's best chain, ``chain_from``) and tree steps in one run, each
+  kind graphed: replay equals eager, and fold's tokens are plain decoding's.
 """
 
 import pytest
@@ -65,11 +67,12 @@ def _engine(model, strategy, window):
                         backend="triton")
 
 
-def _tree_run(setup, strategy, tree, graphs, sampling=SamplingParams()):
+def _tree_run(setup, strategy, tree, graphs, sampling=SamplingParams(), chain_from=None, budgets=NEW):
     path, model, prompts = setup
     eng = _engine(model, strategy, tree.num_nodes)
     drafter = DeviceMTPDrafter(eng, load_mtp_head(eng, path), tree=tree)
-    return StepGenerator(eng, drafter, tree=tree, graphs=graphs, sampling=sampling).generate(prompts, NEW)
+    return StepGenerator(eng, drafter, tree=tree, graphs=graphs, sampling=sampling,
+                         chain_from=chain_from).generate(prompts, budgets)
 
 
 @pytest.mark.parametrize("strategy", ["fold", "snapshot", "circular"])
@@ -91,3 +94,21 @@ def test_graphed_sampled_tree_steps(setup):
     r = _tree_run(setup, "fold", tree, graphs=True, sampling=SamplingParams(temperature=0.8, top_k=50))
     assert all(len(t) == NEW and all(0 <= x < 4096 for x in t) for t in r.tokens)
     assert r.mean_accept_length > 1.0
+
+
+@pytest.mark.parametrize("strategy", ["fold", "circular"])
+def test_graphed_tree_and_spine_steps_per_bucket(setup, strategy):
+    """``chain_from=2``: both prompts' steps verify the 3,2,1 tree's spine (a bucket of 2)
+    until the shorter budget ends, then the tree (a bucket of 1), each kind one CUDA
+    graph: replay equals the eager steps token for token, and for fold the tokens are
+    plain greedy decoding's."""
+    tree = StaticTree.from_branching((3, 2, 1), DEV)
+    budgets = [NEW // 2, NEW]
+    graphed = _tree_run(setup, strategy, tree, graphs=True, chain_from=2, budgets=budgets)
+    eager = _tree_run(setup, strategy, tree, graphs=False, chain_from=2, budgets=budgets)
+    assert graphed.tokens == eager.tokens
+    assert 1 in graphed.stats.rows and 2 in graphed.stats.rows
+    if strategy == "fold":
+        _, model, prompts = setup
+        plain = StepGenerator(_engine(model, strategy, tree.num_nodes), graphs=True).generate(prompts, budgets)
+        assert graphed.tokens == plain.tokens
