@@ -89,7 +89,14 @@ class LLM:
             ``"model"`` (a draft model, see ``draft_model``) or ``"none"`` / ``None``
             (plain decoding).
         num_draft: draft tokens per step ``k`` (the verify window is ``k + 1``, at most
-            :data:`replayssm.engine.factory.MAX_WINDOW`).
+            :data:`replayssm.engine.factory.MAX_WINDOW`); default 3, or with ``tree``
+            the tree's ``N - 1`` drafted nodes (any other value is refused).
+        tree: a draft tree as children per depth (``(3, 2, 1)`` or ``"3,2,1"``; the
+            ``"ngram"`` or ``"mtp"`` drafter): every step verifies a tree of this shape,
+            its ``N`` nodes at most ``MAX_WINDOW`` (DESIGN.md section 2, "Trees").
+        chain_from: with ``tree``, batches of at least this many requests (by bucket)
+            verify the tree's best chain, its spine, instead of the whole tree
+            (:class:`~replayssm.engine.generator.StepGenerator`'s ``chain_from``).
         draft_model: the draft model's directory (or ``"embedded-draft"``) with
             ``drafter="model"``; it must share the target's tokenizer.
         max_num_seqs: requests decoded at once (the engine's slots).
@@ -112,9 +119,10 @@ class LLM:
     """
 
     def __init__(self, model: str | os.PathLike = "embedded", *, strategy: str = "fold", drafter: str | None = "ngram",
-                 num_draft: int = 3, draft_model: str | os.PathLike | None = None, max_num_seqs: int = 8,
+                 num_draft: int | None = None, draft_model: str | os.PathLike | None = None, max_num_seqs: int = 8,
                  max_model_len: int | None = None, dtype: str = "auto", state_dtype: str = "float32",
-                 device: str = "auto", seed: int | None = 0):
+                 device: str = "auto", seed: int | None = 0, tree: str | Sequence[int] | None = None,
+                 chain_from: int | None = None):
         import torch
 
         from .engine.adapter import HybridEngine
@@ -130,6 +138,19 @@ class LLM:
             raise ValueError(f"drafter must be one of {DRAFT_CHOICES} or None, got {drafter!r}")
         if strategy not in STRATEGY_NAMES:
             raise ValueError(f"strategy must be one of {STRATEGY_NAMES}, got {strategy!r}")
+        branching = _branching(tree, drafter, chain_from)
+        if branching is not None:
+            from .engine.trees import StaticTree
+
+            nodes = StaticTree.from_branching(branching).num_nodes
+            if nodes > MAX_WINDOW:
+                raise ValueError(f"tree {','.join(map(str, branching))} has {nodes} nodes; a window holds at most "
+                                 f"{MAX_WINDOW}")
+            if num_draft is not None and num_draft != nodes - 1:
+                raise ValueError(f"num_draft {num_draft} disagrees with the tree's {nodes - 1} drafted nodes "
+                                 "(leave num_draft unset with a tree)")
+            num_draft = nodes - 1
+        num_draft = 3 if num_draft is None else num_draft
         _positive("num_draft", num_draft)
         if num_draft + 1 > MAX_WINDOW:
             raise ValueError(f"num_draft must be at most {MAX_WINDOW - 1} (window num_draft + 1 <= {MAX_WINDOW}), "
@@ -166,6 +187,9 @@ class LLM:
         self.strategy = strategy
         self.drafter = drafter
         self.num_draft = num_draft
+        #: the draft tree's children per depth, or ``None`` (chains of ``num_draft``)
+        self.tree = branching
+        self.chain_from = chain_from
         self.max_model_len = max_model_len
         self.device = resolve_device(device)
         self._eos = eos_token_ids(path, self.tokenizer)
@@ -193,12 +217,18 @@ class LLM:
             warp = SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
             eos = () if params.ignore_eos else self._eos
             e = self.engine
+            tree = None
+            if self.tree is not None:
+                from .engine.trees import StaticTree
+
+                tree = StaticTree.from_branching(self.tree, e.device)
             d = self._make_drafter(self.drafter, e, model_dir=self.model_dir, draft_model_dir=self._draft_dir,
-                                   sampling=warp, batch=e.pool.num_slots, max_len=e.max_len)
+                                   sampling=warp, batch=e.pool.num_slots, max_len=e.max_len, tree=tree)
             if self.drafter == "model":  # the draft model decodes on the host between steps
                 gen = SpeculativeGenerator(e, d, num_draft=self.num_draft, sampling=warp, eos_token_ids=eos)
             else:
-                gen = StepGenerator(e, d, num_draft=self.num_draft, sampling=warp, eos_token_ids=eos)
+                gen = StepGenerator(e, d, num_draft=self.num_draft, sampling=warp, eos_token_ids=eos, tree=tree,
+                                    chain_from=self.chain_from)
             self._generators[key] = gen
         return self._generators[key]
 
@@ -300,9 +330,32 @@ class LLM:
         return params
 
     def __repr__(self) -> str:
+        tree = "" if self.tree is None else f", tree={','.join(map(str, self.tree))!r}"
+        chain = "" if self.chain_from is None else f", chain_from={self.chain_from}"
         return (f"LLM(model={self.model_dir!r}, strategy={self.strategy!r}, drafter={self.drafter!r}, "
-                f"num_draft={self.num_draft}, max_num_seqs={self.engine.pool.num_slots}, "
+                f"num_draft={self.num_draft}{tree}{chain}, max_num_seqs={self.engine.pool.num_slots}, "
                 f"max_model_len={self.max_model_len}, device={str(self.device)!r})")
+
+
+def _branching(tree, drafter: str, chain_from) -> tuple[int, ...] | None:
+    """``tree`` as children per depth (``None`` without one), checked with the drafter
+    and ``chain_from`` it needs."""
+    if chain_from is not None:
+        _positive("chain_from", chain_from)
+        if tree is None:
+            raise ValueError("chain_from chooses between a draft tree and its spine: it needs a tree")
+    if tree is None:
+        return None
+    if drafter not in ("ngram", "mtp"):
+        raise ValueError(f"tree needs the ngram or mtp drafter, not {drafter!r}")
+    if isinstance(tree, str):
+        from .engine.trees import parse_branching
+
+        return parse_branching(tree)
+    if (not isinstance(tree, Sequence) or not tree
+            or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in tree)):
+        raise ValueError(f"tree must be children per depth, positive ints such as (3, 2, 1) or '3,2,1', got {tree!r}")
+    return tuple(tree)
 
 
 def _positive(name: str, value) -> None:
