@@ -53,6 +53,19 @@ def test_generate_with_draft_trees(checkpoints, capsys):
     rc = cli.main(["generate", "--model", checkpoints["qwen3_5"], "--prompt", "x", "--draft", "none", "--tree", "2,1"])
     err = capsys.readouterr().err
     assert rc == 2 and "--tree needs --draft ngram or mtp" in err and err.count("\n") == 1
+    rc = cli.main(["generate", "--model", checkpoints["qwen3_5"], "--prompt", "x", "--draft", "mtp", "--chain-from", "2"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--chain-from chooses between a draft tree and its spine" in err and err.count("\n") == 1
+
+
+def test_generate_with_draft_trees_and_spine_buckets(checkpoints, capsys):
+    """``--chain-from 2`` with two prompts: their steps verify the tree's spine while both
+    run; the greedy tokens are still plain decoding's."""
+    rc, out = generate(capsys, "--model", checkpoints["qwen3_5"], "--prompt", "Hello, GDN", "--prompt", "a b c",
+                       "--draft", "mtp", "--tree", "2,1", "--chain-from", "2", "--strategy", "fold",
+                       "--max-new-tokens", "16", "--ignore-eos", "--compare-plain")
+    assert rc == 0, out
+    assert "greedy agreement with plain decoding: 32/32 tokens" in out
 
 
 def test_generate_with_16_bit_states(checkpoints, capsys):

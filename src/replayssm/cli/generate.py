@@ -40,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tree", type=branching, default=None, metavar="BRANCHING",
                         help="verify draft trees of this shape instead of chains (children per depth, e.g. 3,2,1; "
                              "--draft ngram or mtp; replaces --num-draft)")
+    parser.add_argument("--chain-from", type=positive_int, default=None, metavar="B",
+                        help="with --tree: batches of at least B prompts (by bucket) verify the tree's best chain, its "
+                             "spine, instead of the whole tree")
     parser.add_argument("--max-new-tokens", type=positive_int, default=256, help="tokens to generate per prompt (default 256)")
     parser.add_argument("--temperature", type=nonneg_float, default=0.0, help="softmax temperature; 0 = greedy (default)")
     parser.add_argument("--top-p", type=probability, default=1.0, help="nucleus mass in (0, 1]; 1 keeps every token (default)")
@@ -74,6 +77,8 @@ def check_args(args) -> None:
         raise ValueError(f"--draft-model is only used with --draft model, not --draft {args.draft}")
     if args.draft == "mtp":
         common.check_mtp("--draft mtp", args.model)
+    if args.chain_from is not None and args.tree is None:
+        raise ValueError("--chain-from chooses between a draft tree and its spine: it needs --tree")
     if args.tree is not None:
         from ..engine.factory import MAX_WINDOW
         from ..engine.trees import StaticTree
@@ -156,7 +161,8 @@ def main(args) -> int:
         gen = SpeculativeGenerator(engine, drafter, num_draft=args.num_draft, sampling=sampling, eos_token_ids=eos,
                                    seed=args.seed)
     else:  # one static step per decode step, a CUDA graph replay on a GPU
-        gen = StepGenerator(engine, drafter, num_draft=args.num_draft, sampling=sampling, eos_token_ids=eos, tree=tree)
+        gen = StepGenerator(engine, drafter, num_draft=args.num_draft, sampling=sampling, eos_token_ids=eos, tree=tree,
+                            chain_from=args.chain_from)
     result = gen.generate(prompts, args.max_new_tokens, on_tokens=on_tokens)
     if stream:
         print()
