@@ -151,7 +151,7 @@ def test_bad_construction_raises_before_loading(tiny, tmp_path):
         (dict(drafter="model"), "needs draft_model"),
         (dict(max_model_len=10**6), "max_position_embeddings"),
         (dict(state_dtype="float16"), "state_dtype must be one of"),
-        (dict(tree="2,1", drafter="none"), "tree needs the ngram or mtp drafter"),
+        (dict(tree="2,1", drafter="none"), "tree needs the ngram, mtp or model drafter"),
         (dict(tree="2,x"), "children per depth"),
         (dict(tree=(2, 0)), "tree must be children per depth"),
         (dict(tree="4,4"), "21 nodes"),
@@ -188,3 +188,17 @@ def test_a_tiny_checkpoint_with_its_draft_model(tiny):
     assert [o.token_ids for o in out] == [r.token_ids for r in ref]
     assert all(o.stats.acceptance_rate > 0.9 for o in out)  # the draft model is the target
     assert "strategy='snapshot'" in repr(llm)
+
+
+def test_a_tiny_checkpoint_with_its_draft_model_in_trees(tiny):
+    """``drafter="model"`` with a tree: the draft model's top-k trees inside the static
+    step (three requests through two slots); with the target as its own draft model
+    every step takes the tree's whole depth."""
+    params = SamplingParams(max_tokens=13, ignore_eos=True)
+    llm = LLM(tiny, strategy="fold", drafter="model", draft_model=tiny, tree="2,2", max_num_seqs=2, max_model_len=256)
+    out = llm.generate(["ab", "cd", "ef"], params)
+    ref = LLM(tiny, drafter=None, max_num_seqs=3, max_model_len=256).generate(["ab", "cd", "ef"], params)
+    assert [o.token_ids for o in out] == [r.token_ids for r in ref]
+    (gen,) = llm._generators.values()
+    assert type(gen.drafter).__name__ == "DeviceModelDrafter" and gen.tree is not None
+    assert all(o.stats.tokens_per_step == pytest.approx(3.0) for o in out)  # 12 tokens after the prefill: 4 steps

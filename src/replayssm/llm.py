@@ -92,7 +92,8 @@ class LLM:
             :data:`replayssm.engine.factory.MAX_WINDOW`); default 3, or with ``tree``
             the tree's ``N - 1`` drafted nodes (any other value is refused).
         tree: a draft tree as children per depth (``(3, 2, 1)`` or ``"3,2,1"``; the
-            ``"ngram"`` or ``"mtp"`` drafter): every step verifies a tree of this shape,
+            ``"ngram"``, ``"mtp"`` or ``"model"`` drafter, the last inside the static
+            step): every step verifies a tree of this shape,
             its ``N`` nodes at most ``MAX_WINDOW`` (DESIGN.md section 2, "Trees").
         chain_from: with ``tree``, batches of at least this many requests (by bucket)
             verify the tree's best chain, its spine, instead of the whole tree
@@ -224,7 +225,7 @@ class LLM:
                 tree = StaticTree.from_branching(self.tree, e.device)
             d = self._make_drafter(self.drafter, e, model_dir=self.model_dir, draft_model_dir=self._draft_dir,
                                    sampling=warp, batch=e.pool.num_slots, max_len=e.max_len, tree=tree)
-            if self.drafter == "model":  # the draft model decodes on the host between steps
+            if self.drafter == "model" and tree is None:  # the draft model decodes on the host between steps
                 gen = SpeculativeGenerator(e, d, num_draft=self.num_draft, sampling=warp, eos_token_ids=eos)
             else:
                 gen = StepGenerator(e, d, num_draft=self.num_draft, sampling=warp, eos_token_ids=eos, tree=tree,
@@ -346,8 +347,8 @@ def _branching(tree, drafter: str, chain_from) -> tuple[int, ...] | None:
             raise ValueError("chain_from chooses between a draft tree and its spine: it needs a tree")
     if tree is None:
         return None
-    if drafter not in ("ngram", "mtp"):
-        raise ValueError(f"tree needs the ngram or mtp drafter, not {drafter!r}")
+    if drafter not in ("ngram", "mtp", "model"):
+        raise ValueError(f"tree needs the ngram, mtp or model drafter, not {drafter!r}")
     if isinstance(tree, str):
         from .engine.trees import parse_branching
 

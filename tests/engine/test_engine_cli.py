@@ -52,10 +52,20 @@ def test_generate_with_draft_trees(checkpoints, capsys):
     assert "generated 24 tokens" in out and "greedy agreement with plain decoding: 24/24 tokens" in out
     rc = cli.main(["generate", "--model", checkpoints["qwen3_5"], "--prompt", "x", "--draft", "none", "--tree", "2,1"])
     err = capsys.readouterr().err
-    assert rc == 2 and "--tree needs --draft ngram or mtp" in err and err.count("\n") == 1
+    assert rc == 2 and "--tree needs --draft ngram, mtp or model" in err and err.count("\n") == 1
     rc = cli.main(["generate", "--model", checkpoints["qwen3_5"], "--prompt", "x", "--draft", "mtp", "--chain-from", "2"])
     err = capsys.readouterr().err
     assert rc == 2 and "--chain-from chooses between a draft tree and its spine" in err and err.count("\n") == 1
+
+
+def test_generate_with_the_draft_models_trees(checkpoints, capsys):
+    """``--draft model --tree``: the draft model's top-k trees inside the static step."""
+    path = checkpoints["qwen3_5"]
+    rc, out = generate(capsys, "--model", path, "--prompt", "Hello, GDN", "--draft", "model", "--draft-model", path,
+                       "--tree", "2,1", "--strategy", "fold", "--max-new-tokens", "16", "--ignore-eos",
+                       "--compare-plain")
+    assert rc == 0, out
+    assert "greedy agreement with plain decoding: 16/16 tokens" in out
 
 
 def test_generate_with_draft_trees_and_spine_buckets(checkpoints, capsys):

@@ -12,6 +12,7 @@ Run on the GPU machine:  python -m pytest -q -s tests/gpu/test_tree_engine_gpu.p
   token for every strategy, and for the exact-output strategies (fold, snapshot) the
   tokens equal plain greedy decoding's over 256 tokens per prompt. Sampled tree steps
   replay too and emit tokens of the vocabulary. Tokens per step are printed (``-s``).
+* The draft model inside the step (chains and its top-k trees): replay equals eager.
 * Spine steps (the tree's best chain, ``chain_from``) and tree steps in one run, each
   kind graphed: replay equals eager, and fold's tokens are plain decoding's.
 """
@@ -112,3 +113,26 @@ def test_graphed_tree_and_spine_steps_per_bucket(setup, strategy):
         _, model, prompts = setup
         plain = StepGenerator(_engine(model, strategy, tree.num_nodes), graphs=True).generate(prompts, budgets)
         assert graphed.tokens == plain.tokens
+
+
+@pytest.mark.parametrize("branching", [None, (3, 2, 1)])
+def test_graphed_draft_model_steps(setup, branching):
+    """The shipped draft model inside the static step (chains of 3, and its top-k 3,2,1
+    trees), every step one CUDA graph with the draft model's forwards in it: replay
+    equals the eager steps token for token, and fold's tokens are plain decoding's."""
+    from replayssm.engine.model_drafter import DeviceModelDrafter
+
+    _, model, prompts = setup
+    tree = None if branching is None else StaticTree.from_branching(branching, DEV)
+    window = 4 if tree is None else tree.num_nodes
+    runs = []
+    for graphs in (True, False):
+        eng = _engine(model, "fold", window)
+        draft = load_model(str(embedded_model_dir("embedded-draft")), dtype=torch.float32, device="cuda")
+        deng = HybridEngine(draft, strategy="fold", num_slots=2, window=window, max_len=eng.max_len, backend="triton")
+        drafter = DeviceModelDrafter(deng, eng.vocab_size, tree=tree)
+        runs.append(StepGenerator(eng, drafter, num_draft=3, tree=tree, graphs=graphs).generate(prompts, NEW))
+    assert runs[0].tokens == runs[1].tokens
+    plain = StepGenerator(_engine(model, "fold", window), graphs=True).generate(prompts, NEW)
+    assert runs[0].tokens == plain.tokens
+    print(f"draft model {branching}: {runs[0].mean_accept_length:.2f} tokens/step")

@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="draft tokens per step k, at most 15 (window = k + 1; default 3)")
     parser.add_argument("--tree", type=branching, default=None, metavar="BRANCHING",
                         help="verify draft trees of this shape instead of chains (children per depth, e.g. 3,2,1; "
-                             "--draft ngram or mtp; replaces --num-draft)")
+                             "--draft ngram, mtp or model; replaces --num-draft)")
     parser.add_argument("--chain-from", type=positive_int, default=None, metavar="B",
                         help="with --tree: batches of at least B prompts (by bucket) verify the tree's best chain, its "
                              "spine, instead of the whole tree")
@@ -83,8 +83,8 @@ def check_args(args) -> None:
         from ..engine.factory import MAX_WINDOW
         from ..engine.trees import StaticTree
 
-        if args.draft not in ("ngram", "mtp"):
-            raise ValueError(f"--tree needs --draft ngram or mtp, not --draft {args.draft}")
+        if args.draft not in ("ngram", "mtp", "model"):
+            raise ValueError(f"--tree needs --draft ngram, mtp or model, not --draft {args.draft}")
         nodes = StaticTree.from_branching(args.tree).num_nodes
         if nodes > MAX_WINDOW:
             raise ValueError(f"--tree {','.join(map(str, args.tree))} has {nodes} nodes; a window holds at most "
@@ -157,7 +157,7 @@ def main(args) -> int:
             shown[0] = text
 
     torch.manual_seed(args.seed)  # static steps sample from torch's generator of the device
-    if args.draft == "model":  # the draft model decodes on the host between steps
+    if args.draft == "model" and tree is None:  # the draft model decodes on the host between steps
         gen = SpeculativeGenerator(engine, drafter, num_draft=args.num_draft, sampling=sampling, eos_token_ids=eos,
                                    seed=args.seed)
     else:  # one static step per decode step, a CUDA graph replay on a GPU

@@ -10,9 +10,10 @@
   static-shape steps, one CUDA graph replay per step on a GPU (forward, acceptance,
   commit and the next drafts on the device); drafters that run inside the step:
   :class:`DeviceNgramDrafter`, :class:`DeviceMTPDrafter`, and for benchmarks
-  :class:`OracleDrafter` and :class:`ForcedDrafter` (``device_drafters``); with a
-  :class:`StaticTree` (``trees``), every step verifies a draft tree of the n-gram or
-  MTP drafter instead of a chain.
+  :class:`OracleDrafter` and :class:`ForcedDrafter` (``device_drafters``), and
+  :class:`DeviceModelDrafter` (``model_drafter``: a draft model's chains and top-k
+  trees through its own engine's static forwards); with a :class:`StaticTree`
+  (``trees``), every step verifies a draft tree instead of a chain.
 * :class:`SpeculativeGenerator` (``generator``): the eager decoding loop (host-side
   drafters, the draft model), with greedy acceptance or distribution-preserving
   rejection sampling (``sampling``).
@@ -36,12 +37,14 @@ from .device_drafters import DeviceDrafter, DeviceMTPDrafter, DeviceNgramDrafter
 from .drafters import Draft, Drafter, MTPDrafter, MTPHead, ModelDrafter, NgramDrafter, load_mtp_head
 from .generator import GenerationResult, SpeculativeGenerator, StepGenerator
 from .kv_cache import KVCache
+from .model_drafter import DeviceModelDrafter
 from .sampling import SamplingParams, greedy_accept, rejection_sample, warp_probs
 from .trees import StaticTree
 
 __all__ = [
     "DeviceDrafter",
     "DeviceMTPDrafter",
+    "DeviceModelDrafter",
     "DeviceNgramDrafter",
     "Draft",
     "Drafter",

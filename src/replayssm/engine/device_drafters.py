@@ -73,6 +73,11 @@ class DeviceDrafter:
             self.start(s, list(p) + [f], r)
         return self.propose(torch.tensor(slots, dtype=torch.long, device=self._device))
 
+    def set_rows(self, slots: Sequence[int]) -> None:
+        """The pool slots (``-1`` padding) of the rows of the next steps of
+        ``len(slots)`` rows, on the host before each launch (a drafter with static
+        batches of its own sets them here; the others need nothing)."""
+
     def capture_join(self, buckets: Sequence[int]) -> None:
         """Capture the first drafts of :meth:`join` in CUDA graphs, one per bucket of
         ``buckets`` rows (a step driver calls this beside capturing its steps). A drafter

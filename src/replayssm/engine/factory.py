@@ -29,15 +29,17 @@ def make_drafter(kind: str, engine, *, model_dir=None, draft_model_dir=None, sam
     draft model of ``draft_model_dir`` (same tokenizer as ``model_dir``) runs eagerly
     with its own engine of ``batch`` slots and ``max_len`` tokens
     (:class:`~replayssm.engine.generator.SpeculativeGenerator`). ``tree``: a
-    :class:`~replayssm.engine.trees.StaticTree` the n-gram or MTP drafter proposes
-    (pass the same one to the ``StepGenerator``)."""
+    :class:`~replayssm.engine.trees.StaticTree` the drafter proposes (pass the same one
+    to the ``StepGenerator``); the draft model's trees come from
+    :class:`~replayssm.engine.model_drafter.DeviceModelDrafter`, inside the static step
+    (``batch`` must then be the target's slots)."""
     from .device_drafters import DeviceMTPDrafter, DeviceNgramDrafter
     from .drafters import ModelDrafter, load_mtp_head
 
     if kind not in DRAFT_CHOICES:
         raise ValueError(f"kind must be one of {DRAFT_CHOICES}, got {kind!r}")
-    if tree is not None and kind not in ("ngram", "mtp"):
-        raise ValueError(f"draft trees come from the ngram or mtp drafter, not {kind!r}")
+    if tree is not None and kind not in ("ngram", "mtp", "model"):
+        raise ValueError(f"draft trees come from the ngram, mtp or model drafter, not {kind!r}")
     if kind == "none":
         return None
     if kind == "ngram":
@@ -54,6 +56,12 @@ def make_drafter(kind: str, engine, *, model_dir=None, draft_model_dir=None, sam
         raise ValueError(f"{draft_model_dir!r} does not share the target's tokenizer")
     draft = load_model(draft_model_dir, dtype=engine.dtype, device=str(engine.device))
     # The draft model's GDN checkpoints take the target's dtype (16-bit states halve both).
+    if tree is not None:  # the draft model inside the static step: its top-k trees
+        from .model_drafter import DeviceModelDrafter
+
+        draft_engine = HybridEngine(draft, strategy="fold", num_slots=batch, window=tree.num_nodes,
+                                    max_len=max_len, state_dtype=engine.pool.state_dtype)
+        return DeviceModelDrafter(draft_engine, engine.vocab_size, sampling=sampling, tree=tree)
     draft_engine = HybridEngine(draft, strategy="fold", num_slots=batch, window=1, max_len=max_len,
                                 state_dtype=engine.pool.state_dtype)
     return ModelDrafter(draft_engine, engine.vocab_size)

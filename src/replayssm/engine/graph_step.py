@@ -148,6 +148,8 @@ class StaticStep:
         generations = tuple(map(int, generations))
         if len(generations) != self.rows:
             raise ValueError(f"need {self.rows} row generations, got {len(generations)}")
+        if self.drafter is not None:  # a drafter's own static batches (a draft model's) follow the rows
+            self.drafter.set_rows(host.tolist())
         # a slot freed and taken by a joining request keeps its row: a new generation
         self.batch.generations = generations
         if tuple(host.tolist()) == self.batch.host_slots:
