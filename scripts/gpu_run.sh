@@ -18,7 +18,8 @@
 #                                         # (CLOSED_LOOP_TOKENS), $CLOSED_LOOP_DTYPE (default float32)
 #   scripts/gpu_run.sh trees              # bench e2e on the shipped model with MTP drafts at batches
 #                                         # 1, 4, 16, 64: the depth-3 chain, the 3,2,1 tree, and the
-#                                         # tree with its spine from $CHAIN_FROM rows (default 16)
+#                                         # tree with its spine from $CHAIN_FROM rows (default 16); then
+#                                         # the shipped draft model's chain and 3,2,1 tree
 #
 # Results go to $RESULTS (default benchmarks/results, under the names BENCHMARKS.md
 # cites; $TAG, default h200, names the card):
@@ -32,7 +33,7 @@
 #   train-draft   train_draft_$TAG.log, the checkpoint in $DRAFT_OUT
 #   acceptance    acceptance_$TAG.log, acceptance_$TAG.json, acceptance_$TAG.png
 #   closed-loop   closed_loop_${CLOSED_LOOP_DTYPE}_$TAG.{log,json,png}
-#   trees         e2e_trees_{chain,tree,spine}_$TAG.{log,json}
+#   trees         e2e_trees_{chain,tree,spine,model_chain,model_tree}_$TAG.{log,json}
 # A test stage fails (exit 1) when pytest passed no GPU test: all skipped (no CUDA
 # device) or none collected must not read as success. Wheels of packages the machine
 # lacks (fla-core for chunked prefill and training, with flash-linear-attention and
@@ -87,7 +88,9 @@ for what in "$@"; do
                    --model embedded --tokens "${CLOSED_LOOP_TOKENS:-8192}" --requests 2 --dtype "$CLOSED_LOOP_DTYPE" \
                    --json "$RESULTS/closed_loop_${CLOSED_LOOP_DTYPE}_$TAG.json" \
                    --plot "$RESULTS/closed_loop_${CLOSED_LOOP_DTYPE}_$TAG.png" ;;
-        trees) for cfg in "chain|--num-draft 3" "tree|--tree 3,2,1" "spine|--tree 3,2,1 --chain-from ${CHAIN_FROM:-16}"; do
+        trees) for cfg in "chain|--num-draft 3" "tree|--tree 3,2,1" "spine|--tree 3,2,1 --chain-from ${CHAIN_FROM:-16}" \
+                          "model_chain|--drafter model --draft-model embedded-draft --num-draft 3" \
+                          "model_tree|--drafter model --draft-model embedded-draft --tree 3,2,1"; do
                    name=${cfg%%|*}
                    # shellcheck disable=SC2086  # the options split into words on purpose
                    stage "e2e_trees_${name}_$TAG" "${E2E_LIMIT:-240}" "$PYTHON" -m replayssm.cli bench e2e --model embedded \

@@ -209,6 +209,29 @@ def test_draft_trees_and_their_spines_per_bucket(tmp_path):
             assert r["tree_steps"] < r["steps"]
 
 
+@pytest.mark.parametrize("tree", [None, "2,1"])
+def test_a_checkpoint_with_its_draft_model(tmp_path, tree):
+    """``--drafter model``: the draft model inside the static step (here the checkpoint
+    drafting for itself, so every draft is accepted), chains or trees; the exact
+    strategy's tokens are plain decoding's."""
+    from replayssm.testing.checkpoints import save_tiny_checkpoint
+
+    ckpt = tmp_path / "ckpt"
+    save_tiny_checkpoint(ckpt, seed=random.randint(0, 1000))
+    js = tmp_path / "e.json"
+    rc = cli.main(["bench", "e2e", "--model", str(ckpt), "--drafter", "model", "--draft-model", str(ckpt),
+                   "--strategies", "fold", "--no-hf", "--batches", "1,2", "--max-new-tokens", "10", "--prompt-len", "6",
+                   "--quiet", "--json", str(js)] + ([] if tree is None else ["--tree", tree]))
+    assert rc == 0
+    data = json.loads(js.read_text())
+    assert data["config"]["drafter"] == "model" and data["config"]["draft_model"] == str(ckpt)
+    rows = [r for r in data["rows"] if r["mode"] == "fold"]
+    assert len(rows) == 2
+    for r in rows:
+        assert r["matches_plain"] and r["drafter"] == "model"
+        assert r["mean_accept_length"] > (2.0 if tree else 2.5)
+
+
 def test_checkpoint_with_its_mtp_head(tmp_path):
     """A local checkpoint drafted by its own MTP head (inside the static step), beside
     the static-cache HF baseline of the same checkpoint."""
@@ -316,6 +339,9 @@ def test_state_dtype_reaches_the_pool(tmp_path, capsys):
     (["--tree", "4,4"], "21 nodes"),
     (["--tree", "2,1", "--drafter", "forced"], "tree needs a drafter"),
     (["--chain-from", "2"], "chain_from chooses between a draft tree and its spine"),
+    (["--drafter", "model"], "--drafter model needs --draft-model"),
+    (["--draft-model", "embedded-draft"], "--draft-model is only used with --drafter model"),
+    (["--random", "tiny", "--drafter", "model", "--draft-model", "embedded-draft"], "needs a checkpoint"),
     (["--tree", "2,1", "--chain-from", "0"], "--chain-from"),
     (["--requests-per-slot", "0"], "--requests-per-slot"),
 ])

@@ -41,7 +41,7 @@ def _plain(model, prompts, budget):
 
 def _drafter(path, slots, window, tree=None, strategy="fold", sampling=None):
     draft = HybridEngine(load_model(str(path), dtype="float32", device="cpu"), strategy=strategy, num_slots=slots,
-                         window=window, max_len=MAX_LEN)
+                         window=window, max_len=MAX_LEN + window)
     return DeviceModelDrafter(draft, draft.vocab_size, sampling=sampling, tree=tree)
 
 

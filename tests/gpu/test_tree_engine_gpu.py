@@ -129,7 +129,7 @@ def test_graphed_draft_model_steps(setup, branching):
     for graphs in (True, False):
         eng = _engine(model, "fold", window)
         draft = load_model(str(embedded_model_dir("embedded-draft")), dtype=torch.float32, device="cuda")
-        deng = HybridEngine(draft, strategy="fold", num_slots=2, window=window, max_len=eng.max_len, backend="triton")
+        deng = HybridEngine(draft, strategy="fold", num_slots=2, window=window, max_len=eng.max_len + window, backend="triton")
         drafter = DeviceModelDrafter(deng, eng.vocab_size, tree=tree)
         runs.append(StepGenerator(eng, drafter, num_draft=3, tree=tree, graphs=graphs).generate(prompts, NEW))
     assert runs[0].tokens == runs[1].tokens

@@ -99,7 +99,7 @@ PLAIN_MODES = (PLAIN, PLAIN_RING)
 HF = "hf"
 HF_STATIC = "hf-static"
 HF_CACHES = {"dynamic": HF, "static": HF_STATIC}  # --hf setting -> mode name
-DRAFTERS = ("ngram", "oracle", "forced", "mtp")
+DRAFTERS = ("ngram", "oracle", "forced", "mtp", "model")
 SET_ACCEPTANCE = ("oracle", "forced")  # drafters that run once per --acceptance value
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 STATE_DTYPES = ("fp32", "bf16")  # the GDN checkpoints' dtypes (keys of DTYPES)
@@ -150,6 +150,9 @@ class E2EConfig:
     prefill: str = "auto"  # the engine's GDN prompt kernel (HybridEngine's prefill)
     prefill_chunk: int | None = None  # StepGenerator's prompt tokens per prefill pass (None: whole prompts)
     drafter: str = "ngram"
+    #: the draft model's checkpoint directory (drafter ``"model"``: it drafts inside the
+    #: static step, :class:`~replayssm.engine.model_drafter.DeviceModelDrafter`)
+    draft_model: str | None = None
     acceptance: tuple[float, ...] = (0.0, 0.5, 0.8, 0.95)
     device: str = "cpu"
     dtype: str = "bf16"
@@ -206,6 +209,14 @@ class E2EConfig:
             raise ValueError(f"random_model must be one of {RANDOM_MODELS}, got {self.random_model!r}")
         if self.drafter not in DRAFTERS:
             raise ValueError(f"drafter must be one of {DRAFTERS}, got {self.drafter!r}")
+        if self.drafter == "model":
+            if self.model is None or self.draft_model is None:
+                raise ValueError("the model drafter needs a checkpoint (model) and its draft model (draft_model)")
+            if not Path(self.draft_model).is_dir() or not (Path(self.draft_model) / "config.json").is_file():
+                raise ValueError(f"draft_model must be a checkpoint directory with a config.json, got "
+                                 f"{self.draft_model!r}")
+        elif self.draft_model is not None:
+            raise ValueError(f"draft_model is only used with the model drafter, not {self.drafter!r}")
         if self.drafter in SET_ACCEPTANCE:
             if not self.acceptance or any(not 0 <= p <= 1 for p in self.acceptance):
                 raise ValueError(f"acceptance must be probabilities in [0, 1], got {list(self.acceptance)}")
@@ -235,8 +246,8 @@ class E2EConfig:
         from ..engine.factory import MAX_WINDOW
         from ..engine.trees import StaticTree
 
-        if self.drafter not in ("ngram", "mtp"):
-            raise ValueError(f"a tree needs a drafter whose tokens the target verifies (ngram, mtp), got "
+        if self.drafter not in ("ngram", "mtp", "model"):
+            raise ValueError(f"a tree needs a drafter whose tokens the target verifies (ngram, mtp, model), got "
                              f"{self.drafter!r}")
         n = StaticTree.from_branching(self.tree).num_nodes
         if n > MAX_WINDOW:
@@ -718,6 +729,16 @@ def make_drafter(cfg: E2EConfig, engine, model, tree=None):
         return device_drafters.OracleDrafter({}, 0.0, vocab, seed=cfg.seed)  # P and references set per run
     if cfg.drafter == "forced":
         return device_drafters.ForcedDrafter(0.0, vocab, seed=cfg.seed)  # P set per run
+    if cfg.drafter == "model":  # its own engine, as many slots and as long a window as the target's
+        from ..engine.adapter import HybridEngine
+        from ..engine.loading import load_model as load_checkpoint
+        from ..engine.model_drafter import DeviceModelDrafter
+
+        draft = load_checkpoint(cfg.draft_model, dtype=DTYPES[cfg.dtype], device=str(engine.device))
+        draft_engine = HybridEngine(draft, strategy="fold", num_slots=engine.pool.num_slots, window=engine.window,
+                                    max_len=engine.max_len + engine.window, backend=cfg.backend, prefill=cfg.prefill,
+                                    state_dtype=engine.pool.state_dtype)
+        return DeviceModelDrafter(draft_engine, vocab, tree=tree)
     if cfg.model is not None:
         head = drafters.load_mtp_head(engine, cfg.model)
     else:  # the random model has no trained head: random weights time the drafting, accept little

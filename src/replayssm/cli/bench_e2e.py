@@ -92,7 +92,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafter", choices=DRAFTERS, default=d.drafter,
                         help="ngram (prompt lookup), oracle (set acceptance on the strategy's own tokens), forced "
                              "(a seeded draw sets how many drafts each step accepts, whatever the numerics; a "
-                             "benchmark of step cost) or the checkpoint's mtp head")
+                             "benchmark of step cost), the checkpoint's mtp head, or a draft model (--draft-model) "
+                             "inside the static step")
+    parser.add_argument("--draft-model", default=None, metavar="DIR",
+                        help="the draft model's checkpoint directory (or embedded-draft) for --drafter model; it must "
+                             "share --model's tokenizer")
     parser.add_argument("--tree", type=branching, default=(), metavar="BRANCHING",
                         help="verify draft trees of this shape (children per depth, e.g. 3,2,1; the ngram or mtp "
                              "drafter) instead of chains of --num-draft")
@@ -134,6 +138,15 @@ def config_from_args(args):
         from ..engine.loading import EMBEDDED
 
         model = common.check_model("--model", args.model or EMBEDDED)  # "embedded": the checkpoint in the package
+    draft_model = None
+    if args.draft_model is not None:
+        if args.drafter != "model":
+            raise ValueError(f"--draft-model is only used with --drafter model, not --drafter {args.drafter}")
+        draft_model = common.check_model("--draft-model", args.draft_model)
+        if model is not None:
+            common.check_same_tokenizer("--draft-model", draft_model, model)
+    elif args.drafter == "model":
+        raise ValueError("--drafter model needs --draft-model DIR (and a checkpoint: --model, not --random)")
     return E2EConfig(
         model=model, random_model=args.random or "tiny", strategies=tuple(args.strategies),
         plain=not args.no_plain, plain_ring=args.plain_ring, plain_ring_len=args.plain_ring_len,
@@ -141,7 +154,7 @@ def config_from_args(args):
         batches=tuple(pick(args.batches, (1, 16, 64), (2,))),
         num_draft=args.num_draft, max_new_tokens=pick(args.max_new_tokens, 128, 12),
         prompt_len=pick(args.prompt_len, 64, 8), drafter=args.drafter, acceptance=tuple(args.acceptance),
-        prefill=args.prefill, prefill_chunk=args.prefill_chunk,
+        prefill=args.prefill, prefill_chunk=args.prefill_chunk, draft_model=draft_model,
         device=device, dtype=pick(args.dtype, "bf16", "fp32"), state_dtype=args.state_dtype, backend=args.backend, graphs=not args.no_graphs,
         repeats=pick(args.repeats, 3, 1), seed=args.seed, tree=tuple(args.tree), plain_from=args.plain_from,
         chain_from=args.chain_from, requests_per_slot=args.requests_per_slot,

@@ -60,7 +60,7 @@ def make_drafter(kind: str, engine, *, model_dir=None, draft_model_dir=None, sam
         from .model_drafter import DeviceModelDrafter
 
         draft_engine = HybridEngine(draft, strategy="fold", num_slots=batch, window=tree.num_nodes,
-                                    max_len=max_len, state_dtype=engine.pool.state_dtype)
+                                    max_len=max_len + engine.window, state_dtype=engine.pool.state_dtype)
         return DeviceModelDrafter(draft_engine, engine.vocab_size, sampling=sampling, tree=tree)
     draft_engine = HybridEngine(draft, strategy="fold", num_slots=batch, window=1, max_len=max_len,
                                 state_dtype=engine.pool.state_dtype)

@@ -41,7 +41,7 @@ class DeviceModelDrafter(DeviceDrafter):
         engine: the draft model's engine: as many slots as the target's, strategy
             ``snapshot`` or ``fold``, a window of at least the verifies it runs (a chain
             of ``k``: ``k + 1``; a tree: its depth + 1 and its nodes above the leaves'
-            depth).
+            depth), and a ``max_len`` of the target's plus its window.
         vocab_size: the target's vocabulary (draft logits are cut or padded to it).
         sampling: ``None`` or greedy: argmax drafts; otherwise chain drafts are sampled
             from the draft model's warped probabilities, kept per slot for the rejection
@@ -104,9 +104,9 @@ class DeviceModelDrafter(DeviceDrafter):
         if eng.window < needed:
             raise ValueError(f"the draft engine's window {eng.window} is shorter than the {needed} tokens its "
                              "verifies take")
-        if eng.max_len + eng.window < capacity:
-            raise ValueError(f"the draft engine's max_len {eng.max_len} (+ window {eng.window}) holds fewer than the "
-                             f"{capacity} tokens a request may reach")
+        if eng.max_len < capacity:  # a finished request's last proposal reaches past its budget
+            raise ValueError(f"the draft engine's max_len {eng.max_len} holds fewer than the {capacity} tokens a "
+                             "request's drafts may reach (the target's max_len + window)")
         self.last = torch.zeros(num_slots + 1, dtype=torch.int64, device=device)  # x0 per target slot
         # draft slot per target slot (the target's sink row: the draft engine's sink)
         self._map = torch.full((num_slots + 1,), eng.kv.sink, dtype=torch.int64, device=device)
