@@ -241,6 +241,23 @@ def test_ring_decode_launch_choices_change_no_bit(state_dtype, param, value, dot
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("block_v", [16, 32, 128])
+def test_ring_decode_flush_on_two_warps_keeps_its_bits(state_dtype, block_v):
+    """The rows-apart flush kernel on 2 warps (``ring_decode.flush_warps = 2``) at several
+    flush tile heights: outputs, ``u`` and folded checkpoints bit for bit those of the
+    same split on 4 warps (the K axis keeps its lanes; rows a warp holds differ)."""
+    case = make_case(HV_POOL, 1, 64, state_dtype, torch.bfloat16, pad=False)
+    with tuning.override("ring_decode", split_flush=1, block_v=block_v, flush_warps=2):
+        got = run(case, "triton", method="decode")
+    with tuning.override("ring_decode", split_flush=1, block_v=block_v, flush_warps=4):
+        want = run(case, "triton", method="decode")
+    assert same(got[0], want[0]), "outputs differ"
+    assert same(got[3], want[3]), "u differs"
+    assert torch.equal(got[1], want[1]), "checkpoints differ"
+    assert not torch.equal(got[1], case["checkpoint"]), "no row flushed"
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("cap", [0, 128])
 def test_ring_decode_on_eight_warps_keeps_the_flush_bits(state_dtype, cap):
     """The ring decoding kernel on 8 warps (``ring_decode.num_warps = 8``, with or without

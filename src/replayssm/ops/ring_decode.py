@@ -147,7 +147,8 @@ except ImportError:  # the reference backend works without Triton
 if triton is not None:
     from .fold import replay_and_store_tile as _replay_and_store_tile
     from .recurrent import exact_block_k
-    from .triton_common import NORM_EPS, block_rows, exact_warps, register_cap, side_stream, sm_count
+    from .triton_common import EXACT_NUM_WARPS, NORM_EPS, block_rows, exact_warps, register_cap, side_stream
+    from .triton_common import sm_count
     from .triton_common import device_fn as _tl_device_fn, folding_rows as _tl_folding_rows
     from .triton_common import gdn_gates as _tl_gdn_gates, load_parts as _tl_load_parts, mask_and as _tl_mask_and
     from .triton_common import inv_norm as _tl_inv_norm, row_dot as _tl_row_dot, row_sum as _tl_row_sum
@@ -440,9 +441,13 @@ def launch_ring_decode(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, 
     if split:
         fbv = min(cfg["block_v"], triton.next_power_of_2(vd))
         programs = min(cfg["flush_programs"] * sm_count(q.device), batch * hv * triton.cdiv(vd, fbv))
+        # 2 warps (flush_warps) lay a tile's K axis out as 4 do, 4 keys a thread across 8
+        # lanes (sm_90 TTGIR), so each row's sums over K, and the replayed state, keep
+        # their bits; only the rows a warp holds change (the GPU test of launch choices).
+        warps = cfg["flush_warps"] if cfg["flush_warps"] < EXACT_NUM_WARPS else exact_warps(cfg["num_warps"], fbv)
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             _ring_flush_kernel[(programs,)](*args, batch, **common, BV=fbv, BB=triton.next_power_of_2(batch),
-                                            EARLY_TILE=True, num_warps=exact_warps(cfg["num_warps"], fbv))
+                                            EARLY_TILE=True, num_warps=warps)
     bv = block_rows(vd, batch * hv, q.device, cfg["token_block_v" if split else "block_v"])
     # A flush row replays exactly, so its row sums must be the fold's: the same parts,
     # lanes and order at either warp count (exact_warps). At 8 warps only the history's

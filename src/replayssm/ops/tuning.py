@@ -99,8 +99,11 @@ PARAMS = {
     # flush multiplies its checkpoint by the token's key and query on tensor cores,
     # streamed in ``k_chunk``-wide chunks ``num_stages`` deep (1; not with early_tile,
     # which holds the tile in registers), or by FMA on the four-part tile (0).
+    # ``flush_warps`` (rows apart): the flush kernel's warps, 4 (the exact kernels') or
+    # 2, whose tiles keep the 4-warp lanes along K (ops/ring_decode.py
+    # launch_ring_decode); 2 is untimed.
     "ring_decode": ("block_v", "records_ahead", "early_tile", "max_registers", "num_warps", "split_flush",
-                    "token_block_v", "flush_programs", "dot_products", "k_chunk", "num_stages"),
+                    "token_block_v", "flush_programs", "dot_products", "k_chunk", "num_stages", "flush_warps"),
 }
 
 _KEY_FIELDS = ("K", "V", "state_dtype", "min_batch", "max_batch", "device")
@@ -114,7 +117,8 @@ _CHOICES = {"tf32_coefficients": (0, 1), "dot_products": (0, 1), "fuse_flush": (
             "early_tile": (0, 1), "dependent_launch": (0, 1), "load_ahead": (0, 1),
             "ring_decode.split_flush": (0, 1, 2),
             "closed_form.split_flush": (0, 1, 2, 3),
-            "ring_decode.num_warps": (4, 8), "exact_write.num_warps": (4, 8), "exact_read_only.num_warps": (4, 8)}
+            "ring_decode.num_warps": (4, 8), "exact_write.num_warps": (4, 8), "exact_read_only.num_warps": (4, 8),
+            "ring_decode.flush_warps": (2, 4)}
 
 #: The table (see the module notes). Values chosen by measurement at Qwen3.5 shapes
 #: (BENCHMARKS.md, tuning notes).
@@ -195,17 +199,18 @@ TABLE: dict[str, list[tuple[dict, dict]]] = {
                                                                             max_registers=0, num_warps=4,
                                                                             split_flush=0, token_block_v=128,
                                                                             flush_programs=2, dot_products=0,
-                                                                            k_chunk=64, num_stages=2)),
+                                                                            k_chunk=64, num_stages=2, flush_warps=4)),
                     ({"state_dtype": torch.bfloat16}, dict(block_v=128, records_ahead=1, early_tile=0, max_registers=0,
                                                            num_warps=4, split_flush=2, token_block_v=128,
                                                            flush_programs=2, dot_products=1, k_chunk=64,
-                                                           num_stages=2)),
+                                                           num_stages=2, flush_warps=4)),
                     ({"min_batch": 16, "max_batch": 32}, dict(block_v=128, records_ahead=1, early_tile=1,
                                                               max_registers=0, num_warps=4, split_flush=2,
                                                               token_block_v=128, flush_programs=2, dot_products=0,
-                                                              k_chunk=64, num_stages=2)),
+                                                              k_chunk=64, num_stages=2, flush_warps=4)),
                     ({}, dict(block_v=128, records_ahead=1, early_tile=1, max_registers=0, num_warps=4, split_flush=0,
-                              token_block_v=128, flush_programs=2, dot_products=0, k_chunk=64, num_stages=2))],
+                              token_block_v=128, flush_programs=2, dot_products=0, k_chunk=64, num_stages=2,
+                              flush_warps=4))],
 }
 
 
