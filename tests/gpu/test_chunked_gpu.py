@@ -228,16 +228,8 @@ def test_ring_decode_launch_choices_change_no_bit(state_dtype, param, value, dot
     checkpoints without it (the entry at 0) bit for bit, on histories of 0..L-1 records
     with flush rows, with the other rows' products by FMA or on tensor cores
     (``dot_products``; its checkpoint streams, so the tile is never loaded early)."""
-    case = make_case(HV_POOL, 1, 64, state_dtype, torch.bfloat16, pad=False)
     products = dict(dot_products=dot, **({"early_tile": 0} if dot else {}))
-    with tuning.override("ring_decode", **products, **{param: value}):
-        got = run(case, "triton", method="decode")
-    with tuning.override("ring_decode", **products, **{param: 0}):
-        want = run(case, "triton", method="decode")
-    assert same(got[0], want[0]), "outputs differ"
-    assert same(got[3], want[3]), "u differs"
-    assert torch.equal(got[1], want[1]), "checkpoints differ"
-    assert not torch.equal(got[1], case["checkpoint"]), "no row flushed"
+    _decode_bits_equal(state_dtype, dict(products, **{param: value}), dict(products, **{param: 0}))
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -246,10 +238,17 @@ def test_ring_decode_flush_on_two_warps_keeps_its_bits(state_dtype, block_v):
     """The rows-apart flush kernel on 2 warps (``ring_decode.flush_warps = 2``) at several
     flush tile heights: outputs, ``u`` and folded checkpoints bit for bit those of the
     same split on 4 warps (the K axis keeps its lanes; rows a warp holds differ)."""
+    split = dict(split_flush=1, block_v=block_v)
+    _decode_bits_equal(state_dtype, dict(split, flush_warps=2), dict(split, flush_warps=4))
+
+
+def _decode_bits_equal(state_dtype, choice: dict, base: dict) -> None:
+    """Ring decoding under the table entries ``choice`` and ``base`` (histories of 0..L-1
+    records, flush rows): outputs, ``u`` and folded checkpoints bit for bit."""
     case = make_case(HV_POOL, 1, 64, state_dtype, torch.bfloat16, pad=False)
-    with tuning.override("ring_decode", split_flush=1, block_v=block_v, flush_warps=2):
+    with tuning.override("ring_decode", **choice):
         got = run(case, "triton", method="decode")
-    with tuning.override("ring_decode", split_flush=1, block_v=block_v, flush_warps=4):
+    with tuning.override("ring_decode", **base):
         want = run(case, "triton", method="decode")
     assert same(got[0], want[0]), "outputs differ"
     assert same(got[3], want[3]), "u differs"
