@@ -148,11 +148,12 @@ class StaticStep:
         generations = tuple(map(int, generations))
         if len(generations) != self.rows:
             raise ValueError(f"need {self.rows} row generations, got {len(generations)}")
+        rows = host.tolist()
         if self.drafter is not None:  # a drafter's own static batches (a draft model's) follow the rows
-            self.drafter.set_rows(host.tolist())
+            self.drafter.set_rows(rows)
         # a slot freed and taken by a joining request keeps its row: a new generation
         self.batch.generations = generations
-        if tuple(host.tolist()) == self.batch.host_slots:
+        if tuple(rows) == self.batch.host_slots:
             return
         self.batch.set_slots(host)
         copy_to_device(self.slot_idx, np.where(host < 0, self.engine.kv.sink, host))

@@ -27,6 +27,7 @@ from typing import Sequence
 
 import torch
 
+from ..ops.trees import DraftTrees
 from .device_drafters import DeviceDrafter, _check_tree_device
 from .drafters import _fit_vocab
 
@@ -92,13 +93,15 @@ class DeviceModelDrafter(DeviceDrafter):
         self.k = num_draft
         self._device = device
         # the trees of the first levels (depth < D), each a verify of the expansion
-        self._prefix = []
+        # and their node counts, on the host: a decode step reads no device value
+        self._prefix, self._prefix_nodes = [], []
         if self.tree is not None:
             parents = self.tree.host_parents
-            for level in self.tree.levels[:-1]:
-                n = int(level[-1]) + 1
-                self._prefix.append(StaticTree(_draft_trees([parents[:n]]), device) if n > 1 else None)
-            needed = max(self.tree.max_depth + 1, max(int(lv[-1]) + 1 for lv in self.tree.levels[:-1]))
+            for d in range(self.tree.max_depth):
+                n = sum(1 for x in self.tree.host_depth if x <= d)
+                self._prefix_nodes.append(n)
+                self._prefix.append(StaticTree(DraftTrees.from_parents([parents[:n]]), device) if n > 1 else None)
+            needed = max(self.tree.max_depth + 1, max(self._prefix_nodes))
         else:
             needed = num_draft + 1
         if eng.window < needed:
@@ -234,8 +237,7 @@ class DeviceModelDrafter(DeviceDrafter):
         tokens = torch.zeros((b, tree.num_nodes), dtype=torch.int64, device=slot_idx.device)
         tokens[:, 0] = self.last[slot_idx]
         for depth, (level, width, children, source) in enumerate(tree.expansion):
-            prefix = self._prefix[depth]
-            n = int(level[-1]) + 1
+            prefix, n = self._prefix[depth], self._prefix_nodes[depth]
             if prefix is None:  # the root alone: a chain of one token
                 logits = self._verify(tokens[:, :1], didx, starts, tag)
             else:
@@ -253,9 +255,3 @@ def _set_batch(batch, rows: tuple) -> None:
     batch.generations = generations
     if slots != batch.host_slots:
         batch.set_slots(list(slots))
-
-
-def _draft_trees(parents: list[list[int]]):
-    from ..ops.trees import DraftTrees
-
-    return DraftTrees.from_parents(parents)
