@@ -198,34 +198,41 @@ def test_exact_paths_bit_identical(hv, act, rows, t):
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("rows", [8, 256])
-def test_exact_kernels_on_eight_warps_keep_every_bit(state_dtype, rows):
-    """The exact kernels with 8 warps (``exact_write.num_warps`` / ``exact_read_only.num_warps``
-    = 8; the extra warps stack along V, see ``triton_common.exact_warps``) against the
-    same kernels on 4: the state update and its outputs, the read-only verify's outputs,
-    its records and the fold of them, all bit for bit."""
+@pytest.mark.parametrize("warps,block_v", [(8, 64), (2, 16), (2, 64), (1, 16)])
+def test_exact_kernels_on_other_warp_counts_keep_every_bit(state_dtype, rows, warps, block_v):
+    """The exact kernels on 1, 2 or 8 warps (``num_warps`` of ``exact_write``,
+    ``exact_snapshot`` and ``exact_read_only``; the warps stack along V, see
+    ``triton_common.exact_warps``) against the same kernels on the table's 4: the state
+    update and its outputs, the snapshots of a writing verify, the read-only verify's
+    outputs, its records and the fold of them, all bit for bit."""
     t, hv, layers, ns = 4, 32, 1, rows + 1
     slots, cu, lengths = rand_batch(rows, t, ns)
     acc = torch.tensor([int(torch.randint(1, n + 1, ())) for n in lengths], dtype=torch.int32, device=DEV)
     x = rand_layer(sum(lengths), hv, torch.bfloat16)
     ckpt0 = torch.randn(layers, ns, hv, V, K, device=DEV).to(state_dtype)
 
-    def path(warps):
-        with tuning.override("exact_write", num_warps=warps), tuning.override("exact_read_only", num_warps=warps):
+    def path(warps, block_v):
+        with tuning.override("exact_write", num_warps=warps, block_v=block_v), \
+                tuning.override("exact_snapshot", num_warps=warps, block_v=block_v), \
+                tuning.override("exact_read_only", num_warps=warps, block_v=2 * block_v):
             updated, folded = ckpt0.clone(), ckpt0.clone()
             o_upd = gdn_recurrence(*args(x), updated[0], slots, cu, update_state=True, max_len=t, backend="triton")
+            snaps = torch.full((ns, t, hv, V, K), NAN, device=DEV, dtype=state_dtype)
+            o_snap = gdn_recurrence(*args(x), ckpt0[0].clone(), slots, cu, snapshots=snaps, backend="triton")
             rec = nan_records(ns, t, hv, torch.bfloat16, layers=layers)
             o_ver = gdn_recurrence(*args(x), folded[0], slots, cu, records=RawRecords(*(r[0] for r in rec)),
                                    backend="triton")
             gdn_fold(folded, *rec, slots, torch.zeros_like(acc), acc, backend="triton")
             torch.cuda.synchronize()
-            return updated, o_upd, o_ver, rec, folded
+            return updated, o_upd, o_snap, o_ver, snaps, rec, folded
 
-    eight, four = path(8), path(4)
+    other, four = path(warps, block_v), path(4, 64)
     assert not torch.equal(four[0], ckpt0)
-    for i, name in enumerate(("updated state", "update outputs", "verify outputs")):
-        assert torch.equal(eight[i], four[i]), f"{name} differ at 8 warps"
-    assert all(same(a, b) for a, b in zip(eight[3], four[3])), "records differ at 8 warps"
-    assert torch.equal(eight[4], four[4]), "folded checkpoints differ at 8 warps"
+    for i, name in enumerate(("updated state", "update outputs", "snapshot outputs", "verify outputs")):
+        assert torch.equal(other[i], four[i]), f"{name} differ at {warps} warps"
+    assert same(other[4], four[4]), f"snapshots differ at {warps} warps"
+    assert all(same(a, b) for a, b in zip(other[5], four[5])), f"records differ at {warps} warps"
+    assert torch.equal(other[6], four[6]), f"folded checkpoints differ at {warps} warps"
 
 
 @pytest.mark.parametrize("hv,act,t", [(32, torch.bfloat16, 4), (64, torch.float32, 8)])

@@ -12,10 +12,13 @@ F32, BF16 = torch.float32, torch.bfloat16
 
 def test_defaults_are_the_measured_values():
     at = dict(K=128, V=128, state_dtype=F32, batch=256)
-    assert tuning.lookup("exact_write", **at) == {"block_v": 64, "records_ahead": 2, "num_warps": 4,
+    assert tuning.lookup("exact_write", **at) == {"block_v": 32, "records_ahead": 2, "num_warps": 2,
                                                        "load_ahead": 1}
-    assert tuning.lookup("exact_read_only", **at) == {"block_v": 128, "num_warps": 4, "load_ahead": 0}
-    assert tuning.lookup("exact_read_only", **dict(at, state_dtype=BF16)) == {"block_v": 128, "num_warps": 4, "load_ahead": 0}
+    assert tuning.lookup("exact_read_only", **at) == {"block_v": 64, "num_warps": 2, "load_ahead": 0}
+    assert tuning.lookup("exact_read_only", **dict(at, state_dtype=BF16)) == {"block_v": 64, "num_warps": 2, "load_ahead": 0}
+    assert tuning.lookup("exact_snapshot", **at) == {"block_v": 8, "num_warps": 1, "load_ahead": 1}
+    assert tuning.lookup("exact_snapshot", **dict(at, state_dtype=BF16)) == {"block_v": 16, "num_warps": 1, "load_ahead": 1}
+    assert tuning.lookup("exact_snapshot", **dict(at, state_dtype=BF16, batch=8))["block_v"] == 8
     assert tuning.lookup("closed_form", **dict(at, batch=16))["heads_per_program"] == 1
     assert tuning.lookup("closed_form", **at) == {"block_v": 64, "k_chunk": 64, "num_stages": 2, "num_warps": 4, "tf32_coefficients": 1,
                                                         "coef_warps": 1, "heads_per_program": 8, "flush_block_v": 32,
@@ -47,13 +50,17 @@ def test_closed_choices_are_checked(name, value):
 
 
 def test_a_choice_can_belong_to_one_family():
-    """The exact kernels take 4 or 8 warps (their states' bits are argued for those); the
-    closed form's unfused outputs kernel, any count."""
-    for family in ("ring_decode", "exact_write", "exact_read_only"):
-        with pytest.raises(ValueError, match=rf"{family}.num_warps must be one of \(4, 8\)"):
-            tuning.check_row(family, {}, {"num_warps": 2})
-        tuning.check_row(family, {}, {"num_warps": 8})
-    tuning.check_row("closed_form", {}, {"num_warps": 2})
+    """The exact kernels take 1, 2, 4 or 8 warps and ring decoding 4 or 8 (their states'
+    bits are argued for those counts); the closed form's unfused outputs kernel, any."""
+    with pytest.raises(ValueError, match=r"ring_decode.num_warps must be one of \(4, 8\)"):
+        tuning.check_row("ring_decode", {}, {"num_warps": 2})
+    for family in ("exact_write", "exact_snapshot", "exact_read_only"):
+        with pytest.raises(ValueError, match=rf"{family}.num_warps must be one of \(1, 2, 4, 8\)"):
+            tuning.check_row(family, {}, {"num_warps": 3})
+        for warps in (1, 2, 8):
+            tuning.check_row(family, {}, {"num_warps": warps})
+    tuning.check_row("ring_decode", {}, {"num_warps": 8})
+    tuning.check_row("closed_form", {}, {"num_warps": 3})
 
 
 def test_first_matching_row_wins(monkeypatch):
@@ -87,7 +94,7 @@ def test_override_is_scoped():
     with pytest.raises(RuntimeError):
         with tuning.override("exact_write", block_v=16):
             raise RuntimeError
-    assert tuning.lookup("exact_write", **at)["block_v"] == 64
+    assert tuning.lookup("exact_write", **at)["block_v"] == 32
 
 
 def test_bad_rows_and_names_raise():

@@ -260,11 +260,12 @@ def pick_block_v(kd: int, vd: int, batch: int, hv: int, state_dtype: torch.dtype
     return block_rows(vd, batch * hv * layers, device, most)
 
 
-def exact_row(kd: int, vd: int, batch: int, state_dtype: torch.dtype, read_only: bool) -> dict:
+def exact_row(kd: int, vd: int, batch: int, state_dtype: torch.dtype, read_only: bool, snapshots: bool = False) -> dict:
     """The shape table's row for an exact kernel: ``exact_read_only`` for a verify that
-    writes no state, else ``exact_write``."""
-    return tuning.lookup("exact_read_only" if read_only else "exact_write", K=kd, V=vd, state_dtype=state_dtype,
-                         batch=batch)
+    writes no state, ``exact_snapshot`` for one that stores a snapshot per token, else
+    ``exact_write``."""
+    family = "exact_read_only" if read_only else "exact_snapshot" if snapshots else "exact_write"
+    return tuning.lookup(family, K=kd, V=vd, state_dtype=state_dtype, batch=batch)
 
 
 def exact_block_k(kd: int) -> int:
@@ -499,7 +500,8 @@ def gdn_recurrence_triton(
     if slots is not given:
         o.zero_()  # rewritten on the device: rows made padding zero only what they cover
     bk = exact_block_k(kd)
-    row = exact_row(kd, vd, batch, state.dtype, read_only=snapshots is None and not update_state)
+    row = exact_row(kd, vd, batch, state.dtype, read_only=snapshots is None and not update_state,
+                    snapshots=snapshots is not None)
     bv = pick_block_v(kd, vd, batch, hv, state.dtype, q.device, most=row["block_v"])
     dummy = o  # stands in for absent optional buffers; never dereferenced
     rec = records if records is not None else RawRecords(dummy, dummy, dummy, dummy)

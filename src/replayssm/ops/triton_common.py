@@ -18,7 +18,7 @@ the same helpers: a ``[BV, BK]`` tile (``BK = next_power_of_2(K)``, the whole ke
 ``V`` split in rows) is held as four ``[BV, BK/4]`` column parts (:func:`load_parts`),
 keys and queries as four ``[BK/4]`` parts, and :func:`normalized` and
 :func:`gdn_state_step` do the arithmetic. Rows are independent, so ``BV`` may differ
-between kernels; ``BK`` must not, nor the warps' layout of a row (8 warps, where a table
+between kernels; ``BK`` must not, nor the lanes' layout of a row (other warp counts, where a table
 row asks for them, only stack along V: :func:`exact_warps`). Why four parts: Triton
 lays a block out from its shape, and an fp32 ``[BV, 32]`` part gets 4 consecutive keys
 per thread x 8 lanes per row, so a thread holds 16 keys of a row and a row's dot
@@ -74,19 +74,23 @@ except ImportError:  # the reference backend works without Triton
 INTERPRETER = triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
 
 #: ``num_warps`` of every kernel that advances a state exactly (see the module notes),
-#: unless its table row asks for 8 (:func:`exact_warps`).
+#: unless its table row asks for another count (:func:`exact_warps`).
 EXACT_NUM_WARPS = 4
 
 def exact_warps(warps: int, bv: int) -> int:
     """``num_warps`` of an exact kernel on ``[bv, BK]`` tiles, given the shape table's
-    ``warps`` (4 or 8).
+    ``warps`` (1, 2, 4 or 8).
 
-    8 warps stack along V: each four-part tile's per-thread keys and per-row lanes stay
-    as they are at 4 (4 x 8, for fp32 and 16-bit states: sm_90 TTGIR), so every
-    row sum over K keeps its order, and so do the states' bits. That holds only while
-    each warp gets its own row group at 8, which needs 64 rows; smaller tiles keep
-    :data:`EXACT_NUM_WARPS`. The bits at 8 warps are GPU tests."""
-    return warps if bv >= 64 else EXACT_NUM_WARPS
+    A four-part tile's row is laid out the same whatever the warps: 4 keys a thread x 8
+    lanes, 4 rows a warp (fp32 and 16-bit states: sm_90 TTGIR), and the warps stack
+    along V. So every row sum over K keeps its order, and the states their bits, as long
+    as each warp gets whole 4-row groups of its own: 8 warps need 64 rows, 1 and 2 warps
+    any tile of 16 (the smallest :func:`block_rows` gives). Fewer warps a program mean
+    more programs an SM, each with fewer rows. Other tiles keep
+    :data:`EXACT_NUM_WARPS`. The bits at 1, 2 and 8 warps are GPU tests."""
+    if warps == 8:
+        return warps if bv >= 64 else EXACT_NUM_WARPS
+    return warps if bv >= 4 * warps else EXACT_NUM_WARPS
 
 
 #: Column parts of an exact kernel's state tile (see the module notes); the helpers

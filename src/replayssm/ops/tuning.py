@@ -33,12 +33,16 @@ PARAMS = {
     # tall enough to amortise a token's key loads and normalisation over many rows, short
     # enough to keep the four-part tile in registers.
     # ``records_ahead``: how many records the exact replay (the fold; ops/fold.py
-    # ``replay_history``) loads ahead of its step, 1 or 2. ``num_warps``: 4, or 8 on
-    # tiles of 64+ rows (the extra warps stack along V; triton_common.exact_warps).
+    # ``replay_history``) loads ahead of its step, 1 or 2. ``num_warps``: 4, 8 on
+    # tiles of 64+ rows, or 1 or 2 (the warps stack along V; triton_common.exact_warps).
     # ``load_ahead``: whether the recurrence kernel loads the next token's inputs during
     # this token's step (1: latency hidden inside the program, a second token's inputs
     # in registers) or at the step's start (0: fewer registers, more programs an SM).
     "exact_write": ("block_v", "records_ahead", "num_warps", "load_ahead"),
+    # The writing verify that stores a snapshot of the state after every token
+    # (snapshot's): its tile, warps and ``load_ahead`` as exact_write's, apart because
+    # its T stores a token change which shape is fastest.
+    "exact_snapshot": ("block_v", "num_warps", "load_ahead"),
     # The read-only exact verify: no state to write back, so a taller tile holds fewer
     # live registers per row and amortises the per-token loads further.
     "exact_read_only": ("block_v", "num_warps", "load_ahead"),
@@ -117,7 +121,8 @@ _CHOICES = {"tf32_coefficients": (0, 1), "dot_products": (0, 1), "fuse_flush": (
             "early_tile": (0, 1), "dependent_launch": (0, 1), "load_ahead": (0, 1),
             "ring_decode.split_flush": (0, 1, 2),
             "closed_form.split_flush": (0, 1, 2, 3),
-            "ring_decode.num_warps": (4, 8), "exact_write.num_warps": (4, 8), "exact_read_only.num_warps": (4, 8),
+            "ring_decode.num_warps": (4, 8), "exact_write.num_warps": (1, 2, 4, 8),
+            "exact_read_only.num_warps": (1, 2, 4, 8), "exact_snapshot.num_warps": (1, 2, 4, 8),
             "ring_decode.flush_warps": (2, 4)}
 
 #: The table (see the module notes). Values chosen by measurement at Qwen3.5 shapes
@@ -125,17 +130,29 @@ _CHOICES = {"tf32_coefficients": (0, 1), "dot_products": (0, 1), "fuse_flush": (
 TABLE: dict[str, list[tuple[dict, dict]]] = {
     # Two records ahead: the fold's commit measured faster than with one (BENCHMARKS.md,
     # "The flush inside the outputs kernel").
-    "exact_write": [({}, dict(block_v=64, records_ahead=2, num_warps=4, load_ahead=1))],
+    # 32 rows on 2 warps: each thread holds what it held at 64 rows on 4 (16 rows a
+    # warp), in twice the programs; plain decoding measured 2-10% faster that way at
+    # every batch (most with 16-bit states), the fold's commit level (BENCHMARKS.md,
+    # "The exact kernels on fewer warps").
+    "exact_write": [({}, dict(block_v=32, records_ahead=2, num_warps=2, load_ahead=1))],
+    # One warp a program, 8 rows (16 for 16-bit states from batch 16): the snapshot
+    # verify's T state stores a token measured 4-20% faster in many small programs than
+    # in the writers' tile at every batch (BENCHMARKS.md, "The exact kernels on fewer
+    # warps").
+    "exact_snapshot": [({"state_dtype": torch.bfloat16, "min_batch": 16}, dict(block_v=16, num_warps=1, load_ahead=1)),
+                       ({}, dict(block_v=8, num_warps=1, load_ahead=1))],
     # The read-only verify is bound by issue, and a token's loads, normalisations and
-    # gates cost each thread the same whatever its rows: 128 rows amortise them over
-    # twice the state of 64. With 16-bit states (loaded 4 keys a thread since
-    # triton_common's layout cap) the fold measured faster at 128 rows than at 64 at
-    # every batch (BENCHMARKS.md, "16-bit tiles in the fp32 tiles' layout").
+    # gates cost each thread the same whatever its rows: 32 rows a warp amortise them
+    # over twice the state of 16. With 16-bit states (loaded 4 keys a thread since
+    # triton_common's layout cap) the fold measured faster at 128 rows than at 64 on 4
+    # warps at every batch (BENCHMARKS.md, "16-bit tiles in the fp32 tiles' layout").
     # Each token's inputs loaded at its own step (load_ahead 0): fewer registers live
     # across the step; the fold measured faster that way at every batch in both dtypes,
     # the writing kernels (snapshot's) slower, so they keep 1 (BENCHMARKS.md, "Each
     # token loaded at its own step").
-    "exact_read_only": [({}, dict(block_v=128, num_warps=4, load_ahead=0))],
+    # 64 rows on 2 warps (as 128 on 4, per thread) measured 1-14% faster for the fold,
+    # most at batch 8 (BENCHMARKS.md, "The exact kernels on fewer warps").
+    "exact_read_only": [({}, dict(block_v=64, num_warps=2, load_ahead=0))],
     # Small batches are latency-bound: one value head per coefficient program keeps its
     # chain short; large ones share the key head's K pass. From batch 33, the outputs
     # kernel capped at 128 registers fits 4 programs per SM instead of 3 and measured
