@@ -232,7 +232,7 @@ class Strategy:
         self._open_step(batch)
         y = causal_conv_verify(
             x, self.pool.conv_state[layer], p["conv_weight"], p["conv_bias"], batch.slots, batch.cu_seqlens,
-            window_buf=self.pool.conv_window[layer], backend=self.pool.backend,
+            window_buf=self.pool.conv_window[layer], max_len=batch.max_len or None, backend=self.pool.backend,
         )
         self._conv_verified.add(layer)
         return y

@@ -94,7 +94,7 @@ class FoldStrategy(Strategy):
     def _verify(self, layer, q, k, v, a, b, A_log, dt_bias, batch):
         return gdn_recurrence(
             q, k, v, a, b, A_log, dt_bias, self.pool.checkpoints[layer], batch.slots, batch.cu_seqlens,
-            records=self.buf.layer(layer), backend=self.pool.backend,
+            records=self.buf.layer(layer), max_len=batch.max_len or None, backend=self.pool.backend,
         )
 
     def _commit_states(self, batch, accepted):

@@ -52,7 +52,7 @@ class SnapshotStrategy(Strategy):
     def _verify(self, layer, q, k, v, a, b, A_log, dt_bias, batch):
         return gdn_recurrence(
             q, k, v, a, b, A_log, dt_bias, self.pool.checkpoints[layer], batch.slots, batch.cu_seqlens,
-            snapshots=self.buf.snapshots[layer], backend=self.pool.backend,
+            snapshots=self.buf.snapshots[layer], max_len=batch.max_len or None, backend=self.pool.backend,
         )
 
     def _commit_states(self, batch, accepted):
