@@ -173,3 +173,43 @@ def test_sampled_spine_steps_emit_the_budget(model, prompts):
     assert not gen.verifies_tree(1)
     assert [len(t) for t in got.tokens] == [24] and all(0 <= x < eng.vocab_size for x in got.tokens[0])
     assert got.drafted == 2 * got.steps and got.steps < 23
+
+
+def test_mtp_spine_drafts_are_the_spine_of_its_tree(model, prompts):
+    """The MTP head drafts a spine alone (``propose_spine``: the greedy chain, one head pass
+    a depth) as the tokens its tree proposal puts on the spine, at each of a few steps'
+    drafter states; spine steps then propose only that (``drafts_spines``)."""
+    import torch
+
+    tree = StaticTree.from_branching((3, 2, 1))
+    eng = _engine(model, "fold", tree.num_nodes)
+    d = DeviceMTPDrafter(eng, load_mtp_head(eng, str(embedded_model_dir("embedded"))), tree=tree)
+    assert d.drafts_spines and not DeviceNgramDrafter(tree=tree).drafts_spines
+    slot = torch.tensor([0])
+    seen = set()
+    for budget in (3, 9, 17):
+        StepGenerator(eng, d, tree=tree).generate(prompts, budget)
+        with torch.inference_mode():
+            whole = d.propose(slot)
+            spine = d.propose_spine(slot)
+        assert spine.shape == (1, tree.max_depth)
+        assert spine.tolist() == whole[:, tree.spine[1:] - 1].tolist(), budget
+        seen.add(tuple(spine[0].tolist()))
+    assert len(seen) == 3  # three different drafter states, not one proposal compared thrice
+
+
+def test_spine_steps_propose_only_the_spine_where_the_drafter_can(model, prompts, plain, monkeypatch):
+    """Every step a spine step (``chain_from=1``) with the MTP head: each proposes the
+    spine alone (never the whole tree), and the tokens are plain decoding's."""
+    tree = StaticTree.from_branching((3, 2, 1))
+    eng = _engine(model, "fold", tree.num_nodes)
+    d = DeviceMTPDrafter(eng, load_mtp_head(eng, str(embedded_model_dir("embedded"))), tree=tree)
+    calls = {"propose": 0, "propose_spine": 0}
+    for name in calls:
+        def counted(*args, _name=name, _f=getattr(d, name)):
+            calls[_name] += 1
+            return _f(*args)
+        monkeypatch.setattr(d, name, counted)
+    got = StepGenerator(eng, d, tree=tree, chain_from=1).generate(prompts, 32)
+    assert got.tokens == [t[:32] for t in plain]
+    assert calls == {"propose": 0, "propose_spine": got.steps}, calls

@@ -90,6 +90,19 @@ class DeviceDrafter:
     def propose(self, slot_idx: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    #: whether :meth:`propose_spine` drafts a tree's spine alone: a spine step then
+    #: proposes only the chain it will verify, and the tree's other nodes keep older
+    #: tokens, which a later tree step verifies as any other candidates (an accepted
+    #: node is the target's token whatever proposed it). Otherwise spine steps
+    #: propose whole trees.
+    drafts_spines = False
+
+    def propose_spine(self, slot_idx: torch.Tensor) -> torch.Tensor:
+        """``[B, D]`` drafts of the next tree's spine (its best candidate at each of the
+        tree's ``D`` depths), what :meth:`propose` would put on the spine, for drafters
+        with :attr:`drafts_spines`."""
+        raise NotImplementedError(f"the {self.name!r} drafter proposes whole trees only")
+
     def draft_probs(self, slot_idx: torch.Tensor) -> torch.Tensor | None:
         """``[B, k, V]`` probabilities the current drafts were sampled from, or ``None``
         when they are deterministic (rejection sampling then takes ``q = onehot``)."""
@@ -571,17 +584,18 @@ class DeviceMTPDrafter(DeviceDrafter):
         """``[*positions.shape, 2, R]`` rows of the rotary table at ``positions``."""
         return self._rotary.index_select(0, positions.reshape(-1)).view(*positions.shape, *self._rotary.shape[1:])
 
-    def _draft(self, slot_idx, h: torch.Tensor, next_pos: torch.Tensor) -> torch.Tensor:
-        """``k`` drafts from the head outputs ``h [B, H]`` of each request's last
-        committed pair; later pairs go at ``next_pos [B]`` onwards. Sampled drafts keep
-        their probabilities in :attr:`q`."""
+    def _draft(self, slot_idx, h: torch.Tensor, next_pos: torch.Tensor, k: int | None = None) -> torch.Tensor:
+        """``k`` (default :attr:`k`) drafts from the head outputs ``h [B, H]`` of each
+        request's last committed pair; later pairs go at ``next_pos [B]`` onwards.
+        Sampled drafts keep their probabilities in :attr:`q`."""
+        k = self.k if k is None else k
         tok, q = self._choose(self.engine.lm_head(h))
         drafts, probs = [tok], [q]
-        if self.k > 1:
+        if k > 1:
             # every depth's positions and rotary rows at once: [k - 1, B] and [k - 1, B, 2, R]
-            pos = self._steps[: self.k - 1] + next_pos[None]
+            pos = self._steps[: k - 1] + next_pos[None]
             rope = self._rope_at(pos)
-        for j in range(1, self.k):
+        for j in range(1, k):
             h = self._layer(tok[:, None], h, slot_idx, pos[j - 1][:, None], rope[j - 1][:, None])
             tok, q = self._choose(self.engine.lm_head(h))
             drafts.append(tok)
@@ -639,6 +653,14 @@ class DeviceMTPDrafter(DeviceDrafter):
 
     def propose(self, slot_idx):
         return (self._draft if self.tree is None else self._draft_tree)(slot_idx, self._last_hidden, self._next_pos)
+
+    #: a tree's spine is the argmax at each depth along the argmaxes: the greedy chain,
+    #: one head pass a depth on one row a request (the tree's expansion runs its passes
+    #: on every node of a depth)
+    drafts_spines = True
+
+    def propose_spine(self, slot_idx):
+        return self._draft(slot_idx, self._last_hidden, self._next_pos, k=self.tree.max_depth)
 
     def join(self, slots, prompts, firsts, requests, hidden=None, offsets=None):
         """Prompt pairs ``(h_t, x_{t+1})`` of joining requests into the head's cache

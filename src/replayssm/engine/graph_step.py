@@ -28,9 +28,12 @@ accepted node and the KV compaction of its path
 (:func:`~replayssm.engine.kv_cache.compact_kv_path`), and the drafter observes the path
 (``depth + 1`` tokens) and proposes the next tree. A spine step (``spine``) takes a
 tree drafter's proposals as a chain: its window is the tree's spine (the root, then the
-best draft at each depth), verified and committed as any chain, and the drafter's next
-proposal is a whole tree again, so a request may take tree and spine steps in any order
-(the driver's choice per batch bucket).
+best draft at each depth), verified and committed as any chain. The drafter's next
+proposal is a whole tree again, or, where it can draft a spine alone
+(:attr:`DeviceDrafter.drafts_spines`: the MTP head), only the next spine, the tree's
+other nodes keeping older tokens (a tree step verifies them as any candidates: a node is
+accepted only where the target agrees). So a request may take tree and spine steps in
+any order (the driver's choice per batch bucket).
 
 Per-slot buffers (windows, KV lengths, drafter history) are indexed by slot, not by
 row, so requests may finish or join between steps (the driver rewrites the rows' slots)
@@ -173,9 +176,9 @@ class StaticStep:
             return self._tree_body()
         eng, t = self.engine, self.window
         kv_len = eng.kv.device_lengths
-        ids = self.windows[self.slot_idx]  # [B, T] (a tree's [B, N] for a spine step)
+        ids = rows = self.windows[self.slot_idx]  # [B, T] (a tree's [B, N] for a spine step)
         if self.spine is not None:
-            ids = ids[:, self.spine]
+            ids = rows[:, self.spine]
         verify = t > 1
         # the probabilities this window's drafts were sampled from (None: deterministic)
         q = self.drafter.draft_probs(self.slot_idx) if verify and not self.sampling.greedy else None
@@ -204,7 +207,10 @@ class StaticStep:
                               torch.where(self._steps[None] == n[:, None], nxt[:, None], -1))
         if self.drafter is not None:
             self.drafter.observe(self.slot_idx, emitted, accepted, hidden=hidden, positions=positions)
-        if verify:
+        if self.spine is not None and self.drafter.drafts_spines:  # the next spine; the other nodes keep theirs
+            nxt_window = rows
+            nxt_window[:, self.spine] = torch.cat([nxt[:, None], self.drafter.propose_spine(self.slot_idx)], 1)
+        elif verify:
             nxt_window = torch.cat([nxt[:, None], self.drafter.propose(self.slot_idx)], 1)
         else:  # a plain step proposes nothing: only the last token of the window moves
             nxt_window = nxt[:, None]
