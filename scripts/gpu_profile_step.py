@@ -18,6 +18,8 @@ the checkpoint's with ``--model``, a random-weight one on the random model).
 
     PYTHONPATH=src python3 scripts/gpu_profile_step.py --batches 1,64 --modes plain,fold,circular
     PYTHONPATH=src python3 scripts/gpu_profile_step.py --model embedded --drafter mtp --modes plain,fold
+    PYTHONPATH=src python3 scripts/gpu_profile_step.py --model embedded --drafter mtp --modes fold --tree 3,2,1 \
+        [--chain-from 16]
 """
 
 from __future__ import annotations
@@ -62,8 +64,10 @@ def drafter_alone(gen: StepGenerator, step, reps: int) -> dict:
     depend on their values); the head's cache entries it writes lie past the
     committed lengths."""
     eng, drafter, b, t = gen.engine, gen.drafter, step.rows, step.window
+    if getattr(drafter, "tree", None) is not None:  # a tree drafter observes the accepted path
+        t = drafter.tree.max_depth + 1
     slot_idx = step.slot_idx
-    emitted = gen.windows[slot_idx].clone()
+    emitted = gen.windows[slot_idx][:, :t].clone()
     accepted = torch.full((b,), t, dtype=torch.int64, device=eng.device)
     positions = eng.kv.device_lengths[slot_idx][:, None] + torch.arange(t, device=eng.device)
     g = torch.Generator(device=eng.device).manual_seed(0)
@@ -80,10 +84,14 @@ def drafter_alone(gen: StepGenerator, step, reps: int) -> dict:
 
 
 def profile(model, mode: str, batch: int, k: int, reps: int, top: int, drafter_kind: str = "oracle",
-            cfg: E2EConfig | None = None) -> dict:
-    window = 1 if mode == "plain" else k + 1
+            cfg: E2EConfig | None = None, branching: tuple[int, ...] = (), chain_from: int | None = None) -> dict:
+    from replayssm.engine.trees import StaticTree
+
+    tree_nodes = StaticTree.from_branching(branching, "cpu").num_nodes if branching and mode != "plain" else 0
+    window = 1 if mode == "plain" else tree_nodes or k + 1
     engine = HybridEngine(model, strategy="fold" if mode == "plain" else mode, num_slots=batch, window=window,
                           max_len=64 + (reps + 40) * window + window)
+    tree = StaticTree.from_branching(branching, engine.device) if tree_nodes else None
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(batch)
     prompts = torch.randint(0, min(vocab, 256), (batch, 64), generator=g).tolist()
@@ -91,12 +99,12 @@ def profile(model, mode: str, batch: int, k: int, reps: int, top: int, drafter_k
     if mode == "plain":
         drafter = None
     elif drafter_kind == "mtp":
-        drafter = make_drafter(cfg, engine, model)
+        drafter = make_drafter(cfg, engine, model, tree=tree)
     elif drafter_kind == "forced":
         drafter = ForcedDrafter(0.8, vocab)
     else:
         drafter = OracleDrafter(refs, 0.8, vocab)
-    gen = StepGenerator(engine, drafter, num_draft=k)
+    gen = StepGenerator(engine, drafter, num_draft=k, tree=tree, chain_from=chain_from if tree is not None else None)
     with torch.inference_mode():
         reqs = [_Request(i, -1, p, 10**6) for i, p in enumerate(prompts)]
         for r, slot in zip(reqs, engine.alloc_many(batch)):
@@ -126,6 +134,7 @@ def profile(model, mode: str, batch: int, k: int, reps: int, top: int, drafter_k
     for r in rows:
         print(f"   {r['us_per_step']:8.1f} us  x{r['calls_per_step']:5.1f}  {r['kernel']}")
     return {"mode": mode, "batch": batch, "window": window, "drafter": None if mode == "plain" else drafter_kind,
+            "tree": list(branching) if tree is not None else None, "chain_from": chain_from if tree is not None else None,
             "gpu_ms": gpu_ms, "wall_ms": wall_ms, "kernels_per_step": count, "profiled_ms": total / 1e3, "top": rows,
             **alone}
 
@@ -140,11 +149,18 @@ def main() -> None:
     ap.add_argument("--drafter", choices=("oracle", "forced", "mtp"), default="oracle")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--tree", default="", metavar="BRANCHING",
+                    help="speculative modes verify a draft tree of this branching per depth (e.g. 3,2,1; mtp drafter)")
+    ap.add_argument("--chain-from", type=int, default=None, metavar="B",
+                    help="with --tree, buckets of at least B rows verify the tree's spine as a chain")
     ap.add_argument("--json", default=None)
     ap.add_argument("--set", action="append", default=[], metavar="FAMILY.PARAM=VALUE",
                     help="override a row of the kernels' shape table (replayssm/ops/tuning.py) for the whole run "
                          "(e.g. exact_read_only.block_v=64)")
     args = ap.parse_args()
+    branching = tuple(int(x) for x in args.tree.split(",")) if args.tree else ()
+    if branching and args.drafter != "mtp":
+        ap.error("--tree takes the mtp drafter (--drafter mtp)")
     import contextlib
 
     from replayssm.ops import tuning
@@ -165,7 +181,7 @@ def main() -> None:
         model_dir = str(resolve_model_path(args.model))  # "embedded": the checkpoint in the package
     cfg = E2EConfig(model=model_dir, random_model="qwen3.5-shapes", device="cuda", dtype="bf16", drafter=args.drafter)
     model, description, _ = load_model(cfg)
-    out = [profile(model, m, int(b), args.num_draft, args.reps, args.top, args.drafter, cfg)
+    out = [profile(model, m, int(b), args.num_draft, args.reps, args.top, args.drafter, cfg, branching, args.chain_from)
            for b in args.batches.split(",") for m in args.modes.split(",")]
     if args.json:
         with open(args.json, "w") as fh:
