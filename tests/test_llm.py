@@ -67,22 +67,26 @@ def test_speculative_generate_matches_plain_decoding(plain, strategy):
         assert r.stats.tokens_per_step == 1.0 and r.stats.acceptance_rate is None
 
 
-@pytest.mark.parametrize("chain_from", [None, 2])
+@pytest.mark.parametrize("chain_from", [None, 2, "measured"])
 def test_draft_trees_match_plain_decoding(plain, chain_from):
     """``tree="3,2,1"`` with the MTP head: the window is the tree's 16 nodes, and fold's
     greedy tokens are plain decoding's, with every step a tree or, with
-    ``chain_from=2``, the two requests' steps the tree's spine until one ends."""
+    ``chain_from=2``, the two requests' steps the tree's spine until one ends;
+    ``"measured"`` takes the measured table's bucket for the shipped model (1: every
+    step the spine)."""
     params = [SamplingParams(max_tokens=32, ignore_eos=True), SamplingParams(max_tokens=16, ignore_eos=True)]
     ref = plain.generate(PROMPTS, params)
     llm = LLM("embedded", strategy="fold", drafter="mtp", tree="3,2,1", chain_from=chain_from, max_num_seqs=2,
               max_model_len=512)
     assert llm.num_draft == 15 and llm.engine.window == 16 and llm.tree == (3, 2, 1)
+    want = {None: None, 2: 2, "measured": 1}[chain_from]
+    assert llm.chain_from == want
     assert "tree='3,2,1'" in repr(llm) and (chain_from is None) == ("chain_from" not in repr(llm))
     out = llm.generate(PROMPTS, params)
     assert [o.token_ids for o in out] == [r.token_ids for r in ref]
     assert all(o.stats.tokens_per_step > 1.0 for o in out)
     (gen,) = llm._generators.values()
-    assert (gen.tree is not None) and gen.chain_from == chain_from
+    assert (gen.tree is not None) and gen.chain_from == want
 
 
 def test_token_prompts_stop_tokens_and_sampling(plain):
@@ -158,6 +162,8 @@ def test_bad_construction_raises_before_loading(tiny, tmp_path):
         (dict(tree="2,1", num_draft=3), "disagrees with the tree's 4 drafted nodes"),
         (dict(chain_from=2), "needs a tree"),
         (dict(tree="2,1", chain_from=0), "chain_from must be a positive int"),
+        (dict(tree="2,1", chain_from="often"), "chain_from must be a positive int"),
+        (dict(tree="2,1", chain_from="measured"), "no measurement for .* with ngram drafts and the 2,1 tree"),
     ]
     for kwargs, text in cases:
         with pytest.raises(ValueError, match=text):

@@ -97,7 +97,10 @@ class LLM:
             its ``N`` nodes at most ``MAX_WINDOW`` (DESIGN.md section 2, "Trees").
         chain_from: with ``tree``, batches of at least this many requests (by bucket)
             verify the tree's best chain, its spine, instead of the whole tree
-            (:class:`~replayssm.engine.generator.StepGenerator`'s ``chain_from``).
+            (:class:`~replayssm.engine.generator.StepGenerator`'s ``chain_from``);
+            ``"measured"``: the bucket measured for this model, drafter and tree
+            (:data:`replayssm.engine.trees.MEASURED_CHAIN_FROM`; ``ValueError`` where
+            none was measured).
         draft_model: the draft model's directory (or ``"embedded-draft"``) with
             ``drafter="model"``; it must share the target's tokenizer.
         max_num_seqs: requests decoded at once (the engine's slots).
@@ -123,7 +126,7 @@ class LLM:
                  num_draft: int | None = None, draft_model: str | os.PathLike | None = None, max_num_seqs: int = 8,
                  max_model_len: int | None = None, dtype: str = "auto", state_dtype: str = "float32",
                  device: str = "auto", seed: int | None = 0, tree: str | Sequence[int] | None = None,
-                 chain_from: int | None = None):
+                 chain_from: int | str | None = None):
         import torch
 
         from .engine.adapter import HybridEngine
@@ -131,7 +134,7 @@ class LLM:
         from .engine.kv_cache import check_kv_cache_fits
         from .engine.loading import (attention_geometry, check_device, check_model_dir, check_tokenizer,
                                      eos_token_ids, has_mtp_weights, load_model, read_config, resolve_device,
-                                     resolve_dtype, resolve_model_path, text_config)
+                                     resolve_dtype, resolve_model_path, shipped_model_name, text_config)
         from .strategies import STRATEGY_NAMES
 
         drafter = "none" if drafter is None else drafter
@@ -164,6 +167,10 @@ class LLM:
         if drafter != "model" and draft_model is not None:
             raise ValueError(f"draft_model is only used with drafter='model', not {drafter!r}")
         path = check_model_dir(resolve_model_path(model), tokenizer=False)
+        if chain_from == "measured":
+            from .engine.trees import measured_chain_from
+
+            chain_from = measured_chain_from(shipped_model_name(path), drafter, branching)
         config = read_config(path)
         self.tokenizer = check_tokenizer(path, config)
         if drafter == "mtp" and not has_mtp_weights(path):
@@ -342,7 +349,8 @@ def _branching(tree, drafter: str, chain_from) -> tuple[int, ...] | None:
     """``tree`` as children per depth (``None`` without one), checked with the drafter
     and ``chain_from`` it needs."""
     if chain_from is not None:
-        _positive("chain_from", chain_from)
+        if chain_from != "measured":
+            _positive("chain_from", chain_from)
         if tree is None:
             raise ValueError("chain_from chooses between a draft tree and its spine: it needs a tree")
     if tree is None:

@@ -56,6 +56,15 @@ def test_generate_with_draft_trees(checkpoints, capsys):
     rc = cli.main(["generate", "--model", checkpoints["qwen3_5"], "--prompt", "x", "--draft", "mtp", "--chain-from", "2"])
     err = capsys.readouterr().err
     assert rc == 2 and "--chain-from chooses between a draft tree and its spine" in err and err.count("\n") == 1
+    rc = cli.main(["generate", "--model", checkpoints["qwen3_5"], "--prompt", "x", "--draft", "mtp", "--tree", "2,1",
+                   "--chain-from", "soon"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "(or 'measured')" in err and err.count("\n") == 1
+    rc = cli.main(["generate", "--model", checkpoints["qwen3_5"], "--prompt", "x", "--draft", "mtp", "--tree", "2,1",
+                   "--chain-from", "measured"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "no measurement for" in err and "embedded with mtp drafts and the 3,2,1 tree" in err
+    assert err.count("\n") == 1
 
 
 def test_generate_with_the_draft_models_trees(checkpoints, capsys):

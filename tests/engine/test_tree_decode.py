@@ -213,3 +213,17 @@ def test_spine_steps_propose_only_the_spine_where_the_drafter_can(model, prompts
     got = StepGenerator(eng, d, tree=tree, chain_from=1).generate(prompts, 32)
     assert got.tokens == [t[:32] for t in plain]
     assert calls == {"propose": 0, "propose_spine": got.steps}, calls
+
+
+def test_the_measured_chain_from_table():
+    """The shipped model's row, its path resolved to its name, and a refusal naming the
+    measured configurations for any other."""
+    from replayssm.engine.loading import shipped_model_name
+    from replayssm.engine.trees import measured_chain_from
+
+    assert shipped_model_name(embedded_model_dir("embedded")) == "embedded"
+    assert shipped_model_name("/elsewhere/model") == "/elsewhere/model"
+    assert measured_chain_from("embedded", "mtp", [3, 2, 1]) == 1
+    for other in (("embedded", "ngram", (3, 2, 1)), ("embedded", "mtp", (2, 2)), ("/elsewhere/model", "mtp", (3, 2, 1))):
+        with pytest.raises(ValueError, match="no measurement for .*measured: embedded with mtp drafts and the 3,2,1"):
+            measured_chain_from(*other)

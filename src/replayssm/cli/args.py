@@ -67,6 +67,16 @@ def positive_int(text: str) -> int:
     return _int_at_least(text, 1)
 
 
+def chain_from(text: str) -> int | str:
+    """``--chain-from``: an integer >= 1, or ``measured``."""
+    if text == "measured":
+        return text
+    try:
+        return _int_at_least(text, 1)
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"{e} (or 'measured')") from None
+
+
 def nonneg_int(text: str) -> int:
     """An integer >= 0."""
     return _int_at_least(text, 0)

@@ -17,7 +17,7 @@ from ..engine.factory import DRAFT_CHOICES
 from ..llm import STATE_DTYPES
 from ..strategies import STRATEGY_NAMES
 from . import common
-from .args import branching, device_name, nonneg_float, nonneg_int, num_draft, positive_int, probability, utf8_text
+from .args import branching, chain_from, device_name, nonneg_float, nonneg_int, num_draft, positive_int, probability, utf8_text
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 
@@ -40,9 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tree", type=branching, default=None, metavar="BRANCHING",
                         help="verify draft trees of this shape instead of chains (children per depth, e.g. 3,2,1; "
                              "--draft ngram, mtp or model; replaces --num-draft)")
-    parser.add_argument("--chain-from", type=positive_int, default=None, metavar="B",
+    parser.add_argument("--chain-from", type=chain_from, default=None, metavar="B",
                         help="with --tree: batches of at least B prompts (by bucket) verify the tree's best chain, its "
-                             "spine, instead of the whole tree")
+                             "spine, instead of the whole tree; 'measured': the bucket measured for this model, "
+                             "drafter and tree")
     parser.add_argument("--max-new-tokens", type=positive_int, default=256, help="tokens to generate per prompt (default 256)")
     parser.add_argument("--temperature", type=nonneg_float, default=0.0, help="softmax temperature; 0 = greedy (default)")
     parser.add_argument("--top-p", type=probability, default=1.0, help="nucleus mass in (0, 1]; 1 keeps every token (default)")
@@ -90,6 +91,11 @@ def check_args(args) -> None:
             raise ValueError(f"--tree {','.join(map(str, args.tree))} has {nodes} nodes; a window holds at most "
                              f"{MAX_WINDOW}")
         args.num_draft = nodes - 1  # the window: the tree's nodes
+        if args.chain_from == "measured":
+            from ..engine.loading import shipped_model_name
+            from ..engine.trees import measured_chain_from
+
+            args.chain_from = measured_chain_from(shipped_model_name(args.model), args.draft, args.tree)
     from ..engine.loading import load_tokenizer
 
     args.prompt_ids = encode_prompts(load_tokenizer(args.model), args.prompt, chat=args.chat)

@@ -524,9 +524,12 @@ class StepGenerator:
             the tree's spine as a chain (:attr:`~replayssm.engine.trees.StaticTree.spine`:
             the drafter's best draft at each depth, ``depth`` drafts) instead of the
             whole tree: the engine's choice per bucket, where a tree's wider verify
-            stops paying. The drafter proposes trees throughout, so a request moves
-            between the two kinds as the batch grows and shrinks. ``None`` (default):
-            every speculative step verifies the tree.
+            stops paying (:data:`~replayssm.engine.trees.MEASURED_CHAIN_FROM` holds the
+            measured buckets). A spine step proposes the next spine alone where the
+            drafter can (:attr:`~replayssm.engine.device_drafters.DeviceDrafter.drafts_spines`),
+            else a whole tree, so a request moves between the two kinds as the batch
+            grows and shrinks. ``None`` (default): every speculative step verifies the
+            tree.
     """
 
     def __init__(self, engine: HybridEngine, drafter=None, *, num_draft: int = 3,

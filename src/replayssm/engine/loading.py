@@ -39,6 +39,16 @@ def embedded_model_dir(name: str = EMBEDDED) -> Path:
     return Path(__file__).resolve().parent.parent / "models" / EMBEDDED_MODELS[name]
 
 
+def shipped_model_name(path: str | os.PathLike) -> str:
+    """The name (``"embedded"``, ``"embedded-draft"``) of the shipped checkpoint at
+    ``path``, or ``path`` as given when it is another directory."""
+    here = Path(path).resolve()
+    for name in EMBEDDED_MODELS:
+        if embedded_model_dir(name).resolve() == here:
+            return name
+    return os.fspath(path)
+
+
 def resolve_model_path(name: str | os.PathLike) -> str:
     """A ``--model`` value as a directory: ``"embedded"`` and ``"embedded-draft"`` are
     the shipped checkpoints (``ValueError`` naming the command that creates one when it

@@ -35,6 +35,30 @@ def parse_branching(text: str) -> tuple[int, ...]:
     return out
 
 
+#: Where a draft tree stops paying, measured end to end on one model: ``(model,
+#: drafter, branching)`` -> the smallest batch bucket whose steps verify the tree's
+#: spine instead of the tree (``StepGenerator(chain_from=)``; 1: every bucket). The
+#: shipped model (``"embedded"``) with MTP drafts: the 3,2,1 tree ran 0.75x the chain's
+#: tok/s at batch 1 and 0.80x at 4, its spine steps as fast as chain steps at 16 and 64
+#: (BENCHMARKS.md, "Draft trees and their spines per batch bucket"). Only measured
+#: configurations are listed; ``bench e2e --tree ... --chain-from B`` measures others.
+MEASURED_CHAIN_FROM: dict[tuple[str, str, tuple[int, ...]], int] = {("embedded", "mtp", (3, 2, 1)): 1}
+
+
+def measured_chain_from(model: str, drafter: str, branching: Sequence[int]) -> int:
+    """The measured ``chain_from`` of :data:`MEASURED_CHAIN_FROM` for ``model`` (a shipped
+    model's name), ``drafter`` and the tree ``branching``; ``ValueError`` naming the
+    measured configurations when this one is not among them."""
+    key = (model, drafter, tuple(branching))
+    if key not in MEASURED_CHAIN_FROM:
+        known = "; ".join(f"{m} with {d} drafts and the {','.join(map(str, b))} tree"
+                          for m, d, b in MEASURED_CHAIN_FROM)
+        raise ValueError(f"chain_from='measured': no measurement for {model} with {drafter} drafts and the "
+                         f"{','.join(map(str, key[2]))} tree (measured: {known}); pass chain_from=B, from "
+                         f"bench e2e --tree ... --chain-from B")
+    return MEASURED_CHAIN_FROM[key]
+
+
 class StaticTree:
     """A draft-tree shape shared by every row, with its index tensors on ``device``.
 

@@ -131,12 +131,12 @@ TABLE: dict[str, list[tuple[dict, dict]]] = {
     # Two records ahead: the fold's commit measured faster than with one (BENCHMARKS.md,
     # "The flush inside the outputs kernel").
     # 32 rows on 2 warps: each thread holds what it held at 64 rows on 4 (16 rows a
-    # warp), in twice the programs; plain decoding measured 2-10% faster that way at
-    # every batch (most with 16-bit states), the fold's commit level (BENCHMARKS.md,
+    # warp), in twice the programs; plain decoding measured faster that way at every
+    # batch (most with 16-bit states), and the fold's commit about as fast (BENCHMARKS.md,
     # "The exact kernels on fewer warps").
     "exact_write": [({}, dict(block_v=32, records_ahead=2, num_warps=2, load_ahead=1))],
     # One warp a program, 8 rows (16 for 16-bit states from batch 16): the snapshot
-    # verify's T state stores a token measured 4-20% faster in many small programs than
+    # verify's T state stores a token measured faster in many small programs than
     # in the writers' tile at every batch (BENCHMARKS.md, "The exact kernels on fewer
     # warps").
     "exact_snapshot": [({"state_dtype": torch.bfloat16, "min_batch": 16}, dict(block_v=16, num_warps=1, load_ahead=1)),
@@ -150,7 +150,7 @@ TABLE: dict[str, list[tuple[dict, dict]]] = {
     # across the step; the fold measured faster that way at every batch in both dtypes,
     # the writing kernels (snapshot's) slower, so they keep 1 (BENCHMARKS.md, "Each
     # token loaded at its own step").
-    # 64 rows on 2 warps (as 128 on 4, per thread) measured 1-14% faster for the fold,
+    # 64 rows on 2 warps (as 128 on 4, per thread) measured faster for the fold,
     # most at batch 8 (BENCHMARKS.md, "The exact kernels on fewer warps").
     "exact_read_only": [({}, dict(block_v=64, num_warps=2, load_ahead=0))],
     # Small batches are latency-bound: one value head per coefficient program keeps its
