@@ -257,24 +257,25 @@ def _decode_bits_equal(state_dtype, choice: dict, base: dict) -> None:
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("cap", [0, 128])
-def test_ring_decode_on_eight_warps_keeps_the_flush_bits(state_dtype, cap):
-    """The ring decoding kernel on 8 warps (``ring_decode.num_warps = 8``, with or without
-    a register cap): its folded checkpoints are the 4-warp kernel's bit for bit, and so
-    the fold's; its outputs and ``u`` agree with the 4-warp kernel's to fp32 rounding
-    (the history's sums over records change order), far below the values' scale."""
+@pytest.mark.parametrize("warps,block_v,cap", [(8, 128, 0), (8, 128, 128), (2, 64, 0), (1, 32, 0)])
+def test_ring_decode_on_other_warp_counts_keeps_the_flush_bits(state_dtype, warps, block_v, cap):
+    """The ring decoding kernel, one launch, on 8 warps (with or without a register cap),
+    2 or 1 (``ring_decode.num_warps``; the tile's rows per warp as at 4 warps and 128
+    rows): its folded checkpoints are the 4-warp kernel's bit for bit, and so the fold's;
+    its outputs and ``u`` agree with the 4-warp kernel's to fp32 rounding (the history's
+    sums over records change order), far below the values' scale."""
     case = with_consistent_u(make_case(HV_POOL, 1, 64, state_dtype, torch.bfloat16, pad=False))
-    with tuning.override("ring_decode", num_warps=8, max_registers=cap):
-        o8, ck8, ring8, u8 = run(case, "triton", method="decode")
+    with tuning.override("ring_decode", num_warps=warps, max_registers=cap, block_v=block_v, split_flush=0):
+        o_w, ck_w, ring_w, u_w = run(case, "triton", method="decode")
     o4, ck4, ring4, u4 = run(case, "triton", method="decode")
     assert not torch.equal(ck4, case["checkpoint"]), "no row flushed"
-    assert torch.equal(ck8, ck4), "checkpoints differ"
-    assert same(ring8.g, ring4.g) and same(ring8.beta, ring4.beta) and same(ring8.k, ring4.k)
+    assert torch.equal(ck_w, ck4), "checkpoints differ"
+    assert same(ring_w.g, ring4.g) and same(ring_w.beta, ring4.beta) and same(ring_w.k, ring4.k)
     scale = o4.float().abs().max().item()
     assert scale > 1e-3, "outputs too small to compare"  # the case's outputs peak near 0.07
-    torch.testing.assert_close(o8.float(), o4.float(), rtol=0, atol=1e-2 * scale)  # bf16 outputs: an ulp or two
+    torch.testing.assert_close(o_w.float(), o4.float(), rtol=0, atol=1e-2 * scale)  # bf16 outputs: an ulp or two
     u_scale = u4.nan_to_num(0.0).abs().max().item()
-    torch.testing.assert_close(u8.nan_to_num(0.0), u4.nan_to_num(0.0), rtol=0, atol=1e-5 * u_scale)
+    torch.testing.assert_close(u_w.nan_to_num(0.0), u4.nan_to_num(0.0), rtol=0, atol=1e-5 * u_scale)
 
 
 @pytest.mark.parametrize("method", ["closed_form", "replay"])

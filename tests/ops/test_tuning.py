@@ -50,16 +50,16 @@ def test_closed_choices_are_checked(name, value):
 
 
 def test_a_choice_can_belong_to_one_family():
-    """The exact kernels take 1, 2, 4 or 8 warps and ring decoding 4 or 8 (their states'
-    bits are argued for those counts); the closed form's unfused outputs kernel, any."""
-    with pytest.raises(ValueError, match=r"ring_decode.num_warps must be one of \(4, 8\)"):
-        tuning.check_row("ring_decode", {}, {"num_warps": 2})
-    for family in ("exact_write", "exact_snapshot", "exact_read_only"):
+    """The exact kernels and ring decoding take 1, 2, 4 or 8 warps (their states' bits
+    are argued for those counts) and the ring's flush kernel 2 or 4; the closed form's
+    unfused outputs kernel, any."""
+    with pytest.raises(ValueError, match=r"ring_decode.flush_warps must be one of \(2, 4\)"):
+        tuning.check_row("ring_decode", {}, {"flush_warps": 1})
+    for family in ("exact_write", "exact_snapshot", "exact_read_only", "ring_decode"):
         with pytest.raises(ValueError, match=rf"{family}.num_warps must be one of \(1, 2, 4, 8\)"):
             tuning.check_row(family, {}, {"num_warps": 3})
         for warps in (1, 2, 8):
             tuning.check_row(family, {}, {"num_warps": warps})
-    tuning.check_row("ring_decode", {}, {"num_warps": 8})
     tuning.check_row("closed_form", {}, {"num_warps": 3})
 
 

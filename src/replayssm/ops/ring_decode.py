@@ -450,9 +450,9 @@ def launch_ring_decode(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, 
                                             EARLY_TILE=True, num_warps=warps)
     bv = block_rows(vd, batch * hv, q.device, cfg["token_block_v" if split else "block_v"])
     # A flush row replays exactly, so its row sums must be the fold's: the same parts,
-    # lanes and order at either warp count (exact_warps). At 8 warps only the history's
-    # sums over its records (outputs and u, stated to rounding) change order, since their
-    # record axis lies across warps.
+    # lanes and order at any warp count (exact_warps). At other counts than 4 only the
+    # history's sums over its records (outputs and u, stated to rounding) change order,
+    # since their record axis lies across warps.
     _ring_decode_kernel[(triton.cdiv(vd, bv), batch, hv)](
         *args, **common, BV=bv, EARLY_TILE=bool(cfg["early_tile"]), FLUSH_ROWS=not split,
         DOT=dot, KC=max(16, min(cfg["k_chunk"], bk)), NUM_STAGES=cfg["num_stages"],

@@ -93,8 +93,9 @@ PARAMS = {
     # whether the checkpoint tile loads before the cursors (1: its latency overlaps
     # theirs; more registers live at once) or after, in the row's branch (0), a cap
     # on its registers per thread on CUDA (as closed_form.max_registers), and its warps:
-    # 4 (the exact kernels') or 8, which stack along V where the tile has at least 64
-    # rows (ops/ring_decode.py launch_ring_decode says why the flush keeps its bits).
+    # 4 (the exact kernels'), 8 where the tile has at least 64 rows, or 1 or 2; they
+    # stack along V (ops/ring_decode.py launch_ring_decode says why the flush keeps its
+    # bits; 1 and 2 are untimed).
     # ``split_flush``: one launch for every row (0), or the flush rows in a kernel of
     # their own, ``flush_programs`` programs an SM walking them on tiles of ``block_v``
     # rows (loaded before the cursors), beside the token kernel on ``token_block_v`` rows
@@ -121,7 +122,7 @@ _CHOICES = {"tf32_coefficients": (0, 1), "dot_products": (0, 1), "fuse_flush": (
             "early_tile": (0, 1), "dependent_launch": (0, 1), "load_ahead": (0, 1),
             "ring_decode.split_flush": (0, 1, 2),
             "closed_form.split_flush": (0, 1, 2, 3),
-            "ring_decode.num_warps": (4, 8), "exact_write.num_warps": (1, 2, 4, 8),
+            "ring_decode.num_warps": (1, 2, 4, 8), "exact_write.num_warps": (1, 2, 4, 8),
             "exact_read_only.num_warps": (1, 2, 4, 8), "exact_snapshot.num_warps": (1, 2, 4, 8),
             "ring_decode.flush_warps": (2, 4)}
 
