@@ -112,3 +112,15 @@ def test_short_windows_compute_what_a_pool_of_their_window_computes(strategy):
             assert torch.equal(o8, o3), f"outputs, step {step}"
         assert torch.equal(s8, s3), f"committed state, step {step}: {(s8 - s3).abs().max().item():.2e}"
     assert not torch.equal(s8, torch.zeros_like(s8))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_an_empty_step_still_runs(strategy):
+    """A step of no windows (``max_len`` 0) on a window-8 pool: empty outputs, no error."""
+    gen = torch.Generator().manual_seed(2)
+    pool, _ = make_pool(strategy, 8, layer_params(gen))
+    batch = pool.batch([], [])
+    conv_x, qkvab = rand_step(0, gen)
+    assert pool.strategy.conv_verify(0, conv_x, batch).shape == (0, SHAPE.conv_dim)
+    assert pool.strategy.verify(0, *qkvab, batch).shape == (0, SHAPE.num_value_heads, SHAPE.head_v_dim)
+    pool.strategy.commit(batch, [])

@@ -150,7 +150,7 @@ class CircularStrategy(Strategy):
             # same fold (bit for bit), its outputs and records the window op's to rounding
             # (tests/strategies/test_ring_decode_triton.py).
             return gdn_ring_decode(*args, backend=self.pool.backend)
-        return gdn_chunked_window(*args, max_len=batch.max_len,
+        return gdn_chunked_window(*args, max_len=batch.max_len or self.pool.window,
                                   method=None if self.small_batch_path else "closed_form", backend=self.pool.backend)
 
     def _commit_states(self, batch, accepted, *, flush_every: bool | None = None):
