@@ -129,3 +129,15 @@ def test_circular_small_batch_row_by_device():
         assert tuning.lookup("circular", **at, batch=1, device="cpu")["replay_max_batch"] == 7
     with pytest.raises(ValueError, match="int >= 0"):
         tuning.check_row("circular", {}, {"replay_max_batch": -1})
+
+
+def test_exact_warps_give_each_warp_whole_row_groups():
+    """A table's warps reach an exact kernel only where each warp gets whole 4-row groups
+    of the tile (the states' bits depend on it, ops/triton_common.py); smaller tiles take
+    the most warps they can split that way."""
+    from replayssm.ops.triton_common import exact_warps
+
+    assert [exact_warps(8, bv) for bv in (128, 64, 32, 16, 8)] == [8, 8, 4, 4, 2]
+    assert [exact_warps(4, bv) for bv in (64, 16, 8, 4)] == [4, 4, 2, 1]
+    assert [exact_warps(2, bv) for bv in (32, 8, 4)] == [2, 2, 1]
+    assert [exact_warps(1, bv) for bv in (128, 4)] == [1, 1]

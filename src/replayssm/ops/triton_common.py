@@ -84,13 +84,17 @@ def exact_warps(warps: int, bv: int) -> int:
     A four-part tile's row is laid out the same whatever the warps: 4 keys a thread x 8
     lanes, 4 rows a warp (fp32 and 16-bit states: sm_90 TTGIR), and the warps stack
     along V. So every row sum over K keeps its order, and the states their bits, as long
-    as each warp gets whole 4-row groups of its own: 8 warps need 64 rows, 1 and 2 warps
-    any tile of 16 (the smallest :func:`block_rows` gives). Fewer warps a program mean
-    more programs an SM, each with fewer rows. Other tiles keep
-    :data:`EXACT_NUM_WARPS`. The bits at 1, 2 and 8 warps are GPU tests."""
-    if warps == 8:
-        return warps if bv >= 64 else EXACT_NUM_WARPS
-    return warps if bv >= 4 * warps else EXACT_NUM_WARPS
+    as each warp gets whole 4-row groups of its own: 8 warps need 64 rows, and up to 4
+    warps ``4 x warps`` rows. A smaller tile takes the most warps it gives whole groups
+    (4 at 16 rows, 2 at 8, 1 at 4), so no tile splits a row across warps whatever the
+    table asks. Fewer warps a program mean more programs an SM, each with fewer rows.
+    The bits at 1, 2 and 8 warps are GPU tests."""
+    if warps == 8 and bv >= 64:
+        return warps
+    w = min(warps, EXACT_NUM_WARPS)
+    while w > 1 and bv < 4 * w:
+        w //= 2
+    return w
 
 
 #: Column parts of an exact kernel's state tile (see the module notes); the helpers
