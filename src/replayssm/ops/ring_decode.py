@@ -444,7 +444,7 @@ def launch_ring_decode(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, 
         # 2 warps (flush_warps) lay a tile's K axis out as 4 do, 4 keys a thread across 8
         # lanes (sm_90 TTGIR), so each row's sums over K, and the replayed state, keep
         # their bits; only the rows a warp holds change (the GPU test of launch choices).
-        warps = cfg["flush_warps"] if cfg["flush_warps"] < EXACT_NUM_WARPS else exact_warps(cfg["num_warps"], fbv)
+        warps = exact_warps(cfg["flush_warps"] if cfg["flush_warps"] < EXACT_NUM_WARPS else cfg["num_warps"], fbv)
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             _ring_flush_kernel[(programs,)](*args, batch, **common, BV=fbv, BB=triton.next_power_of_2(batch),
                                             EARLY_TILE=True, num_warps=warps)
