@@ -592,9 +592,9 @@ if triton is not None:
         check_max_len,
     )
     from .fold import launch_fold, replay_and_store_tile as _replay_and_store_tile, replay_history as _replay_history
-    from .recurrent import _load_token as _rec_load_token, pick_block_v, exact_block_k, exact_row
+    from .recurrent import _load_token as _rec_load_token, exact_block_k, exact_row, exact_tile
     from .recurrent import exact_token as _exact_token
-    from .triton_common import EXACT_NUM_WARPS, NORM_EPS, block_rows, device_fn as _tl_device_fn, exact_warps
+    from .triton_common import EXACT_NUM_WARPS, NORM_EPS, block_rows, device_fn as _tl_device_fn
     from .triton_common import gdn_gates as _tl_gdn_gates
     from .triton_common import load_parts as _tl_load_parts
     from .triton_common import mask_and as _tl_mask_and, normalized as _tl_normalized
@@ -1449,8 +1449,7 @@ def launch_replay_window(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u
     hv, vd = v.shape[1], v.shape[2]
     batch = slots.shape[0]
     # It writes states (flush rows), so it takes the exact writers' tile and warps.
-    row = exact_row(kd, vd, batch, checkpoint.dtype, read_only=False)
-    bv = pick_block_v(kd, vd, batch, hv, checkpoint.dtype, q.device, most=row["block_v"])
+    _, bv, warps = exact_tile(kd, vd, batch, hv, checkpoint.dtype, q.device)
     _replay_window_kernel[(triton.cdiv(vd, bv), batch, hv)](
         q, k, v, a, b, A_log, dt_bias,
         checkpoint, ring.k, ring.v, ring.g, ring.beta, ring_u,
@@ -1458,7 +1457,7 @@ def launch_replay_window(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
         kd**-0.5, NORM_EPS,
         H=h, HV=hv, K=kd, V=vd, L=ring.ring_len, BK=exact_block_k(kd), BV=bv, T=max_len,
-        ROUND_STATE=checkpoint.dtype != torch.float32, num_warps=exact_warps(row["num_warps"], bv),
+        ROUND_STATE=checkpoint.dtype != torch.float32, num_warps=warps,
     )
 
 
@@ -1472,8 +1471,7 @@ def launch_tree_replay(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, 
     launch_flush(checkpoint, ring, slots, write_pos, cache_base, is_flush)
     # The writers' tile and warps (the chain replay's): the read-only height (128 rows
     # for fp32) spills here. It writes no state, so it loads as the read-only kernels do.
-    row = exact_row(kd, vd, batch * paths, checkpoint.dtype, read_only=False)
-    bv = pick_block_v(kd, vd, batch * paths, hv, checkpoint.dtype, q.device, most=row["block_v"])
+    _, bv, warps = exact_tile(kd, vd, batch * paths, hv, checkpoint.dtype, q.device)
     ahead = exact_row(kd, vd, batch * paths, checkpoint.dtype, read_only=True)["load_ahead"]
     _tree_replay_kernel[(triton.cdiv(vd, bv), batch * paths, hv)](
         q, k, v, a, b, A_log, dt_bias,
@@ -1483,7 +1481,7 @@ def launch_tree_replay(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, 
         kd**-0.5, NORM_EPS,
         H=h, HV=hv, K=kd, V=vd, L=ring.ring_len, BK=exact_block_k(kd), BV=bv, TN=tree.parents.shape[1], P=paths,
         D=depth, BD=triton.next_power_of_2(depth), ROUND_STATE=checkpoint.dtype != torch.float32,
-        LOAD_AHEAD=bool(ahead), num_warps=exact_warps(row["num_warps"], bv),
+        LOAD_AHEAD=bool(ahead), num_warps=warps,
     )
 
 

@@ -23,7 +23,7 @@ from . import _checks, guards
 from .dispatch import pick, register
 from .gates import expand_heads, l2_normalize
 from .records import slots_error
-from .recurrent import STATE_DTYPES_TRITON, check_inner_contiguous, exact_block_k, exact_row, pick_block_v, state_update
+from .recurrent import STATE_DTYPES_TRITON, check_inner_contiguous, exact_block_k, exact_tile, state_update
 
 
 def check_fold_args(checkpoints, ring_k, ring_v, ring_g, ring_beta, slots, start, count):
@@ -143,7 +143,7 @@ except ImportError:  # the reference backend works without Triton
     triton = None
 
 if triton is not None:
-    from .triton_common import NORM_EPS, exact_warps, device_fn as _tl_device_fn, gdn_state_step as _tl_state_step
+    from .triton_common import NORM_EPS, device_fn as _tl_device_fn, gdn_state_step as _tl_state_step
     from .triton_common import load_parts as _tl_load_parts, mask_and as _tl_mask_and, normalized as _tl_normalized
     from .triton_common import as_stored as _tl_as_stored, store_parts as _tl_store_parts
 
@@ -302,16 +302,15 @@ if triton is not None:
         batch = slots.shape[0]
         if batch == 0 or nl == 0 or r == 0:
             return
-        row = exact_row(kd, vd, batch, checkpoints.dtype, read_only=False)
-        bv = pick_block_v(kd, vd, batch, hv, checkpoints.dtype, checkpoints.device, layers=nl,
-                          most=block_v or row["block_v"])
+        row, bv, warps = exact_tile(kd, vd, batch, hv, checkpoints.dtype, checkpoints.device, layers=nl,
+                                    most=block_v)
         grid = (triton.cdiv(vd, bv), batch, nl * hv)
         _fold_kernel[grid](
             checkpoints, ring_k, ring_v, ring_g, ring_beta, slots, start, count, count if flush is None else flush,
             checkpoints.stride(0), checkpoints.stride(1), *ring_k.stride()[:4], *ring_v.stride()[:4],
             *ring_g.stride(), *ring_beta.stride(), NORM_EPS,
             H=h, HV=hv, K=kd, V=vd, BK=exact_block_k(kd), BV=bv, R=r, PER_SLOT=flush is not None,
-            AHEAD=records_ahead or row["records_ahead"], num_warps=exact_warps(row["num_warps"], bv),
+            AHEAD=records_ahead or row["records_ahead"], num_warps=warps,
         )
 
 

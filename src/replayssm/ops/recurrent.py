@@ -247,17 +247,18 @@ def window_bound(max_len: int | None, *shape_bounds: int | None) -> int:
     return t if t <= 16 else triton.next_power_of_2(t)
 
 
-def pick_block_v(kd: int, vd: int, batch: int, hv: int, state_dtype: torch.dtype, device: torch.device, *,
-                 read_only: bool = False, layers: int = 1, most: int | None = None) -> int:
-    """Rows ``BV`` of an exact kernel's state tile for ``batch`` windows of ``hv`` value
-    heads (times ``layers`` for the fold): the height of the shape table
-    (:mod:`~replayssm.ops.tuning`, ``exact_read_only`` or ``exact_write``) through
-    :func:`~replayssm.ops.triton_common.block_rows`. 16 is the height that one pass of
-    :data:`~replayssm.ops.triton_common.EXACT_NUM_WARPS` warps covers in a four-part tile
-    (4 rows per warp), so no tile holds a row twice. ``most`` replaces the table's height."""
-    if most is None:
-        most = exact_row(kd, vd, batch, state_dtype, read_only)["block_v"]
-    return block_rows(vd, batch * hv * layers, device, most)
+def exact_tile(kd: int, vd: int, batch: int, hv: int, state_dtype: torch.dtype, device: torch.device, *,
+               read_only: bool = False, snapshots: bool = False, layers: int = 1,
+               most: int | None = None) -> tuple[dict, int, int]:
+    """An exact kernel's launch for ``batch`` windows of ``hv`` value heads (times
+    ``layers`` for the fold): ``(row, BV, num_warps)``, its shape-table row
+    (:func:`exact_row`), the rows ``BV`` of its state tile (the row's height, or
+    ``most``, through :func:`~replayssm.ops.triton_common.block_rows`) and the row's
+    warps as that tile takes them (:func:`~replayssm.ops.triton_common.exact_warps`,
+    which keeps the states' bits)."""
+    row = exact_row(kd, vd, batch, state_dtype, read_only, snapshots)
+    bv = block_rows(vd, batch * hv * layers, device, most or row["block_v"])
+    return row, bv, exact_warps(row["num_warps"], bv)
 
 
 def exact_row(kd: int, vd: int, batch: int, state_dtype: torch.dtype, read_only: bool, snapshots: bool = False) -> dict:
@@ -500,9 +501,8 @@ def gdn_recurrence_triton(
     if slots is not given:
         o.zero_()  # rewritten on the device: rows made padding zero only what they cover
     bk = exact_block_k(kd)
-    row = exact_row(kd, vd, batch, state.dtype, read_only=snapshots is None and not update_state,
-                    snapshots=snapshots is not None)
-    bv = pick_block_v(kd, vd, batch, hv, state.dtype, q.device, most=row["block_v"])
+    row, bv, warps = exact_tile(kd, vd, batch, hv, state.dtype, q.device,
+                                read_only=snapshots is None and not update_state, snapshots=snapshots is not None)
     dummy = o  # stands in for absent optional buffers; never dereferenced
     rec = records if records is not None else RawRecords(dummy, dummy, dummy, dummy)
     rec_strides = [x.stride(d) if records is not None else 0 for x in rec for d in range(3)]
@@ -516,7 +516,6 @@ def gdn_recurrence_triton(
         kd**-0.5, NORM_EPS,
         H=h, HV=hv, K=kd, V=vd, BK=bk, BV=bv, T=t,
         HAS_SNAPSHOTS=snapshots is not None, HAS_RECORDS=records is not None, UPDATE_STATE=bool(update_state),
-        STEPS_BY_LENGTH=t > STEPS_BY_LENGTH_ABOVE, LOAD_AHEAD=bool(row["load_ahead"]),
-        num_warps=exact_warps(row["num_warps"], bv),
+        STEPS_BY_LENGTH=t > STEPS_BY_LENGTH_ABOVE, LOAD_AHEAD=bool(row["load_ahead"]), num_warps=warps,
     )
     return o

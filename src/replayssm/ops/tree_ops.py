@@ -278,9 +278,8 @@ COMPACT_BLOCK = 1024
 # tree holds 4 levels.
 
 if triton is not None:
-    from .recurrent import _load_token as _rec_load_token, exact_block_k, exact_row, exact_token as _exact_token
-    from .recurrent import pick_block_v
-    from .triton_common import EXACT_NUM_WARPS, NORM_EPS, exact_warps, gdn_gates as _tl_gdn_gates
+    from .recurrent import _load_token as _rec_load_token, exact_block_k, exact_tile, exact_token as _exact_token
+    from .triton_common import EXACT_NUM_WARPS, NORM_EPS, block_rows, gdn_gates as _tl_gdn_gates
     from .triton_common import gdn_state_step as _tl_state_step, load_parts as _tl_load_parts
     from .triton_common import mask_and as _tl_mask_and, normalized as _tl_normalized, row_dot as _tl_row_dot
     from .triton_common import row_sum as _tl_row_sum, store_parts as _tl_store_parts, to_rtne as _tl_to_rtne
@@ -592,13 +591,12 @@ def gdn_tree_recurrence_triton(q, k, v, a, b, A_log, dt_bias, state, slots, tree
         paths_ok = walks_paths(nb, paths, kd=kd, vd=vd, state_dtype=state.dtype, device=state.device)
         method = "paths" if paths_ok else "stack"
     if method == "paths":
-        row = exact_row(kd, vd, nb * paths, state.dtype, read_only=False)  # the writers' tile and warps
-        bv = pick_block_v(kd, vd, nb * paths, hv, state.dtype, q.device, most=row["block_v"])
+        _, bv, warps = exact_tile(kd, vd, nb * paths, hv, state.dtype, q.device)  # the writers' tile and warps
         _tree_path_kernel[(triton.cdiv(vd, bv), nb * paths, hv)](
             q, k, v, a, b, A_log, dt_bias, state, slots, dev.num_nodes, dev.leaf_paths, o, *outputs, *common,
             H=h, HV=hv, K=kd, V=vd, BK=exact_block_k(kd), BV=bv, TN=nn, P=paths, D=depth,
             BD=triton.next_power_of_2(depth), HAS_SNAPSHOTS=snapshots is not None, HAS_RECORDS=records is not None,
-            num_warps=exact_warps(row["num_warps"], bv),
+            num_warps=warps,
         )
         return o
     levels = max(1, int(trees.depth.max()))  # stack levels: depths 0 .. max - 1 are parents
@@ -606,7 +604,7 @@ def gdn_tree_recurrence_triton(q, k, v, a, b, A_log, dt_bias, state, slots, tree
     # are what the register file bounds (the shape table's exact_tree.stack_rows).
     dp = triton.next_power_of_2(levels)
     stack_rows = tuning.lookup("exact_tree", K=kd, V=vd, state_dtype=state.dtype, batch=nb)["stack_rows"]
-    bv = pick_block_v(kd, vd, nb, hv, state.dtype, q.device, most=max(16, stack_rows // dp))
+    bv = block_rows(vd, nb * hv, q.device, max(16, stack_rows // dp))
     _tree_recurrence_kernel[(triton.cdiv(vd, bv), nb, hv)](
         q, k, v, a, b, A_log, dt_bias, state, slots, dev.num_nodes, dev.depth, dev.dfs_order, o, *outputs, *common,
         H=h, HV=hv, K=kd, V=vd, BK=exact_block_k(kd), BV=bv, TN=nn, DP=dp,
