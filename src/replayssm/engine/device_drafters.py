@@ -37,6 +37,26 @@ from .fused_linear import fuse_linears
 from .rotary import rope_rows
 
 
+def _check_tree(tree) -> None:
+    """A drafter's ``tree`` argument: a :class:`~replayssm.engine.trees.StaticTree` or ``None``."""
+    from .trees import StaticTree
+
+    if tree is not None and not isinstance(tree, StaticTree):
+        raise TypeError(f"tree must be a StaticTree or None, got {type(tree).__name__}")
+
+
+def _draft_sampling(sampling, tree):
+    """A model drafter's checked ``sampling`` and ``tree``; returns the sampling its
+    drafts follow: ``None`` (argmax drafts) when absent or greedy, and with a tree, whose
+    top-k expansion is deterministic."""
+    from .sampling import SamplingParams
+
+    if sampling is not None and not isinstance(sampling, SamplingParams):
+        raise TypeError(f"sampling must be a SamplingParams or None, got {type(sampling).__name__}")
+    _check_tree(tree)
+    return None if sampling is None or sampling.greedy or tree is not None else sampling
+
+
 def _check_tree_device(tree, device) -> None:
     """A drafter's static tree expands on the engine's device (its index tensors meet the
     drafts there): refuse one built elsewhere, before any buffer is allocated."""
@@ -162,14 +182,11 @@ class DeviceNgramDrafter(DeviceDrafter):
     name = "ngram"
 
     def __init__(self, max_ngram: int = 4, min_ngram: int = 1, tree=None, candidates: int = 16):
-        from .trees import StaticTree
-
         if isinstance(min_ngram, bool) or not isinstance(min_ngram, int) or min_ngram < 1:
             raise ValueError(f"min_ngram must be an int >= 1, got {min_ngram!r}")
         if isinstance(max_ngram, bool) or not isinstance(max_ngram, int) or max_ngram < min_ngram:
             raise ValueError(f"max_ngram must be an int >= min_ngram ({min_ngram}), got {max_ngram!r}")
-        if tree is not None and not isinstance(tree, StaticTree):
-            raise TypeError(f"tree must be a StaticTree or None, got {type(tree).__name__}")
+        _check_tree(tree)
         if isinstance(candidates, bool) or not isinstance(candidates, int) or candidates < 1:
             raise ValueError(f"candidates must be a positive int, got {candidates!r}")
         self.max_ngram = max_ngram
@@ -487,17 +504,10 @@ class DeviceMTPDrafter(DeviceDrafter):
     needs_hidden = True
 
     def __init__(self, engine, head, sampling=None, tree=None):
-        from .sampling import SamplingParams
-        from .trees import StaticTree
-
-        if sampling is not None and not isinstance(sampling, SamplingParams):
-            raise TypeError(f"sampling must be a SamplingParams or None, got {type(sampling).__name__}")
-        if tree is not None and not isinstance(tree, StaticTree):
-            raise TypeError(f"tree must be a StaticTree or None, got {type(tree).__name__}")
+        self.sampling = _draft_sampling(sampling, tree)
         self.engine = engine
         self.head = head
         self.tree = tree
-        self.sampling = None if sampling is None or sampling.greedy or tree is not None else sampling
 
     def bind(self, num_slots, num_draft, capacity, device):
         from .kv_cache import KVCache

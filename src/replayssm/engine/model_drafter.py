@@ -28,7 +28,7 @@ from typing import Sequence
 import torch
 
 from ..ops.trees import DraftTrees
-from .device_drafters import DeviceDrafter, _check_tree_device
+from .device_drafters import DeviceDrafter, _check_tree_device, _draft_sampling
 from .drafters import _fit_vocab
 
 #: draft-engine strategies whose verify writes only scratch (see the module notes)
@@ -55,8 +55,6 @@ class DeviceModelDrafter(DeviceDrafter):
 
     def __init__(self, engine, vocab_size: int, sampling=None, tree=None):
         from .adapter import HybridEngine
-        from .sampling import SamplingParams
-        from .trees import StaticTree
 
         if not isinstance(engine, HybridEngine):
             raise TypeError(f"engine must be a HybridEngine, got {type(engine).__name__}")
@@ -65,11 +63,8 @@ class DeviceModelDrafter(DeviceDrafter):
                              f"before a commit), got {engine.strategy.name!r}")
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
             raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
-        if sampling is not None and not isinstance(sampling, SamplingParams):
-            raise TypeError(f"sampling must be a SamplingParams or None, got {type(sampling).__name__}")
+        self.sampling = _draft_sampling(sampling, tree)
         if tree is not None:
-            if not isinstance(tree, StaticTree):
-                raise TypeError(f"tree must be a StaticTree or None, got {type(tree).__name__}")
             first = 0
             for d, level in enumerate(tree.levels):
                 if level.tolist() != list(range(first, first + level.shape[0])):
@@ -78,7 +73,6 @@ class DeviceModelDrafter(DeviceDrafter):
         self.engine = engine
         self.vocab_size = vocab_size
         self.tree = tree
-        self.sampling = None if sampling is None or sampling.greedy or tree is not None else sampling
 
     # ------------------------------------------------------------------ set-up
     def bind(self, num_slots, num_draft, capacity, device):
