@@ -39,7 +39,12 @@ def test_defaults_are_the_measured_values():
     assert tuning.lookup("ring_decode", **dict(at, state_dtype=BF16, batch=16))["split_flush"] == 2
     assert tuning.lookup("ring_decode", **dict(at, state_dtype=BF16, batch=15))["early_tile"] == 0
     assert tuning.lookup("ring_decode", **at)["max_registers"] == 0
-    assert tuning.lookup("ring_decode", **at)["num_warps"] == 4
+    # fp32 ring decoding: 4 warps x 128 rows below batch 16; the flush rows apart on 2
+    # warps x 32 rows at 16-32; one launch on 2 warps x 64 rows from 33
+    assert [(r["split_flush"], r["num_warps"], r["flush_warps"], r["block_v"])
+            for r in (tuning.lookup("ring_decode", **dict(at, batch=b)) for b in (1, 15, 16, 32, 33, 256))] == [
+        (0, 4, 4, 128), (0, 4, 4, 128), (2, 4, 2, 32), (2, 4, 2, 32), (0, 2, 4, 64), (0, 2, 4, 64)]
+    assert tuning.lookup("ring_decode", **dict(at, state_dtype=BF16))["num_warps"] == 4
 
 
 @pytest.mark.parametrize("name,value", [("fuse_flush", 2), ("dependent_launch", 2), ("flush_records_ahead", 3), ("flush_records_ahead", 0),
@@ -51,8 +56,9 @@ def test_closed_choices_are_checked(name, value):
 
 def test_a_choice_can_belong_to_one_family():
     """The exact kernels and ring decoding take 1, 2, 4 or 8 warps (their states' bits
-    are argued for those counts) and the ring's flush kernel 2 or 4; the closed form's
-    unfused outputs kernel, any."""
+    are argued for those counts), the ring's flush kernel 2 or 4, and the closed form's
+    outputs kernel, which folds flush rows beside tensor-core products, 2 or 4 (on 1
+    warp its folded states changed bits on the GPU)."""
     with pytest.raises(ValueError, match=r"ring_decode.flush_warps must be one of \(2, 4\)"):
         tuning.check_row("ring_decode", {}, {"flush_warps": 1})
     for family in ("exact_write", "exact_snapshot", "exact_read_only", "ring_decode"):
@@ -60,7 +66,11 @@ def test_a_choice_can_belong_to_one_family():
             tuning.check_row(family, {}, {"num_warps": 3})
         for warps in (1, 2, 8):
             tuning.check_row(family, {}, {"num_warps": warps})
-    tuning.check_row("closed_form", {}, {"num_warps": 3})
+    for warps in (1, 8):
+        with pytest.raises(ValueError, match=r"closed_form.num_warps must be one of \(2, 4\)"):
+            tuning.check_row("closed_form", {}, {"num_warps": warps})
+    for warps in (2, 4):
+        tuning.check_row("closed_form", {}, {"num_warps": warps})
 
 
 def test_first_matching_row_wins(monkeypatch):

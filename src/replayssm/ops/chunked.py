@@ -594,7 +594,7 @@ if triton is not None:
     from .fold import launch_fold, replay_and_store_tile as _replay_and_store_tile, replay_history as _replay_history
     from .recurrent import _load_token as _rec_load_token, exact_block_k, exact_row, exact_tile
     from .recurrent import exact_token as _exact_token
-    from .triton_common import EXACT_NUM_WARPS, NORM_EPS, block_rows, device_fn as _tl_device_fn
+    from .triton_common import NORM_EPS, block_rows, device_fn as _tl_device_fn, exact_warps
     from .triton_common import gdn_gates as _tl_gdn_gates
     from .triton_common import load_parts as _tl_load_parts
     from .triton_common import mask_and as _tl_mask_and, normalized as _tl_normalized
@@ -1336,9 +1336,9 @@ def launch_window_outputs(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, 
         *args, batch, tail, **common, BV=bv, FUSE_FLUSH=fold_here, TREE=tree is not None, WAIT_COEF=dependent,
         EARLY_TILE=(fold_here or (not flush_rows and _four_parts_ok(q.shape[2], q.device))) and bool(cfg["early_tile"]),
         FLUSH_ROWS=flush_rows, SHORT_TAIL=tail > 0, BB=triton.next_power_of_2(batch) if tail else 1,
-        # A fused flush is an exact replay: the exact kernels' warps (their layout
-        # decides the bits of every row sum).
-        num_warps=EXACT_NUM_WARPS if fold_here else cfg["num_warps"],
+        # A fused flush is an exact replay: warps that keep the exact kernels' layout of
+        # a row (it decides the bits of every row sum; triton_common.exact_warps).
+        num_warps=exact_warps(cfg["num_warps"], bv) if fold_here else cfg["num_warps"],
         **({"launch_pdl": True} if dependent else {}),
         **register_cap(cfg["max_registers"], q.device),
     )
@@ -1360,7 +1360,7 @@ def launch_window_flush(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, wr
     programs = min(cfg["flush_programs"] * sm_count(q.device), batch * hv * triton.cdiv(vd, fbv))
     _window_flush_kernel[(programs,)](
         *args, batch, **common, BV=fbv, BB=triton.next_power_of_2(batch), WAIT_COEF=dependent,
-        num_warps=EXACT_NUM_WARPS, **({"launch_pdl": True} if dependent else {}))
+        num_warps=exact_warps(cfg["num_warps"], fbv), **({"launch_pdl": True} if dependent else {}))
 
 
 def _four_parts_ok(kd: int, device: torch.device) -> bool:

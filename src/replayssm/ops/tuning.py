@@ -73,6 +73,10 @@ PARAMS = {
     # (with fuse_flush, one launch): the grid in batch order (0), or in an order that
     # moves the last short_tail rows that do not fold to its end (so no fold's chain
     # starts in the last waves; at least the batch: every folding row first).
+    # ``num_warps``: 4 or 2 (a fold inside the kernel, the fused flush or the flush rows'
+    # kernel, goes through triton_common.exact_warps, so its rows keep the exact kernels'
+    # layout and its states their bits; on 1 warp they do not, beside this kernel's
+    # tensor-core products: a GPU test).
     "closed_form": ("block_v", "k_chunk", "num_stages", "num_warps", "tf32_coefficients", "coef_warps",
                     "heads_per_program", "flush_block_v", "fuse_flush", "flush_records_ahead", "dependent_launch",
                     "max_registers", "early_tile", "split_flush", "flush_programs", "short_tail"),
@@ -95,7 +99,7 @@ PARAMS = {
     # on its registers per thread on CUDA (as closed_form.max_registers), and its warps:
     # 4 (the exact kernels'), 8 where the tile has at least 64 rows, or 1 or 2; they
     # stack along V (ops/ring_decode.py launch_ring_decode says why the flush keeps its
-    # bits; 1 and 2 are untimed).
+    # bits; at 2 and 1 warps a GPU test checks them).
     # ``split_flush``: one launch for every row (0), or the flush rows in a kernel of
     # their own, ``flush_programs`` programs an SM walking them on tiles of ``block_v``
     # rows (loaded before the cursors), beside the token kernel on ``token_block_v`` rows
@@ -106,7 +110,7 @@ PARAMS = {
     # which holds the tile in registers), or by FMA on the four-part tile (0).
     # ``flush_warps`` (rows apart): the flush kernel's warps, 4 (the exact kernels') or
     # 2, whose tiles keep the 4-warp lanes along K (ops/ring_decode.py
-    # launch_ring_decode); 2 is untimed.
+    # launch_ring_decode).
     "ring_decode": ("block_v", "records_ahead", "early_tile", "max_registers", "num_warps", "split_flush",
                     "token_block_v", "flush_programs", "dot_products", "k_chunk", "num_stages", "flush_warps"),
 }
@@ -124,7 +128,7 @@ _CHOICES = {"tf32_coefficients": (0, 1), "dot_products": (0, 1), "fuse_flush": (
             "closed_form.split_flush": (0, 1, 2, 3),
             "ring_decode.num_warps": (1, 2, 4, 8), "exact_write.num_warps": (1, 2, 4, 8),
             "exact_read_only.num_warps": (1, 2, 4, 8), "exact_snapshot.num_warps": (1, 2, 4, 8),
-            "ring_decode.flush_warps": (2, 4)}
+            "ring_decode.flush_warps": (2, 4), "closed_form.num_warps": (2, 4)}
 
 #: The table (see the module notes). Values chosen by measurement at Qwen3.5 shapes
 #: (BENCHMARKS.md, tuning notes).
@@ -212,7 +216,11 @@ TABLE: dict[str, list[tuple[dict, dict]]] = {
     # With fp32 states the FMA token kernel stays: its tensor-core form, with two 64 KB
     # pipeline stages of shared memory a program, measured slower, and one launch
     # measured faster from batch 33, the rows apart at batch 16 (BENCHMARKS.md, "The
-    # flush rows apart").
+    # flush rows apart"). There the flush kernel walks 32-row tiles on 2 warps, and from
+    # batch 33 the one launch holds 64 rows on 2 warps (each thread's share as at 128
+    # rows on 4, in twice the programs); both measured faster than 128 rows on 4
+    # (BENCHMARKS.md, "Ring decoding and the closed form on 2 warps"). Batches below 16
+    # keep 4 warps: not timed on 2.
     "ring_decode": [({"state_dtype": torch.bfloat16, "max_batch": 15}, dict(block_v=128, records_ahead=1, early_tile=0,
                                                                             max_registers=0, num_warps=4,
                                                                             split_flush=0, token_block_v=128,
@@ -222,10 +230,13 @@ TABLE: dict[str, list[tuple[dict, dict]]] = {
                                                            num_warps=4, split_flush=2, token_block_v=128,
                                                            flush_programs=2, dot_products=1, k_chunk=64,
                                                            num_stages=2, flush_warps=4)),
-                    ({"min_batch": 16, "max_batch": 32}, dict(block_v=128, records_ahead=1, early_tile=1,
+                    ({"min_batch": 16, "max_batch": 32}, dict(block_v=32, records_ahead=1, early_tile=1,
                                                               max_registers=0, num_warps=4, split_flush=2,
                                                               token_block_v=128, flush_programs=2, dot_products=0,
-                                                              k_chunk=64, num_stages=2, flush_warps=4)),
+                                                              k_chunk=64, num_stages=2, flush_warps=2)),
+                    ({"min_batch": 33}, dict(block_v=64, records_ahead=1, early_tile=1, max_registers=0, num_warps=2,
+                                             split_flush=0, token_block_v=128, flush_programs=2, dot_products=0,
+                                             k_chunk=64, num_stages=2, flush_warps=4)),
                     ({}, dict(block_v=128, records_ahead=1, early_tile=1, max_registers=0, num_warps=4, split_flush=0,
                               token_block_v=128, flush_programs=2, dot_products=0, k_chunk=64, num_stages=2,
                               flush_warps=4))],
