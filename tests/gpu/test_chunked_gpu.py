@@ -534,15 +534,18 @@ def test_dependent_launch_equals_ordered_launch(batch, state_dtype):
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_register_cap_changes_no_bit(state_dtype):
-    """The outputs kernel under a register cap (``closed_form.max_registers = 128``: the
-    compiler spills instead) computes what it computes uncapped, bit for bit, flush rows
-    (the fold's checkpoints) included; the folded checkpoints are still the fold
-    kernel's."""
+@pytest.mark.parametrize("param,cap", [("max_registers", 128), ("coef_max_registers", 128),
+                                       ("coef_max_registers", 96)])
+def test_register_cap_changes_no_bit(state_dtype, param, cap):
+    """The outputs kernel or the coefficient kernel under a register cap
+    (``closed_form.max_registers`` / ``coef_max_registers``: the compiler spills
+    instead) computes what it computes uncapped, bit for bit, flush rows (the fold's
+    checkpoints) included; the folded checkpoints are still the fold kernel's."""
     case = make_case(32, 4, 64, state_dtype, torch.bfloat16, pad=False)
-    with tuning.override("closed_form", max_registers=128):
+    with tuning.override("closed_form", **{param: cap}):
         capped = run(case, "triton", method="closed_form")
-    free = run(case, "triton", method="closed_form")
+    with tuning.override("closed_form", **{param: 0}):
+        free = run(case, "triton", method="closed_form")
     assert same(capped[0], free[0]), "outputs differ"
     assert same(capped[1], free[1]), "checkpoints differ"
     assert same(capped[3], free[3]), "u differs"

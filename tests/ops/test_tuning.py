@@ -24,7 +24,8 @@ def test_defaults_are_the_measured_values():
                                                         "coef_warps": 1, "heads_per_program": 8, "flush_block_v": 32,
                                                         "fuse_flush": 1, "flush_records_ahead": 1, "dependent_launch": 1,
                                                         "max_registers": 128, "early_tile": 0, "split_flush": 0,
-                                                        "flush_programs": 2, "short_tail": 0}
+                                                        "flush_programs": 2, "short_tail": 0,
+                                                        "coef_max_registers": 0}
     assert tuning.lookup("closed_form", **dict(at, batch=32))["max_registers"] == 0
     assert [tuning.lookup("closed_form", **dict(at, batch=b, state_dtype=d))["short_tail"]
             for d in (F32, BF16) for b in (32, 33)] == [32, 0, 32, 0]

@@ -1287,7 +1287,7 @@ def launch_coefficients(q, k, a, b, A_log, dt_bias, checkpoint, ring, slots, cu_
         H=h, HV=hv, K=kd, L=ring.ring_len, LOG_T=max(1, (max_len - 1).bit_length()), BT=bt, BH=bh,
         BK=exact_block_k(kd), VH=vh, DOT_PRECISION=product_precision(q.dtype),
         TREE=tree is not None, TN=1 if tree is None else tree.parents.shape[1], LAUNCH_DEPENDENTS=dependent,
-        num_warps=cfg["coef_warps"],
+        num_warps=cfg["coef_warps"], **register_cap(cfg["coef_max_registers"], q.device),
     )
     return coef
 

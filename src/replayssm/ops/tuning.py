@@ -77,9 +77,13 @@ PARAMS = {
     # kernel, goes through triton_common.exact_warps, so its rows keep the exact kernels'
     # layout and its states their bits; on 1 warp they do not, beside this kernel's
     # tensor-core products: a GPU test).
+    # ``coef_max_registers``: the coefficient kernel's register cap (as max_registers):
+    # its programs are one warp each, so registers decide how many an SM holds, and
+    # how many waves the batch's (request, key head) pairs take.
     "closed_form": ("block_v", "k_chunk", "num_stages", "num_warps", "tf32_coefficients", "coef_warps",
                     "heads_per_program", "flush_block_v", "fuse_flush", "flush_records_ahead", "dependent_launch",
-                    "max_registers", "early_tile", "split_flush", "flush_programs", "short_tail"),
+                    "max_registers", "early_tile", "split_flush", "flush_programs", "short_tail",
+                    "coef_max_registers"),
     # The tree recurrence (ops/tree_ops.py: fold's and snapshot's tree verify): rows of the
     # path stack a program holds in registers, all levels together (a level's tile is
     # stack_rows / levels rows high, at least 16); and the most requests x leaf paths
@@ -120,6 +124,7 @@ _KEY_FIELDS = ("K", "V", "state_dtype", "min_batch", "max_batch", "device")
 #: Parameters that may be 0 (the others are sizes, at least 1).
 _MAY_BE_ZERO = ("replay_max_batch", "tree_replay_max_paths", "path_max_paths",
                 "tf32_coefficients", "fuse_flush", "early_tile", "dependent_launch", "max_registers", "load_ahead",
+                "coef_max_registers",
                 "split_flush", "short_tail", "dot_products")
 #: Parameters with a closed set of values (by name, or ``family.name`` for one family).
 _CHOICES = {"tf32_coefficients": (0, 1), "dot_products": (0, 1), "fuse_flush": (0, 1), "records_ahead": (1, 2),
@@ -176,11 +181,11 @@ TABLE: dict[str, list[tuple[dict, dict]]] = {
     "closed_form": [({"max_batch": 32}, dict(block_v=64, k_chunk=64, num_stages=2, num_warps=4, tf32_coefficients=1,
                                              coef_warps=1, heads_per_program=1, flush_block_v=32, fuse_flush=1,
                                              flush_records_ahead=1, dependent_launch=1, max_registers=0, early_tile=0,
-                                             split_flush=0, flush_programs=2, short_tail=32)),
+                                             split_flush=0, flush_programs=2, short_tail=32, coef_max_registers=0)),
                     ({}, dict(block_v=64, k_chunk=64, num_stages=2, num_warps=4, tf32_coefficients=1, coef_warps=1,
                               heads_per_program=8, flush_block_v=32, fuse_flush=1, flush_records_ahead=1,
                               dependent_launch=1, max_registers=128, early_tile=0, split_flush=0,
-                              flush_programs=2, short_tail=0))],
+                              flush_programs=2, short_tail=0, coef_max_registers=0))],
     # Small batches are latency-bound: one launch with a chain of n + T exact steps
     # beats three launches and the window solve's per-head chain there. The switch sits
     # at the largest batch where replay measured faster (BENCHMARKS.md, kernels:
