@@ -1,5 +1,5 @@
 """The calls an engine makes besides verify/commit: load_states, save_states /
-restore_states and chunk_prefill (reference backend).
+restore_states, chunk_prefill and chunk_prefill_static (reference backend).
 
 Oracle bounds: fp32 against float64 on a few contractive steps (|exp(g)| <= 1, beta in
 (0, 1), unit keys) stays within 1e-5 of the values' scale.
@@ -166,25 +166,30 @@ def fake_chunk_kernel(q, k, v, g, beta, *, initial_state, output_final_state, cu
     """fla-core's (>= 0.6) chunk_gated_delta_rule contract, computed token by token in
     float64 from DESIGN.md section 1, written here without the library's ops: q, k
     [1, N, H, K] shared by groups of HV / H value heads, outputs [1, N, HV, V], final
-    states [B, HV, V, K] (state_v_first)."""
+    states [B, HV, V, K] (state_v_first); without cu_seqlens (fla's batch mode) q, k
+    [B, T, H, K], each batch row one sequence, outputs [B, T, HV, V]."""
     assert initial_state is None and output_final_state and use_qk_l2norm_in_kernel and state_v_first
-    assert cu_seqlens.dtype == torch.int64
-    _, n, h, kd = q.shape
+    assert cu_seqlens is None or (cu_seqlens.dtype == torch.int64 and q.shape[0] == 1)
+    rows, n, h, kd = q.shape
     hv, vd = v.shape[2], v.shape[-1]
-    q, k, v, g, beta = (t[0].double() for t in (q, k, v, g, beta))
+    q, k, v, g, beta = (t.double() for t in (q, k, v, g, beta))
     key_head = torch.arange(hv) // (hv // h)
-    o = torch.zeros(1, n, hv, vd, dtype=torch.float64)
-    cu = cu_seqlens.tolist()
-    final = torch.zeros(len(cu) - 1, hv, vd, kd, dtype=torch.float64)
-    for i in range(len(cu) - 1):
+    o = torch.zeros(rows, n, hv, vd, dtype=torch.float64)
+    if cu_seqlens is None:
+        seqs = [(r, 0, n) for r in range(rows)]
+    else:
+        cu = cu_seqlens.tolist()
+        seqs = [(0, cu[i], cu[i + 1]) for i in range(len(cu) - 1)]
+    final = torch.zeros(len(seqs), hv, vd, kd, dtype=torch.float64)
+    for i, (r, start, end) in enumerate(seqs):
         S = torch.zeros(hv, vd, kd, dtype=torch.float64)
-        for t in range(cu[i], cu[i + 1]):
-            kh = (k[t] / torch.sqrt((k[t] ** 2).sum(-1, keepdim=True) + 1e-6))[key_head]
-            qh = (q[t] / torch.sqrt((q[t] ** 2).sum(-1, keepdim=True) + 1e-6) * kd**-0.5)[key_head]
-            S = torch.exp(g[t])[:, None, None] * S
-            u = beta[t][:, None] * (v[t] - torch.einsum("hvk,hk->hv", S, kh))
+        for t in range(start, end):
+            kh = (k[r, t] / torch.sqrt((k[r, t] ** 2).sum(-1, keepdim=True) + 1e-6))[key_head]
+            qh = (q[r, t] / torch.sqrt((q[r, t] ** 2).sum(-1, keepdim=True) + 1e-6) * kd**-0.5)[key_head]
+            S = torch.exp(g[r, t])[:, None, None] * S
+            u = beta[r, t][:, None] * (v[r, t] - torch.einsum("hvk,hk->hv", S, kh))
             S = S + u[:, :, None] * kh[:, None, :]
-            o[0, t] = torch.einsum("hvk,hk->hv", S, qh)
+            o[r, t] = torch.einsum("hvk,hk->hv", S, qh)
         final[i] = S
     return o.float(), final.float()
 
@@ -237,3 +242,105 @@ def test_chunk_prefill_checks_the_kernel_and_the_rows():
     with pytest.raises(TypeError, match="kernel"):
         pool.strategy.chunk_prefill(*args, pool.batch([fresh], [4], prefill=True), kernel=None)
     assert torch.equal(pool.buffers["checkpoints"], before)
+
+
+def _batch_layout(lengths, capacity, num_tokens):
+    """The maps of chunk_prefill_static's batch layout for requests of ``lengths``
+    packed first, then a padding request up to ``num_tokens``: ``rows [B, C]`` (the
+    positions past a request's tokens read the last token, a padding one) and ``back
+    [N]`` (the padding tokens take position 0)."""
+    rows = torch.full((len(lengths), capacity), num_tokens - 1, dtype=torch.int64)
+    back = torch.zeros(num_tokens, dtype=torch.int64)
+    start = 0
+    for i, n in enumerate(lengths):
+        rows[i, :n] = torch.arange(start, start + n)
+        back[start : start + n] = i * capacity + torch.arange(n)
+        start += n
+    return rows, back
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_static_chunk_prefill_of_several_requests_equals_the_varlen_pass(strategy):
+    """chunk_prefill_static with rows/back: the kernel in its batch mode, requests of
+    5, 3 and 6 tokens in rows of C = 8 positions (each shorter than C: the positions
+    after its tokens are padding), outputs scattered back to the packed rows, final
+    states into the slots. Against chunk_prefill's varlen call on an identical pool,
+    the fake kernel computing in float64 token by token: the real rows' outputs and the
+    committed states bit for bit (a padding position with g = 0, beta = 0 multiplies the
+    state by exp(0) = 1 and adds a zero update, exactly)."""
+    pools = [make(strategy, requests=0, slots=4, seed=9) for _ in range(2)]
+    slots = [[p.alloc() for _ in range(3)] for p, _ in pools]
+    lengths, pad = [5, 3, 6], 4
+    n = sum(lengths) + pad
+    x_all = [pools[0][1].make_inputs(n) for _ in range(pools[0][0].num_layers)]
+    rows, back = _batch_layout(lengths, 8, n)
+    outs = []
+    for (pool, _), sl, static in zip(pools, slots, (True, False)):
+        batch = pool.batch(sl + [-1], lengths + [pad], prefill=True)
+        o_layers = []
+        for layer, x in enumerate(x_all):
+            args = (layer, x["q"], x["k"], x["v"], x["a"], x["b"], batch)
+            o_layers.append(pool.strategy.chunk_prefill_static(*args, kernel=fake_chunk_kernel, rows=rows, back=back)
+                            if static else pool.strategy.chunk_prefill(*args, kernel=fake_chunk_kernel))
+        outs.append(o_layers)
+    for o_s, o_c in zip(*outs):
+        assert o_s.shape == o_c.shape == (n, SHAPE.num_value_heads, SHAPE.head_v_dim)
+        assert torch.equal(o_s[: sum(lengths)], o_c[: sum(lengths)])
+    for layer in range(pools[0][0].num_layers):
+        s = pools[0][0].strategy.committed_state(layer, slots[0])
+        c = pools[1][0].strategy.committed_state(layer, slots[1])
+        assert torch.equal(s, c) and s.abs().max() > 0
+
+
+def test_teeth_padding_positions_with_live_gates_corrupt_the_states():
+    """The contract's padding positions must read a padding token (gates zeroed):
+    pointed at a real token instead, the state keeps moving after a request's last
+    token, and the committed states of the requests shorter than C are off by O(1) of
+    their scale (the comparison above would fail); the request that fills C is not."""
+    states = []
+    for tamper in (False, True):
+        pool, lc = make("fold", requests=0, slots=4, seed=9)
+        sl = [pool.alloc() for _ in range(3)]
+        lengths, pad = [5, 8, 6], 4
+        n = sum(lengths) + pad
+        rows, back = _batch_layout(lengths, 8, n)
+        if tamper:
+            rows[rows == n - 1] = 0
+        batch = pool.batch(sl + [-1], lengths + [pad], prefill=True)
+        x = make("fold", requests=0, seed=9)[1].make_inputs(n)
+        pool.strategy.chunk_prefill_static(0, x["q"], x["k"], x["v"], x["a"], x["b"], batch, fake_chunk_kernel,
+                                           rows=rows, back=back)
+        states.append(pool.strategy.committed_state(0, sl))
+    good, bad = states
+    err = [((bad[i] - good[i]).abs().max() / good[i].abs().max()).item() for i in range(3)]
+    assert err[0] > 0.05 and err[2] > 0.05 and err[1] == 0, err
+
+
+def test_static_chunk_prefill_refuses_bad_maps_before_any_write():
+    pool, lc = make("circular", requests=1)
+    lc.step()
+    fresh, other = [pool.alloc(), pool.alloc()], pool.alloc()
+    x = lc.make_inputs(8)
+    args = (0, x["q"], x["k"], x["v"], x["a"], x["b"])
+    rows, back = _batch_layout([3, 4], 4, 8)
+    batch = pool.batch(fresh + [-1], [3, 4, 1], prefill=True)
+    before = {name: buf.clone() for name, buf in pool.buffers.items()}
+    cases = [
+        (dict(rows=rows), ValueError, "rows and back go together"),
+        (dict(rows=rows.float(), back=back), TypeError, "rows must have dtype"),
+        (dict(rows=rows[0], back=back), ValueError, "rows must have 2 dimensions"),
+        (dict(rows=rows[:, :0], back=back), ValueError, "rows must have shape"),
+        (dict(rows=rows, back=back[:7]), ValueError, "back must have shape"),
+        (dict(rows=rows[:1], back=back), ValueError, "rows holds 1 requests"),
+    ]
+    for kw, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            pool.strategy.chunk_prefill_static(*args, batch, fake_chunk_kernel, **kw)
+    with pytest.raises(ValueError, match="rows holds 2 requests"):  # the last row is no padding row
+        pool.strategy.chunk_prefill_static(*args, pool.batch(fresh + [other], [3, 4, 1], prefill=True),
+                                           fake_chunk_kernel, rows=rows, back=back)
+    with pytest.raises(StepProtocolError, match="history"):  # a request with committed tokens
+        pool.strategy.chunk_prefill_static(*args, pool.batch([fresh[0], lc.slots[0], -1], [3, 4, 1], prefill=True),
+                                           fake_chunk_kernel, rows=rows, back=back)
+    for name, buf in pool.buffers.items():
+        assert torch.equal(buf.nan_to_num(7.0), before[name].nan_to_num(7.0)), name

@@ -563,18 +563,37 @@ class Strategy:
             o[torch.tensor(pad, dtype=torch.long, device=o.device)] = 0
         return o
 
-    def chunk_prefill_static(self, layer: int, q, k, v, a, b, batch: Batch, kernel: Callable) -> torch.Tensor:
+    def chunk_prefill_static(self, layer: int, q, k, v, a, b, batch: Batch, kernel: Callable, *,
+                             rows: torch.Tensor | None = None, back: torch.Tensor | None = None) -> torch.Tensor:
         """:meth:`chunk_prefill` of a static prompt batch (a CUDA-graphed prompt pass,
-        :mod:`replayssm.engine.prompt_graph`): one fresh request, then (unless the
-        request fills the batch) a padding request (slot ``-1``) over the rest of the
-        tokens, both rewritten on the device between replays. Nothing is read on the host: the kernel sees every token as one
-        sequence (no offsets) with the padding tokens' gates ``g = 0, beta = 0``, which
-        pass the state on unchanged, and the final state goes to the request's slot
+        :mod:`replayssm.engine.prompt_graph`) whose rows are rewritten on the device
+        between replays. Nothing is read on the host: the kernel takes no offsets, the
+        padding's gates are ``g = 0, beta = 0`` (``exp(0) S = S`` and a zero write: the
+        state passes on unchanged), and the final states go to the requests' slots
         through the batch's device slots (``-1``, as at capture, writes nothing).
 
+        * One request (``rows is None``): the batch is the request, then (unless it
+          fills the batch) a padding request (slot ``-1``) over the rest of the
+          tokens. The kernel sees all ``N`` tokens as one sequence ``[1, N]``.
+        * ``B`` requests (``rows`` and ``back``): the batch is ``B`` requests, then a
+          padding request. The kernel runs in its batch mode, ``B`` sequences of ``C``
+          positions: sequence ``i`` takes request ``i``'s tokens, then padding tokens up
+          to ``C``, gathered from the packed rows by ``rows``; its outputs go back to
+          the packed rows by ``back``. Every gate from ``batch.cu_seqlens[B]`` on (the
+          padding request's tokens) is zero, so each request's final state is the
+          state after its own tokens.
+
         Args:
-            layer, q, k, v, a, b, kernel: as for :meth:`chunk_prefill`.
-            batch: one row, or two with the second one padding.
+            layer, q, k, v, a, b, kernel: as for :meth:`chunk_prefill` (``q, k [N, H,
+                K]``, ``v [N, HV, V]``, ``a, b [N, HV]``, packed in request order).
+            batch: one row, or ``B + 1`` rows with the last one padding.
+            rows: ``[B, C]`` int32/int64 on the batch's device: ``rows[i, t]`` is the
+                packed row of request ``i``'s token ``t`` for ``t`` below its length,
+                and a padding token's row (``>= batch.cu_seqlens[B]``, whose gates are
+                zero) from there to ``C``.
+            back: ``[N]`` int32/int64: each packed row's position in ``rows`` flattened
+                (``i * C + t`` for request ``i``'s token ``t``; any position in
+                ``[0, B C)`` for a padding token).
 
         Returns:
             ``o``: ``[N, HV, V]`` in the dtype of ``v``; the padding tokens' rows are
@@ -584,30 +603,57 @@ class Strategy:
         self._check_inputs(layer, q, k, v, a, b, batch)
         if not callable(kernel):
             raise TypeError(f"kernel must be callable, got {type(kernel).__name__}")
-        if batch.size not in (1, 2) or (batch.size == 2 and batch.host_slots is not None
-                                        and batch.host_slots[1] != -1):
-            raise ValueError(f"a static chunked prompt batch is one request (and a padding row), got {batch.size} "
-                             f"rows with slots {batch.host_slots}")
+        if (rows is None) != (back is None):
+            raise ValueError("rows and back go together: both (a batch of several requests) or neither (one request)")
+        if rows is None:
+            requests = 1
+            if batch.size not in (1, 2) or (batch.size == 2 and batch.host_slots is not None
+                                            and batch.host_slots[1] != -1):
+                raise ValueError(f"a static chunked prompt batch is one request (and a padding row), got "
+                                 f"{batch.size} rows with slots {batch.host_slots}")
+        else:
+            _checks.tensor("rows", rows, ndim=2, dtypes=_checks.INDEX_DTYPES)
+            _checks.tensor("back", back, ndim=1, dtypes=_checks.INDEX_DTYPES)
+            requests, capacity = rows.shape
+            if requests < 1 or capacity < 1:
+                raise ValueError(f"rows must have shape [B, C] with B, C >= 1, got {list(rows.shape)}")
+            _checks.shape("back", back, [batch.num_tokens])
+            _checks.same_device(batch.slots, rows=rows, back=back)
+            if batch.size != requests + 1 or (batch.host_slots is not None and batch.host_slots[requests] != -1):
+                raise ValueError(f"rows holds {requests} requests: the batch must be those requests, then a padding "
+                                 f"row, got {batch.size} rows with slots {batch.host_slots}")
         self._check_prefill_rows(batch)
-        o, final = self._run_chunk_kernel(layer, q, k, v, a, b, kernel, batch.num_tokens, 1, cu_seqlens=None,
-                                          real=batch.cu_seqlens[1:2])
-        write_checkpoints(self.pool.checkpoints[layer], batch.slots[:1], final, backend=self.pool.backend)
-        return o[0].to(v.dtype)
+        real = batch.cu_seqlens[requests : requests + 1]  # the requests' tokens; the padding request's gates zero
+        o, final = self._run_chunk_kernel(layer, q, k, v, a, b, kernel, batch.num_tokens, requests, cu_seqlens=None,
+                                          real=real, rows=rows)
+        write_checkpoints(self.pool.checkpoints[layer], batch.slots[:requests], final, backend=self.pool.backend)
+        if rows is None:
+            return o[0].to(v.dtype)
+        return o.reshape(-1, *o.shape[2:]).index_select(0, back).to(v.dtype)
 
     def _run_chunk_kernel(self, layer: int, q, k, v, a, b, kernel: Callable, num_tokens: int, num_seqs: int, *,
-                          cu_seqlens, real=None):
+                          cu_seqlens, real=None, rows=None):
         """Gates, the chunked kernel's call and the check of what it returns; ``real [1]``
-        (a device count) zeroes the gates of tokens from ``real[0]`` on."""
+        (a device count) zeroes the gates of tokens from ``real[0]`` on. The kernel
+        takes the packed tokens as one batch row ``[1, N]``, or with ``rows [B, C]``
+        (packed row per position) gathered into ``[B, C]``; it returns ``o`` in that
+        layout."""
         s = self.pool.shape
         hv = s.num_value_heads
         A_log, dt_bias = self._gates(layer)
         g, beta = prompt_gates(a, b, A_log, dt_bias, real, beta_dtype=v.dtype, backend=self.pool.backend)
+        if rows is None:
+            layout = [1, num_tokens]
+            inputs = [x[None] for x in (q, k, v, g, beta)]
+        else:
+            layout, flat = list(rows.shape), rows.reshape(-1)
+            inputs = [x.index_select(0, flat).view(*layout, *x.shape[1:]) for x in (q, k, v, g, beta)]
         o, final = kernel(
-            q[None], k[None], v[None], g[None], beta[None], initial_state=None, output_final_state=True,
+            *inputs, initial_state=None, output_final_state=True,
             cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True, state_v_first=True,
         )
         _checks.tensor("kernel's o", o, ndim=4, dtypes=_checks.FLOAT_DTYPES)
-        _checks.shape("kernel's o", o, [1, num_tokens, hv, s.head_v_dim])
+        _checks.shape("kernel's o", o, [*layout, hv, s.head_v_dim])
         _checks.tensor("kernel's final state", final, ndim=4, dtypes=_checks.FLOAT_DTYPES)
         _checks.shape("kernel's final state", final, [num_seqs, hv, s.head_v_dim, s.head_k_dim])
         return o, final

@@ -18,36 +18,45 @@ def chunk_kernel_on_cpu(q, k, v, g, beta, *, initial_state=None, output_final_st
     """fla-core's ``chunk_gated_delta_rule`` (the arguments the strategies pass).
 
     Args:
-        q, k: ``[1, N, H, K]``; value head ``h`` reads key head ``h // (HV / H)``.
-        v: ``[1, N, HV, V]``.
-        g, beta: ``[1, N, HV]`` log decays and write strengths.
+        q, k: ``[1, N, H, K]`` (``B`` sequences packed by ``cu_seqlens``), or ``[B, T, H,
+            K]`` without it (fla's batch mode: ``B`` sequences of ``T`` tokens); value
+            head ``h`` reads key head ``h // (HV / H)``.
+        v: ``[1, N, HV, V]`` or ``[B, T, HV, V]``.
+        g, beta: ``[1, N, HV]`` or ``[B, T, HV]`` log decays and write strengths.
         initial_state: ``[B, HV, V, K]`` (``state_v_first``) or ``[B, HV, K, V]``;
             ``None``: zero.
-        cu_seqlens: ``[B + 1]`` int64 offsets; ``None``: one sequence.
+        cu_seqlens: ``[B + 1]`` int64 offsets (``q`` of batch 1); ``None``: each batch
+            row one sequence.
         chunk_size: transformers' chunk length (small, so short test prompts span
             several chunks).
 
     Returns:
-        ``(o [1, N, HV, V], final [B, HV, V, K] or [B, HV, K, V], or None)``.
+        ``(o shaped like v, final [B, HV, V, K] or [B, HV, K, V], or None)``.
     """
     from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
-    if q.shape[0] != 1 or k.shape != q.shape or v.shape[:2] != q.shape[:2] or v.shape[2] % q.shape[2]:
-        raise ValueError(f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} break the contract")
+    if ((cu_seqlens is not None and q.shape[0] != 1) or k.shape != q.shape or v.shape[:2] != q.shape[:2]
+            or v.shape[2] % q.shape[2] or g.shape != v.shape[:3] or beta.shape != v.shape[:3]):
+        raise ValueError(f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, g {tuple(g.shape)}, "
+                         f"beta {tuple(beta.shape)} break the contract")
     group = v.shape[2] // q.shape[2]
     q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
     if cu_seqlens is not None and cu_seqlens.dtype != torch.int64:
         raise TypeError(f"cu_seqlens must be int64, got {cu_seqlens.dtype}")
-    cu = [0, q.shape[1]] if cu_seqlens is None else cu_seqlens.tolist()
+    if cu_seqlens is None:  # batch mode: row i of every input is sequence i
+        seqs = [(i, slice(None)) for i in range(q.shape[0])]
+    else:
+        cu = cu_seqlens.tolist()
+        seqs = [(0, slice(cu[i], cu[i + 1])) for i in range(len(cu) - 1)]
     outs, finals = [], []
-    for i in range(len(cu) - 1):
-        sl = slice(cu[i], cu[i + 1])
-        h0 = None if initial_state is None else initial_state[i : i + 1].float()
+    for n, (i, sl) in enumerate(seqs):
+        h0 = None if initial_state is None else initial_state[n : n + 1].float()
         if h0 is not None and state_v_first:
             h0 = h0.transpose(-1, -2)
-        o, s = torch_chunk_gated_delta_rule(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl],
+        o, s = torch_chunk_gated_delta_rule(*(x[i : i + 1, sl] for x in (q, k, v, g, beta)),
                                             chunk_size=chunk_size, initial_state=h0, output_final_state=True,
                                             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
         outs.append(o)
         finals.append(s.transpose(-1, -2) if state_v_first else s)
-    return torch.cat(outs, 1), (torch.cat(finals, 0) if output_final_state else None)
+    o = torch.cat(outs, 0 if cu_seqlens is None else 1)
+    return o, (torch.cat(finals, 0) if output_final_state else None)
