@@ -83,7 +83,7 @@ def main() -> None:
         gen = generator.StepGenerator(eng, drafter, num_draft=3, eos_token_ids=(), graphs=cuda)
         gen.capture()
         if eng.prompt_graphs is not None:
-            eng.prompt_graphs.prepare(batch, length * batch)
+            eng.prompt_graphs.prepare(batch, length * batch, longest=length)
 
         def once():
             prompts = torch.randint(0, 256, (batch, length), generator=g).tolist()

@@ -136,7 +136,7 @@ def test_one_request_runs_the_chunked_kernel_as_one_sequence(length, rng, seed):
     """With a chunked kernel, a one-request shape hands the kernel every token as one
     sequence with the padding tokens' gates zeroed (none at 32 tokens: the request
     fills its shape): states and logits as the eager chunked pass's; a pass of two
-    requests keeps the recurrence."""
+    requests takes the kernel's batch layout."""
     model = build_tiny_model("qwen3_5", seed=seed)
     eager, static = _engines(model, prefill="chunk", chunk_kernel=_chunk_kernel)
     prompt = [torch.randint(0, 256, (length,), generator=rng).tolist()]
@@ -146,18 +146,18 @@ def test_one_request_runs_the_chunked_kernel_as_one_sequence(length, rng, seed):
         outs.append((eng.extend([slot], prompt, prompt=True), _states(eng, [slot])))
     (oe, se), (os_, ss) = outs
     graph = static.prompt_graphs.prepare(1, length)
-    assert graph.chunk_kernel is _chunk_kernel and graph.padded == (length < 32)
-    assert static.prompt_graphs.prepare(2, length).chunk_kernel is None
+    assert graph.chunk_kernel is _chunk_kernel and graph.padded == (length < 32) and graph.capacity is None
+    pair = static.prompt_graphs.prepare(2, length, length - 1)
+    assert pair.chunk_kernel is _chunk_kernel and pair.capacity == 32
     scale = oe.logits.abs().max()
     torch.testing.assert_close(os_.logits / scale, oe.logits / scale, **TOL)
     torch.testing.assert_close(ss[0], se[0], **TOL)
     torch.testing.assert_close(ss[1], se[1], **TOL)
     big = HybridEngine(model, num_slots=2, window=1, max_len=2048, prefill="chunk", chunk_kernel=_chunk_kernel,
                        prompt_graphs=True).prompt_graphs
-    shapes = [big.key(n) for n in (511, 512, 513, 2048, 8191, 8192, 8193)]
-    assert shapes == [(1, 512, True), (1, 512, False), (1, 768, True), (1, 2048, False), (1, 8192, True),
-                      (1, 8192, False), None]
-    assert big.shape(511, requests=2) == 512 and big.shape(512, requests=2) is None
+    shapes = [big.key(n) for n in (511, 512, 513, 2048, 33023, 33024, 33025)]
+    assert shapes == [(1, 512, None, True), (1, 512, None, False), (1, 768, None, True), (1, 2048, None, False),
+                      (1, 33024, None, True), (1, 33024, None, False), None]
 
 
 def test_a_shape_may_hold_more_tokens_than_a_request_may(rng, seed):
@@ -173,14 +173,176 @@ def test_a_shape_may_hold_more_tokens_than_a_request_may(rng, seed):
     torch.testing.assert_close(ls / le.abs().max(), le / le.abs().max(), **TOL)
 
 
-def test_prepare_joins_builds_every_shape_joining_prompts_can_take(rng):
+def _feasible_passes(most, lo, hi):
+    """``(k, n, longest)`` of every pass of ``1..most`` prompts of ``lo..hi`` tokens."""
+    for k in range(1, most + 1):
+        for n in range(k * lo, k * hi + 1):
+            for longest in range(max(lo, -(-n // k)), min(hi, n - (k - 1) * lo) + 1):
+                yield k, n, longest
+
+
+@pytest.mark.parametrize("chunk", [False, True])
+def test_prepare_joins_builds_every_shape_joining_prompts_can_take(chunk, rng):
     """Passes of 1..most requests of lo..hi prompt tokens each: every such pass that
-    runs at a static shape finds its shape built, and none beyond."""
+    runs at a static shape finds its shape built, and none beyond (with a chunked
+    kernel, every capacity C the passes' longest prompts take); built largest first;
+    too many shapes are refused before any is built."""
     model = build_tiny_model("qwen3_5", seed=0)
-    eng = HybridEngine(model, strategy="fold", num_slots=8, window=4, max_len=600)
-    graphs = PromptGraphs(eng, graph=False)
+    eng = HybridEngine(model, strategy="fold", num_slots=8, window=4, max_len=600,
+                       **(dict(prefill="chunk", chunk_kernel=_chunk_kernel) if chunk else {}))
+    graphs = PromptGraphs(eng, graph=False, max_chunked_tokens=768)
     lo = int(torch.randint(3, 20, (1,), generator=rng))
     hi = lo + int(torch.randint(0, 60, (1,), generator=rng))
     graphs.prepare_joins(6, lo, hi)
-    want = {graphs.key(n, k) for k in range(1, 7) for n in range(k * lo, k * hi + 1)} - {None}
+    want = {graphs.key(n, k, longest) for k, n, longest in _feasible_passes(6, lo, hi)} - {None}
     assert set(graphs._shapes) == want and want
+    assert any(s.capacity is not None for s in want) == chunk
+    built = [s.tokens for s in graphs._shapes]
+    assert built == sorted(built, reverse=True)
+    with pytest.raises(ValueError, match="max_shapes"):
+        graphs.prepare_joins(8, 3, 300, max_shapes=len(graphs.join_shapes(8, 3, 300)) - 1)
+    assert set(graphs._shapes) == want
+    fixed = graphs.join_shapes(6, 40, 40)  # prompts of one length: one shape per request count
+    assert sorted(s.requests for s in fixed) == list(range(1, 7))
+
+
+def _engine_pair(model, **kw):
+    common = dict(strategy="fold", num_slots=6, window=3, max_len=96, prefill="chunk", **kw)
+    calls = []
+
+    def kernel(q, *args, cu_seqlens=None, **kwargs):  # the CPU stand-in, its calls' layouts recorded
+        calls.append((tuple(q.shape[:2]), cu_seqlens is None))
+        return _chunk_kernel(q, *args, cu_seqlens=cu_seqlens, **kwargs)
+
+    eager = HybridEngine(model, prompt_graphs=False, chunk_kernel=_chunk_kernel, **common)
+    return eager, HybridEngine(model, prompt_graphs=True, chunk_kernel=kernel, **common), calls
+
+
+def _prompt_pass(eng, prompts, bystander):
+    """A bystander's prompt, then ``prompts`` into fresh slots: the output, the new
+    slots' GDN and conv states, keys and values, and whether the bystander kept its
+    state bit for bit."""
+    other = eng.alloc()
+    eng.extend([other], [bystander], prompt=True)
+    before = _states(eng, [other]) + (eng.kv.k[:, other].clone(),)
+    slots = [eng.alloc() for _ in prompts]
+    out = eng.extend(slots, prompts, prompt=True)
+    after = _states(eng, [other]) + (eng.kv.k[:, other].clone(),)
+    kept = all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(before, after))
+    kv = [(eng.kv.k[:, s, :, : len(p)].clone(), eng.kv.v[:, s, :, : len(p)].clone()) for s, p in zip(slots, prompts)]
+    return out, _states(eng, slots), kv, kept
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+@pytest.mark.parametrize("lengths", [(5, 40, 17), (32, 7, 32, 1), (3, 3)])
+def test_several_requests_run_the_chunked_kernel_in_its_batch_layout(family, lengths, rng, seed):
+    """With a chunked kernel, a static pass of several requests of different lengths
+    runs every GDN layer through the kernel's batch mode, ``[B, C]`` with ``C`` the
+    longest prompt's capacity (no offsets), requests shorter than ``C`` followed by
+    padding positions: the last tokens' logits, every token's hidden state, the GDN
+    and conv states, the keys and values and the KV lengths as the eager pass's
+    (fla's varlen call), a bystander untouched. fp32, the same kernel per sequence:
+    agreement to ~1e-6 of the values' scale (the token-wise layers run on N rows
+    instead of n)."""
+    model = build_tiny_model(family, seed=seed)
+    eager, static, calls = _engine_pair(model)
+    bystander = torch.randint(0, 256, (7,), generator=rng).tolist()
+    prompts = [torch.randint(0, 256, (n,), generator=rng).tolist() for n in lengths]
+    (oe, se, kve, kept_e), (os_, ss, kvs, kept_s) = (_prompt_pass(eng, prompts, bystander) for eng in (eager, static))
+    assert static.prompt_passes == {"static": 2, "eager": 0} and kept_s and kept_e
+    shape = static.prompt_graphs.key(sum(lengths), len(lengths), max(lengths))
+    c = max(MIN_TOKENS, 1 << (max(lengths) - 1).bit_length())
+    assert shape.capacity == c and static.prompt_graphs._shapes[shape].chunk_kernel is not None
+    layers = len(static.mixers)
+    assert calls[-layers:] == [((len(lengths), c), True)] * layers  # batch mode, B sequences of C
+    scale = oe.logits.abs().max()
+    torch.testing.assert_close(os_.logits / scale, oe.logits / scale, **TOL)
+    torch.testing.assert_close(os_.hidden, oe.hidden, **TOL)
+    for got, want in zip(ss[:2], se[:2]):  # GDN states, conv states
+        torch.testing.assert_close(got / want.abs().max(), want / want.abs().max(), **TOL)
+    assert ss[2] == se[2] == list(lengths)
+    for (ks, vs), (ke, ve) in zip(kvs, kve):
+        torch.testing.assert_close(ks, ke, **TOL)
+        torch.testing.assert_close(vs, ve, **TOL)
+    assert torch.equal(static.kv.device_lengths[:-1].cpu(), torch.tensor(static.kv.lengths))
+
+
+def test_teeth_unmasked_padding_corrupts_the_batch_layouts_states(rng, seed, monkeypatch):
+    """The padding positions of the batch layout must keep their gates zeroed: with
+    the mask dropped (the gates of every token live), each request shorter than ``C``
+    reads padding tokens after its own, and its committed state is off by O(1) of its
+    scale, while the logits still agree (a token's output depends on earlier tokens
+    only): the state comparison above is what catches it."""
+    import replayssm.strategies.base as base
+
+    model = build_tiny_model("qwen3_5", seed=seed)
+    eager, static, _ = _engine_pair(model)
+    prompts = [torch.randint(0, 256, (n,), generator=rng).tolist() for n in (5, 40, 17)]
+    bystander = [1, 2, 3]
+    oe, se, _, _ = _prompt_pass(eager, prompts, bystander)
+    gates = base.prompt_gates
+    monkeypatch.setattr(base, "prompt_gates", lambda a, b, A_log, dt_bias, real, **kw: gates(a, b, A_log, dt_bias, None, **kw))
+    os_, ss, _, _ = _prompt_pass(static, prompts, bystander)
+    scale = oe.logits.abs().max()
+    torch.testing.assert_close(os_.logits / scale, oe.logits / scale, **TOL)
+    for i in range(3):
+        want = se[0][:, i]
+        assert (ss[0][:, i] - want).abs().max() > 0.05 * want.abs().max(), i
+
+
+def test_several_request_shapes_and_their_bounds(rng, seed):
+    """Keys of several requests with a chunked kernel: ``C`` from the longest prompt
+    (powers of two to 512, then multiples of 256); ``N`` and ``B C`` within
+    ``max_chunked_tokens`` (16 x 2048 fits the default), else the recurrence's shape
+    within ``max_tokens``, else eager; ``longest`` required and checked. In an engine:
+    each pass takes the path its key names, and every shape writes its outputs into
+    the same shared buffers."""
+    model = build_tiny_model("qwen3_5", seed=seed)
+    big = HybridEngine(model, num_slots=16, window=1, max_len=2048, prefill="chunk", chunk_kernel=_chunk_kernel,
+                       prompt_graphs=True).prompt_graphs
+    assert big.key(16 * 2048, 16, 2048) == (16, 33024, 2048, True)
+    assert big.key(17 * 2048, 17, 2048) is None
+    assert big.key(511, 2, 300) == (2, 512, 512, True) and big.key(512, 2, 300) == (2, 768, 512, True)
+    assert big.key(600, 2, 513) == (2, 768, 768, True)
+    assert big.key(500, 100, 401) == (100, 512, None, True)  # B C = 51200: the recurrence's shape
+    assert big.key(600, 100, 401) is None
+    for args, match in (((100, 2), "longest"), ((100, 2, 49), "no pass"), ((100, 2, 100), "no pass"),
+                        ((100, 1, 99), "one request")):
+        with pytest.raises(ValueError, match=match):
+            big.key(*args)
+    with pytest.raises(ValueError, match="shape capacity"):
+        PromptGraphs(big.engine, max_chunked_tokens=1000)
+    plain = PromptGraphs(HybridEngine(model, num_slots=2, window=1, max_len=64), graph=False)
+    assert plain.key(63, 2) == (2, 64, None, True) and plain.key(512, 2, 500) is None  # longest unused
+
+    eng = HybridEngine(model, strategy="fold", num_slots=6, window=2, max_len=96, prefill="chunk",
+                       chunk_kernel=_chunk_kernel, prompt_graphs=True)
+    eng.prompt_graphs = PromptGraphs(eng, max_tokens=64, max_chunked_tokens=64)
+    for lengths, path in (((20, 30), "static"), ((40, 20), "static"), ((40, 40), "eager")):
+        slots = [eng.alloc() for _ in lengths]
+        before = dict(eng.prompt_passes)
+        eng.extend(slots, [torch.randint(0, 256, (n,), generator=rng).tolist() for n in lengths], prompt=True)
+        assert eng.prompt_passes[path] == before[path] + 1, lengths
+        eng.free_many(slots)
+    shapes = eng.prompt_graphs._shapes
+    assert set(shapes) == {(2, 64, 32, True), (2, 64, None, True)}  # B C = 128 > 64: the recurrence
+    ptrs = {(g.logits.data_ptr(), g.hidden.data_ptr()) for g in shapes.values()}
+    assert len(ptrs) == 1
+
+
+def test_bad_capacities_are_refused(rng, seed):
+    model = build_tiny_model("qwen3_5", seed=seed)
+    eng = HybridEngine(model, strategy="fold", num_slots=3, window=2, max_len=96, prefill="chunk",
+                       chunk_kernel=_chunk_kernel, prompt_graphs=True)
+    plain = HybridEngine(model, strategy="fold", num_slots=3, window=2, max_len=96, prompt_graphs=True)
+    for args, kw, match in (((eng, 1, 64), dict(capacity=32), "several requests"),
+                            ((plain, 2, 64), dict(capacity=32), "chunked kernel"),
+                            ((eng, 2, 64), dict(capacity=0), "capacity must be"),
+                            ((eng, 2, 4096), dict(capacity=32), "cannot fill")):
+        with pytest.raises(ValueError, match=match):
+            PromptGraph(*args, graph=False, **kw)
+    s, t = eng.alloc(), eng.alloc()
+    ck = eng.pool.checkpoints.clone()
+    with pytest.raises(ValueError, match="at most 32"):
+        PromptGraph(eng, 2, 64, graph=False, capacity=32).run([s, t], [[1] * 40, [2] * 3])
+    assert torch.equal(eng.pool.checkpoints, ck) and eng.kv.lengths[s] == 0

@@ -13,7 +13,9 @@ Claims checked:
 * Chunked prefill interleaved with graphed decode steps keeps the greedy tokens (fp32)
   and places the joiner's passes between the running requests' steps.
 * A prompt pass at a static shape (a CUDA-graph replay) gives the eager pass's logits
-  and states, and synchronises the host not at all.
+  and states, and synchronises the host not at all: with the recurrence, and with
+  fla-core's kernel for one request (one sequence) and for several (its batch mode,
+  ``[B, C]``), 16 prompts of 2048 tokens included.
 """
 
 from __future__ import annotations
@@ -182,6 +184,39 @@ def test_static_prompt_pass_of_one_request_through_fla():
     assert static.prompt_passes == {"static": 3, "eager": 0}
     assert static.prompt_graphs.prepare(1, 2000).chunk_kernel is not None
     assert not static.prompt_graphs.prepare(1, 2048).padded
+
+
+def test_static_prompt_pass_of_several_requests_through_fla():
+    """A shape of several requests runs fla-core's kernel in its batch mode in the graph
+    (``B`` sequences of the longest prompt's capacity ``C``; the positions after a
+    shorter prompt read padding tokens, whose gates are zero): logits, GDN and conv
+    states as the eager pass's (fla's varlen call), through one captured shape twice
+    (the second pass replays it with other requests and lengths) and through the shape
+    of 16 prompts of 2048 tokens; a replayed pass synchronises the host not at all."""
+    if load_chunk_kernel() is None:
+        pytest.skip("fla-core is not importable here")
+    model = build_tiny_model("qwen3_5", seed=11, dtype=torch.bfloat16, device="cuda", **HEADS)
+    common = dict(strategy="fold", num_slots=16, window=4, max_len=2052, prefill="chunk")
+    eager = HybridEngine(model, prompt_graphs=False, **common)
+    static = HybridEngine(model, prompt_graphs=True, **common)
+    with torch.inference_mode():
+        # 4885 and 5000 tokens: one shape (N = 5120, C = 2048); then 16 x 2048 (N = 33024)
+        for lengths in ((2048, 1000, 37, 1800), (1900, 1000, 2000, 100), (2048,) * 16):
+            prompts = _prompts(sum(lengths), lengths)
+            outs = []
+            for eng in (eager, static):
+                slots = [eng.alloc() for _ in prompts]
+                out = eng.extend(slots, prompts, prompt=True)
+                outs.append((out.logits.float(), eng.pool.checkpoints[:, slots].float(),
+                             eng.pool.conv_state[:, slots].float()))
+                eng.free_many(slots)
+            for got, want in zip(outs[1], outs[0]):  # bf16: the token-wise layers on N rows instead of n
+                assert (got - want).abs().max().item() < 0.05 * want.abs().max().item(), lengths
+    assert static.prompt_passes == {"static": 3, "eager": 0}
+    assert set(static.prompt_graphs._shapes) == {(4, 5120, 2048, True), (16, 33024, 2048, True)}
+    assert all(g.graph is not None for g in static.prompt_graphs._shapes.values())
+    # three requests of 100, 37 and 64 tokens: the shape (3, 256, 128) through fla-core
+    assert _syncs_of_a_prompt_pass(model, "chunk", prompt_graphs=True) == 0
 
 
 def test_prompt_ops_on_the_card_and_in_a_graph():

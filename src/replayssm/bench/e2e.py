@@ -599,7 +599,7 @@ def run_mode(model, mode: str, prompts, warm, cfg: E2EConfig, *, on_done=None,
     gen.capture()  # every bucket now: requests finishing unevenly must not capture inside a timed run
     if engine.prompt_graphs is not None and cfg.prefill_chunk is None:  # the first pass: every prompt whole
         first = prompts[:batch]
-        engine.prompt_graphs.prepare(len(first), sum(len(p) for p in first))
+        engine.prompt_graphs.prepare(len(first), sum(len(p) for p in first), max(len(p) for p in first))
         if len(prompts) > batch:  # queued requests join as slots free up: a few, or all (plain decoding)
             lo, hi = (cfg.prompt_len,) * 2 if isinstance(cfg.prompt_len, int) else cfg.prompt_len
             engine.prompt_graphs.prepare_joins(batch, lo, hi)

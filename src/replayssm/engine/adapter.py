@@ -473,14 +473,18 @@ class HybridEngine:
         prompt_graphs: prompt passes of fresh requests run as static shapes, each
             captured once in a CUDA graph (:mod:`replayssm.engine.prompt_graph`): the
             host's launches, not the GPU, set an eager prompt pass's time up to a few
-            thousand tokens. GDN layers of one request go through the chunked kernel
-            when the engine has one, of several through the exact recurrence. Default
+            thousand tokens. GDN layers go through the chunked kernel when the engine
+            has one (one request as one sequence, several in the kernel's batch layout
+            ``[B, C]``; shapes up to 16 prompts of 2048 tokens), else through the exact
+            recurrence. Default
             (``None``): on a CUDA engine without ``fixed_shape``. ``True`` on the CPU
             runs the same static body eagerly. Which passes took it: :attr:`prompt_passes`;
             passes asking for every token's logits, and any pass while
             :attr:`gdn_inputs_hook` is set, run eagerly.
-        prompt_graph_tokens: the largest token capacity of a prompt shape of several
-            requests (a power of two); longer passes run eagerly.
+        prompt_graph_tokens: the largest token capacity of a prompt shape whose GDN
+            layers run the recurrence (a power of two; the
+            :class:`~replayssm.engine.prompt_graph.PromptGraphs`'
+            ``max_tokens``); longer passes without a chunked kernel run eagerly.
 
     A step is either :meth:`extend` (prompt prefill or plain decoding: the state
     advances over every token) or :meth:`verify` followed by :meth:`commit`.
@@ -862,8 +866,8 @@ class HybridEngine:
 
     def forward_static(self, ids: torch.Tensor, positions: torch.Tensor, slot_idx: torch.Tensor | None, batch: Batch,
                        *, verify: bool, ring: bool = False, tree=None, prompt: PromptLayout | None = None,
-                       last: torch.Tensor | None = None,
-                       chunk_kernel: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       last: torch.Tensor | None = None, chunk_kernel: Callable | None = None,
+                       chunk_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One static-shape forward of ``B`` rows of ``T`` tokens, CUDA-graph safe.
 
         Args:
@@ -891,9 +895,14 @@ class HybridEngine:
                 of fresh requests) instead of ``slot_idx`` (unused, may be ``None``).
             last: ``[R]`` int64 rows of ``hidden`` whose logits are returned (the
                 requests' last prompt tokens); default every row.
-            chunk_kernel: with ``prompt`` of one request: GDN layers through this
-                chunked kernel (:meth:`Strategy.chunk_prefill_static`) instead of the
-                recurrence.
+            chunk_kernel: with ``prompt``: GDN layers through this chunked kernel
+                (:meth:`Strategy.chunk_prefill_static`) instead of the recurrence; one
+                request's tokens as one sequence, or, with ``chunk_rows``, several
+                requests' in the kernel's batch layout.
+            chunk_rows: with ``chunk_kernel`` and a prompt of ``B`` requests (a padding
+                request last): ``(rows [B, C], back [N])``, the device maps between the
+                packed tokens and the GDN layers' batch layout ``[B, C]``
+                (:meth:`Strategy.chunk_prefill_static`'s ``rows`` and ``back``).
 
         Returns:
             ``(logits [B * T, vocab] float32, hidden [B * T, hidden])`` (logits
@@ -928,7 +937,8 @@ class HybridEngine:
                     parts = mixer.parts if chunk_kernel is not None else None
                     q, k, v = mixer.split(strat.conv_prefill(j, mixed, batch, parts=parts))
                     if chunk_kernel is not None:
-                        o = strat.chunk_prefill_static(j, q, k, v, a, bb, batch, chunk_kernel)
+                        rows, back = chunk_rows if chunk_rows is not None else (None, None)
+                        o = strat.chunk_prefill_static(j, q, k, v, a, bb, batch, chunk_kernel, rows=rows, back=back)
                     else:
                         o = strat.prefill(j, q, k, v, a, bb, batch)
                 x = mixer.finish(o, z, norm)
