@@ -36,7 +36,7 @@ import torch
 
 from replayssm.ops import RawRecords, advance_cursors, gdn_chunked_window, gdn_fold, tuning
 from replayssm.ops.gates import expand_heads, l2_normalize
-from replayssm.ops.ring_decode import gdn_ring_decode, join_flushes
+from replayssm.ops.ring_decode import gdn_ring_decode
 from replayssm.state import GDNShape, StatePool
 
 pytestmark = pytest.mark.gpu
@@ -240,33 +240,6 @@ def test_ring_decode_flush_on_two_warps_keeps_its_bits(state_dtype, block_v):
     same split on 4 warps (the K axis keeps its lanes; rows a warp holds differ)."""
     split = dict(split_flush=1, block_v=block_v)
     _decode_bits_equal(state_dtype, dict(split, flush_warps=2), dict(split, flush_warps=4))
-
-
-@pytest.mark.parametrize("state_dtype,act_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16),
-                                                   (torch.float32, torch.float32)], ids=["fp32", "bf16", "fp32_acts"])
-@pytest.mark.parametrize("batch", [64, 256])
-@pytest.mark.parametrize("defer", [False, True], ids=["joined", "deferred"])
-def test_ring_decode_deferred_fold(state_dtype, act_dtype, batch, defer):
-    """Every row's token first, then the flush rows' fold alone on the side stream
-    (``ring_decode.split_flush = 3``; with ``defer_flush`` joined by ``join_flushes``):
-    the folded checkpoints are the one launch's bit for bit (the same replay), outputs
-    and ``u`` match the float64 oracle within the stated tolerances (a flush row's token
-    now comes from its unfolded history, by its records' ``u``), and the raw records
-    are the one launch's."""
-    case = with_consistent_u(make_case(HV_POOL, 1, batch, state_dtype, act_dtype))
-    ins = [case["x"][n] for n in ("q", "k", "v", "a", "b", "A_log", "dt_bias")]
-    ck, ring, ring_u = case["checkpoint"].clone(), RawRecords(*(y.clone() for y in case["ring"])), case["ring_u"].clone()
-    with tuning.override("ring_decode", split_flush=3, dot_products=0, early_tile=1):
-        o = gdn_ring_decode(*ins, ck, ring, ring_u, *case["cursors"], backend="triton", defer_flush=defer)
-        join_flushes(ck.device)
-    with tuning.override("ring_decode", split_flush=0, dot_products=0, early_tile=1):
-        o1, ck1, ring1, u1 = run(case, "triton", method="decode")
-    assert not torch.equal(ck1, case["checkpoint"]), "no row flushed"
-    assert torch.equal(ck, ck1), "checkpoints differ"
-    assert same(ring.k, ring1.k) and same(ring.v, ring1.v) and same(ring.g, ring1.g) and same(ring.beta, ring1.beta)
-    o_64, _, _, u_64 = run(case, "reference", torch.float64)
-    torch.testing.assert_close(o.double(), o_64, **tol(o_64, state_dtype, act_dtype))
-    torch.testing.assert_close(ring_u.double().nan_to_num(0.0), u_64.nan_to_num(0.0), **tol(u_64, state_dtype, act_dtype))
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -22,7 +22,6 @@ import torch
 triton = pytest.importorskip("triton")
 
 from replayssm.ops import RawRecords, gdn_chunked_window, gdn_recurrence, triton_common, tuning  # noqa: E402
-from replayssm.ops.gates import expand_heads, l2_normalize  # noqa: E402
 from replayssm.ops.ring_decode import gdn_ring_decode  # noqa: E402
 from replayssm.state import GDNShape, StatePool  # noqa: E402
 
@@ -54,14 +53,11 @@ def two_requests(window, ring_len, gen):
     return pools, live, pools["triton"].layer_params(0)
 
 
-@pytest.mark.parametrize("small_batch,split_flush", [(False, 0), (True, 0), (False, 3)],
-                         ids=["closed_form", "replay", "deferred_fold"])
-def test_triton_plain_ring_steps_are_the_triton_recurrence(small_batch, split_flush):
+@pytest.mark.parametrize("small_batch", [False, True], ids=["closed_form", "replay"])
+def test_triton_plain_ring_steps_are_the_triton_recurrence(small_batch):
     """20 steps on 2 requests (T = 2, L = 8: a pure plain request flushes every 5
     steps), every fourth step speculative with random acceptance. ``replay``: the
-    small-batch kernel (one launch, a flush at every commit). ``deferred_fold``: plain
-    steps take every row's token first and fold the flush rows after
-    (``ring_decode.split_flush = 3``, the fold deferred to the commit)."""
+    small-batch kernel (one launch, a flush at every commit)."""
     gen = torch.Generator().manual_seed(11)
     window, ring_len = 2, 8
     pools, live, p = two_requests(window, ring_len, gen)
@@ -69,8 +65,7 @@ def test_triton_plain_ring_steps_are_the_triton_recurrence(small_batch, split_fl
     state = torch.zeros(2, 1, SHAPE.head_v_dim, SHAPE.head_k_dim, device=DEVICE)  # the recurrence's
     rows = torch.tensor([0, 1], dtype=torch.int32, device=DEVICE)
     flushes = 0
-    with tuning.override("circular", replay_max_batch=64 if small_batch else 0), \
-            tuning.override("ring_decode", split_flush=split_flush):
+    with tuning.override("circular", replay_max_batch=64 if small_batch else 0):
         for step in range(20):
             spec = step % 4 == 3
             lengths = [int(torch.randint(1, window + 1, (), generator=gen)) for _ in live] if spec else [1, 1]
@@ -100,14 +95,12 @@ def test_triton_plain_ring_steps_are_the_triton_recurrence(small_batch, split_fl
 
 @pytest.mark.parametrize("early_tile,split_flush,dot,flush_warps,tail",
                          [(0, 0, 0, 4, 0), (1, 0, 0, 4, 0), (0, 1, 0, 4, 0), (1, 2, 0, 4, 0), (0, 0, 1, 4, 0),
-                          (0, 2, 1, 4, 0), (0, 1, 0, 2, 0), (1, 0, 0, 4, 2), (0, 0, 0, 4, 64), (1, 3, 0, 4, 0),
-                          (0, 3, 1, 2, 0)])
+                          (0, 2, 1, 4, 0), (0, 1, 0, 2, 0), (1, 0, 0, 4, 2), (0, 0, 0, 4, 64)])
 def test_ring_decode_kernel_against_the_window_op(early_tile, split_flush, dot, flush_warps, tail):
     """``gdn_ring_decode`` (Triton) on one-token windows over histories of 0..7 records,
     flush and non-flush rows (one with no records: the token kernel's) and a padding
     row (V = 24: two 16-row blocks), with the checkpoint tile loaded before or after the
-    cursors, in one launch or with the flush rows in their own kernel (or folding only,
-    after every row's token: ``split_flush = 3``), the other rows'
+    cursors, in one launch or with the flush rows in their own kernel, the other rows'
     products by FMA or on tensor cores (``dot_products``), one launch's grid in batch
     order or with the last rows that do not flush moved to its end (``short_tail`` 2,
     or 64: the flush rows first; a row the order missed would keep its empty outputs),
@@ -135,9 +128,6 @@ def test_ring_decode_kernel_against_the_window_op(early_tile, split_flush, dot, 
     write_pos = torch.tensor([4, 2, 0, 3, 1, 7], dtype=torch.int32, device=DEVICE)
     cache_base = torch.tensor([5, 1, 7, 0, 3, 6], dtype=torch.int32, device=DEVICE)
     is_flush = torch.tensor([1, 0, 1, 0, 1, 0], dtype=torch.int32, device=DEVICE)
-    # Each record's u as the recurrence left it: the token kernel reads a flush row's
-    # history by u where the deferred fold (split_flush 3) replays it by raw records.
-    ring_u = _consistent_u(checkpoint, ring, ring_u, write_pos, cache_base)
     results = {}
     def decode(*a):
         with tuning.override("ring_decode", early_tile=early_tile, split_flush=split_flush, dot_products=dot,
@@ -163,25 +153,6 @@ def test_ring_decode_kernel_against_the_window_op(early_tile, split_flush, dot, 
     for f in ("g", "beta"):  # Triton's exp is a few ulp from torch's: against the Triton window op
         assert torch.equal(getattr(got["ring"], f), getattr(results["window"]["ring"], f)), f"ring.{f}"
     assert torch.equal(got["o"][1], torch.zeros_like(got["o"][1])), "padding row"
-
-
-def _consistent_u(checkpoint, ring, ring_u, write_pos, cache_base):
-    """``ring_u`` with every committed record's ``u`` the recurrence's own corrected delta
-    (float64, from the checkpoint through the raw records, as a pool's steps leave it)."""
-    ring_u = ring_u.clone()
-    ns, L, hv = ring_u.shape[0], ring_u.shape[1], ring_u.shape[2]
-    rows = torch.arange(ns, device=checkpoint.device)
-    S = checkpoint.double()
-    for c in range(int(write_pos.max())):
-        pos = (cache_base.long() + c) % L
-        live = c < write_pos
-        k_hat = expand_heads(l2_normalize(ring.k[rows, pos].double()), hv)
-        g, beta = ring.g[rows, pos].double(), ring.beta[rows, pos].double()
-        S2 = torch.exp(g)[..., None, None] * S
-        u = beta[..., None] * (ring.v[rows, pos].double() - torch.einsum("nhvk,nhk->nhv", S2, k_hat))
-        S = torch.where(live[:, None, None, None], S2 + u[..., None] * k_hat[:, :, None, :], S)
-        ring_u[rows[live], pos[live]] = u[live].to(ring_u.dtype)
-    return ring_u
 
 
 def _two_slot_ring(seed: int, tokens: int):

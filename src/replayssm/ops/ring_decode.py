@@ -53,7 +53,6 @@ def gdn_ring_decode_reference(
     write_pos: torch.Tensor,
     cache_base: torch.Tensor,
     is_flush: torch.Tensor,
-    defer_flush: bool = False,
 ) -> torch.Tensor:
     """One token per request through the ring, writing its record.
 
@@ -66,8 +65,6 @@ def gdn_ring_decode_reference(
         slots: ``[B]`` slot per request, ``-1`` for padding; cu_seqlens: ``[B + 1]``
             token offsets, every window one token (``N = B``).
         write_pos, cache_base, is_flush: ``[num_slots]`` int32 cursors (read only).
-        defer_flush: the Triton kernels may leave the flush rows' fold running on a
-            side stream (:func:`gdn_ring_decode`); here it is done on return.
 
     Returns:
         ``o``: ``[N, HV, V]`` in the dtype of ``v``; padding rows are zero.
@@ -75,7 +72,6 @@ def gdn_ring_decode_reference(
     This reference is :func:`~replayssm.ops.chunked.gdn_chunked_window_reference` with
     ``max_len = 1`` (float64-capable, any device).
     """
-    del defer_flush  # the reference runs in order
     return gdn_chunked_window_reference(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens,
                                         write_pos, cache_base, is_flush, max_len=1)
 
@@ -98,7 +94,6 @@ def gdn_ring_decode(
     is_flush: torch.Tensor,
     *,
     backend: str = "auto",
-    defer_flush: bool = False,
 ) -> torch.Tensor:
     """``circular``'s plain decoding step of one GDN layer: ``o [N, HV, V]`` for one token
     per request from its checkpoint and committed ring history (flush rows fold theirs
@@ -109,18 +104,9 @@ def gdn_ring_decode(
     ``backend``: ``"reference"``, ``"triton"`` or ``"auto"`` (Triton for CUDA tensors, the
     reference elsewhere; an explicit backend that cannot run raises, there is no silent
     fallback).
-
-    ``defer_flush``: where the shape table defers the flush rows' fold (``split_flush =
-    3``: on CUDA it runs on a side stream after this layer's token kernel), return
-    without waiting for it, so that it overlaps the next layers; the caller then calls
-    :func:`join_flushes` before anything reads or writes this layer's checkpoint or the
-    cursors (circular's commit does). Off (the default), the op's work is ordered on the
-    caller's stream on return, as any op's.
     """
-    if not isinstance(defer_flush, bool):
-        raise TypeError(f"defer_flush must be a bool, got {type(defer_flush).__name__}")
     return pick("ring_decode", backend, q)(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens,
-                                           write_pos, cache_base, is_flush, defer_flush)
+                                           write_pos, cache_base, is_flush)
 
 
 # ---------------------------------------------------------------------------- Triton
@@ -223,20 +209,13 @@ if triton is not None:
         ROUND_STATE: tl.constexpr, AHEAD: tl.constexpr, EARLY_TILE: tl.constexpr,
         FLUSH_ROWS: tl.constexpr, TOKEN_ROWS: tl.constexpr,
         DOT: tl.constexpr, KC: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        EVERY_ROW: tl.constexpr = False, FOLD_ONLY: tl.constexpr = False,
     ):
         """Output, corrected delta and record of V block ``i_v`` (``BV`` rows) of request
         ``i_b``'s value head ``i_hv`` (see the module notes), for the rows its kernel
         owns: flush rows where ``FLUSH_ROWS``, the others (padding included) where
         ``TOKEN_ROWS``. A branch that its kernel never takes is not compiled. ``DOT``: a
         row that does not flush takes its products with the checkpoint on tensor cores
-        (:func:`_checkpoint_products`) instead of FMA on the four-part tile.
-
-        The deferred fold (``split_flush = 3``) splits a flush row's work in two:
-        ``EVERY_ROW`` (with ``TOKEN_ROWS`` alone) takes every row's token as a row that
-        does not flush, a flush row's from its checkpoint and whole history, unfolded;
-        ``FOLD_ONLY`` (with ``FLUSH_ROWS`` alone) then only folds a flush row's history
-        into its checkpoint, writing no output and no record."""
+        (:func:`_checkpoint_products`) instead of FMA on the four-part tile."""
         i_h = i_hv // (HV // H)
         slot = tl.load(slots_ptr + i_b).to(tl.int64)
         bos = tl.load(cu_ptr + i_b).to(tl.int64)
@@ -270,25 +249,13 @@ if triton is not None:
             if FLUSH_ROWS and TOKEN_ROWS:
                 owned = True
                 folds_here = folds
-            elif TOKEN_ROWS and EVERY_ROW:
-                owned = True
-                folds_here = False
             elif TOKEN_ROWS:
                 owned = ~folds
                 folds_here = False
             else:
                 owned = True
                 folds_here = True
-            if FOLD_ONLY:
-                # The deferred fold: the token kernel has taken this row's token already.
-                if not EARLY_TILE:
-                    S0, S1, S2, S3 = _tl_load_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ)
-                _replay_and_store_tile(
-                    S0, S1, S2, S3, ckpt_at, tile, rk_ptr + slot * L * (H * K) + i_h * K,
-                    rv_ptr + slot * L * (HV * V) + i_hv * V, rg_ptr + slot * L * HV + i_hv,
-                    rb_ptr + slot * L * HV + i_hv, base, tl.minimum(wp, L), offs_c, offs_v, mask_v, H * K, HV * V,
-                    HV, HV, eps, K, L, KQ, AHEAD, ROUND_STATE)
-            elif owned:
+            if owned:
                 ring_at = slot * L  # flat record index of the slot's ring
                 rec = ring_at + (base + wp) % L  # the token's record: logical position write_pos
                 rv_at = rv_ptr + (rec * HV + i_hv) * V
@@ -402,11 +369,10 @@ if triton is not None:
         BK: tl.constexpr, BV: tl.constexpr,
         ROUND_STATE: tl.constexpr, AHEAD: tl.constexpr, EARLY_TILE: tl.constexpr, FLUSH_ROWS: tl.constexpr,
         DOT: tl.constexpr, KC: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        SHORT_TAIL: tl.constexpr = False, BB: tl.constexpr = 1, EVERY_ROW: tl.constexpr = False,
+        SHORT_TAIL: tl.constexpr = False, BB: tl.constexpr = 1,
     ):
-        """Grid ``(V blocks, requests, HV)``: every row's token (``FLUSH_ROWS``, or
-        ``EVERY_ROW``: the flush rows' folds follow in the flush kernel) or every row's
-        but the flush rows' (the flush kernel's).
+        """Grid ``(V blocks, requests, HV)``: every row's token (``FLUSH_ROWS``) or every
+        row's but the flush rows' (the flush kernel's).
 
         ``SHORT_TAIL`` (one launch, ``BB >= batch``): grid ``(V blocks, HV, requests)``,
         its last axis a position in the order that moves the last ``tail`` rows that do
@@ -426,7 +392,7 @@ if triton is not None:
                   stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
                   stride_a_tok, stride_b_tok, scale, eps,
                   H, HV, K, V, L, BK, BV, ROUND_STATE, AHEAD, EARLY_TILE, FLUSH_ROWS, True,
-                  DOT, KC, NUM_STAGES, DOT_PRECISION, EVERY_ROW)
+                  DOT, KC, NUM_STAGES, DOT_PRECISION)
 
     @triton.jit
     def _ring_flush_kernel(
@@ -438,13 +404,12 @@ if triton is not None:
         scale, eps, batch,
         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
         BK: tl.constexpr, BV: tl.constexpr, BB: tl.constexpr,
-        ROUND_STATE: tl.constexpr, AHEAD: tl.constexpr, EARLY_TILE: tl.constexpr, FOLD_ONLY: tl.constexpr = False,
+        ROUND_STATE: tl.constexpr, AHEAD: tl.constexpr, EARLY_TILE: tl.constexpr,
     ):
         """A few programs that walk the flush rows' (V block, value head) items: item
         ``t`` of ``n x HV x NV`` is the ``t // (HV NV)``-th flush row of the batch (``BB``
         >= ``batch`` rows, counted on the device), so the grid is fixed by the batch alone
-        (CUDA graphs) and costs nothing where no row flushes. ``FOLD_ONLY``: each item
-        only folds (the deferred fold, :func:`_ring_row`)."""
+        (CUDA graphs) and costs nothing where no row flushes."""
         NV: tl.constexpr = (V + BV - 1) // BV
         before, count = _tl_folding_rows(slots_ptr, cu_ptr, wp_ptr, flush_ptr, batch, BB)
         items = count * (HV * NV)
@@ -459,15 +424,13 @@ if triton is not None:
                       stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
                       stride_a_tok, stride_b_tok, scale, eps,
                       H, HV, K, V, L, BK, BV, ROUND_STATE, AHEAD, EARLY_TILE, True, False,
-                      False, BK, 1, "ieee", False, FOLD_ONLY)
+                      False, BK, 1, "ieee")
 
 
 def launch_ring_decode(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos,
-                       cache_base, is_flush, o, defer_flush: bool = False) -> None:
+                       cache_base, is_flush, o) -> None:
     """Launch the ring decoding kernels on validated arguments: one launch, or the flush
-    rows' kernel beside the token kernel (the shape table's ``split_flush``; module notes).
-    With ``split_flush = 3`` the token kernel takes every row and the flush rows' fold
-    follows it on the side stream, joined here unless ``defer_flush``."""
+    rows' kernel beside the token kernel (the shape table's ``split_flush``; module notes)."""
     h, kd = q.shape[1], q.shape[2]
     hv, vd = v.shape[1], v.shape[2]
     batch = slots.shape[0]
@@ -484,9 +447,6 @@ def launch_ring_decode(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, 
     if dot and cfg["early_tile"]:
         raise ValueError("ring_decode: dot_products streams the checkpoint through its chunks; early_tile loads it "
                          "first: one or the other (the shape table's row for this call has both)")
-    if split == 3:
-        _launch_token_then_fold(args, common, cfg, batch, hv, vd, bk, dot, q.device, defer_flush, slots, cu_seqlens)
-        return
     side = None  # the flush kernel's stream with split_flush = 2 (CUDA; elsewhere one stream runs both)
     if split == 2 and q.device.type == "cuda":
         side = side_stream(q.device)
@@ -494,9 +454,13 @@ def launch_ring_decode(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, 
     if split:
         fbv = min(cfg["block_v"], triton.next_power_of_2(vd))
         programs = min(cfg["flush_programs"] * sm_count(q.device), batch * hv * triton.cdiv(vd, fbv))
+        # 2 warps (flush_warps) lay a tile's K axis out as 4 do, 4 keys a thread across 8
+        # lanes (sm_90 TTGIR), so each row's sums over K, and the replayed state, keep
+        # their bits; only the rows a warp holds change (the GPU test of launch choices).
+        warps = exact_warps(cfg["flush_warps"] if cfg["flush_warps"] < EXACT_NUM_WARPS else cfg["num_warps"], fbv)
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             _ring_flush_kernel[(programs,)](*args, batch, **common, BV=fbv, BB=triton.next_power_of_2(batch),
-                                            EARLY_TILE=True, num_warps=_flush_warps(cfg, fbv))
+                                            EARLY_TILE=True, num_warps=warps)
     bv = block_rows(vd, batch * hv, q.device, cfg["token_block_v" if split else "block_v"])
     # A flush row replays exactly, so its row sums must be the fold's: the same parts,
     # lanes and order at any warp count (exact_warps). At other counts than 4 only the
@@ -511,52 +475,6 @@ def launch_ring_decode(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, 
         num_warps=exact_warps(cfg["num_warps"], bv), **register_cap(cfg["max_registers"], q.device))
     if side is not None:
         torch.cuda.current_stream(q.device).wait_stream(side)
-
-
-def _flush_warps(cfg: dict, fbv: int) -> int:
-    # 2 warps (flush_warps) lay a tile's K axis out as 4 do, 4 keys a thread across 8
-    # lanes (sm_90 TTGIR), so each row's sums over K, and the replayed state, keep their
-    # bits; only the rows a warp holds change (the GPU test of launch choices).
-    return exact_warps(cfg["flush_warps"] if cfg["flush_warps"] < EXACT_NUM_WARPS else cfg["num_warps"], fbv)
-
-
-def _launch_token_then_fold(args, common, cfg, batch, hv, vd, bk, dot, device, defer, slots, cu_seqlens) -> None:
-    """``split_flush = 3``: the token kernel takes every row on the caller's stream, a
-    flush row's token from its unfolded checkpoint and whole history (the window-1
-    closed form, as for any row); then the flush kernel, on the side stream after it,
-    only folds the flush rows' histories into their checkpoints. The fold writes the
-    checkpoints the token kernel read, so it must follow it; nothing else in the step
-    reads them, so with ``defer`` its join waits for whoever next touches the
-    checkpoints or the cursors (:func:`join_flushes`: circular's commit), and the fold
-    overlaps the layers after this one."""
-    bv = block_rows(vd, batch * hv, device, cfg["token_block_v"])
-    _ring_decode_kernel[(triton.cdiv(vd, bv), batch, hv)](
-        *args, batch, 0, **common, BV=bv, EARLY_TILE=bool(cfg["early_tile"]), FLUSH_ROWS=False,
-        DOT=dot, KC=max(16, min(cfg["k_chunk"], bk)), NUM_STAGES=cfg["num_stages"],
-        DOT_PRECISION=product_precision(args[0].dtype), EVERY_ROW=True,
-        num_warps=exact_warps(cfg["num_warps"], bv), **register_cap(cfg["max_registers"], device))
-    side = side_stream(device) if device.type == "cuda" else None
-    if side is not None:
-        side.wait_stream(torch.cuda.current_stream(device))
-        if not torch.cuda.is_current_stream_capturing():  # a graph keeps its memory
-            for t in (slots, cu_seqlens):  # the caller's index tensors may be freed before the fold runs
-                t.record_stream(side)
-    fbv = min(cfg["block_v"], triton.next_power_of_2(vd))
-    programs = min(cfg["flush_programs"] * sm_count(device), batch * hv * triton.cdiv(vd, fbv))
-    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-        _ring_flush_kernel[(programs,)](*args, batch, **common, BV=fbv, BB=triton.next_power_of_2(batch),
-                                        EARLY_TILE=True, FOLD_ONLY=True, num_warps=_flush_warps(cfg, fbv))
-    if side is not None and not defer:
-        torch.cuda.current_stream(device).wait_stream(side)
-
-
-def join_flushes(device: torch.device) -> None:
-    """Order the caller's stream after the deferred folds of ring decoding steps
-    (``gdn_ring_decode(..., defer_flush=True)`` on a ``split_flush = 3`` row): call it
-    before anything reads or writes those layers' checkpoints or the cursors. A no-op
-    off CUDA (the folds ran in order) or with nothing pending."""
-    if device.type == "cuda" and triton is not None:
-        torch.cuda.current_stream(device).wait_stream(side_stream(device))
 
 
 @register("ring_decode", "triton")
@@ -576,11 +494,9 @@ def gdn_ring_decode_triton(
     write_pos: torch.Tensor,
     cache_base: torch.Tensor,
     is_flush: torch.Tensor,
-    defer_flush: bool = False,
 ) -> torch.Tensor:
     """Triton version of :func:`gdn_ring_decode_reference` (same arguments and results),
-    one launch or two (``split_flush``; with 3 and ``defer_flush`` the flush rows' fold
-    may still run on the side stream on return: :func:`join_flushes`).
+    one launch or two (``split_flush``).
 
     Limits as :func:`~replayssm.ops.chunked.gdn_chunked_window_triton`'s: float32 or
     bfloat16 checkpoints, float32 ``ring_u`` and ring gates, contiguous buffers and index
@@ -600,5 +516,5 @@ def gdn_ring_decode_triton(
     o = torch.empty(n, v.shape[1], v.shape[2], dtype=v.dtype, device=v.device)
     if slots.shape[0]:
         launch_ring_decode(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos,
-                           cache_base, is_flush, o, defer_flush)
+                           cache_base, is_flush, o)
     return o

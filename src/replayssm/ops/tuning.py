@@ -108,10 +108,7 @@ PARAMS = {
     # their own, ``flush_programs`` programs an SM walking them on tiles of ``block_v``
     # rows (loaded before the cursors), beside the token kernel on ``token_block_v`` rows
     # a program (``early_tile`` is then the token kernel's; 2: on a side stream, 1:
-    # in order with it on the caller's stream; 3: the token kernel takes every row, a
-    # flush row's token from its unfolded history, and the flush kernel then only folds,
-    # on the side stream, joined by the caller's commit where it defers the join).
-    # ``dot_products``: a row that does not
+    # in order with it on the caller's stream). ``dot_products``: a row that does not
     # flush multiplies its checkpoint by the token's key and query on tensor cores,
     # streamed in ``k_chunk``-wide chunks ``num_stages`` deep (1; not with early_tile,
     # which holds the tile in registers), or by FMA on the four-part tile (0).
@@ -133,7 +130,7 @@ _MAY_BE_ZERO = ("replay_max_batch", "tree_replay_max_paths", "path_max_paths",
 _CHOICES = {"tf32_coefficients": (0, 1), "dot_products": (0, 1), "fuse_flush": (0, 1), "records_ahead": (1, 2),
             "flush_records_ahead": (1, 2),
             "early_tile": (0, 1), "dependent_launch": (0, 1), "load_ahead": (0, 1),
-            "ring_decode.split_flush": (0, 1, 2, 3),
+            "ring_decode.split_flush": (0, 1, 2),
             "closed_form.split_flush": (0, 1, 2, 3),
             "ring_decode.num_warps": (1, 2, 4, 8), "exact_write.num_warps": (1, 2, 4, 8),
             "exact_read_only.num_warps": (1, 2, 4, 8), "exact_snapshot.num_warps": (1, 2, 4, 8),

@@ -44,7 +44,7 @@ from ..ops import _checks, guards
 from ..ops.chunked import MAX_WINDOW_TRITON, gdn_chunked_window, gdn_tree_verify, replays_tree, replays_window
 from ..ops.cursors import advance_cursors
 from ..ops.fold import gdn_fold
-from ..ops.ring_decode import gdn_ring_decode, join_flushes
+from ..ops.ring_decode import gdn_ring_decode
 from ..ops.tree_ops import compact_path
 from ..ops.trees import DeviceTrees
 from ..state.layout import BufferSpec, StepProtocolError
@@ -148,16 +148,13 @@ class CircularStrategy(Strategy):
             # Every window one token (plain decoding through the ring, :meth:`~Strategy.decode`):
             # the window-1 closed form, one launch and no window system. Its flushes are the
             # same fold (bit for bit), its outputs and records the window op's to rounding
-            # (tests/strategies/test_ring_decode_triton.py). Where the shape table defers
-            # the flush rows' fold to a side stream, it overlaps the next layers and the
-            # commit joins it (the fold reads the cursors the commit moves).
-            return gdn_ring_decode(*args, backend=self.pool.backend, defer_flush=True)
+            # (tests/strategies/test_ring_decode_triton.py).
+            return gdn_ring_decode(*args, backend=self.pool.backend)
         return gdn_chunked_window(*args, max_len=batch.max_len or self.pool.window,
                                   method=None if self.small_batch_path else "closed_form", backend=self.pool.backend)
 
     def _commit_states(self, batch, accepted, *, flush_every: bool | None = None):
         buf = self.buf
-        join_flushes(self.pool.device)  # plain steps' deferred folds (ring decoding), before the cursors move
         advance_cursors(
             buf.write_pos, buf.cache_base, buf.is_flush, batch.slots, accepted,
             self.pool.window, self.pool.ring_len,
@@ -239,7 +236,6 @@ class CircularStrategy(Strategy):
         exact fold, and move their cursors past it: every checkpoint is then the
         committed state and the history is empty. The committed state does not change."""
         buf, dev = self.buf, self.pool.device
-        join_flushes(dev)  # an aborted plain step's deferred folds, before these read the cursors
         idx = torch.tensor(live, dtype=torch.long, device=dev)
         wp, base = buf.write_pos[idx], buf.cache_base[idx]
         count = torch.where(rows, wp, torch.zeros_like(wp))
@@ -271,7 +267,6 @@ class CircularStrategy(Strategy):
         """Checkpoint + committed history, folded exactly into a copy (see the module
         notes for a flush row between its verify and its commit)."""
         slots = [self.pool.check_live(s) for s in slots]
-        join_flushes(self.pool.device)  # a plain step's deferred folds, mid-step
         state = super().committed_state(layer, slots)
         buf, dev = self.buf, self.pool.device
         idx = torch.tensor(list(slots), dtype=torch.long, device=dev)
