@@ -204,6 +204,18 @@ def test_prepare_joins_builds_every_shape_joining_prompts_can_take(chunk, rng):
     assert set(graphs._shapes) == want
     fixed = graphs.join_shapes(6, 40, 40)  # prompts of one length: one shape per request count
     assert sorted(s.requests for s in fixed) == list(range(1, 7))
+    # With capture_new off (a timed run), a pass whose shape is not built runs eagerly:
+    # fits() says no for it and yes for a built one.
+    graphs.capture_new = False
+    free = [s for s in range(eng.kv.num_slots) if not eng.kv.lengths[s]][:2]
+    outside = [[1] * 250, [1] * 250]  # far longer than any joining prompt
+    assert graphs.key(500, 2, 250 if chunk else None) not in graphs._shapes
+    assert not graphs.fits(free, outside)
+    inside = [[1] * lo, [1] * lo]
+    assert graphs.key(2 * lo, 2, lo if chunk else None) in graphs._shapes
+    assert graphs.fits(free, inside)
+    graphs.capture_new = True
+    assert graphs.fits(free, outside)
 
 
 def _engine_pair(model, **kw):

@@ -76,6 +76,7 @@ hidden 2048). On the CPU the numbers only prove the code path.
 from __future__ import annotations
 
 import gc
+import logging
 import statistics
 import sys
 import time
@@ -92,6 +93,8 @@ from ..engine.loading import check_device
 from ..progress import ProgressBar
 from .common import environment
 
+log = logging.getLogger("replayssm.bench")
+
 STRICT_DTYPES = ("fp32",)  # model dtypes in which an exact strategy must match plain
 PLAIN = "plain"
 PLAIN_RING = "plain-ring"  # plain decoding through circular's ring
@@ -100,6 +103,9 @@ HF = "hf"
 HF_STATIC = "hf-static"
 HF_CACHES = {"dynamic": HF, "static": HF_STATIC}  # --hf setting -> mode name
 DRAFTERS = ("ngram", "oracle", "forced", "mtp", "model")
+#: The most prompt shapes a run builds for requests joining as slots free up (each
+#: capture runs a pass three times); past it the joins' passes run eagerly.
+JOIN_SHAPES = 512
 SET_ACCEPTANCE = ("oracle", "forced")  # drafters that run once per --acceptance value
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 STATE_DTYPES = ("fp32", "bf16")  # the GDN checkpoints' dtypes (keys of DTYPES)
@@ -602,7 +608,14 @@ def run_mode(model, mode: str, prompts, warm, cfg: E2EConfig, *, on_done=None,
         engine.prompt_graphs.prepare(len(first), sum(len(p) for p in first), max(len(p) for p in first))
         if len(prompts) > batch:  # queued requests join as slots free up: a few, or all (plain decoding)
             lo, hi = (cfg.prompt_len,) * 2 if isinstance(cfg.prompt_len, int) else cfg.prompt_len
-            engine.prompt_graphs.prepare_joins(batch, lo, hi)
+            shapes = len(engine.prompt_graphs.join_shapes(batch, lo, hi))
+            if shapes <= JOIN_SHAPES:
+                engine.prompt_graphs.prepare_joins(batch, lo, hi, max_shapes=JOIN_SHAPES)
+            else:  # said once per run; the JSON's prompt_passes counts the eager passes
+                log.warning("joins of 1..%d requests of %d..%d tokens take %d prompt shapes, more than %d: only "
+                            "the first pass's shape is built, the joins' passes run eagerly", batch, lo, hi,
+                            shapes, JOIN_SHAPES)
+        engine.prompt_graphs.capture_new = False  # no capture inside a timed run
     oracle = cfg.drafter == "oracle" and mode not in PLAIN_MODES
     if oracle:
         references, warm_references = _own_references(gen, prompts, warm, cfg)

@@ -397,6 +397,10 @@ class PromptGraphs:
         #: the shapes' shared outputs, for the largest pass the engine's slots can hold
         #: (allocated with the first shape)
         self._outputs = None
+        #: Whether a pass of a shape not built yet builds (captures) it now. ``False``:
+        #: such passes run eagerly (:meth:`fits` says no), so that a timed run holds no
+        #: capture; a benchmark sets it after :meth:`prepare` / :meth:`prepare_joins`.
+        self.capture_new = True
 
     def shape(self, num_tokens: int, requests: int = 1, longest: int | None = None) -> int | None:
         """The token capacity ``N`` of a pass of ``num_tokens`` tokens of ``requests``
@@ -440,7 +444,8 @@ class PromptGraphs:
         if not slots or any(not 0 <= s < kv.num_slots or kv.lengths[s] for s in slots):
             return False
         lengths = [len(w) for w in windows]
-        return self.key(sum(lengths), len(slots), max(lengths)) is not None
+        key = self.key(sum(lengths), len(slots), max(lengths))
+        return key is not None and (self.capture_new or key in self._shapes)
 
     def prepare(self, requests: int, num_tokens: int, longest: int | None = None) -> PromptGraph | None:
         """The shape of a pass of ``requests`` requests and ``num_tokens`` tokens, the
