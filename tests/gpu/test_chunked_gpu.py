@@ -242,17 +242,6 @@ def test_ring_decode_flush_on_two_warps_keeps_its_bits(state_dtype, block_v):
     _decode_bits_equal(state_dtype, dict(split, flush_warps=2), dict(split, flush_warps=4))
 
 
-@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("tail", [16, 64], ids=["tail16", "flush-first"])
-def test_ring_decode_short_tail_changes_no_bit(state_dtype, tail):
-    """One launch of ring decoding with its grid in the order that moves the last
-    ``tail`` rows that do not flush to its end (``ring_decode.short_tail``; 64, the
-    batch: every flush row first) against batch order: outputs, ``u`` and folded
-    checkpoints bit for bit (each row runs the same code wherever the grid puts it)."""
-    one = dict(split_flush=0, dot_products=0)
-    _decode_bits_equal(state_dtype, dict(one, short_tail=tail), dict(one, short_tail=0))
-
-
 def _decode_bits_equal(state_dtype, choice: dict, base: dict) -> None:
     """Ring decoding under the table entries ``choice`` and ``base`` (histories of 0..L-1
     records, flush rows): outputs, ``u`` and folded checkpoints bit for bit."""

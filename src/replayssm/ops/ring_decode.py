@@ -148,7 +148,7 @@ if triton is not None:
     from .fold import replay_and_store_tile as _replay_and_store_tile
     from .recurrent import exact_block_k
     from .triton_common import EXACT_NUM_WARPS, NORM_EPS, block_rows, exact_warps, register_cap, side_stream
-    from .triton_common import short_tail_row as _tl_short_tail_row, sm_count
+    from .triton_common import sm_count
     from .triton_common import device_fn as _tl_device_fn, folding_rows as _tl_folding_rows
     from .triton_common import gdn_gates as _tl_gdn_gates, load_parts as _tl_load_parts, mask_and as _tl_mask_and
     from .triton_common import inv_norm as _tl_inv_norm, row_dot as _tl_row_dot, row_sum as _tl_row_sum
@@ -364,28 +364,15 @@ if triton is not None:
         slots_ptr, cu_ptr, wp_ptr, base_ptr, flush_ptr, o_ptr,
         stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
         stride_a_tok, stride_b_tok,
-        scale, eps, batch, tail,
+        scale, eps,
         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
         BK: tl.constexpr, BV: tl.constexpr,
         ROUND_STATE: tl.constexpr, AHEAD: tl.constexpr, EARLY_TILE: tl.constexpr, FLUSH_ROWS: tl.constexpr,
         DOT: tl.constexpr, KC: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        SHORT_TAIL: tl.constexpr = False, BB: tl.constexpr = 1,
     ):
         """Grid ``(V blocks, requests, HV)``: every row's token (``FLUSH_ROWS``) or every
-        row's but the flush rows' (the flush kernel's).
-
-        ``SHORT_TAIL`` (one launch, ``BB >= batch``): grid ``(V blocks, HV, requests)``,
-        its last axis a position in the order that moves the last ``tail`` rows that do
-        not flush to the end (:func:`~replayssm.ops.triton_common.short_tail_row`), as the
-        closed form's outputs kernel does: the GPU starts programs in grid order, so the
-        flush rows' chains (the longest programs) start in the first waves."""
-        if SHORT_TAIL:
-            i_b = _tl_short_tail_row(tl.program_id(2), slots_ptr, cu_ptr, wp_ptr, flush_ptr, batch, tail, BB)
-            i_hv = tl.program_id(1)
-        else:
-            i_b = tl.program_id(1)
-            i_hv = tl.program_id(2)
-        _ring_row(tl.program_id(0), i_b, i_hv,
+        row's but the flush rows' (the flush kernel's)."""
+        _ring_row(tl.program_id(0), tl.program_id(1), tl.program_id(2),
                   q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr,
                   ckpt_ptr, rk_ptr, rv_ptr, rg_ptr, rb_ptr, ru_ptr,
                   slots_ptr, cu_ptr, wp_ptr, base_ptr, flush_ptr, o_ptr,
@@ -466,10 +453,8 @@ def launch_ring_decode(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, 
     # lanes and order at any warp count (exact_warps). At other counts than 4 only the
     # history's sums over its records (outputs and u, stated to rounding) change order,
     # since their record axis lies across warps.
-    tail = 0 if split else cfg["short_tail"]
-    _ring_decode_kernel[(triton.cdiv(vd, bv), hv, batch) if tail else (triton.cdiv(vd, bv), batch, hv)](
-        *args, batch, tail, **common, BV=bv, EARLY_TILE=bool(cfg["early_tile"]), FLUSH_ROWS=not split,
-        SHORT_TAIL=tail > 0, BB=triton.next_power_of_2(batch) if tail else 1,
+    _ring_decode_kernel[(triton.cdiv(vd, bv), batch, hv)](
+        *args, **common, BV=bv, EARLY_TILE=bool(cfg["early_tile"]), FLUSH_ROWS=not split,
         DOT=dot, KC=max(16, min(cfg["k_chunk"], bk)), NUM_STAGES=cfg["num_stages"],
         DOT_PRECISION=product_precision(q.dtype),
         num_warps=exact_warps(cfg["num_warps"], bv), **register_cap(cfg["max_registers"], q.device))

@@ -114,10 +114,9 @@ PARAMS = {
     # which holds the tile in registers), or by FMA on the four-part tile (0).
     # ``flush_warps`` (rows apart): the flush kernel's warps, 4 (the exact kernels') or
     # 2, whose tiles keep the 4-warp lanes along K (ops/ring_decode.py
-    # launch_ring_decode). ``short_tail`` (one launch): as closed_form's.
+    # launch_ring_decode).
     "ring_decode": ("block_v", "records_ahead", "early_tile", "max_registers", "num_warps", "split_flush",
-                    "token_block_v", "flush_programs", "dot_products", "k_chunk", "num_stages", "flush_warps",
-                    "short_tail"),
+                    "token_block_v", "flush_programs", "dot_products", "k_chunk", "num_stages", "flush_warps"),
 }
 
 _KEY_FIELDS = ("K", "V", "state_dtype", "min_batch", "max_batch", "device")
@@ -231,23 +230,21 @@ TABLE: dict[str, list[tuple[dict, dict]]] = {
                                                                             max_registers=0, num_warps=4,
                                                                             split_flush=0, token_block_v=128,
                                                                             flush_programs=2, dot_products=0,
-                                                                            k_chunk=64, num_stages=2, flush_warps=4,
-                                                                            short_tail=0)),
+                                                                            k_chunk=64, num_stages=2, flush_warps=4)),
                     ({"state_dtype": torch.bfloat16}, dict(block_v=128, records_ahead=1, early_tile=0, max_registers=0,
                                                            num_warps=4, split_flush=2, token_block_v=128,
                                                            flush_programs=2, dot_products=1, k_chunk=64,
-                                                           num_stages=2, flush_warps=4, short_tail=0)),
+                                                           num_stages=2, flush_warps=4)),
                     ({"min_batch": 16, "max_batch": 32}, dict(block_v=32, records_ahead=1, early_tile=1,
                                                               max_registers=0, num_warps=4, split_flush=2,
                                                               token_block_v=128, flush_programs=2, dot_products=0,
-                                                              k_chunk=64, num_stages=2, flush_warps=2,
-                                                              short_tail=0)),
+                                                              k_chunk=64, num_stages=2, flush_warps=2)),
                     ({"min_batch": 33}, dict(block_v=64, records_ahead=1, early_tile=1, max_registers=0, num_warps=2,
                                              split_flush=0, token_block_v=128, flush_programs=2, dot_products=0,
-                                             k_chunk=64, num_stages=2, flush_warps=4, short_tail=0)),
+                                             k_chunk=64, num_stages=2, flush_warps=4)),
                     ({}, dict(block_v=128, records_ahead=1, early_tile=1, max_registers=0, num_warps=4, split_flush=0,
                               token_block_v=128, flush_programs=2, dot_products=0, k_chunk=64, num_stages=2,
-                              flush_warps=4, short_tail=0))],
+                              flush_warps=4))],
 }
 
 
