@@ -40,6 +40,19 @@ def _prompts(seed: int, lengths) -> list[list[int]]:
     return [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
 
 
+def _fresh_passes(engines, seed: int, lengths) -> list[tuple[torch.Tensor, ...]]:
+    """Each engine's prompt pass of fresh requests of ``lengths`` (the same prompts):
+    its logits, GDN checkpoints and conv states, fp32; the slots are freed after."""
+    prompts = _prompts(seed, lengths)
+    outs = []
+    for eng in engines:
+        slots = [eng.alloc() for _ in prompts]
+        out = eng.extend(slots, prompts, prompt=True)
+        outs.append((out.logits.float(), eng.pool.checkpoints[:, slots].float(), eng.pool.conv_state[:, slots].float()))
+        eng.free_many(slots)
+    return outs
+
+
 def _syncs_of_a_prompt_pass(model, prefill: str, prompt_graphs: bool = False) -> int:
     """Host synchronisations (torch's sync debug mode, as warnings) of one prompt pass
     of three requests, the engine and its first pass already warmed up."""
@@ -171,16 +184,9 @@ def test_static_prompt_pass_of_one_request_through_fla():
     static = HybridEngine(model, prompt_graphs=True, **common)
     with torch.inference_mode():
         for n in (1500, 2000, 2048):  # one shape (2048), replayed with another prompt; then 2048 tokens: no padding
-            prompt = _prompts(n, (n,))
-            outs = []
-            for eng in (eager, static):
-                slot = eng.alloc()
-                outs.append((eng.extend([slot], prompt, prompt=True).logits.float(),
-                             eng.pool.checkpoints[:, slot].float()))
-                eng.free(slot)
-            (le, se), (ls, ss) = outs
-            assert (ls - le).abs().max().item() < 0.05 * le.abs().max().item()
-            assert (ss - se).abs().max().item() < 0.05 * se.abs().max().item()
+            want, got = _fresh_passes((eager, static), n, (n,))
+            for g, w in zip(got, want):
+                assert (g - w).abs().max().item() < 0.05 * w.abs().max().item(), n
     assert static.prompt_passes == {"static": 3, "eager": 0}
     assert static.prompt_graphs.prepare(1, 2000).chunk_kernel is not None
     assert not static.prompt_graphs.prepare(1, 2048).padded
@@ -202,16 +208,9 @@ def test_static_prompt_pass_of_several_requests_through_fla():
     with torch.inference_mode():
         # 4885 and 5000 tokens: one shape (N = 5120, C = 2048); then 16 x 2048 (N = 33024)
         for lengths in ((2048, 1000, 37, 1800), (1900, 1000, 2000, 100), (2048,) * 16):
-            prompts = _prompts(sum(lengths), lengths)
-            outs = []
-            for eng in (eager, static):
-                slots = [eng.alloc() for _ in prompts]
-                out = eng.extend(slots, prompts, prompt=True)
-                outs.append((out.logits.float(), eng.pool.checkpoints[:, slots].float(),
-                             eng.pool.conv_state[:, slots].float()))
-                eng.free_many(slots)
-            for got, want in zip(outs[1], outs[0]):  # bf16: the token-wise layers on N rows instead of n
-                assert (got - want).abs().max().item() < 0.05 * want.abs().max().item(), lengths
+            want, got = _fresh_passes((eager, static), sum(lengths), lengths)
+            for g, w in zip(got, want):  # bf16: the token-wise layers on N rows instead of n
+                assert (g - w).abs().max().item() < 0.05 * w.abs().max().item(), lengths
     assert static.prompt_passes == {"static": 3, "eager": 0}
     assert set(static.prompt_graphs._shapes) == {(4, 5120, 2048, True), (16, 33024, 2048, True)}
     assert all(g.graph is not None for g in static.prompt_graphs._shapes.values())
