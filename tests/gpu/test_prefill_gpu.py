@@ -40,6 +40,16 @@ def _prompts(seed: int, lengths) -> list[list[int]]:
     return [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
 
 
+def _fla_engines(seed: int, **kw):
+    """A bf16 tiny model and two fold engines on it through fla-core's chunked kernel,
+    their prompt passes eager and static (skips where fla-core does not import)."""
+    if load_chunk_kernel() is None:
+        pytest.skip("fla-core is not importable here")
+    model = build_tiny_model("qwen3_5", seed=seed, dtype=torch.bfloat16, device="cuda", **HEADS)
+    common = dict(strategy="fold", window=4, prefill="chunk", **kw)
+    return model, HybridEngine(model, prompt_graphs=False, **common), HybridEngine(model, prompt_graphs=True, **common)
+
+
 def _fresh_passes(engines, seed: int, lengths) -> list[tuple[torch.Tensor, ...]]:
     """Each engine's prompt pass of fresh requests of ``lengths`` (the same prompts):
     its logits, GDN checkpoints and conv states, fp32; the slots are freed after."""
@@ -176,12 +186,7 @@ def test_static_prompt_pass_of_one_request_through_fla():
     """One request's shape runs fla-core's kernel in the graph (every token one
     sequence, the padding's gates zero; a request that fills its shape has none):
     logits and states as the eager chunked pass's."""
-    if load_chunk_kernel() is None:
-        pytest.skip("fla-core is not importable here")
-    model = build_tiny_model("qwen3_5", seed=7, dtype=torch.bfloat16, device="cuda", **HEADS)
-    common = dict(strategy="fold", num_slots=1, window=4, max_len=2304, prefill="chunk")
-    eager = HybridEngine(model, prompt_graphs=False, **common)
-    static = HybridEngine(model, prompt_graphs=True, **common)
+    _, eager, static = _fla_engines(7, num_slots=1, max_len=2304)
     with torch.inference_mode():
         for n in (1500, 2000, 2048):  # one shape (2048), replayed with another prompt; then 2048 tokens: no padding
             want, got = _fresh_passes((eager, static), n, (n,))
@@ -199,12 +204,7 @@ def test_static_prompt_pass_of_several_requests_through_fla():
     states as the eager pass's (fla's varlen call), through one captured shape twice
     (the second pass replays it with other requests and lengths) and through the shape
     of 16 prompts of 2048 tokens; a replayed pass synchronises the host not at all."""
-    if load_chunk_kernel() is None:
-        pytest.skip("fla-core is not importable here")
-    model = build_tiny_model("qwen3_5", seed=11, dtype=torch.bfloat16, device="cuda", **HEADS)
-    common = dict(strategy="fold", num_slots=16, window=4, max_len=2052, prefill="chunk")
-    eager = HybridEngine(model, prompt_graphs=False, **common)
-    static = HybridEngine(model, prompt_graphs=True, **common)
+    model, eager, static = _fla_engines(11, num_slots=16, max_len=2052)
     with torch.inference_mode():
         # 4885 and 5000 tokens: one shape (N = 5120, C = 2048); then 16 x 2048 (N = 33024)
         for lengths in ((2048, 1000, 37, 1800), (1900, 1000, 2000, 100), (2048,) * 16):
