@@ -17,6 +17,7 @@ from replayssm.engine.adapter import HybridEngine
 from replayssm.engine.generator import StepGenerator
 from replayssm.engine.prompt_graph import MIN_TOKENS, PromptGraph, PromptGraphs
 from replayssm.engine.random_model import build_tiny_model
+from replayssm.strategies import chunk_list_length
 from replayssm.testing.chunk_kernel import chunk_kernel_on_cpu as _chunk_kernel
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -136,7 +137,7 @@ def test_one_request_runs_the_chunked_kernel_as_one_sequence(length, rng, seed):
     """With a chunked kernel, a one-request shape hands the kernel every token as one
     sequence with the padding tokens' gates zeroed (none at 32 tokens: the request
     fills its shape): states and logits as the eager chunked pass's; a pass of two
-    requests takes the kernel's batch layout."""
+    requests takes the chunk list's layout."""
     model = build_tiny_model("qwen3_5", seed=seed)
     eager, static = _engines(model, prefill="chunk", chunk_kernel=_chunk_kernel)
     prompt = [torch.randint(0, 256, (length,), generator=rng).tolist()]
@@ -222,9 +223,10 @@ def _engine_pair(model, **kw):
     common = dict(strategy="fold", num_slots=6, window=3, max_len=96, prefill="chunk", **kw)
     calls = []
 
-    def kernel(q, *args, cu_seqlens=None, **kwargs):  # the CPU stand-in, its calls' layouts recorded
-        calls.append((tuple(q.shape[:2]), cu_seqlens is None))
-        return _chunk_kernel(q, *args, cu_seqlens=cu_seqlens, **kwargs)
+    def kernel(q, *args, cu_seqlens=None, chunk_indices=None, **kwargs):  # the CPU stand-in, its calls recorded
+        calls.append((tuple(q.shape[:2]), None if cu_seqlens is None else len(cu_seqlens),
+                      None if chunk_indices is None else len(chunk_indices)))
+        return _chunk_kernel(q, *args, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, **kwargs)
 
     eager = HybridEngine(model, prompt_graphs=False, chunk_kernel=_chunk_kernel, **common)
     return eager, HybridEngine(model, prompt_graphs=True, chunk_kernel=kernel, **common), calls
@@ -246,16 +248,16 @@ def _prompt_pass(eng, prompts, bystander):
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
-@pytest.mark.parametrize("lengths", [(5, 40, 17), (32, 7, 32, 1), (3, 3)])
-def test_several_requests_run_the_chunked_kernel_in_its_batch_layout(family, lengths, rng, seed):
+@pytest.mark.parametrize("lengths", [(5, 40, 17), (32, 7, 32, 1), (3, 3), (70, 5)])
+def test_several_requests_run_the_chunked_kernel_on_their_chunk_list(family, lengths, rng, seed):
     """With a chunked kernel, a static pass of several requests of different lengths
-    runs every GDN layer through the kernel's batch mode, ``[B, C]`` with ``C`` the
-    longest prompt's capacity (no offsets), requests shorter than ``C`` followed by
-    padding positions: the last tokens' logits, every token's hidden state, the GDN
-    and conv states, the keys and values and the KV lengths as the eager pass's
-    (fla's varlen call), a bystander untouched. fp32, the same kernel per sequence:
-    agreement to ~1e-6 of the values' scale (the token-wise layers run on N rows
-    instead of n)."""
+    runs every GDN layer through the kernel on the packed tokens, the requests, the
+    padding request and an empty sequence, with the pass's chunk list at its shape's
+    fixed length (the stand-in checks it against the offsets): the last tokens'
+    logits, every token's hidden state, the GDN and conv states, the keys and values
+    and the KV lengths as the eager pass's (fla's varlen call without a list), a
+    bystander untouched. fp32, the same kernel per sequence: agreement to ~1e-6 of the
+    values' scale (the token-wise layers run on N rows instead of n)."""
     model = build_tiny_model(family, seed=seed)
     eager, static, calls = _engine_pair(model)
     bystander = torch.randint(0, 256, (7,), generator=rng).tolist()
@@ -266,7 +268,8 @@ def test_several_requests_run_the_chunked_kernel_in_its_batch_layout(family, len
     c = max(MIN_TOKENS, 1 << (max(lengths) - 1).bit_length())
     assert shape.capacity == c and static.prompt_graphs._shapes[shape].chunk_kernel is not None
     layers = len(static.mixers)
-    assert calls[-layers:] == [((len(lengths), c), True)] * layers  # batch mode, B sequences of C
+    b, n = len(lengths), shape.tokens
+    assert calls[-layers:] == [((1, n), b + 3, chunk_list_length(n, b + 1))] * layers
     scale = oe.logits.abs().max()
     torch.testing.assert_close(os_.logits / scale, oe.logits / scale, **TOL)
     torch.testing.assert_close(os_.hidden, oe.hidden, **TOL)
@@ -279,27 +282,25 @@ def test_several_requests_run_the_chunked_kernel_in_its_batch_layout(family, len
     assert torch.equal(static.kv.device_lengths[:-1].cpu(), torch.tensor(static.kv.lengths))
 
 
-def test_teeth_unmasked_padding_corrupts_the_batch_layouts_states(rng, seed, monkeypatch):
-    """The padding positions of the batch layout must keep their gates zeroed: with
-    the mask dropped (the gates of every token live), each request shorter than ``C``
-    reads padding tokens after its own, and its committed state is off by O(1) of its
-    scale, while the logits still agree (a token's output depends on earlier tokens
-    only): the state comparison above is what catches it."""
-    import replayssm.strategies.base as base
+def test_teeth_a_stale_chunk_list_is_refused(rng, seed, monkeypatch):
+    """The pass's chunk list must be this pass's: the capture-time list (every row
+    padding) left in place of the new one is refused by the stand-in's check before
+    anything is computed, so the comparison above runs on checked lists."""
+    import replayssm.engine.prompt_graph as pg
 
     model = build_tiny_model("qwen3_5", seed=seed)
-    eager, static, _ = _engine_pair(model)
-    prompts = [torch.randint(0, 256, (n,), generator=rng).tolist() for n in (5, 40, 17)]
-    bystander = [1, 2, 3]
-    oe, se, _, _ = _prompt_pass(eager, prompts, bystander)
-    gates = base.prompt_gates
-    monkeypatch.setattr(base, "prompt_gates", lambda a, b, A_log, dt_bias, real, **kw: gates(a, b, A_log, dt_bias, None, **kw))
-    os_, ss, _, _ = _prompt_pass(static, prompts, bystander)
-    scale = oe.logits.abs().max()
-    torch.testing.assert_close(os_.logits / scale, oe.logits / scale, **TOL)
-    for i in range(3):
-        want = se[0][:, i]
-        assert (ss[0][:, i] - want).abs().max() > 0.05 * want.abs().max(), i
+    _, static, _ = _engine_pair(model)
+    prompts = [torch.randint(0, 256, (n,), generator=rng).tolist() for n in (5, 70, 17)]  # request 1's 2 chunks
+    fresh = pg.chunk_list
+    stale = {}
+
+    def keep_first(lengths, size):  # the first list built for a shape (its capture's) for every pass after
+        return stale.setdefault(size, fresh(lengths, size))
+
+    monkeypatch.setattr(pg, "chunk_list", keep_first)
+    slots = [static.alloc() for _ in prompts]
+    with pytest.raises(ValueError, match="are not the chunks"):
+        static.extend(slots, prompts, prompt=True)
 
 
 def test_several_request_shapes_and_their_bounds(rng, seed):

@@ -14,8 +14,8 @@ Claims checked:
   and places the joiner's passes between the running requests' steps.
 * A prompt pass at a static shape (a CUDA-graph replay) gives the eager pass's logits
   and states, and synchronises the host not at all: with the recurrence, and with
-  fla-core's kernel for one request (one sequence) and for several (its batch mode,
-  ``[B, C]``), 16 prompts of 2048 tokens included.
+  fla-core's kernel for one request (one sequence) and for several (sequences of the
+  packed tokens with a fixed-length chunk list), 16 prompts of 2048 tokens included.
 """
 
 from __future__ import annotations
@@ -198,9 +198,9 @@ def test_static_prompt_pass_of_one_request_through_fla():
 
 
 def test_static_prompt_pass_of_several_requests_through_fla():
-    """A shape of several requests runs fla-core's kernel in its batch mode in the graph
-    (``B`` sequences of the longest prompt's capacity ``C``; the positions after a
-    shorter prompt read padding tokens, whose gates are zero): logits, GDN and conv
+    """A shape of several requests runs fla-core's kernel on the packed tokens in the
+    graph (the requests, the padding request and an empty sequence, with the pass's
+    chunk list, whose spare entries name the empty sequence): logits, GDN and conv
     states as the eager pass's (fla's varlen call), through one captured shape twice
     (the second pass replays it with other requests and lengths) and through the shape
     of 16 prompts of 2048 tokens; a replayed pass synchronises the host not at all."""

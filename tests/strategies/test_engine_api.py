@@ -5,9 +5,13 @@ Oracle bounds: fp32 against float64 on a few contractive steps (|exp(g)| <= 1, b
 (0, 1), unit keys) stays within 1e-5 of the values' scale.
 """
 
+import itertools
+
 import pytest
 import torch
 
+from replayssm.strategies import chunk_list, chunk_list_length
+from replayssm.testing.chunk_kernel import check_chunk_list
 from replayssm.testing.lifecycle import Lifecycle
 from replayssm.ops.recurrent import gdn_recurrence_reference
 from replayssm.state import GDNShape, StatePool, StepProtocolError
@@ -162,13 +166,16 @@ def test_save_restore_protocol(strategy):
 
 # ---------------------------------------------------------------------------- chunk_prefill
 def fake_chunk_kernel(q, k, v, g, beta, *, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
-                      state_v_first):
+                      state_v_first, chunk_indices=None):
     """fla-core's (>= 0.6) chunk_gated_delta_rule contract, computed token by token in
     float64 from DESIGN.md section 1, written here without the library's ops: q, k
     [1, N, H, K] shared by groups of HV / H value heads, outputs [1, N, HV, V], final
     states [B, HV, V, K] (state_v_first); without cu_seqlens (fla's batch mode) q, k
-    [B, T, H, K], each batch row one sequence, outputs [B, T, HV, V]."""
+    [B, T, H, K], each batch row one sequence, outputs [B, T, HV, V]. A chunk list
+    (chunk_prefill_static's) is checked against the offsets, as fla-core would trust it."""
     assert initial_state is None and output_final_state and use_qk_l2norm_in_kernel and state_v_first
+    if chunk_indices is not None:
+        check_chunk_list(cu_seqlens, chunk_indices)
     assert cu_seqlens is None or (cu_seqlens.dtype == torch.int64 and q.shape[0] == 1)
     rows, n, h, kd = q.shape
     hv, vd = v.shape[2], v.shape[-1]
@@ -244,43 +251,72 @@ def test_chunk_prefill_checks_the_kernel_and_the_rows():
     assert torch.equal(pool.buffers["checkpoints"], before)
 
 
-def _batch_layout(lengths, capacity, num_tokens):
-    """The maps of chunk_prefill_static's batch layout for requests of ``lengths``
-    packed first, then a padding request up to ``num_tokens``: ``rows [B, C]`` (the
-    positions past a request's tokens read the last token, a padding one) and ``back
-    [N]`` (the padding tokens take position 0)."""
-    rows = torch.full((len(lengths), capacity), num_tokens - 1, dtype=torch.int64)
-    back = torch.zeros(num_tokens, dtype=torch.int64)
-    start = 0
-    for i, n in enumerate(lengths):
-        rows[i, :n] = torch.arange(start, start + n)
-        back[start : start + n] = i * capacity + torch.arange(n)
-        start += n
-    return rows, back
+def _chunks(lengths, pad):
+    """chunk_prefill_static's ``chunks`` for requests of ``lengths`` packed first, then
+    a padding request of ``pad`` tokens, at the list length of their shape."""
+    n = sum(lengths) + pad
+    cu, chunks = chunk_list(lengths + [pad], chunk_list_length(n, len(lengths) + 1))
+    return torch.from_numpy(cu), torch.from_numpy(chunks)
+
+
+def test_chunk_list_is_every_chunk_in_order_then_the_empty_sequence():
+    """chunk_list against a plain loop over random lengths, and its fixed length is the
+    most chunks any split of the tokens reaches (here reached: every sequence one token
+    past a chunk boundary)."""
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(20):
+        lens = (torch.randint(1, 300, (int(torch.randint(1, 6, (1,), generator=gen)),), generator=gen)).tolist()
+        size = chunk_list_length(sum(lens), len(lens))
+        cu, chunks = chunk_list(lens, size)
+        want = [(s, c) for s, n in enumerate(lens) for c in range((n + 63) // 64)]
+        assert cu.tolist() == [0, *itertools.accumulate(lens), sum(lens)]
+        assert [tuple(e) for e in chunks[: len(want)].tolist()] == want
+        assert (chunks[len(want):] == [len(lens), 0]).all() and len(chunks) == size >= len(want)
+    lens = [65, 129, 1]
+    assert chunk_list_length(sum(lens), 3) == 2 + 3 + 1
+    with pytest.raises(ValueError, match="more than size"):
+        chunk_list(lens, 5)
+    with pytest.raises(ValueError, match=">= 1 tokens"):
+        chunk_list([4, 0], 4)
+
+
+def test_teeth_the_chunk_list_check_refuses_a_wrong_list():
+    """The stand-in kernels' check (the one that stands for fla-core's trust in the
+    list): a chunk missing, chunks out of order, or spare entries on a sequence with
+    tokens (the real kernel would write that chunk again from another chunk's state)
+    are refused; the list chunk_list builds passes."""
+    cu, chunks = _chunks([128, 64], 1)  # 4 chunks, a list of 5
+    check_chunk_list(cu, chunks)
+    assert chunks[-1].tolist() == [3, 0]
+    bad = [chunks[1:], chunks[[1, 0, *range(2, len(chunks))]], chunks.clone()]
+    bad[2][-1] = torch.tensor([2, 0])  # the padding request: 1 token
+    for b in bad:
+        with pytest.raises(ValueError, match="are not the chunks"):
+            check_chunk_list(cu, b)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_static_chunk_prefill_of_several_requests_equals_the_varlen_pass(strategy):
-    """chunk_prefill_static with rows/back: the kernel in its batch mode, requests of
-    5, 3 and 6 tokens in rows of C = 8 positions (each shorter than C: the positions
-    after its tokens are padding), outputs scattered back to the packed rows, final
+    """chunk_prefill_static with chunks: requests of 128, 3 and 6 tokens, a padding
+    request and the empty sequence, the kernel given the fixed-length chunk list (one
+    entry spare, on the empty sequence), final
     states into the slots. Against chunk_prefill's varlen call on an identical pool,
     the fake kernel computing in float64 token by token: the real rows' outputs and the
-    committed states bit for bit (a padding position with g = 0, beta = 0 multiplies the
-    state by exp(0) = 1 and adds a zero update, exactly)."""
+    committed states bit for bit."""
     pools = [make(strategy, requests=0, slots=4, seed=9) for _ in range(2)]
     slots = [[p.alloc() for _ in range(3)] for p, _ in pools]
-    lengths, pad = [5, 3, 6], 4
+    lengths, pad = [128, 3, 6], 4
     n = sum(lengths) + pad
     x_all = [pools[0][1].make_inputs(n) for _ in range(pools[0][0].num_layers)]
-    rows, back = _batch_layout(lengths, 8, n)
+    chunks = _chunks(lengths, pad)
+    assert chunks[1][-1].tolist() == [4, 0]
     outs = []
     for (pool, _), sl, static in zip(pools, slots, (True, False)):
         batch = pool.batch(sl + [-1], lengths + [pad], prefill=True)
         o_layers = []
         for layer, x in enumerate(x_all):
             args = (layer, x["q"], x["k"], x["v"], x["a"], x["b"], batch)
-            o_layers.append(pool.strategy.chunk_prefill_static(*args, kernel=fake_chunk_kernel, rows=rows, back=back)
+            o_layers.append(pool.strategy.chunk_prefill_static(*args, kernel=fake_chunk_kernel, chunks=chunks)
                             if static else pool.strategy.chunk_prefill(*args, kernel=fake_chunk_kernel))
         outs.append(o_layers)
     for o_s, o_c in zip(*outs):
@@ -292,55 +328,33 @@ def test_static_chunk_prefill_of_several_requests_equals_the_varlen_pass(strateg
         assert torch.equal(s, c) and s.abs().max() > 0
 
 
-def test_teeth_padding_positions_with_live_gates_corrupt_the_states():
-    """The contract's padding positions must read a padding token (gates zeroed):
-    pointed at a real token instead, the state keeps moving after a request's last
-    token, and the committed states of the requests shorter than C are off by O(1) of
-    their scale (the comparison above would fail); the request that fills C is not."""
-    states = []
-    for tamper in (False, True):
-        pool, lc = make("fold", requests=0, slots=4, seed=9)
-        sl = [pool.alloc() for _ in range(3)]
-        lengths, pad = [5, 8, 6], 4
-        n = sum(lengths) + pad
-        rows, back = _batch_layout(lengths, 8, n)
-        if tamper:
-            rows[rows == n - 1] = 0
-        batch = pool.batch(sl + [-1], lengths + [pad], prefill=True)
-        x = make("fold", requests=0, seed=9)[1].make_inputs(n)
-        pool.strategy.chunk_prefill_static(0, x["q"], x["k"], x["v"], x["a"], x["b"], batch, fake_chunk_kernel,
-                                           rows=rows, back=back)
-        states.append(pool.strategy.committed_state(0, sl))
-    good, bad = states
-    err = [((bad[i] - good[i]).abs().max() / good[i].abs().max()).item() for i in range(3)]
-    assert err[0] > 0.05 and err[2] > 0.05 and err[1] == 0, err
-
-
-def test_static_chunk_prefill_refuses_bad_maps_before_any_write():
+def test_static_chunk_prefill_refuses_bad_chunks_before_any_write():
     pool, lc = make("circular", requests=1)
     lc.step()
     fresh, other = [pool.alloc(), pool.alloc()], pool.alloc()
     x = lc.make_inputs(8)
     args = (0, x["q"], x["k"], x["v"], x["a"], x["b"])
-    rows, back = _batch_layout([3, 4], 4, 8)
+    cu, chunks = _chunks([3, 4], 1)
     batch = pool.batch(fresh + [-1], [3, 4, 1], prefill=True)
     before = {name: buf.clone() for name, buf in pool.buffers.items()}
     cases = [
-        (dict(rows=rows), ValueError, "rows and back go together"),
-        (dict(rows=rows.float(), back=back), TypeError, "rows must have dtype"),
-        (dict(rows=rows[0], back=back), ValueError, "rows must have 2 dimensions"),
-        (dict(rows=rows[:, :0], back=back), ValueError, "rows must have shape"),
-        (dict(rows=rows, back=back[:7]), ValueError, "back must have shape"),
-        (dict(rows=rows[:1], back=back), ValueError, "rows holds 1 requests"),
+        (dict(chunks=cu), TypeError, "chunks must be a"),
+        (dict(chunks=(cu.int(), chunks)), TypeError, "cu_seqlens must have dtype"),
+        (dict(chunks=(cu, chunks.float())), TypeError, "chunk_indices must have dtype"),
+        (dict(chunks=(cu[None], chunks)), ValueError, "cu_seqlens must have 1 dimensions"),
+        (dict(chunks=(cu[:3], chunks)), ValueError, "B \\+ 3 >= 4 entries"),
+        (dict(chunks=(cu, chunks[:2])), ValueError, "chunk_indices must have shape"),
+        (dict(chunks=(cu, chunks[:, :1])), ValueError, "chunk_indices must have shape"),
+        (dict(chunks=(cu[1:], chunks)), ValueError, "cu_seqlens holds 1 requests"),
     ]
     for kw, exc, match in cases:
         with pytest.raises(exc, match=match):
             pool.strategy.chunk_prefill_static(*args, batch, fake_chunk_kernel, **kw)
-    with pytest.raises(ValueError, match="rows holds 2 requests"):  # the last row is no padding row
+    with pytest.raises(ValueError, match="cu_seqlens holds 2 requests"):  # the last row is no padding row
         pool.strategy.chunk_prefill_static(*args, pool.batch(fresh + [other], [3, 4, 1], prefill=True),
-                                           fake_chunk_kernel, rows=rows, back=back)
+                                           fake_chunk_kernel, chunks=(cu, chunks))
     with pytest.raises(StepProtocolError, match="history"):  # a request with committed tokens
         pool.strategy.chunk_prefill_static(*args, pool.batch([fresh[0], lc.slots[0], -1], [3, 4, 1], prefill=True),
-                                           fake_chunk_kernel, rows=rows, back=back)
+                                           fake_chunk_kernel, chunks=(cu, chunks))
     for name, buf in pool.buffers.items():
         assert torch.equal(buf.nan_to_num(7.0), before[name].nan_to_num(7.0)), name

@@ -474,8 +474,9 @@ class HybridEngine:
             captured once in a CUDA graph (:mod:`replayssm.engine.prompt_graph`): the
             host's launches, not the GPU, set an eager prompt pass's time up to a few
             thousand tokens. GDN layers go through the chunked kernel when the engine
-            has one (one request as one sequence, several in the kernel's batch layout
-            ``[B, C]``; shapes up to 16 prompts of 2048 tokens), else through the exact
+            has one (one request as one sequence, several as sequences of the packed
+            tokens with a fixed-length chunk list; shapes up to 16 prompts of 2048
+            tokens), else through the exact
             recurrence. Default
             (``None``): on a CUDA engine without ``fixed_shape``. ``True`` on the CPU
             runs the same static body eagerly. Which passes took it: :attr:`prompt_passes`;
@@ -867,7 +868,7 @@ class HybridEngine:
     def forward_static(self, ids: torch.Tensor, positions: torch.Tensor, slot_idx: torch.Tensor | None, batch: Batch,
                        *, verify: bool, ring: bool = False, tree=None, prompt: PromptLayout | None = None,
                        last: torch.Tensor | None = None, chunk_kernel: Callable | None = None,
-                       chunk_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       chunks: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One static-shape forward of ``B`` rows of ``T`` tokens, CUDA-graph safe.
 
         Args:
@@ -897,12 +898,12 @@ class HybridEngine:
                 requests' last prompt tokens); default every row.
             chunk_kernel: with ``prompt``: GDN layers through this chunked kernel
                 (:meth:`Strategy.chunk_prefill_static`) instead of the recurrence; one
-                request's tokens as one sequence, or, with ``chunk_rows``, several
-                requests' in the kernel's batch layout.
-            chunk_rows: with ``chunk_kernel`` and a prompt of ``B`` requests (a padding
-                request last): ``(rows [B, C], back [N])``, the device maps between the
-                packed tokens and the GDN layers' batch layout ``[B, C]``
-                (:meth:`Strategy.chunk_prefill_static`'s ``rows`` and ``back``).
+                request's tokens as one sequence, or, with ``chunks``, several
+                requests' as sequences of the packed tokens.
+            chunks: with ``chunk_kernel`` and a prompt of ``B`` requests (a padding
+                request last): ``(cu_seqlens [B + 3], chunk_indices [M, 2])``, the
+                kernel's offsets and fixed-length chunk list on the device
+                (:meth:`Strategy.chunk_prefill_static`'s ``chunks``).
 
         Returns:
             ``(logits [B * T, vocab] float32, hidden [B * T, hidden])`` (logits
@@ -937,8 +938,7 @@ class HybridEngine:
                     parts = mixer.parts if chunk_kernel is not None else None
                     q, k, v = mixer.split(strat.conv_prefill(j, mixed, batch, parts=parts))
                     if chunk_kernel is not None:
-                        rows, back = chunk_rows if chunk_rows is not None else (None, None)
-                        o = strat.chunk_prefill_static(j, q, k, v, a, bb, batch, chunk_kernel, rows=rows, back=back)
+                        o = strat.chunk_prefill_static(j, q, k, v, a, bb, batch, chunk_kernel, chunks=chunks)
                     else:
                         o = strat.prefill(j, q, k, v, a, bb, batch)
                 x = mixer.finish(o, z, norm)

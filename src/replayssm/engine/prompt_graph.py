@@ -3,7 +3,7 @@
 An eager prompt pass launches every layer's kernels from Python and builds its index
 tensors on the host, so a short prompt costs host time, not GPU time (a 64-token prompt at
 batch 1 on Qwen3.5 shapes: 16 ms of host time for 1.9 ms of GPU work); with several
-requests, fla-core's varlen kernel also reads its chunk indices on the host. A
+requests, fla-core's varlen kernel also derives its chunk list on the host. A
 :class:`PromptGraph` holds one shape, ``B`` requests in ``N`` token rows, and replays the
 whole pass (embedding, every layer, the last tokens' logits, the KV lengths) from buffers
 the host fills with one asynchronous copy.
@@ -20,11 +20,11 @@ layers, when the engine has a chunked kernel, run it through
 host:
 
 * one request: the whole pass as one sequence ``[1, N]``, the padding tokens' gates zero;
-* ``B`` requests: the kernel's batch mode, ``B`` sequences of the shape's per-request
-  capacity ``C`` (``>=`` the longest prompt): a device map gathers each request's
-  tokens into its row of ``[B, C]``, padding positions read a padding token (gates
-  ``g = 0, beta = 0``: the state passes through them unchanged, so every final state is
-  the request's own), and the outputs go back to the packed rows by the inverse map.
+* ``B`` requests: the packed tokens as ``B + 2`` sequences (the requests, the padding
+  request, an empty one), with the pass's chunk list in the metadata at a length fixed
+  by the shape (:func:`~replayssm.strategies.chunk_list`): the list's spare entries
+  name the empty sequence, on which the kernel computes nothing, so its grids are the
+  shape's and it computes the real tokens only (no gather into a padded layout).
 
 Without a chunked kernel, GDN layers of several requests run the strategy's exact
 :meth:`~replayssm.strategies.Strategy.prefill` (the recurrence, graph-safe). Attention
@@ -55,6 +55,7 @@ import torch
 from .adapter import HybridEngine, StepOutput
 from .graph_step import capture_graph
 from .kv_cache import PromptLayout
+from ..strategies import chunk_list, chunk_list_length
 
 #: The smallest token capacity of a prompt shape (shorter passes share it).
 MIN_TOKENS = 32
@@ -88,8 +89,9 @@ class PromptShape(NamedTuple):
     requests: int
     #: ``N``, the packed token rows
     tokens: int
-    #: ``C``, the GDN layers' positions per request in the chunked kernel's batch layout
-    #: ``[B, C]`` (``None``: no such layout: one request, or the recurrence)
+    #: ``C``, the longest prompt's capacity in a pass of several requests through the
+    #: chunked kernel (the attention layout's width follows it); ``None``: one request,
+    #: or the recurrence
     capacity: int | None
     #: the pass ends in a padding request (``False`` only for a request that fills ``N``)
     padded: bool
@@ -100,9 +102,10 @@ class _Meta:
     array that fills it): token ids ``[N]``; per token its attention row, column,
     position and cache slot ``[4, N]``; per request its last token, cache slot and
     length ``[B]`` each; the batch's slots ``[R]`` and offsets ``[R + 1]`` (``R`` rows:
-    the requests, then the padding request if any); with a capacity ``C``, the GDN
-    batch layout's maps: the packed row of each position ``[B C]`` and each packed row's
-    position ``[N]``."""
+    the requests, then the padding request if any); with a capacity, the chunked
+    kernel's offsets ``[R + 2]`` (the batch's, then ``N`` again: they begin where the
+    batch's do) and its chunk list ``[M, 2]`` (:func:`~replayssm.strategies.chunk_list`,
+    ``M`` its fixed length)."""
 
     def __init__(self, buf, n: int, b: int, rows: int, capacity: int = 0):
         o = 5 * n
@@ -110,13 +113,15 @@ class _Meta:
         self.last, self.kv_rows, self.kv_lengths = buf[o : o + b], buf[o + b : o + 2 * b], buf[o + 2 * b : o + 3 * b]
         o += 3 * b
         self.slots, self.offsets = buf[o : o + rows], buf[o + rows : o + 2 * rows + 1]
-        o += 2 * rows + 1
-        c = b * capacity
-        self.chunk_rows, self.chunk_back = buf[o : o + c], buf[o + c : o + c + (n if capacity else 0)]
+        o += rows
+        m = chunk_list_length(n, rows) if capacity else 0
+        self.chunk_offsets = buf[o : o + rows + 2] if capacity else None
+        o += rows + 2
+        self.chunk_indices = buf[o : o + 2 * m].reshape(m, 2)
 
     @staticmethod
     def size(n: int, b: int, rows: int, capacity: int = 0) -> int:
-        return 5 * n + 3 * b + 2 * rows + 1 + (b * capacity + n if capacity else 0)
+        return 5 * n + 3 * b + 2 * rows + 2 + (2 * chunk_list_length(n, rows) if capacity else 0)
 
 
 def output_buffers(engine: HybridEngine, requests: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,8 +160,8 @@ class PromptGraph:
         padded: the pass ends in a padding request; ``False`` (one request only): the
             request fills the ``N`` rows.
         capacity: ``C``, for ``B >= 2`` requests on an engine with a chunked kernel:
-            its GDN layers run the kernel on the batch layout ``[B, C]``, each request
-            of at most ``C`` tokens and the padding request of at most ``T =
+            its GDN layers run the kernel on the packed tokens with a chunk list, each
+            request of at most ``C`` tokens and the padding request of at most ``T =
             min(N - B, max(C, LONG_STEP))``. ``None``: several requests' GDN layers run
             the recurrence; one request's the chunked kernel over all ``N`` rows when
             the engine has one.
@@ -211,6 +216,10 @@ class PromptGraph:
         m.kv_rows.fill_(sink)
         m.slots.copy_(self.batch.slots)  # as captured: every row padding
         m.offsets.copy_(self.batch.cu_seqlens)
+        if capacity is not None:  # the capture's padding rows as a chunk list (the warm-ups run the kernel)
+            cu, chunks = chunk_list(self.batch.lengths, m.chunk_indices.shape[0])
+            m.chunk_offsets.copy_(torch.from_numpy(cu))
+            m.chunk_indices.copy_(torch.from_numpy(chunks))
         self.layout = PromptLayout(1 if b == 1 else b + 1, self.width, m.index)
         # the host side of ``meta``, pinned, whose numpy view each pass fills (a few vector
         # operations: torch's per-call overhead cost ~0.1 ms a pass); the next pass
@@ -274,14 +283,10 @@ class PromptGraph:
         h.kv_rows[:], h.kv_lengths[:] = sl, lens
         h.slots[:b], h.offsets[0], h.offsets[1 : b + 1] = sl, 0, ends
         if self.capacity is not None:
-            # position i C + t of the GDN batch layout holds request i's token t; the
-            # positions after a request's tokens read the last row, a padding token
-            # (used < n), whose gates are zero
-            at = row[:used] * self.capacity + col[:used]
-            h.chunk_rows[:] = n - 1
-            h.chunk_rows[at] = np.arange(used)
-            h.chunk_back[:used] = at
-            h.chunk_back[used:] = 0  # the padding tokens' outputs: position 0's (any finite values do)
+            # the chunked kernel's offsets begin where the batch's do: only the empty
+            # sequence's entry and the chunk list are its own
+            h.chunk_offsets[-1] = n
+            h.chunk_indices[:] = chunk_list(np.append(lens, pad), h.chunk_indices.shape[0])[1]
         if self.padded:  # the padding request last
             h.slots[b], h.offsets[b + 1] = -1, n
             self.batch.set_windows(list(slots) + [-1], lengths + [pad], upload=False)
@@ -302,12 +307,10 @@ class PromptGraph:
         eng, m = self.engine, self._fields
         self.batch.load_windows(m.slots, m.offsets)
         positions = self.layout.positions
-        chunk_rows = None
-        if self.capacity is not None:
-            chunk_rows = (m.chunk_rows.view(self.requests, self.capacity), m.chunk_back)
+        chunks = None if self.capacity is None else (m.chunk_offsets, m.chunk_indices)
         logits, hidden = eng.forward_static(m.ids[None], positions[None], None, self.batch, verify=False,
                                             prompt=self.layout, last=m.last, chunk_kernel=self.chunk_kernel,
-                                            chunk_rows=chunk_rows)
+                                            chunks=chunks)
         # into buffers outside the pool: the pass's own outputs die with the capture, so
         # their memory goes back to the pool for the next shape
         self.logits.copy_(logits)
@@ -331,7 +334,7 @@ class PromptGraphs:
       to 512, above that a multiple of ``LONG_STEP``), or ``capacity(n)`` for one
       request (``n = N``: a shape without padding);
     * on an engine with a chunked kernel, several requests: ``C = capacity(L)`` while
-      ``N`` and ``B C`` (the GDN batch layout's rows) are both within
+      ``N`` and ``B C`` (about the attention layout's rows) are both within
       ``max_chunked_tokens``; past that, or without a chunked kernel, ``C = None`` (the
       recurrence) while ``N`` is within ``max_tokens``;
     * one request: ``C = None``, ``N`` within ``max_chunked_tokens`` (with a chunked
@@ -344,19 +347,19 @@ class PromptGraphs:
     What a shape costs. Its capture allocates, in the one memory pool the engine's
     prompt graphs share, the pass's intermediate tensors at their peak, which scale
     with ``N`` for the token-wise layers (the widest: a dense MLP's ``gate|up`` output
-    ``[N, 2 I]``, an MoE block's expert inputs ``[N top_k, hidden]``) and with ``B C``
-    for the GDN layers (the gathered ``q, k, v, g, beta`` and the chunked kernel's
-    per-chunk states, ``B C / 64`` of ``HV x K x V``). At ``N = 33024``, ``B C =
-    32768`` on ``bench e2e --random qwen3.5-shapes`` (bf16, hidden 2048, ``I = 4096``,
-    ``HV = 32``, ``K = V = 128``; sizes from the shapes, not measured): 0.54 GB for
-    ``gate|up``, 0.54 GB for fla-core's chunk states. The shapes replay one at a time,
+    ``[N, 2 I]``, an MoE block's expert inputs ``[N top_k, hidden]``), with the chunk
+    list's length ``M <= N / 64 + B + 1`` for the chunked kernel's per-chunk states
+    (``M`` of ``HV x K x V``) and with ``B C`` for the attention layout. At ``N =
+    33024``, ``M = 532`` on ``bench e2e --random qwen3.5-shapes`` (bf16, hidden 2048,
+    ``I = 4096``, ``HV = 32``, ``K = V = 128``; sizes from the shapes, not measured):
+    0.54 GB for ``gate|up``, 0.56 GB for fla-core's chunk states. The shapes replay one at a time,
     so the pool serves them at about the largest one's peak when the largest is
     captured first (a capture that finds no free block large enough adds segments to
     the pool, so shapes captured in growing order add up): :meth:`prepare_joins` builds
     the largest first. The outputs go to one pair of buffers the shapes share
     (``logits [num_slots, vocab]`` fp32 and ``hidden [R, hidden]``, ``R`` the largest
     ``N`` the engine's slots can fill: 135 MB at ``R = 33024`` with 2048 hidden in
-    bf16), so a shape keeps only its metadata (``5 N + 5 B + 3`` int64, plus ``B C + N``
+    bf16), so a shape keeps only its metadata (``5 N + 5 B + 4`` int64, plus ``2 M``
     with a capacity, and a pinned host copy) and its graph. Its capture runs the pass
     three times (two warm-ups, then the capture).
 
@@ -370,7 +373,7 @@ class PromptGraphs:
         engine: the engine.
         max_tokens: the largest token capacity of a shape whose GDN layers run the
             token-serial recurrence (a power of two): several requests without a
-            chunked kernel (or beyond ``max_chunked_tokens``' layout), and one request
+            chunked kernel (or beyond ``max_chunked_tokens``), and one request
             without one.
         max_chunked_tokens: the largest ``N``, and the largest ``B C``, of a shape
             through the chunked kernel (a capacity, :func:`capacity`; default 16

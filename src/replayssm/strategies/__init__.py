@@ -7,7 +7,7 @@ imports this package).
 
 from ..state.layout import StepProtocolError
 from ..state.registry import register_strategy
-from .base import SavedStates, Strategy, StrategyBuffers
+from .base import KERNEL_CHUNK, SavedStates, Strategy, StrategyBuffers, chunk_list, chunk_list_length
 from .circular import CircularBuffers, CircularStrategy
 from .fold import FoldStrategy, RecordBuffers
 from .snapshot import SnapshotBuffers, SnapshotStrategy
@@ -21,6 +21,7 @@ STRATEGY_NAMES: tuple[str, ...] = tuple(STRATEGIES)
 __all__ = [
     "STRATEGIES",
     "STRATEGY_NAMES",
+    "KERNEL_CHUNK",
     "CircularBuffers",
     "CircularStrategy",
     "FoldStrategy",
@@ -31,4 +32,6 @@ __all__ = [
     "StepProtocolError",
     "Strategy",
     "StrategyBuffers",
+    "chunk_list",
+    "chunk_list_length",
 ]

@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Callable, Sequence
 
+import numpy as np
 import torch
 
 from ..ops import _checks, guards
@@ -42,7 +43,53 @@ from ..state.layout import BufferSpec, StepProtocolError
 if TYPE_CHECKING:
     from ..state.pool import StatePool
 
-__all__ = ["SavedStates", "StepProtocolError", "Strategy", "StrategyBuffers"]
+__all__ = ["KERNEL_CHUNK", "SavedStates", "StepProtocolError", "Strategy", "StrategyBuffers", "chunk_list",
+           "chunk_list_length"]
+
+#: The chunk length of fla-core's chunked kernel (``chunk_gated_delta_rule``'s default),
+#: the unit of :func:`chunk_list`.
+KERNEL_CHUNK = 64
+
+
+def chunk_list_length(num_tokens: int, sequences: int) -> int:
+    """The most chunks of :data:`KERNEL_CHUNK` tokens that ``sequences`` non-empty
+    sequences of ``num_tokens`` tokens in all can have: each of length ``l`` has
+    ``ceil(l / 64) <= (l + 63) / 64``, so ``(N + 63 S) // 64`` (the fixed length of a
+    static pass's chunk list, :meth:`Strategy.chunk_prefill_static`)."""
+    if num_tokens < sequences or sequences < 1:
+        raise ValueError(f"need num_tokens >= sequences >= 1, got num_tokens={num_tokens}, sequences={sequences}")
+    return (num_tokens + (KERNEL_CHUNK - 1) * sequences) // KERNEL_CHUNK
+
+
+def chunk_list(lengths: Sequence[int], size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The offsets and chunk list of a static pass of several requests
+    (:meth:`Strategy.chunk_prefill_static`'s ``chunks``), on the host.
+
+    Args:
+        lengths: the ``S`` sequences' token counts, each ``>= 1`` (the requests, then
+            the padding request).
+        size: the list's length ``M`` (:func:`chunk_list_length` of the pass's shape).
+
+    Returns:
+        ``cu_seqlens [S + 2]`` (the sequences' offsets, then ``N`` again: an empty
+        sequence ``S``) and ``chunk_indices [M, 2]`` int64: the ``(sequence, chunk)`` of
+        every chunk of :data:`KERNEL_CHUNK` tokens in order, then ``(S, 0)`` entries of
+        the empty sequence up to ``M``.
+    """
+    lens = np.asarray(lengths, dtype=np.int64)
+    if lens.ndim != 1 or lens.size < 1 or (lens < 1).any():
+        raise ValueError(f"lengths must be >= 1 tokens each, got {list(lengths)}")
+    counts = -(-lens // KERNEL_CHUNK)
+    total = int(counts.sum())
+    if total > size:
+        raise ValueError(f"sequences of {list(lengths)} tokens have {total} chunks, more than size={size}")
+    ends = np.cumsum(lens)
+    cu_seqlens = np.concatenate([[0], ends, ends[-1:]])
+    chunks = np.empty((size, 2), dtype=np.int64)
+    chunks[:total, 0] = np.repeat(np.arange(lens.size), counts)
+    chunks[:total, 1] = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
+    chunks[total:] = (lens.size, 0)
+    return cu_seqlens, chunks
 
 
 @dataclass(frozen=True)
@@ -564,96 +611,100 @@ class Strategy:
         return o
 
     def chunk_prefill_static(self, layer: int, q, k, v, a, b, batch: Batch, kernel: Callable, *,
-                             rows: torch.Tensor | None = None, back: torch.Tensor | None = None) -> torch.Tensor:
+                             chunks: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """:meth:`chunk_prefill` of a static prompt batch (a CUDA-graphed prompt pass,
         :mod:`replayssm.engine.prompt_graph`) whose rows are rewritten on the device
-        between replays. Nothing is read on the host: the kernel takes no offsets, the
-        padding's gates are ``g = 0, beta = 0`` (``exp(0) S = S`` and a zero write: the
-        state passes on unchanged), and the final states go to the requests' slots
-        through the batch's device slots (``-1``, as at capture, writes nothing).
+        between replays. Nothing is read on the host, and every launch's grid is fixed
+        by the shapes; the final states go to the requests' slots through the batch's
+        device slots (``-1``, as at capture, writes nothing).
 
-        * One request (``rows is None``): the batch is the request, then (unless it
-          fills the batch) a padding request (slot ``-1``) over the rest of the
-          tokens. The kernel sees all ``N`` tokens as one sequence ``[1, N]``.
-        * ``B`` requests (``rows`` and ``back``): the batch is ``B`` requests, then a
-          padding request. The kernel runs in its batch mode, ``B`` sequences of ``C``
-          positions: sequence ``i`` takes request ``i``'s tokens, then padding tokens up
-          to ``C``, gathered from the packed rows by ``rows``; its outputs go back to
-          the packed rows by ``back``. Every gate from ``batch.cu_seqlens[B]`` on (the
-          padding request's tokens) is zero, so each request's final state is the
-          state after its own tokens.
+        * One request (``chunks is None``): the batch is the request, then (unless it
+          fills the batch) a padding request (slot ``-1``) over the rest of the tokens.
+          The kernel sees all ``N`` tokens as one sequence ``[1, N]`` without offsets;
+          the padding's gates are ``g = 0, beta = 0`` (``exp(0) S = S`` and a zero
+          write: the state passes on unchanged).
+        * ``B`` requests (``chunks``): the batch is ``B`` requests, then a padding
+          request. The kernel runs on the packed tokens ``[1, N]`` as ``B + 2``
+          sequences, the requests, the padding request and an empty one, with its
+          chunk list given (fla-core reads it from the device instead of deriving it
+          on the host): the list's real chunks, then entries of the empty sequence up
+          to the list's fixed length :func:`chunk_list_length`, which compute nothing
+          (their every load and store is past the empty sequence's end). So the grids
+          do not depend on the prompts' lengths, and the kernel computes the real
+          tokens only.
 
         Args:
             layer, q, k, v, a, b, kernel: as for :meth:`chunk_prefill` (``q, k [N, H,
-                K]``, ``v [N, HV, V]``, ``a, b [N, HV]``, packed in request order).
+                K]``, ``v [N, HV, V]``, ``a, b [N, HV]``, packed in request order);
+                with ``chunks``, the kernel also takes ``chunk_indices``.
             batch: one row, or ``B + 1`` rows with the last one padding.
-            rows: ``[B, C]`` int32/int64 on the batch's device: ``rows[i, t]`` is the
-                packed row of request ``i``'s token ``t`` for ``t`` below its length,
-                and a padding token's row (``>= batch.cu_seqlens[B]``, whose gates are
-                zero) from there to ``C``.
-            back: ``[N]`` int32/int64: each packed row's position in ``rows`` flattened
-                (``i * C + t`` for request ``i``'s token ``t``; any position in
-                ``[0, B C)`` for a padding token).
+            chunks: ``(cu_seqlens [B + 3] int64, chunk_indices [M, 2] int64)`` on the
+                batch's device, as :func:`chunk_list` fills them: the batch's offsets
+                then ``N`` again (the empty sequence), and per chunk of
+                :data:`KERNEL_CHUNK` tokens its sequence and its index in it.
 
         Returns:
             ``o``: ``[N, HV, V]`` in the dtype of ``v``; the padding tokens' rows are
-            whatever the kernel gives them (their state never moved).
+            whatever the kernel gives them (their state is dropped or never moved).
         """
         self._check_batch(batch, step=False)
         self._check_inputs(layer, q, k, v, a, b, batch)
         if not callable(kernel):
             raise TypeError(f"kernel must be callable, got {type(kernel).__name__}")
-        if (rows is None) != (back is None):
-            raise ValueError("rows and back go together: both (a batch of several requests) or neither (one request)")
-        if rows is None:
+        if chunks is None:
             requests = 1
             if batch.size not in (1, 2) or (batch.size == 2 and batch.host_slots is not None
                                             and batch.host_slots[1] != -1):
                 raise ValueError(f"a static chunked prompt batch is one request (and a padding row), got "
                                  f"{batch.size} rows with slots {batch.host_slots}")
         else:
-            _checks.tensor("rows", rows, ndim=2, dtypes=_checks.INDEX_DTYPES)
-            _checks.tensor("back", back, ndim=1, dtypes=_checks.INDEX_DTYPES)
-            requests, capacity = rows.shape
-            if requests < 1 or capacity < 1:
-                raise ValueError(f"rows must have shape [B, C] with B, C >= 1, got {list(rows.shape)}")
-            _checks.shape("back", back, [batch.num_tokens])
-            _checks.same_device(batch.slots, rows=rows, back=back)
+            if not isinstance(chunks, tuple) or len(chunks) != 2:
+                raise TypeError(f"chunks must be a (cu_seqlens, chunk_indices) tuple, got {type(chunks).__name__}")
+            cu_seqlens, chunk_indices = chunks
+            _checks.tensor("cu_seqlens", cu_seqlens, ndim=1, dtypes=(torch.int64,))
+            _checks.tensor("chunk_indices", chunk_indices, ndim=2, dtypes=(torch.int64,))
+            requests = cu_seqlens.shape[0] - 3
+            if requests < 1:
+                raise ValueError(f"cu_seqlens must have B + 3 >= 4 entries (B requests, a padding request and an "
+                                 f"empty sequence), got {cu_seqlens.shape[0]}")
+            if chunk_indices.shape[1] != 2 or chunk_indices.shape[0] < requests + 1:
+                raise ValueError(f"chunk_indices must have shape [M, 2] with M >= {requests + 1} (a chunk per "
+                                 f"sequence at least), got {list(chunk_indices.shape)}")
+            _checks.same_device(batch.slots, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
             if batch.size != requests + 1 or (batch.host_slots is not None and batch.host_slots[requests] != -1):
-                raise ValueError(f"rows holds {requests} requests: the batch must be those requests, then a padding "
-                                 f"row, got {batch.size} rows with slots {batch.host_slots}")
+                raise ValueError(f"cu_seqlens holds {requests} requests: the batch must be those requests, then a "
+                                 f"padding row, got {batch.size} rows with slots {batch.host_slots}")
         self._check_prefill_rows(batch)
-        real = batch.cu_seqlens[requests : requests + 1]  # the requests' tokens; the padding request's gates zero
-        o, final = self._run_chunk_kernel(layer, q, k, v, a, b, kernel, batch.num_tokens, requests, cu_seqlens=None,
-                                          real=real, rows=rows)
-        write_checkpoints(self.pool.checkpoints[layer], batch.slots[:requests], final, backend=self.pool.backend)
-        if rows is None:
-            return o[0].to(v.dtype)
-        return o.reshape(-1, *o.shape[2:]).index_select(0, back).to(v.dtype)
+        if chunks is None:
+            real = batch.cu_seqlens[requests : requests + 1]  # the request's tokens; the padding's gates zero
+            o, final = self._run_chunk_kernel(layer, q, k, v, a, b, kernel, batch.num_tokens, 1, cu_seqlens=None,
+                                              real=real)
+        else:
+            # A fresh view of the offsets at every call: fla-core memoizes what it derives
+            # from them (its chunk offsets) by tensor identity, and a replayed graph must
+            # derive it again from the offsets of the pass at hand.
+            o, final = self._run_chunk_kernel(layer, q, k, v, a, b, kernel, batch.num_tokens, requests + 2,
+                                              cu_seqlens=chunks[0][:], chunk_indices=chunks[1])
+        write_checkpoints(self.pool.checkpoints[layer], batch.slots[:requests], final[:requests],
+                          backend=self.pool.backend)
+        return o[0].to(v.dtype)
 
     def _run_chunk_kernel(self, layer: int, q, k, v, a, b, kernel: Callable, num_tokens: int, num_seqs: int, *,
-                          cu_seqlens, real=None, rows=None):
-        """Gates, the chunked kernel's call and the check of what it returns; ``real [1]``
-        (a device count) zeroes the gates of tokens from ``real[0]`` on. The kernel
-        takes the packed tokens as one batch row ``[1, N]``, or with ``rows [B, C]``
-        (packed row per position) gathered into ``[B, C]``; it returns ``o`` in that
-        layout."""
+                          cu_seqlens, real=None, chunk_indices=None):
+        """Gates, the chunked kernel's call on the packed tokens ``[1, N]`` and the check
+        of what it returns; ``real [1]`` (a device count) zeroes the gates of tokens from
+        ``real[0]`` on; ``chunk_indices`` goes to the kernel where given."""
         s = self.pool.shape
         hv = s.num_value_heads
         A_log, dt_bias = self._gates(layer)
         g, beta = prompt_gates(a, b, A_log, dt_bias, real, beta_dtype=v.dtype, backend=self.pool.backend)
-        if rows is None:
-            layout = [1, num_tokens]
-            inputs = [x[None] for x in (q, k, v, g, beta)]
-        else:
-            layout, flat = list(rows.shape), rows.reshape(-1)
-            inputs = [x.index_select(0, flat).view(*layout, *x.shape[1:]) for x in (q, k, v, g, beta)]
+        extra = {} if chunk_indices is None else {"chunk_indices": chunk_indices}
         o, final = kernel(
-            *inputs, initial_state=None, output_final_state=True,
-            cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True, state_v_first=True,
+            *(x[None] for x in (q, k, v, g, beta)), initial_state=None, output_final_state=True,
+            cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True, state_v_first=True, **extra,
         )
         _checks.tensor("kernel's o", o, ndim=4, dtypes=_checks.FLOAT_DTYPES)
-        _checks.shape("kernel's o", o, [*layout, hv, s.head_v_dim])
+        _checks.shape("kernel's o", o, [1, num_tokens, hv, s.head_v_dim])
         _checks.tensor("kernel's final state", final, ndim=4, dtypes=_checks.FLOAT_DTYPES)
         _checks.shape("kernel's final state", final, [num_seqs, hv, s.head_v_dim, s.head_k_dim])
         return o, final
