@@ -359,3 +359,46 @@ def test_bad_capacities_are_refused(rng, seed):
     with pytest.raises(ValueError, match="at most 32"):
         PromptGraph(eng, 2, 64, graph=False, capacity=32).run([s, t], [[1] * 40, [2] * 3])
     assert torch.equal(eng.pool.checkpoints, ck) and eng.kv.lengths[s] == 0
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prompt_attention_is_the_transformers_form_bit_for_bit(family, dtype, rng, seed):
+    """A static prompt pass's attention layer (queries and keys normed into one buffer,
+    rotated in place) against :func:`attention_forward` (transformers' rotary), over a
+    layout of requests of 3 and 5 tokens and 2 padding tokens in the sink: the keys and
+    values written to the cache bit for bit, the outputs to one rounding of the output
+    gate (torch's CPU sigmoid rounds a strided gate, as the fast layer reads it, by its
+    scalar loop and a contiguous one by its vector loop: one ulp apart at times; the
+    product, the attention and the matmul are the same ops on the same bits); and no
+    concatenation is left in it."""
+    from replayssm.engine.adapter import attention_forward, prompt_attention_forward
+    from replayssm.engine.kv_cache import PromptLayout
+    from replayssm.engine.rotary import rope_rows
+    from replayssm.testing.op_count import count_ops
+
+    model = build_tiny_model(family, seed=seed, dtype=dtype)
+    eng = HybridEngine(model, strategy="fold", num_slots=3, window=2, max_len=32)
+    attn = next(layer.self_attn for layer in model.model.layers if hasattr(layer, "self_attn"))
+    x = torch.randn(10, model.config.hidden_size, generator=rng).to(dtype)
+    row = torch.tensor([0, 0, 0, 1, 1, 1, 1, 1, 2, 2])
+    col = torch.tensor([0, 1, 2, 0, 1, 2, 3, 4, 0, 1])
+    pos = torch.where(row < 2, col, 0)
+    slot = torch.tensor([0, 0, 0, 1, 1, 1, 1, 1, eng.kv.sink, eng.kv.sink])
+    layout = PromptLayout(3, 5, torch.stack([row, col, pos, slot]))
+    cos, sin = eng.rotary_cos_sin(x, pos)
+    rope = rope_rows(cos, sin)[None]  # once per pass, for every layer
+    outs = []
+    for fast in (False, True):
+        eng.kv.k.zero_(), eng.kv.v.zero_()
+        with torch.inference_mode(), count_ops() as ops:
+            if fast:
+                o = prompt_attention_forward(attn, x, rope, eng.kv, 0, layout, eng.static_norm)
+            else:
+                o = attention_forward(attn, x, cos, sin, eng.kv, 0, layout, eng.static_norm)
+        outs.append((o, eng.kv.k[0, :2].clone(), eng.kv.v[0, :2].clone(), ops.counts))
+    (o_hf, k_hf, v_hf, ops_hf), (o, k, v, ops_fast) = outs
+    assert torch.equal(k, k_hf) and torch.equal(v, v_hf) and k.abs().max() > 0
+    ulp = 2.0**-23 if dtype == torch.float32 else 2.0**-8
+    assert (o - o_hf).abs().max() <= 4 * ulp * o_hf.abs().max(), (o - o_hf).abs().max()
+    assert ops_hf["aten.cat"] > 0 and "aten.cat" not in ops_fast, (ops_hf, ops_fast)

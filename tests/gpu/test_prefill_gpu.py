@@ -256,3 +256,30 @@ def test_prompt_ops_on_the_card_and_in_a_graph():
     torch.cuda.synchronize()
     assert torch.equal(ck[1, 3], states[0].bfloat16())
     assert torch.equal(ck[0], before[0]) and torch.equal(ck[1, [0, 1, 2, 4]], before[1, [0, 1, 2, 4]])
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_fresh_attention_takes_grouped_keys_as_they_are(packed):
+    """A prompt pass's attention of 16 query heads over 2 key/value heads (Qwen3.5's,
+    head dim 256, bf16) hands SDPA the grouped keys and values (its flash kernel's GQA)
+    instead of repeating them per query head: against SDPA on the repeated keys and
+    values, to one bf16 rounding of the outputs' scale, over a layout of one row per
+    request (``packed``) and over requests of 700 and 300 tokens and their padding."""
+    from replayssm.engine.kv_cache import PromptLayout, _fresh_attention
+
+    g = torch.Generator(device="cuda").manual_seed(4)
+    lengths = [512, 512] if packed else [700, 300, 24]
+    n, heads, kv_heads, d = sum(lengths), 16, 2, 256
+    q = torch.randn(n, heads, d, generator=g, device="cuda").bfloat16()
+    k, v = (torch.randn(n, kv_heads, d, generator=g, device="cuda").bfloat16() for _ in range(2))
+    row = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).cuda()
+    starts = torch.tensor([0, *lengths]).cumsum(0)[:-1].cuda()
+    col = torch.arange(n, device="cuda") - starts[row]
+    layout = PromptLayout(len(lengths), max(lengths), torch.stack([row, col, col, row]))
+    layout.uniform = packed
+    got = _fresh_attention(layout, q, k, v, d**-0.5)
+    want = torch.cat([torch.nn.functional.scaled_dot_product_attention(
+        q[s : s + m].transpose(0, 1)[None], k[s : s + m].repeat_interleave(8, 1).transpose(0, 1)[None],
+        v[s : s + m].repeat_interleave(8, 1).transpose(0, 1)[None], is_causal=True, scale=d**-0.5)[0].transpose(0, 1)
+        for s, m in zip(starts.tolist(), lengths)])
+    assert (got.float() - want.float()).abs().max() <= 2.0**-8 * want.float().abs().max()

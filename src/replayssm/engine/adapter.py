@@ -280,6 +280,31 @@ def static_attention_forward(attn, x: torch.Tensor, rope: torch.Tensor, cache: K
     return attn.o_proj((o.reshape(b * t, heads, d) * torch.sigmoid(gate)).view(b * t, -1))
 
 
+def prompt_attention_forward(attn, x: torch.Tensor, rope: torch.Tensor, cache: KVCache, layer: int,
+                             layout: PromptLayout, norm=None) -> torch.Tensor:
+    """:func:`attention_forward` of a static prompt pass (:mod:`replayssm.engine.prompt_graph`)
+    with the queries and keys normed into one buffer and rotated in place
+    (:func:`rotated_qk`: four kernels where transformers' rotary takes about twelve and
+    two concatenations per layer, the same bits).
+
+    Args:
+        x: ``[N, hidden]`` normed hidden states of the pass's packed tokens.
+        rope: ``[1, N, 2, rotary_dim]`` rotary rows of the tokens
+            (:func:`~replayssm.engine.rotary.rope_rows`).
+        layout: the pass's :class:`PromptLayout`.
+        norm: as :func:`rotated_qk`'s.
+
+    Returns:
+        ``[N, hidden]``.
+    """
+    n, d = x.shape[0], attn.head_dim
+    q, gate, k, v = attention_projections(attn, x)
+    qk = rotated_qk(attn, q, k, rope, norm)[0]  # [N, heads + kv_heads, D]
+    heads = gate.shape[1]
+    o = cached_attention(cache, layer, layout, qk[:, :heads], qk[:, heads:], v, attn.scaling)
+    return attn.o_proj((o.reshape(n, heads, d) * torch.sigmoid(gate)).view(n, -1))
+
+
 def _resolve_plain_via_ring(plain_via_ring, strategy, window: int, ring_len) -> bool:
     """``HybridEngine``'s ``plain_via_ring`` for ``strategy`` (a registered name) and its
     pool: ``None`` means when the strategy can decode through a ring that holds more
@@ -913,7 +938,7 @@ class HybridEngine:
         b, t = ids.shape
         h = self.embed(ids.reshape(-1))
         cos, sin = self.rotary_cos_sin(h, positions.reshape(-1))
-        rope = rope_rows(cos, sin).view(b, t, 2, -1) if prompt is None else None
+        rope = rope_rows(cos, sin).view(b, t, 2, -1)
         strat = self.strategy
         norm = self.static_norm
         window = None
@@ -943,7 +968,7 @@ class HybridEngine:
                         o = strat.prefill(j, q, k, v, a, bb, batch)
                 x = mixer.finish(o, z, norm)
             elif prompt is not None:
-                x = attention_forward(layer.self_attn, x, cos, sin, self.kv, j, prompt, norm)
+                x = prompt_attention_forward(layer.self_attn, x, rope, self.kv, j, prompt, norm)
             else:
                 x = static_attention_forward(layer.self_attn, x, rope, self.kv, j, slot_idx, positions,
                                              backend=self.backend, norm=norm, tree=window)

@@ -285,19 +285,27 @@ def _fresh_attention(layout: WindowLayout, q: torch.Tensor, k: torch.Tensor, v: 
     real query's causal window ends at itself, before its row's padding."""
     n, heads, d = q.shape
     kv_heads = k.shape[1]
-    if heads != kv_heads:
+    # SDPA's flash kernel takes grouped keys and values as they are (16-bit CUDA inputs,
+    # head dims up to 256); elsewhere a grouped call would fall to the math kernel, so
+    # the keys and values are repeated per query head instead.
+    gqa = heads != kv_heads and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and d <= 256
+    if heads != kv_heads and not gqa:
         k = k.repeat_interleave(heads // kv_heads, dim=1)
         v = v.repeat_interleave(heads // kv_heads, dim=1)
+    kv_heads = k.shape[1]
     packed = layout.batch == 1 or layout.uniform  # the packed tokens already are [B, Tmax]
     if packed:
-        qs, ks, vs = (x.reshape(layout.batch, layout.t_max, heads, d) for x in (q, k, v))
+        qs = q.reshape(layout.batch, layout.t_max, heads, d)
+        ks, vs = (x.reshape(layout.batch, layout.t_max, kv_heads, d) for x in (k, v))
     else:
-        qs, ks, vs = (x.new_zeros(layout.batch, layout.t_max, heads, d) for x in (q, k, v))
+        qs = q.new_zeros(layout.batch, layout.t_max, heads, d)
+        ks, vs = (q.new_zeros(layout.batch, layout.t_max, kv_heads, d) for _ in (k, v))
         qs[layout.row, layout.col] = q
         ks[layout.row, layout.col] = k.to(q.dtype)
         vs[layout.row, layout.col] = v.to(q.dtype)
+    extra = {"enable_gqa": True} if gqa else {}
     out = F.scaled_dot_product_attention(qs.transpose(1, 2), ks.transpose(1, 2).to(q.dtype),
-                                         vs.transpose(1, 2).to(q.dtype), is_causal=True, scale=scale)
+                                         vs.transpose(1, 2).to(q.dtype), is_causal=True, scale=scale, **extra)
     out = out.transpose(1, 2)  # [B, Tmax, heads, D]
     return out.reshape(n, heads, d) if packed else out[layout.row, layout.col]
 
