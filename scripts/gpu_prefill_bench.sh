@@ -13,7 +13,11 @@
 #               step's no-regression figures                           -> e2e_decode_$TAG.{json,log}
 #   mtp         the embedded model drafted by its MTP head, 512-token prompts and 256 new
 #               tokens at batch 1, 16, 64 (HF up to 16)                -> e2e_mtp_$TAG.{json,log}
+#   mtp-loaded  the same model and drafter on a loaded server: 4 x batch requests through batch
+#               slots at batch 16, 64 (each joins as a slot frees up)  -> e2e_mtp_loaded_$TAG.{json,log}
 #   profile     the step profile with the MTP drafter timed alone      -> profile_step_mtp_$TAG.{json,log}
+#   prefill-profile  one prompt pass of 16 x 2048 and of 1 x 2048 tokens, its kernels by GPU
+#               time                                                   -> prefill_profile_$TAG.log
 #   mixed       qwen3.5-shapes, 16 requests of 512-4096 prompt and 64-256 new tokens, whole prompts
 #               per pass and passes of 2048 tokens between decode steps -> e2e_mixed{,_chunked}_$TAG.*
 # At the end, scripts/prefill_targets.py prints every target of the issue beside its
@@ -59,6 +63,10 @@ for what in "${stages[@]}"; do
                    --hf-max-batch 1 ;;
         mtp) e2e e2e_mtp --model embedded --drafter mtp --batches 1,16,64 --prompt-len 512 --max-new-tokens 256 \
                    --hf-max-batch 16 ;;
+        mtp-loaded) e2e e2e_mtp_loaded --model embedded --drafter mtp --batches 16,64 --prompt-len 512 \
+                   --max-new-tokens 256 --requests-per-slot 4 --no-hf ;;
+        prefill-profile) stage "prefill_profile_$TAG" "$LIMIT" "$PYTHON" scripts/gpu_prefill_profile.py \
+                   --cases 16x2048,1x2048 --top 40 ;;
         profile) stage "profile_step_mtp_$TAG" "$LIMIT" "$PYTHON" scripts/gpu_profile_step.py --model embedded --drafter mtp \
                    --modes plain,snapshot,fold,circular --batches 1,16,64 --json "$RESULTS/profile_step_mtp_$TAG.json" ;;
         mixed) e2e e2e_mixed "${SHAPES[@]}" "${ORACLE[@]}" --batches 16 --prompt-len 512-4096 \
