@@ -42,7 +42,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-OPS = ("recurrence", "fold", "ring_decode", "closed_form", "tree_recurrence")
+OPS = ("recurrence", "fold", "ring_decode", "closed_form", "tree_recurrence", "conv_prefill")
 H, HV, K, V, T, L = 16, 32, 128, 128, 4, 16
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
@@ -198,6 +198,16 @@ def run_op(op: str, batch: int, sdt: torch.dtype, act: torch.dtype) -> list[str]
         x, ckpt, ring, ring_u, cursors = _ring_case(batch, T, sdt, act)
         gdn_chunked_window(*x.values(), ckpt, ring, ring_u, *cursors, max_len=T, method="closed_form", backend="triton")
         labels += [f"closed form T={T}, L={L}"] * (len(LAUNCHES) - len(labels))
+    elif op == "conv_prefill":  # a prompt pass's causal conv: q|k|v channels, planar outputs, the state advanced
+        from replayssm.ops.conv import causal_conv_verify_triton
+
+        c, w, p = 2 * H * K + HV * V, 4, 2048
+        rows = 3
+        causal_conv_verify_triton(torch.randn(rows * p, c).to(act), torch.randn(rows, c, w - 1).to(act),
+                                  torch.randn(c, w).to(act), None, torch.arange(rows, dtype=torch.int32),
+                                  torch.arange(0, rows * p + 1, p, dtype=torch.int32), update_state=True, max_len=p,
+                                  parts=(H * K, H * K, HV * V))
+        labels.append(f"prompt conv, {rows} x {p} tokens")
     return labels
 
 
@@ -235,7 +245,8 @@ def main() -> int:
             for (name, kw, kernel), label in zip(LAUNCHES[first:], labels):
                 c = compiled(kernel, args.sass)
                 consts = " ".join(f"{k}={v}" for k, v in kw.items()
-                                  if k in ("BV", "BK", "T", "num_warps", "LOAD_AHEAD", "EARLY_TILE", "FUSE_FLUSH"))
+                                  if k in ("BV", "BK", "T", "num_warps", "LOAD_AHEAD", "EARLY_TILE", "FUSE_FLUSH",
+                                           "BT", "U", "BC"))
                 print(f"{label}: {name} [{consts}] {c['registers']} registers, {c['stack_bytes']} bytes of stack, "
                       f"{c['instructions']} SASS instructions, {c['conversions']} layout conversions")
                 for lay in c["layouts"]:
