@@ -1,6 +1,7 @@
-"""The static step's fused MLP activation and in-place rotary embedding, against
-transformers' ops: ``silu_mul`` (one kernel for ``silu(gate) * up``) and ``rotate_``
-(queries and keys rotated in place from ``rope_rows``)."""
+"""The static step's fused MLP activation, output gate and in-place rotary embedding,
+against transformers' ops: ``silu_mul`` (one kernel for ``silu(gate) * up``),
+``sigmoid_mul`` (one for ``o * sigmoid(gate)``) and ``rotate_`` (queries and keys
+rotated in place from ``rope_rows``, by torch's ops or one kernel)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
-from replayssm.engine.activations import dense_silu_mlp, silu_mul
+from replayssm.engine.activations import dense_silu_mlp, sigmoid_mul, silu_mul
 from replayssm.engine.random_model import build_tiny_model
 from replayssm.engine.rotary import rope_rows, rotate_
 
@@ -71,11 +72,14 @@ def test_dense_silu_mlp_tells_the_dense_mlp_from_a_moe_block():
     assert dense_silu_mlp(dense) and not dense_silu_mlp(moe)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rotary,t_rope", [(16, 3), (64, 1)])
-def test_rotate_in_place_is_transformers_rotary_bit_for_bit(rng, dtype, rotary, t_rope):
+def test_rotate_in_place_is_transformers_rotary_bit_for_bit(rng, dtype, rotary, t_rope, backend):
     """Partial (16 of 64 channels) and full rotary; one rope row per token or one per
-    request, broadcast over its tokens."""
+    request, broadcast over its tokens; torch's four ops and the one-launch kernel
+    (under the interpreter, which rounds bf16 to nearest even by hand, as the GPU
+    does)."""
     b, t, heads, d = 2, 3, 5, 64
     qk = torch.randn(b, t, heads, d, generator=rng).to(dtype)
     angle = 50 * torch.rand(b, t_rope, rotary // 2, generator=rng)
@@ -83,7 +87,8 @@ def test_rotate_in_place_is_transformers_rotary_bit_for_bit(rng, dtype, rotary, 
     cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
     want, _ = hf.apply_rotary_pos_emb(qk, qk, cos.expand(b, t, rotary), sin.expand(b, t, rotary), unsqueeze_dim=2)
     got = qk.clone()
-    rotate_(got, rope_rows(cos.reshape(-1, rotary), sin.reshape(-1, rotary)).view(b, t_rope, 2, rotary))
+    rotate_(got, rope_rows(cos.reshape(-1, rotary), sin.reshape(-1, rotary)).view(b, t_rope, 2, rotary),
+            backend=backend)
     assert torch.equal(got, want)
     assert torch.equal(got[..., rotary:], qk[..., rotary:]) and not torch.equal(got, qk)
 
@@ -94,3 +99,62 @@ def test_rotary_shapes_are_checked(rng):
         rope_rows(cos[:, :7], cos[:, :7])
     with pytest.raises(ValueError, match="qk must be"):
         rotate_(torch.randn(2, 3, 4, 6, generator=rng), rope_rows(cos, cos).view(2, 3, 2, 8))
+
+    rope = rope_rows(cos, cos).view(2, 3, 2, 8)
+    qk = torch.randn(2, 3, 4, 8, generator=rng)
+    with pytest.raises(ValueError, match="a row per token or per request"):
+        rotate_(qk, rope[:1])
+    with pytest.raises(ValueError, match="backend"):
+        rotate_(qk, rope, backend="cuda")
+    with pytest.raises(TypeError, match="share one of"):
+        rotate_(qk, rope.bfloat16(), backend="triton")
+    with pytest.raises(ValueError, match="heads contiguous"):
+        rotate_(qk.transpose(1, 2).contiguous().transpose(1, 2), rope, backend="triton")
+
+
+def test_sigmoid_mul_is_the_two_ops(rng):
+    """fp32 on the CPU: the interpreter's exp against torch's (an ulp or two); the gate
+    read in place as the strided half of a wider output."""
+    wide = 6 * torch.randn(37, 5, 2 * 48, generator=rng)
+    gate, o = wide[..., 48:], torch.randn(37, 5, 48, generator=rng)
+    assert not gate.is_contiguous()
+    got, want = sigmoid_mul(o, gate), o * torch.sigmoid(gate)
+    assert got.shape == want.shape and got.is_contiguous() and want.abs().max() > 1
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * float(want.abs().max()))
+    assert torch.equal(got, sigmoid_mul(o, gate.contiguous()))
+
+
+def test_sigmoid_mul_rounds_bf16_as_torch_does(rng):
+    """bf16: torch's CUDA sigmoid rounds exp, the sum and the quotient each (its CPU
+    kernel rounds once), then the product rounds; the kernel's values against those
+    four roundings (computed here in fp32 with explicit casts, an ulp at a tie apart
+    where the CPU's exp and numpy's differ), and distinguishable from a single rounding
+    of ``o * sigmoid(g)``. tests/gpu/test_fused_layer_gpu.py holds it against torch's CUDA
+    kernel."""
+    g = (4 * torch.randn(64, 2, 64, generator=rng)).bfloat16()
+    o = torch.randn(64, 2, 64, generator=rng).bfloat16()
+    got = sigmoid_mul(o, g).float()
+    bf = torch.bfloat16
+    e = torch.exp(-g.float()).to(bf).float()
+    s = (1.0 / (1.0 + e).to(bf).float()).to(bf).float()
+    want = (o.float() * s).to(bf).float()
+    ulp = torch.finfo(bf).eps * want.abs().clamp_min(1e-3)
+    assert ((got - want).abs() <= ulp).all() and (got == want).float().mean() > 0.99
+    one_rounding = (o.float() * torch.sigmoid(g.float())).to(bf).float()
+    assert not torch.equal(want, one_rounding)
+
+
+def test_sigmoid_mul_refuses_mismatched_inputs(rng):
+    o = torch.randn(4, 2, 8, generator=rng)
+    with pytest.raises(ValueError, match="must be alike"):
+        sigmoid_mul(o, o[..., :4])
+    with pytest.raises(ValueError, match="must be alike"):
+        sigmoid_mul(o.reshape(8, 8), o.reshape(8, 8))
+    with pytest.raises(TypeError, match="must be tensors"):
+        sigmoid_mul(o, o.tolist())
+    with pytest.raises(ValueError, match="backend"):
+        sigmoid_mul(o, o, backend="cuda")
+    with pytest.raises(TypeError, match="must be one of"):
+        sigmoid_mul(o.double(), o.double())
+    with pytest.raises(ValueError, match="last axes"):
+        sigmoid_mul(o.transpose(1, 2).contiguous().transpose(1, 2)[..., :2, :], o[..., :2, :])

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from replayssm.engine.adapter import HybridEngine, _attention_inputs
+from replayssm.engine.adapter import HybridEngine, _attention_inputs, gated_output
 from replayssm.engine.attention import slot_attention, tree_attention
 from replayssm.engine.device_drafters import DeviceMTPDrafter
 from replayssm.engine.drafters import load_mtp_head
@@ -30,7 +30,8 @@ class GenericLayerDrafter(DeviceMTPDrafter):
     """The drafter with the head pass composed op by op (the drafter's code before its
     pass was cut to fewer kernels): transformers' rotary arithmetic
     (``_attention_inputs``), the residual adds apart from their norms, the engine's
-    norm and MLP of a static step. The oracle."""
+    norm, output gate and MLP of a static step (each held against torch's ops in its own
+    tests: tests/engine/test_activations_rotary.py, test_norms.py). The oracle."""
 
     def _layer(self, tokens, hidden, slot_idx, positions, rope, tree=None):
         eng, head = self.engine, self.head
@@ -52,7 +53,9 @@ class GenericLayerDrafter(DeviceMTPDrafter):
         else:
             o = tree_attention(q, self.cache.k[0], self.cache.v[0], slot_idx, tree[0], tree[2], attn.scaling,
                                backend=eng.backend)
-        x = x + attn.o_proj(o.reshape(b * t, -1) * torch.sigmoid(gate))
+        heads = q.shape[2]
+        x = x + attn.o_proj(gated_output(o.reshape(b * t, heads, -1), gate.view(b * t, heads, -1),
+                                         fused=eng.fused_norms))
         y = norm(layer.post_attention_layernorm, x)
         x = x + eng.static_mlp(layer.mlp, y)
         return norm(head.norm, x)
@@ -177,27 +180,27 @@ def test_join_drafts_in_a_graph_are_the_eager_ones(mode, rng):
 
 # Kernel ceilings of the GPU path (fused norms, Triton attention; here under the
 # interpreter), counted by replayssm.testing.op_count.
-OBSERVE_OPS = 29
-DEPTH_OPS = 25
+OBSERVE_OPS = 25
+DEPTH_OPS = 21
 FIRST_DRAFT_OPS = 3
 
 
 def test_kernels_per_draft_depth(model, rng):
     """Kernels of the drafter's work per step on the fused (GPU) path: ``observe`` (the
-    head over the ``T`` emitted pairs) at most 29, the first draft (LM head, argmax,
-    the drafts' stack) 3, each further draft depth at most 25.
+    head over the ``T`` emitted pairs) at most 25, the first draft (LM head, argmax,
+    the drafts' stack) 3, each further draft depth at most 21.
 
     A depth is one head pass plus its LM head and argmax: the embedding, 7 norms
     (two write ``fc``'s input halves, two the query/key buffer, two take the
     residual adds in), 6 matmuls (``fc``, q|gate, k and v as one, o, gate and up as
-    one, down, LM head), 4 rotary kernels for queries and keys together, 2 cache
-    writes, the attention, the output gate (sigmoid, multiply), SiLU with its product
-    (one kernel), the argmax. The positions and rotary rows of all depths are gathered
-    once per proposal (2 kernels), so a chain of ``k`` drafts costs ``3 + 2 + 25 (k -
-    1)`` (before the cut pass: ``3 + 53 (k - 1)``, and 54 for ``observe``; 29 a depth
-    and 33 before SiLU and its product became one kernel, 28 and 32 before gate and up
-    became one matmul, 27 and 31 before q, k and v did): a count past the ceiling is a
-    kernel added per draft."""
+    one, down, LM head), the rotary of queries and keys together (one kernel), 2 cache
+    writes, the attention, the output gate (one kernel), SiLU with its product (one
+    kernel), the argmax. The positions and rotary rows of all depths are gathered once
+    per proposal (2 kernels), so a chain of ``k`` drafts costs ``3 + 2 + 21 (k - 1)``
+    (before the cut pass: ``3 + 53 (k - 1)``, and 54 for ``observe``; 25 a depth and 29
+    before the rotary and the output gate became one kernel each, 29 and 33 before SiLU
+    and its product did, 28 and 32 before gate and up became one matmul, 27 and 31
+    before q, k and v did): a count past the ceiling is a kernel added per draft."""
     counts = {}
     for k in (1, 3, 4):
         d = _drafter(DeviceMTPDrafter, model, "triton", k)

@@ -1,6 +1,7 @@
 """The static step's fused layer pieces on the GPU: ``silu_mul`` computes the bits of
 transformers' ``silu(gate) * up`` (CUDA's ``expf``, an IEEE division, both roundings),
-and the in-place rotary those of ``apply_rotary_pos_emb``, in bf16.
+``sigmoid_mul`` those of ``o * sigmoid(gate)``, and the in-place rotary (torch's four
+ops and the one-launch kernel) those of ``apply_rotary_pos_emb``, in bf16.
 
 Run on the GPU machine:  python -m pytest -q tests/gpu/test_fused_layer_gpu.py
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from replayssm.engine.activations import silu_mul
+from replayssm.engine.activations import sigmoid_mul, silu_mul
 from replayssm.engine.rotary import rope_rows, rotate_
 
 pytestmark = pytest.mark.gpu
@@ -26,7 +27,22 @@ def test_silu_mul_is_torch_bit_for_bit_on_cuda(dtype):
     assert torch.equal(got, want), f"{(got != want).sum().item()} of {got.numel()} differ"
 
 
-def test_rotate_in_place_is_transformers_rotary_on_cuda():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_sigmoid_mul_is_torch_bit_for_bit_on_cuda(dtype):
+    """The output gate as the attention layer reads it: a strided view of a wider
+    projection output."""
+    g = torch.Generator(device="cuda").manual_seed(torch.initial_seed())
+    n, heads, d = 1024, 16, 256
+    qg = (6 * torch.randn(n, heads, 2 * d, device="cuda", generator=g)).to(dtype)
+    o = torch.randn(n, heads, d, device="cuda", generator=g).to(dtype)
+    gate = qg[..., d:]
+    got, want = sigmoid_mul(o, gate), o * torch.sigmoid(gate)
+    assert not gate.is_contiguous() and want.abs().max() > 1
+    assert torch.equal(got, want), f"{(got != want).sum().item()} of {got.numel()} differ"
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_rotate_in_place_is_transformers_rotary_on_cuda(backend):
     from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
     g = torch.Generator(device="cuda").manual_seed(torch.initial_seed())
@@ -36,7 +52,7 @@ def test_rotate_in_place_is_transformers_rotary_on_cuda():
     cos, sin = torch.cat([angle, angle], -1).cos().bfloat16(), torch.cat([angle, angle], -1).sin().bfloat16()
     want, _ = hf.apply_rotary_pos_emb(qk, qk, cos.view(b, t, r), sin.view(b, t, r), unsqueeze_dim=2)
     got = qk.clone()
-    rotate_(got, rope_rows(cos, sin).view(b, t, 2, r))
+    rotate_(got, rope_rows(cos, sin).view(b, t, 2, r), backend=backend)
     assert torch.equal(got, want)
 
 

@@ -8,6 +8,12 @@ in fp32 rounded again (torch rounds each op's result to the tensors' dtype), wit
 CUDA's ``expf`` and an IEEE division as torch's SiLU kernel: on the GPU the module's
 bits.
 :func:`dense_silu_mlp` tells which MLP modules it applies to.
+
+The full-attention layers' output gate, ``o * sigmoid(gate)`` (the gate a strided view
+of the query projection's output), is two kernels the same way; :func:`sigmoid_mul` is
+one, with torch's roundings: its sigmoid kernel computes ``1 / (1 + exp(-x))`` in the
+tensors' dtype, so a 16-bit sigmoid rounds ``exp``, the sum and the IEEE quotient each
+(fp32: none of them), then the product rounds.
 """
 
 from __future__ import annotations
@@ -90,3 +96,61 @@ if triton is not None:
         # dtype; on CUDA the same bits as torch's kernel
         a = to_rtne(tl.div_rn(gf, 1.0 + expf(-gf)), g.dtype).to(tl.float32)
         tl.store(y_ptr + offs, to_rtne(a * u.to(tl.float32), y_ptr.dtype.element_ty), mask=mask)
+
+
+def sigmoid_mul_reference(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """See :func:`sigmoid_mul` (the two ops)."""
+    return x * torch.sigmoid(gate)
+
+
+def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor, *, backend: str = "triton") -> torch.Tensor:
+    """``x * sigmoid(gate)`` for ``x, gate [N, heads, D]`` alike in dtype, shape and device,
+    in one launch; returns a new contiguous ``[N, heads, D]``. Either may be strided on
+    its first two axes (the output gate is a view of the query projection's output);
+    the last axis must be contiguous.
+
+    ``backend``: ``"triton"`` (CUDA, or the Triton interpreter) or ``"reference"``.
+    """
+    if not isinstance(x, torch.Tensor) or not isinstance(gate, torch.Tensor):
+        raise TypeError("x and gate must be tensors")
+    if x.shape != gate.shape or x.dtype != gate.dtype or x.device != gate.device or x.dim() != 3:
+        raise ValueError(f"x and gate must be alike [N, heads, D], got {x.dtype} {list(x.shape)} on {x.device} and "
+                         f"{gate.dtype} {list(gate.shape)} on {gate.device}")
+    if backend == "reference":
+        return sigmoid_mul_reference(x, gate)
+    if backend != "triton":
+        raise ValueError(f"backend must be 'triton' or 'reference', got {backend!r}")
+    if x.dtype not in SILU_MUL_DTYPES:
+        raise TypeError(f"x and gate must be one of {SILU_MUL_DTYPES} for the Triton sigmoid_mul, got {x.dtype}")
+    if triton is None or (x.device.type != "cuda" and not INTERPRETER):
+        raise RuntimeError("the Triton sigmoid_mul needs CUDA tensors or the Triton interpreter")
+    if x.stride(-1) != 1 or gate.stride(-1) != 1:
+        raise ValueError("x's and gate's last axes must be contiguous")
+    n, heads, d = x.shape
+    out = torch.empty((n, heads, d), dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    _sigmoid_mul_kernel[(triton.cdiv(out.numel(), SILU_MUL_BLOCK),)](
+        x, gate, out, out.numel(), heads, d, x.stride(0), x.stride(1), gate.stride(0), gate.stride(1),
+        BLOCK=SILU_MUL_BLOCK, num_warps=4)
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _sigmoid_mul_kernel(x_ptr, g_ptr, y_ptr, n, HEADS, D, sx_0, sx_1, sg_0, sg_1, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        row = offs // D  # y is contiguous; the inputs' (token, head) rows at their own strides
+        col = offs - row * D
+        tok, head = row // HEADS, row % HEADS
+        xv = tl.load(x_ptr + tok * sx_0 + head * sx_1 + col, mask=mask, other=0.0)
+        gv = tl.load(g_ptr + tok * sg_0 + head * sg_1 + col, mask=mask, other=0.0)
+        # torch's sigmoid: 1 / (1 + exp(-x)) in the dtype (c10's 16-bit exp, sum and
+        # quotient each computed in fp32 and rounded; an IEEE division): on CUDA the
+        # same bits as torch's kernel
+        dt = gv.dtype
+        e = to_rtne(expf(-gv.to(tl.float32)), dt).to(tl.float32)
+        sg = to_rtne(tl.div_rn(1.0, to_rtne(1.0 + e, dt).to(tl.float32)), dt).to(tl.float32)
+        tl.store(y_ptr + offs, to_rtne(xv.to(tl.float32) * sg, y_ptr.dtype.element_ty), mask=mask)

@@ -34,7 +34,7 @@ from ..ops.guards import to_device
 from ..state import Batch, GDNShape, StatePool, strategy_class
 from .attention import slot_attention, tree_attention
 from .kv_cache import KVCache, PromptLayout, WindowLayout, cached_attention
-from .activations import dense_silu_mlp, silu_mul
+from .activations import dense_silu_mlp, sigmoid_mul, silu_mul
 from .fused_linear import fuse_linears, fused_weight
 from .norms import add_rms_norm, norm_eps, norm_kind, rms_norm
 from .rotary import rope_rows, rotate_
@@ -216,7 +216,7 @@ def _attention_inputs(attn, x, cos, sin, norm=None):
     return q[0], k[0], v, gate
 
 
-def rotated_qk(attn, q: torch.Tensor, k: torch.Tensor, rope: torch.Tensor, norm) -> torch.Tensor:
+def rotated_qk(attn, q: torch.Tensor, k: torch.Tensor, rope: torch.Tensor, norm, *, fused: bool = False) -> torch.Tensor:
     """A full-attention module's normed and rotated queries and keys, in one buffer.
 
     Args:
@@ -225,6 +225,8 @@ def rotated_qk(attn, q: torch.Tensor, k: torch.Tensor, rope: torch.Tensor, norm)
         rope: ``[B, T or 1, 2, R]`` rotary rows (:func:`~replayssm.engine.rotary.rope_rows`).
         norm: ``norm(module, x, out=buffer)``, the ``q/k`` norms written into slices of
             the result (:meth:`HybridEngine.static_norm`; default: the modules).
+        fused: rotate in one launch (:func:`~replayssm.engine.rotary.rotate_`'s Triton
+            form; the engine's fused kernels, CUDA or the interpreter), else torch's ops.
 
     Returns:
         ``qk [B, T, heads + kv_heads, D]``: queries, then keys (the norms write there and
@@ -236,20 +238,30 @@ def rotated_qk(attn, q: torch.Tensor, k: torch.Tensor, rope: torch.Tensor, norm)
     qk = torch.empty((b, n // b, heads + k.shape[1], d), dtype=q.dtype, device=q.device)
     norm(attn.q_norm, q, out=qk.view(n, -1, d)[:, :heads])
     norm(attn.k_norm, k, out=qk.view(n, -1, d)[:, heads:])
-    rotate_(qk, rope)
+    rotate_(qk, rope, backend="triton" if fused else "torch")
     return qk
+
+
+def gated_output(o: torch.Tensor, gate: torch.Tensor, *, fused: bool = False) -> torch.Tensor:
+    """A full-attention layer's gated output ``o * sigmoid(gate)`` for ``o, gate [N,
+    heads, D]`` (``gate`` a strided view of the query projection), as ``[N, heads * D]``:
+    one launch where ``fused`` (:func:`~replayssm.engine.activations.sigmoid_mul`, the
+    same bits on CUDA), else torch's two ops."""
+    y = sigmoid_mul(o, gate) if fused else o * torch.sigmoid(gate)
+    return y.view(o.shape[0], -1)
 
 
 def static_attention_forward(attn, x: torch.Tensor, rope: torch.Tensor, cache: KVCache,
                              layer: int, slot_idx: torch.Tensor, positions: torch.Tensor,
-                             backend: str = "auto", norm=None, tree=None) -> torch.Tensor:
+                             backend: str = "auto", norm=None, tree=None, fused: bool = False) -> torch.Tensor:
     """:func:`attention_forward` for a static-shape step of ``B`` rows of ``T`` tokens.
 
     Args:
         x: ``[B * T, hidden]`` normed hidden states, row-major over ``(b, t)``.
         rope: ``[B, T, 2, rotary_dim]`` rotary rows of the tokens
             (:func:`~replayssm.engine.rotary.rope_rows`).
-        norm: as :func:`rotated_qk`'s.
+        norm, fused: as :func:`rotated_qk`'s (``fused`` also for the output gate,
+            :func:`gated_output`).
         slot_idx: ``[B]`` cache slot per row (the cache's sink for padding rows).
         positions: ``[B, T]`` absolute position of every token (``starts[:, None] + t``).
         tree: ``None`` (a causal window), or ``(starts [B], nodes [T], visible [T, W])``
@@ -265,7 +277,7 @@ def static_attention_forward(attn, x: torch.Tensor, rope: torch.Tensor, cache: K
     """
     b, t = positions.shape
     q, gate, k, v = attention_projections(attn, x)
-    qk = rotated_qk(attn, q, k, rope, norm)
+    qk = rotated_qk(attn, q, k, rope, norm, fused=fused)
     heads, d = gate.shape[1], attn.head_dim
     at = positions if tree is None else tree[0][:, None] + tree[1][None]
     where = (slot_idx[:, None].expand(b, t), slice(None), at)
@@ -277,11 +289,11 @@ def static_attention_forward(attn, x: torch.Tensor, rope: torch.Tensor, cache: K
     else:
         o = tree_attention(qk[:, :, :heads], cache.k[layer], cache.v[layer], slot_idx, tree[0], tree[2],
                            attn.scaling, backend=backend)
-    return attn.o_proj((o.reshape(b * t, heads, d) * torch.sigmoid(gate)).view(b * t, -1))
+    return attn.o_proj(gated_output(o.reshape(b * t, heads, d), gate, fused=fused))
 
 
 def prompt_attention_forward(attn, x: torch.Tensor, rope: torch.Tensor, cache: KVCache, layer: int,
-                             layout: PromptLayout, norm=None) -> torch.Tensor:
+                             layout: PromptLayout, norm=None, fused: bool = False) -> torch.Tensor:
     """:func:`attention_forward` of a static prompt pass (:mod:`replayssm.engine.prompt_graph`)
     with the queries and keys normed into one buffer and rotated in place
     (:func:`rotated_qk`: four kernels where transformers' rotary takes about twelve and
@@ -292,17 +304,18 @@ def prompt_attention_forward(attn, x: torch.Tensor, rope: torch.Tensor, cache: K
         rope: ``[1, N, 2, rotary_dim]`` rotary rows of the tokens
             (:func:`~replayssm.engine.rotary.rope_rows`).
         layout: the pass's :class:`PromptLayout`.
-        norm: as :func:`rotated_qk`'s.
+        norm, fused: as :func:`rotated_qk`'s (``fused`` also for the output gate,
+            :func:`gated_output`).
 
     Returns:
         ``[N, hidden]``.
     """
     n, d = x.shape[0], attn.head_dim
     q, gate, k, v = attention_projections(attn, x)
-    qk = rotated_qk(attn, q, k, rope, norm)[0]  # [N, heads + kv_heads, D]
+    qk = rotated_qk(attn, q, k, rope, norm, fused=fused)[0]  # [N, heads + kv_heads, D]
     heads = gate.shape[1]
     o = cached_attention(cache, layer, layout, qk[:, :heads], qk[:, heads:], v, attn.scaling)
-    return attn.o_proj((o.reshape(n, heads, d) * torch.sigmoid(gate)).view(n, -1))
+    return attn.o_proj(gated_output(o.reshape(n, heads, d), gate, fused=fused))
 
 
 def _resolve_plain_via_ring(plain_via_ring, strategy, window: int, ring_len) -> bool:
@@ -968,10 +981,11 @@ class HybridEngine:
                         o = strat.prefill(j, q, k, v, a, bb, batch)
                 x = mixer.finish(o, z, norm)
             elif prompt is not None:
-                x = prompt_attention_forward(layer.self_attn, x, rope, self.kv, j, prompt, norm)
+                x = prompt_attention_forward(layer.self_attn, x, rope, self.kv, j, prompt, norm,
+                                             fused=self.fused_norms)
             else:
                 x = static_attention_forward(layer.self_attn, x, rope, self.kv, j, slot_idx, positions,
-                                             backend=self.backend, norm=norm, tree=window)
+                                             backend=self.backend, norm=norm, tree=window, fused=self.fused_norms)
             h, x = self.static_add_norm(layer.post_attention_layernorm, h, x)
             after = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
             h, x = self.static_add_norm(after, h, self.static_mlp(layer.mlp, x))

@@ -560,7 +560,7 @@ class DeviceMTPDrafter(DeviceDrafter):
         are normed and rotated as the engine's static step does
         (:func:`~replayssm.engine.adapter.rotated_qk`), each residual add runs in its
         norm's kernel."""
-        from .adapter import attention_projections, rotated_qk
+        from .adapter import attention_projections, gated_output, rotated_qk
 
         eng, head = self.engine, self.head
         layer = head.layers[0]
@@ -573,7 +573,7 @@ class DeviceMTPDrafter(DeviceDrafter):
         x = head.fc(pair)
         xn = eng.static_norm(layer.input_layernorm, x)
         q, gate, k, v = attention_projections(attn, xn)
-        qk = rotated_qk(attn, q, k, rope, eng.static_norm)
+        qk = rotated_qk(attn, q, k, rope, eng.static_norm, fused=eng.fused_norms)
         heads, d = gate.shape[1], attn.head_dim
         cache = self.cache
         at = positions if tree is None else tree[0][:, None] + tree[1][None]
@@ -587,7 +587,7 @@ class DeviceMTPDrafter(DeviceDrafter):
             o = tree_attention(qk[:, :, :heads], cache.k[0], cache.v[0], slot_idx, tree[0], tree[2], attn.scaling,
                                backend=eng.backend)
         x, y = eng.static_add_norm(layer.post_attention_layernorm, x,
-                                   attn.o_proj((o.reshape(n, heads, d) * torch.sigmoid(gate)).view(n, -1)))
+                                   attn.o_proj(gated_output(o.reshape(n, heads, d), gate, fused=eng.fused_norms)))
         return eng.static_add_norm(head.norm, x, eng.static_mlp(layer.mlp, y))[1]
 
     def _rope_at(self, positions: torch.Tensor) -> torch.Tensor:
