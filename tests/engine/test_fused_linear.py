@@ -107,7 +107,7 @@ def test_the_engine_projects_a_full_attention_layer_in_one_matmul(family, rng):
     strided views of one matmul's output ``[N, W]``, the modules' values bit for bit
     (fp32 on the CPU: each output column is the same dot product, summed in the same
     order by the BLAS whether its weight rows stand alone or among others); the static
-    attention layer runs 2 matmuls (q|k|v, o) and copies nothing."""
+    attention layer runs 2 matmuls (q|k|v, o), 9 kernels in all, and copies nothing."""
     from replayssm.engine.adapter import HybridEngine, attention_projections, static_attention_forward
     from replayssm.engine.random_model import build_tiny_model
     from replayssm.engine.rotary import rope_rows
@@ -148,8 +148,10 @@ def test_the_engine_projects_a_full_attention_layer_in_one_matmul(family, rng):
     rope = rope_rows(*eng.rotary_cos_sin(x, positions.reshape(-1))).view(b, t, 2, -1)
     with torch.inference_mode(), count_ops() as ops:
         static_attention_forward(attn, x, rope, eng.kv, 0, torch.tensor([0, 1]), positions, backend="triton",
-                                 norm=eng.static_norm)
+                                 norm=eng.static_norm, fused=eng.fused_norms)
     assert _matmuls(ops) == 2, ops.counts
+    # and 9 kernels in all: the 2 matmuls, 2 norms, the rotary, 2 cache writes, the attention, the gate
+    assert ops.total <= 9 and ops.counts["triton._rotate_kernel"] == 1, ops.counts
     assert not set(ops.counts) & {"aten.copy_", "aten.clone", "aten.cat"}, ops.counts
 
 
