@@ -41,6 +41,28 @@ def dense_silu_mlp(mlp) -> bool:
     return silu and all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj"))
 
 
+def _reference(op: str, names: tuple[str, str], a, b, backend: str, ndim: int | None = None) -> bool:
+    """Check the two inputs of an elementwise kernel (tensors alike in shape, dtype and
+    device, ``ndim`` axes where given; a dtype the kernel takes on CUDA or under the
+    interpreter) and its ``backend``; ``True`` for the reference."""
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        raise TypeError(f"{names[0]} and {names[1]} must be tensors")
+    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device or ndim not in (None, a.dim()):
+        shape = " [N, heads, D]" if ndim == 3 else ""
+        raise ValueError(f"{names[0]} and {names[1]} must be alike{shape}, got {a.dtype} {list(a.shape)} on "
+                         f"{a.device} and {b.dtype} {list(b.shape)} on {b.device}")
+    if backend == "reference":
+        return True
+    if backend != "triton":
+        raise ValueError(f"backend must be 'triton' or 'reference', got {backend!r}")
+    if a.dtype not in SILU_MUL_DTYPES:
+        raise TypeError(f"{names[0]} and {names[1]} must be one of {SILU_MUL_DTYPES} for the Triton {op}, got "
+                        f"{a.dtype}")
+    if triton is None or (a.device.type != "cuda" and not INTERPRETER):
+        raise RuntimeError(f"the Triton {op} needs CUDA tensors or the Triton interpreter")
+    return False
+
+
 def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """See :func:`silu_mul` (the module's two ops)."""
     return torch.nn.functional.silu(gate) * up
@@ -53,19 +75,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, backend: str = "triton") -
 
     ``backend``: ``"triton"`` (CUDA, or the Triton interpreter) or ``"reference"``.
     """
-    if not isinstance(gate, torch.Tensor) or not isinstance(up, torch.Tensor):
-        raise TypeError("gate and up must be tensors")
-    if gate.shape != up.shape or gate.dtype != up.dtype or gate.device != up.device:
-        raise ValueError(f"gate and up must be alike, got {gate.dtype} {list(gate.shape)} on {gate.device} and "
-                         f"{up.dtype} {list(up.shape)} on {up.device}")
-    if backend == "reference":
+    if _reference("silu_mul", ("gate", "up"), gate, up, backend):
         return silu_mul_reference(gate, up)
-    if backend != "triton":
-        raise ValueError(f"backend must be 'triton' or 'reference', got {backend!r}")
-    if gate.dtype not in SILU_MUL_DTYPES:
-        raise TypeError(f"gate and up must be one of {SILU_MUL_DTYPES} for the Triton silu_mul, got {gate.dtype}")
-    if triton is None or (gate.device.type != "cuda" and not INTERPRETER):
-        raise RuntimeError("the Triton silu_mul needs CUDA tensors or the Triton interpreter")
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     n = gate.numel()
     if n == 0:
@@ -111,19 +122,8 @@ def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor, *, backend: str = "triton")
 
     ``backend``: ``"triton"`` (CUDA, or the Triton interpreter) or ``"reference"``.
     """
-    if not isinstance(x, torch.Tensor) or not isinstance(gate, torch.Tensor):
-        raise TypeError("x and gate must be tensors")
-    if x.shape != gate.shape or x.dtype != gate.dtype or x.device != gate.device or x.dim() != 3:
-        raise ValueError(f"x and gate must be alike [N, heads, D], got {x.dtype} {list(x.shape)} on {x.device} and "
-                         f"{gate.dtype} {list(gate.shape)} on {gate.device}")
-    if backend == "reference":
+    if _reference("sigmoid_mul", ("x", "gate"), x, gate, backend, ndim=3):
         return sigmoid_mul_reference(x, gate)
-    if backend != "triton":
-        raise ValueError(f"backend must be 'triton' or 'reference', got {backend!r}")
-    if x.dtype not in SILU_MUL_DTYPES:
-        raise TypeError(f"x and gate must be one of {SILU_MUL_DTYPES} for the Triton sigmoid_mul, got {x.dtype}")
-    if triton is None or (x.device.type != "cuda" and not INTERPRETER):
-        raise RuntimeError("the Triton sigmoid_mul needs CUDA tensors or the Triton interpreter")
     if x.stride(-1) != 1 or gate.stride(-1) != 1:
         raise ValueError("x's and gate's last axes must be contiguous")
     n, heads, d = x.shape
