@@ -89,7 +89,13 @@ CHUNK_KERNEL_INSTALL = "pip install 'replayssm[gpu]' (fla-core >= 0.6)"
 def load_chunk_kernel() -> Callable | None:
     """fla-core's ``chunk_gated_delta_rule`` if importable and recent enough (0.6 on:
     grouped value heads and ``state_v_first``, the pool's ``[V, K]`` state layout),
-    else ``None``."""
+    else ``None``.
+
+    Static prompt passes of several requests hand its Triton kernels their chunk list
+    (``chunk_indices``, :meth:`Strategy.chunk_prefill_static`). A backend that fla-core
+    dispatches to ahead of them (FlashQLA, where that package is installed) takes the
+    offsets alone and derives its chunks itself, on the host: with it installed, set
+    ``FLA_FLASH_QLA=0`` for graphed prompt passes."""
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except ImportError:
