@@ -224,6 +224,41 @@ def test_kernels_per_draft_depth(model, rng):
     assert not names & {"aten.cos", "aten.sin", "aten.cat", "aten.copy_", "aten.clone"}, names
 
 
+#: Kernel ceilings of a whole captured step on the embedded model at batch 1 (the GPU
+#: path under the interpreter): a plain step, and fold's with 3 MTP drafts.
+PLAIN_STEP_OPS = 115
+MTP_STEP_OPS = 196
+
+
+def test_kernels_per_step(model):
+    """A static step's kernels at batch 1 on the fused (GPU) path: plain decoding at most
+    115, fold verifying 3 MTP drafts at most 196 (8 layers, 2 of them full attention;
+    the MTP head's observe pass and 2 further depths). 136 and 229 before the attention
+    layers' rotary and output gate became a kernel each and the rotary rows a gather
+    from a table: a count past the ceiling is a kernel added to every step."""
+    from replayssm.engine.graph_step import StaticStep
+
+    counts = {}
+    for mode in ("plain", "fold"):
+        eng = HybridEngine(model, strategy="fold", num_slots=2, window=4, max_len=CAPACITY, backend="triton")
+        slot = eng.alloc()
+        eng.extend([slot], [list(range(10, 14))], prompt=True)
+        windows = torch.zeros((3, 4), dtype=torch.int64)
+        drafter = None
+        if mode == "fold":
+            drafter = DeviceMTPDrafter(eng, load_mtp_head(eng, str(embedded_model_dir("embedded"))))
+            drafter.bind(2, 3, CAPACITY + 4, eng.device)
+        step = StaticStep(eng, windows if drafter else windows[:, :1], 1, drafter=drafter)
+        step.set_rows([slot])
+        with torch.inference_mode(), count_ops() as ops:
+            step.run()
+        counts[mode] = ops
+    assert counts["plain"].total <= PLAIN_STEP_OPS, counts["plain"].counts
+    assert counts["fold"].total <= MTP_STEP_OPS, counts["fold"].counts
+    names = set(counts["plain"].counts) | set(counts["fold"].counts)
+    assert not names & {"aten.cos", "aten.sin", "aten.neg"}, names  # no rotary evaluated in a step
+
+
 @pytest.mark.parametrize("mode", ["greedy", "tree"])
 def test_fused_attention_projections_give_the_unfused_heads_bits(model, mode, rng, seed):
     """The drafter with the head's (and the engine's) q_proj, k_proj, v_proj as one
@@ -320,6 +355,25 @@ def test_rope_table_rows_are_the_rotary_at_each_position(model, rng):
     assert torch.equal(rows[:, 0], cos) and torch.equal(rows[:, 1], torch.cat([sin[:, half:], -sin[:, :half]], -1))
     one = eng.rotary_cos_sin(x[:1], pos[:1])[0]
     assert torch.equal(rows[:1, 0], one)
+
+
+def test_static_steps_gather_the_rotary_rows_they_would_evaluate(model, rng, monkeypatch):
+    """The engine's static steps take their rotary rows from a table of every position up
+    to ``max_len + window``, in one kernel: the rows of the embedding evaluated at those
+    positions (bit for bit, fp32). An embedding whose frequencies follow the sequence
+    length has no table, and its steps evaluate it."""
+    from replayssm.engine.rotary import rope_rows
+
+    eng = HybridEngine(model, strategy="fold", num_slots=2, window=4, max_len=CAPACITY, backend="reference")
+    pos = torch.randint(0, CAPACITY + 4, (2, 3), generator=rng)
+    h = torch.randn(6, eng.embed.weight.shape[1], generator=rng)
+    want = rope_rows(*eng.rotary_cos_sin(h, pos.reshape(-1))).view(2, 3, 2, -1)
+    with count_ops() as ops:
+        got = eng.static_rope(h, pos)
+    assert torch.equal(got, want) and ops.total == 1, ops.counts
+    monkeypatch.setattr(eng.rotary, "rope_type", "dynamic", raising=False)
+    evaluated = HybridEngine(model, strategy="fold", num_slots=2, window=4, max_len=CAPACITY, backend="reference")
+    assert evaluated._rope is None and torch.equal(evaluated.static_rope(h, pos), want)
 
 
 def test_length_dependent_rotary_is_refused(model, monkeypatch):

@@ -82,6 +82,10 @@ def _family(gdn_module) -> str:
     raise TypeError(f"unrecognised GDN module {type(gdn_module).__name__}: no in_proj_qkvz/ba nor in_proj_qkv/z/a/b")
 
 
+#: Rotary embedding types whose frequencies depend on the sequence length (transformers'
+#: ``rope_type``): a table of rows built once would not match them.
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
 #: how to get the chunked prompt kernel (the package's optional GPU extra)
 CHUNK_KERNEL_INSTALL = "pip install 'replayssm[gpu]' (fla-core >= 0.6)"
 
@@ -616,6 +620,10 @@ class HybridEngine:
         # each on CUDA (a quarter of a batch-1 step was the modules' small kernels); the
         # CPU keeps the modules.
         self.fused_norms = backend == "triton" or (self.device.type == "cuda" and backend != "reference")
+        # every cache position's rotary rows, gathered by the static steps (None: the
+        # embedding's frequencies follow the sequence length; the steps evaluate it)
+        self._rope = (None if getattr(self.rotary, "rope_type", "default") in LENGTH_DEPENDENT_ROPE
+                      else self.rope_table(max_len + window))
         self._pending: tuple | None = None
         #: Optional ``hook(j, q, k, v, a, b)`` called with GDN layer ``j``'s inputs of
         #: every eager step (:meth:`extend`, :meth:`verify`; not :meth:`forward_static`)
@@ -956,8 +964,7 @@ class HybridEngine:
         """
         b, t = ids.shape
         h = self.embed(ids.reshape(-1))
-        cos, sin = self.rotary_cos_sin(h, positions.reshape(-1))
-        rope = rope_rows(cos, sin).view(b, t, 2, -1)
+        rope = self.static_rope(h, positions)
         strat = self.strategy
         norm = self.static_norm
         window = None
@@ -1044,3 +1051,27 @@ class HybridEngine:
             pos = pos[None].expand(3, 1, -1)
         cos, sin = self.rotary(h[None], pos)
         return cos.reshape(h.shape[0], -1), sin.reshape(h.shape[0], -1)
+
+    def rope_table(self, capacity: int, device=None) -> torch.Tensor:
+        """``[capacity, 2, R]`` rotary rows (:func:`~replayssm.engine.rotary.rope_rows`) of
+        positions ``0 .. capacity - 1`` in the model dtype, on ``device`` (default the
+        engine's): a step gathers its rows (one kernel) instead of evaluating the rotary
+        embedding (about ten small kernels). The embedding is elementwise per position,
+        so a row equals what a call at that position alone returns, bit for bit. Raises
+        ``ValueError`` for an embedding whose frequencies depend on the sequence length
+        (:data:`LENGTH_DEPENDENT_ROPE`)."""
+        rope_type = getattr(self.rotary, "rope_type", "default")
+        if rope_type in LENGTH_DEPENDENT_ROPE:
+            raise ValueError(f"a rotary table needs a rotary embedding that does not change with the sequence "
+                             f"length; this model's is {rope_type!r}")
+        device = self.device if device is None else device
+        x = torch.empty((capacity, 1), dtype=self.dtype, device=device)
+        return rope_rows(*self.rotary_cos_sin(x, torch.arange(capacity, device=device))).contiguous()
+
+    def static_rope(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``[B, T, 2, R]`` rotary rows at ``positions [B, T]`` (cache positions, below
+        ``max_len + window``) for a static step: gathered from the engine's table, or
+        evaluated on ``h [B * T, hidden]``'s dtype where the embedding has no table."""
+        if self._rope is None:
+            return rope_rows(*self.rotary_cos_sin(h, positions.reshape(-1))).view(*positions.shape, 2, -1)
+        return self._rope.index_select(0, positions.reshape(-1)).view(*positions.shape, *self._rope.shape[1:])

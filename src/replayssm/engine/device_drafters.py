@@ -34,7 +34,6 @@ from ..ops.guards import to_device
 from .activations import dense_silu_mlp
 from .attention import slot_attention, tree_attention
 from .fused_linear import fuse_linears
-from .rotary import rope_rows
 
 
 def _check_tree(tree) -> None:
@@ -466,11 +465,6 @@ class _JoinGraph:
         return self.drafts[:n].clone()
 
 
-#: Rotary embedding types whose frequencies depend on the sequence length (transformers'
-#: ``rope_type``): a table built once at bind would not match them.
-_LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
-
-
 class DeviceMTPDrafter(DeviceDrafter):
     """The model's MTP head (:class:`replayssm.engine.drafters.MTPHead`) drafting inside
     the static step, greedily (drafts are deterministic, so sampling's rejection rule
@@ -523,28 +517,15 @@ class DeviceMTPDrafter(DeviceDrafter):
         if self.sampling is not None:
             self.q = torch.zeros((num_slots + 1, num_draft, self.engine.vocab_size), dtype=torch.float32, device=device)
         self._steps = torch.arange(max(num_draft - 1, 1), device=device)[:, None]  # [k - 1, 1]: draft j at j - 1
-        self._rotary = self._rope_table(capacity, device)
+        # every head-cache position's rotary rows: each step gathers its rows (one kernel)
+        # instead of evaluating the embedding (HybridEngine.rope_table)
+        self._rotary = self.engine.rope_table(capacity, device)
         self._join_graphs: dict[int, _JoinGraph] = {}
         self._join_pool = None
         mlp = self.head.layers[0].mlp
         if dense_silu_mlp(mlp):  # gate and up in one matmul (HybridEngine.static_mlp)
             fuse_linears((mlp.gate_proj, mlp.up_proj))
         fuse_linears((attn.q_proj, attn.k_proj, attn.v_proj))  # one matmul (adapter.attention_projections)
-
-    def _rope_table(self, capacity: int, device) -> torch.Tensor:
-        """``[capacity, 2, R]`` rotary rows (:func:`~replayssm.engine.rotary.rope_rows`)
-        of every cache position, in
-        the model dtype: each step then gathers its rows (one kernel) instead of
-        evaluating the rotary embedding (a dozen small kernels per head pass). The
-        embedding is elementwise per position, so a row equals what a call at that
-        position alone returns, bit for bit."""
-        eng = self.engine
-        rope_type = getattr(eng.rotary, "rope_type", "default")
-        if rope_type in _LENGTH_DEPENDENT_ROPE:
-            raise ValueError(f"the MTP drafter's rotary table needs a rotary embedding that does not change with the "
-                             f"sequence length; this model's is {rope_type!r}")
-        x = torch.empty((capacity, 1), dtype=eng.dtype, device=device)
-        return rope_rows(*eng.rotary_cos_sin(x, torch.arange(capacity, device=device))).contiguous()
 
     def _layer(self, tokens: torch.Tensor, hidden: torch.Tensor, slot_idx: torch.Tensor,
                positions: torch.Tensor, rope: torch.Tensor, tree=None) -> torch.Tensor:
