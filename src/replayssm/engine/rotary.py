@@ -3,8 +3,10 @@
 Transformers rotates the first ``R`` channels of each head as ``x cos + rotate_half(x)
 sin`` (``rotate_half(x) = (-x_2, x_1)`` by halves), then concatenates the untouched
 channels back: about six kernels for queries and six for keys, plus copies. Here a
-step first builds ``rope [N, 2, R]``, the rows ``cos`` and ``(sin_2, -sin_1)``
-(:func:`rope_rows`), once for every layer; :func:`rotate_` then writes
+step first takes ``rope [N, 2, R]``, the rows ``cos`` and ``(sin_2, -sin_1)``
+(:func:`rope_rows`; a static step gathers them from the engine's table,
+:meth:`~replayssm.engine.adapter.HybridEngine.rope_table`), once for every layer;
+:func:`rotate_` then writes
 ``rotate_half(x) sin = (-x_2 sin_1, x_1 sin_2)`` as ``x * (sin_2, -sin_1)`` with the
 halves swapped, in place: four kernels for the queries and keys of a layer together,
 or one where the engine's kernels are fused (``backend="triton"``: each token's heads in
@@ -84,6 +86,7 @@ def _rotate_triton(qk: torch.Tensor, rope: torch.Tensor) -> None:
         qk, rope, t, heads, qk.stride(0), qk.stride(1), rope.stride(0), rope.stride(1) if per_token else 0,
         rope.stride(2), HALF=half, BH=triton.next_power_of_2(heads), BR=triton.next_power_of_2(half),
         D=d, num_warps=1 if heads * half <= 512 else 4,
+        enable_fp_fusion=False,  # torch's separate multiply and add: no FMA (fp32 rounds both)
     )
 
 
