@@ -345,6 +345,7 @@ def test_static_chunk_prefill_refuses_bad_chunks_before_any_write():
         (dict(chunks=(cu[:3], chunks)), ValueError, "B \\+ 3 >= 4 entries"),
         (dict(chunks=(cu, chunks[:2])), ValueError, "chunk_indices must have shape"),
         (dict(chunks=(cu, chunks[:, :1])), ValueError, "chunk_indices must have shape"),
+        (dict(chunks=(cu, chunks.t().contiguous().t())), ValueError, "chunk_indices must be contiguous"),
         (dict(chunks=(cu[1:], chunks)), ValueError, "cu_seqlens holds 1 requests"),
     ]
     for kw, exc, match in cases:

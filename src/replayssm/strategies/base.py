@@ -671,6 +671,7 @@ class Strategy:
                 raise ValueError(f"chunk_indices must have shape [M, 2] with M >= {requests + 1} (a chunk per "
                                  f"sequence at least), got {list(chunk_indices.shape)}")
             _checks.same_device(batch.slots, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+            _checks.contiguous(chunk_indices=chunk_indices)  # the kernel reads it as (sequence, chunk) pairs
             if batch.size != requests + 1 or (batch.host_slots is not None and batch.host_slots[requests] != -1):
                 raise ValueError(f"cu_seqlens holds {requests} requests: the batch must be those requests, then a "
                                  f"padding row, got {batch.size} rows with slots {batch.host_slots}")
