@@ -28,8 +28,10 @@ host:
 
 Without a chunked kernel, GDN layers of several requests run the strategy's exact
 :meth:`~replayssm.strategies.Strategy.prefill` (the recurrence, graph-safe). Attention
-layers run the fresh-request attention of
-:func:`~replayssm.engine.kv_cache.cached_attention` over a padded ``[B + 1, T]`` layout
+layers (:func:`~replayssm.engine.adapter.prompt_attention_forward`: queries and keys
+normed into one buffer and rotated there, as a decode step's) run the fresh-request
+attention of :func:`~replayssm.engine.kv_cache.cached_attention` over a padded ``[B + 1,
+T]`` layout
 (each request a row, the padding request the last; ``T = N - B`` without ``C``, else
 ``min(N - B, max(C, LONG_STEP))``, since the padding request holds at most
 ``LONG_STEP`` tokens: over ``[B + 1, N - B]``, ``B`` prompts of one length would cost
