@@ -248,8 +248,9 @@ def _prompt_pass(eng, prompts, bystander):
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
-@pytest.mark.parametrize("lengths", [(5, 40, 17), (32, 7, 32, 1), (3, 3), (70, 5)])
-def test_several_requests_run_the_chunked_kernel_on_their_chunk_list(family, lengths, rng, seed):
+@pytest.mark.parametrize("lengths,backend", [((5, 40, 17), "auto"), ((32, 7, 32, 1), "auto"), ((3, 3), "auto"),
+                                             ((70, 5), "auto"), ((70, 5), "triton")])
+def test_several_requests_run_the_chunked_kernel_on_their_chunk_list(family, lengths, backend, rng, seed):
     """With a chunked kernel, a static pass of several requests of different lengths
     runs every GDN layer through the kernel on the packed tokens, the requests, the
     padding request and an empty sequence, with the pass's chunk list at its shape's
@@ -257,9 +258,11 @@ def test_several_requests_run_the_chunked_kernel_on_their_chunk_list(family, len
     logits, every token's hidden state, the GDN and conv states, the keys and values
     and the KV lengths as the eager pass's (fla's varlen call without a list), a
     bystander untouched. fp32, the same kernel per sequence: agreement to ~1e-6 of the
-    values' scale (the token-wise layers run on N rows instead of n)."""
+    values' scale (the token-wise layers run on N rows instead of n). ``triton``: both
+    engines on the GPU's kernels under the interpreter (fused norms; the static pass's
+    rotary and output gate too, the eager pass keeps transformers')."""
     model = build_tiny_model(family, seed=seed)
-    eager, static, calls = _engine_pair(model)
+    eager, static, calls = _engine_pair(model, backend=backend)
     bystander = torch.randint(0, 256, (7,), generator=rng).tolist()
     prompts = [torch.randint(0, 256, (n,), generator=rng).tolist() for n in lengths]
     (oe, se, kve, kept_e), (os_, ss, kvs, kept_s) = (_prompt_pass(eng, prompts, bystander) for eng in (eager, static))
