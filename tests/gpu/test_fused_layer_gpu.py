@@ -1,7 +1,8 @@
 """The static step's fused layer pieces on the GPU: ``silu_mul`` computes the bits of
 transformers' ``silu(gate) * up`` (CUDA's ``expf``, an IEEE division, both roundings),
 ``sigmoid_mul`` those of ``o * sigmoid(gate)``, and the in-place rotary (torch's four
-ops and the one-launch kernel) those of ``apply_rotary_pos_emb``, in bf16.
+ops and the one-launch kernel) those of ``apply_rotary_pos_emb``, in bf16; and a
+step's outputs after acceptance (``emit_step``) the torch ops'.
 
 Run on the GPU machine:  python -m pytest -q tests/gpu/test_fused_layer_gpu.py
 """
@@ -84,3 +85,25 @@ def test_slot_attention_on_cuda_matches_the_reference(t, stages, monkeypatch):
         want = fn(q, kc, vc, slot, starts, *extra, d**-0.5, backend="reference").float()
         err = ((got - want).norm() / want.norm()).item()
         assert err < 1e-2, (fn.__name__, err)
+
+
+@pytest.mark.parametrize("t", [1, 4])
+def test_emit_step_on_cuda_is_the_torch_ops(t):
+    """The step's outputs after acceptance in one kernel, against the torch ops, on the
+    card (integers: equal), greedy, at batch 64 with the last row padding."""
+    from replayssm.engine.emit import emit_step
+
+    g = torch.Generator(device="cuda").manual_seed(torch.initial_seed())
+    b, slots = 64, 80
+    ids = torch.randint(0, 50, (b, t), device="cuda", generator=g)
+    argmax = torch.where(torch.rand(b, t, device="cuda", generator=g) < 0.7, torch.roll(ids, -1, 1), ids + 1)
+    slot_idx = torch.cat([torch.randperm(slots, device="cuda", generator=g)[: b - 1],
+                          torch.tensor([slots], device="cuda")])
+    starts = torch.randint(0, 100, (b,), device="cuda", generator=g)
+    kv_len = torch.randint(0, 100, (slots + 1,), device="cuda", generator=g)
+    runs = []
+    for backend in ("reference", "triton"):
+        kv, out = kv_len.clone(), torch.zeros(b, 1 + t, dtype=torch.int64, device="cuda")
+        runs.append((*emit_step(ids, starts, slot_idx, kv, slots, out, argmax=argmax, backend=backend), kv, out))
+    for want, got in zip(*runs):
+        assert torch.equal(got, want)

@@ -11,12 +11,15 @@ host:
    GDN through the pool's strategy, attention over the slot cache, MLP or MoE, final
    norm, LM head);
 3. acceptance (greedy, or rejection sampling of deterministic drafts; a benchmark
-   drafter may impose the accepted counts instead, :meth:`DeviceDrafter.forced_accepts`);
-4. the strategy's commit (GDN state, conv state) with the accepted counts, and the KV
-   lengths advanced by them (plain decoding advanced the state in step 2, or, through
-   the ring when the engine's ``ring_decoding``, commits its one token here);
-5. the drafter's update and its proposal of the next window, written back per slot;
-6. the emitted tokens and accepted counts into one output buffer ``[rows, 1 + T]``.
+   drafter may impose the accepted counts instead, :meth:`DeviceDrafter.forced_accepts`),
+   and what it emits: the accepted counts and emitted tokens into one output buffer
+   ``[rows, 1 + T]``, the KV lengths advanced by the counts (greedy acceptance
+   included, one kernel where the engine's kernels are fused:
+   :func:`~replayssm.engine.emit.emit_step`);
+4. the strategy's commit (GDN state, conv state) with the accepted counts (plain
+   decoding advanced the state in step 2, or, through the ring when the engine's
+   ``ring_decoding``, commits its one token here);
+5. the drafter's update and its proposal of the next window, written back per slot.
 
 With a draft tree (``tree``, a :class:`~replayssm.engine.trees.StaticTree` that is not
 a chain) the window is the tree's ``N`` nodes: step 2 verifies the tree (GDN layers
@@ -56,8 +59,8 @@ from ..ops.guards import copy_to_device, host_ints
 from .adapter import HybridEngine
 from .device_drafters import DeviceDrafter
 from .kv_cache import compact_kv_path
-from .sampling import (SamplingParams, accept_greedy_static, accept_greedy_tree, accept_sampled_static,
-                       accept_sampled_tree, warp_probs)
+from .emit import emit_step
+from .sampling import SamplingParams, accept_greedy_tree, accept_sampled_static, accept_sampled_tree, warp_probs
 
 
 class StaticStep:
@@ -190,21 +193,20 @@ class StaticStep:
         logits = logits.view(self.rows, t, -1)
         forced = self.drafter.forced_accepts(self.slot_idx) if verify else None
         if forced is not None:  # a benchmark drafter sets the count; the target gives the next token
-            n, nxt = forced, logits.argmax(-1).gather(1, forced[:, None])[:, 0]
+            choice = dict(n=forced, nxt=logits.argmax(-1).gather(1, forced[:, None])[:, 0])
         elif self.sampling.greedy:
-            n, nxt = accept_greedy_static(logits, ids)
+            choice = dict(argmax=logits.argmax(-1))
         else:
             n, nxt = accept_sampled_static(logits, ids, self.sampling, q=q)
-        accepted = n + 1
+            choice = dict(n=n, nxt=nxt)
+        # the accepted counts, emitted tokens, output buffer and KV lengths (padding rows
+        # start at position 0: no host value in a graph), in one kernel where fused
+        accepted, nxt, emitted = emit_step(ids, starts, self.slot_idx, kv_len, eng.kv.sink, self.out,
+                                           backend="triton" if eng.fused_norms else "reference", **choice)
         if verify:
             eng.strategy.commit(self.batch, accepted.to(torch.int32))
         elif self.ring:
             eng.strategy.commit(self.batch)  # the one token of every row
-        kv_len[self.slot_idx] = starts + accepted
-        kv_len[eng.kv.sink:].zero_()  # padding rows always start at position 0 (no host value in a graph)
-        shifted = torch.cat([ids[:, 1:], nxt[:, None]], 1)
-        emitted = torch.where(self._steps[None] < n[:, None], shifted,
-                              torch.where(self._steps[None] == n[:, None], nxt[:, None], -1))
         if self.drafter is not None:
             self.drafter.observe(self.slot_idx, emitted, accepted, hidden=hidden, positions=positions)
         if self.spine is not None and self.drafter.drafts_spines:  # the next spine; the other nodes keep theirs
@@ -215,8 +217,6 @@ class StaticStep:
         else:  # a plain step proposes nothing: only the last token of the window moves
             nxt_window = nxt[:, None]
         self.windows[self.slot_idx] = nxt_window
-        self.out[:, 0] = accepted
-        self.out[:, 1:] = emitted
 
     def _tree_body(self) -> None:
         """:meth:`_body` for a draft tree (see the module docstring)."""

@@ -179,7 +179,11 @@ def accept_greedy_static(logits: torch.Tensor, window: torch.Tensor) -> tuple[to
     Returns:
         ``(accepted_drafts [B], next_token [B])`` int64, as :func:`greedy_accept` per row.
     """
-    argmax = logits.argmax(-1)  # [B, T]
+    return accept_greedy_argmax(logits.argmax(-1), window)
+
+
+def accept_greedy_argmax(argmax: torch.Tensor, window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`accept_greedy_static` from the target's tokens ``argmax [B, T]`` (int64)."""
     if window.shape[1] == 1:
         return torch.zeros_like(argmax[:, 0]), argmax[:, 0]
     match = window[:, 1:] == argmax[:, :-1]
