@@ -306,8 +306,8 @@ def prompt_attention_forward(attn, x: torch.Tensor, rope: torch.Tensor, cache: K
                              layout: PromptLayout, norm=None, fused: bool = False) -> torch.Tensor:
     """:func:`attention_forward` of a static prompt pass (:mod:`replayssm.engine.prompt_graph`)
     with the queries and keys normed into one buffer and rotated in place
-    (:func:`rotated_qk`: four kernels where transformers' rotary takes about twelve and
-    two concatenations per layer, the same bits).
+    (:func:`rotated_qk`: one kernel where ``fused``, else four, where transformers'
+    rotary takes about twelve and two concatenations per layer; the same bits).
 
     Args:
         x: ``[N, hidden]`` normed hidden states of the pass's packed tokens.
