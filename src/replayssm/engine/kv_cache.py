@@ -10,6 +10,7 @@ models roll back by truncating each request's KV length").
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from typing import Sequence
@@ -17,6 +18,7 @@ from typing import Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..ops.guards import to_device
 
@@ -285,10 +287,12 @@ def _fresh_attention(layout: WindowLayout, q: torch.Tensor, k: torch.Tensor, v: 
     real query's causal window ends at itself, before its row's padding."""
     n, heads, d = q.shape
     kv_heads = k.shape[1]
-    # SDPA's flash kernel takes grouped keys and values as they are (16-bit CUDA inputs,
-    # head dims up to 256); elsewhere a grouped call would fall to the math kernel, so
-    # the keys and values are repeated per query head instead.
-    gqa = heads != kv_heads and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and d <= 256
+    # SDPA's flash kernel takes grouped keys and values as they are (16-bit inputs on an
+    # sm_80+ card, head dims up to 256), and the call below asks for it alone, so that
+    # an input it refuses raises instead of falling to the math kernel; elsewhere the
+    # keys and values are repeated per query head.
+    gqa = (heads != kv_heads and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and d <= 256
+           and torch.backends.cuda.flash_sdp_enabled() and torch.cuda.get_device_capability(q.device)[0] >= 8)
     if heads != kv_heads and not gqa:
         k = k.repeat_interleave(heads // kv_heads, dim=1)
         v = v.repeat_interleave(heads // kv_heads, dim=1)
@@ -304,8 +308,9 @@ def _fresh_attention(layout: WindowLayout, q: torch.Tensor, k: torch.Tensor, v: 
         ks[layout.row, layout.col] = k.to(q.dtype)
         vs[layout.row, layout.col] = v.to(q.dtype)
     extra = {"enable_gqa": True} if gqa else {}
-    out = F.scaled_dot_product_attention(qs.transpose(1, 2), ks.transpose(1, 2).to(q.dtype),
-                                         vs.transpose(1, 2).to(q.dtype), is_causal=True, scale=scale, **extra)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION) if gqa else contextlib.nullcontext():
+        out = F.scaled_dot_product_attention(qs.transpose(1, 2), ks.transpose(1, 2).to(q.dtype),
+                                             vs.transpose(1, 2).to(q.dtype), is_causal=True, scale=scale, **extra)
     out = out.transpose(1, 2)  # [B, Tmax, heads, D]
     return out.reshape(n, heads, d) if packed else out[layout.row, layout.col]
 
