@@ -622,8 +622,9 @@ class HybridEngine:
         self.fused_norms = backend == "triton" or (self.device.type == "cuda" and backend != "reference")
         # every cache position's rotary rows, gathered by the static steps (None: the
         # embedding's frequencies follow the sequence length; the steps evaluate it)
-        self._rope = (None if getattr(self.rotary, "rope_type", "default") in LENGTH_DEPENDENT_ROPE
-                      else self.rope_table(max_len + window))
+        self._rope = None
+        if getattr(self.rotary, "rope_type", "default") not in LENGTH_DEPENDENT_ROPE:
+            self._rope = self.rope_table(max_len + window)
         self._pending: tuple | None = None
         #: Optional ``hook(j, q, k, v, a, b)`` called with GDN layer ``j``'s inputs of
         #: every eager step (:meth:`extend`, :meth:`verify`; not :meth:`forward_static`)
@@ -1057,14 +1058,18 @@ class HybridEngine:
         positions ``0 .. capacity - 1`` in the model dtype, on ``device`` (default the
         engine's): a step gathers its rows (one kernel) instead of evaluating the rotary
         embedding (about ten small kernels). The embedding is elementwise per position,
-        so a row equals what a call at that position alone returns, bit for bit. Raises
-        ``ValueError`` for an embedding whose frequencies depend on the sequence length
-        (:data:`LENGTH_DEPENDENT_ROPE`)."""
+        so a row equals what a call at that position alone returns, bit for bit; the
+        engine's own table (``max_len + window`` rows) serves any shorter one on its
+        device. Raises ``ValueError`` for an embedding whose frequencies depend on the
+        sequence length (:data:`LENGTH_DEPENDENT_ROPE`)."""
         rope_type = getattr(self.rotary, "rope_type", "default")
         if rope_type in LENGTH_DEPENDENT_ROPE:
             raise ValueError(f"a rotary table needs a rotary embedding that does not change with the sequence "
                              f"length; this model's is {rope_type!r}")
-        device = self.device if device is None else device
+        device = self.device if device is None else torch.device(device)
+        own = getattr(self, "_rope", None)
+        if own is not None and own.shape[0] >= capacity and own.device == device:
+            return own[:capacity]
         x = torch.empty((capacity, 1), dtype=self.dtype, device=device)
         return rope_rows(*self.rotary_cos_sin(x, torch.arange(capacity, device=device))).contiguous()
 

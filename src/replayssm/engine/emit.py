@@ -37,7 +37,7 @@ def emit_step_reference(ids, starts, slot_idx, kv_len, sink: int, out, *, argmax
     emitted = torch.where(steps[None] < n[:, None], shifted, torch.where(steps[None] == n[:, None], nxt[:, None], -1))
     out[:, 0] = accepted
     out[:, 1:] = emitted
-    return accepted, nxt, emitted
+    return out[:, 0], nxt, out[:, 1:]
 
 
 def emit_step(ids: torch.Tensor, starts: torch.Tensor, slot_idx: torch.Tensor, kv_len: torch.Tensor, sink: int,
@@ -62,7 +62,8 @@ def emit_step(ids: torch.Tensor, starts: torch.Tensor, slot_idx: torch.Tensor, k
             ``"reference"`` (the torch ops).
 
     Returns:
-        ``(accepted [B], nxt [B], emitted [B, T])`` int64, new tensors.
+        ``(accepted [B], nxt [B], emitted [B, T])`` int64: ``accepted`` and ``emitted``
+        are views of ``out`` (its columns 0 and ``1:``).
     """
     if (argmax is None) == (n is None or nxt is None) or (argmax is not None and (n is not None or nxt is not None)):
         raise ValueError("give argmax (greedy acceptance) or both n and nxt")
@@ -89,26 +90,24 @@ def emit_step(ids: torch.Tensor, starts: torch.Tensor, slot_idx: torch.Tensor, k
         raise RuntimeError("the Triton emit_step needs CUDA tensors or the Triton interpreter")
     if not all(x.is_contiguous() for x in (ids, out, *(a for a in (argmax, n, nxt) if a is not None))):
         raise ValueError("ids, out, argmax, n and nxt must be contiguous")
-    accepted, nxt_out = (torch.empty(b, dtype=torch.int64, device=ids.device) for _ in range(2))
-    emitted = torch.empty((b, t), dtype=torch.int64, device=ids.device)
-    if b == 0:
-        return accepted, nxt_out, emitted
     greedy = argmax is not None
-    _emit_kernel[(b,)](
-        ids, argmax if greedy else ids, n if not greedy else starts, nxt if not greedy else starts, starts, slot_idx,
-        kv_len, out, emitted, accepted, nxt_out, sink, kv_len.shape[0],
-        T=t, BT=triton.next_power_of_2(t), GREEDY=greedy, num_warps=1,
-    )
-    return accepted, nxt_out, emitted
+    nxt_out = torch.empty(b, dtype=torch.int64, device=ids.device) if greedy else nxt
+    if b > 0:
+        _emit_kernel[(b,)](
+            ids, argmax if greedy else ids, n if not greedy else starts, nxt_out, starts, slot_idx, kv_len, out, sink,
+            kv_len.shape[0], T=t, BT=triton.next_power_of_2(t), GREEDY=greedy, num_warps=1,
+        )
+    return out[:, 0], nxt_out, out[:, 1:]
 
 
 if triton is not None:
 
     @triton.jit
-    def _emit_kernel(ids_ptr, am_ptr, n_ptr, nxt_ptr, starts_ptr, slot_ptr, kv_ptr, out_ptr, em_ptr, acc_ptr,
-                     nxto_ptr, sink, n_kv, T: tl.constexpr, BT: tl.constexpr, GREEDY: tl.constexpr):
-        """Row ``program_id``: its acceptance (``GREEDY``: from the target's argmax), its
-        emitted tokens and count into ``out`` and their own buffers, its KV length."""
+    def _emit_kernel(ids_ptr, am_ptr, n_ptr, nxt_ptr, starts_ptr, slot_ptr, kv_ptr, out_ptr, sink, n_kv,
+                     T: tl.constexpr, BT: tl.constexpr, GREEDY: tl.constexpr):
+        """Row ``program_id``: its acceptance (``GREEDY``: from the target's argmax, its
+        next token stored at ``nxt_ptr``; else both read), its count and emitted tokens
+        into ``out``, its KV length."""
         b = tl.program_id(0).to(tl.int64)
         t = tl.arange(0, BT)
         in_window = t < T
@@ -120,15 +119,13 @@ if triton is not None:
             stop = (has_draft & (draft != am)) | (t == T - 1)
             n = tl.min(tl.where(stop, t, BT), 0).to(tl.int64)
             nxt = tl.sum(tl.where(t == n, am, 0), 0)
+            tl.store(nxt_ptr + b, nxt)
         else:
             n = tl.load(n_ptr + b)
             nxt = tl.load(nxt_ptr + b)
         emitted = tl.where(t < n, draft, tl.where(t == n, nxt, -1))
-        tl.store(em_ptr + b * T + t, emitted, mask=in_window)
         tl.store(out_ptr + b * (T + 1) + 1 + t, emitted, mask=in_window)
         tl.store(out_ptr + b * (T + 1), n + 1)
-        tl.store(acc_ptr + b, n + 1)
-        tl.store(nxto_ptr + b, nxt)
         slot = tl.load(slot_ptr + b)
         start = tl.load(starts_ptr + b)
         # a live row's slot takes its new length; the sink stays 0 (a padding row writes 0
