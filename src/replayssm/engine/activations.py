@@ -11,9 +11,9 @@ bits.
 
 The full-attention layers' output gate, ``o * sigmoid(gate)`` (the gate a strided view
 of the query projection's output), is two kernels the same way; :func:`sigmoid_mul` is
-one, with torch's roundings: its sigmoid kernel computes ``1 / (1 + exp(-x))`` in the
-tensors' dtype, so a 16-bit sigmoid rounds ``exp``, the sum and the IEEE quotient each
-(fp32: none of them), then the product rounds.
+one, with torch's roundings: its sigmoid kernel computes ``1 / (1 + exp(-x))`` in fp32
+(CUDA's ``expf``, an IEEE division) and rounds the quotient once to the tensors' dtype,
+then the product rounds.
 """
 
 from __future__ import annotations
@@ -147,10 +147,8 @@ if triton is not None:
         tok, head = row // HEADS, row % HEADS
         xv = tl.load(x_ptr + tok * sx_0 + head * sx_1 + col, mask=mask, other=0.0)
         gv = tl.load(g_ptr + tok * sg_0 + head * sg_1 + col, mask=mask, other=0.0)
-        # torch's sigmoid: 1 / (1 + exp(-x)) in the dtype (c10's 16-bit exp, sum and
-        # quotient each computed in fp32 and rounded; an IEEE division): on CUDA the
-        # same bits as torch's kernel
-        dt = gv.dtype
-        e = to_rtne(expf(-gv.to(tl.float32)), dt).to(tl.float32)
-        sg = to_rtne(tl.div_rn(1.0, to_rtne(1.0 + e, dt).to(tl.float32)), dt).to(tl.float32)
+        # torch's sigmoid: 1 / (1 + expf(-x)) in fp32 (an IEEE division), rounded once
+        # to the dtype, then the product rounded: on CUDA the same bits as torch's kernels
+        gf = gv.to(tl.float32)
+        sg = to_rtne(tl.div_rn(1.0, 1.0 + expf(-gf)), gv.dtype).to(tl.float32)
         tl.store(y_ptr + offs, to_rtne(xv.to(tl.float32) * sg, y_ptr.dtype.element_ty), mask=mask)
