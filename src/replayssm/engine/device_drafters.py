@@ -527,12 +527,15 @@ class DeviceMTPDrafter(DeviceDrafter):
             fuse_linears((mlp.gate_proj, mlp.up_proj))
         fuse_linears((attn.q_proj, attn.k_proj, attn.v_proj))  # one matmul (adapter.attention_projections)
 
-    def _layer(self, tokens: torch.Tensor, hidden: torch.Tensor, slot_idx: torch.Tensor,
-               positions: torch.Tensor, rope: torch.Tensor, tree=None) -> torch.Tensor:
+    def _layer(self, tokens: torch.Tensor, hidden: torch.Tensor, slot_idx: torch.Tensor | None,
+               positions: torch.Tensor, rope: torch.Tensor, tree=None, layout=None) -> torch.Tensor:
         """The head on ``B x T`` pairs: ``tokens [B, T]``, ``hidden [B * T, H]``, cache
         positions ``[B, T]``, rotary rows ``rope [B, T or 1, 2, R]`` (:meth:`_rope_at`);
         returns the normed outputs ``[B * T, H]`` (graph-safe). ``tree``: as
-        :func:`~replayssm.engine.adapter.static_attention_forward`'s.
+        :func:`~replayssm.engine.adapter.static_attention_forward`'s. ``layout``: the
+        pairs of joining prompts packed as one row (``B = 1``; a
+        :class:`~replayssm.engine.kv_cache.WindowLayout` of fresh requests, ``slot_idx``
+        unused), attending causally within each prompt.
 
         The arithmetic of :meth:`MTPHead.pair_input` and ``static_attention_forward``
         (the same values, bit for bit), in fewer kernels: the two input norms write the
@@ -541,7 +544,8 @@ class DeviceMTPDrafter(DeviceDrafter):
         are normed and rotated as the engine's static step does
         (:func:`~replayssm.engine.adapter.rotated_qk`), each residual add runs in its
         norm's kernel."""
-        from .adapter import attention_projections, gated_output, rotated_qk
+        from .adapter import attention_projections, rotated_qk
+        from .kv_cache import cached_attention
 
         eng, head = self.engine, self.head
         layer = head.layers[0]
@@ -557,6 +561,9 @@ class DeviceMTPDrafter(DeviceDrafter):
         qk = rotated_qk(attn, q, k, rope, eng.static_norm, fused=eng.fused_norms)
         heads, d = gate.shape[1], attn.head_dim
         cache = self.cache
+        if layout is not None:  # the cache writes are the layout's; SDPA's causal kernel
+            o = cached_attention(cache, 0, layout, qk[0, :, :heads], qk[0, :, heads:], v, attn.scaling)
+            return self._layer_out(x, o, gate)
         at = positions if tree is None else tree[0][:, None] + tree[1][None]
         where = (slot_idx[:, None].expand(b, t), slice(None), at)
         cache.k[0][where] = qk[:, :, heads:].to(cache.k.dtype)
@@ -567,9 +574,19 @@ class DeviceMTPDrafter(DeviceDrafter):
         else:
             o = tree_attention(qk[:, :, :heads], cache.k[0], cache.v[0], slot_idx, tree[0], tree[2], attn.scaling,
                                backend=eng.backend)
-        x, y = eng.static_add_norm(layer.post_attention_layernorm, x,
-                                   attn.o_proj(gated_output(o.reshape(n, heads, d), gate, fused=eng.fused_norms)))
-        return eng.static_add_norm(head.norm, x, eng.static_mlp(layer.mlp, y))[1]
+        return self._layer_out(x, o, gate)
+
+    def _layer_out(self, x: torch.Tensor, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """The head layer after its attention: output gate and projection, residual, MLP,
+        final norm, for ``x [N, H]`` (the layer's input), ``o`` the attention outputs (``N
+        x heads x D`` elements) and ``gate [N, heads, D]``."""
+        from .adapter import gated_output
+
+        eng, layer = self.engine, self.head.layers[0]
+        attn = layer.self_attn
+        o = attn.o_proj(gated_output(o.reshape(gate.shape), gate, fused=eng.fused_norms))
+        x, y = eng.static_add_norm(layer.post_attention_layernorm, x, o)
+        return eng.static_add_norm(self.head.norm, x, eng.static_mlp(layer.mlp, y))[1]
 
     def _rope_at(self, positions: torch.Tensor) -> torch.Tensor:
         """``[*positions.shape, 2, R]`` rows of the rotary table at ``positions``."""
@@ -655,7 +672,8 @@ class DeviceMTPDrafter(DeviceDrafter):
 
     def join(self, slots, prompts, firsts, requests, hidden=None, offsets=None):
         """Prompt pairs ``(h_t, x_{t+1})`` of joining requests into the head's cache
-        (eagerly, variable lengths), then their first drafts."""
+        (eagerly, variable lengths; the step's head pass, :meth:`_prompt_layer`), then
+        their first drafts."""
         from .kv_cache import WindowLayout
 
         if hidden is None or offsets is None:
@@ -666,7 +684,7 @@ class DeviceMTPDrafter(DeviceDrafter):
         layout = WindowLayout(slots, [0] * len(slots), lengths, eng.device)
         ids = to_device(itertools.chain.from_iterable(itertools.chain(p[1:], (f,)) for p, f in zip(prompts, firsts)),
                         eng.device)
-        out = self.head.forward_layer(eng, self.cache, layout, ids, hidden, norm=eng.static_norm)
+        out = self._prompt_layer(layout, ids, hidden)
         ends = to_device([o - 1 for o in offsets[1:]], eng.device)
         self.cache.advance(slots, lengths)
         idx = to_device(slots, eng.device)
@@ -675,6 +693,14 @@ class DeviceMTPDrafter(DeviceDrafter):
         if rows is None:  # no graph this wide (or none captured): eagerly
             return self._first_drafts(idx, out[ends], nxt)
         return self._join_graphs[rows].run(idx, out[ends], nxt)
+
+    def _prompt_layer(self, layout, ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """The head over joining prompts' pairs: ``ids [N]`` next tokens, ``hidden [N, H]``
+        the target's hidden states, packed as ``layout`` (fresh requests); their keys
+        and values into the head's cache. Returns the normed outputs ``[N, H]``. The
+        step's head pass (:meth:`_layer`), its attention causal within each prompt."""
+        pos = layout.positions[None]
+        return self._layer(ids[None], hidden, None, pos, self._rope_at(pos), layout=layout)
 
     def _first_drafts(self, slot_idx, h, next_pos):
         return (self._draft if self.tree is None else self._draft_tree)(slot_idx, h, next_pos)
