@@ -141,8 +141,8 @@ def test_head_pass_is_the_generic_layers_bit_for_bit(model, backend, mode, rng, 
 
 
 #: Kernel ceiling of a join's head pass over two prompts of uneven lengths on the fused
-#: (GPU) path under the interpreter.
-JOIN_PASS_OPS = 29
+#: (GPU) path under the interpreter (the padded windows' maps and gathers among them).
+JOIN_PASS_OPS = 31
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])

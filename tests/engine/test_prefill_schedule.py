@@ -151,6 +151,32 @@ def test_prefill_chunk_must_be_a_positive_int(seed):
             StepGenerator(eng, prefill_chunk=bad)
 
 
+def test_fresh_attention_of_uneven_requests_is_the_zero_padded_batch(rng):
+    """Requests of uneven lengths and a row of padding tokens (a static prompt pass's
+    layout): the padded windows gathered from the packed tokens attend as windows
+    padded with zeros do (the padding is past every real query), bit for bit (fp32, CPU,
+    torch's SDPA on both)."""
+    from replayssm.engine.kv_cache import PromptLayout, _fresh_attention
+
+    heads, kv_heads, d = 4, 2, 16
+    lengths = [9, 3, 14, 5]  # the last row: padding tokens
+    n, b, t = sum(lengths), len(lengths), max(lengths)
+    q, k, v = (3 * torch.randn(n, h, d, generator=rng) for h in (heads, kv_heads, kv_heads))
+    row = torch.repeat_interleave(torch.arange(b), torch.tensor(lengths))
+    col = torch.cat([torch.arange(m) for m in lengths])
+    layout = PromptLayout(b, t, torch.stack([row, col, col, row]))
+    got = _fresh_attention(layout, q, k, v, 0.3)
+    padded = [torch.zeros(b, t, x.shape[1], d) for x in (q, k, v)]
+    for p, x in zip(padded, (q, k, v)):
+        p[row, col] = x
+    qs, ks, vs = (p.transpose(1, 2) for p in padded)
+    ks, vs = (x.repeat_interleave(heads // kv_heads, dim=1) for x in (ks, vs))
+    want = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=0.3)
+    want = want.transpose(1, 2)[row, col]
+    assert got.shape == (n, heads, d) and want.abs().max() > 0.5
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("batch", [1, 3])
 def test_fresh_prompt_attention_equals_the_masked_cache_attention(batch, rng):
     """A pass of fresh requests attends within each window with a causal mask only

@@ -302,17 +302,21 @@ def _fresh_attention(layout: WindowLayout, q: torch.Tensor, k: torch.Tensor, v: 
         qs = q.reshape(layout.batch, layout.t_max, heads, d)
         ks, vs = (x.reshape(layout.batch, layout.t_max, kv_heads, d) for x in (k, v))
     else:
-        qs = q.new_zeros(layout.batch, layout.t_max, heads, d)
-        ks, vs = (q.new_zeros(layout.batch, layout.t_max, kv_heads, d) for _ in (k, v))
-        qs[layout.row, layout.col] = q
-        ks[layout.row, layout.col] = k.to(q.dtype)
-        vs[layout.row, layout.col] = v.to(q.dtype)
+        # Each padded position reads a packed token (a gather at the copy rate, where
+        # writing into zeroed buffers runs torch's element-wise index kernel, a sixth
+        # of it): a real one's own, a padding position's some real token's, which no
+        # real query sees (each row's padding follows its last token).
+        flat = layout.row * layout.t_max + layout.col  # [N] padded position of each token
+        src = torch.zeros(layout.batch * layout.t_max, dtype=flat.dtype, device=flat.device)
+        src.index_put_((flat,), torch.arange(n, device=flat.device))
+        qs = q.index_select(0, src).view(layout.batch, layout.t_max, heads, d)
+        ks, vs = (x.to(q.dtype).index_select(0, src).view(layout.batch, layout.t_max, kv_heads, d) for x in (k, v))
     extra = {"enable_gqa": True} if gqa else {}
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION) if gqa else contextlib.nullcontext():
         out = F.scaled_dot_product_attention(qs.transpose(1, 2), ks.transpose(1, 2).to(q.dtype),
                                              vs.transpose(1, 2).to(q.dtype), is_causal=True, scale=scale, **extra)
-    out = out.transpose(1, 2)  # [B, Tmax, heads, D]
-    return out.reshape(n, heads, d) if packed else out[layout.row, layout.col]
+    out = out.transpose(1, 2)  # [B, Tmax, heads, D] (its memory order, as flash writes it)
+    return out.reshape(n, heads, d) if packed else out.reshape(-1, heads, d).index_select(0, flat)
 
 
 def compact_kv_path(cache: KVCache, slot_idx: torch.Tensor, starts: torch.Tensor, path: torch.Tensor) -> None:
