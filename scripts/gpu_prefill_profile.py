@@ -3,11 +3,15 @@ GPU time and the host synchronisations, per (batch, prompt length).
 
     PYTHONPATH=src python3 scripts/gpu_prefill_profile.py                       # the cases below
     PYTHONPATH=src python3 scripts/gpu_prefill_profile.py --cases 1x64,16x2048 --prompt-graphs off
+    PYTHONPATH=src python3 scripts/gpu_prefill_profile.py --cases 16x2048 --conv 256x16,512x16,256x32,256x64
 
 The model is ``bench e2e``'s qwen3.5-shapes (random weights, bf16); prompts are random
 bytes, fresh requests every pass (slots allocated before the clock starts, freed after).
 Wall time: the ``extend(prompt=True)`` call to a synchronised device, median of 5 after
 two warm-up passes (which capture a prompt graph's shape). The profiled pass is one more.
+``--conv BCxBT,...`` repeats the cases per setting of the conv kernel's channel block
+and prompt token block (``replayssm.ops.conv.CONV_BLOCK``, ``CONV_TOKEN_BLOCK``, read at
+each launch), each on an engine of its own (its graphs captured with that setting).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 from replayssm.bench.e2e import QWEN35_SHAPES
 from replayssm.engine.adapter import HybridEngine
 from replayssm.engine.random_model import build_tiny_model
+from replayssm.ops import conv
 
 
 def main() -> None:
@@ -31,9 +36,21 @@ def main() -> None:
     ap.add_argument("--prefill", default="auto", choices=("auto", "chunk", "recurrence"))
     ap.add_argument("--prompt-graphs", default="on", choices=("on", "off"))
     ap.add_argument("--top", type=int, default=12, help="kernels listed per case")
+    ap.add_argument("--conv", default="",
+                    help="BCxBT settings of the conv kernel (channel block x prompt token block), comma-separated; "
+                         "default: the module's")
     args = ap.parse_args()
     cases = [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")]
     model = build_tiny_model("qwen3_5", seed=0, dtype=torch.bfloat16, device=torch.device("cuda"), **QWEN35_SHAPES)
+    settings = [tuple(int(v) for v in c.split("x")) for c in args.conv.split(",")] if args.conv else [None]
+    for setting in settings:
+        if setting is not None:
+            conv.CONV_BLOCK, conv.CONV_TOKEN_BLOCK = setting
+            print(f"##### conv: CONV_BLOCK {setting[0]}, CONV_TOKEN_BLOCK {setting[1]}")
+        profile_cases(model, cases, args)
+
+
+def profile_cases(model, cases, args) -> None:
     eng = HybridEngine(model, num_slots=max(b for b, _ in cases), window=1, max_len=max(p for _, p in cases) + 64,
                        prefill=args.prefill, prompt_graphs=args.prompt_graphs == "on")
     print("GDN prompt kernel:", eng.prefill_kernel, "| prompt graphs:", args.prompt_graphs)
