@@ -18,6 +18,10 @@
 #   profile     the step profile with the MTP drafter timed alone      -> profile_step_mtp_$TAG.{json,log}
 #   prefill-profile  one prompt pass of 16 x 2048 and of 1 x 2048 tokens, its kernels by GPU
 #               time                                                   -> prefill_profile_$TAG.log
+#   conv-ab     the 16 x 2048 prompt pass per conv block setting (channels x tokens: 256x16, the
+#               default, 512x16, 256x32, 256x64)                    -> prefill_conv_ab_$TAG.log
+#   join-profile  a speculative request's prompt pass piece by piece (the MTP drafter's join),
+#               one 512-token prompt                               -> profile_join_$TAG.log
 #   mixed       qwen3.5-shapes, 16 requests of 512-4096 prompt and 64-256 new tokens, whole prompts
 #               per pass and passes of 2048 tokens between decode steps -> e2e_mixed{,_chunked}_$TAG.*
 # At the end, scripts/prefill_targets.py prints every target of the issue beside its
@@ -67,6 +71,9 @@ for what in "${stages[@]}"; do
                    --max-new-tokens 256 --requests-per-slot 4 --no-hf ;;
         prefill-profile) stage "prefill_profile_$TAG" "$LIMIT" "$PYTHON" scripts/gpu_prefill_profile.py \
                    --cases 16x2048,1x2048 --top 40 ;;
+        conv-ab) stage "prefill_conv_ab_$TAG" "$LIMIT" "$PYTHON" scripts/gpu_prefill_profile.py \
+                   --cases 16x2048 --top 8 --conv 256x16,512x16,256x32,256x64 ;;
+        join-profile) stage "profile_join_$TAG" "$LIMIT" "$PYTHON" scripts/gpu_profile_join.py cuda 1 512 ;;
         profile) stage "profile_step_mtp_$TAG" "$LIMIT" "$PYTHON" scripts/gpu_profile_step.py --model embedded --drafter mtp \
                    --modes plain,snapshot,fold,circular --batches 1,16,64 --json "$RESULTS/profile_step_mtp_$TAG.json" ;;
         mixed) e2e e2e_mixed "${SHAPES[@]}" "${ORACLE[@]}" --batches 16 --prompt-len 512-4096 \

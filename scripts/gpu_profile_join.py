@@ -8,7 +8,7 @@ fresh random prompts of ``PROMPT_LEN`` tokens, 2 runs untimed and 4 timed. Each 
 call below is wrapped in device synchronisations (outside graph captures) and reported
 as its median: the prompt pass (``extend``), the generator's join, and inside it the
 drafter's join and its pieces (KV reset, the head's layer over the prompt, the first
-drafts where they run eagerly, the rotary embedding). Then the same with Python's
+drafts where they run eagerly, the rotary rows' gather). Then the same with Python's
 garbage collector off, and on CUDA one join under the profiler (kernels and host ops by
 CPU time). Synchronised timers add their own waits: compare the pieces with each other.
 """
@@ -23,7 +23,6 @@ import time
 import torch
 
 import replayssm.engine.device_drafters as device_drafters
-import replayssm.engine.drafters as drafters
 import replayssm.engine.generator as generator
 import replayssm.engine.kv_cache as kv_cache
 from replayssm.bench.e2e import E2EConfig, load_model, make_drafter, mode_engine_options
@@ -71,10 +70,10 @@ def main() -> None:
     wrap(generator.StepGenerator, "_join", "join")
     wrap(device_drafters.DeviceMTPDrafter, "join", "  drafter.join")
     wrap(kv_cache.KVCache, "reset_many", "    cache.reset_many")
-    wrap(drafters.MTPHead, "forward_layer", "    forward_layer")
+    wrap(device_drafters.DeviceMTPDrafter, "_prompt_layer", "    _prompt_layer")
     wrap(kv_cache.KVCache, "advance", "    cache.advance")
     wrap(device_drafters.DeviceMTPDrafter, "_draft", "    _draft")
-    wrap(HybridEngine, "rotary_cos_sin", "      rotary")
+    wrap(device_drafters.DeviceMTPDrafter, "_rope_at", "      rotary rows")
     wrap(generator.StepGenerator, "_launch", "launch")
     g = torch.Generator().manual_seed(3)
     for mode in ("fold", "circular"):
