@@ -173,7 +173,7 @@ def test_join_head_pass_is_forward_layer(model, backend, rng):
     else:
         scale = float(want.abs().max())
         torch.testing.assert_close(got, want, rtol=0, atol=4 * torch.finfo(torch.float32).eps * scale)
-        # the GPU path's kernels: 56 as forward_layer composes the pass
+        # the GPU path's kernels: 58 as forward_layer composes the pass
         assert ops.total <= JOIN_PASS_OPS, ops.counts
         assert not set(ops.counts) & {"aten.cos", "aten.sin", "aten.cat"}, ops.counts
 

@@ -37,7 +37,7 @@ from .kv_cache import KVCache, PromptLayout, WindowLayout, cached_attention
 from .activations import dense_silu_mlp, sigmoid_mul, silu_mul
 from .fused_linear import fuse_linears, fused_weight
 from .norms import add_rms_norm, norm_eps, norm_kind, rms_norm
-from .rotary import rope_rows, rotate_
+from .rotary import rope_at, rope_rows, rotate_
 
 log = logging.getLogger("replayssm.engine")
 
@@ -1079,4 +1079,4 @@ class HybridEngine:
         evaluated on ``h [B * T, hidden]``'s dtype where the embedding has no table."""
         if self._rope is None:
             return rope_rows(*self.rotary_cos_sin(h, positions.reshape(-1))).view(*positions.shape, 2, -1)
-        return self._rope.index_select(0, positions.reshape(-1)).view(*positions.shape, *self._rope.shape[1:])
+        return rope_at(self._rope, positions)

@@ -34,6 +34,7 @@ from ..ops.guards import to_device
 from .activations import dense_silu_mlp
 from .attention import slot_attention, tree_attention
 from .fused_linear import fuse_linears
+from .rotary import rope_at
 
 
 def _check_tree(tree) -> None:
@@ -590,7 +591,7 @@ class DeviceMTPDrafter(DeviceDrafter):
 
     def _rope_at(self, positions: torch.Tensor) -> torch.Tensor:
         """``[*positions.shape, 2, R]`` rows of the rotary table at ``positions``."""
-        return self._rotary.index_select(0, positions.reshape(-1)).view(*positions.shape, *self._rotary.shape[1:])
+        return rope_at(self._rotary, positions)
 
     def _draft(self, slot_idx, h: torch.Tensor, next_pos: torch.Tensor, k: int | None = None) -> torch.Tensor:
         """``k`` (default :attr:`k`) drafts from the head outputs ``h [B, H]`` of each

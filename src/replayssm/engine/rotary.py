@@ -35,6 +35,13 @@ def rope_rows(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return torch.stack([cos, torch.cat([sin[:, half:], -sin[:, :half]], -1)], 1)
 
 
+def rope_at(table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``[*positions.shape, 2, R]``: the rows of a rotary table ``[L, 2, R]``
+    (:meth:`~replayssm.engine.adapter.HybridEngine.rope_table`) at ``positions`` (below
+    ``L``), in one gather."""
+    return table.index_select(0, positions.reshape(-1)).view(*positions.shape, *table.shape[1:])
+
+
 def rotate_(qk: torch.Tensor, rope: torch.Tensor, *, backend: str = "torch") -> None:
     """Rotate the first ``R`` channels of every head of ``qk [B, T, heads, D]`` in place
     with ``rope [B, T or 1, 2, R]`` (:func:`rope_rows`, one row per token or one per
