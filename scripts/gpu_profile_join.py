@@ -6,9 +6,11 @@ On the embedded model with its MTP head (bf16 on CUDA, fp32 elsewhere), for fold
 circular: a StepGenerator with every step captured generates 2 tokens for ``BATCH``
 fresh random prompts of ``PROMPT_LEN`` tokens, 2 runs untimed and 4 timed. Each timed
 call below is wrapped in device synchronisations (outside graph captures) and reported
-as its median: the prompt pass (``extend``), the generator's join, and inside it the
-drafter's join and its pieces (KV reset, the head's layer over the prompt, the first
-drafts where they run eagerly, the rotary rows' gather). Then the same with Python's
+as its median: the prompt pass (``extend``; a static one runs the head's keys and
+values of the prompt inside it), the generator's join, and inside it the drafter's join
+(``join_cached`` after a static pass, else ``join`` with its pieces: KV reset, the
+head's keys and values of the prompt) and its first drafts (``_run_join``: a graph
+replay, or eagerly ``_draft`` and the rotary rows' gather). Then the same with Python's
 garbage collector off, and on CUDA one join under the profiler (kernels and host ops by
 CPU time). Synchronised timers add their own waits: compare the pieces with each other.
 """
@@ -48,7 +50,7 @@ def main() -> None:
         def timed(*a, **k):
             if cuda and torch.cuda.is_current_stream_capturing():
                 return f(*a, **k)
-            if profile_next and label == "  drafter.join":
+            if profile_next and label in ("  drafter.join", "  drafter.join_cached"):
                 profile_next.clear()
                 from torch.profiler import ProfilerActivity, profile
 
@@ -69,9 +71,11 @@ def main() -> None:
     wrap(HybridEngine, "extend", "extend")
     wrap(generator.StepGenerator, "_join", "join")
     wrap(device_drafters.DeviceMTPDrafter, "join", "  drafter.join")
+    wrap(device_drafters.DeviceMTPDrafter, "join_cached", "  drafter.join_cached")
     wrap(kv_cache.KVCache, "reset_many", "    cache.reset_many")
-    wrap(device_drafters.DeviceMTPDrafter, "_prompt_layer", "    _prompt_layer")
+    wrap(device_drafters.DeviceMTPDrafter, "_prompt_kv", "    _prompt_kv")
     wrap(kv_cache.KVCache, "advance", "    cache.advance")
+    wrap(device_drafters.DeviceMTPDrafter, "_run_join", "    _run_join")
     wrap(device_drafters.DeviceMTPDrafter, "_draft", "    _draft")
     wrap(device_drafters.DeviceMTPDrafter, "_rope_at", "      rotary rows")
     wrap(generator.StepGenerator, "_launch", "launch")

@@ -83,6 +83,38 @@ def test_greedy_generation_unchanged_by_static_prompts(rng, seed):
     assert static.prompt_passes["static"] == 3 and static.prompt_passes["eager"] == 0
 
 
+def test_prompt_head_runs_in_static_passes_with_shapes_per_head(rng, seed):
+    """A prompt head set on the engine runs at the end of each static pass, on the
+    pass's layout, ids, hidden states and requests, and the pass's output names it;
+    shapes are built per head, so a pass under another head (or none) does not replay a
+    shape built with this one: while no new shape may be built, it runs eagerly, with
+    no head."""
+    model = build_tiny_model("qwen3_5", seed=seed)
+    eng = HybridEngine(model, strategy="fold", num_slots=3, window=2, max_len=96, prompt_graphs=True)
+    seen = []
+
+    def head(layout, ids, hidden, kv_rows, kv_lengths):
+        seen.append((ids.clone(), hidden.clone(), kv_rows.clone(), kv_lengths.clone(), layout.positions.clone()))
+
+    prompts = [torch.randint(0, 256, (n,), generator=rng).tolist() for n in (5, 9)]
+    eng.set_prompt_head(head)
+    slots = [eng.alloc() for _ in prompts]
+    out = eng.extend(slots, prompts, prompt=True)
+    assert out.prompt_head is head and len(seen) == 1
+    ids, hidden, kv_rows, kv_lengths, positions = seen[0]
+    assert ids[:14].tolist() == prompts[0] + prompts[1] and positions[:14].tolist() == [*range(5), *range(9)]
+    assert kv_rows.tolist() == slots and kv_lengths.tolist() == [5, 9]
+    assert torch.equal(hidden[:14], out.hidden)
+    eng.prompt_graphs.capture_new = False
+    for h, kind in ((None, "eager"), (head, "static")):  # the same shape, built for ``head`` only
+        eng.free_many(slots)
+        eng.set_prompt_head(h)
+        slots = [eng.alloc() for _ in prompts]
+        out = eng.extend(slots, prompts, prompt=True)
+        assert out.prompt_head is h and eng.prompt_passes[kind] == 1 + (kind == "static")
+    assert len(seen) == 2
+
+
 def test_routing_long_continued_and_all_logits_passes_run_eagerly(rng, seed):
     """Passes a shape does not take run eagerly: more tokens than the largest shape, a
     request that holds tokens already (a prompt continued in chunks), every token's

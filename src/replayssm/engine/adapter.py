@@ -55,12 +55,16 @@ class StepOutput:
             model dtype (the MTP head reads them).
         lengths: window length per request.
         offsets: ``[B + 1]`` host offsets of the windows in the packed tokens.
+        prompt_head: the engine's prompt head (:meth:`HybridEngine.set_prompt_head`) that
+            ran inside this pass over every token of it (a static prompt pass), else
+            ``None``.
     """
 
     logits: torch.Tensor
     hidden: torch.Tensor
     lengths: list[int]
     offsets: list[int]
+    prompt_head: object = None
 
     def window_logits(self, i: int) -> torch.Tensor:
         """Logits of request ``i``'s window positions (needs ``all_logits``)."""
@@ -718,6 +722,21 @@ class HybridEngine:
         """Whether plain decoding steps run through the strategy's ring now
         (``plain_via_ring`` and a strategy with ``ring_decode``)."""
         return self.plain_via_ring and self.strategy.ring_decode
+
+    def set_prompt_head(self, head) -> None:
+        """Run ``head`` at the end of every static prompt pass (``None``: nothing).
+
+        ``head(layout, ids, hidden, kv_rows, kv_lengths)`` is graph-safe work on the
+        pass's tokens that a drafter would otherwise do eagerly after it (the MTP
+        head's keys and values of the prompt, :meth:`DeviceMTPDrafter.prompt_head`):
+        ``layout`` the pass's :class:`~replayssm.engine.kv_cache.PromptLayout`, ``ids
+        [N]`` its token ids, ``hidden [N, hidden]`` its final hidden states, ``kv_rows``
+        / ``kv_lengths [B]`` each request's slot and prompt length. The pass's
+        :class:`StepOutput` names the head that ran (``prompt_head``). Prompt shapes
+        are captured per head, so switching between heads captures each shape once per
+        head; passes that run eagerly run no head."""
+        if self.prompt_graphs is not None:
+            self.prompt_graphs.set_head(head)
 
     # ------------------------------------------------------------------ steps
     def extend(self, slots: Sequence[int], windows: Sequence[Sequence[int]], *, all_logits: bool = False,

@@ -24,6 +24,7 @@ the last token, which greedy acceptance treats like any other guess.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import Sequence
 
@@ -80,6 +81,12 @@ class DeviceDrafter:
 
     #: whether :meth:`join` and :meth:`observe` need the target's hidden states
     needs_hidden = False
+
+    #: work of :meth:`join` that can run inside a static prompt pass
+    #: (:meth:`~replayssm.engine.adapter.HybridEngine.set_prompt_head`, set by the step
+    #: driver after :meth:`bind`), or ``None``. A drafter that has one takes
+    #: ``join_cached`` for the requests of a pass that ran it.
+    prompt_head = None
 
     def start(self, slot: int, tokens: Sequence[int], request: int) -> None:
         raise NotImplementedError
@@ -435,31 +442,34 @@ class ForcedDrafter(_SetAcceptance, DeviceDrafter):
 
 
 class _JoinGraph:
-    """:meth:`DeviceMTPDrafter._first_drafts` captured on ``rows`` padded rows: static
-    inputs (slot, head output, next position per row) and the drafts it writes."""
+    """:meth:`DeviceMTPDrafter._join_drafts` captured on ``rows`` padded rows: static
+    inputs (slot, first token, the target's hidden state at the last prompt token, next
+    position per row) and the drafts it writes."""
 
     def __init__(self, drafter: "DeviceMTPDrafter", rows: int, pool=None):
         from .graph_step import capture_graph
 
         dev, self.sink = drafter._device, drafter.cache.sink
         self.slot_idx = torch.full((rows,), self.sink, dtype=torch.long, device=dev)
+        self.first = torch.zeros((rows,), dtype=torch.long, device=dev)
         self.h = torch.zeros((rows, drafter.engine.embed.weight.shape[1]), dtype=drafter.engine.dtype, device=dev)
-        # padding rows draft at positions 1..k-1 of the sink; later joins leave their
-        # own (valid) positions there
+        # padding rows pair at the sink's position 0 and draft at positions 1..k-1;
+        # later joins leave their own (valid) positions there
         self.next_pos = torch.ones((rows,), dtype=torch.long, device=dev)
         self.drafts = None
 
         def body():
-            self.drafts = drafter._first_drafts(self.slot_idx, self.h, self.next_pos)
+            self.drafts = drafter._join_drafts(self.slot_idx, self.first, self.h, self.next_pos)
 
         self.graph = capture_graph(body, dev, pool=pool)
 
-    def run(self, slot_idx: torch.Tensor, h: torch.Tensor, next_pos: torch.Tensor) -> torch.Tensor:
+    def run(self, slot_idx: torch.Tensor, first: torch.Tensor, h: torch.Tensor, next_pos: torch.Tensor) -> torch.Tensor:
         """Drafts ``[n, k]`` of ``n <= rows`` joining rows (a copy: the next replay
         overwrites the graph's buffer)."""
         n = slot_idx.shape[0]
         self.slot_idx[:n] = slot_idx
         self.slot_idx[n:] = self.sink
+        self.first[:n] = first
         self.h[:n] = h
         self.next_pos[:n] = next_pos
         self.graph.replay()
@@ -523,20 +533,19 @@ class DeviceMTPDrafter(DeviceDrafter):
         self._rotary = self.engine.rope_table(capacity, device)
         self._join_graphs: dict[int, _JoinGraph] = {}
         self._join_pool = None
+        # a new callable per bind: the prompt passes captured with it hold this bind's cache
+        self.prompt_head = functools.partial(DeviceMTPDrafter._prompt_pairs, self)
         mlp = self.head.layers[0].mlp
         if dense_silu_mlp(mlp):  # gate and up in one matmul (HybridEngine.static_mlp)
             fuse_linears((mlp.gate_proj, mlp.up_proj))
         fuse_linears((attn.q_proj, attn.k_proj, attn.v_proj))  # one matmul (adapter.attention_projections)
 
     def _layer(self, tokens: torch.Tensor, hidden: torch.Tensor, slot_idx: torch.Tensor | None,
-               positions: torch.Tensor, rope: torch.Tensor, tree=None, layout=None) -> torch.Tensor:
+               positions: torch.Tensor, rope: torch.Tensor, tree=None) -> torch.Tensor:
         """The head on ``B x T`` pairs: ``tokens [B, T]``, ``hidden [B * T, H]``, cache
         positions ``[B, T]``, rotary rows ``rope [B, T or 1, 2, R]`` (:meth:`_rope_at`);
         returns the normed outputs ``[B * T, H]`` (graph-safe). ``tree``: as
-        :func:`~replayssm.engine.adapter.static_attention_forward`'s. ``layout``: the
-        pairs of joining prompts packed as one row (``B = 1``; a
-        :class:`~replayssm.engine.kv_cache.WindowLayout` of fresh requests, ``slot_idx``
-        unused), attending causally within each prompt.
+        :func:`~replayssm.engine.adapter.static_attention_forward`'s.
 
         The arithmetic of :meth:`MTPHead.pair_input` and ``static_attention_forward``
         (the same values, bit for bit), in fewer kernels: the two input norms write the
@@ -545,26 +554,11 @@ class DeviceMTPDrafter(DeviceDrafter):
         are normed and rotated as the engine's static step does
         (:func:`~replayssm.engine.adapter.rotated_qk`), each residual add runs in its
         norm's kernel."""
-        from .adapter import attention_projections, rotated_qk
-        from .kv_cache import cached_attention
-
-        eng, head = self.engine, self.head
-        layer = head.layers[0]
-        attn = layer.self_attn
+        eng, attn = self.engine, self.head.layers[0].self_attn
         b, t = tokens.shape
-        n, hid = hidden.shape
-        pair = torch.empty((n, 2 * hid), dtype=eng.dtype, device=hidden.device)
-        eng.static_norm(head.pre_fc_norm_embedding, eng.embed(tokens.reshape(-1)), out=pair[:, :hid])
-        eng.static_norm(head.pre_fc_norm_hidden, hidden.to(eng.dtype), out=pair[:, hid:])
-        x = head.fc(pair)
-        xn = eng.static_norm(layer.input_layernorm, x)
-        q, gate, k, v = attention_projections(attn, xn)
-        qk = rotated_qk(attn, q, k, rope, eng.static_norm, fused=eng.fused_norms)
+        x, qk, gate, v = self._attention_inputs(tokens, hidden, rope)
         heads, d = gate.shape[1], attn.head_dim
         cache = self.cache
-        if layout is not None:  # the cache writes are the layout's; SDPA's causal kernel
-            o = cached_attention(cache, 0, layout, qk[0, :, :heads], qk[0, :, heads:], v, attn.scaling)
-            return self._layer_out(x, o, gate)
         at = positions if tree is None else tree[0][:, None] + tree[1][None]
         where = (slot_idx[:, None].expand(b, t), slice(None), at)
         cache.k[0][where] = qk[:, :, heads:].to(cache.k.dtype)
@@ -576,6 +570,27 @@ class DeviceMTPDrafter(DeviceDrafter):
             o = tree_attention(qk[:, :, :heads], cache.k[0], cache.v[0], slot_idx, tree[0], tree[2], attn.scaling,
                                backend=eng.backend)
         return self._layer_out(x, o, gate)
+
+    def _attention_inputs(self, tokens: torch.Tensor, hidden: torch.Tensor, rope: torch.Tensor):
+        """The head layer up to its attention, for ``tokens [B, T]``, ``hidden [B * T,
+        H]``, rotary rows ``rope [B, T or 1, 2, R]``: ``(x, qk, gate, v)``, the layer's
+        input ``x [B * T, H]`` (``fc`` of the two normed halves of each pair), queries
+        and keys normed and rotated ``qk [B, T, heads + kv_heads, D]``
+        (:func:`~replayssm.engine.adapter.rotated_qk`), the output gate ``[B * T,
+        heads, D]`` and values ``[B * T, kv_heads, D]``."""
+        from .adapter import attention_projections, rotated_qk
+
+        eng, head = self.engine, self.head
+        layer = head.layers[0]
+        attn = layer.self_attn
+        n, hid = hidden.shape
+        pair = torch.empty((n, 2 * hid), dtype=eng.dtype, device=hidden.device)
+        eng.static_norm(head.pre_fc_norm_embedding, eng.embed(tokens.reshape(-1)), out=pair[:, :hid])
+        eng.static_norm(head.pre_fc_norm_hidden, hidden.to(eng.dtype), out=pair[:, hid:])
+        x = head.fc(pair)
+        xn = eng.static_norm(layer.input_layernorm, x)
+        q, gate, k, v = attention_projections(attn, xn)
+        return x, rotated_qk(attn, q, k, rope, eng.static_norm, fused=eng.fused_norms), gate, v
 
     def _layer_out(self, x: torch.Tensor, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """The head layer after its attention: output gate and projection, residual, MLP,
@@ -673,44 +688,85 @@ class DeviceMTPDrafter(DeviceDrafter):
 
     def join(self, slots, prompts, firsts, requests, hidden=None, offsets=None):
         """Prompt pairs ``(h_t, x_{t+1})`` of joining requests into the head's cache
-        (eagerly, variable lengths; the step's head pass, :meth:`_prompt_layer`), then
-        their first drafts."""
+        (eagerly, variable lengths: :meth:`_prompt_kv`), then their first drafts
+        (:meth:`_join_drafts`, from a captured graph where one is wide enough).
+
+        A static prompt pass runs :attr:`prompt_head` instead, and its requests take
+        :meth:`join_cached`."""
         from .kv_cache import WindowLayout
 
         if hidden is None or offsets is None:
             raise ValueError("the MTP drafter needs the prompts' hidden states")
-        eng = self.engine
         self.cache.reset_many(slots)  # one device write for all of them
         lengths = [len(p) for p in prompts]  # pairs (h_t, x_{t+1}): the prompt shifted by one, then the first token
-        layout = WindowLayout(slots, [0] * len(slots), lengths, eng.device)
-        ids = to_device(itertools.chain.from_iterable(itertools.chain(p[1:], (f,)) for p, f in zip(prompts, firsts)),
-                        eng.device)
-        out = self._prompt_layer(layout, ids, hidden)
-        ends = to_device([o - 1 for o in offsets[1:]], eng.device)
+        layout = WindowLayout(slots, [0] * len(slots), lengths, self.engine.device)
+        ids = itertools.chain.from_iterable(itertools.chain(p[1:], (f,)) for p, f in zip(prompts, firsts))
+        j, n = len(slots), sum(lengths)
+        # one upload: the pairs' next tokens, then each request's first token, slot, length and last prompt row
+        up = to_device(itertools.chain(ids, firsts, slots, lengths, (o - 1 for o in offsets[1:])), self.engine.device)
+        self._prompt_kv(layout, up[:n], hidden)
         self.cache.advance(slots, lengths)
-        idx = to_device(slots, eng.device)
-        nxt = to_device(lengths, eng.device)
-        rows = min((b for b in self._join_graphs if b >= len(slots)), default=None)
-        if rows is None:  # no graph this wide (or none captured): eagerly
-            return self._first_drafts(idx, out[ends], nxt)
-        return self._join_graphs[rows].run(idx, out[ends], nxt)
+        first, idx, nxt, ends = up[n:].view(4, j)
+        return self._run_join(idx, first, hidden[ends], nxt)
 
-    def _prompt_layer(self, layout, ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """The head over joining prompts' pairs: ``ids [N]`` next tokens, ``hidden [N, H]``
-        the target's hidden states, packed as ``layout`` (fresh requests); their keys
-        and values into the head's cache. Returns the normed outputs ``[N, H]``. The
-        step's head pass (:meth:`_layer`), its attention causal within each prompt."""
+    def join_cached(self, slots: list[int], lengths: list[int], firsts: torch.Tensor,
+                    last_hidden: torch.Tensor) -> torch.Tensor:
+        """:meth:`join` for requests whose whole prompts a static prompt pass held,
+        having run :attr:`prompt_head`: the keys and values of every pair but each
+        prompt's last are in the head's cache already, and the device lengths set.
+        ``lengths`` the prompts' lengths, ``firsts [J]`` the first generated tokens and
+        ``last_hidden [J, H]`` the target's hidden states at each prompt's last token
+        (device tensors). Returns the first drafts ``[J, k]``."""
+        self.cache.set_host_lengths(slots, lengths)
+        j = len(slots)
+        idx, nxt = to_device(itertools.chain(slots, lengths), self.engine.device).view(2, j)
+        return self._run_join(idx, firsts, last_hidden, nxt)
+
+    def _run_join(self, idx, first, last_hidden, nxt):
+        """:meth:`_join_drafts` of ``J`` joining rows: the smallest captured graph of at
+        least ``J`` rows replays it, or, without one, it runs eagerly."""
+        rows = min((b for b in self._join_graphs if b >= idx.shape[0]), default=None)
+        if rows is None:
+            return self._join_drafts(idx, first, last_hidden, nxt)
+        return self._join_graphs[rows].run(idx, first, last_hidden, nxt)
+
+    def _prompt_pairs(self, layout, ids: torch.Tensor, hidden: torch.Tensor, kv_rows: torch.Tensor,
+                      kv_lengths: torch.Tensor) -> None:
+        """:attr:`prompt_head`: inside a static prompt pass (graph-safe), the head's keys
+        and values of the pass's tokens (:meth:`_prompt_kv`) and its cache's device
+        lengths. The pair at a token takes the next packed token, its prompt's next one,
+        except at each prompt's last token, whose pair takes the first generated token:
+        that entry is written again by :meth:`join_cached`, and padding tokens write
+        the sink's."""
+        self._prompt_kv(layout, torch.roll(ids, -1), hidden)
+        self.cache.device_lengths[kv_rows] = kv_lengths
+
+    def _prompt_kv(self, layout, ids: torch.Tensor, hidden: torch.Tensor) -> None:
+        """The head's keys and values of prompt pairs ``(hidden [N, H], ids [N])`` (the
+        target's hidden states, each with the next token), packed as ``layout`` (fresh
+        requests), into its cache at each token's slot and position: the step's head
+        pass (:meth:`_layer`) up to its attention. Nothing reads these pairs' outputs
+        (the drafts start from each prompt's last pair, :meth:`_join_drafts`), so the
+        attention, the MLP and the norms after it do not run."""
+        from .kv_cache import write_window_kv
+
         pos = layout.positions[None]
-        return self._layer(ids[None], hidden, None, pos, self._rope_at(pos), layout=layout)
+        _, qk, gate, v = self._attention_inputs(ids[None], hidden, self._rope_at(pos))
+        write_window_kv(self.cache, 0, layout, qk[0, :, gate.shape[1]:], v)
 
-    def _first_drafts(self, slot_idx, h, next_pos):
+    def _join_drafts(self, slot_idx, first, hidden, next_pos):
+        """Joining rows' first drafts (graph-safe): the head on each prompt's last pair
+        ``(hidden [J, H], first [J])`` at position ``next_pos - 1`` (the step's head
+        pass, attending to the prompt's pairs in the cache), then its drafts."""
+        pos = (next_pos - 1)[:, None]
+        h = self._layer(first[:, None], hidden, slot_idx, pos, self._rope_at(pos))
         return (self._draft if self.tree is None else self._draft_tree)(slot_idx, h, next_pos)
 
     def capture_join(self, buckets):
-        """The first drafts of a join (:meth:`_draft` from each request's last prompt
-        pair) in a CUDA graph per bucket: eagerly they are two head passes and three LM
-        heads, some 70 kernels whose launches cost a joining request milliseconds of time
-        to first token. A join of ``n`` requests replays the smallest graph of at least
+        """The first drafts of a join (:meth:`_join_drafts`: the head on each request's
+        last prompt pair, then :meth:`_draft`) in a CUDA graph per bucket: eagerly they
+        are three head passes and three LM heads, some 90 kernels whose launches cost a
+        joining request milliseconds of time to first token. A join of ``n`` requests replays the smallest graph of at least
         ``n`` rows, padding rows drafting into the cache's sink slot. Off CUDA, or for a
         join wider than every bucket, the drafts run eagerly.
 

@@ -249,6 +249,7 @@ class SpeculativeGenerator:
         prompts, budgets = check_requests(eng, prompts, max_new_tokens)
         if len(prompts) > eng.pool.num_free:
             raise ValueError(f"{len(prompts)} prompts but the engine has {eng.pool.num_free} free slots")
+        eng.set_prompt_head(None)  # its drafters join eagerly
         with torch.inference_mode():
             return self._generate(prompts, budgets, on_tokens)
 
@@ -600,6 +601,10 @@ class StepGenerator:
         self.windows = torch.zeros((slots + 1, self.num_draft + 1), dtype=torch.int64, device=engine.device)
         if drafter is not None:
             drafter.bind(slots, self.num_draft, engine.max_len + engine.window, engine.device)
+        # the drafter's share of a join inside the prompt passes (prompt shapes are
+        # built per head: set before any is built or prepared)
+        self._prompt_head = None if drafter is None else drafter.prompt_head
+        engine.set_prompt_head(self._prompt_head)
 
     def takes_plain_steps(self, live: int) -> bool:
         """Whether a step of ``live`` requests is a plain one (its bucket is at least
@@ -664,6 +669,7 @@ class StepGenerator:
         prompts, budgets = check_requests(eng, prompts, max_new_tokens)
         if eng.pool.num_free < eng.pool.num_slots:
             raise ValueError("the engine has live slots; a StepGenerator needs all of them free")
+        eng.set_prompt_head(self._prompt_head)  # another generator on this engine may have set its own
         with torch.inference_mode():
             return self._generate(prompts, budgets, on_tokens)
 
@@ -853,15 +859,22 @@ class StepGenerator:
             firsts = sample_categorical(warp_probs(logits, self.sampling))
         slots = to_device([r.slot for r in joiners], eng.device)
         self.windows[slots, 0] = firsts
-        firsts = firsts.tolist()
+        first_ids, firsts = firsts, firsts.tolist()
         if self.drafter is not None:
             self._capture_joins()  # once, before the first join (capture() does it ahead)
-            hidden, offsets = None, None
-            if self.drafter.needs_hidden:
-                hidden, offsets = self._prompt_hidden(joiners, out, rows)
-            self.windows[slots, 1:] = self.drafter.join(
-                [r.slot for r in joiners], [r.prompt for r in joiners], firsts, [r.index for r in joiners],
-                hidden=hidden, offsets=offsets)
+            if self._prompt_head is not None and out.prompt_head is self._prompt_head:
+                # the pass ran the drafter's prompt head: it held each joiner's whole prompt
+                # (a static pass's requests are fresh), whose pairs are in place
+                ends = to_device([out.offsets[i + 1] - 1 for i in rows], eng.device)
+                self.windows[slots, 1:] = self.drafter.join_cached(
+                    [r.slot for r in joiners], [len(r.prompt) for r in joiners], first_ids, out.hidden[ends])
+            else:
+                hidden, offsets = None, None
+                if self.drafter.needs_hidden:
+                    hidden, offsets = self._prompt_hidden(joiners, out, rows)
+                self.windows[slots, 1:] = self.drafter.join(
+                    [r.slot for r in joiners], [r.prompt for r in joiners], firsts, [r.index for r in joiners],
+                    hidden=hidden, offsets=offsets)
         for r, tok in zip(joiners, firsts):
             kept = self._emit(r, [tok])
             if on_tokens:

@@ -138,6 +138,12 @@ class KVCache:
         if slots:
             self.device_lengths.index_fill_(0, to_device(slots, self.device), 0)  # as pool._reset_slots
 
+    def set_host_lengths(self, slots: Sequence[int], lengths: Sequence[int]) -> None:
+        """Set the host lengths of ``slots`` to ``lengths``: the device holds them already
+        (fresh requests whose lengths a graphed prompt pass wrote)."""
+        for s, n in zip(slots, lengths):
+            self.lengths[s] = int(n)
+
     def advance_host(self, slots: Sequence[int], counts: Sequence[int]) -> None:
         """Advance the host lengths only: the device already did (a graphed step)."""
         lengths = self.lengths
@@ -246,6 +252,15 @@ class PromptLayout:
         self.row, self.col, self.positions, self.slot_of_token = index
 
 
+def write_window_kv(cache: KVCache, layer: int, layout: WindowLayout, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Write a packed window's keys and values ``k, v [N, kv_heads, D]`` (``k``
+    rotated) into layer ``layer`` of ``cache``, each token at its slot and position
+    (``layout``: a :class:`WindowLayout` or :class:`PromptLayout`; padding tokens name
+    the sink). The cache lengths are not changed."""
+    cache.k[layer][layout.slot_of_token, :, layout.positions] = k.to(cache.k.dtype)
+    cache.v[layer][layout.slot_of_token, :, layout.positions] = v.to(cache.v.dtype)
+
+
 def cached_attention(cache: KVCache, layer: int, layout: WindowLayout, q: torch.Tensor, k: torch.Tensor,
                      v: torch.Tensor, scale: float) -> torch.Tensor:
     """Write the window's keys/values after each request's history and attend.
@@ -261,8 +276,7 @@ def cached_attention(cache: KVCache, layer: int, layout: WindowLayout, q: torch.
     """
     n, heads, d = q.shape
     kv_heads = k.shape[1]
-    cache.k[layer][layout.slot_of_token, :, layout.positions] = k.to(cache.k.dtype)
-    cache.v[layer][layout.slot_of_token, :, layout.positions] = v.to(cache.v.dtype)
+    write_window_kv(cache, layer, layout, k, v)
     if layout.fresh:
         return _fresh_attention(layout, q, k, v, scale)
     keys = cache.k[layer][layout.slot_index, :, : layout.l_max]  # [B, kvH, Lmax, D]

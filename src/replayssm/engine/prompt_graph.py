@@ -171,11 +171,13 @@ class PromptGraph:
             model's dtype, buffers outside every graph's memory pool that the pass
             writes its outputs into (:class:`PromptGraphs` shares one pair among an
             engine's shapes, which run one at a time); default: its own.
+        head: a prompt head run at the end of the pass, inside its graph
+            (:meth:`~replayssm.engine.adapter.HybridEngine.set_prompt_head`), or ``None``.
     """
 
     def __init__(self, engine: HybridEngine, requests: int, tokens: int, *, graph: bool, pool=None,
                  padded: bool = True, capacity: int | None = None,
-                 outputs: tuple[torch.Tensor, torch.Tensor] | None = None):
+                 outputs: tuple[torch.Tensor, torch.Tensor] | None = None, head=None):
         if padded and not 1 <= requests < tokens:
             raise ValueError(f"need 1 <= requests < tokens, got requests={requests}, tokens={tokens}")
         if not padded and (requests != 1 or tokens < 1):
@@ -196,6 +198,7 @@ class PromptGraph:
                              f"hidden states, this shape needs {requests} and {tokens}")
         self.engine, self.requests, self.tokens, self.padded = engine, requests, tokens, padded
         self.capacity = capacity
+        self.head = head
         dev, b, n, sink = engine.device, requests, tokens, engine.kv.sink
         #: the longest a row of the batch may be: its requests' and its padding's bound
         #: (the conv's launch bound and the attention layout's columns)
@@ -303,7 +306,7 @@ class PromptGraph:
             self._body()
         eng.kv.advance_host(slots, lengths)
         return StepOutput(logits=self.logits.clone(), hidden=self.hidden[:used].clone(), lengths=lengths,
-                          offsets=[0, *ends.tolist()])
+                          offsets=[0, *ends.tolist()], prompt_head=self.head)
 
     def _body(self) -> None:
         eng, m = self.engine, self._fields
@@ -320,6 +323,8 @@ class PromptGraph:
         kv_len = eng.kv.device_lengths
         kv_len[m.kv_rows] = m.kv_lengths  # fresh requests: the prompt is the whole history
         kv_len[eng.kv.sink:].zero_()
+        if self.head is not None:
+            self.head(self.layout, m.ids, self.hidden, m.kv_rows, m.kv_lengths)
 
     def _capture(self, pool) -> None:
         # every request is padding while it warms up, so no state moves
@@ -345,6 +350,10 @@ class PromptGraphs:
     Passes that take no shape, and any pass with a request that holds tokens already (a
     prompt continued in chunks), run eagerly (:meth:`fits` says which; the engine counts
     both in :attr:`~replayssm.engine.adapter.HybridEngine.prompt_passes`).
+
+    A prompt head (:meth:`set_head`: a drafter's work on the prompt, such as the MTP
+    head's keys and values) runs at the end of every static pass, inside its graph;
+    shapes are built per head.
 
     What a shape costs. Its capture allocates, in the one memory pool the engine's
     prompt graphs share, the pass's intermediate tensors at their peak, which scale
@@ -397,7 +406,11 @@ class PromptGraphs:
         self.max_tokens = max_tokens
         self.max_chunked_tokens = max_chunked_tokens if engine.chunk_kernel else max_tokens
         self.graph = engine.device.type == "cuda" if graph is None else bool(graph)
-        self._shapes: dict[PromptShape, PromptGraph] = {}
+        #: built shapes per prompt head (:meth:`set_head`), and the current head's
+        self._by_head: dict[object, dict[PromptShape, PromptGraph]] = {None: {}}
+        self._shapes = self._by_head[None]
+        #: the prompt head every pass runs now (``None``: none)
+        self.head = None
         self._pool = None
         #: the shapes' shared outputs, for the largest pass the engine's slots can hold
         #: (allocated with the first shape)
@@ -406,6 +419,14 @@ class PromptGraphs:
         #: such passes run eagerly (:meth:`fits` says no), so that a timed run holds no
         #: capture; a benchmark sets it after :meth:`prepare` / :meth:`prepare_joins`.
         self.capture_new = True
+
+    def set_head(self, head) -> None:
+        """The prompt head the next passes run
+        (:meth:`~replayssm.engine.adapter.HybridEngine.set_prompt_head`). Shapes are
+        built per head: a shape built for another head is kept for it, and a pass under
+        this one builds its own (or, while :attr:`capture_new` is off, runs eagerly)."""
+        self.head = head
+        self._shapes = self._by_head.setdefault(head, {})
 
     def shape(self, num_tokens: int, requests: int = 1, longest: int | None = None) -> int | None:
         """The token capacity ``N`` of a pass of ``num_tokens`` tokens of ``requests``
@@ -474,7 +495,7 @@ class PromptGraphs:
             # a shape past the largest pass of the engine's slots (built on request only) gets its own
             self._shapes[key] = PromptGraph(eng, key.requests, key.tokens, graph=self.graph, pool=self._pool,
                                             padded=key.padded, capacity=key.capacity,
-                                            outputs=self._outputs if fits else None)
+                                            outputs=self._outputs if fits else None, head=self.head)
         return self._shapes[key]
 
     def join_shapes(self, most: int, lo: int, hi: int) -> set[PromptShape]:
