@@ -10,12 +10,14 @@ Integer state (KV lengths, which slots moved) must be exactly equal.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
 from replayssm.engine.adapter import HybridEngine
 from replayssm.engine.generator import StepGenerator
-from replayssm.engine.prompt_graph import MIN_TOKENS, PromptGraph, PromptGraphs
+from replayssm.engine.prompt_graph import MAX_HEADS, MIN_TOKENS, PromptGraph, PromptGraphs
 from replayssm.engine.random_model import build_tiny_model
 from replayssm.strategies import chunk_list_length
 from replayssm.testing.chunk_kernel import chunk_kernel_on_cpu as _chunk_kernel
@@ -88,7 +90,7 @@ def test_prompt_head_runs_in_static_passes_with_shapes_per_head(rng, seed):
     pass's layout, ids, hidden states and requests, and the pass's output names it;
     shapes are built per head, so a pass under another head (or none) does not replay a
     shape built with this one: while no new shape may be built, it runs eagerly, with
-    no head."""
+    no head. The shapes of the :data:`MAX_HEADS` heads most recently set are kept."""
     model = build_tiny_model("qwen3_5", seed=seed)
     eng = HybridEngine(model, strategy="fold", num_slots=3, window=2, max_len=96, prompt_graphs=True)
     seen = []
@@ -113,6 +115,23 @@ def test_prompt_head_runs_in_static_passes_with_shapes_per_head(rng, seed):
         out = eng.extend(slots, prompts, prompt=True)
         assert out.prompt_head is h and eng.prompt_passes[kind] == 1 + (kind == "static")
     assert len(seen) == 2
+    eng.free_many(slots)
+    slots = [eng.alloc() for _ in prompts]  # fresh: what ``fits`` asks of a static pass
+    others = iter(range(100))
+
+    def more_heads(n):
+        for i in itertools.islice(others, n):
+            eng.set_prompt_head(lambda *a, i=i: None)
+
+    more_heads(MAX_HEADS - 1)  # ``head`` and three newer ones: all kept
+    assert eng.prompt_graphs.fits(slots, prompts) is False  # a new head's: none built
+    for _ in range(2):  # set again, it is the most recently set: three newer heads keep it
+        eng.set_prompt_head(head)
+        assert eng.prompt_graphs.fits(slots, prompts) is True
+        more_heads(MAX_HEADS - 1)
+    more_heads(1)  # ``head`` is the least recently set of five: its shapes go
+    eng.set_prompt_head(head)
+    assert not eng.prompt_graphs.fits(slots, prompts)
 
 
 def test_routing_long_continued_and_all_logits_passes_run_eagerly(rng, seed):

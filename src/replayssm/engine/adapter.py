@@ -728,13 +728,16 @@ class HybridEngine:
 
         ``head(layout, ids, hidden, kv_rows, kv_lengths)`` is graph-safe work on the
         pass's tokens that a drafter would otherwise do eagerly after it (the MTP
-        head's keys and values of the prompt, :meth:`DeviceMTPDrafter.prompt_head`):
+        head's keys and values of the prompt,
+        :attr:`~replayssm.engine.device_drafters.DeviceMTPDrafter.prompt_head`):
         ``layout`` the pass's :class:`~replayssm.engine.kv_cache.PromptLayout`, ``ids
         [N]`` its token ids, ``hidden [N, hidden]`` its final hidden states, ``kv_rows``
         / ``kv_lengths [B]`` each request's slot and prompt length. The pass's
         :class:`StepOutput` names the head that ran (``prompt_head``). Prompt shapes
-        are captured per head, so switching between heads captures each shape once per
-        head; passes that run eagerly run no head."""
+        are captured per head (those of the last few heads kept:
+        :meth:`~replayssm.engine.prompt_graph.PromptGraphs.set_head`), so switching
+        between heads captures each shape once per head; passes that run eagerly run no
+        head."""
         if self.prompt_graphs is not None:
             self.prompt_graphs.set_head(head)
 

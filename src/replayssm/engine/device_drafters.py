@@ -765,9 +765,10 @@ class DeviceMTPDrafter(DeviceDrafter):
     def capture_join(self, buckets):
         """The first drafts of a join (:meth:`_join_drafts`: the head on each request's
         last prompt pair, then :meth:`_draft`) in a CUDA graph per bucket: eagerly they
-        are three head passes and three LM heads, some 90 kernels whose launches cost a
-        joining request milliseconds of time to first token. A join of ``n`` requests replays the smallest graph of at least
-        ``n`` rows, padding rows drafting into the cache's sink slot. Off CUDA, or for a
+        are three head passes and three LM heads, whose launches would cost a joining
+        request milliseconds of time to first token. A join of ``n`` requests replays
+        the smallest graph of at least ``n`` rows, padding rows drafting into the
+        cache's sink slot. Off CUDA, or for a
         join wider than every bucket, the drafts run eagerly.
 
         The join graphs share one memory pool of their own, not the steps': each copies

@@ -64,6 +64,10 @@ MIN_TOKENS = 32
 #: Capacities above 512 tokens are multiples of this (a power of two would pad a long
 #: prompt's token-wise layers by up to 2x).
 LONG_STEP = 256
+#: Prompt heads whose shapes an engine keeps (:meth:`PromptGraphs.set_head`): a new head
+#: past these drops the shapes of the head least recently set (and with them what their
+#: graphs hold, the head and its drafter's buffers among it).
+MAX_HEADS = 4
 #: The default largest capacity of shapes through the chunked kernel: 16 prompts of 2048
 #: tokens and the padding request that every shape of several requests has.
 CHUNKED_TOKENS = 16 * 2048 + LONG_STEP
@@ -424,9 +428,15 @@ class PromptGraphs:
         """The prompt head the next passes run
         (:meth:`~replayssm.engine.adapter.HybridEngine.set_prompt_head`). Shapes are
         built per head: a shape built for another head is kept for it, and a pass under
-        this one builds its own (or, while :attr:`capture_new` is off, runs eagerly)."""
-        self.head = head
-        self._shapes = self._by_head.setdefault(head, {})
+        this one builds its own (or, while :attr:`capture_new` is off, runs eagerly). The
+        shapes of at most :data:`MAX_HEADS` heads are kept."""
+        shapes = self._by_head.pop(head, None)  # re-inserted last: the most recently set
+        if shapes is None:
+            while len(self._by_head) >= MAX_HEADS:
+                del self._by_head[next(iter(self._by_head))]
+            shapes = {}
+        self._by_head[head] = shapes
+        self.head, self._shapes = head, shapes
 
     def shape(self, num_tokens: int, requests: int = 1, longest: int | None = None) -> int | None:
         """The token capacity ``N`` of a pass of ``num_tokens`` tokens of ``requests``
