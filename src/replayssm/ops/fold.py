@@ -144,29 +144,27 @@ except ImportError:  # the reference backend works without Triton
 
 if triton is not None:
     from .triton_common import NORM_EPS, device_fn as _tl_device_fn, gdn_state_step as _tl_state_step
-    from .triton_common import load_parts as _tl_load_parts, mask_and as _tl_mask_and, normalized as _tl_normalized
+    from .triton_common import load_parts as _tl_load_parts, normalized as _tl_normalized
     from .triton_common import as_stored as _tl_as_stored, store_parts as _tl_store_parts
 
     @_tl_device_fn
-    def _load_record_at(rk_at, rv_at, rg_at, rb_at, pos, valid, offs_c, mask_c, mask_v, offs_v,
-                        srk_pos, srv_pos, srg_pos, srb_pos, K: tl.constexpr, KQ: tl.constexpr):
-        """Record at ring position ``pos`` for one value head, from pointers already at its
-        (layer, slot, head) (``*_at``; any position strides): the raw key's four parts
-        (fp32), ``v`` (fp32), ``g``, ``beta``; zeros where ``valid`` (scalar) and the
-        block masks (already including it) are off."""
-        k0, k1, k2, k3 = _tl_load_parts(rk_at, pos * srk_pos + offs_c, mask_c, offs_c, K, KQ)
-        v = tl.load(rv_at + pos * srv_pos + offs_v, mask=mask_v, other=0.0).to(tl.float32)
-        g = tl.load(rg_at + pos * srg_pos, mask=valid, other=0.0)
-        beta = tl.load(rb_at + pos * srb_pos, mask=valid, other=0.0)
-        return k0, k1, k2, k3, v, g, beta
+    def _ring_pos(pos, L: tl.constexpr):
+        """``pos mod L`` for a non-negative position: a mask where ``L`` is a power of two."""
+        if (L & (L - 1)) == 0:
+            return pos & (L - 1)
+        else:
+            return pos % L
 
     @_tl_device_fn
-    def _load_record(rk_ptr, rv_ptr, rg_ptr, rb_ptr, rec, valid, offs_c, mask_c, mask_v, i_h, i_hv, offs_v,
-                     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KQ: tl.constexpr):
-        """Record ``rec`` (flat ``layer/slot/position`` index) of packed ring buffers, as
-        :func:`_load_record_at` loads it."""
-        return _load_record_at(rk_ptr + i_h * K, rv_ptr + i_hv * V, rg_ptr + i_hv, rb_ptr + i_hv, rec, valid, offs_c,
-                               mask_c, mask_v, offs_v, H * K, HV * V, HV, HV, K, KQ)
+    def _load_record_at(rk_at, rv_at, rg_at, rb_at, pos, offs_c, mask_v, offs_v, srk_pos, srv_pos, srg_pos, srb_pos,
+                   K: tl.constexpr, KQ: tl.constexpr):
+        """The record at ring position ``pos`` for one value head, from pointers already
+        at its (layer, slot, head) (``*_at``; any position strides): the raw key's four
+        parts (fp32), ``v`` (fp32), ``g``, ``beta``. The position must lie inside the
+        ring; only the block masks apply (keys past ``K``, rows past ``V``)."""
+        k0, k1, k2, k3 = _tl_load_parts(rk_at, pos * srk_pos + offs_c, offs_c >= 0, offs_c, K, KQ)
+        v = tl.load(rv_at + pos * srv_pos + offs_v, mask=mask_v, other=0.0).to(tl.float32)
+        return k0, k1, k2, k3, v, tl.load(rg_at + pos * srg_pos), tl.load(rb_at + pos * srb_pos)
 
     @triton.jit
     def replay_history(ckpt_at, tile, rk_at, rv_at, rg_at, rb_at, base, count, offs_c, offs_v, mask_v,
@@ -176,13 +174,13 @@ if triton is not None:
         records from ring position ``base`` (of ``L``) through the exact step; return the
         tile's parts. The records are read from pointers already at their (layer, slot,
         head) with per-position strides (:func:`_load_record_at`). Every exact replay (the
-        fold, circular's flush and small-batch path) is this loop. Hand pipelining
-        ``AHEAD`` (1 or 2) records deep: record c + AHEAD loads during step c, and only
-        step c + AHEAD reads it (normalising a record right after its load would make
-        every step wait for it). Which depth is faster depends on the kernel around the
-        loop (registers against exposed load latency), so it is the caller's, from the
-        shape table. The depth changes no number. Unused ring entries may hold NaN:
-        masked loads give 0."""
+        fold, circular's flush and small-batch path) is this loop. Hand pipelining:
+        record c + ``AHEAD`` (1 or 2) loads during step c, and record c + 1's key is
+        normalised right after step c, so that its reductions interleave with the
+        step's rather than wait for its load. Which depth is faster depends on the
+        kernel around the loop (registers against exposed load latency), so it is the
+        caller's, from the shape table. The depth changes no number. Unused ring entries
+        may hold NaN: a record read past ``count`` is never stepped."""
         S0, S1, S2, S3 = _tl_load_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ)
         return replay_tile(S0, S1, S2, S3, rk_at, rv_at, rg_at, rb_at, base, count, offs_c, offs_v, mask_v,
                            srk_pos, srv_pos, srg_pos, srb_pos, eps, K, L, KQ, AHEAD)
@@ -193,34 +191,33 @@ if triton is not None:
                     AHEAD: tl.constexpr = 1):
         """:func:`replay_history` on a tile already loaded (its four parts): for a kernel
         that loads the checkpoint before it knows whether the row replays."""
-        all_c = offs_c >= 0
-        valid_n = count > 0
-        k0n, k1n, k2n, k3n, v_n, g_n, b_n = _load_record_at(
-            rk_at, rv_at, rg_at, rb_at, base % L, valid_n, offs_c, _tl_mask_and(all_c, valid_n),
-            _tl_mask_and(mask_v, valid_n), offs_v, srk_pos, srv_pos, srg_pos, srb_pos, K, KQ,
-        )
+        # Ring positions in 32 bits (a position times its stride stays far below 2^31),
+        # wrapped by a mask where L is a power of two; every position lies inside the
+        # row's ring, so the loads need no validity masks: a record read past ``count``
+        # is never stepped (the loop ends first), whatever it holds. (A signed 64-bit
+        # modulo and the masks cost ~30 instructions a record, on a loop bound by issue.)
+        at = base.to(tl.int32)
+        strides = (srk_pos, srv_pos, srg_pos, srb_pos)
+        k0n, k1n, k2n, k3n, v_n, g_n, b_n = _load_record_at(rk_at, rv_at, rg_at, rb_at, _ring_pos(at, L), offs_c,
+                                                            mask_v, offs_v, *strides, K, KQ)
         if AHEAD == 2:
-            valid_nn = count > 1
-            k0nn, k1nn, k2nn, k3nn, v_nn, g_nn, b_nn = _load_record_at(
-                rk_at, rv_at, rg_at, rb_at, (base + 1) % L, valid_nn, offs_c, _tl_mask_and(all_c, valid_nn),
-                _tl_mask_and(mask_v, valid_nn), offs_v, srk_pos, srv_pos, srg_pos, srb_pos, K, KQ,
-            )
+            k0a, k1a, k2a, k3a, v_a, g_a, b_a = _load_record_at(rk_at, rv_at, rg_at, rb_at, _ring_pos(at + 1, L),
+                                                                offs_c, mask_v, offs_v, *strides, K, KQ)
+        k0n, k1n, k2n, k3n = _tl_normalized(k0n, k1n, k2n, k3n, eps, 1.0)
         for c in range(0, count):
             k0, k1, k2, k3, v, g, beta = k0n, k1n, k2n, k3n, v_n, g_n, b_n
             if AHEAD == 2:
-                k0n, k1n, k2n, k3n, v_n, g_n, b_n = k0nn, k1nn, k2nn, k3nn, v_nn, g_nn, b_nn
-            valid_a = c + AHEAD < count
-            k0a, k1a, k2a, k3a, v_a, g_a, b_a = _load_record_at(
-                rk_at, rv_at, rg_at, rb_at, (base + c + AHEAD) % L, valid_a, offs_c,
-                _tl_mask_and(all_c, valid_a), _tl_mask_and(mask_v, valid_a), offs_v,
-                srk_pos, srv_pos, srg_pos, srb_pos, K, KQ,
-            )
-            if AHEAD == 2:
-                k0nn, k1nn, k2nn, k3nn, v_nn, g_nn, b_nn = k0a, k1a, k2a, k3a, v_a, g_a, b_a
-            else:
                 k0n, k1n, k2n, k3n, v_n, g_n, b_n = k0a, k1a, k2a, k3a, v_a, g_a, b_a
-            k0, k1, k2, k3 = _tl_normalized(k0, k1, k2, k3, eps, 1.0)
+                k0a, k1a, k2a, k3a, v_a, g_a, b_a = _load_record_at(
+                    rk_at, rv_at, rg_at, rb_at, _ring_pos(at + c + 2, L), offs_c, mask_v, offs_v, *strides, K, KQ)
+            else:
+                k0n, k1n, k2n, k3n, v_n, g_n, b_n = _load_record_at(
+                    rk_at, rv_at, rg_at, rb_at, _ring_pos(at + c + 1, L), offs_c, mask_v, offs_v, *strides, K, KQ)
             S0, S1, S2, S3 = _tl_state_step(S0, S1, S2, S3, k0, k1, k2, k3, v, g, beta)
+            # The next record's key normalised after this step, in the step's block:
+            # its reductions interleave with the step's (sqrt_rn and div_rn end a
+            # block, so a norm at the loop's head would run alone).
+            k0n, k1n, k2n, k3n = _tl_normalized(k0n, k1n, k2n, k3n, eps, 1.0)
         return S0, S1, S2, S3
 
     @triton.jit
