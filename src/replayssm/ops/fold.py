@@ -175,12 +175,11 @@ if triton is not None:
         tile's parts. The records are read from pointers already at their (layer, slot,
         head) with per-position strides (:func:`_load_record_at`). Every exact replay (the
         fold, circular's flush and small-batch path) is this loop. Hand pipelining:
-        record c + ``AHEAD`` (1 or 2) loads during step c, and record c + 1's key is
-        normalised right after step c, so that its reductions interleave with the
-        step's rather than wait for its load. Which depth is faster depends on the
-        kernel around the loop (registers against exposed load latency), so it is the
-        caller's, from the shape table. The depth changes no number. Unused ring entries
-        may hold NaN: a record read past ``count`` is never stepped."""
+        record c + ``AHEAD`` (1 or 2) loads during step c (record c + 1's key is
+        normalised right after it, :func:`replay_tile`). Which depth is faster depends
+        on the kernel around the loop (registers against exposed load latency), so it is
+        the caller's, from the shape table. The depth changes no number. Unused ring
+        entries may hold NaN: a record read past ``count`` is never stepped."""
         S0, S1, S2, S3 = _tl_load_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ)
         return replay_tile(S0, S1, S2, S3, rk_at, rv_at, rg_at, rb_at, base, count, offs_c, offs_v, mask_v,
                            srk_pos, srv_pos, srg_pos, srb_pos, eps, K, L, KQ, AHEAD)
@@ -188,9 +187,18 @@ if triton is not None:
     @triton.jit
     def replay_tile(S0, S1, S2, S3, rk_at, rv_at, rg_at, rb_at, base, count, offs_c, offs_v, mask_v,
                     srk_pos, srv_pos, srg_pos, srb_pos, eps, K: tl.constexpr, L: tl.constexpr, KQ: tl.constexpr,
-                    AHEAD: tl.constexpr = 1):
+                    AHEAD: tl.constexpr = 1, NORM_AFTER: tl.constexpr = True):
         """:func:`replay_history` on a tile already loaded (its four parts): for a kernel
-        that loads the checkpoint before it knows whether the row replays."""
+        that loads the checkpoint before it knows whether the row replays.
+
+        ``NORM_AFTER``: record c + 1's key is normalised right after step c, in the
+        step's block, where its reductions interleave with the step's (sqrt_rn and
+        div_rn end a block, so a norm at the loop's head runs alone); off, each record's
+        key is normalised at the head of its own step. Which is faster depends on the
+        kernel around the loop: on (offline sm_90) circular's flush loop is 393 -> 381
+        instructions a record, and the flush and the fold ran 0-3% faster; ring
+        decoding's one launch (254 registers) ran 3-6% slower with it. It changes no
+        number."""
         # Ring positions in 32 bits (a position times its stride stays far below 2^31),
         # wrapped by a mask where L is a power of two; every position lies inside the
         # row's ring, so the loads need no validity masks: a record read past ``count``
@@ -203,7 +211,8 @@ if triton is not None:
         if AHEAD == 2:
             k0a, k1a, k2a, k3a, v_a, g_a, b_a = _load_record_at(rk_at, rv_at, rg_at, rb_at, _ring_pos(at + 1, L),
                                                                 offs_c, mask_v, offs_v, *strides, K, KQ)
-        k0n, k1n, k2n, k3n = _tl_normalized(k0n, k1n, k2n, k3n, eps, 1.0)
+        if NORM_AFTER:
+            k0n, k1n, k2n, k3n = _tl_normalized(k0n, k1n, k2n, k3n, eps, 1.0)
         for c in range(0, count):
             k0, k1, k2, k3, v, g, beta = k0n, k1n, k2n, k3n, v_n, g_n, b_n
             if AHEAD == 2:
@@ -213,24 +222,25 @@ if triton is not None:
             else:
                 k0n, k1n, k2n, k3n, v_n, g_n, b_n = _load_record_at(
                     rk_at, rv_at, rg_at, rb_at, _ring_pos(at + c + 1, L), offs_c, mask_v, offs_v, *strides, K, KQ)
+            if not NORM_AFTER:
+                k0, k1, k2, k3 = _tl_normalized(k0, k1, k2, k3, eps, 1.0)
             S0, S1, S2, S3 = _tl_state_step(S0, S1, S2, S3, k0, k1, k2, k3, v, g, beta)
-            # The next record's key normalised after this step, in the step's block:
-            # its reductions interleave with the step's (sqrt_rn and div_rn end a
-            # block, so a norm at the loop's head would run alone).
-            k0n, k1n, k2n, k3n = _tl_normalized(k0n, k1n, k2n, k3n, eps, 1.0)
+            if NORM_AFTER:
+                k0n, k1n, k2n, k3n = _tl_normalized(k0n, k1n, k2n, k3n, eps, 1.0)
         return S0, S1, S2, S3
 
     @triton.jit
     def replay_and_store_tile(S0, S1, S2, S3, ckpt_at, tile, rk_at, rv_at, rg_at, rb_at, base, count, offs_c, offs_v,
                               mask_v, srk_pos, srv_pos, srg_pos, srb_pos, eps, K: tl.constexpr, L: tl.constexpr,
-                              KQ: tl.constexpr, AHEAD: tl.constexpr, ROUND_STATE: tl.constexpr):
+                              KQ: tl.constexpr, AHEAD: tl.constexpr, ROUND_STATE: tl.constexpr,
+                              NORM_AFTER: tl.constexpr = True):
         """A flush inside another kernel: :func:`replay_tile` on a loaded checkpoint tile,
         the folded tile stored at ``ckpt_at + tile`` (this kernel's store, so the
         checkpoint is the fold's bit for bit), and the tile returned as stored (rounded
         to the checkpoint's dtype with ``ROUND_STATE``), which is where the caller's
         window or token starts from."""
         S0, S1, S2, S3 = replay_tile(S0, S1, S2, S3, rk_at, rv_at, rg_at, rb_at, base, count, offs_c, offs_v, mask_v,
-                                     srk_pos, srv_pos, srg_pos, srb_pos, eps, K, L, KQ, AHEAD)
+                                     srk_pos, srv_pos, srg_pos, srb_pos, eps, K, L, KQ, AHEAD, NORM_AFTER)
         _tl_store_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ, S0, S1, S2, S3)
         if ROUND_STATE:
             S0, S1, S2, S3 = _tl_as_stored(S0, S1, S2, S3, ckpt_at.dtype.element_ty)
