@@ -3,8 +3,9 @@
 For each launch of the chosen ops at Qwen3.5 shapes (``H=16, HV=32, K=V=128``) this
 prints the kernel, its tile constants, registers a thread and its stack frame (where
 spilled values go; both from ``cuobjdump -res-usage``), the blocked layouts Triton gave
-it, its layout conversions and its SASS instruction count (static; ``--sass`` adds a
-histogram). That is how BENCHMARKS.md's
+it, its layout conversions, its SASS instruction count (static; ``--sass`` adds a
+histogram) and the instructions of each loop's trip (a replay's per-record loop, the
+products' K pipeline). That is how BENCHMARKS.md's
 "offline sm_90" register counts are read, and how a table row or a kernel change can be
 checked for spills before device time is spent on it.
 
@@ -118,12 +119,25 @@ def compiled(kernel, sass: bool) -> dict:
         dump = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", cubin],
                               capture_output=True, text=True, check=True).stdout
     ops = [m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+ )?([A-Z0-9_]+)", dump)]
+    loops = _loops(dump)
     ttgir = kernel.asm["ttgir"]
     return dict(registers=int(re.search(r"REG:(\d+)", usage).group(1)),
                 stack_bytes=int(re.search(r"STACK:(\d+)", usage).group(1)),
                 layouts=sorted(set(re.findall(r"#ttg\.blocked<\{([^}]*)\}>", ttgir))),
-                conversions=ttgir.count("ttg.convert_layout"), instructions=len(ops),
+                conversions=ttgir.count("ttg.convert_layout"), instructions=len(ops), loops=loops,
                 histogram=Counter(ops).most_common(16) if sass else None)
+
+
+def _loops(dump: str) -> list[int]:
+    """Instructions of each loop body in a cuobjdump SASS listing, in order: from a
+    backward branch's target to the branch (16 bytes an instruction on sm_90). A loop's
+    trip costs its body's issue, so this is what a change to a per-record or per-token
+    loop moves."""
+    loops = []
+    for at, target in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+ )?BRA (?:\S+, )?0x([0-9a-f]+)", dump):
+        if int(target, 16) < int(at, 16):
+            loops.append((int(at, 16) - int(target, 16)) // 16 + 1)
+    return loops
 
 
 def _acts(n, act):
@@ -249,6 +263,8 @@ def main() -> int:
                                            "BT", "U", "BC"))
                 print(f"{label}: {name} [{consts}] {c['registers']} registers, {c['stack_bytes']} bytes of stack, "
                       f"{c['instructions']} SASS instructions, {c['conversions']} layout conversions")
+                if c["loops"]:
+                    print("    loops (instructions a trip): " + ", ".join(str(n) for n in c["loops"]))
                 for lay in c["layouts"]:
                     print(f"    layout {{{lay}}}")
                 if c["histogram"]:

@@ -65,3 +65,29 @@ def test_16_bit_tiles_take_the_fp32_layout(tmp_path):
     tiles = [x for x in lines if "sizePerThread = [1, 4], threadsPerWarp = [4, 8]" in x]
     assert len(launches) == 4 and len(tiles) == 4, out  # decode, fold verify, snapshot verify, fold commit
     assert "sizePerThread = [1, 8]" not in out, out
+
+
+def test_loops_are_read_from_backward_branches():
+    """A loop's trip is the instructions from a backward branch's target to the branch
+    (16 bytes each); forward branches are no loops."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        from offline_sm90 import _loops
+    finally:
+        sys.path.pop(0)
+    dump = "\n".join([
+        "        /*0100*/                   FFMA R1, R2, R3, R4 ;",
+        "        /*0110*/              @!P0 BRA 0x0150 ;",
+        "        /*0120*/                   FMUL R1, R2, R3 ;",
+        "        /*0130*/               @P0 BRA 0x0100 ;",
+        "        /*0140*/                   BRA 0x0120 ;",
+        "        /*0150*/                   EXIT ;",
+    ])
+    assert _loops(dump) == [4, 3]
+
+
+def test_reports_the_replay_loop(tmp_path):
+    """The fold kernel's record loop is reported, shorter than the kernel."""
+    line = next(x for x in offline(tmp_path, "--ops", "fold").splitlines() if "loops" in x)
+    trips = [int(n) for n in line.split(":")[1].split(",")]
+    assert len(trips) == 1 and 100 < trips[0] < 900
