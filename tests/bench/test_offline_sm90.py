@@ -69,12 +69,8 @@ def test_16_bit_tiles_take_the_fp32_layout(tmp_path):
 
 def test_loops_are_read_from_backward_branches():
     """A loop's trip is the instructions from a backward branch's target to the branch
-    (16 bytes each); forward branches are no loops."""
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        from offline_sm90 import _loops
-    finally:
-        sys.path.pop(0)
+    (16 bytes each); forward branches are no loops. (In a process of its own: importing
+    the script drops the interpreter flag that the rest of the suite runs under.)"""
     dump = "\n".join([
         "        /*0100*/                   FFMA R1, R2, R3, R4 ;",
         "        /*0110*/              @!P0 BRA 0x0150 ;",
@@ -83,7 +79,12 @@ def test_loops_are_read_from_backward_branches():
         "        /*0140*/                   BRA 0x0120 ;",
         "        /*0150*/                   EXIT ;",
     ])
-    assert _loops(dump) == [4, 3]
+    code = (f"import sys; sys.path.insert(0, {str(SCRIPT.parent)!r}); "
+            "from offline_sm90 import _loops; print(_loops(sys.stdin.read()))")
+    out = subprocess.run([sys.executable, "-c", code], input=dump, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(SCRIPT.parents[1] / "src")})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[4, 3]"
 
 
 def test_reports_the_replay_loop(tmp_path):
