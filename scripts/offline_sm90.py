@@ -146,12 +146,16 @@ def _acts(n, act):
                 dt_bias=torch.randn(HV) * 0.5)
 
 
+#: dtype of the rings' raw keys (``--ring-keys``; the pools' is the activations')
+RING_KEYS: dict = {"dtype": None}
+
+
 def _ring_case(batch, t, sdt, act):
     """Circular's buffers: random cursors and histories, about half the rows flushing."""
     from replayssm.ops import RawRecords
 
     x = _acts(batch * t, act)
-    ring = RawRecords(torch.randn(batch, L, H, K).to(act), torch.randn(batch, L, HV, V).to(act),
+    ring = RawRecords(torch.randn(batch, L, H, K).to(RING_KEYS["dtype"] or act), torch.randn(batch, L, HV, V).to(act),
                       -torch.rand(batch, L, HV) - 0.02, torch.rand(batch, L, HV))
     cursors = (torch.arange(batch, dtype=torch.int32), torch.arange(0, batch * t + 1, t, dtype=torch.int32),
                torch.randint(0, L - t + 1, (batch,), dtype=torch.int32), torch.randint(0, L, (batch,), dtype=torch.int32),
@@ -234,6 +238,8 @@ def main() -> int:
     p.add_argument("--tune", action="append", default=[], metavar="FAMILY.PARAM=VALUE",
                    help="override a shape-table entry (repeatable), as bench kernels --tune")
     p.add_argument("--sass", action="store_true", help="also print each kernel's 16 commonest SASS instructions")
+    p.add_argument("--ring-keys", choices=("act", "float32"), default="act",
+                   help="dtype of the rings' raw keys (default: the activations'; float32 keeps them exactly)")
     args = p.parse_args()
     if not triton.__version__.startswith("3.6"):
         print(f"note: Triton {triton.__version__}; the H200's is 3.6.0, whose counts BENCHMARKS.md quotes",
@@ -243,6 +249,7 @@ def main() -> int:
     if bad:
         p.error(f"--ops: unknown {bad}; known: {', '.join(OPS)}")
     install()
+    RING_KEYS["dtype"] = None if args.ring_keys == "act" else torch.float32
     import contextlib
 
     from replayssm.ops import tuning
