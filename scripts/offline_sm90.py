@@ -146,16 +146,13 @@ def _acts(n, act):
                 dt_bias=torch.randn(HV) * 0.5)
 
 
-#: dtype of the rings' raw keys (``--ring-keys``; the pools' is the activations')
-RING_KEYS: dict = {"dtype": None}
-
-
-def _ring_case(batch, t, sdt, act):
-    """Circular's buffers: random cursors and histories, about half the rows flushing."""
+def _ring_case(batch, t, sdt, act, keys=None):
+    """Circular's buffers: random cursors and histories, about half the rows flushing;
+    the ring's raw keys in ``keys`` (default: the activations' dtype, as a pool's)."""
     from replayssm.ops import RawRecords
 
     x = _acts(batch * t, act)
-    ring = RawRecords(torch.randn(batch, L, H, K).to(RING_KEYS["dtype"] or act), torch.randn(batch, L, HV, V).to(act),
+    ring = RawRecords(torch.randn(batch, L, H, K).to(keys or act), torch.randn(batch, L, HV, V).to(act),
                       -torch.rand(batch, L, HV) - 0.02, torch.rand(batch, L, HV))
     cursors = (torch.arange(batch, dtype=torch.int32), torch.arange(0, batch * t + 1, t, dtype=torch.int32),
                torch.randint(0, L - t + 1, (batch,), dtype=torch.int32), torch.randint(0, L, (batch,), dtype=torch.int32),
@@ -164,7 +161,8 @@ def _ring_case(batch, t, sdt, act):
     return x, ckpt, ring, torch.randn(batch, L, HV, V), cursors
 
 
-def run_op(op: str, batch: int, sdt: torch.dtype, act: torch.dtype) -> list[str]:
+def run_op(op: str, batch: int, sdt: torch.dtype, act: torch.dtype,
+           ring_keys: torch.dtype | None = None) -> list[str]:
     """Launch ``op``'s kernels once; return a label per launch."""
     from replayssm.ops import RawRecords, gdn_chunked_window, gdn_fold
     from replayssm.ops.recurrent import gdn_recurrence_triton
@@ -194,7 +192,7 @@ def run_op(op: str, batch: int, sdt: torch.dtype, act: torch.dtype) -> list[str]
                  torch.zeros(batch, dtype=torch.int32), torch.full((batch,), n, dtype=torch.int32), backend="triton")
         labels.append(f"fold commit, {n} records")
     elif op == "ring_decode":
-        x, ckpt, ring, ring_u, cursors = _ring_case(batch, 1, sdt, act)
+        x, ckpt, ring, ring_u, cursors = _ring_case(batch, 1, sdt, act, ring_keys)
         gdn_ring_decode(*x.values(), ckpt, ring, ring_u, *cursors, backend="triton")
         labels += [f"plain step through a ring of {L}"] * (len(LAUNCHES) - len(labels))
     elif op == "tree_recurrence":
@@ -213,7 +211,7 @@ def run_op(op: str, batch: int, sdt: torch.dtype, act: torch.dtype) -> list[str]
                                 method=method, backend="triton")
             labels.append(f"fold's verify of a 3,2,1 tree, {method}")
     elif op == "closed_form":
-        x, ckpt, ring, ring_u, cursors = _ring_case(batch, T, sdt, act)
+        x, ckpt, ring, ring_u, cursors = _ring_case(batch, T, sdt, act, ring_keys)
         gdn_chunked_window(*x.values(), ckpt, ring, ring_u, *cursors, max_len=T, method="closed_form", backend="triton")
         labels += [f"closed form T={T}, L={L}"] * (len(LAUNCHES) - len(labels))
     elif op == "conv_prefill":  # a prompt pass's causal conv: q|k|v channels, planar outputs, the state advanced
@@ -249,7 +247,6 @@ def main() -> int:
     if bad:
         p.error(f"--ops: unknown {bad}; known: {', '.join(OPS)}")
     install()
-    RING_KEYS["dtype"] = None if args.ring_keys == "act" else torch.float32
     import contextlib
 
     from replayssm.ops import tuning
@@ -262,7 +259,7 @@ def main() -> int:
         sdt, act = getattr(torch, args.state_dtype), getattr(torch, args.act_dtype)
         for op in ops:
             first = len(LAUNCHES)
-            labels = run_op(op, args.batch, sdt, act)
+            labels = run_op(op, args.batch, sdt, act, None if args.ring_keys == "act" else torch.float32)
             for (name, kw, kernel), label in zip(LAUNCHES[first:], labels):
                 c = compiled(kernel, args.sass)
                 consts = " ".join(f"{k}={v}" for k, v in kw.items()

@@ -195,15 +195,13 @@ if triton is not None:
         step's block, where its reductions interleave with the step's (sqrt_rn and
         div_rn end a block, so a norm at the loop's head runs alone); off, each record's
         key is normalised at the head of its own step. Which is faster depends on the
-        kernel around the loop: on (offline sm_90) circular's flush loop is 393 -> 381
-        instructions a record, and the flush and the fold ran 0-3% faster; ring
-        decoding's one launch (254 registers) ran 3-6% slower with it. It changes no
-        number."""
+        kernel around the loop, so it is the caller's (BENCHMARKS.md, "The exact
+        replay's loop in fewer instructions"). It changes no number."""
         # Ring positions in 32 bits (a position times its stride stays far below 2^31),
         # wrapped by a mask where L is a power of two; every position lies inside the
         # row's ring, so the loads need no validity masks: a record read past ``count``
         # is never stepped (the loop ends first), whatever it holds. (A signed 64-bit
-        # modulo and the masks cost ~30 instructions a record, on a loop bound by issue.)
+        # modulo and the masks were about 8% of the loop's instructions.)
         at = base.to(tl.int32)
         strides = (srk_pos, srv_pos, srg_pos, srb_pos)
         k0n, k1n, k2n, k3n, v_n, g_n, b_n = _load_record_at(rk_at, rv_at, rg_at, rb_at, _ring_pos(at, L), offs_c,
