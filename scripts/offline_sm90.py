@@ -212,9 +212,7 @@ def run_op(op: str, batch: int, sdt: torch.dtype, act: torch.dtype,
             labels.append(f"fold's verify of a 3,2,1 tree, {method}")
     elif op == "closed_form":
         x, ckpt, ring, ring_u, cursors = _ring_case(batch, T, sdt, act, ring_keys)
-        ready = torch.zeros(batch, HV, dtype=torch.int32)  # as circular's pool hands in (closed_form.dependent_launch)
-        gdn_chunked_window(*x.values(), ckpt, ring, ring_u, *cursors, max_len=T, method="closed_form",
-                           coef_ready=ready, backend="triton")
+        gdn_chunked_window(*x.values(), ckpt, ring, ring_u, *cursors, max_len=T, method="closed_form", backend="triton")
         labels += [f"closed form T={T}, L={L}"] * (len(LAUNCHES) - len(labels))
     elif op == "conv_prefill":  # a prompt pass's causal conv: q|k|v channels, planar outputs, the state advanced
         from replayssm.ops.conv import causal_conv_verify_triton

@@ -419,52 +419,6 @@ def test_short_tail_changes_no_bit(tail):
         check_against_reference(case, method="closed_form")
 
 
-def test_row_readiness_changes_no_bit_and_leaves_counters_zero():
-    """Each outputs program waiting for its own row's coefficients (the table's
-    ``closed_form.dependent_launch = 2`` with readiness counters): after the coefficient
-    kernel alone every live row's counters hold its readers (V = 20 in the
-    interpreter's 16-row blocks: 2 programs a value head) and every other slot's are
-    0; after the outputs kernel all are 0 again, and outputs, checkpoints, records and
-    ``u`` are those of the kernels in stream order, bit for bit (the interpreter runs
-    the two kernels in order, so no program spins: the GPU test covers the overlap)."""
-    case = _split_case()
-    ready = torch.zeros(case.checkpoint.shape[0], case.hv, dtype=torch.int32, device=DEVICE)
-    with tuning.override("closed_form", fuse_flush=1, split_flush=0, dependent_launch=0):
-        o0, ck0, ring0, u0 = case.run("triton", method="closed_form")
-    with tuning.override("closed_form", fuse_flush=1, split_flush=0, dependent_launch=2):
-        ckpt, ring, ring_u = case.buffers()
-        o1 = gdn_chunked_window(*case.inputs(), ckpt, ring, ring_u, *case.cursors(), max_len=case.t,
-                                method="closed_form", coef_ready=ready, backend="triton")
-        assert torch.equal(ready, torch.zeros_like(ready))
-        assert same(o0, o1) and same(ck0, ckpt) and same(u0, ring_u)
-        assert all(same(x, y) for x, y in zip(ring0, ring))
-
-        q, k, v, a, b, A_log, dt_bias = case.inputs()
-        slots, cu, wp, base, flush = case.cursors()
-        ckpt, ring, ring_u = case.buffers()
-        chunked_ops.launch_coefficients(q, k, a, b, A_log, dt_bias, ckpt, ring, slots, cu, wp, base, flush, case.t,
-                                        ready=ready, readers=2)
-    live = torch.zeros_like(ready)
-    live[[s for _, s in case.live_rows()]] = 2
-    assert torch.equal(ready, live)
-
-
-def test_coef_ready_is_validated():
-    """Readiness counters of the wrong dtype, shape or layout are refused by name before
-    anything runs."""
-    case = Case(2, 2, 24, 20, 3, 8)
-    ns = case.checkpoint.shape[0]
-    for bad in (torch.zeros(ns, case.hv, dtype=torch.int64, device=DEVICE),
-                torch.zeros(ns, case.hv + 1, dtype=torch.int32, device=DEVICE),
-                torch.zeros(case.hv, ns, dtype=torch.int32, device=DEVICE).t()):
-        for backend in ("reference", "triton"):
-            ckpt, ring, ring_u = case.buffers()
-            with pytest.raises((TypeError, ValueError), match="coef_ready"):
-                gdn_chunked_window(*case.inputs(), ckpt, ring, ring_u, *case.cursors(), max_len=case.t,
-                                   coef_ready=bad, backend=backend)
-            assert torch.equal(ckpt, case.checkpoint)
-
-
 def test_flush_rows_apart_touch_disjoint_rows():
     """Each of the two split kernels writes only its own rows (the GPU runs them side by
     side, so a row written by both would race): outputs start as NaN, and after the

@@ -48,7 +48,7 @@ def test_defaults_are_the_measured_values():
     assert tuning.lookup("ring_decode", **dict(at, state_dtype=BF16))["num_warps"] == 4
 
 
-@pytest.mark.parametrize("name,value", [("fuse_flush", 2), ("dependent_launch", 3), ("flush_records_ahead", 3), ("flush_records_ahead", 0),
+@pytest.mark.parametrize("name,value", [("fuse_flush", 2), ("dependent_launch", 2), ("flush_records_ahead", 3), ("flush_records_ahead", 0),
                                         ("early_tile", 2)])
 def test_closed_choices_are_checked(name, value):
     with pytest.raises(ValueError, match=name):

@@ -135,17 +135,6 @@ def check_cursors(num_slots: int, **cursors: torch.Tensor):
         _checks.shape(name, x, [num_slots])
 
 
-def check_coef_ready(coef_ready, checkpoint: torch.Tensor):
-    """``coef_ready``: ``None`` or the closed form's readiness counters, ``[num_slots,
-    HV]`` int32, contiguous, on the checkpoint's device."""
-    if coef_ready is None:
-        return
-    _checks.tensor("coef_ready", coef_ready, ndim=2, dtypes=(torch.int32,))
-    _checks.shape("coef_ready", coef_ready, [checkpoint.shape[0], checkpoint.shape[1]])
-    _checks.same_device(checkpoint, coef_ready=coef_ready)
-    _checks.contiguous(coef_ready=coef_ready)
-
-
 def check_ring_state_args(
     q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, *, state_dtypes, u_dtypes, **cursors,
 ) -> tuple[int, int, int]:
@@ -212,7 +201,6 @@ def gdn_chunked_window_reference(
     *,
     max_len: int | None = None,
     method: str | None = None,
-    coef_ready: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Outputs of a packed batch of windows in closed form, writing their records.
 
@@ -231,11 +219,6 @@ def gdn_chunked_window_reference(
             how the Triton op computes the window (see :data:`METHODS`). Validated
             here; this reference always evaluates the closed form, which both methods
             match to rounding (the committed states they leave are identical).
-        coef_ready: ``None`` or ``[num_slots, HV]`` int32 counters, all zero, that
-            the Triton closed form may use to start each row's outputs as soon as its
-            own coefficients are ready (the shape table's
-            ``closed_form.dependent_launch``); it leaves them zero. Validated here;
-            this reference runs in order and does not touch them.
 
     Returns:
         ``o``: ``[N, HV, V]`` in the dtype of ``v``; padding rows are zero.
@@ -245,7 +228,6 @@ def gdn_chunked_window_reference(
         q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos, cache_base, is_flush,
         max_len, state_dtypes=(torch.float32, torch.bfloat16, torch.float64), u_dtypes=(torch.float32, torch.float64),
     )
-    check_coef_ready(coef_ready, checkpoint)
     hv, vd = v.shape[1], v.shape[2]
     cu, sl = check_varlen(cu_seqlens, slots, n, ns, L if max_len is None else max_len)
     wp_all, base_all, flush_all = write_pos.tolist(), cache_base.tolist(), is_flush.tolist()
@@ -300,7 +282,6 @@ def gdn_chunked_window(
     *,
     max_len: int | None = None,
     method: str | None = None,
-    coef_ready: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
     """``circular``'s verify of a batch of windows: outputs ``o [N, HV, V]`` in closed
@@ -313,8 +294,7 @@ def gdn_chunked_window(
     fallback).
     """
     return pick("chunked", backend, q)(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens,
-                                       write_pos, cache_base, is_flush, max_len=max_len, method=method,
-                                       coef_ready=coef_ready)
+                                       write_pos, cache_base, is_flush, max_len=max_len, method=method)
 
 
 def tree_gates(g: torch.Tensor, parents: list[int]) -> torch.Tensor:
@@ -459,7 +439,6 @@ def gdn_tree_verify_reference(
     *,
     max_len: int | None = None,
     method: str | None = None,
-    coef_ready: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``circular``'s verify of a batch of draft trees: the window op
     (:func:`gdn_chunked_window_reference`) with the trees' ancestor mask.
@@ -482,7 +461,6 @@ def gdn_tree_verify_reference(
         max_len: ``T``, the pool's window (``N <= T``); ``None`` bounds ``N`` by the ring.
         method: the Triton version's choice of kernels (:func:`gdn_tree_verify_triton`);
             the reference has one method and only checks the name.
-        coef_ready: as for :func:`gdn_chunked_window_reference` (validated, untouched).
 
     Returns:
         ``o``: ``[B * N, HV, V]`` in the dtype of ``v``; padded nodes and padding
@@ -493,7 +471,6 @@ def gdn_tree_verify_reference(
         q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, state_dtypes=(torch.float32, torch.bfloat16, torch.float64),
         u_dtypes=(torch.float32, torch.float64), write_pos=write_pos, cache_base=cache_base, is_flush=is_flush,
     )
-    check_coef_ready(coef_ready, checkpoint)
     if not isinstance(trees, DraftTrees):
         raise TypeError(f"trees must be a DraftTrees, got {type(trees).__name__}")
     nn = trees.max_nodes
@@ -532,7 +509,7 @@ def gdn_tree_verify_reference(
 
 def gdn_tree_verify(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, write_pos, cache_base, is_flush,
                     trees, *, max_len: int | None = None, method: str | None = None,
-                    coef_ready: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
+                    backend: str = "auto") -> torch.Tensor:
     """``circular``'s verify of draft trees: outputs ``o [B * N, HV, V]`` in closed form
     with the ancestor mask, the nodes' records written after the history. Arguments,
     shapes and results: :func:`gdn_tree_verify_reference`.
@@ -540,8 +517,7 @@ def gdn_tree_verify(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slo
     ``backend``: ``"reference"``, ``"triton"`` or ``"auto"``.
     """
     return pick("chunked_tree", backend, q)(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, write_pos,
-                                            cache_base, is_flush, trees, max_len=max_len, method=method,
-                                            coef_ready=coef_ready)
+                                            cache_base, is_flush, trees, max_len=max_len, method=method)
 
 
 # --------------------------------------------------------------------------- Triton
@@ -667,13 +643,12 @@ if triton is not None:
     @triton.jit
     def _coefficients_kernel(
         q_ptr, k_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, rk_ptr, rg_ptr, rb_ptr,
-        slots_ptr, cu_ptr, wp_ptr, base_ptr, flush_ptr, coef_ptr, anc_ptr, nodes_ptr, ready_ptr,
+        slots_ptr, cu_ptr, wp_ptr, base_ptr, flush_ptr, coef_ptr, anc_ptr, nodes_ptr,
         stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_a_tok, stride_b_tok,
-        scale, eps, readers,
+        scale, eps,
         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, L: tl.constexpr, LOG_T: tl.constexpr, BT: tl.constexpr,
         BH: tl.constexpr, BK: tl.constexpr, VH: tl.constexpr, DOT_PRECISION: tl.constexpr,
         TREE: tl.constexpr = False, TN: tl.constexpr = 1, LAUNCH_DEPENDENTS: tl.constexpr = False,
-        SIGNAL_READY: tl.constexpr = False,
     ):
         """Grid ``(windows, HV / VH)``: the coefficients ``coef [B, HV, 2 BX + BH, BX]`` (rows:
         C1, Z, D) of ``VH`` value heads of one key head (GQA: they share the normalised
@@ -690,10 +665,7 @@ if triton is not None:
 
         With ``LAUNCH_DEPENDENTS`` the outputs kernel, launched as this one's programmatic
         dependent, may start as soon as every program here has: its checkpoint pass
-        overlaps this kernel's chain (:func:`launch_closed_form`). With ``SIGNAL_READY``
-        each value head's coefficients, once stored, set its slot's readiness counter
-        ``ready_ptr [slots, HV]`` to ``readers``, the outputs programs that read them
-        (:func:`_release_ready`), so that each of those waits for its own row only."""
+        overlaps this kernel's chain (:func:`launch_closed_form`)."""
         if LAUNCH_DEPENDENTS:
             tl.extra.cuda.gdc_launch_dependents()
         i_b = tl.program_id(0)
@@ -747,33 +719,6 @@ if triton is not None:
                 _head_coefficients(a_at, b_at, A_log_ptr, dt_bias_ptr, rg_ptr, rb_ptr, coef_ptr, i_b, hv0 + j,
                                    P, HX, r_x, offs_x, is_k, is_q, tok, x_ok, xk_ok, xq_ok, eye, pair, on_path, offs_h,
                                    hist, rec_h, rec_w, HV, LOG_T, BT, BH, TREE)
-                if SIGNAL_READY:
-                    _release_ready(ready_ptr + slot * HV + hv0 + j, readers)
-
-    # Per-row readiness (the shape table's closed_form.dependent_launch = 2). The outputs
-    # kernel, as the coefficient kernel's programmatic dependent, starts once every
-    # coefficient program has started, so every producer it may wait for is resident or
-    # done and a spinning consumer cannot starve one. A counter per (slot, value head)
-    # holds how many outputs programs have yet to read that head's coefficients: its
-    # producer sets it to that number, each reader waits for it to be non-zero and takes
-    # one off, so the last read leaves it 0 for the next launch, with no reset kernel.
-
-    @triton.jit
-    def _release_ready(at, readers):
-        """Publish the coefficients this program stored: every lane's stores reach the
-        barrier, then one release store of the readers' count (a release at GPU scope
-        after a CTA barrier orders the whole program's stores before it)."""
-        tl.debug_barrier()
-        tl.atomic_xchg(at, readers, sem="release", scope="gpu")
-
-    @triton.jit
-    def _acquire_ready(at):
-        """Wait until the coefficients behind counter ``at`` are published (an acquire
-        orders this program's later loads after their stores), then count this reader
-        off."""
-        while tl.atomic_add(at, 0, sem="acquire", scope="gpu") == 0:
-            pass
-        tl.atomic_add(at, -1, sem="relaxed", scope="gpu")
 
     @triton.jit
     def _head_coefficients(a_at, b_at, A_log_ptr, dt_bias_ptr, rg_ptr, rb_ptr, coef_ptr, i_b, i_hv,
@@ -904,7 +849,7 @@ if triton is not None:
     def _window_row(
         i_v, i_b, i_hv,
         q_ptr, k_ptr, v_ptr, ckpt_ptr, rk_ptr, rv_ptr, rg_ptr, rb_ptr, ru_ptr,
-        slots_ptr, cu_ptr, wp_ptr, base_ptr, flush_ptr, coef_ptr, o_ptr, nodes_ptr, ready_ptr,
+        slots_ptr, cu_ptr, wp_ptr, base_ptr, flush_ptr, coef_ptr, o_ptr, nodes_ptr,
         stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, eps,
         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
         BT: tl.constexpr, BTC: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr, BV: tl.constexpr,
@@ -926,11 +871,9 @@ if triton is not None:
         while the cursors load, and a row that does not flush multiplies the parts as
         they are (no pipelined pass over K after the cursors). ``TREE``: tokens past
         ``nodes_ptr[i_b]`` are a tree's padded nodes: read by nothing, zero outputs, no
-        records (the tree lives in the coefficients). ``WAIT_COEF``: how the program waits
-        for its coefficients before it reads ``coef``: ``""`` not at all (the kernels run
-        in stream order), ``"grid"`` for the coefficient kernel's end (the kernel runs as
-        its programmatic dependent), ``"row"`` for its own row's readiness counter
-        ``ready_ptr [slots, HV]`` (:func:`_acquire_ready`; as a dependent or not)."""
+        records (the tree lives in the coefficients). ``WAIT_COEF``: the kernel runs as
+        the coefficient kernel's programmatic dependent and waits for its end before
+        reading ``coef``."""
         BX: tl.constexpr = 2 * BT
         BXC: tl.constexpr = 2 * BTC  # the coefficient kernel's stacked window (BTC <= BT)
         KQ: tl.constexpr = BK // 4
@@ -1015,25 +958,20 @@ if triton is not None:
                 rec_w = ring_at + (base + wp + tok) % L
                 # The coefficients were computed on the coefficient kernel's stacked window
                 # of 2 BTC rows: row r of this one is its row cx(r); the rest are zero.
-                # Everything above may overlap the coefficient kernel: it reads nothing
-                # that kernel writes (its records are the window's, past the history:
-                # ops/cursors.py), and writes nothing it reads (the flush rows'
-                # checkpoints). From here on it reads the coefficients and writes the
-                # window's records.
-                if WAIT_COEF == "grid":
+                if WAIT_COEF:
+                    # Everything above overlapped the coefficient kernel: it reads nothing
+                    # that kernel writes (its records are the window's, past the history:
+                    # ops/cursors.py), and writes nothing it reads (the flush rows'
+                    # checkpoints). From here on it reads the coefficients and writes the
+                    # window's records.
                     tl.extra.cuda.gdc_wait()
-                elif WAIT_COEF == "row":
-                    _acquire_ready(ready_ptr + slot * HV + i_hv)
                 cx = tok + tl.where(is_q, BTC, 0)
                 c_ok = tok < BTC
                 coef_at = coef_ptr + (i_b * HV + i_hv) * ((2 * BXC + BH) * BXC)
-                # From L2 (.cg): another SM's program may have stored them during this launch.
-                C1 = tl.load(coef_at + cx[:, None] * BXC + cx[None, :], mask=c_ok[:, None] & c_ok[None, :], other=0.0,
-                             cache_modifier=".cg")
-                Z = tl.load(coef_at + (BXC + offs_h[:, None]) * BXC + cx[None, :], mask=c_ok[None, :], other=0.0,
-                            cache_modifier=".cg")
+                C1 = tl.load(coef_at + cx[:, None] * BXC + cx[None, :], mask=c_ok[:, None] & c_ok[None, :], other=0.0)
+                Z = tl.load(coef_at + (BXC + offs_h[:, None]) * BXC + cx[None, :], mask=c_ok[None, :], other=0.0)
                 D = tl.load(coef_at + (BXC + BH + cx[:, None]) * BXC + cx[None, :],
-                            mask=c_ok[:, None] & c_ok[None, :], other=0.0, cache_modifier=".cg")
+                            mask=c_ok[:, None] & c_ok[None, :], other=0.0)
                 # (Unused ring entries may hold NaN: masked loads give 0 instead.)
                 u_h = tl.load(ru_ptr + (rec_h[None, :] * HV + i_hv) * V + offs_v[:, None],
                               mask=mask_v[:, None] & hist[None, :], other=0.0)
@@ -1057,13 +995,13 @@ if triton is not None:
     @triton.jit
     def _window_outputs_kernel(
         q_ptr, k_ptr, v_ptr, ckpt_ptr, rk_ptr, rv_ptr, rg_ptr, rb_ptr, ru_ptr,
-        slots_ptr, cu_ptr, wp_ptr, base_ptr, flush_ptr, coef_ptr, o_ptr, nodes_ptr, ready_ptr,
+        slots_ptr, cu_ptr, wp_ptr, base_ptr, flush_ptr, coef_ptr, o_ptr, nodes_ptr,
         stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, eps, batch, tail,
         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
         BT: tl.constexpr, BTC: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr, BV: tl.constexpr,
         DOT_PRECISION: tl.constexpr, COEF_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
         FUSE_FLUSH: tl.constexpr, ROUND_STATE: tl.constexpr, AHEAD: tl.constexpr, TREE: tl.constexpr = False,
-        WAIT_COEF: tl.constexpr = "", EARLY_TILE: tl.constexpr = False, FLUSH_ROWS: tl.constexpr = True,
+        WAIT_COEF: tl.constexpr = False, EARLY_TILE: tl.constexpr = False, FLUSH_ROWS: tl.constexpr = True,
         SHORT_TAIL: tl.constexpr = False, BB: tl.constexpr = 1,
     ):
         """Grid ``(V blocks, windows, HV)``: every row's window (``FLUSH_ROWS``) or every
@@ -1082,7 +1020,7 @@ if triton is not None:
             i_hv = tl.program_id(2)
         _window_row(tl.program_id(0), i_b, i_hv,
                     q_ptr, k_ptr, v_ptr, ckpt_ptr, rk_ptr, rv_ptr, rg_ptr, rb_ptr, ru_ptr,
-                    slots_ptr, cu_ptr, wp_ptr, base_ptr, flush_ptr, coef_ptr, o_ptr, nodes_ptr, ready_ptr,
+                    slots_ptr, cu_ptr, wp_ptr, base_ptr, flush_ptr, coef_ptr, o_ptr, nodes_ptr,
                     stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, eps,
                     H, HV, K, V, L, BT, BTC, BH, BK, KC, BV, DOT_PRECISION, COEF_PRECISION, NUM_STAGES,
                     FUSE_FLUSH, ROUND_STATE, AHEAD, TREE, WAIT_COEF, EARLY_TILE, FLUSH_ROWS, True)
@@ -1090,12 +1028,12 @@ if triton is not None:
     @triton.jit
     def _window_flush_kernel(
         q_ptr, k_ptr, v_ptr, ckpt_ptr, rk_ptr, rv_ptr, rg_ptr, rb_ptr, ru_ptr,
-        slots_ptr, cu_ptr, wp_ptr, base_ptr, flush_ptr, coef_ptr, o_ptr, nodes_ptr, ready_ptr,
+        slots_ptr, cu_ptr, wp_ptr, base_ptr, flush_ptr, coef_ptr, o_ptr, nodes_ptr,
         stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, eps, batch,
         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
         BT: tl.constexpr, BTC: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr, BV: tl.constexpr,
         BB: tl.constexpr, DOT_PRECISION: tl.constexpr, COEF_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
-        ROUND_STATE: tl.constexpr, AHEAD: tl.constexpr, WAIT_COEF: tl.constexpr = "",
+        ROUND_STATE: tl.constexpr, AHEAD: tl.constexpr, WAIT_COEF: tl.constexpr = False,
     ):
         """A few programs that walk the (V block, value head) items of the rows that fold
         (a chain's windows; ``BB >= batch``): the walk of
@@ -1110,7 +1048,7 @@ if triton is not None:
             i_b = tl.sum((before <= j).to(tl.int32), 0)  # the j-th row that folds (from 0): j rows before it
             _window_row(t % NV, i_b, (t % (HV * NV)) // NV,
                         q_ptr, k_ptr, v_ptr, ckpt_ptr, rk_ptr, rv_ptr, rg_ptr, rb_ptr, ru_ptr,
-                        slots_ptr, cu_ptr, wp_ptr, base_ptr, flush_ptr, coef_ptr, o_ptr, nodes_ptr, ready_ptr,
+                        slots_ptr, cu_ptr, wp_ptr, base_ptr, flush_ptr, coef_ptr, o_ptr, nodes_ptr,
                         stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, eps,
                         H, HV, K, V, L, BT, BTC, BH, BK, KC, BV, DOT_PRECISION, COEF_PRECISION, NUM_STAGES,
                         True, ROUND_STATE, AHEAD, False, WAIT_COEF, True, True, False)
@@ -1325,14 +1263,12 @@ def launch_flush(checkpoint, ring, slots, write_pos, cache_base, is_flush) -> No
 
 def launch_coefficients(q, k, a, b, A_log, dt_bias, checkpoint, ring, slots, cu_seqlens, write_pos, cache_base,
                         is_flush, max_len: int, tree: DeviceTrees | None = None, *,
-                        dependent: bool = False, ready: torch.Tensor | None = None, readers: int = 0) -> torch.Tensor:
+                        dependent: bool = False) -> torch.Tensor:
     """Launch the closed form's coefficient kernel on validated arguments; return the
     coefficients ``[B, HV, 2 BX + BH, BX]`` (float32). It writes the window's raw keys
     and gates to the ring. With ``tree`` the windows are those draft trees (the
     kernel's ``TREE``); with ``dependent`` it lets the next launch, the outputs kernel
-    as a programmatic dependent, start early; with ``ready`` (``[slots, HV]`` int32
-    counters, all 0) it sets each row's counter to ``readers`` once that row's
-    coefficients are stored (the outputs kernel's ``WAIT_COEF="row"``)."""
+    as a programmatic dependent, start early."""
     h, kd = q.shape[1], q.shape[2]
     _, hv, vd, _ = checkpoint.shape
     batch = slots.shape[0]
@@ -1346,21 +1282,18 @@ def launch_coefficients(q, k, a, b, A_log, dt_bias, checkpoint, ring, slots, cu_
         q, k, a, b, A_log, dt_bias, ring.k, ring.g, ring.beta,
         slots, cu_seqlens, write_pos, cache_base, is_flush, coef,
         slots if tree is None else tree.ancestor_bits, slots if tree is None else tree.num_nodes,
-        slots if ready is None else ready,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), a.stride(0), b.stride(0),
-        kd**-0.5, NORM_EPS, readers,
+        kd**-0.5, NORM_EPS,
         H=h, HV=hv, K=kd, L=ring.ring_len, LOG_T=max(1, (max_len - 1).bit_length()), BT=bt, BH=bh,
         BK=exact_block_k(kd), VH=vh, DOT_PRECISION=product_precision(q.dtype),
         TREE=tree is not None, TN=1 if tree is None else tree.parents.shape[1], LAUNCH_DEPENDENTS=dependent,
-        SIGNAL_READY=ready is not None,
         num_warps=cfg["coef_warps"], **register_cap(cfg["coef_max_registers"], q.device),
     )
     return coef
 
 
 def _outputs_launch(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos, cache_base, is_flush, coef, o,
-                    max_len: int, tree: DeviceTrees | None, cfg: dict,
-                    ready: torch.Tensor | None = None) -> tuple[tuple, dict]:
+                    max_len: int, tree: DeviceTrees | None, cfg: dict) -> tuple[tuple, dict]:
     """The arguments and constexprs that the outputs kernel and the flush rows' kernel
     share."""
     kd, vd = q.shape[2], v.shape[2]
@@ -1368,7 +1301,6 @@ def _outputs_launch(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, write_
     bk = exact_block_k(kd)
     args = (q, k, v, checkpoint, ring.k, ring.v, ring.g, ring.beta, ring_u,
             slots, cu_seqlens, write_pos, cache_base, is_flush, coef, o, slots if tree is None else tree.num_nodes,
-            slots if ready is None else ready,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), NORM_EPS)
     common = dict(H=q.shape[1], HV=v.shape[1], K=kd, V=vd, L=ring.ring_len, BT=bt, BTC=_coefficient_block(max_len),
                   BH=bh, BK=bk, KC=max(16, min(cfg["k_chunk"], bk)), DOT_PRECISION=product_precision(q.dtype),
@@ -1380,8 +1312,7 @@ def _outputs_launch(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, write_
 
 def launch_window_outputs(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos, cache_base, is_flush, coef,
                           o, max_len: int, *, fuse_flush: bool | None = None, tree: DeviceTrees | None = None,
-                          dependent: bool = False, flush_rows: bool = True,
-                          ready: torch.Tensor | None = None) -> None:
+                          dependent: bool = False, flush_rows: bool = True) -> None:
     """Launch the closed form's outputs kernel (outputs and corrected deltas from the
     checkpoint and ``coef``) on validated arguments; ``fuse_flush``: whether it folds the
     flush rows itself (default: :func:`fuses_flush`); ``dependent``: launch it as the
@@ -1389,26 +1320,20 @@ def launch_window_outputs(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, 
     been launched with ``dependent`` too, and on a device where
     :func:`~replayssm.ops.triton_common.dependent_launch` holds); ``flush_rows=False``:
     it leaves the rows that fold to :func:`launch_window_flush` (a chain's windows, on
-    heads where :func:`fuses_flush` may hold); ``ready``: each program waits for its own
-    row's readiness counter (set by :func:`launch_coefficients` with the same counters
-    and :func:`outputs_block_v`'s V blocks as ``readers``) instead of the coefficient
-    kernel's end (with ``flush_rows`` only: every row's programs must read)."""
+    heads where :func:`fuses_flush` may hold)."""
     hv, vd = v.shape[1], v.shape[2]
     batch = slots.shape[0]
-    if ready is not None and not flush_rows:
-        raise ValueError("ready needs flush_rows: every row's programs count themselves off")
     cfg = tuning.lookup("closed_form", K=q.shape[2], V=vd, state_dtype=checkpoint.dtype, batch=batch)
     args, common = _outputs_launch(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos, cache_base,
-                                   is_flush, coef, o, max_len, tree, cfg, ready)
-    bv = outputs_block_v(q.shape[2], vd, hv, checkpoint.dtype, batch, q.device)
+                                   is_flush, coef, o, max_len, tree, cfg)
+    bv = block_rows(vd, batch * hv, q.device, cfg["block_v"], least=16)
     fuse = fuses_flush(q.shape[2], vd, checkpoint.dtype, batch, q.device) if fuse_flush is None else fuse_flush
     fold_here = fuse and flush_rows
     # Short programs last (the folding rows' are the longest: a chain of exact steps),
     # where those are among the programs of this launch.
     tail = cfg["short_tail"] if fold_here else 0
     _window_outputs_kernel[(triton.cdiv(vd, bv), hv, batch) if tail else (triton.cdiv(vd, bv), batch, hv)](
-        *args, batch, tail, **common, BV=bv, FUSE_FLUSH=fold_here, TREE=tree is not None,
-        WAIT_COEF="row" if ready is not None else "grid" if dependent else "",
+        *args, batch, tail, **common, BV=bv, FUSE_FLUSH=fold_here, TREE=tree is not None, WAIT_COEF=dependent,
         EARLY_TILE=(fold_here or (not flush_rows and _four_parts_ok(q.shape[2], q.device))) and bool(cfg["early_tile"]),
         FLUSH_ROWS=flush_rows, SHORT_TAIL=tail > 0, BB=triton.next_power_of_2(batch) if tail else 1,
         # A fused flush is an exact replay: warps that keep the exact kernels' layout of
@@ -1434,17 +1359,8 @@ def launch_window_flush(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, wr
     fbv = max(16, min(cfg["flush_block_v"], triton.next_power_of_2(vd)))
     programs = min(cfg["flush_programs"] * sm_count(q.device), batch * hv * triton.cdiv(vd, fbv))
     _window_flush_kernel[(programs,)](
-        *args, batch, **common, BV=fbv, BB=triton.next_power_of_2(batch), WAIT_COEF="grid" if dependent else "",
+        *args, batch, **common, BV=fbv, BB=triton.next_power_of_2(batch), WAIT_COEF=dependent,
         num_warps=exact_warps(cfg["num_warps"], fbv), **({"launch_pdl": True} if dependent else {}))
-
-
-def outputs_block_v(kd: int, vd: int, hv: int, state_dtype: torch.dtype, batch: int, device: torch.device) -> int:
-    """Rows of V per program of the outputs kernel, from the shape table's
-    ``closed_form.block_v`` (:func:`~replayssm.ops.triton_common.block_rows`): its
-    ``ceil(V / rows)`` programs per (row, value head) are how many read that head's
-    coefficients."""
-    cfg = tuning.lookup("closed_form", K=kd, V=vd, state_dtype=state_dtype, batch=batch)
-    return block_rows(vd, batch * hv, device, cfg["block_v"], least=16)
 
 
 def _four_parts_ok(kd: int, device: torch.device) -> bool:
@@ -1478,8 +1394,7 @@ def _coefficient_block(max_len: int) -> int:
 
 
 def launch_closed_form(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos,
-                       cache_base, is_flush, o, max_len: int, tree: DeviceTrees | None = None,
-                       coef_ready: torch.Tensor | None = None) -> None:
+                       cache_base, is_flush, o, max_len: int, tree: DeviceTrees | None = None) -> None:
     """Launch the closed form (flush unless the outputs kernel fuses it, coefficients,
     outputs) on validated arguments; ``tree``: the windows are these draft trees.
 
@@ -1489,11 +1404,6 @@ def launch_closed_form(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, 
     checkpoint (and fold their flush rows), and wait only before they read the
     coefficients. The coefficient kernel is one wave of short programs, a dependent
     chain rather than bytes, so this hides it behind the first wave of the outputs.
-    With ``closed_form.dependent_launch = 2`` and ``coef_ready`` (validated ``[slots,
-    HV]`` int32 counters, all 0, left 0), each outputs program waits for its own row's
-    coefficients instead of the coefficient kernel's end: at large batch that kernel
-    is several waves, and the resident outputs programs no longer idle through its
-    last one. Without ``coef_ready`` it waits for the kernel's end, as with 1.
 
     ``closed_form.split_flush`` (a chain's fused flush): the rows that fold run in a
     kernel of their own (:func:`launch_window_flush`) beside the outputs kernel compiled
@@ -1507,18 +1417,13 @@ def launch_closed_form(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, 
     cfg = tuning.lookup("closed_form", K=q.shape[2], V=v.shape[2], state_dtype=checkpoint.dtype, batch=batch)
     dependent = bool(cfg["dependent_launch"]) and dependent_launch(q.device)
     split = cfg["split_flush"] if fuse and tree is None else 0
-    # Per-row readiness needs one outputs launch that reads every row (no split): each
-    # counter then has exactly its V blocks' programs as readers.
-    ready = coef_ready if cfg["dependent_launch"] == 2 and not split else None
-    readers = triton.cdiv(v.shape[2], outputs_block_v(q.shape[2], v.shape[2], v.shape[1], checkpoint.dtype, batch,
-                                                      q.device))
     if not fuse:
         launch_flush(checkpoint, ring, slots, write_pos, cache_base, is_flush)
     coef = launch_coefficients(q, k, a, b, A_log, dt_bias, checkpoint, ring, slots, cu_seqlens, write_pos, cache_base,
-                               is_flush, max_len, tree=tree, dependent=dependent, ready=ready, readers=readers)
+                               is_flush, max_len, tree=tree, dependent=dependent)
     window = (q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos, cache_base, is_flush, coef, o, max_len)
     if not split:
-        launch_window_outputs(*window, fuse_flush=fuse, tree=tree, dependent=dependent, ready=ready)
+        launch_window_outputs(*window, fuse_flush=fuse, tree=tree, dependent=dependent)
         return
     side = side_stream(q.device) if split >= 2 and q.device.type == "cuda" else None
     if side is not None:
@@ -1627,7 +1532,6 @@ def gdn_chunked_window_triton(
     *,
     max_len: int | None = None,
     method: str | None = None,
-    coef_ready: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`gdn_chunked_window_reference` (same arguments and results).
 
@@ -1664,7 +1568,6 @@ def gdn_chunked_window_triton(
         raise ValueError("max_len is required by the triton backend: pass the pool's window")
     slots, cu_seqlens, n = check_triton_window_call(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots,
                                                     cu_seqlens, write_pos, cache_base, is_flush, max_len)
-    check_coef_ready(coef_ready, checkpoint)
     if max_len > MAX_WINDOW_TRITON:
         raise ValueError(f"max_len must be at most {MAX_WINDOW_TRITON} for the triton backend, got {max_len}")
     o = torch.empty(n, v.shape[1], v.shape[2], dtype=v.dtype, device=v.device)
@@ -1678,7 +1581,7 @@ def gdn_chunked_window_triton(
                              cache_base, is_flush, o, max_len)
         return o
     launch_closed_form(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos,
-                       cache_base, is_flush, o, max_len, coef_ready=coef_ready)
+                       cache_base, is_flush, o, max_len)
     return o
 
 
@@ -1697,8 +1600,7 @@ def tree_cu_seqlens(batch: int, nodes: int, device) -> torch.Tensor:
 
 @register("chunked_tree", "triton")
 def gdn_tree_verify_triton(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, write_pos, cache_base,
-                           is_flush, trees, *, max_len: int | None = None, method: str | None = None,
-                           coef_ready: torch.Tensor | None = None) -> torch.Tensor:
+                           is_flush, trees, *, max_len: int | None = None, method: str | None = None) -> torch.Tensor:
     """Triton version of :func:`gdn_tree_verify_reference` (same arguments and results).
     Limits as :func:`gdn_chunked_window_triton`'s (``max_len`` required, at most
     :data:`MAX_WINDOW_TRITON`); the flush is the same fold.
@@ -1739,7 +1641,6 @@ def gdn_tree_verify_triton(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring
         checkpoint=checkpoint, ring_u=ring_u, write_pos=write_pos, cache_base=cache_base, is_flush=is_flush,
         **{f"ring.{f}": getattr(ring, f) for f in ring._fields},
     )
-    check_coef_ready(coef_ready, checkpoint)
     o = torch.empty(n, v.shape[1], v.shape[2], dtype=v.dtype, device=v.device)
     if slots.shape[0] == 0:
         return o
@@ -1753,5 +1654,5 @@ def gdn_tree_verify_triton(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring
                            is_flush, o, tree)
         return o
     launch_closed_form(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu, write_pos, cache_base,
-                       is_flush, o, max_len, tree=tree, coef_ready=coef_ready)
+                       is_flush, o, max_len, tree=tree)
     return o

@@ -57,10 +57,8 @@ PARAMS = {
     # the flush tile height then is the outputs kernel's) or a fold launch runs first (0),
     # and the flush's record prefetch depth (as exact_write.records_ahead). And whether
     # the outputs kernel is launched as the coefficient kernel's programmatic dependent
-    # where the GPU allows it (1: it overlaps the coefficients and waits for their
-    # kernel's end; 2: each program waits for its own row's coefficients only, where
-    # the caller hands in readiness counters; ops/chunked.py launch_closed_form) or
-    # after it (0), and a cap on the outputs kernel's registers
+    # where the GPU allows it (1: it overlaps the coefficients; ops/chunked.py
+    # launch_closed_form) or after it (0), and a cap on the outputs kernel's registers
     # per thread on CUDA (0: the compiler's choice; a cap trades spills for programs
     # per SM). ``early_tile`` (with fuse_flush): every row loads its whole checkpoint
     # tile into registers before its cursors (1: the loads overlap the cursors' and
@@ -130,7 +128,7 @@ _MAY_BE_ZERO = ("replay_max_batch", "tree_replay_max_paths", "path_max_paths",
 #: Parameters with a closed set of values (by name, or ``family.name`` for one family).
 _CHOICES = {"tf32_coefficients": (0, 1), "dot_products": (0, 1), "fuse_flush": (0, 1), "records_ahead": (1, 2),
             "flush_records_ahead": (1, 2),
-            "early_tile": (0, 1), "dependent_launch": (0, 1, 2), "load_ahead": (0, 1),
+            "early_tile": (0, 1), "dependent_launch": (0, 1), "load_ahead": (0, 1),
             "ring_decode.split_flush": (0, 1, 2),
             "closed_form.split_flush": (0, 1, 2, 3),
             "ring_decode.num_warps": (1, 2, 4, 8), "exact_write.num_warps": (1, 2, 4, 8),

@@ -57,16 +57,13 @@ class CircularBuffers(RecordBuffers):
     """The raw-record ring of ``L`` entries plus ``ring_u [layers, slots, L, HV, V]``
     (the records' corrected deltas, for the closed form), the per-request cursors
     ``write_pos``, ``cache_base``, ``is_flush`` and ``first_cycle`` (``[slots]`` int32;
-    the last staggers the requests' first flushes, :mod:`~replayssm.ops.cursors`), and
-    ``coef_ready [slots, HV]`` (int32 scratch, zero between verifies: the closed form's
-    per-row readiness counters, :func:`~replayssm.ops.chunked.launch_closed_form`)."""
+    the last staggers the requests' first flushes, :mod:`~replayssm.ops.cursors`)."""
 
     ring_u: torch.Tensor
     write_pos: torch.Tensor
     cache_base: torch.Tensor
     is_flush: torch.Tensor
     first_cycle: torch.Tensor
-    coef_ready: torch.Tensor
 
 
 class CircularStrategy(Strategy):
@@ -127,10 +124,6 @@ class CircularStrategy(Strategy):
                                      why="the cursor kernels index [slots] contiguously")
         specs["first_cycle"] = BufferSpec((), torch.int32, per_layer=False, fill=1, packed=1,
                                           why="the cursor kernels index [slots] contiguously")
-        # One set for every layer: the layers' verifies run one after another on a stream,
-        # and each leaves the counters zero.
-        specs["coef_ready"] = BufferSpec((s.num_value_heads,), torch.int32, per_layer=False, fill=0, committed=False,
-                                         packed=2, why="the closed form's kernels index [slots, HV] contiguously")
         return specs
 
     def __init__(self, pool):
@@ -158,8 +151,7 @@ class CircularStrategy(Strategy):
             # (tests/strategies/test_ring_decode_triton.py).
             return gdn_ring_decode(*args, backend=self.pool.backend)
         return gdn_chunked_window(*args, max_len=batch.max_len or self.pool.window,
-                                  method=None if self.small_batch_path else "closed_form", coef_ready=buf.coef_ready,
-                                  backend=self.pool.backend)
+                                  method=None if self.small_batch_path else "closed_form", backend=self.pool.backend)
 
     def _commit_states(self, batch, accepted, *, flush_every: bool | None = None):
         buf = self.buf
@@ -178,8 +170,7 @@ class CircularStrategy(Strategy):
         return gdn_tree_verify(
             q, k, v, a, b, A_log, dt_bias, self.pool.checkpoints[layer], buf.layer(layer), buf.ring_u[layer],
             batch.slots, buf.write_pos, buf.cache_base, buf.is_flush, trees, max_len=self.pool.window,
-            method=None if self.small_batch_path else "closed_form", coef_ready=buf.coef_ready,
-            backend=self.pool.backend,
+            method=None if self.small_batch_path else "closed_form", backend=self.pool.backend,
         )
 
     def _commit_tree_states(self, batch, trees, accepted, path, count):
