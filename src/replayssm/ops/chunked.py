@@ -592,6 +592,7 @@ if triton is not None:
         check_max_len,
     )
     from .fold import launch_fold, replay_and_store_tile as _replay_and_store_tile, replay_history as _replay_history
+    from .fold import _ring_pos
     from .recurrent import _load_token as _rec_load_token, exact_block_k, exact_row, exact_tile
     from .recurrent import exact_token as _exact_token
     from .triton_common import NORM_EPS, block_rows, device_fn as _tl_device_fn, exact_warps
@@ -677,24 +678,29 @@ if triton is not None:
         if TREE:
             length = tl.minimum(length, tl.load(nodes_ptr + i_b).to(tl.int64))
         if (slot >= 0) & (length > 0):
-            wp = tl.load(wp_ptr + slot).to(tl.int64)
-            base = tl.load(base_ptr + slot).to(tl.int64)
+            # Ring positions in 32 bits, wrapped by a mask where L is a power of two (as
+            # the exact replay's, fold.replay_tile); the slot's offset into the rings
+            # stays 64-bit (a pool's rings can pass 2^31 elements).
+            wp = tl.load(wp_ptr + slot).to(tl.int32)
+            base = tl.load(base_ptr + slot).to(tl.int32)
             n_hist = tl.where(tl.load(flush_ptr + slot) != 0, 0, wp)  # a flush row starts from an empty history
-            ring_at = slot * L
             offs_x, is_k, is_q, tok, p_tok, x_ok, xk_ok, xq_ok = _window_rows(bos, length, BT)
             offs_h = tl.arange(0, BH)
             hist = offs_h < n_hist
-            rec_h = ring_at + (base + offs_h) % L
-            rec_w = ring_at + (base + wp + tok) % L  # the window's records: logical write_pos + i
+            pos_h = _ring_pos(base + offs_h, L)
+            pos_w = _ring_pos(base + wp + tok, L)  # the window's records: logical write_pos + i
+            rk_at = rk_ptr + slot * (L * H * K) + i_h * K
+            rg_at = rg_ptr + slot * (L * HV)
+            rb_at = rb_ptr + slot * (L * HV)
             offs_k = tl.arange(0, BK)
             mask_k = offs_k < K
             k_raw, x = _load_window_x(q_ptr, k_ptr, p_tok, i_h, offs_k, mask_k, xk_ok, xq_ok,
                                       stride_q_tok, stride_q_head, stride_k_tok, stride_k_head)
             k_store = _tl_mask_and(xk_ok, hv0 % (HV // H) == 0)  # by the group's first program
-            tl.store(rk_ptr + (rec_w[:, None] * H + i_h) * K + offs_k[None, :], k_raw.to(rk_ptr.dtype.element_ty),
+            tl.store(rk_at + pos_w[:, None] * (H * K) + offs_k[None, :], k_raw.to(rk_ptr.dtype.element_ty),
                      mask=k_store[:, None] & mask_k[None, :])
             # Unused ring entries may hold NaN: masked loads give 0 instead.
-            h = tl.load(rk_ptr + (rec_h[:, None] * H + i_h) * K + offs_k[None, :],
+            h = tl.load(rk_at + pos_h[:, None] * (H * K) + offs_k[None, :],
                         mask=hist[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
             # Keys and queries are exact in tf32 when 16-bit: these lose nothing.
             P = tl.dot(x, tl.trans(x), input_precision=DOT_PRECISION)  # x_r . x_c
@@ -716,22 +722,23 @@ if triton is not None:
             a_at = a_ptr + p_tok * stride_a_tok
             b_at = b_ptr + p_tok * stride_b_tok
             for j in tl.static_range(VH):
-                _head_coefficients(a_at, b_at, A_log_ptr, dt_bias_ptr, rg_ptr, rb_ptr, coef_ptr, i_b, hv0 + j,
+                _head_coefficients(a_at, b_at, A_log_ptr, dt_bias_ptr, rg_at, rb_at, coef_ptr, i_b, hv0 + j,
                                    P, HX, r_x, offs_x, is_k, is_q, tok, x_ok, xk_ok, xq_ok, eye, pair, on_path, offs_h,
-                                   hist, rec_h, rec_w, HV, LOG_T, BT, BH, TREE)
+                                   hist, pos_h, pos_w, HV, LOG_T, BT, BH, TREE)
 
     @triton.jit
-    def _head_coefficients(a_at, b_at, A_log_ptr, dt_bias_ptr, rg_ptr, rb_ptr, coef_ptr, i_b, i_hv,
+    def _head_coefficients(a_at, b_at, A_log_ptr, dt_bias_ptr, rg_at, rb_at, coef_ptr, i_b, i_hv,
                            P, HX, r_x, offs_x, is_k, is_q, tok, x_ok, xk_ok, xq_ok, eye, pair, on_path, offs_h, hist,
-                           rec_h, rec_w, HV: tl.constexpr, LOG_T: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
+                           pos_h, pos_w, HV: tl.constexpr, LOG_T: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
                            TREE: tl.constexpr = False):
         """One value head's C1, Z, D (see the module notes) from its key head's normalised
-        Gram matrix ``P`` and history products ``HX``; its window gates go to the ring."""
+        Gram matrix ``P`` and history products ``HX``; its window gates go to the ring
+        (``rg_at``, ``rb_at``: the slot's gates, at ring positions ``pos_h`` / ``pos_w``)."""
         BX: tl.constexpr = 2 * BT
         # Committed history (no records for flush rows), never built:
         #   S x = exp(Gtot) S0 x + sum_c exp(Gtot - G_c) u_c (k^_c . x),
         # exp(Gtot - G_c) = exp(g_{c+1} + ... + g_h): a suffix sum, no cancellation.
-        g_h = tl.load(rg_ptr + rec_h * HV + i_hv, mask=hist, other=0.0)
+        g_h = tl.load(rg_at + pos_h * HV + i_hv, mask=hist, other=0.0)
         w_h = tl.where(hist, tl.exp(_tl_row_sum(tl.where(offs_h[None, :] > offs_h[:, None], g_h[None, :], 0.0), 1)), 0.0)
         e_Gh = tl.exp(_tl_row_sum(g_h, 0))
 
@@ -741,8 +748,8 @@ if triton is not None:
         g, beta = _tl_gdn_gates(a_x, b_x, tl.load(A_log_ptr + i_hv), tl.load(dt_bias_ptr + i_hv))
         g = tl.where(xk_ok, g, 0.0)  # on the key rows only, so that a row sum runs over tokens
         beta = tl.where(xk_ok, beta, 0.0)
-        tl.store(rg_ptr + rec_w * HV + i_hv, g, mask=xk_ok)
-        tl.store(rb_ptr + rec_w * HV + i_hv, beta, mask=xk_ok)
+        tl.store(rg_at + pos_w * HV + i_hv, g, mask=xk_ok)
+        tl.store(rb_at + pos_w * HV + i_hv, beta, mask=xk_ok)
         if TREE:
             # G_r = the sum of g over r's root path (g is zero off the key columns).
             G = _tl_row_sum(tl.where(on_path, g[None, :], 0.0), 1)
