@@ -711,24 +711,25 @@ if triton is not None:
             r_h = tl.where(hist, tl.div_rn(tl.full([BH], 1.0, tl.float32), tl.sqrt_rn(hh + eps)), 0.0)
             P = P * r_x[:, None] * r_x[None, :]  # x^_r . x^_c
             HX = HX * r_h[:, None] * r_x[None, :]  # k^_c . x^_r
+            # Transposed, as the head's matrices are built (row c, column r):
+            # on_path_t[c, r]: c's token is on r's root path (r's own included).
             if TREE:
-                # Row r's ancestor set (its token's), tested at column c's token: c's
-                # token is on r's root path (r's own included).
+                # Row r's ancestor set (its token's), tested at c's token.
                 anc = tl.load(anc_ptr + i_b * TN + tok, mask=x_ok, other=0)
-                on_path = ((anc[:, None] >> tok[None, :]) & 1) != 0
+                on_path_t = ((anc[None, :] >> tok[:, None]) & 1) != 0
             else:
-                on_path = tok[None, :] <= tok[:, None]
-            pair = x_ok[:, None] & xk_ok[None, :] & on_path
+                on_path_t = tok[:, None] <= tok[None, :]
+            pair_t = xk_ok[:, None] & x_ok[None, :] & on_path_t
             a_at = a_ptr + p_tok * stride_a_tok
             b_at = b_ptr + p_tok * stride_b_tok
             for j in tl.static_range(VH):
                 _head_coefficients(a_at, b_at, A_log_ptr, dt_bias_ptr, rg_at, rb_at, coef_ptr, i_b, hv0 + j,
-                                   P, HX, r_x, offs_x, is_k, is_q, tok, x_ok, xk_ok, xq_ok, eye, pair, on_path, offs_h,
+                                   P, HX, r_x, offs_x, is_k, is_q, tok, x_ok, xk_ok, xq_ok, eye, pair_t, on_path_t, offs_h,
                                    hist, pos_h, pos_w, HV, LOG_T, BT, BH, TREE)
 
     @triton.jit
     def _head_coefficients(a_at, b_at, A_log_ptr, dt_bias_ptr, rg_at, rb_at, coef_ptr, i_b, i_hv,
-                           P, HX, r_x, offs_x, is_k, is_q, tok, x_ok, xk_ok, xq_ok, eye, pair, on_path, offs_h, hist,
+                           P, HX, r_x, offs_x, is_k, is_q, tok, x_ok, xk_ok, xq_ok, eye, pair_t, on_path_t, offs_h, hist,
                            pos_h, pos_w, HV: tl.constexpr, LOG_T: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
                            TREE: tl.constexpr = False):
         """One value head's C1, Z, D (see the module notes) from its key head's normalised
@@ -751,34 +752,36 @@ if triton is not None:
         tl.store(rg_at + pos_w * HV + i_hv, g, mask=xk_ok)
         tl.store(rb_at + pos_w * HV + i_hv, beta, mask=xk_ok)
         if TREE:
-            # G_r = the sum of g over r's root path (g is zero off the key columns).
-            G = _tl_row_sum(tl.where(on_path, g[None, :], 0.0), 1)
+            # G_r = the sum of g over r's root path (g is zero off the key rows).
+            G = _tl_row_sum(tl.where(on_path_t, g[:, None], 0.0), 0)
         else:
-            G = _tl_row_sum(tl.where(offs_x[None, :] <= tok[:, None], g[None, :], 0.0), 1)
+            G = _tl_row_sum(tl.where(offs_x[:, None] <= tok[None, :], g[:, None], 0.0), 0)
         e_G = tl.exp(G)
 
-        #   A_ij = beta_i exp(G_i - G_j) (k^_i . k^_j), j < i;   M_ij = exp(G_i - G_j) (q^_i . k^_j), j <= i
-        # Mask before exp: G_i - G_j > 0 for j > i could overflow.
-        decay = tl.where(pair, tl.exp(tl.where(pair, G[:, None] - G[None, :], 0.0)), 0.0)
-        A = tl.where(is_k[:, None] & (offs_x[None, :] < offs_x[:, None]), beta[:, None] * decay * P, 0.0)
-        M = tl.where(is_q[:, None], decay * P, 0.0)
-        # A is strictly lower triangular (A^T = 0): (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...
-        inv = tl.where(eye, 1.0, 0.0) - A
-        A_pow = A
+        # The window's matrices, built transposed (row c, column r: the orientation in
+        # which they enter the products below, so that nothing is transposed):
+        #   A^T_cr = beta_r exp(G_r - G_c) (k^_r . k^_c), c < r;   M^T_cr = exp(G_r - G_c) (q^_r . k^_c), c <= r
+        # (P is symmetric up to rounding: P_cr for P_rc.)
+        # Mask before exp: G_r - G_c > 0 for c > r could overflow.
+        decay_t = tl.where(pair_t, tl.exp(tl.where(pair_t, G[None, :] - G[:, None], 0.0)), 0.0)
+        A_t = tl.where(is_k[None, :] & (offs_x[:, None] < offs_x[None, :]), beta[None, :] * decay_t * P, 0.0)
+        M_t = tl.where(is_q[None, :], decay_t * P, 0.0)
+        # A^T is strictly upper triangular on the key block and zero elsewhere:
+        #   E = ((I + A)^-1)^T on the key block = (I_k - A^T)(I + A^T^2)(I + A^T^4)...
+        # (I_k: the identity's key rows; E is zero off the key block.)
+        E = tl.where(eye & is_k[:, None], 1.0, 0.0) - A_t
+        A_pow = A_t
         for _ in tl.static_range(LOG_T - 1):
             A_pow = _mm(A_pow, A_pow, BX, "ieee")
-            inv = inv + _mm(inv, A_pow, BX, "ieee")
+            E = E + _mm(E, A_pow, BX, "ieee")
         # The window's corrected deltas and outputs are linear in S x^_r and v:
         #   U_i = sum_j (I + A)^-1_ij beta_j (v_j - exp(G_j) S k^_j)
         #   o_i = exp(G_i) S q^_i + sum_j M_ij U_j
-        # so with E = ((I + A)^-1)^T on the key block, [U | o] = (S x^) C + v D where
-        #   D = diag(beta) E (I + M^T),  C = -diag(beta e^G) E (I + M^T) + diag(e^G on q rows).
-        E = tl.where(is_k[:, None] & is_k[None, :], tl.trans(inv), 0.0)
-        MT = tl.trans(M)
-        D = beta[:, None] * E
-        D = D + _mm(D, MT, BX, "ieee")
-        C = -(beta * e_G)[:, None] * E
-        C = C + _mm(C, MT, BX, "ieee") + tl.where(eye & xq_ok[:, None], e_G[:, None], 0.0)
+        # so with F = E (I + M^T), [U | o] = (S x^) C + v D where
+        #   D = diag(beta) F,  C = -diag(beta e^G) F + diag(e^G on q rows).
+        F = E + _mm(E, M_t, BX, "ieee")
+        D = beta[:, None] * F
+        C = tl.where(eye & xq_ok[:, None], e_G[:, None], 0.0) - (beta * e_G)[:, None] * F
         # S x^_r = exp(Gtot) r_x S0 x_r + sum_c w_c u_c (k^_c . x^_r): the checkpoint enters
         # through C1 = diag(exp(Gtot) r_x) C, the history's u through Z = diag(w) HX C.
         C1 = (e_Gh * r_x)[:, None] * C
