@@ -635,11 +635,13 @@ if triton is not None:
     def _mm(a, b, INNER: tl.constexpr, PRECISION: tl.constexpr):
         """``a @ b`` for fp32 blocks whose inner side is ``INNER``: tl.dot from 16 up (its
         least inner side on every Triton this runs on), a broadcast sum below (the
-        stacked window of T <= 4 is 8 wide; its products are a few hundred FMAs)."""
+        stacked window of T <= 4 is 8 wide; its products are a few hundred FMAs). The
+        sum runs along the broadcast block's first axis, which one warp's layout keeps in
+        each thread's registers (no shuffles; along the middle axis, 4 lanes shared it)."""
         if INNER >= 16:
             return tl.dot(a, b, input_precision=PRECISION)
         else:
-            return _tl_row_sum(a[:, :, None] * b[None, :, :], 1)
+            return _tl_row_sum(tl.trans(a)[:, :, None] * b[:, None, :], 0)
 
     @triton.jit
     def _coefficients_kernel(
