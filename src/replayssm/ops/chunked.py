@@ -596,6 +596,7 @@ if triton is not None:
     from .recurrent import _load_token as _rec_load_token, exact_block_k, exact_row, exact_tile
     from .recurrent import exact_token as _exact_token
     from .triton_common import NORM_EPS, block_rows, device_fn as _tl_device_fn, exact_warps
+    from .triton_common import INTERPRETER as _TL_INTERPRETER
     from .triton_common import gdn_gates as _tl_gdn_gates
     from .triton_common import load_parts as _tl_load_parts
     from .triton_common import mask_and as _tl_mask_and, normalized as _tl_normalized
@@ -642,6 +643,23 @@ if triton is not None:
             return tl.dot(a, b, input_precision=PRECISION)
         else:
             return _tl_row_sum(tl.trans(a)[:, :, None] * b[:, None, :], 0)
+
+    if _TL_INTERPRETER:
+
+        def _gram(a, b, PRECISION):
+            """``a b^T`` (interpreter form): its tl.dot multiplies bf16 blocks wrongly
+            (Triton 3.9: numpy has no bf16), so 16-bit blocks go through fp32 first; their
+            products are exact either way."""
+            return tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision=PRECISION)
+
+    else:
+
+        @triton.jit
+        def _gram(a, b, PRECISION: tl.constexpr):
+            """``a b^T`` in fp32 for blocks of rows of keys and queries: 16-bit blocks
+            multiply as stored (exact products, fp32 sums, as in tf32, with no fp32 copy
+            of either block), fp32 ones at ``PRECISION``."""
+            return tl.dot(a, tl.trans(b), input_precision=PRECISION, out_dtype=tl.float32)
 
     @triton.jit
     def _coefficients_kernel(
@@ -696,18 +714,29 @@ if triton is not None:
             rb_at = rb_ptr + slot * (L * HV)
             offs_k = tl.arange(0, BK)
             mask_k = offs_k < K
-            k_raw, x = _load_window_x(q_ptr, k_ptr, p_tok, i_h, offs_k, mask_k, xk_ok, xq_ok,
-                                      stride_q_tok, stride_q_head, stride_k_tok, stride_k_head)
+            # The stacked window in one load, each row from its key or its query, as stored
+            # (zero where the token is missing): its key rows go to the ring as loaded.
+            x_at = tl.where(is_k, k_ptr + p_tok * stride_k_tok + i_h * stride_k_head,
+                            q_ptr + p_tok * stride_q_tok + i_h * stride_q_head)
+            x = tl.load(x_at[:, None] + offs_k[None, :], mask=x_ok[:, None] & mask_k[None, :], other=0.0)
             k_store = _tl_mask_and(xk_ok, hv0 % (HV // H) == 0)  # by the group's first program
-            tl.store(rk_at + pos_w[:, None] * (H * K) + offs_k[None, :], k_raw.to(rk_ptr.dtype.element_ty),
+            tl.store(rk_at + pos_w[:, None] * (H * K) + offs_k[None, :], x.to(rk_ptr.dtype.element_ty),
                      mask=k_store[:, None] & mask_k[None, :])
             # Unused ring entries may hold NaN: masked loads give 0 instead.
             h = tl.load(rk_at + pos_h[:, None] * (H * K) + offs_k[None, :],
-                        mask=hist[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
+                        mask=hist[:, None] & mask_k[None, :], other=0.0)
+            if x.dtype != h.dtype or x.dtype == tl.float32:
+                x = x.to(tl.float32)
+                h = h.to(tl.float32)
             # Keys and queries are exact in tf32 when 16-bit: these lose nothing.
-            P = tl.dot(x, tl.trans(x), input_precision=DOT_PRECISION)  # x_r . x_c
-            HX = tl.dot(h, tl.trans(x), input_precision=DOT_PRECISION)  # k_c . x_r (history keys)
-            hh = _tl_row_sum(h * h, 1)
+            P = _gram(x, x, DOT_PRECISION)  # x_r . x_c
+            HX = _gram(h, x, DOT_PRECISION)  # k_c . x_r (history keys)
+            if h.dtype == tl.float32:
+                hh = _tl_row_sum(h * h, 1)
+            else:
+                # 16-bit keys: |k_c|^2 on the tensor cores too, the diagonal of h h^T
+                # (exact products, fp32 sums), instead of an fp32 copy of h.
+                hh = _tl_row_sum(tl.where(offs_h[:, None] == offs_h[None, :], _gram(h, h, "ieee"), 0.0), 1)
             eye = offs_x[:, None] == offs_x[None, :]
             r_x = tl.div_rn(tl.where(is_q, scale, 1.0), tl.sqrt_rn(_tl_row_sum(tl.where(eye, P, 0.0), 1) + eps))  # 1/|x_r| (q: x scale)
             r_h = tl.where(hist, tl.div_rn(tl.full([BH], 1.0, tl.float32), tl.sqrt_rn(hh + eps)), 0.0)
