@@ -738,8 +738,10 @@ if triton is not None:
                 # (exact products, fp32 sums), instead of an fp32 copy of h.
                 hh = _tl_row_sum(tl.where(offs_h[:, None] == offs_h[None, :], _gram(h, h, "ieee"), 0.0), 1)
             eye = offs_x[:, None] == offs_x[None, :]
-            r_x = tl.div_rn(tl.where(is_q, scale, 1.0), tl.sqrt_rn(_tl_row_sum(tl.where(eye, P, 0.0), 1) + eps))  # 1/|x_r| (q: x scale)
-            r_h = tl.where(hist, tl.div_rn(tl.full([BH], 1.0, tl.float32), tl.sqrt_rn(hh + eps)), 0.0)
+            # The coefficients need no exact norms (the ring keeps raw keys): rsqrt, not
+            # sqrt_rn and div_rn with their slow paths.
+            r_x = tl.where(is_q, scale, 1.0) * tl.math.rsqrt(_tl_row_sum(tl.where(eye, P, 0.0), 1) + eps)  # 1/|x_r| (q: x scale)
+            r_h = tl.where(hist, tl.math.rsqrt(hh + eps), 0.0)
             P = P * r_x[:, None] * r_x[None, :]  # x^_r . x^_c
             HX = HX * r_h[:, None] * r_x[None, :]  # k^_c . x^_r
             # Transposed, as the head's matrices are built (row c, column r):
