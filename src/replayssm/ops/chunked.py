@@ -592,9 +592,11 @@ if triton is not None:
         check_max_len,
     )
     from .fold import launch_fold, replay_and_store_tile as _replay_and_store_tile, replay_history as _replay_history
+    from .fold import _ring_pos
     from .recurrent import _load_token as _rec_load_token, exact_block_k, exact_row, exact_tile
     from .recurrent import exact_token as _exact_token
     from .triton_common import NORM_EPS, block_rows, device_fn as _tl_device_fn, exact_warps
+    from .triton_common import INTERPRETER as _TL_INTERPRETER
     from .triton_common import gdn_gates as _tl_gdn_gates
     from .triton_common import load_parts as _tl_load_parts
     from .triton_common import mask_and as _tl_mask_and, normalized as _tl_normalized
@@ -634,11 +636,30 @@ if triton is not None:
     def _mm(a, b, INNER: tl.constexpr, PRECISION: tl.constexpr):
         """``a @ b`` for fp32 blocks whose inner side is ``INNER``: tl.dot from 16 up (its
         least inner side on every Triton this runs on), a broadcast sum below (the
-        stacked window of T <= 4 is 8 wide; its products are a few hundred FMAs)."""
+        stacked window of T <= 4 is 8 wide; its products are a few hundred FMAs). The
+        sum runs along the broadcast block's first axis, which one warp's layout keeps in
+        each thread's registers (no shuffles; along the middle axis, 4 lanes shared it)."""
         if INNER >= 16:
             return tl.dot(a, b, input_precision=PRECISION)
         else:
-            return _tl_row_sum(a[:, :, None] * b[None, :, :], 1)
+            return _tl_row_sum(tl.trans(a)[:, :, None] * b[:, None, :], 0)
+
+    if _TL_INTERPRETER:
+
+        def _gram(a, b, PRECISION):
+            """``a b^T`` (interpreter form): its tl.dot multiplies bf16 blocks wrongly
+            (Triton 3.9: numpy has no bf16), so 16-bit blocks go through fp32 first; their
+            products are exact either way."""
+            return tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision=PRECISION)
+
+    else:
+
+        @triton.jit
+        def _gram(a, b, PRECISION: tl.constexpr):
+            """``a b^T`` in fp32 for blocks of rows of keys and queries: 16-bit blocks
+            multiply as stored (exact products, fp32 sums, as in tf32, with no fp32 copy
+            of either block), fp32 ones at ``PRECISION``."""
+            return tl.dot(a, tl.trans(b), input_precision=PRECISION, out_dtype=tl.float32)
 
     @triton.jit
     def _coefficients_kernel(
@@ -677,61 +698,81 @@ if triton is not None:
         if TREE:
             length = tl.minimum(length, tl.load(nodes_ptr + i_b).to(tl.int64))
         if (slot >= 0) & (length > 0):
-            wp = tl.load(wp_ptr + slot).to(tl.int64)
-            base = tl.load(base_ptr + slot).to(tl.int64)
+            # Ring positions in 32 bits, wrapped by a mask where L is a power of two (as
+            # the exact replay's, fold.replay_tile); the slot's offset into the rings
+            # stays 64-bit (a pool's rings can pass 2^31 elements).
+            wp = tl.load(wp_ptr + slot).to(tl.int32)
+            base = tl.load(base_ptr + slot).to(tl.int32)
             n_hist = tl.where(tl.load(flush_ptr + slot) != 0, 0, wp)  # a flush row starts from an empty history
-            ring_at = slot * L
             offs_x, is_k, is_q, tok, p_tok, x_ok, xk_ok, xq_ok = _window_rows(bos, length, BT)
             offs_h = tl.arange(0, BH)
             hist = offs_h < n_hist
-            rec_h = ring_at + (base + offs_h) % L
-            rec_w = ring_at + (base + wp + tok) % L  # the window's records: logical write_pos + i
+            pos_h = _ring_pos(base + offs_h, L)
+            pos_w = _ring_pos(base + wp + tok, L)  # the window's records: logical write_pos + i
+            rk_at = rk_ptr + slot * (L * H * K) + i_h * K
+            rg_at = rg_ptr + slot * (L * HV)
+            rb_at = rb_ptr + slot * (L * HV)
             offs_k = tl.arange(0, BK)
             mask_k = offs_k < K
-            k_raw, x = _load_window_x(q_ptr, k_ptr, p_tok, i_h, offs_k, mask_k, xk_ok, xq_ok,
-                                      stride_q_tok, stride_q_head, stride_k_tok, stride_k_head)
+            # The stacked window in one load, each row from its key or its query, as stored
+            # (zero where the token is missing): its key rows go to the ring as loaded.
+            x_at = tl.where(is_k, k_ptr + p_tok * stride_k_tok + i_h * stride_k_head,
+                            q_ptr + p_tok * stride_q_tok + i_h * stride_q_head)
+            x = tl.load(x_at[:, None] + offs_k[None, :], mask=x_ok[:, None] & mask_k[None, :], other=0.0)
             k_store = _tl_mask_and(xk_ok, hv0 % (HV // H) == 0)  # by the group's first program
-            tl.store(rk_ptr + (rec_w[:, None] * H + i_h) * K + offs_k[None, :], k_raw.to(rk_ptr.dtype.element_ty),
+            tl.store(rk_at + pos_w[:, None] * (H * K) + offs_k[None, :], x.to(rk_ptr.dtype.element_ty),
                      mask=k_store[:, None] & mask_k[None, :])
             # Unused ring entries may hold NaN: masked loads give 0 instead.
-            h = tl.load(rk_ptr + (rec_h[:, None] * H + i_h) * K + offs_k[None, :],
-                        mask=hist[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
+            h = tl.load(rk_at + pos_h[:, None] * (H * K) + offs_k[None, :],
+                        mask=hist[:, None] & mask_k[None, :], other=0.0)
+            if x.dtype != h.dtype or x.dtype == tl.float32:
+                x = x.to(tl.float32)
+                h = h.to(tl.float32)
             # Keys and queries are exact in tf32 when 16-bit: these lose nothing.
-            P = tl.dot(x, tl.trans(x), input_precision=DOT_PRECISION)  # x_r . x_c
-            HX = tl.dot(h, tl.trans(x), input_precision=DOT_PRECISION)  # k_c . x_r (history keys)
-            hh = _tl_row_sum(h * h, 1)
+            P = _gram(x, x, DOT_PRECISION)  # x_r . x_c
+            HX = _gram(h, x, DOT_PRECISION)  # k_c . x_r (history keys)
+            if h.dtype == tl.float32:
+                hh = _tl_row_sum(h * h, 1)
+            else:
+                # 16-bit keys: |k_c|^2 on the tensor cores too, the diagonal of h h^T
+                # (exact products, fp32 sums), instead of an fp32 copy of h.
+                hh = _tl_row_sum(tl.where(offs_h[:, None] == offs_h[None, :], _gram(h, h, "ieee"), 0.0), 1)
             eye = offs_x[:, None] == offs_x[None, :]
-            r_x = tl.div_rn(tl.where(is_q, scale, 1.0), tl.sqrt_rn(_tl_row_sum(tl.where(eye, P, 0.0), 1) + eps))  # 1/|x_r| (q: x scale)
-            r_h = tl.where(hist, tl.div_rn(tl.full([BH], 1.0, tl.float32), tl.sqrt_rn(hh + eps)), 0.0)
+            # The coefficients need no exact norms (the ring keeps raw keys): rsqrt, not
+            # sqrt_rn and div_rn with their slow paths.
+            r_x = tl.where(is_q, scale, 1.0) * tl.math.rsqrt(_tl_row_sum(tl.where(eye, P, 0.0), 1) + eps)  # 1/|x_r| (q: x scale)
+            r_h = tl.where(hist, tl.math.rsqrt(hh + eps), 0.0)
             P = P * r_x[:, None] * r_x[None, :]  # x^_r . x^_c
             HX = HX * r_h[:, None] * r_x[None, :]  # k^_c . x^_r
+            # Transposed, as the head's matrices are built (row c, column r):
+            # on_path_t[c, r]: c's token is on r's root path (r's own included).
             if TREE:
-                # Row r's ancestor set (its token's), tested at column c's token: c's
-                # token is on r's root path (r's own included).
+                # Row r's ancestor set (its token's), tested at c's token.
                 anc = tl.load(anc_ptr + i_b * TN + tok, mask=x_ok, other=0)
-                on_path = ((anc[:, None] >> tok[None, :]) & 1) != 0
+                on_path_t = ((anc[None, :] >> tok[:, None]) & 1) != 0
             else:
-                on_path = tok[None, :] <= tok[:, None]
-            pair = x_ok[:, None] & xk_ok[None, :] & on_path
+                on_path_t = tok[:, None] <= tok[None, :]
+            pair_t = xk_ok[:, None] & x_ok[None, :] & on_path_t
             a_at = a_ptr + p_tok * stride_a_tok
             b_at = b_ptr + p_tok * stride_b_tok
             for j in tl.static_range(VH):
-                _head_coefficients(a_at, b_at, A_log_ptr, dt_bias_ptr, rg_ptr, rb_ptr, coef_ptr, i_b, hv0 + j,
-                                   P, HX, r_x, offs_x, is_k, is_q, tok, x_ok, xk_ok, xq_ok, eye, pair, on_path, offs_h,
-                                   hist, rec_h, rec_w, HV, LOG_T, BT, BH, TREE)
+                _head_coefficients(a_at, b_at, A_log_ptr, dt_bias_ptr, rg_at, rb_at, coef_ptr, i_b, hv0 + j,
+                                   P, HX, r_x, offs_x, is_k, is_q, tok, x_ok, xk_ok, xq_ok, eye, pair_t, on_path_t, offs_h,
+                                   hist, pos_h, pos_w, HV, LOG_T, BT, BH, TREE)
 
     @triton.jit
-    def _head_coefficients(a_at, b_at, A_log_ptr, dt_bias_ptr, rg_ptr, rb_ptr, coef_ptr, i_b, i_hv,
-                           P, HX, r_x, offs_x, is_k, is_q, tok, x_ok, xk_ok, xq_ok, eye, pair, on_path, offs_h, hist,
-                           rec_h, rec_w, HV: tl.constexpr, LOG_T: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
+    def _head_coefficients(a_at, b_at, A_log_ptr, dt_bias_ptr, rg_at, rb_at, coef_ptr, i_b, i_hv,
+                           P, HX, r_x, offs_x, is_k, is_q, tok, x_ok, xk_ok, xq_ok, eye, pair_t, on_path_t, offs_h, hist,
+                           pos_h, pos_w, HV: tl.constexpr, LOG_T: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
                            TREE: tl.constexpr = False):
         """One value head's C1, Z, D (see the module notes) from its key head's normalised
-        Gram matrix ``P`` and history products ``HX``; its window gates go to the ring."""
+        Gram matrix ``P`` and history products ``HX``; its window gates go to the ring
+        (``rg_at``, ``rb_at``: the slot's gates, at ring positions ``pos_h`` / ``pos_w``)."""
         BX: tl.constexpr = 2 * BT
         # Committed history (no records for flush rows), never built:
         #   S x = exp(Gtot) S0 x + sum_c exp(Gtot - G_c) u_c (k^_c . x),
         # exp(Gtot - G_c) = exp(g_{c+1} + ... + g_h): a suffix sum, no cancellation.
-        g_h = tl.load(rg_ptr + rec_h * HV + i_hv, mask=hist, other=0.0)
+        g_h = tl.load(rg_at + pos_h * HV + i_hv, mask=hist, other=0.0)
         w_h = tl.where(hist, tl.exp(_tl_row_sum(tl.where(offs_h[None, :] > offs_h[:, None], g_h[None, :], 0.0), 1)), 0.0)
         e_Gh = tl.exp(_tl_row_sum(g_h, 0))
 
@@ -741,37 +782,39 @@ if triton is not None:
         g, beta = _tl_gdn_gates(a_x, b_x, tl.load(A_log_ptr + i_hv), tl.load(dt_bias_ptr + i_hv))
         g = tl.where(xk_ok, g, 0.0)  # on the key rows only, so that a row sum runs over tokens
         beta = tl.where(xk_ok, beta, 0.0)
-        tl.store(rg_ptr + rec_w * HV + i_hv, g, mask=xk_ok)
-        tl.store(rb_ptr + rec_w * HV + i_hv, beta, mask=xk_ok)
+        tl.store(rg_at + pos_w * HV + i_hv, g, mask=xk_ok)
+        tl.store(rb_at + pos_w * HV + i_hv, beta, mask=xk_ok)
         if TREE:
-            # G_r = the sum of g over r's root path (g is zero off the key columns).
-            G = _tl_row_sum(tl.where(on_path, g[None, :], 0.0), 1)
+            # G_r = the sum of g over r's root path (g is zero off the key rows).
+            G = _tl_row_sum(tl.where(on_path_t, g[:, None], 0.0), 0)
         else:
-            G = _tl_row_sum(tl.where(offs_x[None, :] <= tok[:, None], g[None, :], 0.0), 1)
+            G = _tl_row_sum(tl.where(offs_x[:, None] <= tok[None, :], g[:, None], 0.0), 0)
         e_G = tl.exp(G)
 
-        #   A_ij = beta_i exp(G_i - G_j) (k^_i . k^_j), j < i;   M_ij = exp(G_i - G_j) (q^_i . k^_j), j <= i
-        # Mask before exp: G_i - G_j > 0 for j > i could overflow.
-        decay = tl.where(pair, tl.exp(tl.where(pair, G[:, None] - G[None, :], 0.0)), 0.0)
-        A = tl.where(is_k[:, None] & (offs_x[None, :] < offs_x[:, None]), beta[:, None] * decay * P, 0.0)
-        M = tl.where(is_q[:, None], decay * P, 0.0)
-        # A is strictly lower triangular (A^T = 0): (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...
-        inv = tl.where(eye, 1.0, 0.0) - A
-        A_pow = A
+        # The window's matrices, built transposed (row c, column r: the orientation in
+        # which they enter the products below, so that nothing is transposed):
+        #   A^T_cr = beta_r exp(G_r - G_c) (k^_r . k^_c), c < r;   M^T_cr = exp(G_r - G_c) (q^_r . k^_c), c <= r
+        # (P is symmetric up to rounding: P_cr for P_rc.)
+        # Mask before exp: G_r - G_c > 0 for c > r could overflow.
+        decay_t = tl.where(pair_t, tl.exp(tl.where(pair_t, G[None, :] - G[:, None], 0.0)), 0.0)
+        A_t = tl.where(is_k[None, :] & (offs_x[:, None] < offs_x[None, :]), beta[None, :] * decay_t * P, 0.0)
+        M_t = tl.where(is_q[None, :], decay_t * P, 0.0)
+        # A^T is strictly upper triangular on the key block and zero elsewhere:
+        #   E = ((I + A)^-1)^T on the key block = (I_k - A^T)(I + A^T^2)(I + A^T^4)...
+        # (I_k: the identity's key rows; E is zero off the key block.)
+        E = tl.where(eye & is_k[:, None], 1.0, 0.0) - A_t
+        A_pow = A_t
         for _ in tl.static_range(LOG_T - 1):
             A_pow = _mm(A_pow, A_pow, BX, "ieee")
-            inv = inv + _mm(inv, A_pow, BX, "ieee")
+            E = E + _mm(E, A_pow, BX, "ieee")
         # The window's corrected deltas and outputs are linear in S x^_r and v:
         #   U_i = sum_j (I + A)^-1_ij beta_j (v_j - exp(G_j) S k^_j)
         #   o_i = exp(G_i) S q^_i + sum_j M_ij U_j
-        # so with E = ((I + A)^-1)^T on the key block, [U | o] = (S x^) C + v D where
-        #   D = diag(beta) E (I + M^T),  C = -diag(beta e^G) E (I + M^T) + diag(e^G on q rows).
-        E = tl.where(is_k[:, None] & is_k[None, :], tl.trans(inv), 0.0)
-        MT = tl.trans(M)
-        D = beta[:, None] * E
-        D = D + _mm(D, MT, BX, "ieee")
-        C = -(beta * e_G)[:, None] * E
-        C = C + _mm(C, MT, BX, "ieee") + tl.where(eye & xq_ok[:, None], e_G[:, None], 0.0)
+        # so with F = E (I + M^T), [U | o] = (S x^) C + v D where
+        #   D = diag(beta) F,  C = -diag(beta e^G) F + diag(e^G on q rows).
+        F = E + _mm(E, M_t, BX, "ieee")
+        D = beta[:, None] * F
+        C = tl.where(eye & xq_ok[:, None], e_G[:, None], 0.0) - (beta * e_G)[:, None] * F
         # S x^_r = exp(Gtot) r_x S0 x_r + sum_c w_c u_c (k^_c . x^_r): the checkpoint enters
         # through C1 = diag(exp(Gtot) r_x) C, the history's u through Z = diag(w) HX C.
         C1 = (e_Gh * r_x)[:, None] * C
