@@ -889,6 +889,20 @@ if triton is not None:
                                       stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, K, KQ, DOT_PRECISION)
 
     @triton.jit
+    def _row_records(ru_at, v_ptr, p_tok, i_hv, pos_h, hist, offs_v, mask_v, xk_ok, stride_v_tok, stride_v_head,
+                     HV: tl.constexpr, V: tl.constexpr):
+        """What the outputs read besides the state and the coefficients: the history's
+        ``u [BV, BH]`` (slot's ``ring_u`` at ``ru_at``, its rows at ring positions
+        ``pos_h``) and the window's values ``v [BV, BX]`` as stored. Neither is written
+        by the coefficient kernel, so they may load before its end."""
+        # (Unused ring entries may hold NaN: masked loads give 0 instead.)
+        u_h = tl.load(ru_at + pos_h[None, :] * (HV * V) + offs_v[:, None], mask=mask_v[:, None] & hist[None, :],
+                      other=0.0)
+        v_x = tl.load(v_ptr + p_tok[None, :] * stride_v_tok + i_hv * stride_v_head + offs_v[:, None],
+                      mask=mask_v[:, None] & xk_ok[None, :], other=0.0)
+        return u_h, v_x
+
+    @triton.jit
     def _window_row(
         i_v, i_b, i_hv,
         q_ptr, k_ptr, v_ptr, ckpt_ptr, rk_ptr, rv_ptr, rg_ptr, rb_ptr, ru_ptr,
@@ -946,12 +960,19 @@ if triton is not None:
                 S0, S1, S2, S3 = _tl_load_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ)
             else:
                 S0, S1, S2, S3 = 0.0, 0.0, 0.0, 0.0  # loaded where they are needed
-            wp = tl.load(wp_ptr + slot).to(tl.int64)
-            base = tl.load(base_ptr + slot).to(tl.int64)
+            # Ring positions in 32 bits, wrapped by a mask (fold._ring_pos); the slot's
+            # offset into the rings stays 64-bit (a pool's rings can pass 2^31 elements).
+            wp = tl.load(wp_ptr + slot).to(tl.int32)
+            base = tl.load(base_ptr + slot).to(tl.int32)
             flush = tl.load(flush_ptr + slot) != 0
             folds = flush & (wp > 0)
             n_hist = tl.where(flush, 0, wp)
             ring_at = slot * L
+            offs_h = tl.arange(0, BH)
+            hist = offs_h < n_hist
+            pos_h = _ring_pos(base + offs_h, L)
+            pos_w = _ring_pos(base + wp + tok, L)  # the window's records: logical write_pos + i
+            ru_at = ru_ptr + ring_at * (HV * V) + i_hv * V
             # Which rows this kernel owns: decided at run time in one launch, at compile
             # time in the split kernels (the flush kernel is only ever given rows that
             # fold).
@@ -965,6 +986,11 @@ if triton is not None:
                 # The fold's branch exists only where the kernel folds (a Python flag
                 # assigned here would become a run-time one): its four-part products
                 # need K >= 64 on CUDA.
+                # A row that does not fold loads its history's u and its values first, so
+                # that their latency overlaps its pass over the checkpoint; a folding row
+                # loads them after its fold, keeping the fold's registers free.
+                rec_args = (ru_at, v_ptr, p_tok, i_hv, pos_h, hist, offs_v, mask_v, xk_ok, stride_v_tok,
+                            stride_v_head, HV, V)
                 if FUSE_FLUSH and FLUSH_ROWS and TOKEN_ROWS:
                     if folds:
                         SX = _folded_window_products(S0, S1, S2, S3, q_ptr, k_ptr, ckpt_at, tile, rk_ptr, rv_ptr,
@@ -972,11 +998,14 @@ if triton is not None:
                                                      offs_v, mask_v, xk_ok, xq_ok, stride_q_tok, stride_q_head,
                                                      stride_k_tok, stride_k_head, eps, H, HV, K, V, L, KQ, AHEAD,
                                                      ROUND_STATE, DOT_PRECISION, EARLY_TILE)
+                        u_h, v_x = _row_records(*rec_args)
                     elif EARLY_TILE:
+                        u_h, v_x = _row_records(*rec_args)
                         SX = _parts_window_products(S0, S1, S2, S3, q_ptr, k_ptr, p_tok, i_h, offs_c, xk_ok, xq_ok,
                                                     stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
                                                     K, KQ, DOT_PRECISION)
                     else:
+                        u_h, v_x = _row_records(*rec_args)
                         SX = _checkpoint_window_products(q_ptr, k_ptr, ckpt_at, p_tok, i_h, offs_v, mask_v, xk_ok,
                                                          xq_ok, stride_q_tok, stride_q_head, stride_k_tok,
                                                          stride_k_head, K, BK, KC, BX, BV, DOT_PRECISION, NUM_STAGES)
@@ -986,19 +1015,18 @@ if triton is not None:
                                                  xk_ok, xq_ok, stride_q_tok, stride_q_head, stride_k_tok,
                                                  stride_k_head, eps, H, HV, K, V, L, KQ, AHEAD, ROUND_STATE,
                                                  DOT_PRECISION, EARLY_TILE)
+                    u_h, v_x = _row_records(*rec_args)
                 elif EARLY_TILE:
+                    u_h, v_x = _row_records(*rec_args)
                     SX = _parts_window_products(S0, S1, S2, S3, q_ptr, k_ptr, p_tok, i_h, offs_c, xk_ok, xq_ok,
                                                 stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
                                                 K, KQ, DOT_PRECISION)
                 else:
+                    u_h, v_x = _row_records(*rec_args)
                     SX = _checkpoint_window_products(q_ptr, k_ptr, ckpt_at, p_tok, i_h, offs_v, mask_v, xk_ok, xq_ok,
                                                      stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
                                                      K, BK, KC, BX, BV, DOT_PRECISION, NUM_STAGES)
                 # [U | o] = (S0 x_r) C1 + u_h Z + v D
-                offs_h = tl.arange(0, BH)
-                hist = offs_h < n_hist
-                rec_h = ring_at + (base + offs_h) % L
-                rec_w = ring_at + (base + wp + tok) % L
                 # The coefficients were computed on the coefficient kernel's stacked window
                 # of 2 BTC rows: row r of this one is its row cx(r); the rest are zero.
                 if WAIT_COEF:
@@ -1015,12 +1043,6 @@ if triton is not None:
                 Z = tl.load(coef_at + (BXC + offs_h[:, None]) * BXC + cx[None, :], mask=c_ok[None, :], other=0.0)
                 D = tl.load(coef_at + (BXC + BH + cx[:, None]) * BXC + cx[None, :],
                             mask=c_ok[:, None] & c_ok[None, :], other=0.0)
-                # (Unused ring entries may hold NaN: masked loads give 0 instead.)
-                u_h = tl.load(ru_ptr + (rec_h[None, :] * HV + i_hv) * V + offs_v[:, None],
-                              mask=mask_v[:, None] & hist[None, :], other=0.0)
-                vk_ok = mask_v[:, None] & xk_ok[None, :]
-                v_x = tl.load(v_ptr + p_tok[None, :] * stride_v_tok + i_hv * stride_v_head + offs_v[:, None],
-                              mask=vk_ok, other=0.0)
                 out = tl.dot(SX, C1, input_precision=COEF_PRECISION)
                 out = tl.dot(u_h, Z, out, input_precision=COEF_PRECISION)
                 # U on key columns, o on query columns
@@ -1031,9 +1053,10 @@ if triton is not None:
                              mask=mask_v[:, None] & (is_q & rows_ok)[None, :])
                 else:
                     tl.store(p_o, _tl_to_rtne(out, o_ptr.dtype.element_ty), mask=mask_v[:, None] & xq_ok[None, :])
-                rec = (rec_w[None, :] * HV + i_hv) * V + offs_v[:, None]
-                tl.store(rv_ptr + rec, v_x.to(rv_ptr.dtype.element_ty), mask=vk_ok)
-                tl.store(ru_ptr + rec, out, mask=vk_ok)
+                rec = pos_w[None, :] * (HV * V) + offs_v[:, None]
+                vk_ok = mask_v[:, None] & xk_ok[None, :]
+                tl.store(rv_ptr + ring_at * (HV * V) + i_hv * V + rec, v_x.to(rv_ptr.dtype.element_ty), mask=vk_ok)
+                tl.store(ru_at + rec, out, mask=vk_ok)
 
     @triton.jit
     def _window_outputs_kernel(
