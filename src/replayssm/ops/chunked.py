@@ -623,14 +623,12 @@ if triton is not None:
     @_tl_device_fn
     def _load_window_x(q_ptr, k_ptr, p_tok, i_h, offs_k, mask_k, xk_ok, xq_ok,
                        stride_q_tok, stride_q_head, stride_k_tok, stride_k_head):
-        """Columns ``offs_k`` of the stacked window's raw keys and queries: ``(k, x)``,
-        ``k`` the key rows as loaded (the ring stores them) and ``x [2 BT, KC]`` fp32
-        with each row from its key or its query (zero where the token is missing)."""
-        k = tl.load(k_ptr + p_tok[:, None] * stride_k_tok + i_h * stride_k_head + offs_k[None, :],
-                    mask=xk_ok[:, None] & mask_k[None, :], other=0.0)
-        q = tl.load(q_ptr + p_tok[:, None] * stride_q_tok + i_h * stride_q_head + offs_k[None, :],
-                    mask=xq_ok[:, None] & mask_k[None, :], other=0.0)
-        return k, k.to(tl.float32) + q.to(tl.float32)
+        """Columns ``offs_k`` of the stacked window's raw keys and queries, ``x [2 BT, KC]``
+        as stored: each row from its key or its query in one load (the row's pointer at
+        either), zero where the token is missing."""
+        row = tl.where(xk_ok, k_ptr + p_tok * stride_k_tok + i_h * stride_k_head,
+                       q_ptr + p_tok * stride_q_tok + i_h * stride_q_head)
+        return tl.load(row[:, None] + offs_k[None, :], mask=(xk_ok | xq_ok)[:, None] & mask_k[None, :], other=0.0)
 
     @_tl_device_fn
     def _mm(a, b, INNER: tl.constexpr, PRECISION: tl.constexpr):
@@ -841,12 +839,12 @@ if triton is not None:
             mask_k = offs_k < K
             S_c = tl.load(ckpt_at + offs_v[:, None] * K + offs_k[None, :], mask=mask_v[:, None] & mask_k[None, :],
                           other=0.0)
-            _, x_c = _load_window_x(q_ptr, k_ptr, p_tok, i_h, offs_k, mask_k, xk_ok, xq_ok,
-                                    stride_q_tok, stride_q_head, stride_k_tok, stride_k_head)
-            if S_c.dtype == tl.bfloat16 and q_ptr.dtype.element_ty == tl.bfloat16:
-                SX = tl.dot(S_c, tl.trans(x_c.to(tl.bfloat16)), SX)
+            x_c = _load_window_x(q_ptr, k_ptr, p_tok, i_h, offs_k, mask_k, xk_ok, xq_ok,
+                                 stride_q_tok, stride_q_head, stride_k_tok, stride_k_head)
+            if S_c.dtype == tl.bfloat16 and x_c.dtype == tl.bfloat16:
+                SX = tl.dot(S_c, tl.trans(x_c), SX)
             else:
-                SX = tl.dot(S_c.to(tl.float32), tl.trans(x_c), SX, input_precision=DOT_PRECISION)
+                SX = tl.dot(S_c.to(tl.float32), tl.trans(x_c.to(tl.float32)), SX, input_precision=DOT_PRECISION)
         return SX
 
     @triton.jit
@@ -855,14 +853,14 @@ if triton is not None:
                                K: tl.constexpr, KQ: tl.constexpr, DOT_PRECISION: tl.constexpr):
         """``S x_r [BV, BX]`` for a state tile held as four ``KQ``-wide parts (registers)
         and the stacked window's raw keys and queries."""
-        _, x0 = _load_window_x(q_ptr, k_ptr, p_tok, i_h, offs_c, offs_c < K, xk_ok, xq_ok,
-                               stride_q_tok, stride_q_head, stride_k_tok, stride_k_head)
-        _, x1 = _load_window_x(q_ptr, k_ptr, p_tok, i_h, KQ + offs_c, KQ + offs_c < K, xk_ok, xq_ok,
-                               stride_q_tok, stride_q_head, stride_k_tok, stride_k_head)
-        _, x2 = _load_window_x(q_ptr, k_ptr, p_tok, i_h, 2 * KQ + offs_c, 2 * KQ + offs_c < K, xk_ok, xq_ok,
-                               stride_q_tok, stride_q_head, stride_k_tok, stride_k_head)
-        _, x3 = _load_window_x(q_ptr, k_ptr, p_tok, i_h, 3 * KQ + offs_c, 3 * KQ + offs_c < K, xk_ok, xq_ok,
-                               stride_q_tok, stride_q_head, stride_k_tok, stride_k_head)
+        x0 = _load_window_x(q_ptr, k_ptr, p_tok, i_h, offs_c, offs_c < K, xk_ok, xq_ok,
+                            stride_q_tok, stride_q_head, stride_k_tok, stride_k_head).to(tl.float32)
+        x1 = _load_window_x(q_ptr, k_ptr, p_tok, i_h, KQ + offs_c, KQ + offs_c < K, xk_ok, xq_ok,
+                            stride_q_tok, stride_q_head, stride_k_tok, stride_k_head).to(tl.float32)
+        x2 = _load_window_x(q_ptr, k_ptr, p_tok, i_h, 2 * KQ + offs_c, 2 * KQ + offs_c < K, xk_ok, xq_ok,
+                            stride_q_tok, stride_q_head, stride_k_tok, stride_k_head).to(tl.float32)
+        x3 = _load_window_x(q_ptr, k_ptr, p_tok, i_h, 3 * KQ + offs_c, 3 * KQ + offs_c < K, xk_ok, xq_ok,
+                            stride_q_tok, stride_q_head, stride_k_tok, stride_k_head).to(tl.float32)
         SX = tl.dot(S0, tl.trans(x0), input_precision=DOT_PRECISION)
         SX = tl.dot(S1, tl.trans(x1), SX, input_precision=DOT_PRECISION)
         SX = tl.dot(S2, tl.trans(x2), SX, input_precision=DOT_PRECISION)
