@@ -335,6 +335,44 @@ if triton is not None:
         S3 = tl.where(valid, N3, S3)
         return S0, S1, S2, S3, _tl_row_dot(S0, S1, S2, S3, qh0, qh1, qh2, qh3), u, g, beta
 
+    @_tl_device_fn
+    def _key_parts(ptr, offs_c, K: tl.constexpr, KQ: tl.constexpr):
+        """A key-axis vector's four fp32 parts at ``ptr + offs_c + p * KQ`` with no row
+        or validity mask (the recurrence kernel's tokens always lie in their window):
+        keys ``>= K`` load as zero, and where ``K`` fills the block (``K == 4 * KQ``,
+        the real shapes) no lane is masked at all."""
+        if K == 4 * KQ:
+            x0 = tl.load(ptr + offs_c).to(tl.float32)
+            x1 = tl.load(ptr + offs_c + KQ).to(tl.float32)
+            x2 = tl.load(ptr + offs_c + 2 * KQ).to(tl.float32)
+            x3 = tl.load(ptr + offs_c + 3 * KQ).to(tl.float32)
+        else:
+            x0 = tl.load(ptr + offs_c, mask=offs_c < K, other=0.0).to(tl.float32)
+            x1 = tl.load(ptr + offs_c + KQ, mask=offs_c + KQ < K, other=0.0).to(tl.float32)
+            x2 = tl.load(ptr + offs_c + 2 * KQ, mask=offs_c + 2 * KQ < K, other=0.0).to(tl.float32)
+            x3 = tl.load(ptr + offs_c + 3 * KQ, mask=offs_c + 3 * KQ < K, other=0.0).to(tl.float32)
+        return x0, x1, x2, x3
+
+    @_tl_device_fn
+    def _window_token(q_at, k_at, v_at, a_at, b_at, tok, offs_c, offs_v, mask_v,
+                      stride_q_tok, stride_k_tok, stride_v_tok, stride_a_tok, stride_b_tok,
+                      K: tl.constexpr, KQ: tl.constexpr, FULL_V: tl.constexpr):
+        """Raw inputs of the window's token ``tok`` (``q_at`` .. ``b_at`` address its
+        first token at this program's heads): ``q`` and ``k`` as four fp32 parts each,
+        then ``v``, ``a``, ``b``. Unlike :func:`_load_token` no load is masked by the
+        token's validity (the kernel loads only tokens of its window: no zeroed
+        registers or predicates a token), and ``mask_v`` (rows ``< V``) applies only
+        where the tile's rows can pass ``V`` (not ``FULL_V``)."""
+        q0, q1, q2, q3 = _key_parts(q_at + tok * stride_q_tok, offs_c, K, KQ)
+        k0, k1, k2, k3 = _key_parts(k_at + tok * stride_k_tok, offs_c, K, KQ)
+        if FULL_V:
+            v = tl.load(v_at + tok * stride_v_tok + offs_v)
+        else:
+            v = tl.load(v_at + tok * stride_v_tok + offs_v, mask=mask_v, other=0.0)
+        a = tl.load(a_at + tok * stride_a_tok)
+        b = tl.load(b_at + tok * stride_b_tok)
+        return q0, q1, q2, q3, k0, k1, k2, k3, v, a, b
+
     @triton.jit
     def _recurrence_kernel(
         q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr,
@@ -351,22 +389,34 @@ if triton is not None:
         STEPS_BY_LENGTH: tl.constexpr, LOAD_AHEAD: tl.constexpr = True,
     ):
         i_v, i_b, i_hv, i_h, slot, bos, length = _tl_window_program(slots_ptr, cu_ptr, H, HV)
+        # A window's positions in 32 bits (its length is at most the bound T, or a
+        # prompt's), so the loop's counter and the stores' offsets stay 32-bit; only the
+        # window's first token (bos) is 64-bit, folded into base pointers.
+        length = length.to(tl.int32)
         # Short windows loop to the bound T (a compile-time trip count); prompts loop to
         # the row's own length, so a short row in a long step costs its own tokens only.
+        # A position past the row's end skips the step's body, so every token the body
+        # sees is valid: no load or store masked by validity, no tile kept.
         if STEPS_BY_LENGTH:
             steps = length
         else:
             steps = T
 
         KQ: tl.constexpr = BK // 4
+        # Rows past V only where V is not a multiple of the tile's height.
+        FULL_V: tl.constexpr = V % BV == 0
         offs_c = tl.arange(0, KQ)  # key index within a part
         all_c = offs_c >= 0
         offs_v = i_v * BV + tl.arange(0, BV)
-        mask_v = offs_v < V
+        if FULL_V:
+            mask_v = tl.arange(0, BV) >= 0
+        else:
+            mask_v = offs_v < V
         o_row = o_ptr + (bos * HV + i_hv) * V + offs_v  # o is a fresh contiguous [N, HV, V]
 
-        if slot < 0:
-            # Padding row: zero outputs, nothing else.
+        if (slot < 0) | (length < 1):
+            # Padding row (or an empty window, outside the contract): zero outputs,
+            # nothing else (an empty window's state would be written back unchanged).
             for i in range(0, steps):
                 tl.store(o_row + i * HV * V, tl.full([BV], 0, o_ptr.dtype.element_ty), mask=_tl_mask_and(mask_v, i < length))
             return
@@ -376,9 +426,22 @@ if triton is not None:
         tile = offs_v[:, None] * K + offs_c[None, :]
         state_at = state_ptr + slot * stride_state_slot + i_hv * (V * K)  # [HV, V, K] packed per slot
         S0, S1, S2, S3 = _tl_load_parts(state_at, tile, mask_v[:, None], offs_c[None, :], K, KQ)
+        # The window's first token at this program's heads (64-bit); a token's loads add
+        # its position within the window times the token stride, in 32 bits below the
+        # prompt bound (at most 16 tokens times a layer's activation row).
+        q_at = q_ptr + bos * stride_q_tok + i_h * stride_q_head
+        k_at = k_ptr + bos * stride_k_tok + i_h * stride_k_head
+        v_at = v_ptr + bos * stride_v_tok + i_hv * stride_v_head
+        a_at = a_ptr + bos * stride_a_tok + i_hv
+        b_at = b_ptr + bos * stride_b_tok + i_hv
+        last = length - 1
+        if HAS_SNAPSHOTS:
+            snap_at = snap_ptr + slot * stride_snap_slot + i_hv * (V * K)  # token i's at + i * HV * V * K
         if HAS_RECORDS:
             # Raw k once per key head: by the group's first value head, first V block.
-            k_writer = (i_hv % (HV // H) == 0) & (i_v == 0)
+            k_mask = _tl_mask_and(all_c, (i_hv % (HV // H) == 0) & (i_v == 0))
+            # g and beta once per value head: by its first V block.
+            gb_writer = i_v == 0
             # This program's records (any slot and head strides), positions added per token.
             rk_at = rec_k_ptr + slot * srk_slot + i_h * srk_head
             rv_at = rec_v_ptr + slot * srv_slot + i_hv * srv_head
@@ -390,45 +453,45 @@ if triton is not None:
         # cost of a second token's inputs live in registers (on sm_90, 255 registers a
         # thread instead of 168 for a 64-row verify of 4 tokens: two programs an SM
         # instead of three). Without it each step loads its own token first, and other
-        # programs hide the latency. The arithmetic is the same either way.
+        # programs hide the latency. The arithmetic is the same either way. The last
+        # step's look-ahead loads the window's last token again (in the window, unused)
+        # rather than a masked one past it.
         if LOAD_AHEAD:
-            valid_n = 0 < length
-            mc_n, mv_n, q0n, q1n, q2n, q3n, k0n, k1n, k2n, k3n, v_n, a_n, b_n = _load_token(
-                q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, bos, valid_n, all_c, mask_v, i_h, i_hv, offs_c, offs_v,
-                stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
-                stride_a_tok, stride_b_tok, K, KQ,
+            q0n, q1n, q2n, q3n, k0n, k1n, k2n, k3n, v_n, a_n, b_n = _window_token(
+                q_at, k_at, v_at, a_at, b_at, 0, offs_c, offs_v, mask_v,
+                stride_q_tok, stride_k_tok, stride_v_tok, stride_a_tok, stride_b_tok, K, KQ, FULL_V,
             )
         for i in range(0, steps):
-            if LOAD_AHEAD:
-                valid, mc, mv = valid_n, mc_n, mv_n
-                q0, q1, q2, q3, k0, k1, k2, k3, v, a, b = q0n, q1n, q2n, q3n, k0n, k1n, k2n, k3n, v_n, a_n, b_n
-                valid_n = i + 1 < length
-                mc_n, mv_n, q0n, q1n, q2n, q3n, k0n, k1n, k2n, k3n, v_n, a_n, b_n = _load_token(
-                    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, bos + i + 1, valid_n, all_c, mask_v, i_h, i_hv, offs_c, offs_v,
-                    stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
-                    stride_a_tok, stride_b_tok, K, KQ,
+            if i < length:
+                if LOAD_AHEAD:
+                    q0, q1, q2, q3, k0, k1, k2, k3, v, a, b = q0n, q1n, q2n, q3n, k0n, k1n, k2n, k3n, v_n, a_n, b_n
+                    tok = tl.minimum(i + 1, last)
+                else:
+                    tok = i
+                if STEPS_BY_LENGTH:
+                    tok = tok.to(tl.int64)  # a prompt's position times its stride may pass 2**31
+                q0t, q1t, q2t, q3t, k0t, k1t, k2t, k3t, v_t, a_t, b_t = _window_token(
+                    q_at, k_at, v_at, a_at, b_at, tok, offs_c, offs_v, mask_v,
+                    stride_q_tok, stride_k_tok, stride_v_tok, stride_a_tok, stride_b_tok, K, KQ, FULL_V,
                 )
-            else:
-                valid = i < length
-                mc, mv, q0, q1, q2, q3, k0, k1, k2, k3, v, a, b = _load_token(
-                    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, bos + i, valid, all_c, mask_v, i_h, i_hv, offs_c, offs_v,
-                    stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
-                    stride_a_tok, stride_b_tok, K, KQ,
-                )
-            # Positions past the row's end keep the state (their outputs are not stored).
-            S0, S1, S2, S3, o, u, g, beta = exact_token(S0, S1, S2, S3, q0, q1, q2, q3, k0, k1, k2, k3, v, a, b,
-                                                        A_log, dt_bias, valid, eps, scale)
-            tl.store(o_row + i * HV * V, _tl_to_rtne(o, o_ptr.dtype.element_ty), mask=mv)
-            if HAS_SNAPSHOTS:
-                snap_at = snap_ptr + slot * stride_snap_slot + (i * HV + i_hv) * (V * K)
-                _tl_store_parts(snap_at, tile, mv[:, None], offs_c[None, :], K, KQ, S0, S1, S2, S3)
-            if HAS_RECORDS:
-                # Side channel only: stores, no change to the arithmetic above (the raw
-                # key's parts went through fp32 and back, which is lossless).
-                _tl_store_parts(rk_at, i * srk_pos + offs_c, _tl_mask_and(mc, k_writer), offs_c, K, KQ, k0, k1, k2, k3)
-                tl.store(rv_at + i * srv_pos + offs_v, v.to(rec_v_ptr.dtype.element_ty), mask=mv)
-                tl.store(rg_at + i * srg_pos, g, mask=valid & (i_v == 0))
-                tl.store(rb_at + i * srb_pos, beta, mask=valid & (i_v == 0))
+                if LOAD_AHEAD:
+                    q0n, q1n, q2n, q3n, k0n, k1n, k2n, k3n, v_n, a_n, b_n = q0t, q1t, q2t, q3t, k0t, k1t, k2t, k3t, v_t, a_t, b_t
+                else:
+                    q0, q1, q2, q3, k0, k1, k2, k3, v, a, b = q0t, q1t, q2t, q3t, k0t, k1t, k2t, k3t, v_t, a_t, b_t
+                # A valid token (True): exact_token's step replaces the tile outright.
+                S0, S1, S2, S3, o, u, g, beta = exact_token(S0, S1, S2, S3, q0, q1, q2, q3, k0, k1, k2, k3, v, a, b,
+                                                            A_log, dt_bias, True, eps, scale)
+                tl.store(o_row + i * HV * V, _tl_to_rtne(o, o_ptr.dtype.element_ty), mask=mask_v)
+                if HAS_SNAPSHOTS:
+                    _tl_store_parts(snap_at + i * (HV * V * K), tile, mask_v[:, None], offs_c[None, :], K, KQ,
+                                    S0, S1, S2, S3)
+                if HAS_RECORDS:
+                    # Side channel only: stores, no change to the arithmetic above (the raw
+                    # key's parts went through fp32 and back, which is lossless).
+                    _tl_store_parts(rk_at, i * srk_pos + offs_c, k_mask, offs_c, K, KQ, k0, k1, k2, k3)
+                    tl.store(rv_at + i * srv_pos + offs_v, v.to(rec_v_ptr.dtype.element_ty), mask=mask_v)
+                    tl.store(rg_at + i * srg_pos, g, mask=gb_writer)
+                    tl.store(rb_at + i * srb_pos, beta, mask=gb_writer)
         if UPDATE_STATE:
             _tl_store_parts(state_at, tile, mask_v[:, None], offs_c[None, :], K, KQ, S0, S1, S2, S3)
 
