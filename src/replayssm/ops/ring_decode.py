@@ -145,7 +145,7 @@ except ImportError:  # the reference backend works without Triton
     triton = None
 
 if triton is not None:
-    from .fold import replay_and_store_tile as _replay_and_store_tile
+    from .fold import _ring_pos, replay_and_store_tile as _replay_and_store_tile
     from .recurrent import exact_block_k
     from .triton_common import EXACT_NUM_WARPS, NORM_EPS, block_rows, exact_warps, register_cap, side_stream
     from .triton_common import sm_count
@@ -155,15 +155,16 @@ if triton is not None:
     from .triton_common import store_parts as _tl_store_parts, to_rtne as _tl_to_rtne
 
     @_tl_device_fn
-    def _token_rows(o_at, rv_at, ru_at, v_at, offs, mask, S_k, S_q, e, beta, kq):
+    def _token_rows(o_at, rv_at, ru_at, pos, SRV_POS: tl.constexpr, v_at, offs, mask, S_k, S_q, e, beta, kq):
         """The token's corrected delta and output on rows ``offs`` from their ``S k^`` and
-        ``S q^`` (the committed state's, ``[R]``), stored with the token's ``v`` record:
+        ``S q^`` (the committed state's, ``[R]``), stored with the token's ``v`` record at
+        ring position ``pos`` (``SRV_POS`` apart in ``rv_at`` and ``ru_at``):
         ``u = beta (v - exp(g) S k^)``, ``o = exp(g) S q^ + u (k^ . q^)``."""
         xv = tl.load(v_at + offs, mask=mask, other=0.0)
         u = beta * (xv.to(tl.float32) - e * S_k)
         tl.store(o_at + offs, _tl_to_rtne(e * S_q + u * kq, o_at.dtype.element_ty), mask=mask)
-        tl.store(rv_at + offs, xv.to(rv_at.dtype.element_ty), mask=mask)
-        tl.store(ru_at + offs, u, mask=mask)
+        tl.store(rv_at + (pos * SRV_POS + offs), xv.to(rv_at.dtype.element_ty), mask=mask)
+        tl.store(ru_at + (pos * SRV_POS + offs), u, mask=mask)
 
     @_tl_device_fn
     def _checkpoint_products(ckpt_at, k_at, q_at, r_k, r_q, offs_v, mask_v, K: tl.constexpr, BK: tl.constexpr,
@@ -240,8 +241,11 @@ if triton is not None:
                 S0, S1, S2, S3 = _tl_load_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ)
             else:
                 S0, S1, S2, S3 = 0.0, 0.0, 0.0, 0.0  # loaded in the row's branch
-            wp = tl.load(wp_ptr + slot).to(tl.int64)
-            base = tl.load(base_ptr + slot).to(tl.int64)
+            # Ring positions in 32 bits, wrapped by a mask where L is a power of two (as
+            # the exact replay's, fold.replay_tile); the slot's offset into the rings
+            # stays 64-bit (a pool's rings can pass 2^31 elements).
+            wp = tl.load(wp_ptr + slot).to(tl.int32)
+            base = tl.load(base_ptr + slot).to(tl.int32)
             folds = (tl.load(flush_ptr + slot) != 0) & (wp > 0)
             # Which rows this kernel owns, and whether they fold: decided at run time in
             # one launch, at compile time in the split kernels (the flush kernel is only
@@ -256,10 +260,13 @@ if triton is not None:
                 owned = True
                 folds_here = True
             if owned:
-                ring_at = slot * L  # flat record index of the slot's ring
-                rec = ring_at + (base + wp) % L  # the token's record: logical position write_pos
-                rv_at = rv_ptr + (rec * HV + i_hv) * V
-                ru_at = ru_ptr + (rec * HV + i_hv) * V
+                # The slot's records of this program's heads, at ring position 0.
+                rk_at = rk_ptr + slot * (L * H * K) + i_h * K
+                rv_at = rv_ptr + slot * (L * HV * V) + i_hv * V
+                ru_at = ru_ptr + slot * (L * HV * V) + i_hv * V
+                rg_at = rg_ptr + slot * (L * HV) + i_hv
+                rb_at = rb_ptr + slot * (L * HV) + i_hv
+                pos = _ring_pos(base + wp, L)  # the token's record: logical position write_pos
                 v_at = v_ptr + bos * stride_v_tok + i_hv * stride_v_head
                 q_at = q_ptr + bos * stride_q_tok + i_h * stride_q_head
                 k_at = k_ptr + bos * stride_k_tok + i_h * stride_k_head
@@ -275,26 +282,26 @@ if triton is not None:
                 e = tl.exp(g)
                 kq = _tl_row_sum(tl.fma(kh3, qh3, tl.fma(kh2, qh2, tl.fma(kh1, qh1, kh0 * qh0))), 0)
                 if folds_here:
-                    _fold_and_token(S0, S1, S2, S3, ckpt_at, tile, rk_ptr, rv_ptr, rg_ptr, rb_ptr, ring_at, base, wp,
-                                    i_h, i_hv, offs_c, offs_v, mask_v, o_at, rv_at, ru_at, v_at,
+                    _fold_and_token(S0, S1, S2, S3, ckpt_at, tile, rk_at, rv_at, rg_at, rb_at, ru_at, pos, base, wp,
+                                    offs_c, offs_v, mask_v, o_at, v_at,
                                     kh0, kh1, kh2, kh3, qh0, qh1, qh2, qh3, e, beta, kq, eps,
                                     H, HV, K, V, L, KQ, AHEAD, ROUND_STATE, EARLY_TILE)
                 else:
-                    _history_and_token(S0, S1, S2, S3, ckpt_at, tile, rk_ptr, rg_ptr, ru_ptr, ring_at, base, wp,
-                                       i_h, i_hv, offs_c, offs_v, mask_v, o_at, rv_at, ru_at, v_at, k_at, q_at,
+                    _history_and_token(S0, S1, S2, S3, ckpt_at, tile, rk_at, rv_at, rg_at, ru_at, pos, base, wp,
+                                       offs_c, offs_v, mask_v, o_at, v_at, k_at, q_at,
                                        kh0, kh1, kh2, kh3, qh0, qh1, qh2, qh3, r_k, r_q, e, beta, kq, eps,
                                        H, HV, K, V, L, BK, KQ, BV, EARLY_TILE, DOT, KC, NUM_STAGES, DOT_PRECISION)
                 # The raw key and the gates, once per (request, key head) and value head,
                 # after every load (the history's records are read from the same ring).
                 k_writer = (i_hv % (HV // H) == 0) & (i_v == 0)
-                _tl_store_parts(rk_ptr, (rec * H + i_h) * K + offs_c, _tl_mask_and(all_c, k_writer), offs_c, K, KQ,
+                _tl_store_parts(rk_at, pos * (H * K) + offs_c, _tl_mask_and(all_c, k_writer), offs_c, K, KQ,
                                 k0, k1, k2, k3)
-                tl.store(rg_ptr + rec * HV + i_hv, g, mask=i_v == 0)
-                tl.store(rb_ptr + rec * HV + i_hv, beta, mask=i_v == 0)
+                tl.store(rg_at + pos * HV, g, mask=i_v == 0)
+                tl.store(rb_at + pos * HV, beta, mask=i_v == 0)
 
     @triton.jit
-    def _fold_and_token(S0, S1, S2, S3, ckpt_at, tile, rk_ptr, rv_ptr, rg_ptr, rb_ptr, ring_at, base, wp, i_h, i_hv,
-                        offs_c, offs_v, mask_v, o_at, rv_at, ru_at, v_at, kh0, kh1, kh2, kh3, qh0, qh1, qh2, qh3,
+    def _fold_and_token(S0, S1, S2, S3, ckpt_at, tile, rk_at, rv_at, rg_at, rb_at, ru_at, pos, base, wp,
+                        offs_c, offs_v, mask_v, o_at, v_at, kh0, kh1, kh2, kh3, qh0, qh1, qh2, qh3,
                         e, beta, kq, eps, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                         L: tl.constexpr, KQ: tl.constexpr, AHEAD: tl.constexpr, ROUND_STATE: tl.constexpr,
                         EARLY_TILE: tl.constexpr):
@@ -303,16 +310,15 @@ if triton is not None:
         if not EARLY_TILE:
             S0, S1, S2, S3 = _tl_load_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ)
         S0, S1, S2, S3 = _replay_and_store_tile(
-            S0, S1, S2, S3, ckpt_at, tile, rk_ptr + ring_at * (H * K) + i_h * K,
-            rv_ptr + ring_at * (HV * V) + i_hv * V, rg_ptr + ring_at * HV + i_hv, rb_ptr + ring_at * HV + i_hv,
+            S0, S1, S2, S3, ckpt_at, tile, rk_at, rv_at, rg_at, rb_at,
             base, tl.minimum(wp, L), offs_c, offs_v, mask_v, H * K, HV * V, HV, HV, eps, K, L, KQ, AHEAD,
             ROUND_STATE, False)  # each key normalised at its step's head: faster in this kernel (fold.replay_tile)
-        _token_rows(o_at, rv_at, ru_at, v_at, offs_v, mask_v, _tl_row_dot(S0, S1, S2, S3, kh0, kh1, kh2, kh3),
+        _token_rows(o_at, rv_at, ru_at, pos, HV * V, v_at, offs_v, mask_v, _tl_row_dot(S0, S1, S2, S3, kh0, kh1, kh2, kh3),
                     _tl_row_dot(S0, S1, S2, S3, qh0, qh1, qh2, qh3), e, beta, kq)
 
     @triton.jit
-    def _history_and_token(S0, S1, S2, S3, ckpt_at, tile, rk_ptr, rg_ptr, ru_ptr, ring_at, base, wp, i_h, i_hv,
-                           offs_c, offs_v, mask_v, o_at, rv_at, ru_at, v_at, k_at, q_at,
+    def _history_and_token(S0, S1, S2, S3, ckpt_at, tile, rk_at, rv_at, rg_at, ru_at, pos, base, wp,
+                           offs_c, offs_v, mask_v, o_at, v_at, k_at, q_at,
                            kh0, kh1, kh2, kh3, qh0, qh1, qh2, qh3, r_k, r_q, e, beta, kq, eps,
                            H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
                            BK: tl.constexpr, KQ: tl.constexpr, BV: tl.constexpr, EARLY_TILE: tl.constexpr,
@@ -323,15 +329,15 @@ if triton is not None:
             S x = exp(Gtot) S0 x + sum_c exp(g_{c+1} + ... + g_h) u_c (k^_c . x)."""
         offs_h = tl.arange(0, L)
         hist = offs_h < wp
-        rec_h = ring_at + (base + offs_h) % L
+        pos_h = _ring_pos(base + offs_h, L)
         # Unused ring entries may hold NaN: masked loads give 0 instead.
-        h0, h1, h2, h3 = _tl_load_parts(rk_ptr, (rec_h[:, None] * H + i_h) * K + offs_c[None, :], hist[:, None],
+        h0, h1, h2, h3 = _tl_load_parts(rk_at, pos_h[:, None] * (H * K) + offs_c[None, :], hist[:, None],
                                         offs_c[None, :], K, KQ)
-        g_h = tl.load(rg_ptr + rec_h * HV + i_hv, mask=hist, other=0.0)
+        g_h = tl.load(rg_at + pos_h * HV, mask=hist, other=0.0)
         if DOT:
             # Every history load issued before the checkpoint's stream, so that their
             # latencies overlap its chunks' instead of following them.
-            u_h = tl.load(ru_ptr + (rec_h[None, :] * HV + i_hv) * V + offs_v[:, None],
+            u_h = tl.load(ru_at + (pos_h[None, :] * (HV * V) + offs_v[:, None]),
                           mask=mask_v[:, None] & hist[None, :], other=0.0)
             S0_k, S0_q = _checkpoint_products(ckpt_at, k_at, q_at, r_k, r_q, offs_v, mask_v, K, BK, KC, BV,
                                               DOT_PRECISION, NUM_STAGES)
@@ -351,11 +357,11 @@ if triton is not None:
                 S0, S1, S2, S3 = _tl_load_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ)
             S0_k = _tl_row_dot(S0, S1, S2, S3, kh0, kh1, kh2, kh3)
             S0_q = _tl_row_dot(S0, S1, S2, S3, qh0, qh1, qh2, qh3)
-            u_h = tl.load(ru_ptr + (rec_h[None, :] * HV + i_hv) * V + offs_v[:, None],
+            u_h = tl.load(ru_at + (pos_h[None, :] * (HV * V) + offs_v[:, None]),
                           mask=mask_v[:, None] & hist[None, :], other=0.0)
         S_k = e_Gh * S0_k + _tl_row_sum(u_h * c_k[None, :], 1)
         S_q = e_Gh * S0_q + _tl_row_sum(u_h * c_q[None, :], 1)
-        _token_rows(o_at, rv_at, ru_at, v_at, offs_v, mask_v, S_k, S_q, e, beta, kq)
+        _token_rows(o_at, rv_at, ru_at, pos, HV * V, v_at, offs_v, mask_v, S_k, S_q, e, beta, kq)
 
     @triton.jit
     def _ring_decode_kernel(
