@@ -153,8 +153,13 @@ if triton is not None:
     from .triton_common import sm_count
     from .triton_common import device_fn as _tl_device_fn, folding_rows as _tl_folding_rows
     from .triton_common import gdn_gates as _tl_gdn_gates, load_parts as _tl_load_parts, mask_and as _tl_mask_and
-    from .triton_common import inv_norm as _tl_inv_norm, row_dot as _tl_row_dot, row_sum as _tl_row_sum
+    from .triton_common import row_dot as _tl_row_dot, row_sum as _tl_row_sum
     from .triton_common import store_parts as _tl_store_parts, to_rtne as _tl_to_rtne
+
+    @_tl_device_fn
+    def _sum_sq(x0, x1, x2, x3):
+        """``sum(x*x)`` of a vector held as four fp32 ``[KQ]`` parts."""
+        return _tl_row_sum(tl.fma(x3, x3, tl.fma(x2, x2, tl.fma(x1, x1, x0 * x0))), 0)
 
     @_tl_device_fn
     def _token_rows(o_at, rv_at, ru_at, pos, SRV_POS: tl.constexpr, v_at, offs, mask, S_k, S_q, e, beta, kq):
@@ -276,8 +281,10 @@ if triton is not None:
                 g, beta = _tl_gdn_gates(tl.load(a_ptr + bos * stride_a_tok + i_hv),
                                         tl.load(b_ptr + bos * stride_b_tok + i_hv),
                                         tl.load(A_log_ptr + i_hv), tl.load(dt_bias_ptr + i_hv))
-                r_k = _tl_inv_norm(k0, k1, k2, k3, eps)
-                r_q = _tl_inv_norm(q0, q1, q2, q3, eps) * scale
+                # The token's key and query feed its output and u alone (stated to rounding;
+                # a flush replays the ring's raw keys): rsqrt, not sqrt_rn and div_rn.
+                r_k = tl.math.rsqrt(_sum_sq(k0, k1, k2, k3) + eps)
+                r_q = tl.math.rsqrt(_sum_sq(q0, q1, q2, q3) + eps) * scale
                 kh0, kh1, kh2, kh3 = k0 * r_k, k1 * r_k, k2 * r_k, k3 * r_k
                 qh0, qh1, qh2, qh3 = q0 * r_q, q1 * r_q, q2 * r_q, q3 * r_q
                 e = tl.exp(g)
@@ -356,8 +363,8 @@ if triton is not None:
         as ``(exp(Gtot), c_k, c_q)``, ``c_x[c] = exp(g_{c+1} + ... + g_h) (k^_c . x)``, from
         the records' raw keys (four parts ``[L, KQ]``) and gates ``g_h`` (zero past the
         history)."""
-        hh = _tl_row_sum(tl.fma(h3, h3, tl.fma(h2, h2, tl.fma(h1, h1, h0 * h0))), 1)
-        r_h = tl.div_rn(tl.full(hh.shape, 1.0, tl.float32), tl.sqrt_rn(hh + eps))  # 1 / |k_c|
+        # 1 / |k_c| (to rounding, as the token's: rsqrt)
+        r_h = tl.math.rsqrt(_tl_row_sum(tl.fma(h3, h3, tl.fma(h2, h2, tl.fma(h1, h1, h0 * h0))), 1) + eps)
         later = offs_h[None, :] > offs_h[:, None]
         w_h = tl.where(hist, tl.exp(_tl_row_sum(tl.where(later, g_h[None, :], 0.0), 1)), 0.0) * r_h
         c_k = _tl_row_dot(h0, h1, h2, h3, kh0, kh1, kh2, kh3) * w_h
