@@ -187,18 +187,21 @@ if triton is not None:
         offs_x = tl.arange(0, 16)
         is_k = offs_x == 0
         is_q = offs_x == 1
+        # Column 0 the key, column 1 the query, the rest zero: one masked load, each
+        # column's pointer at its key or its query, built [KC, 16] as tl.dot takes it.
+        x_at = tl.where(is_k, k_at, q_at)[None, :]
+        x_ok = (offs_x < 2)[None, :]
         SX = tl.zeros([BV, 16], dtype=tl.float32)
         for kc in tl.range(0, BK, KC, num_stages=NUM_STAGES):
             offs_k = kc + offs_c
-            mask_k = (offs_k < K)[None, :]
-            S_c = tl.load(ckpt_at + offs_v[:, None] * K + offs_k[None, :], mask=mask_v[:, None] & mask_k, other=0.0)
-            # Row 0 the key, row 1 the query, the rest zero: a sum of two masked loads.
-            x_c = (tl.load(k_at + offs_x[:, None] * 0 + offs_k[None, :], mask=is_k[:, None] & mask_k, other=0.0)
-                   + tl.load(q_at + offs_x[:, None] * 0 + offs_k[None, :], mask=is_q[:, None] & mask_k, other=0.0))
+            mask_k = offs_k < K
+            S_c = tl.load(ckpt_at + offs_v[:, None] * K + offs_k[None, :], mask=mask_v[:, None] & mask_k[None, :],
+                          other=0.0)
+            x_c = tl.load(x_at + offs_k[:, None], mask=x_ok & mask_k[:, None], other=0.0)
             if S_c.dtype == x_c.dtype:
-                SX = tl.dot(S_c, tl.trans(x_c), SX, input_precision=DOT_PRECISION)
+                SX = tl.dot(S_c, x_c, SX, input_precision=DOT_PRECISION)
             else:
-                SX = tl.dot(S_c.to(tl.float32), tl.trans(x_c.to(tl.float32)), SX, input_precision=DOT_PRECISION)
+                SX = tl.dot(S_c.to(tl.float32), x_c.to(tl.float32), SX, input_precision=DOT_PRECISION)
         S0_k = _tl_row_sum(tl.where(is_k[None, :], SX, 0.0), 1) * r_k
         S0_q = _tl_row_sum(tl.where(is_q[None, :], SX, 0.0), 1) * r_q
         return S0_k, S0_q
