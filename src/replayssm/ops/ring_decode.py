@@ -115,7 +115,9 @@ def gdn_ring_decode(
 # for S0 k^ and S0 q^, and adds the history's share from its records' keys, gates and
 # u (a few hundred bytes a record next to the tile's BV x K). A flush row replays its
 # records on the exact four-part tile instead and stores it: the exact kernels' tile
-# and warps.
+# and warps. Both kinds of row then share one code path for the token: the tile's
+# products (the checkpoint's, or the folded tile's with an empty history), so the
+# kernel holds one copy of them.
 #
 # Two ways to launch it (the shape table's ``split_flush``):
 # * one launch for every row (0). The kernel then holds the flush's registers (the
@@ -145,25 +147,31 @@ except ImportError:  # the reference backend works without Triton
     triton = None
 
 if triton is not None:
-    from .fold import replay_and_store_tile as _replay_and_store_tile
+    from .fold import _ring_pos, replay_and_store_tile as _replay_and_store_tile
     from .recurrent import exact_block_k
     from .triton_common import EXACT_NUM_WARPS, NORM_EPS, block_rows, exact_warps, register_cap, side_stream
     from .triton_common import sm_count
     from .triton_common import device_fn as _tl_device_fn, folding_rows as _tl_folding_rows
     from .triton_common import gdn_gates as _tl_gdn_gates, load_parts as _tl_load_parts, mask_and as _tl_mask_and
-    from .triton_common import inv_norm as _tl_inv_norm, row_dot as _tl_row_dot, row_sum as _tl_row_sum
+    from .triton_common import row_dot as _tl_row_dot, row_sum as _tl_row_sum
     from .triton_common import store_parts as _tl_store_parts, to_rtne as _tl_to_rtne
 
     @_tl_device_fn
-    def _token_rows(o_at, rv_at, ru_at, v_at, offs, mask, S_k, S_q, e, beta, kq):
+    def _sum_sq(x0, x1, x2, x3):
+        """``sum(x*x)`` of a vector held as four fp32 ``[KQ]`` parts."""
+        return _tl_row_sum(tl.fma(x3, x3, tl.fma(x2, x2, tl.fma(x1, x1, x0 * x0))), 0)
+
+    @_tl_device_fn
+    def _token_rows(o_at, rv_at, ru_at, pos, SRV_POS: tl.constexpr, v_at, offs, mask, S_k, S_q, e, beta, kq):
         """The token's corrected delta and output on rows ``offs`` from their ``S k^`` and
-        ``S q^`` (the committed state's, ``[R]``), stored with the token's ``v`` record:
+        ``S q^`` (the committed state's, ``[R]``), stored with the token's ``v`` record at
+        ring position ``pos`` (``SRV_POS`` apart in ``rv_at`` and ``ru_at``):
         ``u = beta (v - exp(g) S k^)``, ``o = exp(g) S q^ + u (k^ . q^)``."""
         xv = tl.load(v_at + offs, mask=mask, other=0.0)
         u = beta * (xv.to(tl.float32) - e * S_k)
         tl.store(o_at + offs, _tl_to_rtne(e * S_q + u * kq, o_at.dtype.element_ty), mask=mask)
-        tl.store(rv_at + offs, xv.to(rv_at.dtype.element_ty), mask=mask)
-        tl.store(ru_at + offs, u, mask=mask)
+        tl.store(rv_at + (pos * SRV_POS + offs), xv.to(rv_at.dtype.element_ty), mask=mask)
+        tl.store(ru_at + (pos * SRV_POS + offs), u, mask=mask)
 
     @_tl_device_fn
     def _checkpoint_products(ckpt_at, k_at, q_at, r_k, r_q, offs_v, mask_v, K: tl.constexpr, BK: tl.constexpr,
@@ -179,18 +187,21 @@ if triton is not None:
         offs_x = tl.arange(0, 16)
         is_k = offs_x == 0
         is_q = offs_x == 1
+        # Column 0 the key, column 1 the query, the rest zero: one masked load, each
+        # column's pointer at its key or its query, built [KC, 16] as tl.dot takes it.
+        x_at = tl.where(is_k, k_at, q_at)[None, :]
+        x_ok = (offs_x < 2)[None, :]
         SX = tl.zeros([BV, 16], dtype=tl.float32)
         for kc in tl.range(0, BK, KC, num_stages=NUM_STAGES):
             offs_k = kc + offs_c
-            mask_k = (offs_k < K)[None, :]
-            S_c = tl.load(ckpt_at + offs_v[:, None] * K + offs_k[None, :], mask=mask_v[:, None] & mask_k, other=0.0)
-            # Row 0 the key, row 1 the query, the rest zero: a sum of two masked loads.
-            x_c = (tl.load(k_at + offs_x[:, None] * 0 + offs_k[None, :], mask=is_k[:, None] & mask_k, other=0.0)
-                   + tl.load(q_at + offs_x[:, None] * 0 + offs_k[None, :], mask=is_q[:, None] & mask_k, other=0.0))
+            mask_k = offs_k < K
+            S_c = tl.load(ckpt_at + offs_v[:, None] * K + offs_k[None, :], mask=mask_v[:, None] & mask_k[None, :],
+                          other=0.0)
+            x_c = tl.load(x_at + offs_k[:, None], mask=x_ok & mask_k[:, None], other=0.0)
             if S_c.dtype == x_c.dtype:
-                SX = tl.dot(S_c, tl.trans(x_c), SX, input_precision=DOT_PRECISION)
+                SX = tl.dot(S_c, x_c, SX, input_precision=DOT_PRECISION)
             else:
-                SX = tl.dot(S_c.to(tl.float32), tl.trans(x_c.to(tl.float32)), SX, input_precision=DOT_PRECISION)
+                SX = tl.dot(S_c.to(tl.float32), x_c.to(tl.float32), SX, input_precision=DOT_PRECISION)
         S0_k = _tl_row_sum(tl.where(is_k[None, :], SX, 0.0), 1) * r_k
         S0_q = _tl_row_sum(tl.where(is_q[None, :], SX, 0.0), 1) * r_q
         return S0_k, S0_q
@@ -238,10 +249,12 @@ if triton is not None:
                 # The checkpoint tile first, before the row's kind is known: its loads wait
                 # only for the slot, not for the cursors.
                 S0, S1, S2, S3 = _tl_load_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ)
-            else:
-                S0, S1, S2, S3 = 0.0, 0.0, 0.0, 0.0  # loaded in the row's branch
-            wp = tl.load(wp_ptr + slot).to(tl.int64)
-            base = tl.load(base_ptr + slot).to(tl.int64)
+            # (Otherwise the tile is loaded in the row's branch, and defined there alone.)
+            # Ring positions in 32 bits, wrapped by a mask where L is a power of two (as
+            # the exact replay's, fold.replay_tile); the slot's offset into the rings
+            # stays 64-bit (a pool's rings can pass 2^31 elements).
+            wp = tl.load(wp_ptr + slot).to(tl.int32)
+            base = tl.load(base_ptr + slot).to(tl.int32)
             folds = (tl.load(flush_ptr + slot) != 0) & (wp > 0)
             # Which rows this kernel owns, and whether they fold: decided at run time in
             # one launch, at compile time in the split kernels (the flush kernel is only
@@ -256,10 +269,13 @@ if triton is not None:
                 owned = True
                 folds_here = True
             if owned:
-                ring_at = slot * L  # flat record index of the slot's ring
-                rec = ring_at + (base + wp) % L  # the token's record: logical position write_pos
-                rv_at = rv_ptr + (rec * HV + i_hv) * V
-                ru_at = ru_ptr + (rec * HV + i_hv) * V
+                # The slot's records of this program's heads, at ring position 0.
+                rk_at = rk_ptr + slot * (L * H * K) + i_h * K
+                rv_at = rv_ptr + slot * (L * HV * V) + i_hv * V
+                ru_at = ru_ptr + slot * (L * HV * V) + i_hv * V
+                rg_at = rg_ptr + slot * (L * HV) + i_hv
+                rb_at = rb_ptr + slot * (L * HV) + i_hv
+                pos = _ring_pos(base + wp, L)  # the token's record: logical position write_pos
                 v_at = v_ptr + bos * stride_v_tok + i_hv * stride_v_head
                 q_at = q_ptr + bos * stride_q_tok + i_h * stride_q_head
                 k_at = k_ptr + bos * stride_k_tok + i_h * stride_k_head
@@ -268,94 +284,147 @@ if triton is not None:
                 g, beta = _tl_gdn_gates(tl.load(a_ptr + bos * stride_a_tok + i_hv),
                                         tl.load(b_ptr + bos * stride_b_tok + i_hv),
                                         tl.load(A_log_ptr + i_hv), tl.load(dt_bias_ptr + i_hv))
-                r_k = _tl_inv_norm(k0, k1, k2, k3, eps)
-                r_q = _tl_inv_norm(q0, q1, q2, q3, eps) * scale
+                # The token's key and query feed its output and u alone (stated to rounding;
+                # a flush replays the ring's raw keys): rsqrt, not sqrt_rn and div_rn.
+                r_k = tl.math.rsqrt(_sum_sq(k0, k1, k2, k3) + eps)
+                r_q = tl.math.rsqrt(_sum_sq(q0, q1, q2, q3) + eps) * scale
                 kh0, kh1, kh2, kh3 = k0 * r_k, k1 * r_k, k2 * r_k, k3 * r_k
                 qh0, qh1, qh2, qh3 = q0 * r_q, q1 * r_q, q2 * r_q, q3 * r_q
                 e = tl.exp(g)
                 kq = _tl_row_sum(tl.fma(kh3, qh3, tl.fma(kh2, qh2, tl.fma(kh1, qh1, kh0 * qh0))), 0)
-                if folds_here:
-                    _fold_and_token(S0, S1, S2, S3, ckpt_at, tile, rk_ptr, rv_ptr, rg_ptr, rb_ptr, ring_at, base, wp,
-                                    i_h, i_hv, offs_c, offs_v, mask_v, o_at, rv_at, ru_at, v_at,
-                                    kh0, kh1, kh2, kh3, qh0, qh1, qh2, qh3, e, beta, kq, eps,
-                                    H, HV, K, V, L, KQ, AHEAD, ROUND_STATE, EARLY_TILE)
+                if DOT:
+                    # Tensor cores: a row that does not flush holds no tile in registers.
+                    if folds_here:
+                        if not EARLY_TILE:
+                            S0, S1, S2, S3 = _tl_load_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ)
+                        # (F, not S: the tile exists on this branch alone.)
+                        F0, F1, F2, F3 = _fold(S0, S1, S2, S3, ckpt_at, tile, rk_at, rv_at, rg_at, rb_at, base, wp,
+                                               offs_c, offs_v, mask_v, eps, H, HV, K, V, L, KQ, AHEAD, ROUND_STATE)
+                        S_k = _tl_row_dot(F0, F1, F2, F3, kh0, kh1, kh2, kh3)
+                        S_q = _tl_row_dot(F0, F1, F2, F3, qh0, qh1, qh2, qh3)
+                    else:
+                        S_k, S_q = _history_and_products(ckpt_at, rk_at, rg_at, ru_at, base, wp, offs_c, offs_v,
+                                                         mask_v, k_at, q_at, kh0, kh1, kh2, kh3, qh0, qh1, qh2, qh3,
+                                                         r_k, r_q, eps, H, HV, K, V, L, BK, KQ, BV, KC, NUM_STAGES,
+                                                         DOT_PRECISION)
                 else:
-                    _history_and_token(S0, S1, S2, S3, ckpt_at, tile, rk_ptr, rg_ptr, ru_ptr, ring_at, base, wp,
-                                       i_h, i_hv, offs_c, offs_v, mask_v, o_at, rv_at, ru_at, v_at, k_at, q_at,
-                                       kh0, kh1, kh2, kh3, qh0, qh1, qh2, qh3, r_k, r_q, e, beta, kq, eps,
-                                       H, HV, K, V, L, BK, KQ, BV, EARLY_TILE, DOT, KC, NUM_STAGES, DOT_PRECISION)
+                    # FMA on the tile: one S k^ and S q^ for both kinds of row, from the
+                    # folded tile (whose history is then empty) or the checkpoint's.
+                    if folds_here:
+                        if not EARLY_TILE:
+                            S0, S1, S2, S3 = _tl_load_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ)
+                        S0, S1, S2, S3 = _fold(S0, S1, S2, S3, ckpt_at, tile, rk_at, rv_at, rg_at, rb_at, base, wp,
+                                               offs_c, offs_v, mask_v, eps, H, HV, K, V, L, KQ, AHEAD, ROUND_STATE)
+                        e_Gh = tl.full([], 1.0, tl.float32)
+                        c_k = tl.zeros([L], tl.float32)
+                        c_q = tl.zeros([L], tl.float32)
+                    else:
+                        # The history's weights before the tile's products, so that its
+                        # keys are dead by then.
+                        e_Gh, c_k, c_q = _history_weights(rk_at, rg_at, base, wp, offs_c, kh0, kh1, kh2, kh3,
+                                                          qh0, qh1, qh2, qh3, eps, H, HV, K, L, KQ)
+                        if not EARLY_TILE:
+                            # The whole tile at once: the most bytes in flight an FMA program
+                            # can have (a chunked FMA stream was slower, BENCHMARKS.md).
+                            S0, S1, S2, S3 = _tl_load_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ)
+                    S_k = _tl_row_dot(S0, S1, S2, S3, kh0, kh1, kh2, kh3)
+                    S_q = _tl_row_dot(S0, S1, S2, S3, qh0, qh1, qh2, qh3)
+                    if TOKEN_ROWS:
+                        # The history's u after the products (fewer registers live across
+                        # them); none on a flush row (c = 0, and its u are not read).
+                        if FLUSH_ROWS:
+                            n_hist = tl.where(folds, 0, wp)
+                        else:
+                            n_hist = wp
+                        S_k, S_q = _add_history(S_k, S_q, e_Gh, c_k, c_q, ru_at, base, n_hist, offs_v, mask_v, HV, V, L)
+                _token_rows(o_at, rv_at, ru_at, pos, HV * V, v_at, offs_v, mask_v, S_k, S_q, e, beta, kq)
                 # The raw key and the gates, once per (request, key head) and value head,
                 # after every load (the history's records are read from the same ring).
                 k_writer = (i_hv % (HV // H) == 0) & (i_v == 0)
-                _tl_store_parts(rk_ptr, (rec * H + i_h) * K + offs_c, _tl_mask_and(all_c, k_writer), offs_c, K, KQ,
+                _tl_store_parts(rk_at, pos * (H * K) + offs_c, _tl_mask_and(all_c, k_writer), offs_c, K, KQ,
                                 k0, k1, k2, k3)
-                tl.store(rg_ptr + rec * HV + i_hv, g, mask=i_v == 0)
-                tl.store(rb_ptr + rec * HV + i_hv, beta, mask=i_v == 0)
+                tl.store(rg_at + pos * HV, g, mask=i_v == 0)
+                tl.store(rb_at + pos * HV, beta, mask=i_v == 0)
 
     @triton.jit
-    def _fold_and_token(S0, S1, S2, S3, ckpt_at, tile, rk_ptr, rv_ptr, rg_ptr, rb_ptr, ring_at, base, wp, i_h, i_hv,
-                        offs_c, offs_v, mask_v, o_at, rv_at, ru_at, v_at, kh0, kh1, kh2, kh3, qh0, qh1, qh2, qh3,
-                        e, beta, kq, eps, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                        L: tl.constexpr, KQ: tl.constexpr, AHEAD: tl.constexpr, ROUND_STATE: tl.constexpr,
-                        EARLY_TILE: tl.constexpr):
-        """A flush row: fold the history into the checkpoint (the fold's replay and
-        store), then take the token from the folded rows as stored (an empty history)."""
-        if not EARLY_TILE:
-            S0, S1, S2, S3 = _tl_load_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ)
-        S0, S1, S2, S3 = _replay_and_store_tile(
-            S0, S1, S2, S3, ckpt_at, tile, rk_ptr + ring_at * (H * K) + i_h * K,
-            rv_ptr + ring_at * (HV * V) + i_hv * V, rg_ptr + ring_at * HV + i_hv, rb_ptr + ring_at * HV + i_hv,
+    def _fold(S0, S1, S2, S3, ckpt_at, tile, rk_at, rv_at, rg_at, rb_at, base, wp, offs_c, offs_v, mask_v, eps,
+              H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, KQ: tl.constexpr,
+              AHEAD: tl.constexpr, ROUND_STATE: tl.constexpr):
+        """A flush row: fold the history into the checkpoint tile (the fold's replay and
+        store); return the folded rows as stored, where the token starts from (an empty
+        history)."""
+        return _replay_and_store_tile(
+            S0, S1, S2, S3, ckpt_at, tile, rk_at, rv_at, rg_at, rb_at,
             base, tl.minimum(wp, L), offs_c, offs_v, mask_v, H * K, HV * V, HV, HV, eps, K, L, KQ, AHEAD,
             ROUND_STATE, False)  # each key normalised at its step's head: faster in this kernel (fold.replay_tile)
-        _token_rows(o_at, rv_at, ru_at, v_at, offs_v, mask_v, _tl_row_dot(S0, S1, S2, S3, kh0, kh1, kh2, kh3),
-                    _tl_row_dot(S0, S1, S2, S3, qh0, qh1, qh2, qh3), e, beta, kq)
 
-    @triton.jit
-    def _history_and_token(S0, S1, S2, S3, ckpt_at, tile, rk_ptr, rg_ptr, ru_ptr, ring_at, base, wp, i_h, i_hv,
-                           offs_c, offs_v, mask_v, o_at, rv_at, ru_at, v_at, k_at, q_at,
-                           kh0, kh1, kh2, kh3, qh0, qh1, qh2, qh3, r_k, r_q, e, beta, kq, eps,
-                           H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
-                           BK: tl.constexpr, KQ: tl.constexpr, BV: tl.constexpr, EARLY_TILE: tl.constexpr,
-                           DOT: tl.constexpr, KC: tl.constexpr, NUM_STAGES: tl.constexpr,
-                           DOT_PRECISION: tl.constexpr):
-        """A row that does not flush: the token from the checkpoint and the committed
-        history (a flush row with no records has none),
-            S x = exp(Gtot) S0 x + sum_c exp(g_{c+1} + ... + g_h) u_c (k^_c . x)."""
-        offs_h = tl.arange(0, L)
-        hist = offs_h < wp
-        rec_h = ring_at + (base + offs_h) % L
-        # Unused ring entries may hold NaN: masked loads give 0 instead.
-        h0, h1, h2, h3 = _tl_load_parts(rk_ptr, (rec_h[:, None] * H + i_h) * K + offs_c[None, :], hist[:, None],
-                                        offs_c[None, :], K, KQ)
-        g_h = tl.load(rg_ptr + rec_h * HV + i_hv, mask=hist, other=0.0)
-        if DOT:
-            # Every history load issued before the checkpoint's stream, so that their
-            # latencies overlap its chunks' instead of following them.
-            u_h = tl.load(ru_ptr + (rec_h[None, :] * HV + i_hv) * V + offs_v[:, None],
-                          mask=mask_v[:, None] & hist[None, :], other=0.0)
-            S0_k, S0_q = _checkpoint_products(ckpt_at, k_at, q_at, r_k, r_q, offs_v, mask_v, K, BK, KC, BV,
-                                              DOT_PRECISION, NUM_STAGES)
-        # The history's weights (before the FMA tile's products, so that its keys are
-        # dead by then): c_x[c] = exp(g_{c+1} + ... + g_h) (k^_c . x^).
-        hh = _tl_row_sum(tl.fma(h3, h3, tl.fma(h2, h2, tl.fma(h1, h1, h0 * h0))), 1)
-        r_h = tl.div_rn(tl.full([L], 1.0, tl.float32), tl.sqrt_rn(hh + eps))  # 1 / |k_c|
+    @_tl_device_fn
+    def _weights(h0, h1, h2, h3, g_h, hist, offs_h, kh0, kh1, kh2, kh3, qh0, qh1, qh2, qh3, eps):
+        """The committed history's share of ``S x`` (a row that does not flush; a flush
+        row with no records has none),
+            S x = exp(Gtot) S0 x + sum_c exp(g_{c+1} + ... + g_h) u_c (k^_c . x),
+        as ``(exp(Gtot), c_k, c_q)``, ``c_x[c] = exp(g_{c+1} + ... + g_h) (k^_c . x)``, from
+        the records' raw keys (four parts ``[L, KQ]``) and gates ``g_h`` (zero past the
+        history)."""
+        # 1 / |k_c| (to rounding, as the token's: rsqrt)
+        r_h = tl.math.rsqrt(_tl_row_sum(tl.fma(h3, h3, tl.fma(h2, h2, tl.fma(h1, h1, h0 * h0))), 1) + eps)
         later = offs_h[None, :] > offs_h[:, None]
         w_h = tl.where(hist, tl.exp(_tl_row_sum(tl.where(later, g_h[None, :], 0.0), 1)), 0.0) * r_h
         c_k = _tl_row_dot(h0, h1, h2, h3, kh0, kh1, kh2, kh3) * w_h
         c_q = _tl_row_dot(h0, h1, h2, h3, qh0, qh1, qh2, qh3) * w_h
-        e_Gh = tl.exp(_tl_row_sum(g_h, 0))
-        if not DOT:
-            # S0 k^ and S0 q^ from the whole tile, loaded at once: the most bytes in
-            # flight an FMA program can have (a chunked FMA stream was slower, BENCHMARKS.md).
-            if not EARLY_TILE:
-                S0, S1, S2, S3 = _tl_load_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ)
-            S0_k = _tl_row_dot(S0, S1, S2, S3, kh0, kh1, kh2, kh3)
-            S0_q = _tl_row_dot(S0, S1, S2, S3, qh0, qh1, qh2, qh3)
-            u_h = tl.load(ru_ptr + (rec_h[None, :] * HV + i_hv) * V + offs_v[:, None],
-                          mask=mask_v[:, None] & hist[None, :], other=0.0)
-        S_k = e_Gh * S0_k + _tl_row_sum(u_h * c_k[None, :], 1)
-        S_q = e_Gh * S0_q + _tl_row_sum(u_h * c_q[None, :], 1)
-        _token_rows(o_at, rv_at, ru_at, v_at, offs_v, mask_v, S_k, S_q, e, beta, kq)
+        return tl.exp(_tl_row_sum(g_h, 0)), c_k, c_q
+
+    @_tl_device_fn
+    def _history_weights(rk_at, rg_at, base, wp, offs_c, kh0, kh1, kh2, kh3, qh0, qh1, qh2, qh3, eps,
+                         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, L: tl.constexpr, KQ: tl.constexpr):
+        """:func:`_weights` of the ``wp`` records from ring position ``base``."""
+        offs_h = tl.arange(0, L)
+        hist = offs_h < wp
+        pos_h = _ring_pos(base + offs_h, L)
+        # Unused ring entries may hold NaN: masked loads give 0 instead.
+        h0, h1, h2, h3 = _tl_load_parts(rk_at, pos_h[:, None] * (H * K) + offs_c[None, :], hist[:, None],
+                                        offs_c[None, :], K, KQ)
+        g_h = tl.load(rg_at + pos_h * HV, mask=hist, other=0.0)
+        return _weights(h0, h1, h2, h3, g_h, hist, offs_h, kh0, kh1, kh2, kh3, qh0, qh1, qh2, qh3, eps)
+
+    @_tl_device_fn
+    def _history_u(ru_at, base, n_hist, offs_v, mask_v, HV: tl.constexpr, V: tl.constexpr, L: tl.constexpr):
+        """The ``[BV, L]`` corrected deltas of the ``n_hist`` records from ring position
+        ``base`` (zero past them: unused entries may hold NaN)."""
+        offs_h = tl.arange(0, L)
+        return tl.load(ru_at + (_ring_pos(base + offs_h, L)[None, :] * (HV * V) + offs_v[:, None]),
+                       mask=mask_v[:, None] & (offs_h < n_hist)[None, :], other=0.0)
+
+    @_tl_device_fn
+    def _add_history(S0_k, S0_q, e_Gh, c_k, c_q, ru_at, base, n_hist, offs_v, mask_v, HV: tl.constexpr,
+                     V: tl.constexpr, L: tl.constexpr):
+        """``S k^`` and ``S q^`` from the checkpoint's products and the history's weights."""
+        u_h = _history_u(ru_at, base, n_hist, offs_v, mask_v, HV, V, L)
+        return (e_Gh * S0_k + _tl_row_sum(u_h * c_k[None, :], 1),
+                e_Gh * S0_q + _tl_row_sum(u_h * c_q[None, :], 1))
+
+    @triton.jit
+    def _history_and_products(ckpt_at, rk_at, rg_at, ru_at, base, wp, offs_c, offs_v, mask_v, k_at, q_at,
+                              kh0, kh1, kh2, kh3, qh0, qh1, qh2, qh3, r_k, r_q, eps,
+                              H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
+                              BK: tl.constexpr, KQ: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr,
+                              NUM_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        """A row that does not flush, on tensor cores: ``S k^`` and ``S q^`` from the
+        checkpoint's products (:func:`_checkpoint_products`) and the history's share."""
+        offs_h = tl.arange(0, L)
+        hist = offs_h < wp
+        pos_h = _ring_pos(base + offs_h, L)
+        # Every history load issued before the checkpoint's stream, so that their
+        # latencies overlap its chunks' instead of following them (unused ring entries
+        # may hold NaN: masked loads give 0 instead).
+        h0, h1, h2, h3 = _tl_load_parts(rk_at, pos_h[:, None] * (H * K) + offs_c[None, :], hist[:, None],
+                                        offs_c[None, :], K, KQ)
+        g_h = tl.load(rg_at + pos_h * HV, mask=hist, other=0.0)
+        u_h = _history_u(ru_at, base, wp, offs_v, mask_v, HV, V, L)
+        S0_k, S0_q = _checkpoint_products(ckpt_at, k_at, q_at, r_k, r_q, offs_v, mask_v, K, BK, KC, BV,
+                                          DOT_PRECISION, NUM_STAGES)
+        e_Gh, c_k, c_q = _weights(h0, h1, h2, h3, g_h, hist, offs_h, kh0, kh1, kh2, kh3, qh0, qh1, qh2, qh3, eps)
+        return e_Gh * S0_k + _tl_row_sum(u_h * c_k[None, :], 1), e_Gh * S0_q + _tl_row_sum(u_h * c_q[None, :], 1)
 
     @triton.jit
     def _ring_decode_kernel(
