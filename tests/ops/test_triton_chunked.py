@@ -419,6 +419,25 @@ def test_short_tail_changes_no_bit(tail):
         check_against_reference(case, method="closed_form")
 
 
+@pytest.mark.parametrize("early_tile", [0, 1])
+def test_records_first_changes_no_bit(early_tile):
+    """The outputs kernel's rows that do not fold loading their history's ``u`` and
+    their values before the pass over the checkpoint (``closed_form.records_first``)
+    or after it: outputs, checkpoints, records and ``u`` bit for bit (only where the
+    loads sit moves), on a batch of padding, non-flush rows, a flush row with no
+    records and folding rows; and within tolerance of the reference."""
+    case = _split_case()
+    got = {}
+    for first in (0, 1):
+        with tuning.override("closed_form", fuse_flush=1, split_flush=0, early_tile=early_tile, records_first=first):
+            got[first] = case.run("triton", method="closed_form")
+    (o0, ck0, ring0, u0), (o1, ck1, ring1, u1) = got[0], got[1]
+    assert same(o0, o1) and same(ck0, ck1) and same(u0, u1)
+    assert all(same(x, y) for x, y in zip(ring0, ring1))
+    with tuning.override("closed_form", fuse_flush=1, split_flush=0, early_tile=early_tile, records_first=0):
+        check_against_reference(case, method="closed_form")
+
+
 def test_flush_rows_apart_touch_disjoint_rows():
     """Each of the two split kernels writes only its own rows (the GPU runs them side by
     side, so a row written by both would race): outputs start as NaN, and after the

@@ -911,6 +911,7 @@ if triton is not None:
         DOT_PRECISION: tl.constexpr, COEF_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
         FUSE_FLUSH: tl.constexpr, ROUND_STATE: tl.constexpr, AHEAD: tl.constexpr, TREE: tl.constexpr,
         WAIT_COEF: tl.constexpr, EARLY_TILE: tl.constexpr, FLUSH_ROWS: tl.constexpr, TOKEN_ROWS: tl.constexpr,
+        RECORDS_FIRST: tl.constexpr,
     ):
         """Outputs and corrected deltas of V block ``i_v`` (``BV`` rows) of window ``i_b``'s
         value head ``i_hv``, from its rows of the (folded) checkpoint and the
@@ -928,7 +929,9 @@ if triton is not None:
         ``nodes_ptr[i_b]`` are a tree's padded nodes: read by nothing, zero outputs, no
         records (the tree lives in the coefficients). ``WAIT_COEF``: the kernel runs as
         the coefficient kernel's programmatic dependent and waits for its end before
-        reading ``coef``."""
+        reading ``coef``. ``RECORDS_FIRST``: a row that does not fold loads its history's
+        ``u`` and its values before its pass over the checkpoint (their latency under the
+        pass, their registers held through it) instead of after it."""
         BX: tl.constexpr = 2 * BT
         BXC: tl.constexpr = 2 * BTC  # the coefficient kernel's stacked window (BTC <= BT)
         KQ: tl.constexpr = BK // 4
@@ -984,9 +987,10 @@ if triton is not None:
                 # The fold's branch exists only where the kernel folds (a Python flag
                 # assigned here would become a run-time one): its four-part products
                 # need K >= 64 on CUDA.
-                # A row that does not fold loads its history's u and its values first, so
-                # that their latency overlaps its pass over the checkpoint; a folding row
-                # loads them after its fold, keeping the fold's registers free.
+                # With RECORDS_FIRST a row that does not fold loads its history's u and
+                # its values first, so that their latency overlaps its pass over the
+                # checkpoint; a folding row loads them after its fold, keeping the fold's
+                # registers free. Without it every row loads them after its products.
                 rec_args = (ru_at, v_ptr, p_tok, i_hv, pos_h, hist, offs_v, mask_v, xk_ok, stride_v_tok,
                             stride_v_head, HV, V)
                 if FUSE_FLUSH and FLUSH_ROWS and TOKEN_ROWS:
@@ -996,14 +1000,17 @@ if triton is not None:
                                                      offs_v, mask_v, xk_ok, xq_ok, stride_q_tok, stride_q_head,
                                                      stride_k_tok, stride_k_head, eps, H, HV, K, V, L, KQ, AHEAD,
                                                      ROUND_STATE, DOT_PRECISION, EARLY_TILE)
-                        u_h, v_x = _row_records(*rec_args)
+                        if RECORDS_FIRST:
+                            u_h, v_x = _row_records(*rec_args)
                     elif EARLY_TILE:
-                        u_h, v_x = _row_records(*rec_args)
+                        if RECORDS_FIRST:
+                            u_h, v_x = _row_records(*rec_args)
                         SX = _parts_window_products(S0, S1, S2, S3, q_ptr, k_ptr, p_tok, i_h, offs_c, xk_ok, xq_ok,
                                                     stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
                                                     K, KQ, DOT_PRECISION)
                     else:
-                        u_h, v_x = _row_records(*rec_args)
+                        if RECORDS_FIRST:
+                            u_h, v_x = _row_records(*rec_args)
                         SX = _checkpoint_window_products(q_ptr, k_ptr, ckpt_at, p_tok, i_h, offs_v, mask_v, xk_ok,
                                                          xq_ok, stride_q_tok, stride_q_head, stride_k_tok,
                                                          stride_k_head, K, BK, KC, BX, BV, DOT_PRECISION, NUM_STAGES)
@@ -1013,17 +1020,22 @@ if triton is not None:
                                                  xk_ok, xq_ok, stride_q_tok, stride_q_head, stride_k_tok,
                                                  stride_k_head, eps, H, HV, K, V, L, KQ, AHEAD, ROUND_STATE,
                                                  DOT_PRECISION, EARLY_TILE)
-                    u_h, v_x = _row_records(*rec_args)
+                    if RECORDS_FIRST:
+                        u_h, v_x = _row_records(*rec_args)
                 elif EARLY_TILE:
-                    u_h, v_x = _row_records(*rec_args)
+                    if RECORDS_FIRST:
+                        u_h, v_x = _row_records(*rec_args)
                     SX = _parts_window_products(S0, S1, S2, S3, q_ptr, k_ptr, p_tok, i_h, offs_c, xk_ok, xq_ok,
                                                 stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
                                                 K, KQ, DOT_PRECISION)
                 else:
-                    u_h, v_x = _row_records(*rec_args)
+                    if RECORDS_FIRST:
+                        u_h, v_x = _row_records(*rec_args)
                     SX = _checkpoint_window_products(q_ptr, k_ptr, ckpt_at, p_tok, i_h, offs_v, mask_v, xk_ok, xq_ok,
                                                      stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
                                                      K, BK, KC, BX, BV, DOT_PRECISION, NUM_STAGES)
+                if not RECORDS_FIRST:
+                    u_h, v_x = _row_records(*rec_args)
                 # [U | o] = (S0 x_r) C1 + u_h Z + v D
                 # The coefficients were computed on the coefficient kernel's stacked window
                 # of 2 BTC rows: row r of this one is its row cx(r); the rest are zero.
@@ -1066,7 +1078,7 @@ if triton is not None:
         DOT_PRECISION: tl.constexpr, COEF_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
         FUSE_FLUSH: tl.constexpr, ROUND_STATE: tl.constexpr, AHEAD: tl.constexpr, TREE: tl.constexpr = False,
         WAIT_COEF: tl.constexpr = False, EARLY_TILE: tl.constexpr = False, FLUSH_ROWS: tl.constexpr = True,
-        SHORT_TAIL: tl.constexpr = False, BB: tl.constexpr = 1,
+        SHORT_TAIL: tl.constexpr = False, BB: tl.constexpr = 1, RECORDS_FIRST: tl.constexpr = False,
     ):
         """Grid ``(V blocks, windows, HV)``: every row's window (``FLUSH_ROWS``) or every
         row's but those that fold (the flush kernel's); :func:`_window_row`.
@@ -1087,7 +1099,7 @@ if triton is not None:
                     slots_ptr, cu_ptr, wp_ptr, base_ptr, flush_ptr, coef_ptr, o_ptr, nodes_ptr,
                     stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, eps,
                     H, HV, K, V, L, BT, BTC, BH, BK, KC, BV, DOT_PRECISION, COEF_PRECISION, NUM_STAGES,
-                    FUSE_FLUSH, ROUND_STATE, AHEAD, TREE, WAIT_COEF, EARLY_TILE, FLUSH_ROWS, True)
+                    FUSE_FLUSH, ROUND_STATE, AHEAD, TREE, WAIT_COEF, EARLY_TILE, FLUSH_ROWS, True, RECORDS_FIRST)
 
     @triton.jit
     def _window_flush_kernel(
@@ -1098,6 +1110,7 @@ if triton is not None:
         BT: tl.constexpr, BTC: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr, BV: tl.constexpr,
         BB: tl.constexpr, DOT_PRECISION: tl.constexpr, COEF_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
         ROUND_STATE: tl.constexpr, AHEAD: tl.constexpr, WAIT_COEF: tl.constexpr = False,
+        RECORDS_FIRST: tl.constexpr = False,
     ):
         """A few programs that walk the (V block, value head) items of the rows that fold
         (a chain's windows; ``BB >= batch``): the walk of
@@ -1115,7 +1128,7 @@ if triton is not None:
                         slots_ptr, cu_ptr, wp_ptr, base_ptr, flush_ptr, coef_ptr, o_ptr, nodes_ptr,
                         stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, eps,
                         H, HV, K, V, L, BT, BTC, BH, BK, KC, BV, DOT_PRECISION, COEF_PRECISION, NUM_STAGES,
-                        True, ROUND_STATE, AHEAD, False, WAIT_COEF, True, True, False)
+                        True, ROUND_STATE, AHEAD, False, WAIT_COEF, True, True, False, RECORDS_FIRST)
 
     # ---- small batches: one launch, the exact recurrence all the way ("replay")
     # At a few requests every kernel is latency-bound: the time is the length of each
@@ -1370,7 +1383,7 @@ def _outputs_launch(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, write_
                   BH=bh, BK=bk, KC=max(16, min(cfg["k_chunk"], bk)), DOT_PRECISION=product_precision(q.dtype),
                   COEF_PRECISION="tf32" if cfg["tf32_coefficients"] and q.dtype != torch.float32 else "ieee",
                   NUM_STAGES=cfg["num_stages"], ROUND_STATE=checkpoint.dtype != torch.float32,
-                  AHEAD=cfg["flush_records_ahead"])
+                  AHEAD=cfg["flush_records_ahead"], RECORDS_FIRST=bool(cfg["records_first"]))
     return args, common
 
 

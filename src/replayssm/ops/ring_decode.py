@@ -375,16 +375,23 @@ if triton is not None:
         return tl.exp(_tl_row_sum(g_h, 0)), c_k, c_q
 
     @_tl_device_fn
-    def _history_weights(rk_at, rg_at, base, wp, offs_c, kh0, kh1, kh2, kh3, qh0, qh1, qh2, qh3, eps,
-                         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, L: tl.constexpr, KQ: tl.constexpr):
-        """:func:`_weights` of the ``wp`` records from ring position ``base``."""
+    def _history_records(rk_at, rg_at, base, wp, offs_c, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                         L: tl.constexpr, KQ: tl.constexpr):
+        """The ``wp`` records from ring position ``base`` that :func:`_weights` reads:
+        ``(offs_h, hist, h0, h1, h2, h3, g_h)``, their raw keys' four parts and gates
+        (zero past the history: unused ring entries may hold NaN, masked loads give 0)."""
         offs_h = tl.arange(0, L)
         hist = offs_h < wp
         pos_h = _ring_pos(base + offs_h, L)
-        # Unused ring entries may hold NaN: masked loads give 0 instead.
         h0, h1, h2, h3 = _tl_load_parts(rk_at, pos_h[:, None] * (H * K) + offs_c[None, :], hist[:, None],
                                         offs_c[None, :], K, KQ)
-        g_h = tl.load(rg_at + pos_h * HV, mask=hist, other=0.0)
+        return offs_h, hist, h0, h1, h2, h3, tl.load(rg_at + pos_h * HV, mask=hist, other=0.0)
+
+    @_tl_device_fn
+    def _history_weights(rk_at, rg_at, base, wp, offs_c, kh0, kh1, kh2, kh3, qh0, qh1, qh2, qh3, eps,
+                         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, L: tl.constexpr, KQ: tl.constexpr):
+        """:func:`_weights` of the ``wp`` records from ring position ``base``."""
+        offs_h, hist, h0, h1, h2, h3, g_h = _history_records(rk_at, rg_at, base, wp, offs_c, H, HV, K, L, KQ)
         return _weights(h0, h1, h2, h3, g_h, hist, offs_h, kh0, kh1, kh2, kh3, qh0, qh1, qh2, qh3, eps)
 
     @_tl_device_fn
@@ -411,15 +418,9 @@ if triton is not None:
                               NUM_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr):
         """A row that does not flush, on tensor cores: ``S k^`` and ``S q^`` from the
         checkpoint's products (:func:`_checkpoint_products`) and the history's share."""
-        offs_h = tl.arange(0, L)
-        hist = offs_h < wp
-        pos_h = _ring_pos(base + offs_h, L)
         # Every history load issued before the checkpoint's stream, so that their
-        # latencies overlap its chunks' instead of following them (unused ring entries
-        # may hold NaN: masked loads give 0 instead).
-        h0, h1, h2, h3 = _tl_load_parts(rk_at, pos_h[:, None] * (H * K) + offs_c[None, :], hist[:, None],
-                                        offs_c[None, :], K, KQ)
-        g_h = tl.load(rg_at + pos_h * HV, mask=hist, other=0.0)
+        # latencies overlap its chunks' instead of following them.
+        offs_h, hist, h0, h1, h2, h3, g_h = _history_records(rk_at, rg_at, base, wp, offs_c, H, HV, K, L, KQ)
         u_h = _history_u(ru_at, base, wp, offs_v, mask_v, HV, V, L)
         S0_k, S0_q = _checkpoint_products(ckpt_at, k_at, q_at, r_k, r_q, offs_v, mask_v, K, BK, KC, BV,
                                           DOT_PRECISION, NUM_STAGES)

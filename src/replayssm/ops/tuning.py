@@ -80,10 +80,13 @@ PARAMS = {
     # ``coef_max_registers``: the coefficient kernel's register cap (as max_registers):
     # its programs are one warp each, so registers decide how many an SM holds, and
     # how many waves the batch's (request, key head) pairs take.
+    # ``records_first``: a row of the outputs kernel that does not fold loads its
+    # history's ``u`` and its values before its pass over the checkpoint (1: their
+    # latency under the pass) or after it (0: fewer registers held through it).
     "closed_form": ("block_v", "k_chunk", "num_stages", "num_warps", "tf32_coefficients", "coef_warps",
                     "heads_per_program", "flush_block_v", "fuse_flush", "flush_records_ahead", "dependent_launch",
                     "max_registers", "early_tile", "split_flush", "flush_programs", "short_tail",
-                    "coef_max_registers"),
+                    "coef_max_registers", "records_first"),
     # The tree recurrence (ops/tree_ops.py: fold's and snapshot's tree verify): rows of the
     # path stack a program holds in registers, all levels together (a level's tile is
     # stack_rows / levels rows high, at least 16); and the most requests x leaf paths
@@ -123,17 +126,23 @@ _KEY_FIELDS = ("K", "V", "state_dtype", "min_batch", "max_batch", "device")
 #: Parameters that may be 0 (the others are sizes, at least 1).
 _MAY_BE_ZERO = ("replay_max_batch", "tree_replay_max_paths", "path_max_paths",
                 "tf32_coefficients", "fuse_flush", "early_tile", "dependent_launch", "max_registers", "load_ahead",
-                "coef_max_registers",
+                "coef_max_registers", "records_first",
                 "split_flush", "short_tail", "dot_products")
 #: Parameters with a closed set of values (by name, or ``family.name`` for one family).
 _CHOICES = {"tf32_coefficients": (0, 1), "dot_products": (0, 1), "fuse_flush": (0, 1), "records_ahead": (1, 2),
             "flush_records_ahead": (1, 2),
-            "early_tile": (0, 1), "dependent_launch": (0, 1), "load_ahead": (0, 1),
+            "early_tile": (0, 1), "dependent_launch": (0, 1), "load_ahead": (0, 1), "records_first": (0, 1),
             "ring_decode.split_flush": (0, 1, 2),
             "closed_form.split_flush": (0, 1, 2, 3),
             "ring_decode.num_warps": (1, 2, 4, 8), "exact_write.num_warps": (1, 2, 4, 8),
             "exact_read_only.num_warps": (1, 2, 4, 8), "exact_snapshot.num_warps": (1, 2, 4, 8),
             "ring_decode.flush_warps": (2, 4), "closed_form.num_warps": (2, 4)}
+
+#: circular's closed form from batch 33 (the table's rows below say why each value).
+_CLOSED_FORM_LARGE = dict(block_v=64, k_chunk=64, num_stages=2, num_warps=4, tf32_coefficients=1, coef_warps=1,
+                          heads_per_program=8, flush_block_v=32, fuse_flush=1, flush_records_ahead=1, dependent_launch=1,
+                          max_registers=128, early_tile=0, split_flush=0, flush_programs=2, short_tail=0,
+                          coef_max_registers=0)
 
 #: The table (see the module notes). Values chosen by measurement at Qwen3.5 shapes
 #: (BENCHMARKS.md, tuning notes).
@@ -177,14 +186,16 @@ TABLE: dict[str, list[tuple[dict, dict]]] = {
     # only chains and the last ones only reads (BENCHMARKS.md, "circular's folding rows
     # first"). Shorter tails there (8 or 16 rows) measured 4-9% slower at 64 and 256
     # (BENCHMARKS.md, "circular's grid order at the table's other batches").
+    # The records first (records_first) measured faster with 16-bit states at batch 16
+    # and 64 and with fp32 states at batch 16, slower with fp32 states at 64 and 256
+    # (BENCHMARKS.md, "circular's outputs kernel: the window's rows in one load").
     "closed_form": [({"max_batch": 32}, dict(block_v=64, k_chunk=64, num_stages=2, num_warps=4, tf32_coefficients=1,
                                              coef_warps=1, heads_per_program=1, flush_block_v=32, fuse_flush=1,
                                              flush_records_ahead=1, dependent_launch=1, max_registers=0, early_tile=0,
-                                             split_flush=0, flush_programs=2, short_tail=32, coef_max_registers=0)),
-                    ({}, dict(block_v=64, k_chunk=64, num_stages=2, num_warps=4, tf32_coefficients=1, coef_warps=1,
-                              heads_per_program=8, flush_block_v=32, fuse_flush=1, flush_records_ahead=1,
-                              dependent_launch=1, max_registers=128, early_tile=0, split_flush=0,
-                              flush_programs=2, short_tail=0, coef_max_registers=0))],
+                                             split_flush=0, flush_programs=2, short_tail=32, coef_max_registers=0,
+                                             records_first=1)),
+                    ({"state_dtype": torch.bfloat16}, dict(_CLOSED_FORM_LARGE, records_first=1)),
+                    ({}, dict(_CLOSED_FORM_LARGE, records_first=0))],
     # Small batches are latency-bound: one launch with a chain of n + T exact steps
     # beats three launches and the window solve's per-head chain there. The switch sits
     # at the largest batch where replay measured faster (BENCHMARKS.md, kernels:
