@@ -10,7 +10,7 @@ products' K pipeline). That is how BENCHMARKS.md's
 checked for spills before device time is spent on it.
 
     pip install --target DIR triton==3.6.0       # the card's compiler; it ships cuobjdump
-    PYTHONPATH=DIR:src python3 scripts/offline_sm90.py --ops recurrence,fold \\
+    PYTHONPATH=DIR:src python3 scripts/offline_sm90.py --ops recurrence,fold [--window 8] \\
         --state-dtype bfloat16 [--batch 256] [--tune exact_read_only.block_v=128] [--sass]
 
 How: the ops run on CPU tensors through their real launchers; each ``kernel[grid](...)``
@@ -161,6 +161,13 @@ def _ring_case(batch, t, sdt, act, keys=None):
     return x, ckpt, ring, torch.randn(batch, L, HV, V), cursors
 
 
+def _set_window(t: int) -> None:
+    """The verify ops' window ``T`` and the ring they read, ``L = max(16, 4 T)`` (the
+    benchmarks' rings: 16 records at T = 4, 32 at T = 8)."""
+    global T, L
+    T, L = t, max(16, 4 * t)
+
+
 def run_op(op: str, batch: int, sdt: torch.dtype, act: torch.dtype,
            ring_keys: torch.dtype | None = None) -> list[str]:
     """Launch ``op``'s kernels once; return a label per launch."""
@@ -238,7 +245,12 @@ def main() -> int:
     p.add_argument("--sass", action="store_true", help="also print each kernel's 16 commonest SASS instructions")
     p.add_argument("--ring-keys", choices=("act", "float32"), default="act",
                    help="dtype of the rings' raw keys (default: the activations'; float32 keeps them exactly)")
+    p.add_argument("--window", type=int, default=T, metavar="T",
+                   help=f"draft window of the verify ops (default {T}; the ring holds 4 T records, at least {L})")
     args = p.parse_args()
+    if not 1 <= args.window <= 16:
+        p.error(f"--window: must be in 1..16 (the closed form's bound), got {args.window}")
+    _set_window(args.window)
     if not triton.__version__.startswith("3.6"):
         print(f"note: Triton {triton.__version__}; the H200's is 3.6.0, whose counts BENCHMARKS.md quotes",
               file=sys.stderr)

@@ -92,3 +92,17 @@ def test_reports_the_replay_loop(tmp_path):
     line = next(x for x in offline(tmp_path, "--ops", "fold").splitlines() if "loops" in x)
     trips = [int(n) for n in line.split(":")[1].split(",")]
     assert len(trips) == 1 and 100 < trips[0] < 900
+
+
+def test_window_sets_the_verify_ops_window_and_ring(tmp_path):
+    """--window 8 compiles the closed form for windows of 8 on a ring of 32 (its
+    coefficient kernel's stacked window 2 x 8 rows: BT=8); a window past the closed
+    form's bound is refused with a one-line usage error before anything compiles."""
+    lines = [x for x in offline(tmp_path, "--ops", "closed_form", "--window", "8").splitlines() if "SASS" in x]
+    assert lines and all(x.startswith("closed form T=8, L=32:") for x in lines), lines
+    assert any("_coefficients_kernel [BT=8 " in x for x in lines), lines
+    env = {**os.environ, "PYTHONPATH": str(SCRIPT.parents[1] / "src")}
+    env.pop("TRITON_INTERPRET", None)
+    bad = subprocess.run([sys.executable, str(SCRIPT), "--ops", "closed_form", "--window", "17"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "--window: must be in 1..16" in bad.stderr, bad.stderr[-2000:]
