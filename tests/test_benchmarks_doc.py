@@ -57,3 +57,19 @@ def test_the_document_names_no_issue_numbers(word):
 def test_the_document_is_organised_by_topic():
     heads = [line[3:] for line in DOC.read_text().splitlines() if line.startswith("## ")]
     assert heads == ["Kernels", "End to end", "Numerics and drift", "Memory", "Training and acceptance"]
+
+
+# An absolute path of a machine's home, scratch or checkout folders, not part of a word or
+# a relative path (``results/x.json``, ``a.b/c``).
+MACHINE_PATH = re.compile(r"(?<![\w./-])/(?:root|home|tmp|work|mnt|scratch)/")
+
+
+def test_result_files_name_no_machine_paths():
+    """Result files are shared: a run's output folder or a checkout's location written
+    into a log or a JSON (a runner's ``--out``, pytest's tracebacks) is stripped before
+    the file is committed."""
+    assert MACHINE_PATH.search("wrote /root/out/b/e2e.json") and MACHINE_PATH.search('"out": "/tmp/x"')
+    assert not MACHINE_PATH.search("benchmarks/results/k.json, tests/gpu/x.py:1, a.root/tmp/b")
+    bad = [p.name for p in sorted(RESULTS.iterdir())
+           if p.suffix in (".json", ".log", ".md") and MACHINE_PATH.search(p.read_text(errors="replace"))]
+    assert not bad, bad
