@@ -599,8 +599,8 @@ if triton is not None:
     from .triton_common import INTERPRETER as _TL_INTERPRETER
     from .triton_common import gdn_gates as _tl_gdn_gates
     from .triton_common import load_parts as _tl_load_parts
-    from .triton_common import mask_and as _tl_mask_and, normalized as _tl_normalized
-    from .triton_common import row_dot as _tl_row_dot, row_sum as _tl_row_sum, store_parts as _tl_store_parts
+    from .triton_common import mask_and as _tl_mask_and
+    from .triton_common import row_sum as _tl_row_sum, store_parts as _tl_store_parts
     from .triton_common import as_stored as _tl_as_stored, to_rtne as _tl_to_rtne, window_program as _tl_window_program
     from .triton_common import dependent_launch, folding_rows as _tl_folding_rows, short_tail_row as _tl_short_tail_row
     from .triton_common import register_cap, side_stream, sm_count

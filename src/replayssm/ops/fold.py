@@ -157,7 +157,7 @@ if triton is not None:
 
     @_tl_device_fn
     def _load_record_at(rk_at, rv_at, rg_at, rb_at, pos, offs_c, mask_v, offs_v, srk_pos, srv_pos, srg_pos, srb_pos,
-                   K: tl.constexpr, KQ: tl.constexpr):
+                        K: tl.constexpr, KQ: tl.constexpr):
         """The record at ring position ``pos`` for one value head, from pointers already
         at its (layer, slot, head) (``*_at``; any position strides): the raw key's four
         parts (fp32), ``v`` (fp32), ``g``, ``beta``. The position must lie inside the

@@ -153,13 +153,8 @@ if triton is not None:
     from .triton_common import sm_count
     from .triton_common import device_fn as _tl_device_fn, folding_rows as _tl_folding_rows
     from .triton_common import gdn_gates as _tl_gdn_gates, load_parts as _tl_load_parts, mask_and as _tl_mask_and
-    from .triton_common import row_dot as _tl_row_dot, row_sum as _tl_row_sum
+    from .triton_common import row_dot as _tl_row_dot, row_sum as _tl_row_sum, sum_sq as _tl_sum_sq
     from .triton_common import store_parts as _tl_store_parts, to_rtne as _tl_to_rtne
-
-    @_tl_device_fn
-    def _sum_sq(x0, x1, x2, x3):
-        """``sum(x*x)`` of a vector held as four fp32 ``[KQ]`` parts."""
-        return _tl_row_sum(tl.fma(x3, x3, tl.fma(x2, x2, tl.fma(x1, x1, x0 * x0))), 0)
 
     @_tl_device_fn
     def _token_rows(o_at, rv_at, ru_at, pos, SRV_POS: tl.constexpr, v_at, offs, mask, S_k, S_q, e, beta, kq):
@@ -286,8 +281,8 @@ if triton is not None:
                                         tl.load(A_log_ptr + i_hv), tl.load(dt_bias_ptr + i_hv))
                 # The token's key and query feed its output and u alone (stated to rounding;
                 # a flush replays the ring's raw keys): rsqrt, not sqrt_rn and div_rn.
-                r_k = tl.math.rsqrt(_sum_sq(k0, k1, k2, k3) + eps)
-                r_q = tl.math.rsqrt(_sum_sq(q0, q1, q2, q3) + eps) * scale
+                r_k = tl.math.rsqrt(_tl_sum_sq(k0, k1, k2, k3) + eps)
+                r_q = tl.math.rsqrt(_tl_sum_sq(q0, q1, q2, q3) + eps) * scale
                 kh0, kh1, kh2, kh3 = k0 * r_k, k1 * r_k, k2 * r_k, k3 * r_k
                 qh0, qh1, qh2, qh3 = q0 * r_q, q1 * r_q, q2 * r_q, q3 * r_q
                 e = tl.exp(g)
@@ -403,12 +398,17 @@ if triton is not None:
                        mask=mask_v[:, None] & (offs_h < n_hist)[None, :], other=0.0)
 
     @_tl_device_fn
-    def _add_history(S0_k, S0_q, e_Gh, c_k, c_q, ru_at, base, n_hist, offs_v, mask_v, HV: tl.constexpr,
-                     V: tl.constexpr, L: tl.constexpr):
-        """``S k^`` and ``S q^`` from the checkpoint's products and the history's weights."""
-        u_h = _history_u(ru_at, base, n_hist, offs_v, mask_v, HV, V, L)
+    def _with_history(S0_k, S0_q, e_Gh, c_k, c_q, u_h):
+        """``S k^`` and ``S q^`` from the checkpoint's products, the history's weights
+        and its corrected deltas ``u_h [BV, L]``."""
         return (e_Gh * S0_k + _tl_row_sum(u_h * c_k[None, :], 1),
                 e_Gh * S0_q + _tl_row_sum(u_h * c_q[None, :], 1))
+
+    @_tl_device_fn
+    def _add_history(S0_k, S0_q, e_Gh, c_k, c_q, ru_at, base, n_hist, offs_v, mask_v, HV: tl.constexpr,
+                     V: tl.constexpr, L: tl.constexpr):
+        """:func:`_with_history`, the history's ``u`` loaded here (after the products)."""
+        return _with_history(S0_k, S0_q, e_Gh, c_k, c_q, _history_u(ru_at, base, n_hist, offs_v, mask_v, HV, V, L))
 
     @triton.jit
     def _history_and_products(ckpt_at, rk_at, rg_at, ru_at, base, wp, offs_c, offs_v, mask_v, k_at, q_at,
@@ -425,7 +425,7 @@ if triton is not None:
         S0_k, S0_q = _checkpoint_products(ckpt_at, k_at, q_at, r_k, r_q, offs_v, mask_v, K, BK, KC, BV,
                                           DOT_PRECISION, NUM_STAGES)
         e_Gh, c_k, c_q = _weights(h0, h1, h2, h3, g_h, hist, offs_h, kh0, kh1, kh2, kh3, qh0, qh1, qh2, qh3, eps)
-        return e_Gh * S0_k + _tl_row_sum(u_h * c_k[None, :], 1), e_Gh * S0_q + _tl_row_sum(u_h * c_q[None, :], 1)
+        return _with_history(S0_k, S0_q, e_Gh, c_k, c_q, u_h)
 
     @triton.jit
     def _ring_decode_kernel(

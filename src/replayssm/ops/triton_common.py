@@ -306,10 +306,15 @@ if triton is not None:
         tl.store(p0 + 3 * KQ, to_rtne(x3, dtype), mask=mask & (col + 3 * KQ < K))
 
     @device_fn
+    def sum_sq(x0, x1, x2, x3):
+        """``sum(x*x)`` of a vector held as four fp32 ``[KQ]`` parts."""
+        return row_sum(tl.fma(x3, x3, tl.fma(x2, x2, tl.fma(x1, x1, x0 * x0))), 0)
+
+    @device_fn
     def inv_norm(x0, x1, x2, x3, eps):
-        """``1 / sqrt(sum(x*x) + eps)`` of a vector held as four fp32 ``[KQ]`` parts."""
-        ss = row_sum(tl.fma(x3, x3, tl.fma(x2, x2, tl.fma(x1, x1, x0 * x0))), 0)
-        return tl.div_rn(1.0, tl.sqrt_rn(ss + eps))
+        """``1 / sqrt(sum(x*x) + eps)`` of a vector held as four fp32 ``[KQ]`` parts,
+        IEEE-rounded (the exact kernels' normalisation)."""
+        return tl.div_rn(1.0, tl.sqrt_rn(sum_sq(x0, x1, x2, x3) + eps))
 
     @device_fn
     def normalized(x0, x1, x2, x3, eps, scale):
