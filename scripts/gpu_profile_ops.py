@@ -65,6 +65,8 @@ def main() -> int:
                    help="tuning variants, each NAME=FAMILY.PARAM:VALUE,... (space-separated; default: none)")
     p.add_argument("--only", default="", help="time only the ops whose name contains one of these comma-separated texts (default: all)")
     p.add_argument("--state-dtype", choices=("float32", "bfloat16"), default="float32", help="checkpoint dtype (default float32)")
+    p.add_argument("--window", type=positive_int, default=4,
+                   help="draft window T (default 4): T - 1 tokens accepted a commit, a ring of 4 T records (at least 16)")
     p.add_argument("--json", type=output_path(".json"), default=None, help="write every timed row here")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -77,7 +79,8 @@ def main() -> int:
         rows.append(dict(op=name, batch=batch, us=us, floor_us=floor, ratio=us / floor))
         print(f"{name:48s} b={batch:4d} {us:9.2f} us  floor {floor:8.2f}  x{us / floor:6.2f}", flush=True)
 
-    T, L = 4, 16
+    T = args.window
+    L, n_acc = max(16, 4 * T), T - 1
     modules = {"chunked": chunked, "recurrent": recurrent}
     variants = [("default", {})]
     for spec in args.variants:
@@ -118,7 +121,7 @@ def main() -> int:
         argsT = [x[k] for k in ("q", "k", "v", "a", "b", "A_log", "dt_bias")]
         rec4 = RawRecords(*(t[:, :T].contiguous() for t in ring))
         start = torch.zeros(batch, dtype=torch.int32, device="cuda")
-        count = torch.full((batch,), 3, dtype=torch.int32, device="cuda")
+        count = torch.full((batch,), n_acc, dtype=torch.int32, device="cuda")
         wp = torch.zeros(batch, dtype=torch.int32, device="cuda")
         base = torch.zeros_like(wp)
         fl = torch.zeros_like(wp)
@@ -126,24 +129,25 @@ def main() -> int:
             with apply(env):
                 attempt(f"[{vname}] plain decode (1 token, update_state)", batch, lambda: gdn_recurrence(
                     *args1, ckpt, slots, one, update_state=True, max_len=1), sb)
-                attempt(f"[{vname}] fold verify T=4 (+raw records)", batch, lambda: gdn_recurrence(
+                attempt(f"[{vname}] fold verify T={T} (+raw records)", batch, lambda: gdn_recurrence(
                     *argsT, ckpt, slots, cu, records=rec4, max_len=T), sb)
-                attempt(f"[{vname}] fold commit, count=3", batch, lambda: gdn_fold(
+                attempt(f"[{vname}] fold commit, count={n_acc}", batch, lambda: gdn_fold(
                     ckpt[None], *(t[None] for t in rec4), slots, start, count), sb)
                 if batch <= 64:
                     snaps = torch.empty(batch, T, *ckpt.shape[1:], device="cuda", dtype=ckpt.dtype)
-                    attempt(f"[{vname}] snapshot verify T=4 (4 snapshot writes)", batch, lambda: gdn_recurrence(
+                    attempt(f"[{vname}] snapshot verify T={T} ({T} snapshot writes)", batch, lambda: gdn_recurrence(
                         *argsT, ckpt, slots, cu, snapshots=snaps, max_len=T), sb)
                     del snaps
-                # circular's verify at the peer table's cursors (T=4, L=16, 3 tokens a
-                # commit: write_pos cycles 3, 6, 9 and the rows at 9 flush), each method.
+                # circular's verify at the peer table's cursors (T - 1 tokens a commit: at T=4,
+                # L=16 write_pos cycles 3, 6, 9 and the rows at 9 flush), each method.
                 phase = torch.arange(batch, device="cuda") % 3
-                for label, w, f in (("empty history", 0, 0), ("history 6", 6, 0), ("flush 9 (every row)", 9, 1),
-                                    ("flush 3 (every row, the replay method's case)", 3, 1),
-                                    ("mixed: 1/3 flush 9, rest history 3 or 6", None, None)):
+                a1, a2, a3 = n_acc, 2 * n_acc, 3 * n_acc
+                for label, w, f in (("empty history", 0, 0), (f"history {a2}", a2, 0), (f"flush {a3} (every row)", a3, 1),
+                                    (f"flush {a1} (every row, the replay method's case)", a1, 1),
+                                    (f"mixed: 1/3 flush {a3}, rest history {a1} or {a2}", None, None)):
                     if w is None:
                         fl.copy_((phase == 2).int())
-                        wp.copy_((3 * (phase + 1)).int())
+                        wp.copy_((n_acc * (phase + 1)).int())
                     else:
                         wp.fill_(w)
                         fl.fill_(f)
