@@ -25,9 +25,9 @@ def test_defaults_are_the_measured_values():
                                                         "fuse_flush": 1, "flush_records_ahead": 1, "dependent_launch": 1,
                                                         "max_registers": 128, "early_tile": 0, "split_flush": 0,
                                                         "flush_programs": 2, "short_tail": 0,
-                                                        "coef_max_registers": 0, "records_first": 0}
+                                                        "coef_max_registers": 0, "records_first": 1}
     assert [tuning.lookup("closed_form", **dict(at, batch=b, state_dtype=d))["records_first"]
-            for d in (F32, BF16) for b in (16, 64)] == [1, 0, 1, 1]
+            for d in (F32, BF16) for b in (16, 64)] == [1, 1, 1, 1]
     assert tuning.lookup("closed_form", **dict(at, batch=32))["max_registers"] == 0
     assert [tuning.lookup("closed_form", **dict(at, batch=b, state_dtype=d))["short_tail"]
             for d in (F32, BF16) for b in (32, 33)] == [32, 0, 32, 0]

@@ -142,7 +142,7 @@ _CHOICES = {"tf32_coefficients": (0, 1), "dot_products": (0, 1), "fuse_flush": (
 _CLOSED_FORM_LARGE = dict(block_v=64, k_chunk=64, num_stages=2, num_warps=4, tf32_coefficients=1, coef_warps=1,
                           heads_per_program=8, flush_block_v=32, fuse_flush=1, flush_records_ahead=1, dependent_launch=1,
                           max_registers=128, early_tile=0, split_flush=0, flush_programs=2, short_tail=0,
-                          coef_max_registers=0)
+                          coef_max_registers=0, records_first=1)
 
 #: The table (see the module notes). Values chosen by measurement at Qwen3.5 shapes
 #: (BENCHMARKS.md, tuning notes).
@@ -186,16 +186,15 @@ TABLE: dict[str, list[tuple[dict, dict]]] = {
     # only chains and the last ones only reads (BENCHMARKS.md, "circular's folding rows
     # first"). Shorter tails there (8 or 16 rows) measured 4-9% slower at 64 and 256
     # (BENCHMARKS.md, "circular's grid order at the table's other batches").
-    # The records first (records_first) measured faster with 16-bit states at batch 16
-    # and 64 and with fp32 states at batch 16, slower with fp32 states at 64 and 256
-    # (BENCHMARKS.md, "circular's outputs kernel: the window's rows in one load").
+    # The records first (records_first) measured faster at every batch in both dtypes
+    # (BENCHMARKS.md, "circular's outputs kernel: the window's rows in one load", and
+    # for fp32 states from batch 64, "The records first at fp32, alone").
     "closed_form": [({"max_batch": 32}, dict(block_v=64, k_chunk=64, num_stages=2, num_warps=4, tf32_coefficients=1,
                                              coef_warps=1, heads_per_program=1, flush_block_v=32, fuse_flush=1,
                                              flush_records_ahead=1, dependent_launch=1, max_registers=0, early_tile=0,
                                              split_flush=0, flush_programs=2, short_tail=32, coef_max_registers=0,
                                              records_first=1)),
-                    ({"state_dtype": torch.bfloat16}, dict(_CLOSED_FORM_LARGE, records_first=1)),
-                    ({}, dict(_CLOSED_FORM_LARGE, records_first=0))],
+                    ({}, _CLOSED_FORM_LARGE)],
     # Small batches are latency-bound: one launch with a chain of n + T exact steps
     # beats three launches and the window solve's per-head chain there. The switch sits
     # at the largest batch where replay measured faster (BENCHMARKS.md, kernels:
