@@ -353,35 +353,6 @@ def _circular_vs_fold(act_dtype, state_dtype):
     assert flushes >= requests, "every request should have flushed at least once"
 
 
-@pytest.mark.parametrize("split_flush", [2, 3])
-@pytest.mark.parametrize("state_dtype,flush_block_v", [(torch.float32, 64), (torch.bfloat16, 64), (torch.float32, 32)],
-                         ids=["fp32", "bf16", "fp32_bv32"])
-def test_flush_rows_apart_change_no_bit(state_dtype, flush_block_v, split_flush):
-    """The rows that fold in a kernel of their own beside the outputs kernel without the
-    fold (``closed_form.split_flush``: 2, the flush rows on a side stream; 3, the other
-    rows there) against one launch, both with the tile loaded after the cursors:
-    checkpoints, raw records and gates bit for bit; outputs and ``u`` bit for bit on the
-    one launch's 64-row tiles (the same products), and to tf32 rounding on 32-row flush
-    tiles (their window products round differently: measured 1.1e-3 of the outputs'
-    largest value; bound 5e-3, the early-tile test's). Fresh inputs each round; about
-    half the rows fold."""
-    for _ in range(3):
-        case = make_case(32, 4, 256, state_dtype, torch.bfloat16, pad=True)
-        with tuning.override("closed_form", split_flush=split_flush, early_tile=0, flush_block_v=flush_block_v):
-            apart = run(case, "triton", method="closed_form")
-        with tuning.override("closed_form", split_flush=0, early_tile=0):
-            one = run(case, "triton", method="closed_form")
-        assert same(apart[1], one[1]), "checkpoints differ"
-        assert not torch.equal(apart[1], case["checkpoint"])
-        assert all(same(a, b) for a, b in zip(apart[2], one[2])), "records differ"
-        for got, want, name in ((apart[0], one[0], "outputs"), (apart[3], one[3], "u")):
-            if flush_block_v == 64:
-                assert same(got, want), name
-            else:
-                got, want = got.float().nan_to_num(), want.float().nan_to_num()
-                assert (got - want).abs().max() <= 5e-3 * want.abs().max(), name
-
-
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("batch,tail", [(16, 16), (256, 256), (256, 16)], ids=["16-first", "256-first", "256-tail16"])
 def test_short_tail_changes_no_bit(state_dtype, batch, tail):
@@ -394,7 +365,7 @@ def test_short_tail_changes_no_bit(state_dtype, batch, tail):
         case = make_case(32, 4, batch, state_dtype, torch.bfloat16, pad=True)
         got = {}
         for t in (0, tail):
-            with tuning.override("closed_form", split_flush=0, short_tail=t):
+            with tuning.override("closed_form", short_tail=t):
                 got[t] = run(case, "triton", method="closed_form")
         assert not torch.equal(got[tail][1], case["checkpoint"])
         for i, name in ((0, "outputs"), (1, "checkpoints"), (3, "u")):
@@ -404,21 +375,19 @@ def test_short_tail_changes_no_bit(state_dtype, batch, tail):
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("batch", [16, 64])
-@pytest.mark.parametrize("warps,block_v,split_flush", [(2, 32, 0), (2, 64, 0), (2, 32, 2)],
-                         ids=["2x32", "2x64", "2x32-apart"])
-def test_closed_form_on_other_warp_counts_keeps_the_flush_bits(state_dtype, batch, warps, block_v, split_flush):
-    """The outputs kernel (and the flush rows' kernel, rows apart) on 2 warps
-    (``closed_form.num_warps``, through ``exact_warps``) on tiles of ``block_v`` rows:
-    the folded checkpoints and the raw records are the 4-warp kernel's bit for bit (the
-    fold's rows keep their layout), so the fold kernel's; outputs and ``u`` agree to the
-    window products' tf32 rounding on other tile heights (bound 5e-3 of the largest
-    value, as for the rows apart above). About half the rows fold; fresh inputs. (On
+@pytest.mark.parametrize("warps,block_v", [(2, 32), (2, 64)], ids=["2x32", "2x64"])
+def test_closed_form_on_other_warp_counts_keeps_the_flush_bits(state_dtype, batch, warps, block_v):
+    """The outputs kernel on 2 warps (``closed_form.num_warps``, through
+    ``exact_warps``) on tiles of ``block_v`` rows: the folded checkpoints and the raw
+    records are the 4-warp kernel's bit for bit (the fold's rows keep their layout), so
+    the fold kernel's; outputs and ``u`` agree to the window products' tf32 rounding on
+    other tile heights (measured 1.1e-3 of the outputs' largest value on 32-row tiles;
+    bound 5e-3, the early-tile test's). About half the rows fold; fresh inputs. (On
     1 warp and 16 rows the checkpoints differed: the table refuses 1 warp here.)"""
     case = make_case(32, 4, batch, state_dtype, torch.bfloat16, pad=True)
-    with tuning.override("closed_form", num_warps=warps, block_v=block_v, flush_block_v=block_v,
-                         split_flush=split_flush, early_tile=0):
+    with tuning.override("closed_form", num_warps=warps, block_v=block_v, flush_block_v=block_v, early_tile=0):
         got = run(case, "triton", method="closed_form")
-    with tuning.override("closed_form", num_warps=4, block_v=64, split_flush=0, early_tile=0):
+    with tuning.override("closed_form", num_warps=4, block_v=64, early_tile=0):
         want = run(case, "triton", method="closed_form")
     assert not torch.equal(want[1], case["checkpoint"]), "no row folded"
     assert same(got[1], want[1]), "checkpoints differ"
@@ -429,19 +398,11 @@ def test_closed_form_on_other_warp_counts_keeps_the_flush_bits(state_dtype, batc
         assert (g - w).abs().max() <= 5e-3 * w.abs().max(), name
 
 
-@pytest.mark.parametrize("method,split_flush", [("closed_form", 0), ("closed_form", 2), ("closed_form", 3),
-                                                ("replay", 0)], ids=["closed_form", "split2", "split3", "replay"])
-def test_cuda_graph_replay_of_a_circular_step(method, split_flush):
+@pytest.mark.parametrize("method", ["closed_form", "replay"])
+def test_cuda_graph_replay_of_a_circular_step(method):
     """One circular layer-step (this kernel) plus the commit's cursor update, captured in
     a CUDA graph and replayed on fresh inputs: outputs and every buffer equal the eager
-    twin's bit for bit, flushes included (``replay``: with a flush at every commit;
-    ``split``: the flush rows' kernel beside the outputs kernel, the side stream a branch
-    of the graph)."""
-    with tuning.override("closed_form", split_flush=split_flush):
-        _graph_replay_of_a_circular_step(method)
-
-
-def _graph_replay_of_a_circular_step(method):
+    twin's bit for bit, flushes included (``replay``: with a flush at every commit)."""
     hv, t, batch = 32, 4, 16
     case = make_case(hv, t, batch, torch.float32, torch.bfloat16, pad=True)
     slots, cu, write_pos, cache_base, is_flush = case["cursors"]

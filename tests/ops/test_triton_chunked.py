@@ -302,23 +302,21 @@ def test_history_and_flush_matter():
         assert (o2 - o).abs().max() > 1e-2 * o.abs().max(), name
 
 
-@pytest.mark.parametrize("method,fuse_flush,early_tile,split_flush",
-                         [("closed_form", 0, 0, 0), ("closed_form", 1, 0, 0), ("closed_form", 1, 1, 0),
-                          ("closed_form", 1, 0, 2), ("replay", 1, 0, 0)],
-                         ids=["fold_launch", "fused", "fused_early_tile", "split", "replay"])
-def test_flush_fold_equals_fold_kernel_bit_for_bit(method, fuse_flush, early_tile, split_flush):
+@pytest.mark.parametrize("method,fuse_flush,early_tile",
+                         [("closed_form", 0, 0), ("closed_form", 1, 0), ("closed_form", 1, 1), ("replay", 1, 0)],
+                         ids=["fold_launch", "fused", "fused_early_tile", "replay"])
+def test_flush_fold_equals_fold_kernel_bit_for_bit(method, fuse_flush, early_tile):
     """A flush row's folded checkpoint is exactly what the fold kernel makes of the same
     records (all replay them through the shared exact step): the closed form running the
     fold kernel first or folding inside its outputs kernel (the shape table's
     ``closed_form.fuse_flush``, with the tile loaded after the cursors or before them,
-    ``closed_form.early_tile``, or in a kernel of the flush rows' own,
-    ``closed_form.split_flush``), and the small-batch replay method; fp32 and bf16
+    ``closed_form.early_tile``), and the small-batch replay method; fp32 and bf16
     states."""
     for state_dtype in (torch.float32, torch.bfloat16):
         case = Case(2, 2, 16, 24, 3, 8, pad_row=False, rows=3, max_hist=5)
         case.is_flush = torch.ones_like(case.is_flush)
         case.checkpoint = case.checkpoint.to(state_dtype)
-        with tuning.override("closed_form", fuse_flush=fuse_flush, early_tile=early_tile, split_flush=split_flush):
+        with tuning.override("closed_form", fuse_flush=fuse_flush, early_tile=early_tile):
             _, ck_t, _, _ = case.run("triton", method=method)
         ck_f, ring, _ = case.buffers()
         gdn_fold(ck_f[None], ring.k[None], ring.v[None], ring.g[None], ring.beta[None], case.slots,
@@ -345,9 +343,9 @@ def test_early_tile_matches_reference(wide):
         check_against_reference(case, method="closed_form")
 
 
-def _split_case(t=3) -> Case:
-    """Rows that fold with a history, a flush row with none (not the flush kernel's), a
-    row that does not flush between two that fold, and a padding row."""
+def _mixed_case(t=3) -> Case:
+    """Rows that fold with a history, a flush row with none, a row that does not flush
+    between two that fold, and a padding row."""
     case = Case(2, 2, 24, 20, t, 8, rows=6, num_slots=8)
     live = [s for s in case.slots.tolist() if s >= 0]
     flush = torch.zeros_like(case.is_flush)
@@ -363,16 +361,6 @@ def _split_case(t=3) -> Case:
             case.ring.beta[s, p] = torch.rand(case.hv, device=DEVICE)
             case.ring_u[s, p] = torch.randn(case.hv, case.vd, device=DEVICE) * 0.5
     return case.but(is_flush=flush, write_pos=wp)
-
-
-@pytest.mark.parametrize("split_flush,early_tile", [(1, 0), (2, 1), (3, 0)])
-def test_flush_rows_apart_match_reference(split_flush, early_tile):
-    """The rows that fold in a kernel of their own beside the outputs kernel compiled
-    without the fold (the table's ``closed_form.split_flush``, each launch order; the
-    interpreter runs them in order) against the reference, on a batch where the flush
-    kernel's walk must skip padding, non-flush rows and a flush row with no records."""
-    with tuning.override("closed_form", fuse_flush=1, split_flush=split_flush, early_tile=early_tile):
-        check_against_reference(_split_case(), method="closed_form")
 
 
 @triton.jit
@@ -408,15 +396,15 @@ def test_short_tail_changes_no_bit(tail):
     checkpoint and records are those of the grid in batch order, bit for bit (the same
     code per row; a row missed or taken twice by the order would differ), and within
     tolerance of the reference."""
-    case = _split_case()
+    case = _mixed_case()
     got = {}
     for t in (0, tail):
-        with tuning.override("closed_form", fuse_flush=1, split_flush=0, short_tail=t):
+        with tuning.override("closed_form", fuse_flush=1, short_tail=t):
             got[t] = case.run("triton")
     (o0, ck0, ring0, u0), (o1, ck1, ring1, u1) = got[0], got[tail]
     assert same(o0, o1) and same(ck0, ck1) and same(u0, u1)
     assert all(same(x, y) for x, y in zip(ring0, ring1))
-    with tuning.override("closed_form", fuse_flush=1, split_flush=0, short_tail=tail):
+    with tuning.override("closed_form", fuse_flush=1, short_tail=tail):
         check_against_reference(case, method="closed_form")
 
 
@@ -427,50 +415,16 @@ def test_records_first_changes_no_bit(early_tile):
     or after it: outputs, checkpoints, records and ``u`` bit for bit (only where the
     loads sit moves), on a batch of padding, non-flush rows, a flush row with no
     records and folding rows; and within tolerance of the reference."""
-    case = _split_case()
+    case = _mixed_case()
     got = {}
     for first in (0, 1):
-        with tuning.override("closed_form", fuse_flush=1, split_flush=0, early_tile=early_tile, records_first=first):
+        with tuning.override("closed_form", fuse_flush=1, early_tile=early_tile, records_first=first):
             got[first] = case.run("triton", method="closed_form")
     (o0, ck0, ring0, u0), (o1, ck1, ring1, u1) = got[0], got[1]
     assert same(o0, o1) and same(ck0, ck1) and same(u0, u1)
     assert all(same(x, y) for x, y in zip(ring0, ring1))
-    with tuning.override("closed_form", fuse_flush=1, split_flush=0, early_tile=early_tile, records_first=0):
+    with tuning.override("closed_form", fuse_flush=1, early_tile=early_tile, records_first=0):
         check_against_reference(case, method="closed_form")
-
-
-def test_flush_rows_apart_touch_disjoint_rows():
-    """Each of the two split kernels writes only its own rows (the GPU runs them side by
-    side, so a row written by both would race): outputs start as NaN, and after the
-    outputs kernel compiled without the fold the folding rows' outputs, ``u`` records
-    and checkpoints are untouched and every other live row's outputs are written;
-    after the flush kernel alone, the reverse."""
-    case = _split_case()
-    q, k, v, a, b, A_log, dt_bias = case.inputs()
-    slots, cu, wp, base, flush = case.cursors()
-    rows = [(i, s) for i, s in enumerate(slots.tolist())]
-    folding = [i for i, s in rows if s >= 0 and flush[s] and wp[s] > 0]
-    others = [i for i, s in rows if i not in folding]
-    assert folding and len(others) > len(folding)
-    for flush_rows_kernel in (False, True):
-        ckpt, ring, ring_u = case.buffers()
-        coef = chunked_ops.launch_coefficients(q, k, a, b, A_log, dt_bias, ckpt, ring, slots, cu, wp, base, flush,
-                                               case.t)
-        o = torch.full((q.shape[0], case.hv, case.vd), float("nan"), device=DEVICE)
-        args = (q, k, v, ckpt, ring, ring_u, slots, cu, wp, base, flush, coef, o, case.t)
-        if flush_rows_kernel:
-            chunked_ops.launch_window_flush(*args)
-        else:
-            chunked_ops.launch_window_outputs(*args, flush_rows=False)
-        mine, theirs = (folding, others) if flush_rows_kernel else (others, folding)
-        for i in theirs:
-            assert o[case.cu[i]:case.cu[i + 1]].isnan().all(), (flush_rows_kernel, i)
-            s = int(slots[i])
-            if s >= 0:
-                assert torch.equal(ckpt[s], case.checkpoint[s]), (flush_rows_kernel, i)
-                assert same(ring_u[s], case.ring_u[s]), (flush_rows_kernel, i)
-        for i in mine:
-            assert not o[case.cu[i]:case.cu[i + 1]].isnan().any(), (flush_rows_kernel, i)
 
 
 def test_strided_inputs():

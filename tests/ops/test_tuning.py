@@ -23,8 +23,7 @@ def test_defaults_are_the_measured_values():
     assert tuning.lookup("closed_form", **at) == {"block_v": 64, "k_chunk": 64, "num_stages": 2, "num_warps": 4, "tf32_coefficients": 1,
                                                         "coef_warps": 1, "heads_per_program": 8, "flush_block_v": 32,
                                                         "fuse_flush": 1, "flush_records_ahead": 1, "dependent_launch": 1,
-                                                        "max_registers": 128, "early_tile": 0, "split_flush": 0,
-                                                        "flush_programs": 2, "short_tail": 0,
+                                                        "max_registers": 128, "early_tile": 0, "short_tail": 0,
                                                         "coef_max_registers": 0, "records_first": 1}
     assert [tuning.lookup("closed_form", **dict(at, batch=b, state_dtype=d))["records_first"]
             for d in (F32, BF16) for b in (16, 64)] == [1, 1, 1, 1]

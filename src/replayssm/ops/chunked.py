@@ -22,7 +22,6 @@ stay outside ``write_pos`` and are overwritten by the next window.
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
@@ -602,8 +601,7 @@ if triton is not None:
     from .triton_common import mask_and as _tl_mask_and
     from .triton_common import row_sum as _tl_row_sum, store_parts as _tl_store_parts
     from .triton_common import as_stored as _tl_as_stored, to_rtne as _tl_to_rtne, window_program as _tl_window_program
-    from .triton_common import dependent_launch, folding_rows as _tl_folding_rows, short_tail_row as _tl_short_tail_row
-    from .triton_common import register_cap, side_stream, sm_count
+    from .triton_common import dependent_launch, register_cap, short_tail_row as _tl_short_tail_row
     from .tree_ops import leaf_path as _leaf_path, owns as _owns, path_node as _path_node
     from .tree_ops import zero_padded_nodes as _zero_padded_nodes
 
@@ -910,19 +908,15 @@ if triton is not None:
         BT: tl.constexpr, BTC: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr, BV: tl.constexpr,
         DOT_PRECISION: tl.constexpr, COEF_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
         FUSE_FLUSH: tl.constexpr, ROUND_STATE: tl.constexpr, AHEAD: tl.constexpr, TREE: tl.constexpr,
-        WAIT_COEF: tl.constexpr, EARLY_TILE: tl.constexpr, FLUSH_ROWS: tl.constexpr, TOKEN_ROWS: tl.constexpr,
-        RECORDS_FIRST: tl.constexpr,
+        WAIT_COEF: tl.constexpr, EARLY_TILE: tl.constexpr, RECORDS_FIRST: tl.constexpr,
     ):
         """Outputs and corrected deltas of V block ``i_v`` (``BV`` rows) of window ``i_b``'s
         value head ``i_hv``, from its rows of the (folded) checkpoint and the
-        coefficients, for the rows its kernel owns: rows that fold their history here
-        where ``FLUSH_ROWS``, the others (padding included) where ``TOKEN_ROWS``; one
-        launch owns both. A branch that its kernel never takes is not compiled.
+        coefficients.
 
-        ``FUSE_FLUSH`` (with ``FLUSH_ROWS``): a flush row folds its history here
+        ``FUSE_FLUSH``: a flush row folds its history here
         (:func:`_folded_window_products`), so its checkpoint is read once for the fold
-        and the window together; without it (one launch) the fold kernel has already
-        run. ``EARLY_TILE``: every row loads its whole checkpoint tile, as four parts in
+        and the window together; without it the fold kernel has already run. ``EARLY_TILE``: every row loads its whole checkpoint tile, as four parts in
         registers, first: its address needs the slot alone, so its loads are in flight
         while the cursors load, and a row that does not flush multiplies the parts as
         they are (no pipelined pass over K after the cursors). ``TREE``: tokens past
@@ -949,10 +943,8 @@ if triton is not None:
         # o is a fresh contiguous [N, HV, V]; column r >= BT of a [BV, BX] block is token r - BT
         p_o = o_ptr + (p_tok[None, :] * HV + i_hv) * V + offs_v[:, None]
         if (slot < 0) | (length <= 0):
-            if TOKEN_ROWS:
-                # Padding row: zero outputs, nothing else.
-                tl.store(p_o, tl.zeros([BV, BX], dtype=o_ptr.dtype.element_ty),
-                         mask=mask_v[:, None] & xq_ok[None, :])
+            # Padding row: zero outputs, nothing else.
+            tl.store(p_o, tl.zeros([BV, BX], dtype=o_ptr.dtype.element_ty), mask=mask_v[:, None] & xq_ok[None, :])
         else:
             ckpt_at = ckpt_ptr + (slot * HV + i_hv) * (V * K)
             offs_c = tl.arange(0, KQ)
@@ -974,52 +966,22 @@ if triton is not None:
             pos_h = _ring_pos(base + offs_h, L)
             pos_w = _ring_pos(base + wp + tok, L)  # the window's records: logical write_pos + i
             ru_at = ru_ptr + ring_at * (HV * V) + i_hv * V
-            # Which rows this kernel owns: decided at run time in one launch, at compile
-            # time in the split kernels (the flush kernel is only ever given rows that
-            # fold).
-            if FLUSH_ROWS and TOKEN_ROWS:
-                owned = True
-            elif TOKEN_ROWS:
-                owned = ~folds
-            else:
-                owned = True
-            if owned:
-                # The fold's branch exists only where the kernel folds (a Python flag
-                # assigned here would become a run-time one): its four-part products
-                # need K >= 64 on CUDA.
-                # With RECORDS_FIRST a row that does not fold loads its history's u and
-                # its values first, so that their latency overlaps its pass over the
-                # checkpoint; a folding row loads them after its fold, keeping the fold's
-                # registers free. Without it every row loads them after its products.
-                rec_args = (ru_at, v_ptr, p_tok, i_hv, pos_h, hist, offs_v, mask_v, xk_ok, stride_v_tok,
-                            stride_v_head, HV, V)
-                if FUSE_FLUSH and FLUSH_ROWS and TOKEN_ROWS:
-                    if folds:
-                        SX = _folded_window_products(S0, S1, S2, S3, q_ptr, k_ptr, ckpt_at, tile, rk_ptr, rv_ptr,
-                                                     rg_ptr, rb_ptr, ring_at, base, wp, p_tok, i_h, i_hv, offs_c,
-                                                     offs_v, mask_v, xk_ok, xq_ok, stride_q_tok, stride_q_head,
-                                                     stride_k_tok, stride_k_head, eps, H, HV, K, V, L, KQ, AHEAD,
-                                                     ROUND_STATE, DOT_PRECISION, EARLY_TILE)
-                        if RECORDS_FIRST:
-                            u_h, v_x = _row_records(*rec_args)
-                    elif EARLY_TILE:
-                        if RECORDS_FIRST:
-                            u_h, v_x = _row_records(*rec_args)
-                        SX = _parts_window_products(S0, S1, S2, S3, q_ptr, k_ptr, p_tok, i_h, offs_c, xk_ok, xq_ok,
-                                                    stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
-                                                    K, KQ, DOT_PRECISION)
-                    else:
-                        if RECORDS_FIRST:
-                            u_h, v_x = _row_records(*rec_args)
-                        SX = _checkpoint_window_products(q_ptr, k_ptr, ckpt_at, p_tok, i_h, offs_v, mask_v, xk_ok,
-                                                         xq_ok, stride_q_tok, stride_q_head, stride_k_tok,
-                                                         stride_k_head, K, BK, KC, BX, BV, DOT_PRECISION, NUM_STAGES)
-                elif FLUSH_ROWS and not TOKEN_ROWS:
-                    SX = _folded_window_products(S0, S1, S2, S3, q_ptr, k_ptr, ckpt_at, tile, rk_ptr, rv_ptr, rg_ptr,
-                                                 rb_ptr, ring_at, base, wp, p_tok, i_h, i_hv, offs_c, offs_v, mask_v,
-                                                 xk_ok, xq_ok, stride_q_tok, stride_q_head, stride_k_tok,
-                                                 stride_k_head, eps, H, HV, K, V, L, KQ, AHEAD, ROUND_STATE,
-                                                 DOT_PRECISION, EARLY_TILE)
+            # The fold's branch exists only where the kernel folds (a Python flag
+            # assigned here would become a run-time one): its four-part products
+            # need K >= 64 on CUDA.
+            # With RECORDS_FIRST a row that does not fold loads its history's u and
+            # its values first, so that their latency overlaps its pass over the
+            # checkpoint; a folding row loads them after its fold, keeping the fold's
+            # registers free. Without it every row loads them after its products.
+            rec_args = (ru_at, v_ptr, p_tok, i_hv, pos_h, hist, offs_v, mask_v, xk_ok, stride_v_tok,
+                        stride_v_head, HV, V)
+            if FUSE_FLUSH:
+                if folds:
+                    SX = _folded_window_products(S0, S1, S2, S3, q_ptr, k_ptr, ckpt_at, tile, rk_ptr, rv_ptr,
+                                                 rg_ptr, rb_ptr, ring_at, base, wp, p_tok, i_h, i_hv, offs_c,
+                                                 offs_v, mask_v, xk_ok, xq_ok, stride_q_tok, stride_q_head,
+                                                 stride_k_tok, stride_k_head, eps, H, HV, K, V, L, KQ, AHEAD,
+                                                 ROUND_STATE, DOT_PRECISION, EARLY_TILE)
                     if RECORDS_FIRST:
                         u_h, v_x = _row_records(*rec_args)
                 elif EARLY_TILE:
@@ -1031,42 +993,54 @@ if triton is not None:
                 else:
                     if RECORDS_FIRST:
                         u_h, v_x = _row_records(*rec_args)
-                    SX = _checkpoint_window_products(q_ptr, k_ptr, ckpt_at, p_tok, i_h, offs_v, mask_v, xk_ok, xq_ok,
-                                                     stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
-                                                     K, BK, KC, BX, BV, DOT_PRECISION, NUM_STAGES)
-                if not RECORDS_FIRST:
+                    SX = _checkpoint_window_products(q_ptr, k_ptr, ckpt_at, p_tok, i_h, offs_v, mask_v, xk_ok,
+                                                     xq_ok, stride_q_tok, stride_q_head, stride_k_tok,
+                                                     stride_k_head, K, BK, KC, BX, BV, DOT_PRECISION, NUM_STAGES)
+            elif EARLY_TILE:
+                if RECORDS_FIRST:
                     u_h, v_x = _row_records(*rec_args)
-                # [U | o] = (S0 x_r) C1 + u_h Z + v D
-                # The coefficients were computed on the coefficient kernel's stacked window
-                # of 2 BTC rows: row r of this one is its row cx(r); the rest are zero.
-                if WAIT_COEF:
-                    # Everything above overlapped the coefficient kernel: it reads nothing
-                    # that kernel writes (its records are the window's, past the history:
-                    # ops/cursors.py), and writes nothing it reads (the flush rows'
-                    # checkpoints). From here on it reads the coefficients and writes the
-                    # window's records.
-                    tl.extra.cuda.gdc_wait()
-                cx = tok + tl.where(is_q, BTC, 0)
-                c_ok = tok < BTC
-                coef_at = coef_ptr + (i_b * HV + i_hv) * ((2 * BXC + BH) * BXC)
-                C1 = tl.load(coef_at + cx[:, None] * BXC + cx[None, :], mask=c_ok[:, None] & c_ok[None, :], other=0.0)
-                Z = tl.load(coef_at + (BXC + offs_h[:, None]) * BXC + cx[None, :], mask=c_ok[None, :], other=0.0)
-                D = tl.load(coef_at + (BXC + BH + cx[:, None]) * BXC + cx[None, :],
-                            mask=c_ok[:, None] & c_ok[None, :], other=0.0)
-                out = tl.dot(SX, C1, input_precision=COEF_PRECISION)
-                out = tl.dot(u_h, Z, out, input_precision=COEF_PRECISION)
-                # U on key columns, o on query columns
-                out = tl.dot(v_x.to(tl.float32), D, out, input_precision=COEF_PRECISION)
-                if TREE:
-                    # Padded nodes' rows get zeros.
-                    tl.store(p_o, _tl_to_rtne(tl.where(xq_ok[None, :], out, 0.0), o_ptr.dtype.element_ty),
-                             mask=mask_v[:, None] & (is_q & rows_ok)[None, :])
-                else:
-                    tl.store(p_o, _tl_to_rtne(out, o_ptr.dtype.element_ty), mask=mask_v[:, None] & xq_ok[None, :])
-                rec = pos_w[None, :] * (HV * V) + offs_v[:, None]
-                vk_ok = mask_v[:, None] & xk_ok[None, :]
-                tl.store(rv_ptr + ring_at * (HV * V) + i_hv * V + rec, v_x.to(rv_ptr.dtype.element_ty), mask=vk_ok)
-                tl.store(ru_at + rec, out, mask=vk_ok)
+                SX = _parts_window_products(S0, S1, S2, S3, q_ptr, k_ptr, p_tok, i_h, offs_c, xk_ok, xq_ok,
+                                            stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
+                                            K, KQ, DOT_PRECISION)
+            else:
+                if RECORDS_FIRST:
+                    u_h, v_x = _row_records(*rec_args)
+                SX = _checkpoint_window_products(q_ptr, k_ptr, ckpt_at, p_tok, i_h, offs_v, mask_v, xk_ok, xq_ok,
+                                                 stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
+                                                 K, BK, KC, BX, BV, DOT_PRECISION, NUM_STAGES)
+            if not RECORDS_FIRST:
+                u_h, v_x = _row_records(*rec_args)
+            # [U | o] = (S0 x_r) C1 + u_h Z + v D
+            # The coefficients were computed on the coefficient kernel's stacked window
+            # of 2 BTC rows: row r of this one is its row cx(r); the rest are zero.
+            if WAIT_COEF:
+                # Everything above overlapped the coefficient kernel: it reads nothing
+                # that kernel writes (its records are the window's, past the history:
+                # ops/cursors.py), and writes nothing it reads (the flush rows'
+                # checkpoints). From here on it reads the coefficients and writes the
+                # window's records.
+                tl.extra.cuda.gdc_wait()
+            cx = tok + tl.where(is_q, BTC, 0)
+            c_ok = tok < BTC
+            coef_at = coef_ptr + (i_b * HV + i_hv) * ((2 * BXC + BH) * BXC)
+            C1 = tl.load(coef_at + cx[:, None] * BXC + cx[None, :], mask=c_ok[:, None] & c_ok[None, :], other=0.0)
+            Z = tl.load(coef_at + (BXC + offs_h[:, None]) * BXC + cx[None, :], mask=c_ok[None, :], other=0.0)
+            D = tl.load(coef_at + (BXC + BH + cx[:, None]) * BXC + cx[None, :],
+                        mask=c_ok[:, None] & c_ok[None, :], other=0.0)
+            out = tl.dot(SX, C1, input_precision=COEF_PRECISION)
+            out = tl.dot(u_h, Z, out, input_precision=COEF_PRECISION)
+            # U on key columns, o on query columns
+            out = tl.dot(v_x.to(tl.float32), D, out, input_precision=COEF_PRECISION)
+            if TREE:
+                # Padded nodes' rows get zeros.
+                tl.store(p_o, _tl_to_rtne(tl.where(xq_ok[None, :], out, 0.0), o_ptr.dtype.element_ty),
+                         mask=mask_v[:, None] & (is_q & rows_ok)[None, :])
+            else:
+                tl.store(p_o, _tl_to_rtne(out, o_ptr.dtype.element_ty), mask=mask_v[:, None] & xq_ok[None, :])
+            rec = pos_w[None, :] * (HV * V) + offs_v[:, None]
+            vk_ok = mask_v[:, None] & xk_ok[None, :]
+            tl.store(rv_ptr + ring_at * (HV * V) + i_hv * V + rec, v_x.to(rv_ptr.dtype.element_ty), mask=vk_ok)
+            tl.store(ru_at + rec, out, mask=vk_ok)
 
     @triton.jit
     def _window_outputs_kernel(
@@ -1077,11 +1051,10 @@ if triton is not None:
         BT: tl.constexpr, BTC: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr, BV: tl.constexpr,
         DOT_PRECISION: tl.constexpr, COEF_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
         FUSE_FLUSH: tl.constexpr, ROUND_STATE: tl.constexpr, AHEAD: tl.constexpr, TREE: tl.constexpr = False,
-        WAIT_COEF: tl.constexpr = False, EARLY_TILE: tl.constexpr = False, FLUSH_ROWS: tl.constexpr = True,
+        WAIT_COEF: tl.constexpr = False, EARLY_TILE: tl.constexpr = False,
         SHORT_TAIL: tl.constexpr = False, BB: tl.constexpr = 1, RECORDS_FIRST: tl.constexpr = False,
     ):
-        """Grid ``(V blocks, windows, HV)``: every row's window (``FLUSH_ROWS``) or every
-        row's but those that fold (the flush kernel's); :func:`_window_row`.
+        """Grid ``(V blocks, windows, HV)``: every row's window (:func:`_window_row`).
 
         ``SHORT_TAIL`` (``BB >= batch``): grid ``(V blocks, HV, windows)``, its last axis a
         position in the order that moves the last ``tail`` rows that do not fold to the
@@ -1099,36 +1072,7 @@ if triton is not None:
                     slots_ptr, cu_ptr, wp_ptr, base_ptr, flush_ptr, coef_ptr, o_ptr, nodes_ptr,
                     stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, eps,
                     H, HV, K, V, L, BT, BTC, BH, BK, KC, BV, DOT_PRECISION, COEF_PRECISION, NUM_STAGES,
-                    FUSE_FLUSH, ROUND_STATE, AHEAD, TREE, WAIT_COEF, EARLY_TILE, FLUSH_ROWS, True, RECORDS_FIRST)
-
-    @triton.jit
-    def _window_flush_kernel(
-        q_ptr, k_ptr, v_ptr, ckpt_ptr, rk_ptr, rv_ptr, rg_ptr, rb_ptr, ru_ptr,
-        slots_ptr, cu_ptr, wp_ptr, base_ptr, flush_ptr, coef_ptr, o_ptr, nodes_ptr,
-        stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, eps, batch,
-        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
-        BT: tl.constexpr, BTC: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr, BV: tl.constexpr,
-        BB: tl.constexpr, DOT_PRECISION: tl.constexpr, COEF_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
-        ROUND_STATE: tl.constexpr, AHEAD: tl.constexpr, WAIT_COEF: tl.constexpr = False,
-        RECORDS_FIRST: tl.constexpr = False,
-    ):
-        """A few programs that walk the (V block, value head) items of the rows that fold
-        (a chain's windows; ``BB >= batch``): the walk of
-        :func:`~replayssm.ops.ring_decode._ring_flush_kernel`, so the grid is fixed by the
-        batch alone (CUDA graphs) and costs nothing where no row folds. Each item folds
-        its tile and takes the window from it (:func:`_window_row`)."""
-        NV: tl.constexpr = (V + BV - 1) // BV
-        before, count = _tl_folding_rows(slots_ptr, cu_ptr, wp_ptr, flush_ptr, batch, BB)
-        items = count * (HV * NV)
-        for t in range(tl.program_id(0), items, tl.num_programs(0)):
-            j = t // (HV * NV)
-            i_b = tl.sum((before <= j).to(tl.int32), 0)  # the j-th row that folds (from 0): j rows before it
-            _window_row(t % NV, i_b, (t % (HV * NV)) // NV,
-                        q_ptr, k_ptr, v_ptr, ckpt_ptr, rk_ptr, rv_ptr, rg_ptr, rb_ptr, ru_ptr,
-                        slots_ptr, cu_ptr, wp_ptr, base_ptr, flush_ptr, coef_ptr, o_ptr, nodes_ptr,
-                        stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, eps,
-                        H, HV, K, V, L, BT, BTC, BH, BK, KC, BV, DOT_PRECISION, COEF_PRECISION, NUM_STAGES,
-                        True, ROUND_STATE, AHEAD, False, WAIT_COEF, True, True, False, RECORDS_FIRST)
+                    FUSE_FLUSH, ROUND_STATE, AHEAD, TREE, WAIT_COEF, EARLY_TILE, RECORDS_FIRST)
 
     # ---- small batches: one launch, the exact recurrence all the way ("replay")
     # At a few requests every kernel is latency-bound: the time is the length of each
@@ -1389,15 +1333,13 @@ def _outputs_launch(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, write_
 
 def launch_window_outputs(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos, cache_base, is_flush, coef,
                           o, max_len: int, *, fuse_flush: bool | None = None, tree: DeviceTrees | None = None,
-                          dependent: bool = False, flush_rows: bool = True) -> None:
+                          dependent: bool = False) -> None:
     """Launch the closed form's outputs kernel (outputs and corrected deltas from the
     checkpoint and ``coef``) on validated arguments; ``fuse_flush``: whether it folds the
     flush rows itself (default: :func:`fuses_flush`); ``dependent``: launch it as the
     programmatic dependent of the coefficient kernel just launched (which must have
     been launched with ``dependent`` too, and on a device where
-    :func:`~replayssm.ops.triton_common.dependent_launch` holds); ``flush_rows=False``:
-    it leaves the rows that fold to :func:`launch_window_flush` (a chain's windows, on
-    heads where :func:`fuses_flush` may hold)."""
+    :func:`~replayssm.ops.triton_common.dependent_launch` holds)."""
     hv, vd = v.shape[1], v.shape[2]
     batch = slots.shape[0]
     cfg = tuning.lookup("closed_form", K=q.shape[2], V=vd, state_dtype=checkpoint.dtype, batch=batch)
@@ -1405,39 +1347,19 @@ def launch_window_outputs(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, 
                                    is_flush, coef, o, max_len, tree, cfg)
     bv = block_rows(vd, batch * hv, q.device, cfg["block_v"], least=16)
     fuse = fuses_flush(q.shape[2], vd, checkpoint.dtype, batch, q.device) if fuse_flush is None else fuse_flush
-    fold_here = fuse and flush_rows
     # Short programs last (the folding rows' are the longest: a chain of exact steps),
     # where those are among the programs of this launch.
-    tail = cfg["short_tail"] if fold_here else 0
+    tail = cfg["short_tail"] if fuse else 0
     _window_outputs_kernel[(triton.cdiv(vd, bv), hv, batch) if tail else (triton.cdiv(vd, bv), batch, hv)](
-        *args, batch, tail, **common, BV=bv, FUSE_FLUSH=fold_here, TREE=tree is not None, WAIT_COEF=dependent,
-        EARLY_TILE=(fold_here or (not flush_rows and _four_parts_ok(q.shape[2], q.device))) and bool(cfg["early_tile"]),
-        FLUSH_ROWS=flush_rows, SHORT_TAIL=tail > 0, BB=triton.next_power_of_2(batch) if tail else 1,
+        *args, batch, tail, **common, BV=bv, FUSE_FLUSH=fuse, TREE=tree is not None, WAIT_COEF=dependent,
+        EARLY_TILE=fuse and bool(cfg["early_tile"]), SHORT_TAIL=tail > 0,
+        BB=triton.next_power_of_2(batch) if tail else 1,
         # A fused flush is an exact replay: warps that keep the exact kernels' layout of
         # a row (it decides the bits of every row sum; triton_common.exact_warps).
-        num_warps=exact_warps(cfg["num_warps"], bv) if fold_here else cfg["num_warps"],
+        num_warps=exact_warps(cfg["num_warps"], bv) if fuse else cfg["num_warps"],
         **({"launch_pdl": True} if dependent else {}),
         **register_cap(cfg["max_registers"], q.device),
     )
-
-
-def launch_window_flush(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos, cache_base, is_flush, coef,
-                        o, max_len: int, *, dependent: bool = False) -> None:
-    """Launch the kernel of the rows that fold (a chain's windows, beside
-    :func:`launch_window_outputs` with ``flush_rows=False``) on validated arguments:
-    ``closed_form.flush_programs`` programs an SM walk those rows' items on tiles of
-    ``closed_form.flush_block_v`` rows; ``dependent``: as for the outputs kernel."""
-    hv, vd = v.shape[1], v.shape[2]
-    batch = slots.shape[0]
-    cfg = tuning.lookup("closed_form", K=q.shape[2], V=vd, state_dtype=checkpoint.dtype, batch=batch)
-    args, common = _outputs_launch(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos, cache_base,
-                                   is_flush, coef, o, max_len, None, cfg)
-    # The window's products are tl.dot on [BV, 2 BT] blocks: at least 16 rows.
-    fbv = max(16, min(cfg["flush_block_v"], triton.next_power_of_2(vd)))
-    programs = min(cfg["flush_programs"] * sm_count(q.device), batch * hv * triton.cdiv(vd, fbv))
-    _window_flush_kernel[(programs,)](
-        *args, batch, **common, BV=fbv, BB=triton.next_power_of_2(batch), WAIT_COEF=dependent,
-        num_warps=exact_warps(cfg["num_warps"], fbv), **({"launch_pdl": True} if dependent else {}))
 
 
 def _four_parts_ok(kd: int, device: torch.device) -> bool:
@@ -1480,42 +1402,17 @@ def launch_closed_form(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, 
     programs start while the coefficients are computed, make their pass over the
     checkpoint (and fold their flush rows), and wait only before they read the
     coefficients. The coefficient kernel is one wave of short programs, a dependent
-    chain rather than bytes, so this hides it behind the first wave of the outputs.
-
-    ``closed_form.split_flush`` (a chain's fused flush): the rows that fold run in a
-    kernel of their own (:func:`launch_window_flush`) beside the outputs kernel compiled
-    without the fold. The two touch disjoint rows, so after the coefficients nothing
-    orders them: 1 runs them in order on the caller's stream (the outputs kernel the
-    coefficients' dependent); 2 runs the flush rows on a side stream; 3 runs the other
-    rows on the side stream and the flush rows as the coefficients' dependent (their
-    chains start first)."""
+    chain rather than bytes, so this hides it behind the first wave of the outputs."""
     batch = slots.shape[0]
     fuse = fuses_flush(q.shape[2], v.shape[2], checkpoint.dtype, batch, q.device)
     cfg = tuning.lookup("closed_form", K=q.shape[2], V=v.shape[2], state_dtype=checkpoint.dtype, batch=batch)
     dependent = bool(cfg["dependent_launch"]) and dependent_launch(q.device)
-    split = cfg["split_flush"] if fuse and tree is None else 0
     if not fuse:
         launch_flush(checkpoint, ring, slots, write_pos, cache_base, is_flush)
     coef = launch_coefficients(q, k, a, b, A_log, dt_bias, checkpoint, ring, slots, cu_seqlens, write_pos, cache_base,
                                is_flush, max_len, tree=tree, dependent=dependent)
-    window = (q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos, cache_base, is_flush, coef, o, max_len)
-    if not split:
-        launch_window_outputs(*window, fuse_flush=fuse, tree=tree, dependent=dependent)
-        return
-    side = side_stream(q.device) if split >= 2 and q.device.type == "cuda" else None
-    if side is not None:
-        side.wait_stream(torch.cuda.current_stream(q.device))  # after the coefficients
-    if split == 3:
-        launch_window_flush(*window, dependent=dependent)
-    else:
-        launch_window_outputs(*window, dependent=dependent, flush_rows=False)
-    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-        if split == 3:
-            launch_window_outputs(*window, flush_rows=False)
-        else:
-            launch_window_flush(*window)
-    if side is not None:
-        torch.cuda.current_stream(q.device).wait_stream(side)
+    launch_window_outputs(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos, cache_base, is_flush, coef,
+                          o, max_len, fuse_flush=fuse, tree=tree, dependent=dependent)
 
 
 def launch_replay_window(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos,

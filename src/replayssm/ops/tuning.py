@@ -63,20 +63,14 @@ PARAMS = {
     # per SM). ``early_tile`` (with fuse_flush): every row loads its whole checkpoint
     # tile into registers before its cursors (1: the loads overlap the cursors' and
     # a row that does not flush multiplies the tile as loaded) or streams it through
-    # the k_chunk pipeline after them (0). ``split_flush`` (with fuse_flush, a chain's
-    # windows): one outputs launch for every row (0), or the rows that fold in a kernel
-    # of their own, ``flush_programs`` programs an SM walking them on tiles of
-    # ``flush_block_v`` rows, beside the outputs kernel compiled without the fold
-    # (``early_tile`` is then that kernel's): in order on the caller's stream (1), the
-    # flush rows on a side stream (2), or the other rows on it and the flush rows the
-    # coefficients' dependent (3) (ops/chunked.py launch_closed_form). ``short_tail``
-    # (with fuse_flush, one launch): the grid in batch order (0), or in an order that
+    # the k_chunk pipeline after them (0). ``short_tail``
+    # (with fuse_flush): the grid in batch order (0), or in an order that
     # moves the last short_tail rows that do not fold to its end (so no fold's chain
     # starts in the last waves; at least the batch: every folding row first).
-    # ``num_warps``: 4 or 2 (a fold inside the kernel, the fused flush or the flush rows'
-    # kernel, goes through triton_common.exact_warps, so its rows keep the exact kernels'
-    # layout and its states their bits; on 1 warp they do not, beside this kernel's
-    # tensor-core products: a GPU test).
+    # ``num_warps``: 4 or 2 (a fold inside the kernel, the fused flush, goes through
+    # triton_common.exact_warps, so its rows keep the exact kernels' layout and its
+    # states their bits; on 1 warp they do not, beside this kernel's tensor-core
+    # products: a GPU test).
     # ``coef_max_registers``: the coefficient kernel's register cap (as max_registers):
     # its programs are one warp each, so registers decide how many an SM holds, and
     # how many waves the batch's (request, key head) pairs take.
@@ -85,8 +79,7 @@ PARAMS = {
     # latency under the pass) or after it (0: fewer registers held through it).
     "closed_form": ("block_v", "k_chunk", "num_stages", "num_warps", "tf32_coefficients", "coef_warps",
                     "heads_per_program", "flush_block_v", "fuse_flush", "flush_records_ahead", "dependent_launch",
-                    "max_registers", "early_tile", "split_flush", "flush_programs", "short_tail",
-                    "coef_max_registers", "records_first"),
+                    "max_registers", "early_tile", "short_tail", "coef_max_registers", "records_first"),
     # The tree recurrence (ops/tree_ops.py: fold's and snapshot's tree verify): rows of the
     # path stack a program holds in registers, all levels together (a level's tile is
     # stack_rows / levels rows high, at least 16); and the most requests x leaf paths
@@ -133,7 +126,6 @@ _CHOICES = {"tf32_coefficients": (0, 1), "dot_products": (0, 1), "fuse_flush": (
             "flush_records_ahead": (1, 2),
             "early_tile": (0, 1), "dependent_launch": (0, 1), "load_ahead": (0, 1), "records_first": (0, 1),
             "ring_decode.split_flush": (0, 1, 2),
-            "closed_form.split_flush": (0, 1, 2, 3),
             "ring_decode.num_warps": (1, 2, 4, 8), "exact_write.num_warps": (1, 2, 4, 8),
             "exact_read_only.num_warps": (1, 2, 4, 8), "exact_snapshot.num_warps": (1, 2, 4, 8),
             "ring_decode.flush_warps": (2, 4), "closed_form.num_warps": (2, 4)}
@@ -141,7 +133,7 @@ _CHOICES = {"tf32_coefficients": (0, 1), "dot_products": (0, 1), "fuse_flush": (
 #: circular's closed form from batch 33 (the table's rows below say why each value).
 _CLOSED_FORM_LARGE = dict(block_v=64, k_chunk=64, num_stages=2, num_warps=4, tf32_coefficients=1, coef_warps=1,
                           heads_per_program=8, flush_block_v=32, fuse_flush=1, flush_records_ahead=1, dependent_launch=1,
-                          max_registers=128, early_tile=0, split_flush=0, flush_programs=2, short_tail=0,
+                          max_registers=128, early_tile=0, short_tail=0,
                           coef_max_registers=0, records_first=1)
 
 #: The table (see the module notes). Values chosen by measurement at Qwen3.5 shapes
@@ -178,8 +170,10 @@ TABLE: dict[str, list[tuple[dict, dict]]] = {
     # faster; at batch 16 it measured slower (BENCHMARKS.md, "circular's outputs kernel
     # under a register cap"). 16-bit states measured slower capped until their tiles
     # took the fp32 layout, faster since (BENCHMARKS.md, "16-bit tiles in the fp32
-    # tiles' layout"). The flush rows apart (split_flush) measured slower at every
-    # batch in both dtypes (BENCHMARKS.md, "circular's flush rows apart: slower").
+    # tiles' layout"). The flush rows in a kernel of their own, beside the outputs
+    # kernel, measured slower at every batch in both dtypes and at T = 8 (BENCHMARKS.md,
+    # "circular's flush rows apart: slower"; "The whole table beside SGLang's kernels,
+    # one H100"), and was removed.
     # Up to batch 32 the grid starts the programs that fold first (short_tail 32, every
     # other row after them): at 16 they fit in the first wave, and the order measured
     # faster at 16, 24 and 32 and slower at 64 and 256, where the first waves would hold
@@ -192,8 +186,7 @@ TABLE: dict[str, list[tuple[dict, dict]]] = {
     "closed_form": [({"max_batch": 32}, dict(block_v=64, k_chunk=64, num_stages=2, num_warps=4, tf32_coefficients=1,
                                              coef_warps=1, heads_per_program=1, flush_block_v=32, fuse_flush=1,
                                              flush_records_ahead=1, dependent_launch=1, max_registers=0, early_tile=0,
-                                             split_flush=0, flush_programs=2, short_tail=32, coef_max_registers=0,
-                                             records_first=1)),
+                                             short_tail=32, coef_max_registers=0, records_first=1)),
                     ({}, _CLOSED_FORM_LARGE)],
     # Small batches are latency-bound: one launch with a chain of n + T exact steps
     # beats three launches and the window solve's per-head chain there. The switch sits
