@@ -43,7 +43,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-OPS = ("recurrence", "fold", "ring_decode", "closed_form", "tree_recurrence", "conv_prefill")
+OPS = ("recurrence", "fold", "ring_decode", "closed_form", "tree_recurrence", "conv_prefill", "norms")
 H, HV, K, V, T, L = 16, 32, 128, 128, 4, 16
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
@@ -83,6 +83,7 @@ def install() -> None:
     """Route every launch to the compiler, and let the ops take CPU tensors."""
     driver.set_active(_Sm90Driver())
     JITFunction.run = _compile_only
+    from replayssm.engine import norms  # noqa: F401  (its helpers are defined for compiling before the flag below)
     from replayssm.ops import triton_common
 
     def full_height(vd, rows, device, most, least=1):
@@ -102,6 +103,8 @@ def install() -> None:
                 mod.register_cap = cap
             if hasattr(mod, "dependent_launch"):  # read off the device on CUDA
                 mod.dependent_launch = sm90_dependent_launch
+            if mod.__name__ == "replayssm.engine.norms":  # its launchers take CPU tensors only so
+                mod.INTERPRETER = True
     # The ops' dispatch sends CPU tensors to Triton only under the interpreter; the
     # kernels themselves were defined for compiling (checked at import, above).
     triton_common.INTERPRETER = True
@@ -231,6 +234,23 @@ def run_op(op: str, batch: int, sdt: torch.dtype, act: torch.dtype,
                                   torch.arange(0, rows * p + 1, p, dtype=torch.int32), update_state=True, max_len=p,
                                   parts=(H * K, H * K, HV * V))
         labels.append(f"prompt conv, {rows} x {p} tokens")
+    elif op == "norms":  # the engine's RMS norms at the embedded model's batch-1 shapes (hidden 256, heads 4 + 2 of 64)
+        from replayssm.engine import norms
+
+        q, k, w = torch.randn(1, 4, 64).to(act), torch.randn(1, 2, 64).to(act), torch.randn(64)
+        norms.rms_norm(q, w, 1e-6, "offset")
+        labels.append("offset norm, 4 rows of 64")
+        h = torch.randn(1, 256).to(act)
+        norms.add_rms_norm(h, h.clone(), torch.randn(256), 1e-6)
+        labels.append("residual add and norm, 1 row of 256")
+        if hasattr(norms, "rms_norm_pair"):  # (a tree before it, in a before-and-after run, has none)
+            qk = torch.empty(1, 6, 64, dtype=act)
+            norms.rms_norm_pair(q, w, 1e-6, qk[:, :4], k, w, 1e-6, qk[:, 4:])
+            labels.append("query and key norms in one launch, 4 + 2 rows of 64")
+            pair = torch.empty(1, 512, dtype=act)
+            norms.rms_norm_pair(torch.randn(4096, 256).to(act), torch.randn(256), 1e-6, pair[:, :256], h,
+                                torch.randn(256), 1e-6, pair[:, 256:], rows=torch.tensor([7]))
+            labels.append("an embedding row and a hidden row normed in one launch, 256 wide")
     return labels
 
 

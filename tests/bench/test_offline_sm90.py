@@ -106,3 +106,15 @@ def test_window_sets_the_verify_ops_window_and_ring(tmp_path):
     bad = subprocess.run([sys.executable, str(SCRIPT), "--ops", "closed_form", "--window", "17"], env=env,
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "--window: must be in 1..16" in bad.stderr, bad.stderr[-2000:]
+
+
+def test_reports_the_norms_one_launch_each(tmp_path):
+    """``--ops norms``: the engine's norm kernel compiles for sm_90 in each of its forms
+    (one norm, a residual add with its norm, two norms in one launch, an embedding row
+    looked up inside the pair): four launches, none spilling; the pair holds two copies
+    of the block code, so it has more instructions than one norm."""
+    lines = [x for x in offline(tmp_path, "--ops", "norms").splitlines() if "_rms_norm_kernel" in x]
+    assert len(lines) == 4, lines
+    counts = [int(re.search(r"(\d+) SASS", x).group(1)) for x in lines]
+    assert all(" 0 bytes of stack" in x for x in lines), lines
+    assert counts[2] > counts[0], counts

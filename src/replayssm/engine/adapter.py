@@ -36,7 +36,7 @@ from .attention import slot_attention, tree_attention
 from .kv_cache import KVCache, PromptLayout, WindowLayout, cached_attention
 from .activations import dense_silu_mlp, sigmoid_mul, silu_mul
 from .fused_linear import fuse_linears, fused_weight
-from .norms import add_rms_norm, norm_eps, norm_kind, rms_norm
+from .norms import add_rms_norm, norm_eps, norm_kind, rms_norm, rms_norm_pair
 from .rotary import rope_at, rope_rows, rotate_
 
 log = logging.getLogger("replayssm.engine")
@@ -239,8 +239,11 @@ def rotated_qk(attn, q: torch.Tensor, k: torch.Tensor, rope: torch.Tensor, norm,
         rope: ``[B, T or 1, 2, R]`` rotary rows (:func:`~replayssm.engine.rotary.rope_rows`).
         norm: ``norm(module, x, out=buffer)``, the ``q/k`` norms written into slices of
             the result (:meth:`HybridEngine.static_norm`; default: the modules).
-        fused: rotate in one launch (:func:`~replayssm.engine.rotary.rotate_`'s Triton
-            form; the engine's fused kernels, CUDA or the interpreter), else torch's ops.
+        fused: the engine's fused kernels (CUDA or the interpreter): both norms in one
+            launch where both are offset norms (:func:`~replayssm.engine.norms.rms_norm_pair`,
+            the bits of ``norm``'s two), and the rotation in one
+            (:func:`~replayssm.engine.rotary.rotate_`'s Triton form); else ``norm`` twice
+            and torch's ops.
 
     Returns:
         ``qk [B, T, heads + kv_heads, D]``: queries, then keys (the norms write there and
@@ -250,8 +253,13 @@ def rotated_qk(attn, q: torch.Tensor, k: torch.Tensor, rope: torch.Tensor, norm,
     norm = norm or (lambda module, y, out: out.copy_(module(y)))
     (n, heads, d), b = q.shape, rope.shape[0]
     qk = torch.empty((b, n // b, heads + k.shape[1], d), dtype=q.dtype, device=q.device)
-    norm(attn.q_norm, q, out=qk.view(n, -1, d)[:, :heads])
-    norm(attn.k_norm, k, out=qk.view(n, -1, d)[:, heads:])
+    q_out, k_out = qk.view(n, -1, d)[:, :heads], qk.view(n, -1, d)[:, heads:]
+    if fused and norm_kind(attn.q_norm) == norm_kind(attn.k_norm) == "offset":
+        rms_norm_pair(q, attn.q_norm.weight, norm_eps(attn.q_norm), q_out, k, attn.k_norm.weight,
+                      norm_eps(attn.k_norm), k_out)
+    else:
+        norm(attn.q_norm, q, out=q_out)
+        norm(attn.k_norm, k, out=k_out)
     rotate_(qk, rope, backend="triton" if fused else "torch")
     return qk
 

@@ -35,6 +35,7 @@ from ..ops.guards import to_device
 from .activations import dense_silu_mlp
 from .attention import slot_attention, tree_attention
 from .fused_linear import fuse_linears
+from .norms import norm_eps, norm_kind, rms_norm_pair
 from .rotary import rope_at
 
 
@@ -513,6 +514,12 @@ class DeviceMTPDrafter(DeviceDrafter):
         self.engine = engine
         self.head = head
         self.tree = tree
+        # The pair's input norms and the token's embedding in one kernel (norms.rms_norm_pair)
+        # where the norms are fused, both are offset norms and the embedding is a plain lookup.
+        embed = engine.embed
+        self._fused_pre_fc = (engine.fused_norms and type(embed) is torch.nn.Embedding and embed.max_norm is None
+                              and norm_kind(head.pre_fc_norm_embedding) == norm_kind(head.pre_fc_norm_hidden) == "offset"
+                              and embed.weight.dtype == engine.dtype)
 
     def bind(self, num_slots, num_draft, capacity, device):
         from .kv_cache import KVCache
@@ -585,8 +592,15 @@ class DeviceMTPDrafter(DeviceDrafter):
         attn = layer.self_attn
         n, hid = hidden.shape
         pair = torch.empty((n, 2 * hid), dtype=eng.dtype, device=hidden.device)
-        eng.static_norm(head.pre_fc_norm_embedding, eng.embed(tokens.reshape(-1)), out=pair[:, :hid])
-        eng.static_norm(head.pre_fc_norm_hidden, hidden.to(eng.dtype), out=pair[:, hid:])
+        ids = tokens.reshape(-1)
+        if self._fused_pre_fc and ids.dtype == torch.int64:
+            # the embedding lookup and both norms in one launch, the bits of the three
+            rms_norm_pair(eng.embed.weight, head.pre_fc_norm_embedding.weight, norm_eps(head.pre_fc_norm_embedding),
+                          pair[:, :hid], hidden.to(eng.dtype), head.pre_fc_norm_hidden.weight,
+                          norm_eps(head.pre_fc_norm_hidden), pair[:, hid:], rows=ids)
+        else:
+            eng.static_norm(head.pre_fc_norm_embedding, eng.embed(ids), out=pair[:, :hid])
+            eng.static_norm(head.pre_fc_norm_hidden, hidden.to(eng.dtype), out=pair[:, hid:])
         x = head.fc(pair)
         xn = eng.static_norm(layer.input_layernorm, x)
         q, gate, k, v = attention_projections(attn, xn)

@@ -25,7 +25,7 @@ from ..ops.triton_common import INTERPRETER, triton
 if triton is not None:
     import triton.language as tl
 
-    from ..ops.triton_common import to_rtne
+    from ..ops.triton_common import device_fn, to_rtne
 
 KINDS = ("offset", "gated")
 #: Most rows a norm program takes (see :func:`_norm_blocks`); 1 is a program a row.
@@ -129,9 +129,75 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, kind: str, gate:
     grid, block_r, block, warps = _norm_blocks(d, rows)
     _rms_norm_kernel[(grid,)](
         x, weight, x if gate is None else gate, y, x, x, rows, d, eps, *rows_x, *rows_g, 0, *rows_out,
-        BLOCK_R=block_r, BLOCK=block, GATED=kind == "gated", RESIDUAL=False, num_warps=warps,
+        *_NO_SECOND(x, weight, y), BLOCK_R=block_r, BLOCK=block, GATED=kind == "gated", RESIDUAL=False, PAIR=False,
+        GATHER=False, num_warps=warps,
     )
     return y
+
+
+def rms_norm_pair(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor,
+                  x2: torch.Tensor, weight2: torch.Tensor, eps2: float, out2: torch.Tensor, *,
+                  rows: torch.Tensor | None = None, backend: str = "triton") -> None:
+    """Two ``offset`` norms of one width in one launch: ``out = rms_norm(x)`` and ``out2 =
+    rms_norm(x2)`` (each with its own weight and eps), as two :func:`rms_norm` calls
+    compute them, bit for bit: the same kernel runs each row, the second norm's rows in
+    programs after the first's. For norms a layer runs side by side (an attention
+    layer's queries and keys; the MTP head's two input halves), where each launch at
+    batch 1 costs more than its bytes.
+
+    Args:
+        x: ``[..., D]`` rows to normalise, or with ``rows`` the ``[R, D]`` table they are
+            looked up in (an embedding), contiguous along ``D``; weight ``[D]``.
+        out: where to write, shaped like ``x`` (``[len(rows), D]`` with ``rows``); a slice
+            of a wider buffer is fine (rows at one or two strides, as :func:`rms_norm`).
+        x2, weight2, eps2, out2: the second norm, of the same ``D`` and dtype.
+        rows: ``None``, or int64 ``[N]`` indices of ``x``'s rows to normalise (the lookup
+            and the norm in one kernel; indices are not checked on the device, so they
+            must lie in ``[0, R)``, as an embedding's token ids do).
+        backend: ``"triton"`` (one launch) or ``"reference"`` (two norms, op by op).
+    """
+    d = x.shape[-1]
+    if x2.shape[-1] != d or weight.shape != (d,) or weight2.shape != (d,):
+        raise ValueError(f"x and x2 must share their width D with weight and weight2 [D], got x {list(x.shape)}, "
+                         f"x2 {list(x2.shape)}, weight {list(weight.shape)}, weight2 {list(weight2.shape)}")
+    if x2.dtype != x.dtype:
+        raise ValueError(f"x2 must be {x.dtype} like x, got {x2.dtype}")
+    if rows is not None:
+        if rows.dtype != torch.int64 or rows.dim() != 1 or rows.device != x.device:
+            raise ValueError(f"rows must be an int64 [N] tensor on {x.device}, got {rows.dtype} "
+                             f"{list(rows.shape)} on {rows.device}")
+        if x.dim() != 2:
+            raise ValueError(f"with rows, x must be the [R, D] table they index, got {list(x.shape)}")
+    shape = x.shape if rows is None else (rows.shape[0], d)
+    for name, o, want, like in (("out", out, shape, x), ("out2", out2, x2.shape, x2)):
+        if o.shape != want or o.dtype != like.dtype or o.device != like.device:
+            raise ValueError(f"{name} must be a {like.dtype} tensor of shape {list(want)} on {like.device}, got "
+                             f"{o.dtype} {list(o.shape)} on {o.device}")
+    rows_x, rows_out = _row_strides(x, "x"), _row_strides(out, "out")
+    rows_x2, rows_out2 = _row_strides(x2, "x2"), _row_strides(out2, "out2")
+    if backend == "reference":
+        out.copy_(rms_norm_reference(x if rows is None else x[rows], weight, eps, "offset"))
+        out2.copy_(rms_norm_reference(x2, weight2, eps2, "offset"))
+        return
+    if triton is None or (x.device.type != "cuda" and not INTERPRETER):
+        raise RuntimeError("the Triton norm needs CUDA tensors or the Triton interpreter")
+    n, n2 = out.numel() // max(d, 1), x2.numel() // max(d, 1)
+    grid, block_r, block, warps = _norm_blocks(d, n)
+    grid2 = _norm_blocks(d, n2)[0]  # the same rows a program, lanes and warps: they depend on d alone
+    if grid + grid2 == 0:
+        return
+    _rms_norm_kernel[(grid + grid2,)](
+        x, weight, x, out, rows if rows is not None else x, x, n, d, eps, *rows_x, 0, 0, 0, 0, *rows_out,
+        x2, weight2, out2, grid, n2, eps2, *rows_x2, *rows_out2,
+        BLOCK_R=block_r, BLOCK=block, GATED=False, RESIDUAL=False, PAIR=True, GATHER=rows is not None,
+        num_warps=warps,
+    )
+
+
+def _NO_SECOND(x, weight, y) -> tuple:
+    """The second norm's arguments of :func:`_rms_norm_kernel` where it has none (``PAIR``
+    off): placeholders the kernel never reads."""
+    return (x, weight, y, 1 << 30, 0, 1.0, 1, 0, 0, 1, 0, 0)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
@@ -154,25 +220,33 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     grid, block_r, block, warps = _norm_blocks(d, n)
     _rms_norm_kernel[(grid,)](
         x, weight, x, y, residual, s, n, d, eps, n, 0, x.stride(0), n, 0, x.stride(0), residual.stride(0), n, 0, d,
-        BLOCK_R=block_r, BLOCK=block, GATED=False, RESIDUAL=True, num_warps=warps,
+        *_NO_SECOND(x, weight, y), BLOCK_R=block_r, BLOCK=block, GATED=False, RESIDUAL=True, PAIR=False, GATHER=False,
+        num_warps=warps,
     )
     return s, y
 
 
 if triton is not None:
 
-    @triton.jit
-    def _rms_norm_kernel(x_ptr, w_ptr, g_ptr, y_ptr, r_ptr, s_ptr, n_rows, n_cols, eps, inner_x, stride_xo, stride_xi,
-                         inner_g, stride_go, stride_gi, stride_r, inner_y, stride_yo, stride_yi,
-                         BLOCK_R: tl.constexpr, BLOCK: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr):
+    @device_fn
+    def _norm_block(pid, x_ptr, w_ptr, g_ptr, y_ptr, r_ptr, s_ptr, n_rows, n_cols, eps, inner_x, stride_xo, stride_xi,
+                    inner_g, stride_go, stride_gi, stride_r, inner_y, stride_yo, stride_yi,
+                    BLOCK_R: tl.constexpr, BLOCK: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
+                    GATHER: tl.constexpr):
+        """Block ``pid`` of a norm's rows (:func:`_rms_norm_kernel`'s arguments)."""
         # Rows of the block share nothing: each row's sum runs over its own lanes, the
         # same ones whatever the block's position, so a row's result does not depend on
         # which rows share its program (nor on how many rows the call has).
-        row = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        row = pid.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = tl.arange(0, BLOCK)
         mask = (row < n_rows)[:, None] & (cols < n_cols)[None, :]
-        # x, gate and y address their rows at one or two strides each (_row_strides)
-        x_row = (row // inner_x) * stride_xo + (row % inner_x) * stride_xi
+        # x, gate and y address their rows at one or two strides each (_row_strides);
+        # with GATHER, row r of the norm is row r_ptr[r] of x (an embedding lookup)
+        if GATHER:
+            src = tl.load(r_ptr + row, mask=row < n_rows, other=0)
+        else:
+            src = row
+        x_row = (src // inner_x) * stride_xo + (src % inner_x) * stride_xi
         xr = tl.load(x_ptr + x_row[:, None] + cols[None, :], mask=mask, other=0.0)
         if RESIDUAL:  # s = x + residual, rounded to the dtype, is both an output and the norm's input
             rr = tl.load(r_ptr + row[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
@@ -192,6 +266,31 @@ if triton is not None:
             y = h * (1.0 + w.to(tl.float32))
         y_row = (row // inner_y) * stride_yo + (row % inner_y) * stride_yi
         tl.store(y_ptr + y_row[:, None] + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, w_ptr, g_ptr, y_ptr, r_ptr, s_ptr, n_rows, n_cols, eps, inner_x, stride_xo, stride_xi,
+                         inner_g, stride_go, stride_gi, stride_r, inner_y, stride_yo, stride_yi,
+                         x2_ptr, w2_ptr, y2_ptr, grid_1, n_rows_2, eps_2, inner_x2, stride_x2o, stride_x2i,
+                         inner_y2, stride_y2o, stride_y2i,
+                         BLOCK_R: tl.constexpr, BLOCK: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
+                         PAIR: tl.constexpr, GATHER: tl.constexpr):
+        # PAIR (rms_norm_pair): the programs from grid_1 on run a second offset norm of
+        # the same width (x2 -> y2) through the same block code, so its rows get the
+        # bits a launch of their own gives; GATHER (with PAIR) is the first norm's.
+        pid = tl.program_id(0)
+        if PAIR:
+            if pid >= grid_1:
+                _norm_block(pid - grid_1, x2_ptr, w2_ptr, x2_ptr, y2_ptr, x2_ptr, x2_ptr, n_rows_2, n_cols, eps_2,
+                            inner_x2, stride_x2o, stride_x2i, 1, 0, 0, 0, inner_y2, stride_y2o, stride_y2i,
+                            BLOCK_R, BLOCK, False, False, False)
+            else:
+                _norm_block(pid, x_ptr, w_ptr, g_ptr, y_ptr, r_ptr, s_ptr, n_rows, n_cols, eps, inner_x, stride_xo,
+                            stride_xi, inner_g, stride_go, stride_gi, stride_r, inner_y, stride_yo, stride_yi,
+                            BLOCK_R, BLOCK, False, False, GATHER)
+        else:
+            _norm_block(pid, x_ptr, w_ptr, g_ptr, y_ptr, r_ptr, s_ptr, n_rows, n_cols, eps, inner_x, stride_xo,
+                        stride_xi, inner_g, stride_go, stride_gi, stride_r, inner_y, stride_yo, stride_yi,
+                        BLOCK_R, BLOCK, GATED, RESIDUAL, False)
 
 
 def _norm_blocks(d: int, rows: int) -> tuple[int, int, int, int]:
