@@ -43,7 +43,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-OPS = ("recurrence", "fold", "ring_decode", "closed_form", "tree_recurrence", "conv_prefill", "norms")
+OPS = ("recurrence", "fold", "ring_decode", "closed_form", "tree_recurrence", "conv_prefill", "norms", "rotary")
 H, HV, K, V, T, L = 16, 32, 128, 128, 4, 16
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
@@ -83,7 +83,7 @@ def install() -> None:
     """Route every launch to the compiler, and let the ops take CPU tensors."""
     driver.set_active(_Sm90Driver())
     JITFunction.run = _compile_only
-    from replayssm.engine import norms  # noqa: F401  (its helpers are defined for compiling before the flag below)
+    from replayssm.engine import norms, rotary  # noqa: F401  (defined for compiling before the flag below)
     from replayssm.ops import triton_common
 
     def full_height(vd, rows, device, most, least=1):
@@ -103,8 +103,8 @@ def install() -> None:
                 mod.register_cap = cap
             if hasattr(mod, "dependent_launch"):  # read off the device on CUDA
                 mod.dependent_launch = sm90_dependent_launch
-            if mod.__name__ == "replayssm.engine.norms":  # its launchers take CPU tensors only so
-                mod.INTERPRETER = True
+            if mod.__name__ in ("replayssm.engine.norms", "replayssm.engine.rotary"):  # their launchers take CPU
+                mod.INTERPRETER = True                                                    # tensors only so
     # The ops' dispatch sends CPU tensors to Triton only under the interpreter; the
     # kernels themselves were defined for compiling (checked at import, above).
     triton_common.INTERPRETER = True
@@ -251,6 +251,17 @@ def run_op(op: str, batch: int, sdt: torch.dtype, act: torch.dtype,
             norms.rms_norm_pair(torch.randn(4096, 256).to(act), torch.randn(256), 1e-6, pair[:, :256], h,
                                 torch.randn(256), 1e-6, pair[:, 256:], rows=torch.tensor([7]))
             labels.append("an embedding row and a hidden row normed in one launch, 256 wide")
+    elif op == "rotary":  # the attention layers' rotary at the embedded model's batch-1 shapes (4 + 2 heads of 64)
+        from replayssm.engine import rotary
+
+        qk, rope = torch.randn(1, 1, 6, 64).to(act), torch.randn(1, 1, 2, 16).to(act)
+        rotary.rotate_(qk, rope, backend="triton")
+        labels.append("rotary of 4 + 2 heads of 64, 16 channels")
+        if hasattr(rotary, "rotate_into_cache_"):  # (a tree before it, in a before-and-after run, has none)
+            cache = torch.empty(2, 4, 2, 256, 64, dtype=act)
+            rotary.rotate_into_cache_(qk, rope, torch.randn(1, 1, 2, 64).to(act), cache[0], cache[1],
+                                      torch.tensor([1]), torch.tensor([[7]]))
+            labels.append("rotary and the keys and values into the cache, one launch")
     return labels
 
 

@@ -118,3 +118,14 @@ def test_reports_the_norms_one_launch_each(tmp_path):
     counts = [int(re.search(r"(\d+) SASS", x).group(1)) for x in lines]
     assert all(" 0 bytes of stack" in x for x in lines), lines
     assert counts[2] > counts[0], counts
+
+
+def test_reports_the_rotary_with_and_without_the_cache_writes(tmp_path):
+    """``--ops rotary``: the rotary kernel compiles for sm_90 alone and with the keys'
+    and values' cache writes in its launch, neither spilling; the writes add
+    instructions."""
+    lines = [x for x in offline(tmp_path, "--ops", "rotary").splitlines() if "_rotate_kernel" in x]
+    assert len(lines) == 2, lines
+    counts = [int(re.search(r"(\d+) SASS", x).group(1)) for x in lines]
+    assert all(" 0 bytes of stack" in x for x in lines), lines
+    assert counts[1] > counts[0], counts

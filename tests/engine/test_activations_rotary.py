@@ -11,7 +11,7 @@ from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
 from replayssm.engine.activations import dense_silu_mlp, sigmoid_mul, silu_mul
 from replayssm.engine.random_model import build_tiny_model
-from replayssm.engine.rotary import rope_rows, rotate_
+from replayssm.engine.rotary import rope_rows, rotate_, rotate_into_cache_
 
 
 @pytest.mark.parametrize("shape", [(37, 96), (5, 3, 2049)])
@@ -149,3 +149,99 @@ def test_sigmoid_mul_wants_heads_of_contiguous_rows(rng):
         sigmoid_mul(o.reshape(8, 8), o.reshape(8, 8))
     with pytest.raises(ValueError, match="last axes"):
         sigmoid_mul(o.transpose(1, 2).contiguous().transpose(1, 2)[..., :2, :], o[..., :2, :])
+
+
+def _cache_case(rng, b=3, t=2, heads=4, kv_heads=2, d=32, r=8, slots=5, cap=12, t_rope=None):
+    """Queries and keys ``qk``, rotary rows, values as a strided view of a wider
+    projection, two caches of random contents, each row's slot and its tokens' positions."""
+    qk = torch.randn(b, t, heads + kv_heads, d, generator=rng)
+    rope = torch.randn(b, t if t_rope is None else t_rope, 2, r, generator=rng)
+    wide = torch.randn(b * t, 3 * kv_heads * d, generator=rng)
+    v = wide[:, kv_heads * d : 2 * kv_heads * d].view(b, t, kv_heads, d)
+    caches = torch.randn(2, slots, kv_heads, cap, d, generator=rng)
+    rows = torch.randperm(slots, generator=rng)[:b]
+    at = torch.stack([torch.randperm(cap, generator=rng)[:t] for _ in range(b)])
+    return qk, rope, v, caches, rows, at
+
+
+def _rotated_then_written(qk, rope, v, caches, rows, at):
+    """What :func:`rotate_into_cache_` must leave: rotate_, then the two indexed writes."""
+    qk, caches = qk.clone(), caches.clone()
+    rotate_(qk, rope, backend="triton")
+    heads = qk.shape[2] - caches.shape[2]
+    where = (rows[:, None].expand(*at.shape), slice(None), at)
+    caches[0][where] = qk[:, :, heads:]
+    caches[1][where] = v
+    return qk, caches
+
+
+@pytest.mark.parametrize("t_rope", [None, 1], ids=["rope_per_token", "rope_per_request"])
+@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
+def test_rotate_into_cache_is_the_rotary_then_the_writes(rng, t_rope, slot_dtype):
+    """One launch gives the bits of :func:`rotate_` followed by the attention step's two
+    indexed writes: the queries and keys rotated in place, each token's rotated keys
+    (the rotated channels and the ones the rotary leaves) and its values (read through a
+    strided view) at its slot and position, every other cache entry untouched."""
+    qk, rope, v, caches, rows, at = _cache_case(rng, t_rope=t_rope)
+    want_qk, want = _rotated_then_written(qk, rope, v, caches, rows, at)
+    assert not torch.equal(want, caches) and not torch.equal(want_qk, qk)  # the case writes and rotates
+    rotate_into_cache_(qk, rope, v, caches[0], caches[1], rows.to(slot_dtype), at)
+    assert torch.equal(qk, want_qk)
+    assert torch.equal(caches, want)
+
+
+def test_rotate_into_cache_drops_tokens_outside_the_cache(rng):
+    """A slot or position outside the cache (a sink row -1, a position at the capacity)
+    writes nothing, on the device, while the other tokens are written and every token
+    is still rotated."""
+    qk, rope, v, caches, rows, at = _cache_case(rng, b=3, t=2, cap=12)
+    rows[0] = -1
+    at[1, 1] = 12
+    want = caches.clone()
+    want_qk = qk.clone()
+    rotate_(want_qk, rope, backend="triton")
+    heads = qk.shape[2] - caches.shape[2]
+    for b, t in ((1, 0), (2, 0), (2, 1)):  # the tokens inside the cache
+        want[0, rows[b], :, at[b, t]] = want_qk[b, t, heads:]
+        want[1, rows[b], :, at[b, t]] = v[b, t]
+    rotate_into_cache_(qk, rope, v, caches[0], caches[1], rows, at)
+    assert torch.equal(qk, want_qk)
+    assert torch.equal(caches, want)
+
+
+def test_rotate_into_cache_refuses_what_it_cannot_write_and_touches_nothing(rng):
+    """Shapes, dtypes and index tensors that do not fit: a ValueError or TypeError
+    naming the argument, before the queries, keys or caches change."""
+    qk, rope, v, caches, rows, at = _cache_case(rng)
+    keep_qk, keep = qk.clone(), caches.clone()
+    bad = [
+        (dict(v=v[:, :, :1]), ValueError, "v must be"),
+        (dict(v=v.double()), TypeError, "v and the caches must be"),
+        (dict(k_cache=caches[0][:, :, :, :16]), ValueError, "k_cache and v_cache must be alike"),
+        (dict(k_cache=caches[0].transpose(1, 2).contiguous().transpose(1, 2)), ValueError,
+         "k_cache and v_cache must be alike"),
+        (dict(at=at.int()), ValueError, "at an int64"),
+        (dict(slots=rows[:2]), ValueError, "slots must be"),
+        (dict(rope=rope[..., :7]), ValueError, "R even"),
+    ]
+    for change, error, message in bad:
+        args = dict(qk=qk, rope=rope, v=v, k_cache=caches[0], v_cache=caches[1], slots=rows, at=at)
+        args.update(change)
+        with pytest.raises(error, match=message):
+            rotate_into_cache_(**args)
+        assert torch.equal(qk, keep_qk) and torch.equal(caches, keep)
+
+
+@pytest.mark.gpu
+def test_rotate_into_cache_on_cuda_in_bf16_is_the_rotary_then_the_writes():
+    """The compiled kernel in bf16 at the embedded model's shapes (4 + 2 heads of 64, 16
+    rotated channels), one token and a window of 4: the bits of the rotary followed by
+    the indexed writes."""
+    g = torch.Generator().manual_seed(3)
+    for t in (1, 4):
+        qk, rope, v, caches, rows, at = _cache_case(g, b=2, t=t, d=64, r=16, cap=32)
+        qk, rope, v, caches = (x.to("cuda", torch.bfloat16) for x in (qk, rope, v, caches))
+        rows, at = rows.cuda(), at.cuda()
+        want_qk, want = _rotated_then_written(qk, rope, v, caches, rows, at)
+        rotate_into_cache_(qk, rope, v, caches[0], caches[1], rows, at)
+        assert torch.equal(qk, want_qk) and torch.equal(caches, want)

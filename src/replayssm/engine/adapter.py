@@ -37,7 +37,7 @@ from .kv_cache import KVCache, PromptLayout, WindowLayout, cached_attention
 from .activations import dense_silu_mlp, sigmoid_mul, silu_mul
 from .fused_linear import fuse_linears, fused_weight
 from .norms import add_rms_norm, norm_eps, norm_kind, rms_norm, rms_norm_pair
-from .rotary import rope_at, rope_rows, rotate_
+from .rotary import rope_at, rope_rows, rotate_, rotate_into_cache_
 
 log = logging.getLogger("replayssm.engine")
 
@@ -230,7 +230,8 @@ def _attention_inputs(attn, x, cos, sin, norm=None):
     return q[0], k[0], v, gate
 
 
-def rotated_qk(attn, q: torch.Tensor, k: torch.Tensor, rope: torch.Tensor, norm, *, fused: bool = False) -> torch.Tensor:
+def rotated_qk(attn, q: torch.Tensor, k: torch.Tensor, rope: torch.Tensor, norm, *, fused: bool = False,
+               cache: tuple | None = None) -> torch.Tensor:
     """A full-attention module's normed and rotated queries and keys, in one buffer.
 
     Args:
@@ -244,6 +245,12 @@ def rotated_qk(attn, q: torch.Tensor, k: torch.Tensor, rope: torch.Tensor, norm,
             the bits of ``norm``'s two), and the rotation in one
             (:func:`~replayssm.engine.rotary.rotate_`'s Triton form); else ``norm`` twice
             and torch's ops.
+        cache: ``None``, or ``(k_cache, v_cache, slots, at, v)``: also write the rotated
+            keys and the values ``v [B, T, kv_heads, D]`` into one layer's cache
+            ``[slots, kv_heads, L, D]``, token ``(b, t)`` at slot ``slots[b]`` and
+            position ``at[b, t]``; with ``fused`` in the rotation's launch
+            (:func:`~replayssm.engine.rotary.rotate_into_cache_`) where the dtypes
+            allow it, else two indexed writes after it (the same bits).
 
     Returns:
         ``qk [B, T, heads + kv_heads, D]``: queries, then keys (the norms write there and
@@ -260,7 +267,17 @@ def rotated_qk(attn, q: torch.Tensor, k: torch.Tensor, rope: torch.Tensor, norm,
     else:
         norm(attn.q_norm, q, out=q_out)
         norm(attn.k_norm, k, out=k_out)
+    if cache is None:
+        rotate_(qk, rope, backend="triton" if fused else "torch")
+        return qk
+    k_cache, v_cache, slots, at, v = cache
+    if fused and at.dtype == torch.int64 and v.dtype == k_cache.dtype == v_cache.dtype == qk.dtype:
+        rotate_into_cache_(qk, rope, v, k_cache, v_cache, slots, at)
+        return qk
     rotate_(qk, rope, backend="triton" if fused else "torch")
+    where = (slots[:, None].expand(b, n // b), slice(None), at)
+    k_cache[where] = qk[:, :, heads:].to(k_cache.dtype)
+    v_cache[where] = v.to(v_cache.dtype)  # a strided view of the projections
     return qk
 
 
@@ -299,12 +316,10 @@ def static_attention_forward(attn, x: torch.Tensor, rope: torch.Tensor, cache: K
     """
     b, t = positions.shape
     q, gate, k, v = attention_projections(attn, x)
-    qk = rotated_qk(attn, q, k, rope, norm, fused=fused)
     heads, d = gate.shape[1], attn.head_dim
     at = positions if tree is None else tree[0][:, None] + tree[1][None]
-    where = (slot_idx[:, None].expand(b, t), slice(None), at)
-    cache.k[layer][where] = qk[:, :, heads:].to(cache.k.dtype)
-    cache.v[layer][where] = v.view(b, t, -1, d).to(cache.v.dtype)  # a strided view of the projections
+    qk = rotated_qk(attn, q, k, rope, norm, fused=fused,
+                    cache=(cache.k[layer], cache.v[layer], slot_idx, at, v.view(b, t, -1, d)))
     if tree is None:
         o = slot_attention(qk[:, :, :heads], cache.k[layer], cache.v[layer], slot_idx, positions[:, 0],
                            attn.scaling, backend=backend)

@@ -562,14 +562,10 @@ class DeviceMTPDrafter(DeviceDrafter):
         (:func:`~replayssm.engine.adapter.rotated_qk`), each residual add runs in its
         norm's kernel."""
         eng, attn = self.engine, self.head.layers[0].self_attn
-        b, t = tokens.shape
-        x, qk, gate, v = self._attention_inputs(tokens, hidden, rope)
-        heads, d = gate.shape[1], attn.head_dim
         cache = self.cache
         at = positions if tree is None else tree[0][:, None] + tree[1][None]
-        where = (slot_idx[:, None].expand(b, t), slice(None), at)
-        cache.k[0][where] = qk[:, :, heads:].to(cache.k.dtype)
-        cache.v[0][where] = v.view(b, t, -1, d).to(cache.v.dtype)
+        x, qk, gate, v = self._attention_inputs(tokens, hidden, rope, cache=(cache.k[0], cache.v[0], slot_idx, at))
+        heads = gate.shape[1]
         if tree is None:
             o = slot_attention(qk[:, :, :heads], cache.k[0], cache.v[0], slot_idx, positions[:, 0], attn.scaling,
                                backend=eng.backend)
@@ -578,13 +574,16 @@ class DeviceMTPDrafter(DeviceDrafter):
                                backend=eng.backend)
         return self._layer_out(x, o, gate)
 
-    def _attention_inputs(self, tokens: torch.Tensor, hidden: torch.Tensor, rope: torch.Tensor):
+    def _attention_inputs(self, tokens: torch.Tensor, hidden: torch.Tensor, rope: torch.Tensor,
+                          cache: tuple | None = None):
         """The head layer up to its attention, for ``tokens [B, T]``, ``hidden [B * T,
         H]``, rotary rows ``rope [B, T or 1, 2, R]``: ``(x, qk, gate, v)``, the layer's
         input ``x [B * T, H]`` (``fc`` of the two normed halves of each pair), queries
         and keys normed and rotated ``qk [B, T, heads + kv_heads, D]``
         (:func:`~replayssm.engine.adapter.rotated_qk`), the output gate ``[B * T,
-        heads, D]`` and values ``[B * T, kv_heads, D]``."""
+        heads, D]`` and values ``[B * T, kv_heads, D]``. ``cache``: ``(k_cache, v_cache,
+        slots, at)``, where the keys and values are also written (``rotated_qk``'s
+        ``cache``)."""
         from .adapter import attention_projections, rotated_qk
 
         eng, head = self.engine, self.head
@@ -604,7 +603,10 @@ class DeviceMTPDrafter(DeviceDrafter):
         x = head.fc(pair)
         xn = eng.static_norm(layer.input_layernorm, x)
         q, gate, k, v = attention_projections(attn, xn)
-        return x, rotated_qk(attn, q, k, rope, eng.static_norm, fused=eng.fused_norms), gate, v
+        if cache is not None:
+            b, t = tokens.shape
+            cache = (*cache, v.view(b, t, -1, attn.head_dim))
+        return x, rotated_qk(attn, q, k, rope, eng.static_norm, fused=eng.fused_norms, cache=cache), gate, v
 
     def _layer_out(self, x: torch.Tensor, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """The head layer after its attention: output gate and projection, residual, MLP,
