@@ -28,6 +28,7 @@ device decides (BENCHMARKS.md records where they disagreed).
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import re
 import subprocess
@@ -43,7 +44,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-OPS = ("recurrence", "fold", "ring_decode", "closed_form", "tree_recurrence", "conv_prefill", "norms", "rotary")
+OPS = ("recurrence", "fold", "ring_decode", "closed_form", "tree_recurrence", "conv_prefill", "norms", "rotary", "attention")
 H, HV, K, V, T, L = 16, 32, 128, 128, 4, 16
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
@@ -83,7 +84,7 @@ def install() -> None:
     """Route every launch to the compiler, and let the ops take CPU tensors."""
     driver.set_active(_Sm90Driver())
     JITFunction.run = _compile_only
-    from replayssm.engine import norms, rotary  # noqa: F401  (defined for compiling before the flag below)
+    from replayssm.engine import attention, norms, rotary  # noqa: F401  (defined for compiling before the flag)
     from replayssm.ops import triton_common
 
     def full_height(vd, rows, device, most, least=1):
@@ -103,8 +104,8 @@ def install() -> None:
                 mod.register_cap = cap
             if hasattr(mod, "dependent_launch"):  # read off the device on CUDA
                 mod.dependent_launch = sm90_dependent_launch
-            if mod.__name__ in ("replayssm.engine.norms", "replayssm.engine.rotary"):  # their launchers take CPU
-                mod.INTERPRETER = True                                                    # tensors only so
+            if mod.__name__ in ("replayssm.engine.norms", "replayssm.engine.rotary", "replayssm.engine.attention"):
+                mod.INTERPRETER = True  # their launchers take CPU tensors only so
     # The ops' dispatch sends CPU tensors to Triton only under the interpreter; the
     # kernels themselves were defined for compiling (checked at import, above).
     triton_common.INTERPRETER = True
@@ -262,6 +263,17 @@ def run_op(op: str, batch: int, sdt: torch.dtype, act: torch.dtype,
             rotary.rotate_into_cache_(qk, rope, torch.randn(1, 1, 2, 64).to(act), cache[0], cache[1],
                                       torch.tensor([1]), torch.tensor([[7]]))
             labels.append("rotary and the keys and values into the cache, one launch")
+    elif op == "attention":  # the window attention at the embedded model's shapes (4 query heads, 2 key heads of 64)
+        from replayssm.engine import attention
+
+        q, cache = torch.randn(1, 4, 4, 64).to(act), torch.randn(2, 4, 2, 256, 64).to(act)
+        rows, starts = torch.tensor([1]), torch.tensor([9])
+        attention.slot_attention(q, cache[0], cache[1], rows, starts, 0.125, backend="triton")
+        labels.append("window attention, 4 tokens")
+        if "gate" in inspect.signature(attention.slot_attention).parameters:  # (not in a tree before it)
+            gate = torch.randn(4, 8, 64).to(act)[:, ::2]
+            attention.slot_attention(q, cache[0], cache[1], rows, starts, 0.125, backend="triton", gate=gate)
+            labels.append("window attention with its output gate, 4 tokens")
     return labels
 
 

@@ -129,3 +129,15 @@ def test_reports_the_rotary_with_and_without_the_cache_writes(tmp_path):
     counts = [int(re.search(r"(\d+) SASS", x).group(1)) for x in lines]
     assert all(" 0 bytes of stack" in x for x in lines), lines
     assert counts[1] > counts[0], counts
+
+
+def test_reports_the_attention_with_and_without_its_gate(tmp_path):
+    """``--ops attention``: the window attention compiles for sm_90 alone and with the
+    output gate in its epilogue, the same registers (the epilogue runs after the key
+    pass) and more instructions, no spills."""
+    lines = [x for x in offline(tmp_path, "--ops", "attention").splitlines() if "_slot_attention_kernel" in x]
+    assert len(lines) == 2, lines
+    regs = [int(re.search(r"(\d+) registers", x).group(1)) for x in lines]
+    counts = [int(re.search(r"(\d+) SASS", x).group(1)) for x in lines]
+    assert all(" 0 bytes of stack" in x for x in lines), lines
+    assert counts[1] > counts[0] and regs[1] <= 255, (regs, counts)

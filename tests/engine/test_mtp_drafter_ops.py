@@ -218,26 +218,27 @@ def test_join_drafts_in_a_graph_are_the_eager_ones(mode, rng):
 
 # Kernel ceilings of the GPU path (fused norms, Triton attention; here under the
 # interpreter), counted by replayssm.testing.op_count.
-OBSERVE_OPS = 20
-DEPTH_OPS = 16
+OBSERVE_OPS = 19
+DEPTH_OPS = 15
 FIRST_DRAFT_OPS = 3
 
 
 def test_kernels_per_draft_depth(model, rng):
     """Kernels of the drafter's work per step on the fused (GPU) path: ``observe`` (the
-    head over the ``T`` emitted pairs) at most 20, the first draft (LM head, argmax,
-    the drafts' stack) 3, each further draft depth at most 16.
+    head over the ``T`` emitted pairs) at most 19, the first draft (LM head, argmax,
+    the drafts' stack) 3, each further draft depth at most 15.
 
     A depth is one head pass plus its LM head and argmax: the embedding and the two
     norms that write ``fc``'s input halves (one kernel), the input norm, the query and
     key norms (one kernel), two norms that take the residual adds in, 6 matmuls
     (``fc``, q|gate, k and v as one, o, gate and up as one, down, LM head), the rotary
     of queries and keys together with the cache writes of keys and values (one
-    kernel), the attention, the output gate (one kernel), SiLU with its product (one
-    kernel), the argmax. The positions and rotary rows of all depths are gathered once
-    per proposal (2 kernels), so a chain of ``k`` drafts costs ``3 + 2 + 16 (k - 1)``
-    (before the cut pass: ``3 + 53 (k - 1)``, and 54 for ``observe``; 18 a depth and 22
-    before the cache writes joined the rotary, 21 and 25 before the embedding and the
+    kernel), the attention with its output gate (one kernel), SiLU with its product
+    (one kernel), the argmax. The positions and rotary rows of all depths are gathered
+    once per proposal (2 kernels), so a chain of ``k`` drafts costs ``3 + 2 + 15 (k -
+    1)`` (before the cut pass: ``3 + 53 (k - 1)``, and 54 for ``observe``; 16 a depth
+    and 20 before the output gate joined the attention, 18 and 22 before the cache
+    writes joined the rotary, 21 and 25 before the embedding and the
     paired norms, 25 and 29
     before the rotary and the output gate became one kernel each, 29 and 33 before SiLU
     and its product did, 28 and 32 before gate and up became one matmul, 27 and 31
@@ -267,15 +268,15 @@ def test_kernels_per_draft_depth(model, rng):
 
 #: Kernel ceilings of a whole captured step on the embedded model at batch 1 (the GPU
 #: path under the interpreter): a plain step, and fold's with 3 MTP drafts.
-PLAIN_STEP_OPS = 98
-MTP_STEP_OPS = 161
+PLAIN_STEP_OPS = 96
+MTP_STEP_OPS = 156
 
 
 def test_kernels_per_step(model):
     """A static step's kernels at batch 1 on the fused (GPU) path: plain decoding at most
-    98, fold verifying 3 MTP drafts at most 161 (8 layers, 2 of them full attention;
-    the MTP head's observe pass and 2 further depths). 102 and 171 before the cache
-    writes joined the rotary, 104 and 182 before the query and key norms and the head's
+    96, fold verifying 3 MTP drafts at most 156 (8 layers, 2 of them full attention;
+    the MTP head's observe pass and 2 further depths). 98 and 161 before the output
+    gate joined the attention, 102 and 171 before the cache writes joined the rotary, 104 and 182 before the query and key norms and the head's
     input norms became one kernel each; 136 and 229 before the attention
     layers' rotary and output gate became a kernel each, the rotary rows a gather from a
     table (115 and 196) and the step's outputs after acceptance one kernel: a count past

@@ -320,13 +320,17 @@ def static_attention_forward(attn, x: torch.Tensor, rope: torch.Tensor, cache: K
     at = positions if tree is None else tree[0][:, None] + tree[1][None]
     qk = rotated_qk(attn, q, k, rope, norm, fused=fused,
                     cache=(cache.k[layer], cache.v[layer], slot_idx, at, v.view(b, t, -1, d)))
+    # Fused, the output gate is the attention kernel's epilogue (the bits of sigmoid_mul after it).
+    inside = gate if fused else None
     if tree is None:
         o = slot_attention(qk[:, :, :heads], cache.k[layer], cache.v[layer], slot_idx, positions[:, 0],
-                           attn.scaling, backend=backend)
+                           attn.scaling, backend=backend, gate=inside)
     else:
         o = tree_attention(qk[:, :, :heads], cache.k[layer], cache.v[layer], slot_idx, tree[0], tree[2],
-                           attn.scaling, backend=backend)
-    return attn.o_proj(gated_output(o.reshape(b * t, heads, d), gate, fused=fused))
+                           attn.scaling, backend=backend, gate=inside)
+    if fused:
+        return attn.o_proj(o.view(b * t, heads * d))
+    return attn.o_proj(gated_output(o.reshape(b * t, heads, d), gate))
 
 
 def prompt_attention_forward(attn, x: torch.Tensor, rope: torch.Tensor, cache: KVCache, layer: int,

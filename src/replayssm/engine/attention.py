@@ -38,8 +38,10 @@ from ..ops.triton_common import INTERPRETER, triton
 if triton is not None:
     import triton.language as tl
 
+    from ..ops.triton_common import expf, to_rtne
 
-def _check(q, k_cache, v_cache, slot_idx, starts):
+
+def _check(q, k_cache, v_cache, slot_idx, starts, gate=None):
     if q.dim() != 4:
         raise ValueError(f"q must be [B, T, heads, D], got shape {list(q.shape)}")
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
@@ -51,6 +53,11 @@ def _check(q, k_cache, v_cache, slot_idx, starts):
     for name, x in (("slot_idx", slot_idx), ("starts", starts)):
         if x.shape != (b,) or x.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"{name} must be an int tensor [{b}], got {x.dtype} {list(x.shape)}")
+    if gate is not None:
+        want = (b * q.shape[1], heads, d)
+        if gate.shape != want or gate.dtype != q.dtype or gate.device != q.device or gate.stride(-1) != 1:
+            raise ValueError(f"gate must be a {q.dtype} tensor {list(want)} on {q.device}, contiguous along its last "
+                             f"axis, got {gate.dtype} {list(gate.shape)} strides {list(gate.stride())} on {gate.device}")
 
 
 def _visible_mask(starts: torch.Tensor, visible: torch.Tensor, capacity: int) -> torch.Tensor:
@@ -84,7 +91,8 @@ def slot_attention_reference(q, k_cache, v_cache, slot_idx, starts, scale: float
 
 
 def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_idx: torch.Tensor,
-                   starts: torch.Tensor, scale: float, *, backend: str = "auto") -> torch.Tensor:
+                   starts: torch.Tensor, scale: float, *, backend: str = "auto",
+                   gate: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of ``T`` query tokens per row over each row's cache slot.
 
     Args:
@@ -96,18 +104,28 @@ def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         starts: ``[B]`` committed length of each row (position of its first query).
         scale: softmax scale.
         backend: ``"reference"``, ``"triton"`` or ``"auto"`` (Triton on CUDA).
+        gate: ``None``, or the output gate ``[B * T, heads, D]`` (``q``'s dtype, last
+            axis contiguous; a strided view of the query projection): the outputs times
+            ``sigmoid(gate)``, the bits of
+            :func:`~replayssm.engine.activations.sigmoid_mul` after the attention, in
+            the attention's launch on the Triton backend.
 
     Returns:
         ``[B, T, heads, D]`` in the dtype of ``q``.
     """
-    _check(q, k_cache, v_cache, slot_idx, starts)
+    _check(q, k_cache, v_cache, slot_idx, starts, gate)
     if resolve(backend, q.device) == "reference":
-        return slot_attention_reference(q, k_cache, v_cache, slot_idx, starts, scale)
+        return _gated(slot_attention_reference(q, k_cache, v_cache, slot_idx, starts, scale), gate)
     if triton is None:
         raise RuntimeError("backend='triton' for slot attention needs the triton package")
     if q.device.type != "cuda" and not INTERPRETER:
         raise ValueError("backend='triton' on CPU tensors needs TRITON_INTERPRET=1 before importing replayssm")
-    return _slot_attention_triton(q, k_cache, v_cache, slot_idx, starts, scale)
+    return _slot_attention_triton(q, k_cache, v_cache, slot_idx, starts, scale, gate=gate)
+
+
+def _gated(o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+    """``o [B, T, heads, D]`` times ``sigmoid(gate [B * T, heads, D])`` (torch's two ops), or ``o``."""
+    return o if gate is None else (o.reshape(gate.shape) * torch.sigmoid(gate)).view(o.shape)
 
 
 def tree_attention_reference(q, k_cache, v_cache, slot_idx, starts, visible, scale: float) -> torch.Tensor:
@@ -116,7 +134,8 @@ def tree_attention_reference(q, k_cache, v_cache, slot_idx, starts, visible, sca
 
 
 def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_idx: torch.Tensor,
-                   starts: torch.Tensor, visible: torch.Tensor, scale: float, *, backend: str = "auto") -> torch.Tensor:
+                   starts: torch.Tensor, visible: torch.Tensor, scale: float, *, backend: str = "auto",
+                   gate: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of ``M`` query nodes per row over the prefix and the ancestors in a tree window.
 
     Args:
@@ -128,24 +147,25 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
             itself: a row of :attr:`StaticTree.ancestors`), ``W <= 64``; shared by the rows.
         scale: softmax scale.
         backend: ``"reference"``, ``"triton"`` or ``"auto"`` (Triton on CUDA).
+        gate: as :func:`slot_attention`'s (``[B * M, heads, D]``).
 
     Returns:
         ``[B, M, heads, D]`` in the dtype of ``q``. No host read: graph-safe.
     """
-    _check(q, k_cache, v_cache, slot_idx, starts)
+    _check(q, k_cache, v_cache, slot_idx, starts, gate)
     m = q.shape[1]
     if visible.dim() != 2 or visible.dtype != torch.bool or visible.shape[0] != m or not 1 <= visible.shape[1] <= 64:
         raise ValueError(f"visible must be a bool [{m}, W] mask with 1 <= W <= 64, got {visible.dtype} "
                          f"{list(visible.shape)}")
     if resolve(backend, q.device) == "reference":
-        return tree_attention_reference(q, k_cache, v_cache, slot_idx, starts, visible, scale)
+        return _gated(tree_attention_reference(q, k_cache, v_cache, slot_idx, starts, visible, scale), gate)
     if triton is None:
         raise RuntimeError("backend='triton' for tree attention needs the triton package")
     if q.device.type != "cuda" and not INTERPRETER:
         raise ValueError("backend='triton' on CPU tensors needs TRITON_INTERPRET=1 before importing replayssm")
     w = visible.shape[1]
     bits = (visible.long() << torch.arange(w, device=visible.device)).sum(1)  # [M] int64: bit j = entry j
-    return _slot_attention_triton(q, k_cache, v_cache, slot_idx, starts, scale, tree_bits=bits, window=w)
+    return _slot_attention_triton(q, k_cache, v_cache, slot_idx, starts, scale, tree_bits=bits, window=w, gate=gate)
 
 
 #: Software-pipeline stages of the Triton kernel's pass over a slot's keys: the next
@@ -178,7 +198,7 @@ def kv_stages(device: torch.device, block_m: int, block_n: int, d: int, itemsize
     return max(1, min(KV_STAGES, (room - fixed) // per_stage))
 
 
-def _slot_attention_triton(q, k_cache, v_cache, slot_idx, starts, scale, tree_bits=None, window=0):
+def _slot_attention_triton(q, k_cache, v_cache, slot_idx, starts, scale, tree_bits=None, window=0, gate=None):
     b, t, heads, d = q.shape
     kv_heads = k_cache.shape[1]
     groups = heads // kv_heads
@@ -191,11 +211,13 @@ def _slot_attention_triton(q, k_cache, v_cache, slot_idx, starts, scale, tree_bi
     block_m = max(16, triton.next_power_of_2(groups * t))
     block_n = 64 if d <= 128 else 32
     tree = tree_bits is not None
+    gated = gate is not None
     _slot_attention_kernel[(b, kv_heads)](
         q, k_cache, v_cache, slot_idx, starts, out, tree_bits if tree else starts, scale,
         q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        T=t, G=groups, D=d, BLOCK_M=block_m, BLOCK_N=block_n, TREE=tree, W=window if tree else t,
+        gate if gated else out, gate.stride(0) if gated else 0, gate.stride(1) if gated else 0,
+        T=t, G=groups, D=d, BLOCK_M=block_m, BLOCK_N=block_n, TREE=tree, W=window if tree else t, GATE=gated,
         STAGES=kv_stages(q.device, block_m, block_n, d, max(q.element_size(), k_cache.element_size())),
         # fp32 models get fp32 products (tl.dot would round fp32 operands to tf32 on
         # CUDA); 16-bit operands are exact in either.
@@ -211,8 +233,10 @@ if triton is not None:
     def _slot_attention_kernel(
         q_ptr, k_ptr, v_ptr, slot_ptr, start_ptr, o_ptr, bits_ptr, scale,
         stride_qb, stride_qt, stride_qh, stride_ob, stride_ot, stride_oh, stride_ks, stride_kh, stride_kl,
+        g_ptr, stride_gn, stride_gh,
         T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         TREE: tl.constexpr, W: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr = 1,
+        GATE: tl.constexpr = False,
     ):
         i_b = tl.program_id(0)
         i_kh = tl.program_id(1)
@@ -255,5 +279,14 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         acc = acc / l_i[:, None]
+        o = acc.to(o_ptr.dtype.element_ty)
+        if GATE:
+            # The output gate as activations.sigmoid_mul computes it on the rounded
+            # outputs: torch's sigmoid (expf, an IEEE division) rounded to the dtype,
+            # then the product rounded.
+            g_off = (i_b * T + tok).to(tl.int64) * stride_gn + head * stride_gh
+            gv = tl.load(g_ptr + g_off[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+            sg = to_rtne(tl.div_rn(1.0, 1.0 + expf(-gv.to(tl.float32))), gv.dtype).to(tl.float32)
+            o = to_rtne(o.to(tl.float32) * sg, o_ptr.dtype.element_ty)
         o_off = i_b * stride_ob + tok * stride_ot + head * stride_oh
-        tl.store(o_ptr + o_off[:, None] + offs_d[None, :], acc.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(o_ptr + o_off[:, None] + offs_d[None, :], o, mask=row_ok[:, None])

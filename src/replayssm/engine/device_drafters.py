@@ -566,13 +566,14 @@ class DeviceMTPDrafter(DeviceDrafter):
         at = positions if tree is None else tree[0][:, None] + tree[1][None]
         x, qk, gate, v = self._attention_inputs(tokens, hidden, rope, cache=(cache.k[0], cache.v[0], slot_idx, at))
         heads = gate.shape[1]
+        inside = gate if eng.fused_norms else None  # the output gate in the attention's launch
         if tree is None:
             o = slot_attention(qk[:, :, :heads], cache.k[0], cache.v[0], slot_idx, positions[:, 0], attn.scaling,
-                               backend=eng.backend)
+                               backend=eng.backend, gate=inside)
         else:
             o = tree_attention(qk[:, :, :heads], cache.k[0], cache.v[0], slot_idx, tree[0], tree[2], attn.scaling,
-                               backend=eng.backend)
-        return self._layer_out(x, o, gate)
+                               backend=eng.backend, gate=inside)
+        return self._layer_out(x, o, None if inside is not None else gate)
 
     def _attention_inputs(self, tokens: torch.Tensor, hidden: torch.Tensor, rope: torch.Tensor,
                           cache: tuple | None = None):
@@ -608,15 +609,17 @@ class DeviceMTPDrafter(DeviceDrafter):
             cache = (*cache, v.view(b, t, -1, attn.head_dim))
         return x, rotated_qk(attn, q, k, rope, eng.static_norm, fused=eng.fused_norms, cache=cache), gate, v
 
-    def _layer_out(self, x: torch.Tensor, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    def _layer_out(self, x: torch.Tensor, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         """The head layer after its attention: output gate and projection, residual, MLP,
         final norm, for ``x [N, H]`` (the layer's input), ``o`` the attention outputs (``N
-        x heads x D`` elements) and ``gate [N, heads, D]``."""
+        x heads x D`` elements) and ``gate [N, heads, D]`` (``None``: ``o`` is gated
+        already, by the attention kernel)."""
         from .adapter import gated_output
 
         eng, layer = self.engine, self.head.layers[0]
         attn = layer.self_attn
-        o = attn.o_proj(gated_output(o.reshape(gate.shape), gate, fused=eng.fused_norms))
+        gated = o.reshape(o.shape[0] * o.shape[1], -1) if gate is None else gated_output(o.reshape(gate.shape), gate)
+        o = attn.o_proj(gated)
         x, y = eng.static_add_norm(layer.post_attention_layernorm, x, o)
         return eng.static_add_norm(self.head.norm, x, eng.static_mlp(layer.mlp, y))[1]
 
