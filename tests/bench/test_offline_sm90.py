@@ -108,15 +108,22 @@ def test_window_sets_the_verify_ops_window_and_ring(tmp_path):
     assert bad.returncode == 2 and "--window: must be in 1..16" in bad.stderr, bad.stderr[-2000:]
 
 
+def _launches(tmp_path, op: str, kernel: str, n: int) -> tuple[list[int], list[int]]:
+    """``--ops op``'s ``n`` launches of ``kernel``, none spilling: their registers and
+    SASS instruction counts, in launch order."""
+    lines = [x for x in offline(tmp_path, "--ops", op).splitlines() if kernel in x]
+    assert len(lines) == n, lines
+    assert all(" 0 bytes of stack" in x for x in lines), lines
+    return ([int(re.search(r"(\d+) registers", x).group(1)) for x in lines],
+            [int(re.search(r"(\d+) SASS", x).group(1)) for x in lines])
+
+
 def test_reports_the_norms_one_launch_each(tmp_path):
     """``--ops norms``: the engine's norm kernel compiles for sm_90 in each of its forms
     (one norm, a residual add with its norm, two norms in one launch, an embedding row
     looked up inside the pair): four launches, none spilling; the pair holds two copies
     of the block code, so it has more instructions than one norm."""
-    lines = [x for x in offline(tmp_path, "--ops", "norms").splitlines() if "_rms_norm_kernel" in x]
-    assert len(lines) == 4, lines
-    counts = [int(re.search(r"(\d+) SASS", x).group(1)) for x in lines]
-    assert all(" 0 bytes of stack" in x for x in lines), lines
+    _, counts = _launches(tmp_path, "norms", "_rms_norm_kernel", 4)
     assert counts[2] > counts[0], counts
 
 
@@ -124,10 +131,7 @@ def test_reports_the_rotary_with_and_without_the_cache_writes(tmp_path):
     """``--ops rotary``: the rotary kernel compiles for sm_90 alone and with the keys'
     and values' cache writes in its launch, neither spilling; the writes add
     instructions."""
-    lines = [x for x in offline(tmp_path, "--ops", "rotary").splitlines() if "_rotate_kernel" in x]
-    assert len(lines) == 2, lines
-    counts = [int(re.search(r"(\d+) SASS", x).group(1)) for x in lines]
-    assert all(" 0 bytes of stack" in x for x in lines), lines
+    _, counts = _launches(tmp_path, "rotary", "_rotate_kernel", 2)
     assert counts[1] > counts[0], counts
 
 
@@ -135,9 +139,5 @@ def test_reports_the_attention_with_and_without_its_gate(tmp_path):
     """``--ops attention``: the window attention compiles for sm_90 alone and with the
     output gate in its epilogue, the same registers (the epilogue runs after the key
     pass) and more instructions, no spills."""
-    lines = [x for x in offline(tmp_path, "--ops", "attention").splitlines() if "_slot_attention_kernel" in x]
-    assert len(lines) == 2, lines
-    regs = [int(re.search(r"(\d+) registers", x).group(1)) for x in lines]
-    counts = [int(re.search(r"(\d+) SASS", x).group(1)) for x in lines]
-    assert all(" 0 bytes of stack" in x for x in lines), lines
+    regs, counts = _launches(tmp_path, "attention", "_slot_attention_kernel", 2)
     assert counts[1] > counts[0] and regs[1] <= 255, (regs, counts)
