@@ -2,7 +2,8 @@
 # Everything the GPU machine must confirm, in stages, each with its own time limit:
 #
 #   scripts/gpu_run.sh tests bench        # kernel GPU tests, then the kernel benchmark
-#   scripts/gpu_run.sh tests-engine       # engine and tool GPU tests
+#   scripts/gpu_run.sh tests-engine       # engine and tool GPU tests (the engine's kernels' GPU twins in
+#                                         # tests/engine included)
 #   scripts/gpu_run.sh drift e2e          # the 32768-token drift run (DRIFT_ARGS, default --inputs random:
 #                                         # the synthetic inputs BENCHMARKS.md cites), end-to-end tok/s
 #   scripts/gpu_run.sh profile            # each op of a step timed alone (PROFILE_ARGS="--variants ...")
@@ -69,7 +70,7 @@ for what in "$@"; do
                    tests/gpu/test_kernels_gpu.py tests/gpu/test_chunked_gpu.py tests/gpu/test_graph_step.py
                require_passed "gpu_tests_kernels_$TAG" ;;
         tests-engine) stage "gpu_tests_engine_$TAG" "${TESTS_LIMIT:-300}" "$PYTHON" -m pytest -m gpu -p no:cacheprovider -v --tb=short -rfE \
-                   tests/gpu/test_engine_gpu.py tests/gpu/test_graphed_engine.py tests/bench
+                   tests/gpu/test_engine_gpu.py tests/gpu/test_graphed_engine.py tests/engine tests/bench
                require_passed "gpu_tests_engine_$TAG" ;;
         bench) stage "kernels_$TAG" "${BENCH_LIMIT:-300}" env OUT_JSON="$RESULTS/kernels_$TAG.json" PYTHON="$PYTHON" RING_SWEEP=0 scripts/gpu_bench.sh ;;
         profile) stage "profile_ops_$TAG" "${PROFILE_LIMIT:-300}" "$PYTHON" scripts/gpu_profile_ops.py --batches 1,16,64,256 \
