@@ -181,11 +181,16 @@ def test_rotate_into_cache_is_the_rotary_then_the_writes(rng, t_rope, slot_dtype
     """One launch gives the bits of :func:`rotate_` followed by the attention step's two
     indexed writes: the queries and keys rotated in place, each token's rotated keys
     (the rotated channels and the ones the rotary leaves) and its values (read through a
-    strided view) at its slot and position, every other cache entry untouched."""
+    strided view) at its slot and position (read through strided views too), every
+    other cache entry untouched."""
     qk, rope, v, caches, rows, at = _cache_case(rng, t_rope=t_rope)
     want_qk, want = _rotated_then_written(qk, rope, v, caches, rows, at)
     assert not torch.equal(want, caches) and not torch.equal(want_qk, qk)  # the case writes and rotates
-    rotate_into_cache_(qk, rope, v, caches[0], caches[1], rows.to(slot_dtype), at)
+    # slots and positions as strided views (columns of wider index buffers), as a step's may be
+    rows = torch.stack([rows, -rows], 1).to(slot_dtype)[:, 0]
+    at = torch.stack([at, -at], 2)[..., 0]
+    assert rows.stride(0) == 2 and at.stride(1) == 2
+    rotate_into_cache_(qk, rope, v, caches[0], caches[1], rows, at)
     assert torch.equal(qk, want_qk)
     assert torch.equal(caches, want)
 

@@ -147,7 +147,8 @@ def test_norm_pair_refuses_mismatched_norms_and_touches_nothing(rng, backend):
         (dict(x2=x2.double()), "x2 must be torch.float32"),
         (dict(out=torch.empty(4, d)), "out must be a torch.float32 tensor of shape \\[5, 16\\]"),
         (dict(out2=out2.double()), "out2 must be a torch.float32 tensor"),
-        (dict(rows=torch.tensor([0, 1], dtype=torch.int32)), "rows must be an int64"),
+        (dict(rows=torch.tensor([0, 1], dtype=torch.int32)), "rows must be a contiguous int64"),
+        (dict(out=torch.empty(2, d), rows=torch.tensor([0, 0, 1, 1])[::2]), "rows must be a contiguous int64"),
         (dict(x=torch.randn(2, 5, d), out=torch.empty(2, d), rows=torch.tensor([0, 1])), "with rows, x must be"),
     ]
     for change, message in cases:

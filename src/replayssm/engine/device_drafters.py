@@ -593,7 +593,7 @@ class DeviceMTPDrafter(DeviceDrafter):
         n, hid = hidden.shape
         pair = torch.empty((n, 2 * hid), dtype=eng.dtype, device=hidden.device)
         ids = tokens.reshape(-1)
-        if self._fused_pre_fc and ids.dtype == torch.int64:
+        if self._fused_pre_fc and ids.dtype == torch.int64 and ids.stride(0) == 1:
             # the embedding lookup and both norms in one launch, the bits of the three
             rms_norm_pair(eng.embed.weight, head.pre_fc_norm_embedding.weight, norm_eps(head.pre_fc_norm_embedding),
                           pair[:, :hid], hidden.to(eng.dtype), head.pre_fc_norm_hidden.weight,

@@ -151,7 +151,7 @@ def rms_norm_pair(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.
         out: where to write, shaped like ``x`` (``[len(rows), D]`` with ``rows``); a slice
             of a wider buffer is fine (rows at one or two strides, as :func:`rms_norm`).
         x2, weight2, eps2, out2: the second norm, of the same ``D`` and dtype.
-        rows: ``None``, or int64 ``[N]`` indices of ``x``'s rows to normalise (the lookup
+        rows: ``None``, or contiguous int64 ``[N]`` indices of ``x``'s rows to normalise (the lookup
             and the norm in one kernel; indices are not checked on the device, so they
             must lie in ``[0, R)``, as an embedding's token ids do).
         backend: ``"triton"`` (one launch) or ``"reference"`` (two norms, op by op).
@@ -163,9 +163,9 @@ def rms_norm_pair(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.
     if x2.dtype != x.dtype:
         raise ValueError(f"x2 must be {x.dtype} like x, got {x2.dtype}")
     if rows is not None:
-        if rows.dtype != torch.int64 or rows.dim() != 1 or rows.device != x.device:
-            raise ValueError(f"rows must be an int64 [N] tensor on {x.device}, got {rows.dtype} "
-                             f"{list(rows.shape)} on {rows.device}")
+        if rows.dtype != torch.int64 or rows.dim() != 1 or rows.device != x.device or rows.stride(0) != 1:
+            raise ValueError(f"rows must be a contiguous int64 [N] tensor on {x.device}, got {rows.dtype} "
+                             f"{list(rows.shape)} strides {list(rows.stride())} on {rows.device}")
         if x.dim() != 2:
             raise ValueError(f"with rows, x must be the [R, D] table they index, got {list(x.shape)}")
     shape = x.shape if rows is None else (rows.shape[0], d)

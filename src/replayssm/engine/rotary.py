@@ -98,11 +98,12 @@ def _rotate_triton(qk: torch.Tensor, rope: torch.Tensor, cache: tuple | None = N
     half = rope.shape[-1] // 2
     per_token = rope.shape[1] != 1 or t == 1
     if cache is None:
-        extra, write = (qk, qk, qk, qk, qk, 0, 0, 0, 0, 0, 0), {}
+        extra, write = (qk, qk, qk, qk, qk, 0, 0, 0, 0, 0, 0, 0, 0), {}
     else:
         v, kc, vc, slots, at = cache
         kv_heads = kc.shape[1]
-        extra = (v, kc, vc, slots, at, v.stride(0), v.stride(1), v.stride(2), at.stride(0), kc.shape[0], kc.shape[2])
+        extra = (v, kc, vc, slots, at, v.stride(0), v.stride(1), v.stride(2), slots.stride(0), at.stride(0), at.stride(1),
+                 kc.shape[0], kc.shape[2])
         write = dict(CACHE=True, KVH=kv_heads, BKV=triton.next_power_of_2(kv_heads), BD=triton.next_power_of_2(d))
     _rotate_kernel[(b * t,)](
         qk, rope, t, heads, qk.stride(0), qk.stride(1), rope.stride(0), rope.stride(1) if per_token else 0,
@@ -161,7 +162,7 @@ if triton is not None:
 
     @triton.jit
     def _rotate_kernel(qk_ptr, rope_ptr, T, HEADS, s_b, s_t, r_b, r_t, r_2,
-                       v_ptr, kc_ptr, vc_ptr, slots_ptr, at_ptr, v_b, v_t, v_h, at_b, n_slots, cap,
+                       v_ptr, kc_ptr, vc_ptr, slots_ptr, at_ptr, v_b, v_t, v_h, slots_s, at_b, at_t, n_slots, cap,
                        HALF: tl.constexpr, BH: tl.constexpr, BR: tl.constexpr, D: tl.constexpr,
                        CACHE: tl.constexpr = False, KVH: tl.constexpr = 1, BKV: tl.constexpr = 1,
                        BD: tl.constexpr = 1):
@@ -194,8 +195,8 @@ if triton is not None:
             # The token's key heads (the last KVH) and values into the cache at its slot
             # and position: the rotated channels from registers, the others (which no
             # lane of this kernel writes) and the values copied from their buffers.
-            slot = tl.load(slots_ptr + i_b).to(tl.int64)
-            pos = tl.load(at_ptr + i_b.to(tl.int64) * at_b + i_t)
+            slot = tl.load(slots_ptr + i_b.to(tl.int64) * slots_s).to(tl.int64)
+            pos = tl.load(at_ptr + i_b.to(tl.int64) * at_b + i_t.to(tl.int64) * at_t)
             ok = (slot >= 0) & (slot < n_slots) & (pos >= 0) & (pos < cap)
             key = mask_and(mask & (h >= HEADS - KVH), ok)
             k_at = kc_ptr + ((slot * KVH + h - (HEADS - KVH)) * cap + pos) * D + c
