@@ -131,6 +131,12 @@ def test_norm_pair_looks_its_first_rows_up(rng, tokens):
     rms_norm_pair(table, we, 1e-6, pair[:, :d], hidden, wh, 1e-6, pair[:, d:], rows=ids)
     assert torch.equal(pair[:, :d], rms_norm(table[ids], we, 1e-6, "offset"))
     assert torch.equal(pair[:, d:], rms_norm(hidden, wh, 1e-6, "offset"))
+    # an index outside the table reads nothing: that row is zeros, the others as before
+    bad = ids.clone()
+    bad[0] = vocab
+    rms_norm_pair(table, we, 1e-6, pair[:, :d], hidden, wh, 1e-6, pair[:, d:], rows=bad)
+    assert torch.equal(pair[0, :d], torch.zeros(d))
+    assert torch.equal(pair[1:, :d], rms_norm(table[ids[1:]], we, 1e-6, "offset"))
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])

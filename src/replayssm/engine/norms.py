@@ -151,9 +151,9 @@ def rms_norm_pair(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.
         out: where to write, shaped like ``x`` (``[len(rows), D]`` with ``rows``); a slice
             of a wider buffer is fine (rows at one or two strides, as :func:`rms_norm`).
         x2, weight2, eps2, out2: the second norm, of the same ``D`` and dtype.
-        rows: ``None``, or contiguous int64 ``[N]`` indices of ``x``'s rows to normalise (the lookup
-            and the norm in one kernel; indices are not checked on the device, so they
-            must lie in ``[0, R)``, as an embedding's token ids do).
+        rows: ``None``, or contiguous int64 ``[N]`` indices of ``x``'s rows to normalise
+            (the lookup and the norm in one kernel). Checked on the device, where they
+            live: an index outside ``[0, R)`` reads no memory and gives a row of zeros.
         backend: ``"triton"`` (one launch) or ``"reference"`` (two norms, op by op).
     """
     d = x.shape[-1]
@@ -243,11 +243,15 @@ if triton is not None:
         # x, gate and y address their rows at one or two strides each (_row_strides);
         # with GATHER, row r of the norm is row r_ptr[r] of x (an embedding lookup)
         if GATHER:
+            # (x is then the [R, D] table, whose rows _row_strides counts in inner_x: an
+            # index outside [0, R) reads nothing, on the device)
             src = tl.load(r_ptr + row, mask=row < n_rows, other=0)
+            x_mask = mask & ((src >= 0) & (src < inner_x))[:, None]
         else:
             src = row
+            x_mask = mask
         x_row = (src // inner_x) * stride_xo + (src % inner_x) * stride_xi
-        xr = tl.load(x_ptr + x_row[:, None] + cols[None, :], mask=mask, other=0.0)
+        xr = tl.load(x_ptr + x_row[:, None] + cols[None, :], mask=x_mask, other=0.0)
         if RESIDUAL:  # s = x + residual, rounded to the dtype, is both an output and the norm's input
             rr = tl.load(r_ptr + row[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
             xr = to_rtne(xr.to(tl.float32) + rr.to(tl.float32), s_ptr.dtype.element_ty)
