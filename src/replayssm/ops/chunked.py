@@ -865,6 +865,22 @@ if triton is not None:
         return tl.dot(S3, tl.trans(x3), SX, input_precision=DOT_PRECISION)
 
     @triton.jit
+    def _row_window_products(S0, S1, S2, S3, q_ptr, k_ptr, ckpt_at, p_tok, i_h, offs_c, offs_v, mask_v, xk_ok, xq_ok,
+                             stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
+                             K: tl.constexpr, KQ: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr, BX: tl.constexpr,
+                             BV: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
+                             EARLY_TILE: tl.constexpr):
+        """A row that does not fold: ``S0 x_r`` from its tile's parts in registers
+        (``EARLY_TILE``) or streamed from the checkpoint."""
+        if EARLY_TILE:
+            return _parts_window_products(S0, S1, S2, S3, q_ptr, k_ptr, p_tok, i_h, offs_c, xk_ok, xq_ok,
+                                          stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, K, KQ,
+                                          DOT_PRECISION)
+        return _checkpoint_window_products(q_ptr, k_ptr, ckpt_at, p_tok, i_h, offs_v, mask_v, xk_ok, xq_ok,
+                                           stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
+                                           K, BK, KC, BX, BV, DOT_PRECISION, NUM_STAGES)
+
+    @triton.jit
     def _folded_window_products(S0, S1, S2, S3, q_ptr, k_ptr, ckpt_at, tile, rk_ptr, rv_ptr, rg_ptr, rb_ptr, ring_at,
                                 base, wp, p_tok, i_h, i_hv, offs_c, offs_v, mask_v, xk_ok, xq_ok,
                                 stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, eps,
@@ -916,7 +932,8 @@ if triton is not None:
 
         ``FUSE_FLUSH``: a flush row folds its history here
         (:func:`_folded_window_products`), so its checkpoint is read once for the fold
-        and the window together; without it the fold kernel has already run. ``EARLY_TILE``: every row loads its whole checkpoint tile, as four parts in
+        and the window together; without it the fold kernel has already run.
+        ``EARLY_TILE``: every row loads its whole checkpoint tile, as four parts in
         registers, first: its address needs the slot alone, so its loads are in flight
         while the cursors load, and a row that does not flush multiplies the parts as
         they are (no pipelined pass over K after the cursors). ``TREE``: tokens past
@@ -975,6 +992,8 @@ if triton is not None:
             # registers free. Without it every row loads them after its products.
             rec_args = (ru_at, v_ptr, p_tok, i_hv, pos_h, hist, offs_v, mask_v, xk_ok, stride_v_tok,
                         stride_v_head, HV, V)
+            products = (S0, S1, S2, S3, q_ptr, k_ptr, ckpt_at, p_tok, i_h, offs_c, offs_v, mask_v, xk_ok, xq_ok,
+                        stride_q_tok, stride_q_head, stride_k_tok, stride_k_head)
             if FUSE_FLUSH:
                 if folds:
                     SX = _folded_window_products(S0, S1, S2, S3, q_ptr, k_ptr, ckpt_at, tile, rk_ptr, rv_ptr,
@@ -984,30 +1003,14 @@ if triton is not None:
                                                  ROUND_STATE, DOT_PRECISION, EARLY_TILE)
                     if RECORDS_FIRST:
                         u_h, v_x = _row_records(*rec_args)
-                elif EARLY_TILE:
-                    if RECORDS_FIRST:
-                        u_h, v_x = _row_records(*rec_args)
-                    SX = _parts_window_products(S0, S1, S2, S3, q_ptr, k_ptr, p_tok, i_h, offs_c, xk_ok, xq_ok,
-                                                stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
-                                                K, KQ, DOT_PRECISION)
                 else:
                     if RECORDS_FIRST:
                         u_h, v_x = _row_records(*rec_args)
-                    SX = _checkpoint_window_products(q_ptr, k_ptr, ckpt_at, p_tok, i_h, offs_v, mask_v, xk_ok,
-                                                     xq_ok, stride_q_tok, stride_q_head, stride_k_tok,
-                                                     stride_k_head, K, BK, KC, BX, BV, DOT_PRECISION, NUM_STAGES)
-            elif EARLY_TILE:
-                if RECORDS_FIRST:
-                    u_h, v_x = _row_records(*rec_args)
-                SX = _parts_window_products(S0, S1, S2, S3, q_ptr, k_ptr, p_tok, i_h, offs_c, xk_ok, xq_ok,
-                                            stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
-                                            K, KQ, DOT_PRECISION)
+                    SX = _row_window_products(*products, K, KQ, BK, KC, BX, BV, DOT_PRECISION, NUM_STAGES, EARLY_TILE)
             else:
                 if RECORDS_FIRST:
                     u_h, v_x = _row_records(*rec_args)
-                SX = _checkpoint_window_products(q_ptr, k_ptr, ckpt_at, p_tok, i_h, offs_v, mask_v, xk_ok, xq_ok,
-                                                 stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
-                                                 K, BK, KC, BX, BV, DOT_PRECISION, NUM_STAGES)
+                SX = _row_window_products(*products, K, KQ, BK, KC, BX, BV, DOT_PRECISION, NUM_STAGES, EARLY_TILE)
             if not RECORDS_FIRST:
                 u_h, v_x = _row_records(*rec_args)
             # [U | o] = (S0 x_r) C1 + u_h Z + v D
