@@ -63,10 +63,10 @@ PARAMS = {
     # per SM). ``early_tile`` (with fuse_flush): every row loads its whole checkpoint
     # tile into registers before its cursors (1: the loads overlap the cursors' and
     # a row that does not flush multiplies the tile as loaded) or streams it through
-    # the k_chunk pipeline after them (0). ``short_tail``
-    # (with fuse_flush): the grid in batch order (0), or in an order that
-    # moves the last short_tail rows that do not fold to its end (so no fold's chain
-    # starts in the last waves; at least the batch: every folding row first).
+    # the k_chunk pipeline after them (0). ``short_tail`` (with fuse_flush): the grid in
+    # batch order (0), or in an order that moves the last short_tail rows that do not
+    # fold to its end (so no fold's chain starts in the last waves; at least the batch:
+    # every folding row first).
     # ``num_warps``: 4 or 2 (a fold inside the kernel, the fused flush, goes through
     # triton_common.exact_warps, so its rows keep the exact kernels' layout and its
     # states their bits; on 1 warp they do not, beside this kernel's tensor-core
@@ -130,7 +130,8 @@ _CHOICES = {"tf32_coefficients": (0, 1), "dot_products": (0, 1), "fuse_flush": (
             "exact_read_only.num_warps": (1, 2, 4, 8), "exact_snapshot.num_warps": (1, 2, 4, 8),
             "ring_decode.flush_warps": (2, 4), "closed_form.num_warps": (2, 4)}
 
-#: circular's closed form from batch 33 (the table's rows below say why each value).
+#: circular's closed form from batch 33; up to batch 32 three entries differ (the
+#: table's rows below say why each value).
 _CLOSED_FORM_LARGE = dict(block_v=64, k_chunk=64, num_stages=2, num_warps=4, tf32_coefficients=1, coef_warps=1,
                           heads_per_program=8, flush_block_v=32, fuse_flush=1, flush_records_ahead=1, dependent_launch=1,
                           max_registers=128, early_tile=0, short_tail=0,
@@ -183,10 +184,7 @@ TABLE: dict[str, list[tuple[dict, dict]]] = {
     # The records first (records_first) measured faster at every batch in both dtypes
     # (BENCHMARKS.md, "circular's outputs kernel: the window's rows in one load", and
     # for fp32 states from batch 64, "The records first at fp32, alone").
-    "closed_form": [({"max_batch": 32}, dict(block_v=64, k_chunk=64, num_stages=2, num_warps=4, tf32_coefficients=1,
-                                             coef_warps=1, heads_per_program=1, flush_block_v=32, fuse_flush=1,
-                                             flush_records_ahead=1, dependent_launch=1, max_registers=0, early_tile=0,
-                                             short_tail=32, coef_max_registers=0, records_first=1)),
+    "closed_form": [({"max_batch": 32}, dict(_CLOSED_FORM_LARGE, heads_per_program=1, max_registers=0, short_tail=32)),
                     ({}, _CLOSED_FORM_LARGE)],
     # Small batches are latency-bound: one launch with a chain of n + T exact steps
     # beats three launches and the window solve's per-head chain there. The switch sits
