@@ -176,7 +176,7 @@ def _rotated_then_written(qk, rope, v, caches, rows, at):
 
 
 @pytest.mark.parametrize("t_rope", [None, 1], ids=["rope_per_token", "rope_per_request"])
-@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])  # the slots' and the positions' dtype
 def test_rotate_into_cache_is_the_rotary_then_the_writes(rng, t_rope, slot_dtype):
     """One launch gives the bits of :func:`rotate_` followed by the attention step's two
     indexed writes: the queries and keys rotated in place, each token's rotated keys
@@ -188,7 +188,7 @@ def test_rotate_into_cache_is_the_rotary_then_the_writes(rng, t_rope, slot_dtype
     assert not torch.equal(want, caches) and not torch.equal(want_qk, qk)  # the case writes and rotates
     # slots and positions as strided views (columns of wider index buffers), as a step's may be
     rows = torch.stack([rows, -rows], 1).to(slot_dtype)[:, 0]
-    at = torch.stack([at, -at], 2)[..., 0]
+    at = torch.stack([at, -at], 2).to(slot_dtype)[..., 0]
     assert rows.stride(0) == 2 and at.stride(1) == 2
     rotate_into_cache_(qk, rope, v, caches[0], caches[1], rows, at)
     assert torch.equal(qk, want_qk)
@@ -225,7 +225,7 @@ def test_rotate_into_cache_refuses_what_it_cannot_write_and_touches_nothing(rng)
         (dict(k_cache=caches[0][:, :, :, :16]), ValueError, "k_cache and v_cache must be alike"),
         (dict(k_cache=caches[0].transpose(1, 2).contiguous().transpose(1, 2)), ValueError,
          "k_cache and v_cache must be alike"),
-        (dict(at=at.int()), ValueError, "at an int64"),
+        (dict(at=at.float()), ValueError, "at an int"),
         (dict(slots=rows[:2]), ValueError, "slots must be"),
         (dict(rope=rope[..., :7]), ValueError, "R even"),
     ]

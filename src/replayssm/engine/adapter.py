@@ -249,8 +249,8 @@ def rotated_qk(attn, q: torch.Tensor, k: torch.Tensor, rope: torch.Tensor, norm,
             keys and the values ``v [B, T, kv_heads, D]`` into one layer's cache
             ``[slots, kv_heads, L, D]``, token ``(b, t)`` at slot ``slots[b]`` and
             position ``at[b, t]``; with ``fused`` in the rotation's launch
-            (:func:`~replayssm.engine.rotary.rotate_into_cache_`) where the dtypes
-            allow it, else two indexed writes after it (the same bits).
+            (:func:`~replayssm.engine.rotary.rotate_into_cache_`), else two indexed
+            writes after it (the same bits).
 
     Returns:
         ``qk [B, T, heads + kv_heads, D]``: queries, then keys (the norms write there and
@@ -271,10 +271,10 @@ def rotated_qk(attn, q: torch.Tensor, k: torch.Tensor, rope: torch.Tensor, norm,
         rotate_(qk, rope, backend="triton" if fused else "torch")
         return qk
     k_cache, v_cache, slots, at, v = cache
-    if fused and at.dtype == torch.int64 and v.dtype == k_cache.dtype == v_cache.dtype == qk.dtype:
+    if fused:
         rotate_into_cache_(qk, rope, v, k_cache, v_cache, slots, at)
         return qk
-    rotate_(qk, rope, backend="triton" if fused else "torch")
+    rotate_(qk, rope, backend="torch")
     where = (slots[:, None].expand(b, n // b), slice(None), at)
     k_cache[where] = qk[:, :, heads:].to(k_cache.dtype)
     v_cache[where] = v.to(v_cache.dtype)  # a strided view of the projections
@@ -328,9 +328,7 @@ def static_attention_forward(attn, x: torch.Tensor, rope: torch.Tensor, cache: K
     else:
         o = tree_attention(qk[:, :, :heads], cache.k[layer], cache.v[layer], slot_idx, tree[0], tree[2],
                            attn.scaling, backend=backend, gate=inside)
-    if fused:
-        return attn.o_proj(o.view(b * t, heads * d))
-    return attn.o_proj(gated_output(o.reshape(b * t, heads, d), gate))
+    return attn.o_proj(o.view(b * t, heads * d) if fused else gated_output(o.reshape(b * t, heads, d), gate))
 
 
 def prompt_attention_forward(attn, x: torch.Tensor, rope: torch.Tensor, cache: KVCache, layer: int,

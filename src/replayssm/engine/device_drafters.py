@@ -33,7 +33,6 @@ import torch
 from ..ops.counter_hash import counter_hash
 from ..ops.guards import to_device
 from .activations import dense_silu_mlp
-from .attention import slot_attention, tree_attention
 from .fused_linear import fuse_linears
 from .norms import norm_eps, norm_kind, rms_norm_pair
 from .rotary import rope_at
@@ -554,74 +553,52 @@ class DeviceMTPDrafter(DeviceDrafter):
         returns the normed outputs ``[B * T, H]`` (graph-safe). ``tree``: as
         :func:`~replayssm.engine.adapter.static_attention_forward`'s.
 
-        The arithmetic of :meth:`MTPHead.pair_input` and ``static_attention_forward``
-        (the same values, bit for bit), in fewer kernels: the two input norms write the
-        halves of ``fc``'s input, q|gate, k and v are one matmul
-        (:func:`~replayssm.engine.adapter.attention_projections`), the queries and keys
-        are normed and rotated as the engine's static step does
-        (:func:`~replayssm.engine.adapter.rotated_qk`), each residual add runs in its
-        norm's kernel."""
-        eng, attn = self.engine, self.head.layers[0].self_attn
-        cache = self.cache
-        at = positions if tree is None else tree[0][:, None] + tree[1][None]
-        x, qk, gate, v = self._attention_inputs(tokens, hidden, rope, cache=(cache.k[0], cache.v[0], slot_idx, at))
-        heads = gate.shape[1]
-        inside = gate if eng.fused_norms else None  # the output gate in the attention's launch
-        if tree is None:
-            o = slot_attention(qk[:, :, :heads], cache.k[0], cache.v[0], slot_idx, positions[:, 0], attn.scaling,
-                               backend=eng.backend, gate=inside)
-        else:
-            o = tree_attention(qk[:, :, :heads], cache.k[0], cache.v[0], slot_idx, tree[0], tree[2], attn.scaling,
-                               backend=eng.backend, gate=inside)
-        return self._layer_out(x, o, None if inside is not None else gate)
+        The arithmetic of :meth:`MTPHead.pair_input` and the layer's modules (the same
+        values, bit for bit), in fewer kernels: the two input norms write the halves of
+        ``fc``'s input (:meth:`_fc_input`), the attention is the engine's static step's
+        (:func:`~replayssm.engine.adapter.static_attention_forward` on the head's cache),
+        each residual add runs in its norm's kernel."""
+        from .adapter import static_attention_forward
 
-    def _attention_inputs(self, tokens: torch.Tensor, hidden: torch.Tensor, rope: torch.Tensor,
-                          cache: tuple | None = None):
-        """The head layer up to its attention, for ``tokens [B, T]``, ``hidden [B * T,
-        H]``, rotary rows ``rope [B, T or 1, 2, R]``: ``(x, qk, gate, v)``, the layer's
-        input ``x [B * T, H]`` (``fc`` of the two normed halves of each pair), queries
-        and keys normed and rotated ``qk [B, T, heads + kv_heads, D]``
-        (:func:`~replayssm.engine.adapter.rotated_qk`), the output gate ``[B * T,
-        heads, D]`` and values ``[B * T, kv_heads, D]``. ``cache``: ``(k_cache, v_cache,
-        slots, at)``, where the keys and values are also written (``rotated_qk``'s
-        ``cache``)."""
-        from .adapter import attention_projections, rotated_qk
+        eng, layer = self.engine, self.head.layers[0]
+        x = self._fc_input(tokens, hidden)
+        o = static_attention_forward(layer.self_attn, eng.static_norm(layer.input_layernorm, x), rope, self.cache, 0,
+                                     slot_idx, positions, backend=eng.backend, norm=eng.static_norm, tree=tree,
+                                     fused=eng.fused_norms)
+        x, y = eng.static_add_norm(layer.post_attention_layernorm, x, o)
+        return eng.static_add_norm(self.head.norm, x, eng.static_mlp(layer.mlp, y))[1]
 
+    def _fc_input(self, tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """The head layer's input ``x [B * T, H]``: ``fc`` of the two normed halves of each
+        pair, for ``tokens [B, T]`` and ``hidden [B * T, H]`` (where the norms are fused,
+        the embedding lookup and both norms in one launch: the bits of the three)."""
         eng, head = self.engine, self.head
-        layer = head.layers[0]
-        attn = layer.self_attn
         n, hid = hidden.shape
         pair = torch.empty((n, 2 * hid), dtype=eng.dtype, device=hidden.device)
         ids = tokens.reshape(-1)
-        if self._fused_pre_fc and ids.dtype == torch.int64 and ids.stride(0) == 1:
-            # the embedding lookup and both norms in one launch, the bits of the three
+        if self._fused_pre_fc:
             rms_norm_pair(eng.embed.weight, head.pre_fc_norm_embedding.weight, norm_eps(head.pre_fc_norm_embedding),
                           pair[:, :hid], hidden.to(eng.dtype), head.pre_fc_norm_hidden.weight,
                           norm_eps(head.pre_fc_norm_hidden), pair[:, hid:], rows=ids)
         else:
             eng.static_norm(head.pre_fc_norm_embedding, eng.embed(ids), out=pair[:, :hid])
             eng.static_norm(head.pre_fc_norm_hidden, hidden.to(eng.dtype), out=pair[:, hid:])
-        x = head.fc(pair)
-        xn = eng.static_norm(layer.input_layernorm, x)
-        q, gate, k, v = attention_projections(attn, xn)
-        if cache is not None:
-            b, t = tokens.shape
-            cache = (*cache, v.view(b, t, -1, attn.head_dim))
-        return x, rotated_qk(attn, q, k, rope, eng.static_norm, fused=eng.fused_norms, cache=cache), gate, v
+        return head.fc(pair)
 
-    def _layer_out(self, x: torch.Tensor, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
-        """The head layer after its attention: output gate and projection, residual, MLP,
-        final norm, for ``x [N, H]`` (the layer's input), ``o`` the attention outputs (``N
-        x heads x D`` elements) and ``gate [N, heads, D]`` (``None``: ``o`` is gated
-        already, by the attention kernel)."""
-        from .adapter import gated_output
+    def _attention_inputs(self, tokens: torch.Tensor, hidden: torch.Tensor, rope: torch.Tensor):
+        """The head layer up to its attention, for ``tokens [B, T]``, ``hidden [B * T,
+        H]``, rotary rows ``rope [B, T or 1, 2, R]``: ``(qk, gate, v)``, queries and keys
+        normed and rotated ``qk [B, T, heads + kv_heads, D]``
+        (:func:`~replayssm.engine.adapter.rotated_qk`), the output gate ``[B * T, heads,
+        D]`` and values ``[B * T, kv_heads, D]`` (the prompt pass's pairs, whose keys and
+        values go to the cache without attending)."""
+        from .adapter import attention_projections, rotated_qk
 
         eng, layer = self.engine, self.head.layers[0]
         attn = layer.self_attn
-        gated = o.reshape(o.shape[0] * o.shape[1], -1) if gate is None else gated_output(o.reshape(gate.shape), gate)
-        o = attn.o_proj(gated)
-        x, y = eng.static_add_norm(layer.post_attention_layernorm, x, o)
-        return eng.static_add_norm(self.head.norm, x, eng.static_mlp(layer.mlp, y))[1]
+        xn = eng.static_norm(layer.input_layernorm, self._fc_input(tokens, hidden))
+        q, gate, k, v = attention_projections(attn, xn)
+        return rotated_qk(attn, q, k, rope, eng.static_norm, fused=eng.fused_norms), gate, v
 
     def _rope_at(self, positions: torch.Tensor) -> torch.Tensor:
         """``[*positions.shape, 2, R]`` rows of the rotary table at ``positions``."""
@@ -770,7 +747,7 @@ class DeviceMTPDrafter(DeviceDrafter):
         from .kv_cache import write_window_kv
 
         pos = layout.positions[None]
-        _, qk, gate, v = self._attention_inputs(ids[None], hidden, self._rope_at(pos))
+        qk, gate, v = self._attention_inputs(ids[None], hidden, self._rope_at(pos))
         write_window_kv(self.cache, 0, layout, qk[0, :, gate.shape[1]:], v)
 
     def _join_drafts(self, slot_idx, first, hidden, next_pos):

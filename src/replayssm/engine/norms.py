@@ -151,7 +151,7 @@ def rms_norm_pair(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.
         out: where to write, shaped like ``x`` (``[len(rows), D]`` with ``rows``); a slice
             of a wider buffer is fine (rows at one or two strides, as :func:`rms_norm`).
         x2, weight2, eps2, out2: the second norm, of the same ``D`` and dtype.
-        rows: ``None``, or contiguous int64 ``[N]`` indices of ``x``'s rows to normalise
+        rows: ``None``, or int ``[N]`` indices (any stride) of ``x``'s rows to normalise
             (the lookup and the norm in one kernel). Checked on the device, where they
             live: an index outside ``[0, R)`` reads no memory and gives a row of zeros.
         backend: ``"triton"`` (one launch) or ``"reference"`` (two norms, op by op).
@@ -163,9 +163,9 @@ def rms_norm_pair(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.
     if x2.dtype != x.dtype:
         raise ValueError(f"x2 must be {x.dtype} like x, got {x2.dtype}")
     if rows is not None:
-        if rows.dtype != torch.int64 or rows.dim() != 1 or rows.device != x.device or rows.stride(0) != 1:
-            raise ValueError(f"rows must be a contiguous int64 [N] tensor on {x.device}, got {rows.dtype} "
-                             f"{list(rows.shape)} strides {list(rows.stride())} on {rows.device}")
+        if rows.dtype not in (torch.int32, torch.int64) or rows.dim() != 1 or rows.device != x.device:
+            raise ValueError(f"rows must be an int [N] tensor on {x.device}, got {rows.dtype} {list(rows.shape)} "
+                             f"on {rows.device}")
         if x.dim() != 2:
             raise ValueError(f"with rows, x must be the [R, D] table they index, got {list(x.shape)}")
     shape = x.shape if rows is None else (rows.shape[0], d)
@@ -187,7 +187,8 @@ def rms_norm_pair(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.
     if grid + grid2 == 0:
         return
     _rms_norm_kernel[(grid + grid2,)](
-        x, weight, x, out, rows if rows is not None else x, x, n, d, eps, *rows_x, 0, 0, 0, 0, *rows_out,
+        x, weight, x, out, rows if rows is not None else x, x, n, d, eps, *rows_x, 0, 0, 0,
+        0 if rows is None else rows.stride(0), *rows_out,
         x2, weight2, out2, grid, n2, eps2, *rows_x2, *rows_out2,
         BLOCK_R=block_r, BLOCK=block, GATED=False, RESIDUAL=False, PAIR=True, GATHER=rows is not None,
         num_warps=warps,
@@ -241,11 +242,11 @@ if triton is not None:
         cols = tl.arange(0, BLOCK)
         mask = (row < n_rows)[:, None] & (cols < n_cols)[None, :]
         # x, gate and y address their rows at one or two strides each (_row_strides);
-        # with GATHER, row r of the norm is row r_ptr[r] of x (an embedding lookup)
+        # with GATHER, row r of the norm is row r_ptr[r * stride_r] of x (an embedding lookup)
         if GATHER:
             # (x is then the [R, D] table, whose rows _row_strides counts in inner_x: an
             # index outside [0, R) reads nothing, on the device)
-            src = tl.load(r_ptr + row, mask=row < n_rows, other=0)
+            src = tl.load(r_ptr + row * stride_r, mask=row < n_rows, other=0).to(tl.int64)
             x_mask = mask & ((src >= 0) & (src < inner_x))[:, None]
         else:
             src = row

@@ -128,8 +128,8 @@ def rotate_into_cache_(qk: torch.Tensor, rope: torch.Tensor, v: torch.Tensor, k_
             projections is fine).
         k_cache, v_cache: ``[slots, kv_heads, L, D]`` one layer's cache, ``qk``'s dtype,
             contiguous.
-        slots: ``[B]`` int cache slot of each row; at: ``[B, T]`` int64 cache position
-            of each token. Checked on the device against the cache's bounds: a token
+        slots: ``[B]`` int cache slot of each row; at: ``[B, T]`` int cache position
+            of each token (int32 or int64, any strides). Checked on the device against the cache's bounds: a token
             whose slot or position falls outside is not written (the values come from
             the step's own buffers, which a CUDA graph reads at replay, so no host check
             can see them).
@@ -151,9 +151,9 @@ def rotate_into_cache_(qk: torch.Tensor, rope: torch.Tensor, v: torch.Tensor, k_
         raise ValueError(f"qk must hold the queries before the {kv_heads} key heads, got {qk.shape[2]} heads")
     if not (v.dtype == k_cache.dtype == v_cache.dtype == qk.dtype):
         raise TypeError(f"v and the caches must be {qk.dtype} like qk, got {v.dtype}, {k_cache.dtype}, {v_cache.dtype}")
-    if slots.shape != (b,) or at.shape != (b, t) or at.dtype != torch.int64 or slots.dtype not in (torch.int32,
-                                                                                                   torch.int64):
-        raise ValueError(f"slots must be an int [B={b}] tensor and at an int64 [B, T] = {[b, t]} one, got "
+    ints = (torch.int32, torch.int64)
+    if slots.shape != (b,) or at.shape != (b, t) or slots.dtype not in ints or at.dtype not in ints:
+        raise ValueError(f"slots must be an int [B={b}] tensor and at an int [B, T] = {[b, t]} one, got "
                          f"{slots.dtype} {list(slots.shape)} and {at.dtype} {list(at.shape)}")
     _rotate_triton(qk, rope, cache=(v, k_cache, v_cache, slots, at))
 
@@ -196,7 +196,7 @@ if triton is not None:
             # and position: the rotated channels from registers, the others (which no
             # lane of this kernel writes) and the values copied from their buffers.
             slot = tl.load(slots_ptr + i_b.to(tl.int64) * slots_s).to(tl.int64)
-            pos = tl.load(at_ptr + i_b.to(tl.int64) * at_b + i_t.to(tl.int64) * at_t)
+            pos = tl.load(at_ptr + i_b.to(tl.int64) * at_b + i_t.to(tl.int64) * at_t).to(tl.int64)
             ok = (slot >= 0) & (slot < n_slots) & (pos >= 0) & (pos < cap)
             key = mask_and(mask & (h >= HEADS - KVH), ok)
             k_at = kc_ptr + ((slot * KVH + h - (HEADS - KVH)) * cap + pos) * D + c
