@@ -44,7 +44,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-OPS = ("recurrence", "fold", "ring_decode", "closed_form", "tree_recurrence", "conv_prefill", "norms", "rotary", "attention")
+OPS = ("recurrence", "fold", "ring_decode", "closed_form", "tree_recurrence", "conv_prefill", "norms", "rotary",
+       "attention")
 H, HV, K, V, T, L = 16, 32, 128, 128, 4, 16
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
@@ -84,8 +85,10 @@ def install() -> None:
     """Route every launch to the compiler, and let the ops take CPU tensors."""
     driver.set_active(_Sm90Driver())
     JITFunction.run = _compile_only
-    from replayssm.engine import attention, norms, rotary  # noqa: F401  (defined for compiling before the flag)
-    from replayssm.ops import triton_common
+    # Every module with kernels, imported (so its kernels and helpers are defined for
+    # compiling) before the flags below are set.
+    from replayssm import ops  # noqa: F401
+    from replayssm.engine import attention, norms, rotary  # noqa: F401
 
     def full_height(vd, rows, device, most, least=1):
         return max(least, min(most, triton.next_power_of_2(vd)))
@@ -104,11 +107,11 @@ def install() -> None:
                 mod.register_cap = cap
             if hasattr(mod, "dependent_launch"):  # read off the device on CUDA
                 mod.dependent_launch = sm90_dependent_launch
-            if mod.__name__ in ("replayssm.engine.norms", "replayssm.engine.rotary", "replayssm.engine.attention"):
-                mod.INTERPRETER = True  # their launchers take CPU tensors only so
-    # The ops' dispatch sends CPU tensors to Triton only under the interpreter; the
-    # kernels themselves were defined for compiling (checked at import, above).
-    triton_common.INTERPRETER = True
+            # The launchers send CPU tensors to Triton only under the interpreter (each
+            # module's copy of the flag); the kernels were defined for compiling (checked
+            # at import, above).
+            if hasattr(mod, "INTERPRETER"):
+                mod.INTERPRETER = True
 
 
 def compiled(kernel, sass: bool) -> dict:

@@ -238,9 +238,8 @@ def test_kernels_per_draft_depth(model, rng):
     once per proposal (2 kernels), so a chain of ``k`` drafts costs ``3 + 2 + 15 (k -
     1)`` (before the cut pass: ``3 + 53 (k - 1)``, and 54 for ``observe``; 16 a depth
     and 20 before the output gate joined the attention, 18 and 22 before the cache
-    writes joined the rotary, 21 and 25 before the embedding and the
-    paired norms, 25 and 29
-    before the rotary and the output gate became one kernel each, 29 and 33 before SiLU
+    writes joined the rotary, 21 and 25 before the embedding and the paired norms, 25
+    and 29 before the rotary and the output gate became one kernel each, 29 and 33 before SiLU
     and its product did, 28 and 32 before gate and up became one matmul, 27 and 31
     before q, k and v did): a count past the ceiling is a kernel added per draft."""
     counts = {}
@@ -276,8 +275,9 @@ def test_kernels_per_step(model):
     """A static step's kernels at batch 1 on the fused (GPU) path: plain decoding at most
     96, fold verifying 3 MTP drafts at most 156 (8 layers, 2 of them full attention;
     the MTP head's observe pass and 2 further depths). 98 and 161 before the output
-    gate joined the attention, 102 and 171 before the cache writes joined the rotary, 104 and 182 before the query and key norms and the head's
-    input norms became one kernel each; 136 and 229 before the attention
+    gate joined the attention, 102 and 171 before the cache writes joined the rotary,
+    104 and 182 before the query and key norms and the head's input norms became one
+    kernel each; 136 and 229 before the attention
     layers' rotary and output gate became a kernel each, the rotary rows a gather from a
     table (115 and 196) and the step's outputs after acceptance one kernel: a count past
     the ceiling is a kernel added to every step."""
