@@ -581,7 +581,7 @@ class DeviceMTPDrafter(DeviceDrafter):
                           pair[:, :hid], hidden.to(eng.dtype), head.pre_fc_norm_hidden.weight,
                           norm_eps(head.pre_fc_norm_hidden), pair[:, hid:], rows=ids)
         else:
-            eng.static_norm(head.pre_fc_norm_embedding, eng.embed(ids), out=pair[:, :hid])
+            eng.static_norm(head.pre_fc_norm_embedding, eng.static_embed(ids), out=pair[:, :hid])
             eng.static_norm(head.pre_fc_norm_hidden, hidden.to(eng.dtype), out=pair[:, hid:])
         return head.fc(pair)
 
@@ -655,7 +655,7 @@ class DeviceMTPDrafter(DeviceDrafter):
         from .sampling import sample_categorical, warp_probs
 
         if self.sampling is None:
-            return logits.argmax(-1), None
+            return self.engine.static_argmax(logits), None
         q = warp_probs(logits.float(), self.sampling)
         return sample_categorical(q), q
 

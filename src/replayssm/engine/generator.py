@@ -852,7 +852,7 @@ class StepGenerator:
         eng = self.engine
         logits = out.logits if len(rows) == len(out.lengths) else out.logits[rows]
         if self.sampling.greedy:
-            firsts = logits.argmax(-1)
+            firsts = eng.static_argmax(logits)
         else:
             from .sampling import sample_categorical
 

@@ -193,9 +193,9 @@ class StaticStep:
         logits = logits.view(self.rows, t, -1)
         forced = self.drafter.forced_accepts(self.slot_idx) if verify else None
         if forced is not None:  # a benchmark drafter sets the count; the target gives the next token
-            choice = dict(n=forced, nxt=logits.argmax(-1).gather(1, forced[:, None])[:, 0])
+            choice = dict(n=forced, nxt=eng.static_argmax(logits).gather(1, forced[:, None])[:, 0])
         elif self.sampling.greedy:
-            choice = dict(argmax=logits.argmax(-1))
+            choice = dict(argmax=eng.static_argmax(logits))
         else:
             n, nxt = accept_sampled_static(logits, ids, self.sampling, q=q)
             choice = dict(n=n, nxt=nxt)
@@ -228,7 +228,7 @@ class StaticStep:
                                             verify=True, tree=(tree, self.trees, starts))
         logits = logits.view(self.rows, tree.num_nodes, -1)
         if self.sampling.greedy:
-            node, nxt = accept_greedy_tree(logits.argmax(-1), ids, tree)
+            node, nxt = accept_greedy_tree(eng.static_argmax(logits), ids, tree)
         else:
             node, nxt = accept_sampled_tree(warp_probs(logits, self.sampling), ids, tree)
         accepted = tree.depth[node] + 1

@@ -216,7 +216,7 @@ class DeviceModelDrafter(DeviceDrafter):
         for j in range(1, self.k + 1):
             logits = self._verify(ids, didx, starts, tag)[:, -1]
             if self.sampling is None:
-                tok = logits.argmax(-1)
+                tok = self.engine.static_argmax(logits)
             else:
                 q = warp_probs(logits.float(), self.sampling)
                 tok = sample_categorical(q)

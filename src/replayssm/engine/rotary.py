@@ -38,8 +38,9 @@ def rope_rows(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 def rope_at(table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """``[*positions.shape, 2, R]``: the rows of a rotary table ``[L, 2, R]``
     (:meth:`~replayssm.engine.adapter.HybridEngine.rope_table`) at ``positions`` (below
-    ``L``), in one gather."""
-    return table.index_select(0, positions.reshape(-1)).view(*positions.shape, *table.shape[1:])
+    ``L``), in one gather (an indexing, parallel over every element, where
+    ``index_select`` loops over a few positions in a few blocks)."""
+    return table[positions.reshape(-1)].view(*positions.shape, *table.shape[1:])
 
 
 def rotate_(qk: torch.Tensor, rope: torch.Tensor, *, backend: str = "torch") -> None:
