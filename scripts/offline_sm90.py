@@ -45,7 +45,7 @@ from triton.runtime import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 OPS = ("recurrence", "fold", "ring_decode", "closed_form", "tree_recurrence", "conv_prefill", "norms", "rotary",
-       "attention")
+       "attention", "argmax")
 H, HV, K, V, T, L = 16, 32, 128, 128, 4, 16
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
@@ -89,6 +89,10 @@ def install() -> None:
     # compiling) before the flags below are set.
     from replayssm import ops  # noqa: F401
     from replayssm.engine import attention, norms, rotary  # noqa: F401
+    try:
+        from replayssm.engine import argmax  # noqa: F401  (a tree before it has none)
+    except ImportError:
+        argmax = None
 
     def full_height(vd, rows, device, most, least=1):
         return max(least, min(most, triton.next_power_of_2(vd)))
@@ -112,6 +116,10 @@ def install() -> None:
             # at import, above).
             if hasattr(mod, "INTERPRETER"):
                 mod.INTERPRETER = True
+    # The engine's launches that split work when programs are few count an H100's SMs.
+    for mod in (attention, argmax):
+        if mod is not None and hasattr(mod, "sm_count"):
+            mod.sm_count = lambda device: 132
 
 
 def compiled(kernel, sass: bool) -> dict:
@@ -269,14 +277,26 @@ def run_op(op: str, batch: int, sdt: torch.dtype, act: torch.dtype,
     elif op == "attention":  # the window attention at the embedded model's shapes (4 query heads, 2 key heads of 64)
         from replayssm.engine import attention
 
-        q, cache = torch.randn(1, 4, 4, 64).to(act), torch.randn(2, 4, 2, 256, 64).to(act)
-        rows, starts = torch.tensor([1]), torch.tensor([9])
+        # 80 rows: more programs (rows x 2 key heads) than an H100's SMs, one launch
+        q, cache = torch.randn(80, 4, 4, 64).to(act), torch.randn(2, 4, 2, 256, 64).to(act)
+        rows, starts = torch.ones(80, dtype=torch.int64), torch.full((80,), 9)
         attention.slot_attention(q, cache[0], cache[1], rows, starts, 0.125, backend="triton")
         labels.append("window attention, 4 tokens")
         if "gate" in inspect.signature(attention.slot_attention).parameters:  # (not in a tree before it)
-            gate = torch.randn(4, 8, 64).to(act)[:, ::2]
+            gate = torch.randn(320, 8, 64).to(act)[:, ::2]
             attention.slot_attention(q, cache[0], cache[1], rows, starts, 0.125, backend="triton", gate=gate)
             labels.append("window attention with its output gate, 4 tokens")
+        if hasattr(attention, "key_splits"):  # batch 1's two programs: the keys in parts, merged after
+            attention.slot_attention(q[:1, :1], cache[0], cache[1], rows[:1], starts[:1], 0.125, backend="triton",
+                                     gate=gate[:1])
+            labels += ["window attention, 1 token, a part of the keys", "the parts merged, with the output gate"]
+    elif op == "argmax":  # greedy tokens: the embedded model's vocabulary at batch 16, a Qwen3.5 one at batch 1
+        from replayssm.engine import argmax
+
+        for rows, vocab in ((16, 4096), (1, 248320)):
+            argmax.argmax_rows(torch.randn(rows, vocab).to(act))
+            labels.append(f"argmax of {rows} x {vocab}")
+        labels.append("the parts' bests merged")
     return labels
 
 

@@ -138,6 +138,15 @@ def test_reports_the_rotary_with_and_without_the_cache_writes(tmp_path):
 def test_reports_the_attention_with_and_without_its_gate(tmp_path):
     """``--ops attention``: the window attention compiles for sm_90 alone and with the
     output gate in its epilogue, the same registers (the epilogue runs after the key
-    pass) and more instructions, no spills."""
-    regs, counts = _launches(tmp_path, "attention", "_slot_attention_kernel", 2)
-    assert counts[1] > counts[0] and regs[1] <= 255, (regs, counts)
+    pass) and more instructions, no spills; at batch 1 its keys in parts (no epilogue:
+    fewer instructions) and the merge of the parts with the gate."""
+    regs, counts = _launches(tmp_path, "attention", "_slot_attention_kernel", 3)
+    assert counts[1] > counts[0] and counts[1] > counts[2] and regs[1] <= 255, (regs, counts)
+    _launches(tmp_path, "attention", "_merge_key_parts_kernel", 1)
+
+
+def test_reports_greedy_tokens_in_one_launch_or_in_parts(tmp_path):
+    """``--ops argmax``: the argmax kernel compiles for sm_90 at a step's rows and, for
+    one row of a Qwen3.5 vocabulary, in parts merged by a second kernel; no spills."""
+    _launches(tmp_path, "argmax", "_argmax_kernel", 2)
+    _launches(tmp_path, "argmax", "_argmax_parts_kernel", 1)

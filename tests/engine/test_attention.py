@@ -1,12 +1,14 @@
 """The window attention's output gate in its launch (``slot_attention`` / ``tree_attention``
 with ``gate=``): the bits of the attention followed by ``sigmoid_mul``, on both kernels'
-masks, with the gate a strided view of a wider projection output."""
+masks, with the gate a strided view of a wider projection output. And the keys split
+into parts when the programs are few (flash-decoding): the unsplit outputs to rounding."""
 
 import pytest
 import torch
 
+from replayssm.engine import attention
 from replayssm.engine.activations import sigmoid_mul
-from replayssm.engine.attention import slot_attention, tree_attention
+from replayssm.engine.attention import key_splits, slot_attention, tree_attention
 
 
 def _case(gen, b=2, t=3, heads=4, kv_heads=2, d=32, slots=5, cap=16, device="cpu", dtype=torch.float32):
@@ -58,3 +60,30 @@ def test_gate_in_the_attention_on_cuda_in_bf16():
         q, kc, vc, gate, rows, starts = _case(gen, t=t, d=64, cap=64, device="cuda", dtype=torch.bfloat16)
         for o, g in zip(_both(q, kc, vc, rows, starts, "triton"), _both(q, kc, vc, rows, starts, "triton", gate)):
             assert torch.equal(g, sigmoid_mul(o.reshape(gate.shape), gate).view(o.shape))
+
+
+@pytest.mark.parametrize("t", [1, 4])
+def test_keys_split_into_parts_give_the_whole_pass(rng, monkeypatch, t):
+    """Few programs (3 rows x 2 key heads) split their keys into parts (5 here: some
+    past a row's last key, empty) and a second launch merges them: the outputs of the
+    unsplit pass to fp32 rounding, the gate applied after the merge as in one pass,
+    and a tree's ancestor mask kept. Row lengths from 1 key to the cache's end."""
+    q, kc, vc, gate, rows, starts = _case(rng, b=3, t=t, cap=300)
+    starts[0], starts[1] = 0, 300 - t  # one key (t = 1), and the whole cache
+    assert key_splits(6, 300, 64, q.device) == 1  # the interpreter's one "SM": no split by default
+    whole = [_both(q, kc, vc, rows, starts, "triton", g) for g in (None, gate)]
+    monkeypatch.setattr(attention, "KEY_SPLIT_PROGRAMS_PER_SM", 64)
+    assert key_splits(6, 300, 64, q.device) == 5  # one key block of 64 a part at most
+    merges = []
+    kernel = attention._merge_key_parts_kernel
+
+    class Counted:  # the merge launch, counted: the split path must have run
+        def __getitem__(self, grid):
+            merges.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(attention, "_merge_key_parts_kernel", Counted())
+    for want, g in zip(whole, (None, gate)):
+        for got, ref in zip(_both(q, kc, vc, rows, starts, "triton", g), want):
+            torch.testing.assert_close(got, ref, rtol=0, atol=2e-6 * float(ref.abs().max()))
+    assert merges == [(3, 2)] * 4

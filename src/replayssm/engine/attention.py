@@ -15,7 +15,11 @@ Two implementations of :func:`slot_attention`:
   capacity. The CPU path and the oracle of the tests.
 * ``triton``: one program per (row, key head) holds the ``G x T`` queries that share
   that key head (grouped-query attention) as one tile and streams the slot's keys in
-  blocks with an online softmax (flash-decoding without the split along keys).
+  blocks with an online softmax. When those programs are too few to fill the GPU (a
+  few requests: two programs at batch 1 with two key heads), each one's keys are
+  split into parts, one program a part, and a second launch merges the parts' softmax
+  states (flash-decoding): a step's attention then costs about its bytes, not a walk
+  of the whole context by one SM.
 
 :func:`tree_attention` is the same attention for a draft tree's window (DESIGN.md
 section 2, "Trees"): window entry ``j`` of a row sits at cache position ``starts[b] +
@@ -33,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ops.dispatch import resolve
-from ..ops.triton_common import INTERPRETER, triton
+from ..ops.triton_common import INTERPRETER, sm_count, triton
 
 if triton is not None:
     import triton.language as tl
@@ -177,6 +181,21 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 #: takes fewer where the stages' key and value blocks would not fit the device's
 #: shared memory (:func:`kv_stages`).
 KV_STAGES = 3
+#: Most parts a program's keys are split into (see :func:`key_splits`).
+KEY_SPLITS_MAX = 16
+#: Programs per SM below which a call splits its keys (each part is a program).
+KEY_SPLIT_PROGRAMS_PER_SM = 1
+
+
+def key_splits(programs: int, capacity: int, block_n: int, device: torch.device) -> int:
+    """Parts that each of ``programs`` (rows x key heads) splits its keys into: enough
+    for :data:`KEY_SPLIT_PROGRAMS_PER_SM` programs an SM, at most :data:`KEY_SPLITS_MAX`
+    and one key block a part of the cache's ``capacity``; 1 (no split, no merge launch)
+    when the programs already fill the GPU. Chosen from shapes alone, so a captured
+    step keeps it; the parts' lengths follow the rows' lengths on the device (a part
+    past a row's last key does nothing)."""
+    want = KEY_SPLIT_PROGRAMS_PER_SM * sm_count(device) // max(programs, 1)
+    return max(1, min(KEY_SPLITS_MAX, want, triton.cdiv(capacity, block_n)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -212,18 +231,30 @@ def _slot_attention_triton(q, k_cache, v_cache, slot_idx, starts, scale, tree_bi
     block_n = 64 if d <= 128 else 32
     tree = tree_bits is not None
     gated = gate is not None
-    _slot_attention_kernel[(b, kv_heads)](
+    splits = key_splits(b * kv_heads, k_cache.shape[2], block_n, q.device)
+    # the parts' unnormalised outputs [rows x key heads x parts, BLOCK_M, D], and their
+    # softmax maxima and sums [..., 2, BLOCK_M] (unused without a split)
+    part_o = out if splits == 1 else torch.empty((b * kv_heads * splits, block_m, d), dtype=torch.float32,
+                                                 device=q.device)
+    part_ml = out if splits == 1 else torch.empty((b * kv_heads * splits, 2, block_m), dtype=torch.float32,
+                                                  device=q.device)
+    rows_out = (out.stride(0), out.stride(1), out.stride(2))
+    gate_at = (gate if gated else out, gate.stride(0) if gated else 0, gate.stride(1) if gated else 0)
+    warps = 4 if block_m * d <= 32 * 128 else 8
+    _slot_attention_kernel[(b, kv_heads, splits)](
         q, k_cache, v_cache, slot_idx, starts, out, tree_bits if tree else starts, scale,
-        q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        gate if gated else out, gate.stride(0) if gated else 0, gate.stride(1) if gated else 0,
+        q.stride(0), q.stride(1), q.stride(2), *rows_out,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *gate_at, part_o, part_ml,
         T=t, G=groups, D=d, BLOCK_M=block_m, BLOCK_N=block_n, TREE=tree, W=window if tree else t, GATE=gated,
         STAGES=kv_stages(q.device, block_m, block_n, d, max(q.element_size(), k_cache.element_size())),
         # fp32 models get fp32 products (tl.dot would round fp32 operands to tf32 on
         # CUDA); 16-bit operands are exact in either.
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4 if block_m * d <= 32 * 128 else 8,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLITS=splits,
+        num_warps=warps,
     )
+    if splits > 1:
+        _merge_key_parts_kernel[(b, kv_heads)](part_o, part_ml, out, *rows_out, *gate_at, T=t, G=groups, D=d,
+                                               BLOCK_M=block_m, GATE=gated, SPLITS=splits, num_warps=warps)
     return out
 
 
@@ -233,11 +264,15 @@ if triton is not None:
     def _slot_attention_kernel(
         q_ptr, k_ptr, v_ptr, slot_ptr, start_ptr, o_ptr, bits_ptr, scale,
         stride_qb, stride_qt, stride_qh, stride_ob, stride_ot, stride_oh, stride_ks, stride_kh, stride_kl,
-        g_ptr, stride_gn, stride_gh,
+        g_ptr, stride_gn, stride_gh, part_o_ptr, part_ml_ptr,
         T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         TREE: tl.constexpr, W: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr = 1,
-        GATE: tl.constexpr = False,
+        GATE: tl.constexpr = False, SPLITS: tl.constexpr = 1,
     ):
+        """Row ``program_id(0)``'s queries of key head ``program_id(1)`` over its keys,
+        or with ``SPLITS > 1`` over part ``program_id(2)`` of them (a ``1 / SPLITS`` share
+        of the key blocks up to the row's last key), whose softmax state goes to
+        ``part_o, part_ml`` for :func:`_merge_key_parts_kernel`."""
         i_b = tl.program_id(0)
         i_kh = tl.program_id(1)
         slot = tl.load(slot_ptr + i_b).to(tl.int64)
@@ -258,7 +293,13 @@ if triton is not None:
         acc = tl.zeros([BLOCK_M, D], tl.float32)
         base = slot * stride_ks + i_kh * stride_kh
         hi = start + W
-        for n0 in tl.range(0, hi, BLOCK_N, num_stages=STAGES):
+        lo = 0
+        end = hi
+        if SPLITS > 1:  # whole key blocks a part, so no block straddles two parts
+            per = tl.cdiv(tl.cdiv(hi, BLOCK_N), SPLITS) * BLOCK_N
+            lo = tl.program_id(2) * per
+            end = tl.minimum(hi, lo + per)
+        for n0 in tl.range(lo, end, BLOCK_N, num_stages=STAGES):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             kv_ok = offs_n < hi
             kv_off = base + offs_n[:, None] * stride_kl + offs_d[None, :]
@@ -278,8 +319,56 @@ if triton is not None:
             v = tl.load(v_ptr + kv_off, mask=kv_ok[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
-        acc = acc / l_i[:, None]
-        o = acc.to(o_ptr.dtype.element_ty)
+        if SPLITS > 1:
+            part = (i_b * tl.num_programs(1) + i_kh) * SPLITS + tl.program_id(2)
+            tl.store(part_o_ptr + part * (BLOCK_M * D) + offs_m[:, None] * D + offs_d[None, :], acc)
+            tl.store(part_ml_ptr + part * (2 * BLOCK_M) + offs_m, m_i)
+            tl.store(part_ml_ptr + part * (2 * BLOCK_M) + BLOCK_M + offs_m, l_i)
+        else:
+            _store_outputs(acc / l_i[:, None], i_b, i_kh, o_ptr, stride_ob, stride_ot, stride_oh, g_ptr, stride_gn,
+                           stride_gh, T, G, D, BLOCK_M, GATE)
+
+    @triton.jit
+    def _merge_key_parts_kernel(part_o_ptr, part_ml_ptr, o_ptr, stride_ob, stride_ot, stride_oh, g_ptr, stride_gn,
+                                stride_gh, T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                                GATE: tl.constexpr, SPLITS: tl.constexpr):
+        """Row ``program_id(0)``'s queries of key head ``program_id(1)``: the softmax
+        states of its key parts merged in part order (each rescaled to the running
+        maximum), normalised, gated and stored. A part with no keys holds a maximum of
+        ``-inf`` and weighs nothing; part 0 holds every row's first key."""
+        i_b = tl.program_id(0)
+        i_kh = tl.program_id(1)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, D)
+        first = (i_b * tl.num_programs(1) + i_kh) * SPLITS
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        for s in tl.static_range(SPLITS):
+            m_s = tl.load(part_ml_ptr + (first + s) * (2 * BLOCK_M) + offs_m)
+            l_s = tl.load(part_ml_ptr + (first + s) * (2 * BLOCK_M) + BLOCK_M + offs_m)
+            o_s = tl.load(part_o_ptr + (first + s) * (BLOCK_M * D) + offs_m[:, None] * D + offs_d[None, :])
+            m_new = tl.maximum(m_i, m_s)
+            a_run = tl.exp(m_i - m_new)
+            a_s = tl.exp(m_s - m_new)
+            acc = acc * a_run[:, None] + o_s * a_s[:, None]
+            l_i = l_i * a_run + l_s * a_s
+            m_i = m_new
+        _store_outputs(acc / l_i[:, None], i_b, i_kh, o_ptr, stride_ob, stride_ot, stride_oh, g_ptr, stride_gn,
+                       stride_gh, T, G, D, BLOCK_M, GATE)
+
+    @triton.jit
+    def _store_outputs(o, i_b, i_kh, o_ptr, stride_ob, stride_ot, stride_oh, g_ptr, stride_gn, stride_gh,
+                       T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, GATE: tl.constexpr):
+        """The normalised outputs ``o [BLOCK_M, D]`` (fp32; tile row ``m`` is query token
+        ``m // G`` of head ``i_kh * G + m % G``) of row ``i_b``, rounded to the output
+        dtype, times the output gate where ``GATE``, stored."""
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, D)
+        tok = offs_m // G
+        head = i_kh * G + offs_m % G
+        row_ok = offs_m < T * G
+        o = o.to(o_ptr.dtype.element_ty)
         if GATE:
             # The output gate as activations.sigmoid_mul computes it on the rounded
             # outputs: torch's sigmoid (expf, an IEEE division) rounded to the dtype,
