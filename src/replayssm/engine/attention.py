@@ -195,7 +195,7 @@ def key_splits(programs: int, capacity: int, block_n: int, device: torch.device)
     step keeps it; the parts' lengths follow the rows' lengths on the device (a part
     past a row's last key does nothing)."""
     want = KEY_SPLIT_PROGRAMS_PER_SM * sm_count(device) // max(programs, 1)
-    return max(1, min(KEY_SPLITS_MAX, want, triton.cdiv(capacity, block_n)))
+    return max(1, min(KEY_SPLITS_MAX, want, -(-capacity // block_n)))
 
 
 @functools.lru_cache(maxsize=None)
