@@ -1007,9 +1007,13 @@ class HybridEngine:
                 (:meth:`Strategy.chunk_prefill_static`'s ``chunks``).
 
         Returns:
-            ``(logits [B * T, vocab] float32, hidden [B * T, hidden])`` (logits
-            ``[R, vocab]`` with ``last``). Nothing is read on the host; the KV cache
-            gets the window's keys and values, its lengths are left to the caller.
+            ``(logits [B * T, vocab], hidden [B * T, hidden])`` (logits ``[R, vocab]``
+            with ``last``), both in the model's dtype: the LM head's output as it is
+            (greedy tokens take its argmax, which its fp32 widening would not change;
+            sampling widens it, :func:`~replayssm.engine.sampling.warp_probs`), so a
+            step moves no fp32 copy of ``B T x vocab`` logits (at a Qwen3.5 vocabulary
+            and 256 window rows, a gigabyte a step). Nothing is read on the host; the KV
+            cache gets the window's keys and values, its lengths are left to the caller.
         """
         b, t = ids.shape
         h = self.static_embed(ids.reshape(-1))
@@ -1051,7 +1055,7 @@ class HybridEngine:
             h, x = self.static_add_norm(layer.post_attention_layernorm, h, x)
             after = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
             h, x = self.static_add_norm(after, h, self.static_mlp(layer.mlp, x))
-        return self.lm_head(x if last is None else x[last]).float(), x
+        return self.lm_head(x if last is None else x[last]), x
 
     def static_norm(self, module, x: torch.Tensor, gate: torch.Tensor | None = None, *,
                     out: torch.Tensor | None = None) -> torch.Tensor:

@@ -185,7 +185,8 @@ class DeviceModelDrafter(DeviceDrafter):
             eng.strategy.abort(batch)
         else:
             eng.strategy.commit(batch, commit.to(torch.int32))
-        return _fit_vocab(logits, self.vocab_size).view(b, t, -1)
+        # widened as the drafter's eager verify gives them (its tree's top-k ties alike)
+        return _fit_vocab(logits.float(), self.vocab_size).view(b, t, -1)
 
     def observe(self, slot_idx, emitted, accepted, *, hidden=None, positions=None):
         kv = self.engine.kv
