@@ -1012,7 +1012,7 @@ class HybridEngine:
             (greedy tokens take its argmax, which its fp32 widening would not change;
             sampling widens it, :func:`~replayssm.engine.sampling.warp_probs`), so a
             step moves no fp32 copy of ``B T x vocab`` logits (at a Qwen3.5 vocabulary
-            and 256 window rows, a gigabyte a step). Nothing is read on the host; the KV
+            and 256 window rows, half a gigabyte a step with the fp32 argmax). Nothing is read on the host; the KV
             cache gets the window's keys and values, its lengths are left to the caller.
         """
         b, t = ids.shape
