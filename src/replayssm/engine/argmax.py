@@ -1,10 +1,9 @@
 """Greedy tokens: the argmax of each row of logits, in one launch for a step's rows.
 
 A greedy step takes ``logits.argmax(-1)`` three or four times (the target's window, and
-each depth of the MTP head's drafts). torch's reduction spends 4-15 µs on it at a small
-model's shapes (``[16, 4096]`` took 15 µs a call on an H100, about what a whole norm
-layer costs), because it splits so few rows across blocks that meet in global memory.
-:func:`argmax_rows` gives each row one program (the vocabulary in blocks of
+each depth of the MTP head's drafts). torch's reduction kernel spends 4-15 µs on it at
+a small model's shapes (``[16, 4096]`` bf16, 128 KB, took 15.5 µs a call on an H100,
+what eight norm kernels cost). :func:`argmax_rows` gives each row one program (the vocabulary in blocks of
 :data:`ARGMAX_BLOCK`, a running best in registers); when the rows are too few to fill
 the GPU and the vocabulary is long (a Qwen3.5 vocabulary at batch 1), it splits each row
 into parts and reduces the parts' bests in a second launch.
