@@ -45,7 +45,7 @@ from triton.runtime import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 OPS = ("recurrence", "fold", "ring_decode", "closed_form", "tree_recurrence", "conv_prefill", "norms", "rotary",
-       "attention", "argmax")
+       "attention", "argmax", "step_inputs")
 H, HV, K, V, T, L = 16, 32, 128, 128, 4, 16
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
@@ -90,7 +90,7 @@ def install() -> None:
     from replayssm import ops  # noqa: F401
     from replayssm.engine import attention, norms, rotary  # noqa: F401
     try:
-        from replayssm.engine import argmax  # noqa: F401  (a tree before it has none)
+        from replayssm.engine import argmax, step_inputs  # noqa: F401  (a tree before them has neither)
     except ImportError:
         argmax = None
 
@@ -297,6 +297,13 @@ def run_op(op: str, batch: int, sdt: torch.dtype, act: torch.dtype,
             argmax.argmax_rows(torch.randn(rows, vocab).to(act))
             labels.append(f"argmax of {rows} x {vocab}")
         labels.append("the parts' bests merged")
+    elif op == "step_inputs":  # a chain step's inputs at Qwen3.5's shapes: 64 rows of 4 tokens, hidden 2048, 64 rotary
+        from replayssm.engine import step_inputs
+
+        windows, kv_len = torch.randint(0, 1000, (81, 4)), torch.randint(0, 100, (81,))
+        step_inputs.gather_step_inputs(windows, kv_len, torch.arange(64), torch.randn(1000, 2048).to(act),
+                                       torch.randn(512, 2, 64).to(act))
+        labels.append("windows, lengths, positions, embedding and rotary rows of 64 x 4 tokens")
     return labels
 
 

@@ -145,6 +145,12 @@ def test_reports_the_attention_with_and_without_its_gate(tmp_path):
     _launches(tmp_path, "attention", "_merge_key_parts_kernel", 1)
 
 
+def test_reports_a_steps_inputs_in_one_launch(tmp_path):
+    """``--ops step_inputs``: the gather of a chain step's inputs compiles for sm_90,
+    no spills."""
+    _launches(tmp_path, "step_inputs", "_step_inputs_kernel", 1)
+
+
 def test_reports_greedy_tokens_in_one_launch_or_in_parts(tmp_path):
     """``--ops argmax``: the argmax kernel compiles for sm_90 at a step's rows and, for
     one row of a Qwen3.5 vocabulary, in parts merged by a second kernel; no spills."""

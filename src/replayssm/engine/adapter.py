@@ -36,6 +36,7 @@ from .attention import slot_attention, tree_attention
 from .kv_cache import KVCache, PromptLayout, WindowLayout, cached_attention
 from .activations import dense_silu_mlp, sigmoid_mul, silu_mul
 from .argmax import argmax_rows
+from .step_inputs import gather_step_inputs
 from .fused_linear import fuse_linears, fused_weight
 from .norms import add_rms_norm, norm_eps, norm_kind, rms_norm, rms_norm_pair
 from .rotary import rope_at, rope_rows, rotate_, rotate_into_cache_
@@ -969,7 +970,9 @@ class HybridEngine:
     def forward_static(self, ids: torch.Tensor, positions: torch.Tensor, slot_idx: torch.Tensor | None, batch: Batch,
                        *, verify: bool, ring: bool = False, tree=None, prompt: PromptLayout | None = None,
                        last: torch.Tensor | None = None, chunk_kernel: Callable | None = None,
-                       chunks: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       chunks: tuple[torch.Tensor, torch.Tensor] | None = None,
+                       embedded: tuple[torch.Tensor, torch.Tensor | None] | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """One static-shape forward of ``B`` rows of ``T`` tokens, CUDA-graph safe.
 
         Args:
@@ -1005,6 +1008,10 @@ class HybridEngine:
                 request last): ``(cu_seqlens [B + 3], chunk_indices [M, 2])``, the
                 kernel's offsets and fixed-length chunk list on the device
                 (:meth:`Strategy.chunk_prefill_static`'s ``chunks``).
+            embedded: ``(h [B * T, hidden], rope [B, T, 2, R] or None)``, the tokens'
+                embedding rows and rotary rows already gathered
+                (:meth:`static_step_inputs`); default: gathered here from ``ids`` and
+                ``positions``.
 
         Returns:
             ``(logits [B * T, vocab], hidden [B * T, hidden])`` (logits ``[R, vocab]``
@@ -1016,8 +1023,9 @@ class HybridEngine:
             cache gets the window's keys and values, its lengths are left to the caller.
         """
         b, t = ids.shape
-        h = self.static_embed(ids.reshape(-1))
-        rope = self.static_rope(h, positions)
+        h, rope = embedded if embedded is not None else (self.static_embed(ids.reshape(-1)), None)
+        if rope is None:
+            rope = self.static_rope(h, positions)
         strat = self.strategy
         norm = self.static_norm
         window = None
@@ -1131,6 +1139,23 @@ class HybridEngine:
             return own[:capacity]
         x = torch.empty((capacity, 1), dtype=self.dtype, device=device)
         return rope_rows(*self.rotary_cos_sin(x, torch.arange(capacity, device=device))).contiguous()
+
+    def static_step_inputs(self, windows: torch.Tensor, slot_idx: torch.Tensor, steps: torch.Tensor) -> tuple:
+        """A chain step's inputs from its rows' slots ``slot_idx [B]`` and the slots'
+        next windows ``windows [S + 1, T]`` (``steps``: ``arange(T)`` on the device): ``(ids [B, T], starts [B], positions [B,
+        T], embedded)``, the rows' windows, committed lengths and token positions, and
+        ``embedded`` for :meth:`forward_static` (their embedding and rotary rows). One
+        kernel where the kernels are fused and the embedding is a plain
+        ``nn.Embedding`` (:func:`~replayssm.engine.step_inputs.gather_step_inputs`;
+        five as torch ops), else the torch ops (``embedded`` then ``None``: the forward
+        gathers them). The same values either way."""
+        if self.fused_norms and type(self.embed) is torch.nn.Embedding:
+            ids, starts, positions, h, rope = gather_step_inputs(windows, self.kv.device_lengths, slot_idx,
+                                                                 self.embed.weight, self._rope)
+            return ids, starts, positions, (h, rope)
+        ids = windows[slot_idx]
+        starts = self.kv.device_lengths[slot_idx]
+        return ids, starts, starts[:, None] + steps, None
 
     def static_embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The embedding's rows of ``ids [N]`` (``[N, hidden]``) for a static step: a

@@ -179,17 +179,22 @@ class StaticStep:
             return self._tree_body()
         eng, t = self.engine, self.window
         kv_len = eng.kv.device_lengths
-        ids = rows = self.windows[self.slot_idx]  # [B, T] (a tree's [B, N] for a spine step)
-        if self.spine is not None:
+        embedded = None
+        if self.spine is None:  # the windows, lengths, positions, embedding and rotary rows (one kernel where fused)
+            ids, starts, positions, embedded = eng.static_step_inputs(self.windows, self.slot_idx, self._steps)
+            rows = ids
+        else:
+            rows = self.windows[self.slot_idx]  # a tree's [B, N]
             ids = rows[:, self.spine]
+            starts = kv_len[self.slot_idx]
+            positions = starts[:, None] + self._steps
         verify = t > 1
         # the probabilities this window's drafts were sampled from (None: deterministic)
         q = self.drafter.draft_probs(self.slot_idx) if verify and not self.sampling.greedy else None
         if q is not None and self.spine is not None:
             q = q[:, self._spine_drafts]
-        starts = kv_len[self.slot_idx]
-        positions = starts[:, None] + self._steps
-        logits, hidden = eng.forward_static(ids, positions, self.slot_idx, self.batch, verify=verify, ring=self.ring)
+        logits, hidden = eng.forward_static(ids, positions, self.slot_idx, self.batch, verify=verify, ring=self.ring,
+                                            embedded=embedded)
         logits = logits.view(self.rows, t, -1)
         forced = self.drafter.forced_accepts(self.slot_idx) if verify else None
         if forced is not None:  # a benchmark drafter sets the count; the target gives the next token

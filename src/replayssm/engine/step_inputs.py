@@ -1,0 +1,136 @@
+"""A static chain step's inputs, gathered in one kernel.
+
+A step starts from the slots of its rows: each row's window of token ids and its
+committed length, then the positions of its tokens, their embedding rows and their
+rotary rows. As torch ops that is five small kernels (two indexings, an add, two row
+gathers), each a launch at batch 1. :func:`gather_step_inputs` writes all five in one
+launch, one program per (row, token). Everything is a copy or an integer sum: the
+results are the ops' exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..ops.triton_common import INTERPRETER, triton
+
+if triton is not None:
+    import triton.language as tl
+
+    from ..ops.triton_common import mask_and as _tl_mask_and
+
+#: Embedding columns a program copies at once (a power of two).
+EMBED_BLOCK = 1024
+
+
+def gather_step_inputs_reference(windows, kv_len, slot_idx, embed, rope_table=None):
+    """See :func:`gather_step_inputs` (the torch ops a step ran)."""
+    ids = windows[slot_idx]
+    starts = kv_len[slot_idx]
+    positions = starts[:, None] + torch.arange(windows.shape[1], device=windows.device)
+    h = embed[ids.reshape(-1)]
+    rope = None
+    if rope_table is not None:
+        rope = rope_table[positions.reshape(-1)].view(*positions.shape, *rope_table.shape[1:])
+    return ids, starts, positions, h, rope
+
+
+def gather_step_inputs(windows: torch.Tensor, kv_len: torch.Tensor, slot_idx: torch.Tensor, embed: torch.Tensor,
+                       rope_table: torch.Tensor | None = None, *, backend: str = "triton"):
+    """The inputs of a chain step of ``B`` rows of ``T`` tokens, graph-safe.
+
+    Args:
+        windows: ``[S + 1, T]`` int64, each slot's next window (the sink's last); its
+            rows at any stride (the first ``T`` columns of a wider buffer).
+        kv_len: ``[S + 1]`` int64, each slot's committed length on the device.
+        slot_idx: ``[B]`` int64, the rows' slots (the sink for padding rows), below
+            ``S + 1``.
+        embed: ``[V, H]`` the embedding table.
+        rope_table: ``None``, or ``[L, 2, R]`` rotary rows of every cache position
+            (:meth:`~replayssm.engine.adapter.HybridEngine.rope_table`).
+        backend: ``"triton"`` (one launch; CUDA or the Triton interpreter) or
+            ``"reference"`` (the torch ops).
+
+    Returns:
+        ``(ids [B, T], starts [B], positions [B, T], h [B * T, H], rope [B, T, 2, R] or
+        None)``: the rows' windows, committed lengths, token positions ``starts + t``,
+        embedding rows and rotary rows. On the Triton backend a token id outside
+        ``[0, V)`` gets a zero embedding row and a position outside ``[0, L)`` zero
+        rotary rows (checked on the device; the reference's indexing raises, or wraps a
+        negative index).
+    """
+    for name, x in (("windows", windows), ("kv_len", kv_len), ("slot_idx", slot_idx)):
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.int64:
+            raise TypeError(f"{name} must be an int64 tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+    if windows.dim() != 2 or kv_len.shape != (windows.shape[0],) or slot_idx.dim() != 1:
+        raise ValueError(f"windows must be [S + 1, T], kv_len [S + 1] and slot_idx [B], got {list(windows.shape)}, "
+                         f"{list(kv_len.shape)} and {list(slot_idx.shape)}")
+    if not isinstance(embed, torch.Tensor) or embed.dim() != 2:
+        raise ValueError(f"embed must be a [V, H] tensor, got {getattr(embed, 'shape', type(embed).__name__)}")
+    if rope_table is not None and (rope_table.dim() != 3 or rope_table.shape[1] != 2):
+        raise ValueError(f"rope_table must be [L, 2, R], got {list(rope_table.shape)}")
+    tensors = (windows, kv_len, slot_idx, embed) + (() if rope_table is None else (rope_table,))
+    if any(x.device != windows.device for x in tensors):
+        raise ValueError(f"windows, kv_len, slot_idx, embed and rope_table must be on one device, got "
+                         f"{[str(x.device) for x in tensors]}")
+    if backend == "reference":
+        return gather_step_inputs_reference(windows, kv_len, slot_idx, embed, rope_table)
+    if backend != "triton":
+        raise ValueError(f"backend must be 'triton' or 'reference', got {backend!r}")
+    if triton is None or (windows.device.type != "cuda" and not INTERPRETER):
+        raise RuntimeError("the Triton gather_step_inputs needs CUDA tensors or the Triton interpreter")
+    if not all(x.is_contiguous() for x in tensors[1:]) or (windows.stride(1) != 1 and windows.shape[1] > 1):
+        raise ValueError("kv_len, slot_idx, embed and rope_table must be contiguous, and windows along its last axis")
+    b, t = slot_idx.shape[0], windows.shape[1]
+    v, hid = embed.shape
+    dev = windows.device
+    ids = torch.empty((b, t), dtype=torch.int64, device=dev)
+    starts = torch.empty(b, dtype=torch.int64, device=dev)
+    positions = torch.empty((b, t), dtype=torch.int64, device=dev)
+    h = torch.empty((b * t, hid), dtype=embed.dtype, device=dev)
+    rope = None if rope_table is None else torch.empty((b, t, 2, rope_table.shape[2]), dtype=rope_table.dtype,
+                                                       device=dev)
+    if b > 0 and t > 0:
+        rows = 0 if rope_table is None else 2 * rope_table.shape[2]
+        _step_inputs_kernel[(b, t)](
+            windows, kv_len, slot_idx, embed, rope_table if rope_table is not None else embed, ids, starts, positions,
+            h, rope if rope is not None else h, windows.stride(0), windows.shape[0], v, hid,
+            0 if rope_table is None else rope_table.shape[0],
+            T=t, BLOCK_H=min(EMBED_BLOCK, triton.next_power_of_2(hid)), ROPE=rows,
+            BLOCK_R=triton.next_power_of_2(max(rows, 1)), num_warps=4,
+        )
+    return ids, starts, positions, h, rope
+
+
+if triton is not None:
+
+    @triton.jit
+    def _step_inputs_kernel(win_ptr, kv_ptr, slot_ptr, emb_ptr, rope_ptr, ids_ptr, starts_ptr, pos_ptr, h_ptr,
+                            rope_out_ptr, stride_w, n_slots, n_vocab, n_hidden, n_rope, T: tl.constexpr,
+                            BLOCK_H: tl.constexpr,
+                            ROPE: tl.constexpr, BLOCK_R: tl.constexpr):
+        """Row ``program_id(0)``'s token ``program_id(1)``: its id, position and start
+        (token 0 writes the row's start), its embedding row and its rotary rows."""
+        b = tl.program_id(0).to(tl.int64)
+        t = tl.program_id(1)
+        row = b * T + t
+        slot = tl.load(slot_ptr + b)
+        ok = (slot >= 0) & (slot < n_slots)  # checked by the caller; a bad slot reads nothing
+        tok = tl.load(win_ptr + slot * stride_w + t, mask=ok, other=-1)
+        start = tl.load(kv_ptr + slot, mask=ok, other=0)
+        pos = start + t
+        tl.store(ids_ptr + row, tok)
+        tl.store(pos_ptr + row, pos)
+        if t == 0:
+            tl.store(starts_ptr + b, start)
+        tok_ok = (tok >= 0) & (tok < n_vocab)
+        cols = tl.arange(0, BLOCK_H)
+        for c0 in range(0, n_hidden, BLOCK_H):
+            c = c0 + cols
+            e = tl.load(emb_ptr + tok * n_hidden + c, mask=_tl_mask_and(c < n_hidden, tok_ok), other=0.0)
+            tl.store(h_ptr + row * n_hidden + c, e, mask=c < n_hidden)
+        if ROPE > 0:
+            r = tl.arange(0, BLOCK_R)
+            pos_ok = (pos >= 0) & (pos < n_rope)
+            x = tl.load(rope_ptr + pos * ROPE + r, mask=_tl_mask_and(r < ROPE, pos_ok), other=0.0)
+            tl.store(rope_out_ptr + row * ROPE + r, x, mask=r < ROPE)
