@@ -1,5 +1,6 @@
-"""A chain step's inputs in one kernel (``gather_step_inputs``) against the torch ops it
-replaces: the rows' windows, committed lengths, positions, embedding and rotary rows."""
+"""A step's inputs in one kernel (``gather_step_inputs``) against the torch ops it
+replaces: the rows' windows, committed lengths, positions (a chain's, a draft tree's
+depths), embedding and rotary rows."""
 
 from __future__ import annotations
 
@@ -27,14 +28,15 @@ def test_step_inputs_are_the_torch_ops(rng, t):
     if t == 1:
         windows = windows[:, :1]
         assert not windows.is_contiguous()
-    for rope in (table, None):
-        got = gather_step_inputs(windows, kv_len, slot_idx, embed, rope)
-        want = gather_step_inputs(windows, kv_len, slot_idx, embed, rope, backend="reference")
+    depths = torch.tensor([0, 1, 1, 2])[: windows.shape[1]]  # a draft tree's nodes (t = 4)
+    for rope, offsets in ((table, None), (None, None), (table, depths)):
+        got = gather_step_inputs(windows, kv_len, slot_idx, embed, rope, offsets)
+        want = gather_step_inputs(windows, kv_len, slot_idx, embed, rope, offsets, backend="reference")
         assert (got[4] is None) == (rope is None)
         for g, w in zip(got, want):
             if w is not None:
                 assert g.dtype == w.dtype and torch.equal(g, w)
-    assert torch.equal(got[2], kv_len[slot_idx][:, None] + torch.arange(windows.shape[1]))
+    assert torch.equal(got[2], kv_len[slot_idx][:, None] + depths)
 
 
 def test_step_inputs_out_of_range_ids_read_zero_rows(rng):
@@ -56,6 +58,8 @@ def test_step_inputs_refuse_bad_arguments(rng):
         (dict(kv_len=kv_len[:-1]), ValueError, "kv_len"),
         (dict(embed=embed[0]), ValueError, "embed must be"),
         (dict(rope_table=table[:, :1]), ValueError, "rope_table must be"),
+        (dict(offsets=torch.arange(5)), ValueError, "offsets must be"),
+        (dict(offsets=torch.arange(4).int()), TypeError, "offsets must be an int64"),
         (dict(windows=windows.T.contiguous().T), ValueError, "along its last axis"),
     ]:
         args = dict(windows=windows, kv_len=kv_len, slot_idx=slot_idx, embed=embed, rope_table=table)

@@ -1141,8 +1141,9 @@ class HybridEngine:
         return rope_rows(*self.rotary_cos_sin(x, torch.arange(capacity, device=device))).contiguous()
 
     def static_step_inputs(self, windows: torch.Tensor, slot_idx: torch.Tensor, steps: torch.Tensor) -> tuple:
-        """A chain step's inputs from its rows' slots ``slot_idx [B]`` and the slots'
-        next windows ``windows [S + 1, T]`` (``steps``: ``arange(T)`` on the device): ``(ids [B, T], starts [B], positions [B,
+        """A step's inputs from its rows' slots ``slot_idx [B]`` and the slots' next
+        windows ``windows [S + 1, T]`` (``steps [T]``: each token's offset from its row's
+        committed length, ``arange(T)`` for a chain, a draft tree's depths): ``(ids [B, T], starts [B], positions [B,
         T], embedded)``, the rows' windows, committed lengths and token positions, and
         ``embedded`` for :meth:`forward_static` (their embedding and rotary rows). One
         kernel where the kernels are fused and the embedding is a plain
@@ -1151,7 +1152,7 @@ class HybridEngine:
         gathers them). The same values either way."""
         if self.fused_norms and type(self.embed) is torch.nn.Embedding:
             ids, starts, positions, h, rope = gather_step_inputs(windows, self.kv.device_lengths, slot_idx,
-                                                                 self.embed.weight, self._rope)
+                                                                 self.embed.weight, self._rope, steps)
             return ids, starts, positions, (h, rope)
         ids = windows[slot_idx]
         starts = self.kv.device_lengths[slot_idx]

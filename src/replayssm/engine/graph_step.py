@@ -227,10 +227,10 @@ class StaticStep:
         """:meth:`_body` for a draft tree (see the module docstring)."""
         eng, tree = self.engine, self.tree
         kv_len = eng.kv.device_lengths
-        ids = self.windows[self.slot_idx]  # [B, N]: the root, then the drafted nodes
-        starts = kv_len[self.slot_idx]
-        logits, hidden = eng.forward_static(ids, starts[:, None] + tree.depth[None], self.slot_idx, self.batch,
-                                            verify=True, tree=(tree, self.trees, starts))
+        # [B, N]: the root, then the drafted nodes, each at its depth past the row's length
+        ids, starts, positions, embedded = eng.static_step_inputs(self.windows, self.slot_idx, tree.depth)
+        logits, hidden = eng.forward_static(ids, positions, self.slot_idx, self.batch, verify=True,
+                                            tree=(tree, self.trees, starts), embedded=embedded)
         logits = logits.view(self.rows, tree.num_nodes, -1)
         if self.sampling.greedy:
             node, nxt = accept_greedy_tree(eng.static_argmax(logits), ids, tree)

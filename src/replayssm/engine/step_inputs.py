@@ -1,7 +1,9 @@
-"""A static chain step's inputs, gathered in one kernel.
+"""A static step's inputs, gathered in one kernel.
 
 A step starts from the slots of its rows: each row's window of token ids and its
-committed length, then the positions of its tokens, their embedding rows and their
+committed length, then the positions of its tokens (the length plus each token's offset
+in the window: its index in a chain, its depth in a draft tree), their embedding rows
+and their
 rotary rows. As torch ops that is five small kernels (two indexings, an add, two row
 gathers), each a launch at batch 1. :func:`gather_step_inputs` writes all five in one
 launch, one program per (row, token). Everything is a copy or an integer sum: the
@@ -23,11 +25,13 @@ if triton is not None:
 EMBED_BLOCK = 1024
 
 
-def gather_step_inputs_reference(windows, kv_len, slot_idx, embed, rope_table=None):
+def gather_step_inputs_reference(windows, kv_len, slot_idx, embed, rope_table=None, offsets=None):
     """See :func:`gather_step_inputs` (the torch ops a step ran)."""
     ids = windows[slot_idx]
     starts = kv_len[slot_idx]
-    positions = starts[:, None] + torch.arange(windows.shape[1], device=windows.device)
+    if offsets is None:
+        offsets = torch.arange(windows.shape[1], device=windows.device)
+    positions = starts[:, None] + offsets
     h = embed[ids.reshape(-1)]
     rope = None
     if rope_table is not None:
@@ -36,8 +40,9 @@ def gather_step_inputs_reference(windows, kv_len, slot_idx, embed, rope_table=No
 
 
 def gather_step_inputs(windows: torch.Tensor, kv_len: torch.Tensor, slot_idx: torch.Tensor, embed: torch.Tensor,
-                       rope_table: torch.Tensor | None = None, *, backend: str = "triton"):
-    """The inputs of a chain step of ``B`` rows of ``T`` tokens, graph-safe.
+                       rope_table: torch.Tensor | None = None, offsets: torch.Tensor | None = None, *,
+                       backend: str = "triton"):
+    """The inputs of a step of ``B`` rows of ``T`` tokens, graph-safe.
 
     Args:
         windows: ``[S + 1, T]`` int64, each slot's next window (the sink's last); its
@@ -48,18 +53,22 @@ def gather_step_inputs(windows: torch.Tensor, kv_len: torch.Tensor, slot_idx: to
         embed: ``[V, H]`` the embedding table.
         rope_table: ``None``, or ``[L, 2, R]`` rotary rows of every cache position
             (:meth:`~replayssm.engine.adapter.HybridEngine.rope_table`).
+        offsets: ``None`` (a chain: token ``t`` at ``starts + t``), or ``[T]`` int64 each
+            token's offset from its row's committed length (a draft tree's depths).
         backend: ``"triton"`` (one launch; CUDA or the Triton interpreter) or
             ``"reference"`` (the torch ops).
 
     Returns:
         ``(ids [B, T], starts [B], positions [B, T], h [B * T, H], rope [B, T, 2, R] or
-        None)``: the rows' windows, committed lengths, token positions ``starts + t``,
+        None)``: the rows' windows, committed lengths, token positions ``starts +
+        offsets``,
         embedding rows and rotary rows. On the Triton backend a token id outside
         ``[0, V)`` gets a zero embedding row and a position outside ``[0, L)`` zero
         rotary rows (checked on the device; the reference's indexing raises, or wraps a
         negative index).
     """
-    for name, x in (("windows", windows), ("kv_len", kv_len), ("slot_idx", slot_idx)):
+    ints = (("windows", windows), ("kv_len", kv_len), ("slot_idx", slot_idx))
+    for name, x in ints + ((("offsets", offsets),) if offsets is not None else ()):
         if not isinstance(x, torch.Tensor) or x.dtype != torch.int64:
             raise TypeError(f"{name} must be an int64 tensor, got {getattr(x, 'dtype', type(x).__name__)}")
     if windows.dim() != 2 or kv_len.shape != (windows.shape[0],) or slot_idx.dim() != 1:
@@ -69,18 +78,21 @@ def gather_step_inputs(windows: torch.Tensor, kv_len: torch.Tensor, slot_idx: to
         raise ValueError(f"embed must be a [V, H] tensor, got {getattr(embed, 'shape', type(embed).__name__)}")
     if rope_table is not None and (rope_table.dim() != 3 or rope_table.shape[1] != 2):
         raise ValueError(f"rope_table must be [L, 2, R], got {list(rope_table.shape)}")
-    tensors = (windows, kv_len, slot_idx, embed) + (() if rope_table is None else (rope_table,))
+    if offsets is not None and offsets.shape != (windows.shape[1],):
+        raise ValueError(f"offsets must be [{windows.shape[1]}] (a window's tokens), got {list(offsets.shape)}")
+    tensors = (windows, kv_len, slot_idx, embed) + tuple(x for x in (rope_table, offsets) if x is not None)
     if any(x.device != windows.device for x in tensors):
         raise ValueError(f"windows, kv_len, slot_idx, embed and rope_table must be on one device, got "
                          f"{[str(x.device) for x in tensors]}")
     if backend == "reference":
-        return gather_step_inputs_reference(windows, kv_len, slot_idx, embed, rope_table)
+        return gather_step_inputs_reference(windows, kv_len, slot_idx, embed, rope_table, offsets)
     if backend != "triton":
         raise ValueError(f"backend must be 'triton' or 'reference', got {backend!r}")
     if triton is None or (windows.device.type != "cuda" and not INTERPRETER):
         raise RuntimeError("the Triton gather_step_inputs needs CUDA tensors or the Triton interpreter")
     if not all(x.is_contiguous() for x in tensors[1:]) or (windows.stride(1) != 1 and windows.shape[1] > 1):
-        raise ValueError("kv_len, slot_idx, embed and rope_table must be contiguous, and windows along its last axis")
+        raise ValueError("kv_len, slot_idx, embed, rope_table and offsets must be contiguous, and windows along its "
+                         "last axis")
     b, t = slot_idx.shape[0], windows.shape[1]
     v, hid = embed.shape
     dev = windows.device
@@ -93,10 +105,11 @@ def gather_step_inputs(windows: torch.Tensor, kv_len: torch.Tensor, slot_idx: to
     if b > 0 and t > 0:
         rows = 0 if rope_table is None else 2 * rope_table.shape[2]
         _step_inputs_kernel[(b, t)](
-            windows, kv_len, slot_idx, embed, rope_table if rope_table is not None else embed, ids, starts, positions,
+            windows, kv_len, slot_idx, offsets if offsets is not None else kv_len, embed,
+            rope_table if rope_table is not None else embed, ids, starts, positions,
             h, rope if rope is not None else h, windows.stride(0), windows.shape[0], v, hid,
             0 if rope_table is None else rope_table.shape[0],
-            T=t, BLOCK_H=min(EMBED_BLOCK, triton.next_power_of_2(hid)), ROPE=rows,
+            T=t, OFFSETS=offsets is not None, BLOCK_H=min(EMBED_BLOCK, triton.next_power_of_2(hid)), ROPE=rows,
             BLOCK_R=triton.next_power_of_2(max(rows, 1)), num_warps=4,
         )
     return ids, starts, positions, h, rope
@@ -105,9 +118,9 @@ def gather_step_inputs(windows: torch.Tensor, kv_len: torch.Tensor, slot_idx: to
 if triton is not None:
 
     @triton.jit
-    def _step_inputs_kernel(win_ptr, kv_ptr, slot_ptr, emb_ptr, rope_ptr, ids_ptr, starts_ptr, pos_ptr, h_ptr,
-                            rope_out_ptr, stride_w, n_slots, n_vocab, n_hidden, n_rope, T: tl.constexpr,
-                            BLOCK_H: tl.constexpr,
+    def _step_inputs_kernel(win_ptr, kv_ptr, slot_ptr, off_ptr, emb_ptr, rope_ptr, ids_ptr, starts_ptr, pos_ptr,
+                            h_ptr, rope_out_ptr, stride_w, n_slots, n_vocab, n_hidden, n_rope, T: tl.constexpr,
+                            OFFSETS: tl.constexpr, BLOCK_H: tl.constexpr,
                             ROPE: tl.constexpr, BLOCK_R: tl.constexpr):
         """Row ``program_id(0)``'s token ``program_id(1)``: its id, position and start
         (token 0 writes the row's start), its embedding row and its rotary rows."""
@@ -118,7 +131,10 @@ if triton is not None:
         ok = (slot >= 0) & (slot < n_slots)  # checked by the caller; a bad slot reads nothing
         tok = tl.load(win_ptr + slot * stride_w + t, mask=ok, other=-1)
         start = tl.load(kv_ptr + slot, mask=ok, other=0)
-        pos = start + t
+        if OFFSETS:
+            pos = start + tl.load(off_ptr + t)
+        else:
+            pos = start + t
         tl.store(ids_ptr + row, tok)
         tl.store(pos_ptr + row, pos)
         if t == 0:
