@@ -39,12 +39,19 @@ def test_emit_step_is_the_torch_ops(rng, t, greedy):
     else:  # counts and tokens chosen elsewhere (rejection sampling, a forced drafter)
         choice = dict(n=torch.randint(0, t, (b,), generator=rng), nxt=torch.randint(0, 100, (b,), generator=rng))
     runs = []
+    windows = torch.randint(200, 300, (SLOTS + 1, t + 2), generator=rng)  # the next windows, wider than T
     for backend in ("reference", "triton"):
-        kv, out = kv_len.clone(), torch.full((b, 1 + t), 7, dtype=torch.int64)
-        runs.append((*emit_step(ids, starts, slot_idx, kv, SLOTS, out, backend=backend, **choice), kv, out))
+        kv, out, win = kv_len.clone(), torch.full((b, 1 + t), 7, dtype=torch.int64), windows.clone()
+        got = emit_step(ids, starts, slot_idx, kv, SLOTS, out, backend=backend, next_windows=win[:, 1:], **choice)
+        runs.append((*got, kv, out, win))
     for want, got in zip(*runs):
         assert torch.equal(got, want), (want, got)
-    accepted, nxt, emitted, kv, out = runs[1]
+    accepted, nxt, emitted, kv, out, win = runs[1]
+    # each row's next token opens its slot's next window; nothing else of the windows moves
+    assert torch.equal(win[slot_idx, 1], nxt)
+    moved = torch.zeros_like(win, dtype=torch.bool)
+    moved[slot_idx, 1] = True
+    assert torch.equal(win[~moved], windows[~moved])
     if greedy:  # the agreed drafts, then the target's token after them, then -1
         assert torch.equal(accepted, agree + 1)
         for i, a in enumerate(agree.tolist()):
@@ -72,3 +79,7 @@ def test_emit_step_refuses_bad_arguments(rng):
         emit_step(ids, starts, slot_idx, kv_len, 2, out, argmax=argmax)
     with pytest.raises(ValueError, match="backend"):
         emit_step(*args, argmax=argmax, backend="cuda")
+    for bad in (torch.zeros(SLOTS, 4, dtype=torch.int64), torch.zeros(SLOTS + 1, 4),
+                torch.zeros(4, SLOTS + 1, dtype=torch.int64).T):
+        with pytest.raises(ValueError, match="next_windows must be"):
+            emit_step(*args, argmax=argmax, next_windows=bad)

@@ -24,11 +24,14 @@ if triton is not None:
     import triton.language as tl
 
 
-def emit_step_reference(ids, starts, slot_idx, kv_len, sink: int, out, *, argmax=None, n=None, nxt=None):
+def emit_step_reference(ids, starts, slot_idx, kv_len, sink: int, out, *, argmax=None, n=None, nxt=None,
+                        next_windows=None):
     """See :func:`emit_step` (the torch ops a step ran)."""
     t = ids.shape[1]
     if argmax is not None:
         n, nxt = accept_greedy_argmax(argmax, ids)
+    if next_windows is not None:
+        next_windows[slot_idx, 0] = nxt
     steps = torch.arange(t, device=ids.device)
     accepted = n + 1
     kv_len[slot_idx] = starts + accepted
@@ -42,7 +45,7 @@ def emit_step_reference(ids, starts, slot_idx, kv_len, sink: int, out, *, argmax
 
 def emit_step(ids: torch.Tensor, starts: torch.Tensor, slot_idx: torch.Tensor, kv_len: torch.Tensor, sink: int,
               out: torch.Tensor, *, argmax: torch.Tensor | None = None, n: torch.Tensor | None = None,
-              nxt: torch.Tensor | None = None, backend: str = "triton"):
+              nxt: torch.Tensor | None = None, next_windows: torch.Tensor | None = None, backend: str = "triton"):
     """A chain step's accepted counts, emitted tokens and KV lengths (graph-safe).
 
     Args:
@@ -58,6 +61,9 @@ def emit_step(ids: torch.Tensor, starts: torch.Tensor, slot_idx: torch.Tensor, k
             acceptance (``n`` the leading drafts it agrees with, ``nxt`` its token after
             them). Or, without it:
         n, nxt: ``[B]`` int64, accepted drafts and the next token, chosen elsewhere.
+        next_windows: ``None``, or the slots' next windows ``[S + 1, T']`` int64 (rows at
+            any stride, the last axis contiguous): each row's next token goes to column 0
+            of its slot's row, where the next step's window starts.
         backend: ``"triton"`` (one launch; CUDA or the Triton interpreter) or
             ``"reference"`` (the torch ops).
 
@@ -82,8 +88,16 @@ def emit_step(ids: torch.Tensor, starts: torch.Tensor, slot_idx: torch.Tensor, k
     if kv_len.device != ids.device or sink != kv_len.shape[0] - 1:
         raise ValueError(f"kv_len must be on {ids.device} with the sink {sink} its last entry, got "
                          f"{list(kv_len.shape)} on {kv_len.device}")
+    if next_windows is not None and (
+            not isinstance(next_windows, torch.Tensor) or next_windows.dtype != torch.int64 or next_windows.dim() != 2
+            or next_windows.shape[0] != kv_len.shape[0] or next_windows.shape[1] < 1
+            or next_windows.device != ids.device or (next_windows.stride(1) != 1 and next_windows.shape[1] > 1)):
+        raise ValueError(f"next_windows must be an int64 [{kv_len.shape[0]}, T'] tensor on {ids.device}, its last "
+                         f"axis contiguous, got {getattr(next_windows, 'dtype', type(next_windows).__name__)} "
+                         f"{list(getattr(next_windows, 'shape', []))}")
     if backend == "reference":
-        return emit_step_reference(ids, starts, slot_idx, kv_len, sink, out, argmax=argmax, n=n, nxt=nxt)
+        return emit_step_reference(ids, starts, slot_idx, kv_len, sink, out, argmax=argmax, n=n, nxt=nxt,
+                                   next_windows=next_windows)
     if backend != "triton":
         raise ValueError(f"backend must be 'triton' or 'reference', got {backend!r}")
     if triton is None or (ids.device.type != "cuda" and not INTERPRETER):
@@ -95,7 +109,9 @@ def emit_step(ids: torch.Tensor, starts: torch.Tensor, slot_idx: torch.Tensor, k
     if b > 0:
         _emit_kernel[(b,)](
             ids, argmax if greedy else ids, n if not greedy else starts, nxt_out, starts, slot_idx, kv_len, out, sink,
-            kv_len.shape[0], T=t, BT=triton.next_power_of_2(t), GREEDY=greedy, num_warps=1,
+            kv_len.shape[0], next_windows if next_windows is not None else out,
+            next_windows.stride(0) if next_windows is not None else 0, T=t, BT=triton.next_power_of_2(t),
+            GREEDY=greedy, WINDOWS=next_windows is not None, num_warps=1,
         )
     return out[:, 0], nxt_out, out[:, 1:]
 
@@ -103,11 +119,12 @@ def emit_step(ids: torch.Tensor, starts: torch.Tensor, slot_idx: torch.Tensor, k
 if triton is not None:
 
     @triton.jit
-    def _emit_kernel(ids_ptr, am_ptr, n_ptr, nxt_ptr, starts_ptr, slot_ptr, kv_ptr, out_ptr, sink, n_kv,
-                     T: tl.constexpr, BT: tl.constexpr, GREEDY: tl.constexpr):
+    def _emit_kernel(ids_ptr, am_ptr, n_ptr, nxt_ptr, starts_ptr, slot_ptr, kv_ptr, out_ptr, sink, n_kv, win_ptr,
+                     stride_w, T: tl.constexpr, BT: tl.constexpr, GREEDY: tl.constexpr, WINDOWS: tl.constexpr):
         """Row ``program_id``: its acceptance (``GREEDY``: from the target's argmax, its
         next token stored at ``nxt_ptr``; else both read), its count and emitted tokens
-        into ``out``, its KV length."""
+        into ``out``, its KV length, and with ``WINDOWS`` its next token into column 0 of
+        its slot's next window."""
         b = tl.program_id(0).to(tl.int64)
         t = tl.arange(0, BT)
         in_window = t < T
@@ -131,4 +148,6 @@ if triton is not None:
         # a live row's slot takes its new length; the sink stays 0 (a padding row writes 0
         # there, as the first row does: the same value)
         tl.store(kv_ptr + slot, tl.where(slot >= sink, 0, start + n + 1), mask=(slot >= 0) & (slot < n_kv))
+        if WINDOWS:
+            tl.store(win_ptr + slot * stride_w, nxt, mask=(slot >= 0) & (slot < n_kv))
         tl.store(kv_ptr + sink, 0, mask=b == 0)

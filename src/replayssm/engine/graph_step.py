@@ -206,7 +206,10 @@ class StaticStep:
             choice = dict(n=n, nxt=nxt)
         # the accepted counts, emitted tokens, output buffer and KV lengths (padding rows
         # start at position 0: no host value in a graph), in one kernel where fused
+        # (and a chain's next token, at the start of its slot's next window)
+        chain = self.spine is None
         accepted, nxt, emitted = emit_step(ids, starts, self.slot_idx, kv_len, eng.kv.sink, self.out,
+                                           next_windows=self.windows if chain else None,
                                            backend="triton" if eng.fused_norms else "reference", **choice)
         if verify:
             eng.strategy.commit(self.batch, accepted.to(torch.int32))
@@ -214,13 +217,15 @@ class StaticStep:
             eng.strategy.commit(self.batch)  # the one token of every row
         if self.drafter is not None:
             self.drafter.observe(self.slot_idx, emitted, accepted, hidden=hidden, positions=positions)
-        if self.spine is not None and self.drafter.drafts_spines:  # the next spine; the other nodes keep theirs
+        if chain:  # the drafts after it (a plain step proposes nothing: its window is the token)
+            if verify:
+                self.windows[self.slot_idx, 1:] = self.drafter.propose(self.slot_idx)
+            return
+        if self.drafter.drafts_spines:  # the next spine; the other nodes keep theirs
             nxt_window = rows
             nxt_window[:, self.spine] = torch.cat([nxt[:, None], self.drafter.propose_spine(self.slot_idx)], 1)
-        elif verify:
+        else:
             nxt_window = torch.cat([nxt[:, None], self.drafter.propose(self.slot_idx)], 1)
-        else:  # a plain step proposes nothing: only the last token of the window moves
-            nxt_window = nxt[:, None]
         self.windows[self.slot_idx] = nxt_window
 
     def _tree_body(self) -> None:
