@@ -268,13 +268,15 @@ def test_kernels_per_draft_depth(model, rng):
 #: Kernel ceilings of a whole captured step on the embedded model at batch 1 (the GPU
 #: path under the interpreter): a plain step, and fold's with 3 MTP drafts.
 PLAIN_STEP_OPS = 91
-MTP_STEP_OPS = 151
+MTP_STEP_OPS = 150
 
 
 def test_kernels_per_step(model):
     """A static step's kernels at batch 1 on the fused (GPU) path: plain decoding at most
-    91, fold verifying 3 MTP drafts at most 151 (8 layers, 2 of them full attention;
-    the MTP head's observe pass and 2 further depths). 92 and 152 before the step's
+    91, fold verifying 3 MTP drafts at most 150 (8 layers, 2 of them full attention;
+    the MTP head's observe pass and 2 further depths), counted on a step after its
+    warm-up, as a capture takes it. 151 before fold's commit kept its zero start
+    positions, 92 and 152 before the step's
     output kernel wrote the next token into the next window, 96 and 156 before the step's
     inputs (windows, lengths, positions, embedding and rotary rows) became one kernel,
     98 and 161 before the output
@@ -298,8 +300,10 @@ def test_kernels_per_step(model):
             drafter.bind(2, 3, CAPACITY + 4, eng.device)
         step = StaticStep(eng, windows if drafter else windows[:, :1], 1, drafter=drafter)
         step.set_rows([slot])
-        with torch.inference_mode(), count_ops() as ops:
-            step.run()
+        with torch.inference_mode():
+            step.run()  # the warm-up a capture runs first (what it makes once is not in the graph)
+            with count_ops() as ops:
+                step.run()
         counts[mode] = ops
     assert counts["plain"].total <= PLAIN_STEP_OPS, counts["plain"].counts
     assert counts["fold"].total <= MTP_STEP_OPS, counts["fold"].counts

@@ -87,6 +87,10 @@ class FoldStrategy(Strategy):
     Buffers = RecordBuffers
     buf: RecordBuffers
 
+    def __init__(self, pool):
+        super().__init__(pool)
+        self._zeros: dict[tuple, torch.Tensor] = {}  # commit's first ring positions, per row count
+
     @classmethod
     def buffer_specs(cls, pool):
         return record_specs(pool, pool.window, committed=False)
@@ -100,8 +104,20 @@ class FoldStrategy(Strategy):
     def _commit_states(self, batch, accepted):
         gdn_fold(
             self.pool.checkpoints, *self.buf.all_layers(),
-            batch.slots, torch.zeros_like(accepted), accepted, backend=self.pool.backend,
+            batch.slots, self._first_positions(accepted), accepted, backend=self.pool.backend,
         )
+
+    def _first_positions(self, accepted: torch.Tensor) -> torch.Tensor:
+        """Zeros like ``accepted``: every row's records start at ring position 0. Kept
+        per row count once made outside a CUDA graph capture (a captured step's eager
+        warm-up makes them), so a captured commit has no fill kernel."""
+        key = (accepted.shape, accepted.dtype, accepted.device)
+        zeros = self._zeros.get(key)
+        if zeros is None:
+            zeros = torch.zeros_like(accepted)
+            if not (accepted.is_cuda and torch.cuda.is_current_stream_capturing()):
+                self._zeros[key] = zeros
+        return zeros
 
     def _verify_tree(self, layer, q, k, v, a, b, A_log, dt_bias, batch, trees):
         """Each node by the exact step from its parent's state (:func:`~replayssm.ops.
