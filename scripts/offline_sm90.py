@@ -290,6 +290,12 @@ def run_op(op: str, batch: int, sdt: torch.dtype, act: torch.dtype,
             attention.slot_attention(q[:1, :1], cache[0], cache[1], rows[:1], starts[:1], 0.125, backend="triton",
                                      gate=gate[:1])
             labels += ["window attention, 1 token, a part of the keys", "the parts merged, with the output gate"]
+        if hasattr(attention, "KEY_MERGE"):  # the parts merged by the last to arrive, in the parts' launch
+            attention.KEY_MERGE, keep = "last_part", attention.KEY_MERGE
+            attention.slot_attention(q[:1, :1], cache[0], cache[1], rows[:1], starts[:1], 0.125, backend="triton",
+                                     gate=gate[:1])
+            attention.KEY_MERGE = keep
+            labels.append("window attention, 1 token, a part of the keys, merged by the last part with the gate")
     elif op == "argmax":  # greedy tokens: the embedded model's vocabulary at batch 16, a Qwen3.5 one at batch 1
         from replayssm.engine import argmax
 

@@ -87,3 +87,43 @@ def test_keys_split_into_parts_give_the_whole_pass(rng, monkeypatch, t):
         for got, ref in zip(_both(q, kc, vc, rows, starts, "triton", g), want):
             torch.testing.assert_close(got, ref, rtol=0, atol=2e-6 * float(ref.abs().max()))
     assert merges == [(3, 2)] * 4
+
+
+def test_keys_merged_by_their_last_part(rng, monkeypatch):
+    """``KEY_MERGE = "last_part"``: the part that arrives last merges the row's parts
+    (no second launch), giving the merge launch's outputs bit for bit; its counters are
+    back at zero after each call, so a second call merges again."""
+    q, kc, vc, gate, rows, starts = _case(rng, b=3, t=4, cap=300)
+    monkeypatch.setattr(attention, "KEY_SPLIT_PROGRAMS_PER_SM", 64)
+    by_launch = _both(q, kc, vc, rows, starts, "triton", gate)
+    monkeypatch.setattr(attention, "KEY_MERGE", "last_part")
+    monkeypatch.setattr(attention, "_merge_key_parts_kernel", None)  # a merge launch would fail
+    for _ in range(2):
+        for got, want in zip(_both(q, kc, vc, rows, starts, "triton", gate), by_launch):
+            assert torch.equal(got, want)
+        assert not attention._ARRIVALS[q.device].any()
+    monkeypatch.setattr(attention, "KEY_MERGE", "later")
+    with pytest.raises(ValueError, match="KEY_MERGE"):
+        _both(q, kc, vc, rows, starts, "triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 4])
+def test_keys_merged_by_their_last_part_on_cuda(t, monkeypatch):
+    """On the card, where the parts run at once: the last part to arrive reads every
+    other part's state (a missed store would show as garbage), 30 calls in a row at
+    batch 1 and 2 with 2000-key contexts; the outputs of the merge launch to fp32
+    rounding, the counters back at zero."""
+    gen = torch.Generator().manual_seed(6)
+    for b in (1, 2):
+        q, kc, vc, gate, rows, starts = _case(gen, b=b, t=t, d=64, cap=2048, device="cuda", dtype=torch.bfloat16)
+        starts.fill_(2048 - t)
+        assert attention.key_splits(b * 2, 2048, 64, q.device) > 1
+        want = _both(q, kc, vc, rows, starts, "triton", gate)
+        monkeypatch.setattr(attention, "KEY_MERGE", "last_part")
+        for _ in range(30):
+            for got, ref in zip(_both(q, kc, vc, rows, starts, "triton", gate), want):
+                torch.testing.assert_close(got.float(), ref.float(), rtol=0, atol=1e-2 * float(ref.abs().max()))
+        monkeypatch.setattr(attention, "KEY_MERGE", "launch")
+        torch.cuda.synchronize()
+        assert not attention._ARRIVALS[q.device].any()

@@ -185,6 +185,25 @@ KV_STAGES = 3
 KEY_SPLITS_MAX = 16
 #: Programs per SM below which a call splits its keys (each part is a program).
 KEY_SPLIT_PROGRAMS_PER_SM = 1
+#: Who merges the parts: ``"launch"``, a second launch after the parts' (the default);
+#: or ``"last_part"``, the part program that finishes last (an arrival counter per row
+#: and key head; no second launch, but launches that split must not run concurrently on
+#: two streams of a device, since they share the counters). An option to measure.
+KEY_MERGE = "launch"
+_ARRIVALS: dict[torch.device, torch.Tensor] = {}
+
+
+def _arrivals(device: torch.device, n: int) -> torch.Tensor:
+    """The persistent zeroed ``[>= n]`` int32 arrival counters of ``device`` for
+    ``KEY_MERGE = "last_part"`` (each merge resets its own to 0). Made outside a CUDA
+    graph capture (a captured step's eager warm-up makes them)."""
+    have = _ARRIVALS.get(device)
+    if have is None or have.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the attention's arrival counters must exist before a CUDA graph capture: run the "
+                               "step once eagerly first")
+        have = _ARRIVALS[device] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    return have
 
 
 def key_splits(programs: int, capacity: int, block_n: int, device: torch.device) -> int:
@@ -241,18 +260,22 @@ def _slot_attention_triton(q, k_cache, v_cache, slot_idx, starts, scale, tree_bi
     rows_out = (out.stride(0), out.stride(1), out.stride(2))
     gate_at = (gate if gated else out, gate.stride(0) if gated else 0, gate.stride(1) if gated else 0)
     warps = 4 if block_m * d <= 32 * 128 else 8
+    if KEY_MERGE not in ("launch", "last_part"):
+        raise ValueError(f"KEY_MERGE must be 'launch' or 'last_part', got {KEY_MERGE!r}")
+    merge_here = splits > 1 and KEY_MERGE == "last_part"
+    arrivals = _arrivals(q.device, b * kv_heads) if merge_here else starts
     _slot_attention_kernel[(b, kv_heads, splits)](
         q, k_cache, v_cache, slot_idx, starts, out, tree_bits if tree else starts, scale,
         q.stride(0), q.stride(1), q.stride(2), *rows_out,
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *gate_at, part_o, part_ml,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *gate_at, part_o, part_ml, arrivals,
         T=t, G=groups, D=d, BLOCK_M=block_m, BLOCK_N=block_n, TREE=tree, W=window if tree else t, GATE=gated,
         STAGES=kv_stages(q.device, block_m, block_n, d, max(q.element_size(), k_cache.element_size())),
         # fp32 models get fp32 products (tl.dot would round fp32 operands to tf32 on
         # CUDA); 16-bit operands are exact in either.
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLITS=splits,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLITS=splits, MERGE_HERE=merge_here,
         num_warps=warps,
     )
-    if splits > 1:
+    if splits > 1 and not merge_here:
         _merge_key_parts_kernel[(b, kv_heads)](part_o, part_ml, out, *rows_out, *gate_at, T=t, G=groups, D=d,
                                                BLOCK_M=block_m, GATE=gated, SPLITS=splits, num_warps=warps)
     return out
@@ -264,15 +287,17 @@ if triton is not None:
     def _slot_attention_kernel(
         q_ptr, k_ptr, v_ptr, slot_ptr, start_ptr, o_ptr, bits_ptr, scale,
         stride_qb, stride_qt, stride_qh, stride_ob, stride_ot, stride_oh, stride_ks, stride_kh, stride_kl,
-        g_ptr, stride_gn, stride_gh, part_o_ptr, part_ml_ptr,
+        g_ptr, stride_gn, stride_gh, part_o_ptr, part_ml_ptr, arrive_ptr,
         T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         TREE: tl.constexpr, W: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr = 1,
-        GATE: tl.constexpr = False, SPLITS: tl.constexpr = 1,
+        GATE: tl.constexpr = False, SPLITS: tl.constexpr = 1, MERGE_HERE: tl.constexpr = False,
     ):
         """Row ``program_id(0)``'s queries of key head ``program_id(1)`` over its keys,
         or with ``SPLITS > 1`` over part ``program_id(2)`` of them (a ``1 / SPLITS`` share
         of the key blocks up to the row's last key), whose softmax state goes to
-        ``part_o, part_ml`` for :func:`_merge_key_parts_kernel`."""
+        ``part_o, part_ml`` for :func:`_merge_key_parts_kernel`, or with ``MERGE_HERE``
+        is merged by the row's last part to arrive (``arrive_ptr``, one counter per row
+        and key head)."""
         i_b = tl.program_id(0)
         i_kh = tl.program_id(1)
         slot = tl.load(slot_ptr + i_b).to(tl.int64)
@@ -320,10 +345,23 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         if SPLITS > 1:
-            part = (i_b * tl.num_programs(1) + i_kh) * SPLITS + tl.program_id(2)
+            pair = i_b * tl.num_programs(1) + i_kh
+            part = pair * SPLITS + tl.program_id(2)
             tl.store(part_o_ptr + part * (BLOCK_M * D) + offs_m[:, None] * D + offs_d[None, :], acc)
             tl.store(part_ml_ptr + part * (2 * BLOCK_M) + offs_m, m_i)
             tl.store(part_ml_ptr + part * (2 * BLOCK_M) + BLOCK_M + offs_m, l_i)
+            if MERGE_HERE:
+                # Every thread's stores are issued before the count (the barrier), and the
+                # count releases them at GPU scope; the last to arrive acquires the others'
+                # and reads them past L1.
+                tl.debug_barrier()
+                arrived = tl.atomic_add(arrive_ptr + pair, 1, sem="acq_rel", scope="gpu")
+                if arrived == SPLITS - 1:
+                    tl.debug_barrier()
+                    o = _merged_parts(part_o_ptr, part_ml_ptr, pair * SPLITS, D, BLOCK_M, SPLITS)
+                    _store_outputs(o, i_b, i_kh, o_ptr, stride_ob, stride_ot, stride_oh, g_ptr, stride_gn, stride_gh,
+                                   T, G, D, BLOCK_M, GATE)
+                    tl.atomic_xchg(arrive_ptr + pair, 0, sem="relaxed", scope="gpu")  # for the next launch
         else:
             _store_outputs(acc / l_i[:, None], i_b, i_kh, o_ptr, stride_ob, stride_ot, stride_oh, g_ptr, stride_gn,
                            stride_gh, T, G, D, BLOCK_M, GATE)
@@ -338,24 +376,32 @@ if triton is not None:
         ``-inf`` and weighs nothing; part 0 holds every row's first key."""
         i_b = tl.program_id(0)
         i_kh = tl.program_id(1)
+        o = _merged_parts(part_o_ptr, part_ml_ptr, (i_b * tl.num_programs(1) + i_kh) * SPLITS, D, BLOCK_M, SPLITS)
+        _store_outputs(o, i_b, i_kh, o_ptr, stride_ob, stride_ot, stride_oh, g_ptr, stride_gn, stride_gh,
+                       T, G, D, BLOCK_M, GATE)
+
+    @triton.jit
+    def _merged_parts(part_o_ptr, part_ml_ptr, first, D: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr):
+        """The normalised outputs ``[BLOCK_M, D]`` (fp32) of parts ``first ..
+        first + SPLITS - 1``: their softmax states merged in part order, each rescaled to
+        the running maximum. Read past L1 (other programs wrote them)."""
         offs_m = tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, D)
-        first = (i_b * tl.num_programs(1) + i_kh) * SPLITS
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
         for s in tl.static_range(SPLITS):
-            m_s = tl.load(part_ml_ptr + (first + s) * (2 * BLOCK_M) + offs_m)
-            l_s = tl.load(part_ml_ptr + (first + s) * (2 * BLOCK_M) + BLOCK_M + offs_m)
-            o_s = tl.load(part_o_ptr + (first + s) * (BLOCK_M * D) + offs_m[:, None] * D + offs_d[None, :])
+            m_s = tl.load(part_ml_ptr + (first + s) * (2 * BLOCK_M) + offs_m, cache_modifier=".cg")
+            l_s = tl.load(part_ml_ptr + (first + s) * (2 * BLOCK_M) + BLOCK_M + offs_m, cache_modifier=".cg")
+            o_s = tl.load(part_o_ptr + (first + s) * (BLOCK_M * D) + offs_m[:, None] * D + offs_d[None, :],
+                          cache_modifier=".cg")
             m_new = tl.maximum(m_i, m_s)
             a_run = tl.exp(m_i - m_new)
             a_s = tl.exp(m_s - m_new)
             acc = acc * a_run[:, None] + o_s * a_s[:, None]
             l_i = l_i * a_run + l_s * a_s
             m_i = m_new
-        _store_outputs(acc / l_i[:, None], i_b, i_kh, o_ptr, stride_ob, stride_ot, stride_oh, g_ptr, stride_gn,
-                       stride_gh, T, G, D, BLOCK_M, GATE)
+        return acc / l_i[:, None]
 
     @triton.jit
     def _store_outputs(o, i_b, i_kh, o_ptr, stride_ob, stride_ot, stride_oh, g_ptr, stride_gn, stride_gh,
