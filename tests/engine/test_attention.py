@@ -127,3 +127,29 @@ def test_keys_merged_by_their_last_part_on_cuda(t, monkeypatch):
         monkeypatch.setattr(attention, "KEY_MERGE", "launch")
         torch.cuda.synchronize()
         assert not attention._ARRIVALS[q.device].any()
+
+
+def test_tree_attention_takes_its_visibility_bits_built_once(rng):
+    """A tree's ancestor rows as bit sets, built once (``StaticTree.ancestor_bits`` and
+    its levels'): the same outputs as bits built per call; bits that do not fit are
+    refused, and the kernel reads them (a wrong set changes the outputs)."""
+    from replayssm.engine.attention import visibility_bits
+    from replayssm.engine.trees import StaticTree
+
+    tree = StaticTree.from_branching((2, 2))
+    n = tree.num_nodes
+    q, kc, vc, gate, rows, starts = _case(rng, t=n, cap=40)
+    assert torch.equal(tree.ancestor_bits, visibility_bits(tree.ancestors))
+    assert tree.ancestor_bits[n - 1] == sum(1 << j for j in range(n) if tree.ancestors[n - 1, j])
+    for depth, level in enumerate(tree.levels):
+        assert torch.equal(tree.level_bits[depth], tree.ancestor_bits[level])
+    per_call = tree_attention(q, kc, vc, rows, starts, tree.ancestors, 0.3, backend="triton", gate=gate)
+    once = tree_attention(q, kc, vc, rows, starts, tree.ancestors, 0.3, backend="triton", gate=gate,
+                          visible_bits=tree.ancestor_bits)
+    assert torch.equal(once, per_call)
+    causal = visibility_bits(torch.tril(torch.ones(n, n, dtype=torch.bool)))
+    other = tree_attention(q, kc, vc, rows, starts, tree.ancestors, 0.3, backend="triton", visible_bits=causal)
+    assert not torch.equal(other, tree_attention(q, kc, vc, rows, starts, tree.ancestors, 0.3, backend="triton"))
+    for bad in (tree.ancestor_bits[:-1], tree.ancestor_bits.int()):
+        with pytest.raises(ValueError, match="visible_bits must be"):
+            tree_attention(q, kc, vc, rows, starts, tree.ancestors, 0.3, backend="triton", visible_bits=bad)

@@ -305,11 +305,12 @@ def static_attention_forward(attn, x: torch.Tensor, rope: torch.Tensor, cache: K
             :func:`gated_output`).
         slot_idx: ``[B]`` cache slot per row (the cache's sink for padding rows).
         positions: ``[B, T]`` absolute position of every token (``starts[:, None] + t``).
-        tree: ``None`` (a causal window), or ``(starts [B], nodes [T], visible [T, W])``
-            for ``T`` nodes of a draft-tree window (:mod:`replayssm.engine.trees`):
-            token ``t`` is node ``nodes[t]``, written at cache position ``starts +
-            nodes[t]`` and seeing the prefix and the window entries ``visible[t]``
-            (:func:`tree_attention`); ``positions`` are then only the rotary ones
+        tree: ``None`` (a causal window), or ``(starts [B], nodes [T], visible [T, W],
+            visible_bits [T])`` for ``T`` nodes of a draft-tree window
+            (:mod:`replayssm.engine.trees`): token ``t`` is node ``nodes[t]``, written at
+            cache position ``starts + nodes[t]`` and seeing the prefix and the window
+            entries ``visible[t]`` (:func:`tree_attention`; ``visible_bits`` its rows as
+            bit sets, built once per tree); ``positions`` are then only the rotary ones
             (``start + depth``, already in ``cos`` / ``sin``).
 
     Writes the window's keys and values at their positions (the lengths are not
@@ -329,7 +330,7 @@ def static_attention_forward(attn, x: torch.Tensor, rope: torch.Tensor, cache: K
                            attn.scaling, backend=backend, gate=inside)
     else:
         o = tree_attention(qk[:, :, :heads], cache.k[layer], cache.v[layer], slot_idx, tree[0], tree[2],
-                           attn.scaling, backend=backend, gate=inside)
+                           attn.scaling, backend=backend, gate=inside, visible_bits=tree[3])
     return attn.o_proj(o.view(b * t, heads * d) if fused else gated_output(o.reshape(b * t, heads, d), gate))
 
 
@@ -1032,7 +1033,7 @@ class HybridEngine:
         if tree is not None:
             shape, trees, starts = tree
             nodes = torch.arange(shape.num_nodes, device=ids.device)
-            window = (starts, nodes, shape.ancestors)
+            window = (starts, nodes, shape.ancestors, shape.ancestor_bits)
         # Each residual add runs in the kernel of the norm after it (the next layer's
         # input norm, or the final norm), so a layer's loop starts from its normed input.
         x = norm(self.layers[0].input_layernorm, h)

@@ -137,9 +137,17 @@ def tree_attention_reference(q, k_cache, v_cache, slot_idx, starts, visible, sca
     return _attend_masked(q, k_cache, v_cache, slot_idx, _visible_mask(starts, visible, k_cache.shape[2]), scale)
 
 
+def visibility_bits(visible: torch.Tensor) -> torch.Tensor:
+    """``[M]`` int64: row ``m`` of a bool mask ``visible [M, W]`` (``W <= 64``) as a bit
+    set, bit ``j`` set where the row sees window entry ``j`` (what the Triton kernel
+    reads). Four kernels; a tree's are built once (:class:`~replayssm.engine.trees.StaticTree`)."""
+    w = visible.shape[1]
+    return (visible.long() << torch.arange(w, device=visible.device)).sum(1)
+
+
 def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_idx: torch.Tensor,
                    starts: torch.Tensor, visible: torch.Tensor, scale: float, *, backend: str = "auto",
-                   gate: torch.Tensor | None = None) -> torch.Tensor:
+                   gate: torch.Tensor | None = None, visible_bits: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of ``M`` query nodes per row over the prefix and the ancestors in a tree window.
 
     Args:
@@ -152,6 +160,9 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         scale: softmax scale.
         backend: ``"reference"``, ``"triton"`` or ``"auto"`` (Triton on CUDA).
         gate: as :func:`slot_attention`'s (``[B * M, heads, D]``).
+        visible_bits: ``None``, or ``visible``'s rows as bit sets, ``[M]`` int64, as
+            :func:`visibility_bits` gives them (built once per tree instead of per call;
+            the Triton kernel reads them, the reference ``visible``).
 
     Returns:
         ``[B, M, heads, D]`` in the dtype of ``q``. No host read: graph-safe.
@@ -161,15 +172,19 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     if visible.dim() != 2 or visible.dtype != torch.bool or visible.shape[0] != m or not 1 <= visible.shape[1] <= 64:
         raise ValueError(f"visible must be a bool [{m}, W] mask with 1 <= W <= 64, got {visible.dtype} "
                          f"{list(visible.shape)}")
+    if visible_bits is not None and (visible_bits.shape != (m,) or visible_bits.dtype != torch.int64
+                                     or visible_bits.device != visible.device):
+        raise ValueError(f"visible_bits must be an int64 [{m}] tensor on {visible.device}, got {visible_bits.dtype} "
+                         f"{list(visible_bits.shape)} on {visible_bits.device}")
     if resolve(backend, q.device) == "reference":
         return _gated(tree_attention_reference(q, k_cache, v_cache, slot_idx, starts, visible, scale), gate)
     if triton is None:
         raise RuntimeError("backend='triton' for tree attention needs the triton package")
     if q.device.type != "cuda" and not INTERPRETER:
         raise ValueError("backend='triton' on CPU tensors needs TRITON_INTERPRET=1 before importing replayssm")
-    w = visible.shape[1]
-    bits = (visible.long() << torch.arange(w, device=visible.device)).sum(1)  # [M] int64: bit j = entry j
-    return _slot_attention_triton(q, k_cache, v_cache, slot_idx, starts, scale, tree_bits=bits, window=w, gate=gate)
+    bits = visibility_bits(visible) if visible_bits is None else visible_bits.contiguous()
+    return _slot_attention_triton(q, k_cache, v_cache, slot_idx, starts, scale, tree_bits=bits,
+                                  window=visible.shape[1], gate=gate)
 
 
 #: Software-pipeline stages of the Triton kernel's pass over a slot's keys: the next

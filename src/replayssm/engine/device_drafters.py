@@ -642,7 +642,8 @@ class DeviceMTPDrafter(DeviceDrafter):
                 rotary = start + depth  # [B]: every node of this depth rotates at one position
                 hp = outs[:, tree.parents[level]].reshape(b * m, -1)
                 out = self._layer(tokens[:, level], hp, slot_idx, rotary[:, None].expand(b, m),
-                                  self._rope_at(rotary[:, None]), tree=(start, level, tree.ancestors[level]))
+                                  self._rope_at(rotary[:, None]),
+                                  tree=(start, level, tree.level_ancestors[depth], tree.level_bits[depth]))
                 outs[:, level] = out.view(b, m, -1)
             best = self.engine.lm_head(outs[:, level]).topk(width, dim=-1).indices  # [B, M, width]
             tokens[:, children] = best.reshape(b, -1)[:, source]

@@ -21,6 +21,7 @@ from typing import Sequence
 import torch
 
 from ..ops.trees import DraftTrees
+from .attention import visibility_bits
 
 
 def parse_branching(text: str) -> tuple[int, ...]:
@@ -69,6 +70,7 @@ class StaticTree:
         path: ``[N, D + 1]`` int64, the node at each depth of node ``i``'s root path
             (``-1`` past ``depth[i]``).
         children: ``[N, C]`` int64, each node's children in index order (``-1`` padding).
+        ancestor_bits: ``[N]`` int64, the rows of ``ancestors`` as bit sets.
         levels: per depth ``d``, the ``[M_d]`` int64 nodes at that depth.
         spine: ``[S]`` int64, the root and then each node's first child down to a leaf
             (``S <= D + 1``): the chain the tree holds, its drafter's best token at
@@ -100,10 +102,16 @@ class StaticTree:
         self.parents = parents.to(dev)
         self.depth = depth.to(dev)
         self.ancestors = trees.ancestors()[0].to(dev)
+        #: ``[N]`` int64, ``ancestors``' rows as bit sets (what the tree attention's kernel
+        #: reads; built here once instead of per attention call)
+        self.ancestor_bits = visibility_bits(self.ancestors)
         self.path = path.to(dev)
         self.children = torch.tensor([k + [-1] * (c - len(k)) for k in kids], dtype=torch.int64, device=dev)
         self.levels = [torch.tensor([i for i in range(n) if int(depth[i]) == k], dtype=torch.int64, device=dev)
                        for k in range(d + 1)]
+        #: per depth: the level's rows of ``ancestors`` and of ``ancestor_bits``
+        self.level_ancestors = [self.ancestors[level] for level in self.levels]
+        self.level_bits = [self.ancestor_bits[level] for level in self.levels]
         spine = [0]
         while kids[spine[-1]]:
             spine.append(kids[spine[-1]][0])
