@@ -95,6 +95,7 @@ class DraftTrees:
         object.__setattr__(self, "parents", self.parents.to("cpu", torch.int64))
         object.__setattr__(self, "num_nodes", self.num_nodes.to("cpu", torch.int64))
         object.__setattr__(self, "_on_device", {})
+        object.__setattr__(self, "_host", {})  # derived host tensors, computed once
 
     # -- constructors -------------------------------------------------------------------
 
@@ -153,12 +154,17 @@ class DraftTrees:
 
     @property
     def depth(self) -> torch.Tensor:
-        """``[B, N]`` int64: the root has depth 0, a child its parent's + 1, padding -1."""
-        depth = torch.full_like(self.parents, -1)
-        depth[:, 0] = 0
-        for i in range(1, self.max_nodes):
-            p = self.parents[:, i]
-            depth[:, i] = torch.where(p >= 0, depth.gather(1, p.clamp(min=0)[:, None])[:, 0] + 1, -1)
+        """``[B, N]`` int64: the root has depth 0, a child its parent's + 1, padding -1.
+        Computed once and kept, as :meth:`on` keeps the device tensors (a launcher asks
+        for it at every call; a caller must not change the result in place)."""
+        depth = self._host.get("depth")
+        if depth is None:
+            depth = torch.full_like(self.parents, -1)
+            depth[:, 0] = 0
+            for i in range(1, self.max_nodes):
+                p = self.parents[:, i]
+                depth[:, i] = torch.where(p >= 0, depth.gather(1, p.clamp(min=0)[:, None])[:, 0] + 1, -1)
+            self._host["depth"] = depth
         return depth
 
     def ancestors(self) -> torch.Tensor:
