@@ -28,3 +28,22 @@ def rng() -> torch.Generator:
 def seed() -> int:
     """A per-test integer seed for model weights."""
     return torch.initial_seed() % 100_000
+
+
+def _check_refused(fn, args: dict, cases, *untouched: torch.Tensor) -> None:
+    """Each ``(change, error, message)`` in ``cases``: ``fn(**args)`` with ``change``
+    applied raises ``error`` whose text matches ``message``, and every tensor in
+    ``untouched`` keeps its values (a refused call writes nothing)."""
+    kept = [t.clone() for t in untouched]
+    for change, error, message in cases:
+        with pytest.raises(error, match=message):
+            fn(**{**args, **change})
+        for t, k in zip(untouched, kept):
+            assert torch.equal(t, k), f"{change}: refused, but wrote an output"
+
+
+@pytest.fixture
+def refused():
+    """``refused(fn, args, cases, *untouched)``: bad arguments are refused, naming the
+    argument, and touch nothing (see :func:`_check_refused`)."""
+    return _check_refused

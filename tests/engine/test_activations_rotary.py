@@ -214,11 +214,10 @@ def test_rotate_into_cache_drops_tokens_outside_the_cache(rng):
     assert torch.equal(caches, want)
 
 
-def test_rotate_into_cache_refuses_what_it_cannot_write_and_touches_nothing(rng):
+def test_rotate_into_cache_refuses_what_it_cannot_write_and_touches_nothing(rng, refused):
     """Shapes, dtypes and index tensors that do not fit: a ValueError or TypeError
     naming the argument, before the queries, keys or caches change."""
     qk, rope, v, caches, rows, at = _cache_case(rng)
-    keep_qk, keep = qk.clone(), caches.clone()
     bad = [
         (dict(v=v[:, :, :1]), ValueError, "v must be"),
         (dict(v=v.double()), TypeError, "v and the caches must be"),
@@ -229,12 +228,8 @@ def test_rotate_into_cache_refuses_what_it_cannot_write_and_touches_nothing(rng)
         (dict(slots=rows[:2]), ValueError, "slots must be"),
         (dict(rope=rope[..., :7]), ValueError, "R even"),
     ]
-    for change, error, message in bad:
-        args = dict(qk=qk, rope=rope, v=v, k_cache=caches[0], v_cache=caches[1], slots=rows, at=at)
-        args.update(change)
-        with pytest.raises(error, match=message):
-            rotate_into_cache_(**args)
-        assert torch.equal(qk, keep_qk) and torch.equal(caches, keep)
+    args = dict(qk=qk, rope=rope, v=v, k_cache=caches[0], v_cache=caches[1], slots=rows, at=at)
+    refused(rotate_into_cache_, args, bad, qk, caches)
 
 
 @pytest.mark.gpu

@@ -51,9 +51,9 @@ def test_step_inputs_out_of_range_ids_read_zero_rows(rng):
     assert not rope[1, 2:].any() and torch.equal(rope[1, :2], table[table.shape[0] - 2 :])
 
 
-def test_step_inputs_refuse_bad_arguments(rng):
+def test_step_inputs_refuse_bad_arguments(rng, refused):
     windows, kv_len, slot_idx, embed, table = _case(rng)
-    for change, error, message in [
+    cases = [
         (dict(windows=windows.int()), TypeError, "windows must be an int64"),
         (dict(kv_len=kv_len[:-1]), ValueError, "kv_len"),
         (dict(embed=embed[0]), ValueError, "embed must be"),
@@ -61,11 +61,9 @@ def test_step_inputs_refuse_bad_arguments(rng):
         (dict(offsets=torch.arange(5)), ValueError, "offsets must be"),
         (dict(offsets=torch.arange(4).int()), TypeError, "offsets must be an int64"),
         (dict(windows=windows.T.contiguous().T), ValueError, "along its last axis"),
-    ]:
-        args = dict(windows=windows, kv_len=kv_len, slot_idx=slot_idx, embed=embed, rope_table=table)
-        args.update(change)
-        with pytest.raises(error, match=message):
-            gather_step_inputs(**args)
+    ]
+    args = dict(windows=windows, kv_len=kv_len, slot_idx=slot_idx, embed=embed, rope_table=table)
+    refused(gather_step_inputs, args, cases)
     with pytest.raises(ValueError, match="backend"):
         gather_step_inputs(windows, kv_len, slot_idx, embed, backend="cuda")
 

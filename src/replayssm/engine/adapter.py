@@ -1147,11 +1147,11 @@ class HybridEngine:
         committed length, ``arange(T)`` for a chain, a draft tree's depths): ``(ids [B, T], starts [B], positions [B,
         T], embedded)``, the rows' windows, committed lengths and token positions, and
         ``embedded`` for :meth:`forward_static` (their embedding and rotary rows). One
-        kernel where the kernels are fused and the embedding is a plain
-        ``nn.Embedding`` (:func:`~replayssm.engine.step_inputs.gather_step_inputs`;
+        kernel where the kernels are fused and the embedding is a plain table
+        (:attr:`plain_embedding`; :func:`~replayssm.engine.step_inputs.gather_step_inputs`;
         five as torch ops), else the torch ops (``embedded`` then ``None``: the forward
         gathers them). The same values either way."""
-        if self.fused_norms and type(self.embed) is torch.nn.Embedding:
+        if self.fused_norms and self.plain_embedding:
             ids, starts, positions, h, rope = gather_step_inputs(windows, self.kv.device_lengths, slot_idx,
                                                                  self.embed.weight, self._rope, steps)
             return ids, starts, positions, (h, rope)
@@ -1159,12 +1159,20 @@ class HybridEngine:
         starts = self.kv.device_lengths[slot_idx]
         return ids, starts, starts[:, None] + steps, None
 
+    @property
+    def plain_embedding(self) -> bool:
+        """Whether the embedding is a plain table lookup (an ``nn.Embedding`` without
+        ``max_norm``, which would renormalise the rows it reads), so that kernels may read
+        its rows from the table directly."""
+        return type(self.embed) is torch.nn.Embedding and self.embed.max_norm is None
+
     def static_embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The embedding's rows of ``ids [N]`` (``[N, hidden]``) for a static step: a
-        plain ``nn.Embedding``'s table indexed directly, one gather parallel over every
-        element (the module's ``index_select`` loops over the ids in a few blocks: 7.5 µs
-        for 16 ids on an H100, against about 1.5), the module otherwise. The same rows."""
-        if type(self.embed) is torch.nn.Embedding:
+        plain embedding's table indexed directly (:attr:`plain_embedding`), one gather
+        parallel over every element (the module's ``index_select`` loops over the ids in
+        a few blocks: 7.5 µs for 16 ids on an H100, against about 1.5), the module
+        otherwise. The same rows."""
+        if self.plain_embedding:
             return self.embed.weight[ids]
         return self.embed(ids)
 

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ops.dispatch import resolve
+from .activations import sigmoid_mul_reference
 from ..ops.triton_common import INTERPRETER, sm_count, triton
 
 if triton is not None:
@@ -129,7 +130,7 @@ def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 
 def _gated(o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
     """``o [B, T, heads, D]`` times ``sigmoid(gate [B * T, heads, D])`` (torch's two ops), or ``o``."""
-    return o if gate is None else (o.reshape(gate.shape) * torch.sigmoid(gate)).view(o.shape)
+    return o if gate is None else sigmoid_mul_reference(o.reshape(gate.shape), gate).view(o.shape)
 
 
 def tree_attention_reference(q, k_cache, v_cache, slot_idx, starts, visible, scale: float) -> torch.Tensor:
@@ -140,7 +141,8 @@ def tree_attention_reference(q, k_cache, v_cache, slot_idx, starts, visible, sca
 def visibility_bits(visible: torch.Tensor) -> torch.Tensor:
     """``[M]`` int64: row ``m`` of a bool mask ``visible [M, W]`` (``W <= 64``) as a bit
     set, bit ``j`` set where the row sees window entry ``j`` (what the Triton kernel
-    reads). Four kernels; a tree's are built once (:class:`~replayssm.engine.trees.StaticTree`)."""
+    reads). Four kernels; a static tree's are built once
+    (:attr:`~replayssm.engine.trees.StaticTree.ancestor_bits`)."""
     w = visible.shape[1]
     return (visible.long() << torch.arange(w, device=visible.device)).sum(1)
 

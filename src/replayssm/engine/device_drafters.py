@@ -515,10 +515,9 @@ class DeviceMTPDrafter(DeviceDrafter):
         self.tree = tree
         # The pair's input norms and the token's embedding in one kernel (norms.rms_norm_pair)
         # where the norms are fused, both are offset norms and the embedding is a plain lookup.
-        embed = engine.embed
-        self._fused_pre_fc = (engine.fused_norms and type(embed) is torch.nn.Embedding and embed.max_norm is None
+        self._fused_pre_fc = (engine.fused_norms and engine.plain_embedding
                               and norm_kind(head.pre_fc_norm_embedding) == norm_kind(head.pre_fc_norm_hidden) == "offset"
-                              and embed.weight.dtype == engine.dtype)
+                              and engine.embed.weight.dtype == engine.dtype)
 
     def bind(self, num_slots, num_draft, capacity, device):
         from .kv_cache import KVCache

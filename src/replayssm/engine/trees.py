@@ -21,7 +21,6 @@ from typing import Sequence
 import torch
 
 from ..ops.trees import DraftTrees
-from .attention import visibility_bits
 
 
 def parse_branching(text: str) -> tuple[int, ...]:
@@ -104,7 +103,7 @@ class StaticTree:
         self.ancestors = trees.ancestors()[0].to(dev)
         #: ``[N]`` int64, ``ancestors``' rows as bit sets (what the tree attention's kernel
         #: reads; built here once instead of per attention call)
-        self.ancestor_bits = visibility_bits(self.ancestors)
+        self.ancestor_bits = trees.ancestor_bits()[0].to(dev)
         self.path = path.to(dev)
         self.children = torch.tensor([k + [-1] * (c - len(k)) for k in kids], dtype=torch.int64, device=dev)
         self.levels = [torch.tensor([i for i in range(n) if int(depth[i]) == k], dtype=torch.int64, device=dev)
