@@ -45,7 +45,7 @@ from triton.runtime import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 OPS = ("recurrence", "fold", "ring_decode", "closed_form", "tree_recurrence", "conv_prefill", "norms", "rotary",
-       "attention", "argmax", "step_inputs")
+       "attention", "argmax", "step_inputs", "normed_linear")
 H, HV, K, V, T, L = 16, 32, 128, 128, 4, 16
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
@@ -91,6 +91,7 @@ def install() -> None:
     from replayssm.engine import attention, norms, rotary  # noqa: F401
     try:
         from replayssm.engine import argmax, step_inputs  # noqa: F401  (a tree before them has neither)
+        from replayssm.engine import normed_linear  # noqa: F401
     except ImportError:
         argmax = None
 
@@ -310,6 +311,23 @@ def run_op(op: str, batch: int, sdt: torch.dtype, act: torch.dtype,
         step_inputs.gather_step_inputs(windows, kv_len, torch.arange(64), torch.randn(1000, 2048).to(act),
                                        torch.randn(512, 2, 64).to(act))
         labels.append("windows, lengths, positions, embedding and rotary rows of 64 x 4 tokens")
+    elif op == "normed_linear":  # the embedded MTP head's passes at batch 1 (a depth) and 16 (an update of 4)
+        from replayssm.engine.normed_linear import normed_linear
+
+        h, inter, vocab = 256, 512, 4096
+        for m in (1, 64):
+            x, table = torch.randn(m, h).to(act), torch.randn(vocab, h).to(act)
+            g = (torch.randn(h).to(act), 1e-6)
+            ids = torch.randint(0, vocab, (m,))
+            normed_linear(table, torch.randn(h, 2 * h).to(act), norm=g, pair=(x, *g), rows=ids)
+            normed_linear(x, torch.randn(768, h).to(act), norm=g)
+            normed_linear(x, torch.randn(h, h).to(act), output="residual", residual=x)
+            normed_linear(x, torch.randn(2 * inter, h).to(act), norm=g, output="glu")
+            normed_linear(x, torch.randn(vocab, h).to(act), norm=g, rows=ids[: max(1, m // 4)] % 4, row_group=4,
+                          output="argmax", normed_out=torch.empty(max(1, m // 4), h).to(act))
+            labels += [f"{m} rows: fc with the lookup and both norms", "q|gate|k|v with the input norm",
+                       "o_proj with the residual add", "gate|up with the norm and SiLU's product",
+                       "the LM head with the final norm and the argmax", "the argmax's blocks merged"]
     return labels
 
 

@@ -31,7 +31,10 @@ class GenericLayerDrafter(DeviceMTPDrafter):
     pass was cut to fewer kernels): transformers' rotary arithmetic
     (``_attention_inputs``), the residual adds apart from their norms, the engine's
     norm, output gate and MLP of a static step (each held against torch's ops in its own
-    tests: tests/engine/test_activations_rotary.py, test_norms.py). The oracle."""
+    tests: tests/engine/test_activations_rotary.py, test_norms.py). The oracle; its
+    matmuls are torch's (no normed linears)."""
+
+    normed_linears = False
 
     def _layer(self, tokens, hidden, slot_idx, positions, rope, tree=None):
         eng, head = self.engine, self.head
@@ -72,9 +75,10 @@ def model():
     return load_model(str(embedded_model_dir("embedded")), dtype="float32", device="cpu")
 
 
-def _drafter(cls, model, backend, k, **kw):
+def _drafter(cls, model, backend, k, normed_linears=True, **kw):
     eng = HybridEngine(model, strategy="fold", num_slots=2, window=k + 1, max_len=CAPACITY, backend=backend)
     d = cls(eng, load_mtp_head(eng, str(embedded_model_dir("embedded"))), **kw)
+    d.normed_linears = normed_linears and cls.normed_linears
     d.bind(2, k, CAPACITY, eng.device)
     return d
 
@@ -123,13 +127,16 @@ def _drive(d, rounds, seed):
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 @pytest.mark.parametrize("mode", ["greedy", "sampled", "tree"])
 def test_head_pass_is_the_generic_layers_bit_for_bit(model, backend, mode, rng, seed):
+    """The cut pass with torch's matmuls (``normed_linears`` off) against the generic
+    layers: every output bit for bit (fp32, CPU), greedy, sampled and tree."""
     kw = {}
     if mode == "sampled":
         kw = dict(sampling=SamplingParams(temperature=0.8, top_k=50))
     elif mode == "tree":
         kw = dict(tree=StaticTree.from_branching((3, 2, 1)))
     k = kw["tree"].num_nodes - 1 if mode == "tree" else 3
-    fast = _drafter(DeviceMTPDrafter, model, backend, k, **kw)
+    fast = _drafter(DeviceMTPDrafter, model, backend, k, normed_linears=False, **kw)
+    assert fast._greedy_weights is None
     slow = _drafter(GenericLayerDrafter, model, backend, k, **kw)
     rounds = _rounds(rng, fast.engine.embed.weight.shape[1], fast.engine.vocab_size, k,
                      k + 1 if mode != "tree" else 4)
@@ -181,12 +188,83 @@ def test_head_pass_on_cuda_in_bf16_is_the_generic_layers(mode, rng):
     model = load_model(str(embedded_model_dir("embedded")), dtype="bfloat16", device="cuda")
     kw = dict(tree=StaticTree.from_branching((3, 2, 1), "cuda")) if mode == "tree" else {}
     k = kw["tree"].num_nodes - 1 if kw else 3
-    fast = _drafter(DeviceMTPDrafter, model, "auto", k, **kw)
+    fast = _drafter(DeviceMTPDrafter, model, "auto", k, normed_linears=False, **kw)
     slow = _drafter(GenericLayerDrafter, model, "auto", k, **kw)
     assert fast.engine.fused_norms
     rounds = _rounds(rng, fast.engine.embed.weight.shape[1], fast.engine.vocab_size, k, 4)
     for i, (g, w) in enumerate(zip(_drive(fast, rounds, 0), _drive(slow, rounds, 0))):
         assert g.dtype == w.dtype and torch.equal(g, w), f"output {i} differs"
+
+
+def _check_greedy_pass(model, backend, rng, rel: float, margin: float) -> None:
+    """:meth:`DeviceMTPDrafter._greedy_pass` against the generic layers' pass and torch's
+    LM head and argmax on the same inputs (random pairs, a random context in both
+    caches): an update of ``T = 4`` pairs a request picking one row each, then a depth of
+    one pair. Head outputs and the cache entries written within ``rel`` of their scale;
+    tokens equal wherever the oracle's best logit leads the next by more than
+    ``margin`` (and that must be most rows, or the check says nothing)."""
+    fast = _drafter(DeviceMTPDrafter, model, backend, 3)
+    slow = _drafter(GenericLayerDrafter, model, backend, 3)
+    assert fast._greedy_weights is not None and slow._greedy_weights is None
+    dev, dtype, hid = fast.engine.device, fast.engine.dtype, fast.engine.embed.weight.shape[1]
+    context = torch.randn(fast.cache.k.shape, generator=rng)
+    for d in (fast, slow):
+        d.cache.k.copy_(context)
+        d.cache.v.copy_(context.flip(-1))
+    slot, starts = torch.tensor([1, 0], device=dev), torch.tensor([5, 30], device=dev)
+    checked = rows = 0
+    for t, pick in ((4, torch.randint(0, 4, (2,), generator=rng).to(dev)), (1, None)):
+        tokens = torch.randint(0, fast.engine.vocab_size, (2, t), generator=rng).to(dev)
+        hidden = torch.randn(2 * t, hid, generator=rng).to(dev, dtype)
+        positions = starts[:, None] + torch.arange(t, device=dev)
+        with torch.inference_mode():
+            h, tok = fast._greedy_pass(tokens, hidden, slot, positions, fast._rope_at(positions), pick)
+            out = slow._layer(tokens, hidden, slot, positions, slow._rope_at(positions)).view(2, t, -1)
+            want_h = out[:, 0] if pick is None else out[torch.arange(2, device=dev), pick]
+            logits = slow.engine.lm_head(want_h).float()
+        scale = want_h.float().abs().max()
+        assert (h.float() - want_h.float()).abs().max() <= rel * scale, t
+        for got, want in ((fast.cache.k, slow.cache.k), (fast.cache.v, slow.cache.v)):
+            assert (got.float() - want.float()).abs().max() <= rel * want.float().abs().max(), t
+        top2 = logits.topk(2, -1).values
+        clear = (top2[:, 0] - top2[:, 1]) > margin
+        assert torch.equal(tok[clear], logits.argmax(-1)[clear]), t
+        checked, rows = checked + int(clear.sum()), rows + 2
+    assert checked >= rows // 2, "too few rows with a clear best token to check"
+
+
+def test_greedy_pass_is_the_generic_pass_to_rounding(model, rng):
+    """fp32 under the interpreter: the normed linears' matmuls sum in another order than
+    torch's, so values agree to 1e-5 of their scale (several fp32 ulps over 6 chained
+    matmuls of K <= 512), not bit for bit."""
+    _check_greedy_pass(model, "triton", rng, rel=1e-5, margin=1e-4)
+
+
+@pytest.mark.gpu
+def test_greedy_pass_on_cuda_in_bf16_is_the_generic_pass_to_rounding(rng):
+    """bf16 on the GPU: each matmul's result rounds to bf16 (2^-8 of its value) after a
+    different summation order, and a differently rounded value feeds every later op:
+    within 2^-5 of the scale (a few ulps through the pass); tokens where the best logit
+    leads by more than a quarter (two bf16 ulps of logits up to 16)."""
+    model = load_model(str(embedded_model_dir("embedded")), dtype="bfloat16", device="cuda")
+    _check_greedy_pass(model, "auto", rng, rel=2 ** -5, margin=0.25)
+
+
+def test_greedy_drafts_with_normed_linears_are_the_generic_drafts(model, rng, seed):
+    """Joins, updates and drafts through :meth:`DeviceMTPDrafter._greedy_pass` (fp32,
+    interpreter) against the generic layers: the same drafts (a flip needs two logits
+    within the passes' ~1e-6 difference of each other), head outputs and caches to
+    1e-5 of their scale."""
+    fast = _drafter(DeviceMTPDrafter, model, "triton", 3)
+    slow = _drafter(GenericLayerDrafter, model, "triton", 3)
+    rounds = _rounds(rng, fast.engine.embed.weight.shape[1], fast.engine.vocab_size, 3, 4)
+    got, want = _drive(fast, rounds, seed), _drive(slow, rounds, seed)
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        if w.dtype == torch.int64:
+            assert torch.equal(g, w), f"drafts {i} differ"
+        else:
+            assert (g - w).abs().max() <= 1e-5 * w.abs().max(), f"output {i} differs"
 
 
 @pytest.mark.gpu
@@ -318,9 +396,9 @@ def test_fused_attention_projections_give_the_unfused_heads_bits(model, mode, rn
     drafts, head outputs and head caches bit for bit (fp32, CPU, fused norms)."""
     kw = dict(tree=StaticTree.from_branching((3, 2, 1))) if mode == "tree" else {}
     k = kw["tree"].num_nodes - 1 if mode == "tree" else 3
-    fast = _drafter(DeviceMTPDrafter, model, "triton", k, **kw)
+    fast = _drafter(DeviceMTPDrafter, model, "triton", k, normed_linears=False, **kw)
     slow = _drafter(DeviceMTPDrafter, load_model(str(embedded_model_dir("embedded")), dtype="float32", device="cpu"),
-                    "triton", k, **kw)
+                    "triton", k, normed_linears=False, **kw)
     for d, fused in ((fast, True), (slow, False)):
         attns = [d.head.layers[0].self_attn] + [layer.self_attn for kind, layer in zip(d.engine.kinds, d.engine.layers)
                                                 if kind == "attn"]

@@ -206,13 +206,22 @@ def attention_projections(attn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     2D, 1)``, ``k, v`` at ``(W, D, 1)`` (the norms read them in place); else the three
     modules.
     """
-    n, d = x.shape[0], attn.head_dim
     projections = (attn.q_proj, attn.k_proj, attn.v_proj)
     w = fused_weight(projections)
     if w is None:
-        qg, k, v = (p(x) for p in projections)
-    else:
-        qg, k, v = torch.nn.functional.linear(x, w).split([p.out_features for p in projections], dim=-1)
+        return split_projections(attn, *(p(x) for p in projections))
+    return split_projections(attn, torch.nn.functional.linear(x, w))
+
+
+def split_projections(attn, *outputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`attention_projections`' views ``q, gate, k, v`` of the projections'
+    outputs: the three modules' ``[N, *]``, or the fused matmul's ``[N, W]`` (strided
+    views of it, no copy)."""
+    if len(outputs) == 1:
+        sizes = [p.out_features for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
+        outputs = outputs[0].split(sizes, dim=-1)
+    qg, k, v = outputs
+    n, d = qg.shape[0], attn.head_dim
     q, gate = qg.view(n, -1, 2 * d).chunk(2, dim=-1)
     return q, gate, k.view(n, -1, d), v.view(n, -1, d)
 
@@ -292,13 +301,19 @@ def gated_output(o: torch.Tensor, gate: torch.Tensor, *, fused: bool = False) ->
     return y.view(o.shape[0], -1)
 
 
-def static_attention_forward(attn, x: torch.Tensor, rope: torch.Tensor, cache: KVCache,
+def static_attention_forward(attn, x: torch.Tensor | None, rope: torch.Tensor, cache: KVCache,
                              layer: int, slot_idx: torch.Tensor, positions: torch.Tensor,
-                             backend: str = "auto", norm=None, tree=None, fused: bool = False) -> torch.Tensor:
+                             backend: str = "auto", norm=None, tree=None, fused: bool = False,
+                             projections: tuple | None = None, output_projection: bool = True) -> torch.Tensor:
     """:func:`attention_forward` for a static-shape step of ``B`` rows of ``T`` tokens.
 
     Args:
-        x: ``[B * T, hidden]`` normed hidden states, row-major over ``(b, t)``.
+        x: ``[B * T, hidden]`` normed hidden states, row-major over ``(b, t)`` (``None``
+            with ``projections``).
+        projections: ``None``, or ``(q, gate, k, v)`` as :func:`attention_projections`
+            gives them, computed by the caller (with its norm, say); ``x`` is then unused.
+        output_projection: ``False``: return the gated attention output ``[B * T,
+            heads * D]`` before ``o_proj`` (for a caller that runs it with the residual add).
         rope: ``[B, T, 2, rotary_dim]`` rotary rows of the tokens
             (:func:`~replayssm.engine.rotary.rope_rows`).
         norm, fused: as :func:`rotated_qk`'s (``fused`` also for the output gate,
@@ -318,7 +333,7 @@ def static_attention_forward(attn, x: torch.Tensor, rope: torch.Tensor, cache: K
     read on the host, so the call can be captured in a CUDA graph.
     """
     b, t = positions.shape
-    q, gate, k, v = attention_projections(attn, x)
+    q, gate, k, v = attention_projections(attn, x) if projections is None else projections
     heads, d = gate.shape[1], attn.head_dim
     at = positions if tree is None else tree[0][:, None] + tree[1][None]
     qk = rotated_qk(attn, q, k, rope, norm, fused=fused,
@@ -331,7 +346,8 @@ def static_attention_forward(attn, x: torch.Tensor, rope: torch.Tensor, cache: K
     else:
         o = tree_attention(qk[:, :, :heads], cache.k[layer], cache.v[layer], slot_idx, tree[0], tree[2],
                            attn.scaling, backend=backend, gate=inside, visible_bits=tree[3])
-    return attn.o_proj(o.view(b * t, heads * d) if fused else gated_output(o.reshape(b * t, heads, d), gate))
+    o = o.view(b * t, heads * d) if fused else gated_output(o.reshape(b * t, heads, d), gate)
+    return attn.o_proj(o) if output_projection else o
 
 
 def prompt_attention_forward(attn, x: torch.Tensor, rope: torch.Tensor, cache: KVCache, layer: int,

@@ -90,8 +90,18 @@ def argmax_rows(x: torch.Tensor, *, backend: str = "triton") -> torch.Tensor:
     where = torch.empty((rows, parts), dtype=torch.int64, device=x.device)
     _argmax_kernel[(rows, parts)](flat, flat.stride(0), cols, per_part, out, best, where, parts, BLOCK=block, PARTS=True,
                                   num_warps=warps)
-    _argmax_parts_kernel[(rows,)](best, where, out, parts, BLOCK=triton.next_power_of_2(parts), num_warps=1)
+    merge_argmax_parts(best, where, out.view(rows))
     return out
+
+
+def merge_argmax_parts(best: torch.Tensor, where: torch.Tensor, out: torch.Tensor) -> None:
+    """The second launch of a split argmax: ``out [R]`` (int64) the index ``where[r, p]``
+    of each row's first part ``p`` holding a NaN, else its first part holding the
+    greatest ``best[r, p]`` (fp32 ``best`` and int64 ``where``, contiguous ``[R, P]``:
+    each part's value and index, ties already resolved to the first within a part)."""
+    rows, parts = best.shape
+    if rows:
+        _argmax_parts_kernel[(rows,)](best, where, out, parts, BLOCK=triton.next_power_of_2(parts), num_warps=1)
 
 
 if triton is not None:

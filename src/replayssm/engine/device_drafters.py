@@ -33,7 +33,8 @@ import torch
 from ..ops.counter_hash import counter_hash
 from ..ops.guards import to_device
 from .activations import dense_silu_mlp
-from .fused_linear import fuse_linears
+from .fused_linear import fuse_linears, fused_weight
+from .normed_linear import NORMED_LINEAR_DTYPES, normed_linear
 from .norms import norm_eps, norm_kind, rms_norm_pair
 from .rotary import rope_at
 
@@ -507,6 +508,11 @@ class DeviceMTPDrafter(DeviceDrafter):
 
     name = "mtp"
     needs_hidden = True
+    #: Greedy chains on the fused kernels run each head pass as normed linears
+    #: (:meth:`_greedy_pass`: each norm, activation and residual add inside a matmul's
+    #: launch, the LM head's argmax too) where the head's modules allow; ``False`` keeps
+    #: the modules' matmuls (the bits of the generic layers), for comparison.
+    normed_linears = True
 
     def __init__(self, engine, head, sampling=None, tree=None):
         self.sampling = _draft_sampling(sampling, tree)
@@ -544,6 +550,73 @@ class DeviceMTPDrafter(DeviceDrafter):
         if dense_silu_mlp(mlp):  # gate and up in one matmul (HybridEngine.static_mlp)
             fuse_linears((mlp.gate_proj, mlp.up_proj))
         fuse_linears((attn.q_proj, attn.k_proj, attn.v_proj))  # one matmul (adapter.attention_projections)
+        self._greedy_weights = self._normed_linear_weights() if self.normed_linears else None
+        self._first_draft = None
+
+    def _normed_linear_weights(self) -> dict | None:
+        """The weights :meth:`_greedy_pass` multiplies, or ``None`` where that pass does not
+        apply: sampled or tree drafts (they read the logits), unfused kernels, a norm
+        other than an offset RMS norm, a MoE or non-SiLU MLP, a projection with a bias
+        or apart from its fused partners (:func:`fuse_linears`), an LM head that is not a
+        plain linear."""
+        eng, head = self.engine, self.head
+        layer = head.layers[0]
+        attn, mlp = layer.self_attn, layer.mlp
+        if self.sampling is not None or self.tree is not None or not self._fused_pre_fc \
+                or eng.dtype not in NORMED_LINEAR_DTYPES:
+            return None
+        if any(norm_kind(m) != "offset" for m in (layer.input_layernorm, layer.post_attention_layernorm, head.norm)):
+            return None
+        if not dense_silu_mlp(mlp):
+            return None
+        plain = [head.fc, attn.o_proj, mlp.down_proj, eng.lm_head]
+        if not all(isinstance(m, torch.nn.Linear) and m.bias is None and m.weight.is_contiguous()
+                   and m.weight.dtype == eng.dtype for m in plain):
+            return None
+        qkv, gate_up = fused_weight((attn.q_proj, attn.k_proj, attn.v_proj)), fused_weight((mlp.gate_proj, mlp.up_proj))
+        if qkv is None or gate_up is None:
+            return None
+        return dict(fc=head.fc.weight, qkv=qkv, o=attn.o_proj.weight, gate_up=gate_up, down=mlp.down_proj.weight,
+                    lm_head=eng.lm_head.weight)
+
+    def _greedy_pass(self, tokens: torch.Tensor, hidden: torch.Tensor, slot_idx: torch.Tensor | None,
+                     positions: torch.Tensor, rope: torch.Tensor, pick: torch.Tensor | None = None):
+        """The head on ``B x T`` pairs (:meth:`_layer`'s arguments), then the LM head and
+        its argmax on one row a request (``pick [B]``: row ``pick[b]`` of request ``b``'s
+        ``T``; ``None`` with ``T = 1``): ``(h [B, H], tokens [B])``, the head's normed
+        outputs there and the greedy drafts after them.
+
+        The same arithmetic as :meth:`_layer` and the LM head, to rounding (the matmuls
+        are :func:`~replayssm.engine.normed_linear.normed_linear`'s, not cuBLAS's), in
+        six launches and the attention's four: ``fc`` with the embedding lookup and both
+        input norms; ``q|gate|k|v`` with the input norm; the query and key norms, the
+        rotary with the cache writes, the attention with its gate (as the static step);
+        ``o_proj`` with the residual add; ``gate|up`` with the post-attention norm and
+        SiLU's product; ``down`` with the residual add; the LM head with the final norm
+        and the argmax (and its merge)."""
+        from .adapter import split_projections, static_attention_forward
+
+        eng, head, w = self.engine, self.head, self._greedy_weights
+        layer = head.layers[0]
+        attn = layer.self_attn
+        b, t = positions.shape
+
+        def norm(module):
+            return module.weight, norm_eps(module)
+
+        x = normed_linear(eng.embed.weight, w["fc"], norm=norm(head.pre_fc_norm_embedding), rows=tokens.reshape(-1),
+                          pair=(hidden.to(eng.dtype), *norm(head.pre_fc_norm_hidden)))
+        qkv = normed_linear(x, w["qkv"], norm=norm(layer.input_layernorm))
+        o = static_attention_forward(attn, None, rope, self.cache, 0, slot_idx, positions, backend=eng.backend,
+                                     norm=eng.static_norm, fused=True, projections=split_projections(attn, qkv),
+                                     output_projection=False)
+        x = normed_linear(o, w["o"], output="residual", residual=x)
+        y = normed_linear(x, w["gate_up"], norm=norm(layer.post_attention_layernorm), output="glu")
+        x = normed_linear(y, w["down"], output="residual", residual=x)
+        h = torch.empty((b, x.shape[1]), dtype=x.dtype, device=x.device)
+        tok = normed_linear(x, w["lm_head"], norm=norm(head.norm), rows=pick, row_group=t if pick is not None else 0,
+                            output="argmax", normed_out=h)
+        return h, tok
 
     def _layer(self, tokens: torch.Tensor, hidden: torch.Tensor, slot_idx: torch.Tensor | None,
                positions: torch.Tensor, rope: torch.Tensor, tree=None) -> torch.Tensor:
@@ -603,18 +676,25 @@ class DeviceMTPDrafter(DeviceDrafter):
         """``[*positions.shape, 2, R]`` rows of the rotary table at ``positions``."""
         return rope_at(self._rotary, positions)
 
-    def _draft(self, slot_idx, h: torch.Tensor, next_pos: torch.Tensor, k: int | None = None) -> torch.Tensor:
+    def _draft(self, slot_idx, h: torch.Tensor, next_pos: torch.Tensor, k: int | None = None,
+               first: torch.Tensor | None = None) -> torch.Tensor:
         """``k`` (default :attr:`k`) drafts from the head outputs ``h [B, H]`` of each
         request's last committed pair; later pairs go at ``next_pos [B]`` onwards.
-        Sampled drafts keep their probabilities in :attr:`q`."""
+        Sampled drafts keep their probabilities in :attr:`q`. ``first``: the first
+        drafts ``[B]``, already taken with ``h`` (:meth:`_greedy_pass`, whose passes
+        then draft the rest)."""
         k = self.k if k is None else k
-        tok, q = self._choose(self.engine.lm_head(h))
+        tok, q = (first, None) if first is not None else self._choose(self.engine.lm_head(h))
         drafts, probs = [tok], [q]
         if k > 1:
             # every depth's positions and rotary rows at once: [k - 1, B] and [k - 1, B, 2, R]
             pos = self._steps[: k - 1] + next_pos[None]
             rope = self._rope_at(pos)
         for j in range(1, k):
+            if first is not None:
+                h, tok = self._greedy_pass(tok[:, None], h, slot_idx, pos[j - 1][:, None], rope[j - 1][:, None])
+                drafts.append(tok)
+                continue
             h = self._layer(tok[:, None], h, slot_idx, pos[j - 1][:, None], rope[j - 1][:, None])
             tok, q = self._choose(self.engine.lm_head(h))
             drafts.append(tok)
@@ -666,13 +746,19 @@ class DeviceMTPDrafter(DeviceDrafter):
         if hidden is None or positions is None:
             raise ValueError("the MTP drafter needs the step's hidden states and positions")
         b, t = emitted.shape
-        out = self._layer(emitted.clamp(min=0), hidden, slot_idx, positions, self._rope_at(positions)).view(b, t, -1)
         n = (accepted - 1).clamp(min=0)
-        self._last_hidden = out.gather(1, n[:, None, None].expand(b, 1, out.shape[-1]))[:, 0]
         self._next_pos = positions[:, 0] + accepted
+        if self._greedy_weights is not None:  # the first drafts come with the head's outputs
+            self._last_hidden, self._first_draft = self._greedy_pass(emitted.clamp(min=0), hidden, slot_idx, positions,
+                                                                     self._rope_at(positions), pick=n)
+            return
+        out = self._layer(emitted.clamp(min=0), hidden, slot_idx, positions, self._rope_at(positions)).view(b, t, -1)
+        self._last_hidden = out.gather(1, n[:, None, None].expand(b, 1, out.shape[-1]))[:, 0]
 
     def propose(self, slot_idx):
-        return (self._draft if self.tree is None else self._draft_tree)(slot_idx, self._last_hidden, self._next_pos)
+        if self.tree is None:
+            return self._draft(slot_idx, self._last_hidden, self._next_pos, first=self._first_draft)
+        return self._draft_tree(slot_idx, self._last_hidden, self._next_pos)
 
     #: a tree's spine is the argmax at each depth along the argmaxes: the greedy chain,
     #: one head pass a depth on one row a request (the tree's expansion runs its passes
@@ -755,6 +841,9 @@ class DeviceMTPDrafter(DeviceDrafter):
         ``(hidden [J, H], first [J])`` at position ``next_pos - 1`` (the step's head
         pass, attending to the prompt's pairs in the cache), then its drafts."""
         pos = (next_pos - 1)[:, None]
+        if self._greedy_weights is not None:
+            h, tok = self._greedy_pass(first[:, None], hidden, slot_idx, pos, self._rope_at(pos))
+            return self._draft(slot_idx, h, next_pos, first=tok)
         h = self._layer(first[:, None], hidden, slot_idx, pos, self._rope_at(pos))
         return (self._draft if self.tree is None else self._draft_tree)(slot_idx, h, next_pos)
 

@@ -1,0 +1,145 @@
+"""The normed linear (engine/normed_linear.py): a matmul with its input norm and its
+output's next step in one launch, against torch's ops composed
+(:func:`normed_linear_reference`).
+
+The kernel sums each product over ``K`` in its own order, so fp32 values agree to a few
+ulps of the products' scale, not bit for bit; the argmax is compared on rows whose best
+logit leads clearly, and on exact ties and NaNs built so that both sides see the same
+values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from replayssm.engine.normed_linear import normed_linear, normed_linear_reference
+
+#: fp32 agreement, relative to the largest product: sums of up to 2 x 160 terms in
+#: another order, through a norm (a few ulps, ~1e-7 each).
+REL = 2e-6
+
+
+def _close(got, want, rel=REL):
+    assert got.shape == want.shape and got.dtype == want.dtype
+    scale = want.float().abs().max()
+    assert (got.float() - want.float()).abs().max() <= rel * scale, (got - want).abs().max() / scale
+
+
+def _norm(rng, k, device="cpu"):
+    return (0.3 * torch.randn(k, generator=rng)).to(device), 1e-6
+
+
+@pytest.mark.parametrize("m", [1, 5, 17, 70])
+@pytest.mark.parametrize("k, n", [(96, 200), (160, 40)])
+def test_each_output_against_the_reference(m, k, n, rng):
+    """Plain, normed, residual and gated outputs, at row counts below, at and past a
+    tile's height and widths that leave ragged tiles in ``K`` and ``N``."""
+    x = torch.randn(m, k, generator=rng)
+    w = torch.randn(n, k, generator=rng) / k ** 0.5
+    norm = _norm(rng, k)
+    r = torch.randn(m, n, generator=rng)
+    w2 = torch.randn(2 * n, k, generator=rng) / k ** 0.5
+    cases = [(w, {}), (w, dict(norm=norm)), (w, dict(norm=norm, output="residual", residual=r)),
+             (w, dict(output="residual", residual=r)), (w2, dict(norm=norm, output="glu"))]
+    for weight, kw in cases:
+        _close(normed_linear(x, weight, **kw), normed_linear_reference(x, weight, **kw))
+
+
+def test_pair_of_norms_with_a_lookup_and_the_operand_kept(rng):
+    """``fc`` of the MTP head: the first half looked up in a table (an id outside it
+    reads zeros), both halves normed; ``normed_out`` holds the operand."""
+    k, m = 64, 9
+    table = torch.randn(30, k, generator=rng)
+    ids = torch.randint(0, 30, (m,), generator=rng)
+    ids[3] = 30  # past the table
+    x2 = torch.randn(m, k, generator=rng)
+    w = torch.randn(48, 2 * k, generator=rng) / k
+    kw = dict(norm=_norm(rng, k), pair=(x2, *_norm(rng, k)), rows=ids)
+    got_a, want_a = torch.full((m, 2 * k), 7.0), torch.full((m, 2 * k), 7.0)
+    _close(normed_linear(table, w, normed_out=got_a, **kw), normed_linear_reference(table, w, normed_out=want_a, **kw))
+    _close(got_a, want_a)
+    assert torch.equal(got_a[3, :k], torch.zeros(k)) and got_a[3, k:].abs().min() > 0
+
+
+def test_argmax_of_picked_rows(rng):
+    """The LM head's argmax on one row of each request's group (``rows`` offsets in
+    groups of ``row_group``) over a vocabulary of many column blocks."""
+    k, t, b, vocab = 64, 4, 6, 3000
+    x = torch.randn(b * t, k, generator=rng)
+    w = torch.randn(vocab, k, generator=rng)
+    pick = torch.randint(0, t, (b,), generator=rng)
+    kw = dict(norm=_norm(rng, k), rows=pick, row_group=t)
+    h_got, h_want = torch.empty(b, k), torch.empty(b, k)
+    got = normed_linear(x, w, output="argmax", normed_out=h_got, **kw)
+    logits = normed_linear_reference(x, w, normed_out=h_want, **kw)
+    _close(h_got, h_want)
+    top2 = logits.topk(2, -1).values
+    clear = top2[:, 0] - top2[:, 1] > 1e-3 * top2[:, 0].abs()
+    assert clear.sum() >= b - 1
+    assert torch.equal(got[clear], logits.argmax(-1)[clear])
+
+
+def test_argmax_ties_and_nans_follow_torch(rng):
+    """Columns with one weight row give bit-equal logits: the first wins, within a block
+    and across blocks; a NaN row of weights makes a NaN logit, which wins (torch's
+    rule). Row 2's input is zero: every logit is zero, column 0 wins."""
+    k, vocab = 32, 700
+    w = torch.randn(vocab, k, generator=rng)
+    x = torch.randn(3, k, generator=rng)
+    x[2] = 0
+    best = (w @ x[0]).argmax()
+    w[[5, 40, 650]] = w[best].clone()  # equal to the best in three other places: earlier and later blocks
+    first = min(5, int(best))
+    got = normed_linear(x, w, output="argmax")
+    assert got[0] == first and got[2] == 0
+    w[600] = float("nan")
+    got = normed_linear(x[:2], w, output="argmax")
+    assert torch.equal(got, torch.tensor([600, 600]))
+
+
+def test_bad_arguments_are_refused_untouched(refused, rng):
+    x = torch.randn(4, 32, generator=rng)
+    w = torch.randn(16, 32, generator=rng)
+    keep = torch.randn(4, 32, generator=rng)
+    norm = _norm(rng, 32)
+    args = dict(x=x, weight=w, norm=norm, normed_out=keep)
+    refused(normed_linear, args, [
+        (dict(weight=torch.randn(16, 31)), ValueError, "weight must be"),
+        (dict(weight=w.double()), ValueError, "weight must be"),
+        (dict(x=x.t()), ValueError, "x must be"),
+        (dict(x=x.long()), TypeError, "x must be one of"),
+        (dict(norm=(torch.randn(31), 1e-6)), ValueError, "norm's weight"),
+        (dict(norm=(norm[0], 0.0)), ValueError, "eps must be positive"),
+        (dict(output="relu"), ValueError, "output must be one of"),
+        (dict(output="residual"), ValueError, "needs residual"),
+        (dict(output="residual", residual=torch.randn(4, 15)), ValueError, "residual must be"),
+        (dict(output="glu", weight=torch.randn(15, 32)), ValueError, "even number of rows"),
+        (dict(pair=(torch.randn(4, 32), *norm), norm=None), ValueError, "pair needs norm"),
+        (dict(pair=(torch.randn(4, 32), *norm)), ValueError, r"weight must be .*\[N, 64\]"),
+        (dict(pair=(torch.randn(3, 32), *norm), weight=torch.randn(16, 64)), ValueError, "pair's x2"),
+        (dict(rows=torch.tensor([0.5])), ValueError, "rows must be"),
+        (dict(row_group=2), ValueError, "row_group needs rows"),
+        (dict(normed_out=torch.empty(4, 31)), ValueError, "normed_out must be"),
+        (dict(backend="cuda"), ValueError, "backend must be"),
+    ], keep)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16, 64, 256])
+def test_bf16_on_cuda_against_the_reference(m, rng):
+    """bf16 at the embedded MTP head's shapes: each result rounds to bf16 after another
+    summation order than cuBLAS's, so within 2 bf16 ulps (2^-7) of the scale; the
+    argmax where the best logit leads by more than 2 ulps of it."""
+    dev, dt, h = "cuda", torch.bfloat16, 256
+    x = torch.randn(m, h, generator=rng).to(dev, dt)
+    norm = (_norm(rng, h)[0].to(dev, dt), 1e-6)
+    for n, kw in ((768, dict(norm=norm)), (256, dict(output="residual", residual=x)),
+                  (512, dict(norm=norm, output="glu"))):
+        w = (torch.randn(2 * n if kw.get("output") == "glu" else n, h, generator=rng) / h ** 0.5).to(dev, dt)
+        _close(normed_linear(x, w, **kw), normed_linear_reference(x, w, **kw), rel=2 ** -7)
+    w = torch.randn(4096, h, generator=rng).to(dev, dt) / 4
+    logits = normed_linear_reference(x, w, norm=norm).float()
+    top2 = logits.topk(2, -1).values
+    clear = top2[:, 0] - top2[:, 1] > 2 ** -6 * top2[:, 0].abs()
+    got = normed_linear(x, w, norm=norm, output="argmax")
+    assert torch.equal(got[clear], logits.argmax(-1)[clear]) and clear.float().mean() > 0.5
