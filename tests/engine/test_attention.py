@@ -62,6 +62,27 @@ def test_gate_in_the_attention_on_cuda_in_bf16():
             assert torch.equal(g, sigmoid_mul(o.reshape(gate.shape), gate).view(o.shape))
 
 
+def test_a_tokens_attention_does_not_depend_on_its_window_or_batch(rng, monkeypatch):
+    """What exact speculation rests on: a token's attention output is the same bits at
+    any position of a verified window as alone in a plain step (``T = 1`` at its own
+    position), and in a batch of one as in a batch of 12, with the default launch on a
+    GPU's count of SMs. (A split of the keys, :data:`attention.KEY_SPLITS_MAX` above 1,
+    fails here: its parts' bounds follow the window's end, a row at 958 keys ending a
+    window of 4 past the 15th block of 64, and its count the batch's rows.)"""
+    monkeypatch.setattr(attention, "sm_count", lambda device: 132)
+    b = 12
+    q, kc, vc, gate, rows, starts = _case(rng, b=b, t=4, slots=b, cap=1100)
+    starts[:3] = torch.tensor([958, 17, 1090])
+    window = slot_attention(q, kc, vc, rows, starts, 0.3, backend="triton", gate=gate)
+    gate4 = gate.reshape(b, 4, *gate.shape[1:])
+    for j in range(4):  # each window position, as a plain step takes that token
+        alone = slot_attention(q[:, j:j + 1], kc, vc, rows, starts + j, 0.3, backend="triton",
+                               gate=gate4[:, j].reshape(b, *gate.shape[1:]))
+        assert torch.equal(alone[:, 0], window[:, j]), j
+    one = slot_attention(q[:1], kc, vc, rows[:1], starts[:1], 0.3, backend="triton", gate=gate[:4])
+    assert torch.equal(one[0], window[0])
+
+
 @pytest.mark.parametrize("t", [1, 4])
 def test_keys_split_into_parts_give_the_whole_pass(rng, monkeypatch, t):
     """Few programs (3 rows x 2 key heads) split their keys into parts (5 here: some
@@ -73,6 +94,7 @@ def test_keys_split_into_parts_give_the_whole_pass(rng, monkeypatch, t):
     assert key_splits(6, 300, 64, q.device) == 1  # the interpreter's one "SM": no split by default
     whole = [_both(q, kc, vc, rows, starts, "triton", g) for g in (None, gate)]
     monkeypatch.setattr(attention, "KEY_SPLIT_PROGRAMS_PER_SM", 64)
+    monkeypatch.setattr(attention, "KEY_SPLITS_MAX", 16)
     assert key_splits(6, 300, 64, q.device) == 5  # one key block of 64 a part at most
     merges = []
     kernel = attention._merge_key_parts_kernel
@@ -95,6 +117,7 @@ def test_keys_merged_by_their_last_part(rng, monkeypatch):
     back at zero after each call, so a second call merges again."""
     q, kc, vc, gate, rows, starts = _case(rng, b=3, t=4, cap=300)
     monkeypatch.setattr(attention, "KEY_SPLIT_PROGRAMS_PER_SM", 64)
+    monkeypatch.setattr(attention, "KEY_SPLITS_MAX", 16)
     by_launch = _both(q, kc, vc, rows, starts, "triton", gate)
     monkeypatch.setattr(attention, "KEY_MERGE", "last_part")
     monkeypatch.setattr(attention, "_merge_key_parts_kernel", None)  # a merge launch would fail
@@ -115,6 +138,7 @@ def test_keys_merged_by_their_last_part_on_cuda(t, monkeypatch):
     batch 1 and 2 with 2000-key contexts; the outputs of the merge launch to fp32
     rounding, the counters back at zero."""
     gen = torch.Generator().manual_seed(6)
+    monkeypatch.setattr(attention, "KEY_SPLITS_MAX", 16)
     for b in (1, 2):
         q, kc, vc, gate, rows, starts = _case(gen, b=b, t=t, d=64, cap=2048, device="cuda", dtype=torch.bfloat16)
         starts.fill_(2048 - t)

@@ -14,7 +14,7 @@ import torch
 
 from replayssm.engine.normed_linear import normed_linear, normed_linear_reference
 
-#: fp32 agreement, relative to the largest product: sums of up to 2 x 160 terms in
+#: fp32 agreement, relative to the largest product: sums of up to 600 terms in
 #: another order, through a norm (a few ulps, ~1e-7 each).
 REL = 2e-6
 
@@ -30,10 +30,12 @@ def _norm(rng, k, device="cpu"):
 
 
 @pytest.mark.parametrize("m", [1, 5, 17, 70])
-@pytest.mark.parametrize("k, n", [(96, 200), (160, 40)])
+@pytest.mark.parametrize("k, n", [(96, 200), (160, 40), (600, 40)])
 def test_each_output_against_the_reference(m, k, n, rng):
     """Plain, normed, residual and gated outputs, at row counts below, at and past a
-    tile's height and widths that leave ragged tiles in ``K`` and ``N``."""
+    tile's height and widths that leave ragged tiles in ``K`` and ``N``; ``K`` in one
+    tile and, past :data:`~replayssm.engine.normed_linear.ONE_TILE_BYTES` of a
+    program's tiles (600 columns, or 70 rows of 160), in a loop."""
     x = torch.randn(m, k, generator=rng)
     w = torch.randn(n, k, generator=rng) / k ** 0.5
     norm = _norm(rng, k)

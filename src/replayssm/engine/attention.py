@@ -198,8 +198,13 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 #: takes fewer where the stages' key and value blocks would not fit the device's
 #: shared memory (:func:`kv_stages`).
 KV_STAGES = 3
-#: Most parts a program's keys are split into (see :func:`key_splits`).
-KEY_SPLITS_MAX = 16
+#: Most parts a program's keys are split into (see :func:`key_splits`); 1, the default,
+#: splits nothing. A split is an option to measure, not exact speculation's: its parts'
+#: bounds follow the window's last key and the split the batch's rows, so a token's
+#: output bits would depend on its window position and its batch, and speculative
+#: decoding would leave plain decoding's tokens (an H100, 2026-12-05: 43% of batch 16's
+#: tokens in bf16). Measured at batch 1, the split gained ~2 µs a speculative step.
+KEY_SPLITS_MAX = 1
 #: Programs per SM below which a call splits its keys (each part is a program).
 KEY_SPLIT_PROGRAMS_PER_SM = 1
 #: Who merges the parts: ``"launch"``, a second launch after the parts' (the default);

@@ -52,7 +52,16 @@ _BLOCK_M = ((16, 16), (32, 32), (1 << 62, 64))
 #: Columns a program: narrow for narrow layers, so that a layer of a few hundred
 #: columns still spreads its weight read over a dozen SMs at batch 1.
 _BLOCK_N = ((1024, 32), (1 << 62, 64))
-#: ``K`` a step of the loop (shorter rows take their own length, at least 16).
+#: Bytes of a program's tiles of a half (its rows and its weights' rows, ``(BLOCK_M +
+#: BLOCK_N) x K``, the up rows too for a gated unit) up to which it takes the whole half
+#: at once: the weights' block is loaded first, the rows once (their squares summed
+#: from registers), one product: one memory round trip where a loop makes several (at
+#: a small model's widths the matmul is that latency, not its bytes). 16 rows of 512
+#: in bf16 with 32 weight rows; more would spill (offline sm_90: 64 rows of 256 took
+#: 242 registers a thread in bf16, and spilled in fp32).
+ONE_TILE_BYTES = 48 * 1024
+#: ``K`` a step of the loop past :data:`ONE_TILE_BYTES`, for 16-bit operands (half of it
+#: for fp32).
 BLOCK_K = 128
 
 
@@ -206,7 +215,9 @@ def normed_linear(x: torch.Tensor, weight: torch.Tensor, *, norm: tuple | None =
         raise RuntimeError("the Triton normed linear needs CUDA tensors or the Triton interpreter")
 
     bm, bn = _pick(_BLOCK_M, m), _pick(_BLOCK_N, n)
-    bk = min(BLOCK_K, max(16, triton.next_power_of_2(k1)))
+    width = max(16, triton.next_power_of_2(k1))
+    one_tile = (bm + bn * (2 if output == "glu" else 1)) * width * x.element_size() <= ONE_TILE_BYTES
+    bk = width if one_tile else min(width, BLOCK_K if x.element_size() <= 2 else BLOCK_K // 2)
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     if output == "argmax":
         y = torch.empty((m,), dtype=torch.int64, device=dev)
@@ -226,7 +237,7 @@ def normed_linear(x: torch.Tensor, weight: torch.Tensor, *, norm: tuple | None =
         y, y.stride(0), best, where, grid[1],
         normed_out if normed_out is not None else x, normed_out.stride(0) if normed_out is not None else 0,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GATHER=rows is not None, NORM=norm is not None, PAIR=pair is not None,
-        OUTPUT=OUTPUTS.index(output), STORE_NORMED=normed_out is not None,
+        OUTPUT=OUTPUTS.index(output), STORE_NORMED=normed_out is not None, ONE_TILE=one_tile,
         PRECISION="ieee" if dt == torch.float32 else "tf32", num_warps=4,
     )
     if output == "argmax":
@@ -240,40 +251,60 @@ if triton is not None:
     def _normed_half(acc, acc2, x_ptr, src, row_ok, stride_x, k_len, g_ptr, eps, w_ptr, w_col, stride_w, cols,
                      col_ok, up_rows, h_ptr, h_rows, stride_h, h_ok,
                      BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr,
-                     STORE_NORMED: tl.constexpr, PRECISION: tl.constexpr):
+                     STORE_NORMED: tl.constexpr, ONE_TILE: tl.constexpr, PRECISION: tl.constexpr):
         """``acc += A_half W_half^T`` over one half of ``K`` (``k_len`` columns from
-        ``w_col`` on): rows ``src`` of ``x``, normed where ``NORM`` (their squares
-        summed first); with ``GLU`` also ``acc2`` against the up rows (``up_rows`` on);
-        with ``STORE_NORMED`` the operand into ``h`` where ``h_ok``."""
+        ``w_col`` on): rows ``src`` of ``x``, normed where ``NORM``; with ``GLU`` also
+        ``acc2`` against the up rows (``up_rows`` on); with ``STORE_NORMED`` the operand
+        into ``h`` where ``h_ok``. ``ONE_TILE``: the half in one block of ``BLOCK_K``."""
         lanes = tl.arange(0, BLOCK_K)
         x_rows = x_ptr + src[:, None] * stride_x
-        rstd = tl.full((BLOCK_M,), 1.0, tl.float32)
-        if NORM:
-            squares = tl.zeros((BLOCK_M,), tl.float32)
-            for k0 in range(0, k_len, BLOCK_K):
-                kk = k0 + lanes
-                xv = tl.load(x_rows + kk[None, :], mask=row_ok[:, None] & (kk < k_len)[None, :], other=0.0)
-                xv = xv.to(tl.float32)
-                squares += tl.sum(xv * xv, 1)
-            # the norm kernel's arithmetic: x * (1 / sqrt(mean + eps)) * (1 + g)
-            rstd = 1.0 / tl.sqrt_rn(squares / k_len + eps)
-        for k0 in range(0, k_len, BLOCK_K):
-            kk = k0 + lanes
-            k_ok = kk < k_len
-            a = tl.load(x_rows + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w_at = w_ptr + cols[None, :] * stride_w + w_col
+        if ONE_TILE:
+            k_ok = lanes < k_len
+            # the weights first: their load is the long one, and nothing before it waits
+            w = tl.load(w_at + lanes[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+            if GLU:
+                w2 = tl.load(w_at + up_rows * stride_w + lanes[:, None], mask=col_ok[None, :] & k_ok[:, None],
+                             other=0.0)
+            a = tl.load(x_rows + lanes[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             if NORM:
-                g = tl.load(g_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-                a = to_rtne(a.to(tl.float32) * rstd[:, None] * (1.0 + g)[None, :], x_ptr.dtype.element_ty)
+                xf = a.to(tl.float32)
+                # the norm kernel's arithmetic: x * (1 / sqrt(mean + eps)) * (1 + g)
+                rstd = 1.0 / tl.sqrt_rn(tl.sum(xf * xf, 1) / k_len + eps)
+                g = tl.load(g_ptr + lanes, mask=k_ok, other=0.0).to(tl.float32)
+                a = to_rtne(xf * rstd[:, None] * (1.0 + g)[None, :], x_ptr.dtype.element_ty)
             if STORE_NORMED:
-                tl.store(h_ptr + h_rows[:, None] * stride_h + w_col + kk[None, :], a,
+                tl.store(h_ptr + h_rows[:, None] * stride_h + w_col + lanes[None, :], a,
                          mask=h_ok[:, None] & k_ok[None, :])
-            w = tl.load(w_ptr + cols[None, :] * stride_w + (w_col + kk)[:, None], mask=col_ok[None, :] & k_ok[:, None],
-                        other=0.0)
             acc = tl.dot(a, w, acc, input_precision=PRECISION)
             if GLU:
-                w2 = tl.load(w_ptr + (up_rows + cols)[None, :] * stride_w + (w_col + kk)[:, None],
-                             mask=col_ok[None, :] & k_ok[:, None], other=0.0)
                 acc2 = tl.dot(a, w2, acc2, input_precision=PRECISION)
+        else:
+            rstd = tl.full((BLOCK_M,), 1.0, tl.float32)
+            if NORM:  # the rows' squares first, a pass over K
+                squares = tl.zeros((BLOCK_M,), tl.float32)
+                for k0 in range(0, k_len, BLOCK_K):
+                    kk = k0 + lanes
+                    xv = tl.load(x_rows + kk[None, :], mask=row_ok[:, None] & (kk < k_len)[None, :], other=0.0)
+                    xv = xv.to(tl.float32)
+                    squares += tl.sum(xv * xv, 1)
+                rstd = 1.0 / tl.sqrt_rn(squares / k_len + eps)
+            for k0 in range(0, k_len, BLOCK_K):
+                kk = k0 + lanes
+                k_ok = kk < k_len
+                a = tl.load(x_rows + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                if NORM:
+                    g = tl.load(g_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+                    a = to_rtne(a.to(tl.float32) * rstd[:, None] * (1.0 + g)[None, :], x_ptr.dtype.element_ty)
+                if STORE_NORMED:
+                    tl.store(h_ptr + h_rows[:, None] * stride_h + w_col + kk[None, :], a,
+                             mask=h_ok[:, None] & k_ok[None, :])
+                w = tl.load(w_at + kk[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+                acc = tl.dot(a, w, acc, input_precision=PRECISION)
+                if GLU:
+                    w2 = tl.load(w_at + up_rows * stride_w + kk[:, None], mask=col_ok[None, :] & k_ok[:, None],
+                                 other=0.0)
+                    acc2 = tl.dot(a, w2, acc2, input_precision=PRECISION)
         return acc, acc2
 
     @triton.jit
@@ -282,7 +313,7 @@ if triton is not None:
                               r_ptr, stride_r, y_ptr, stride_y, best_ptr, where_ptr, parts, h_ptr, stride_h,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                               GATHER: tl.constexpr, NORM: tl.constexpr, PAIR: tl.constexpr, OUTPUT: tl.constexpr,
-                              STORE_NORMED: tl.constexpr, PRECISION: tl.constexpr):
+                              STORE_NORMED: tl.constexpr, ONE_TILE: tl.constexpr, PRECISION: tl.constexpr):
         """Rows ``[pid_m BLOCK_M, +BLOCK_M)`` and columns ``[pid_n BLOCK_N, +BLOCK_N)`` of
         :func:`normed_linear` (``OUTPUT`` indexes :data:`OUTPUTS`)."""
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
@@ -301,11 +332,11 @@ if triton is not None:
         h_ok = row_ok & (tl.zeros((BLOCK_M,), tl.int32) + pid_n == 0)  # one program of each row block keeps A
         acc, acc2 = _normed_half(acc, acc2, x_ptr, src, src_ok, stride_x, k1, g1_ptr, eps1, w_ptr, 0, stride_w,
                                  cols, col_ok, n_cols, h_ptr, out_rows, stride_h, h_ok,
-                                 BLOCK_M, BLOCK_K, NORM, OUTPUT == 2, STORE_NORMED, PRECISION)
+                                 BLOCK_M, BLOCK_K, NORM, OUTPUT == 2, STORE_NORMED, ONE_TILE, PRECISION)
         if PAIR:
             acc, acc2 = _normed_half(acc, acc2, x2_ptr, out_rows, row_ok, stride_x2, k1, g2_ptr, eps2, w_ptr, k1,
                                      stride_w, cols, col_ok, n_cols, h_ptr, out_rows, stride_h, h_ok,
-                                     BLOCK_M, BLOCK_K, True, OUTPUT == 2, STORE_NORMED, PRECISION)
+                                     BLOCK_M, BLOCK_K, True, OUTPUT == 2, STORE_NORMED, ONE_TILE, PRECISION)
         dtype = x_ptr.dtype.element_ty
         # torch rounds the matmul's result to the dtype before the next op reads it
         y = to_rtne(acc, dtype).to(tl.float32)
