@@ -288,6 +288,7 @@ def run_op(op: str, batch: int, sdt: torch.dtype, act: torch.dtype,
             attention.slot_attention(q, cache[0], cache[1], rows, starts, 0.125, backend="triton", gate=gate)
             labels.append("window attention with its output gate, 4 tokens")
         if hasattr(attention, "key_splits"):  # batch 1's two programs: the keys in parts, merged after
+            attention.KEY_SPLITS_MAX = max(16, attention.KEY_SPLITS_MAX)  # an option, off by default
             attention.slot_attention(q[:1, :1], cache[0], cache[1], rows[:1], starts[:1], 0.125, backend="triton",
                                      gate=gate[:1])
             labels += ["window attention, 1 token, a part of the keys", "the parts merged, with the output gate"]

@@ -147,6 +147,15 @@ def test_reports_the_attention_with_and_without_its_gate(tmp_path):
     _launches(tmp_path, "attention", "_merge_key_parts_kernel", 1)
 
 
+def test_reports_the_normed_linears_of_a_head_pass(tmp_path):
+    """``--ops normed_linear``: the MTP head's five normed linears compile for sm_90 at 1
+    and 64 rows (each half of K in one tile at the embedded model's widths), none
+    spilling, with the argmax's merge after each LM head."""
+    regs, _ = _launches(tmp_path, "normed_linear", "_normed_linear_kernel", 10)
+    assert max(regs) <= 255, regs
+    _launches(tmp_path, "normed_linear", "_argmax_parts_kernel", 2)
+
+
 def test_reports_a_steps_inputs_in_one_launch(tmp_path):
     """``--ops step_inputs``: the gather of a chain step's inputs compiles for sm_90,
     no spills."""
