@@ -592,12 +592,12 @@ class DeviceMTPDrafter(DeviceDrafter):
 
         The same arithmetic as :meth:`_layer` and the LM head, to rounding (the matmuls
         are :func:`~replayssm.engine.normed_linear.normed_linear`'s, not cuBLAS's), in
-        six launches and the attention's four: ``fc`` with the embedding lookup and both
-        input norms; ``q|gate|k|v`` with the input norm; the query and key norms, the
-        rotary with the cache writes, the attention with its gate (as the static step);
-        ``o_proj`` with the residual add; ``gate|up`` with the post-attention norm and
-        SiLU's product; ``down`` with the residual add; the LM head with the final norm
-        and the argmax (and its merge)."""
+        ten launches: ``fc`` with the embedding lookup and both input norms;
+        ``q|gate|k|v`` with the input norm; the query and key norms, the rotary with
+        the cache writes, the attention with its gate (as the static step); ``o_proj``
+        with the residual add; ``gate|up`` with the post-attention norm and SiLU's
+        product; ``down`` with the residual add; the LM head with the final norm and
+        each column block's argmax, and the blocks' merge."""
         from .adapter import split_projections, static_attention_forward
 
         eng, head, w = self.engine, self.head, self._greedy_weights
