@@ -47,6 +47,20 @@ def test_each_output_against_the_reference(m, k, n, rng):
         _close(normed_linear(x, weight, **kw), normed_linear_reference(x, weight, **kw))
 
 
+def test_reference_in_float64_is_the_fp32_kernel_to_fp32_rounding(rng):
+    """The reference runs in float64 (an oracle for the kernel's fp32): a normed gated
+    unit and a residual output agree to fp32 rounding of their scale."""
+    x, w = torch.randn(7, 200, generator=rng), torch.randn(80, 200, generator=rng) / 14
+    r = torch.randn(7, 40, generator=rng)
+    g = _norm(rng, 200)
+    for weight, kw, kw64 in ((w, dict(norm=g, output="glu"), dict(norm=(g[0].double(), g[1]), output="glu")),
+                             (w[:40], dict(output="residual", residual=r), dict(output="residual",
+                                                                                residual=r.double()))):
+        got = normed_linear(x, weight, **kw)
+        want = normed_linear(x.double(), weight.double(), backend="reference", **kw64)
+        assert (got.double() - want).abs().max() <= 1e-6 * want.abs().max()
+
+
 def test_pair_of_norms_with_a_lookup_and_the_operand_kept(rng):
     """``fc`` of the MTP head: the first half looked up in a table (an id outside it
     reads zeros), both halves normed; ``normed_out`` holds the operand."""
@@ -109,7 +123,9 @@ def test_bad_arguments_are_refused_untouched(refused, rng):
         (dict(weight=torch.randn(16, 31)), ValueError, "weight must be"),
         (dict(weight=w.double()), ValueError, "weight must be"),
         (dict(x=x.t()), ValueError, "x must be"),
-        (dict(x=x.long()), TypeError, "x must be one of"),
+        (dict(x=x.long()), TypeError, "x must be a floating-point"),
+        (dict(x=x.double(), weight=w.double(), norm=(norm[0].double(), 1e-6), normed_out=keep.double()), TypeError,
+         "for the Triton normed linear"),
         (dict(norm=(torch.randn(31), 1e-6)), ValueError, "norm's weight"),
         (dict(norm=(norm[0], 0.0)), ValueError, "eps must be positive"),
         (dict(output="relu"), ValueError, "output must be one of"),

@@ -9,7 +9,8 @@ built as it is loaded and whose result is finished before it is stored:
 * **input** (``A``): the rows ``x`` as they are; or an ``offset`` RMS norm of them
   (``x / rms(x) * (1 + g)`` in fp32, rounded to the dtype, as
   :func:`~replayssm.engine.norms.rms_norm` computes it: each program sums its rows'
-  squares first, then normalises each block of ``K`` as it loads it); with ``pair``,
+  squares, from the tile it multiplies where a half of ``K`` fits one, else in a pass
+  before the product's loop); with ``pair``,
   ``A = [norm(x), norm(x2)]``, two normed halves along ``K`` (the MTP head's ``fc``
   input: the token's embedding and the target's hidden state). The rows of the first
   half can be looked up (``rows``: an embedding lookup, or picking one row per request).
@@ -145,15 +146,16 @@ def normed_linear(x: torch.Tensor, weight: torch.Tensor, *, norm: tuple | None =
             row's first greatest column of the product rounded to the dtype; a NaN counts
             as the greatest).
         normed_out: ``None``, or a ``[M, K]`` tensor of the dtype: ``A`` as the product read it.
-        backend: ``"triton"`` (CUDA, or the Triton interpreter) or ``"reference"``.
+        backend: ``"triton"`` (CUDA, or the Triton interpreter; fp16, bf16 or fp32) or
+            ``"reference"`` (torch's ops, any floating dtype: float64 for an oracle).
 
     Returns:
         ``[M, N]`` (``[M, I]`` for ``"glu"``, int64 ``[M]`` for ``"argmax"``), a new tensor.
     """
     if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
         raise TypeError("x and weight must be tensors")
-    if x.dtype not in NORMED_LINEAR_DTYPES:
-        raise TypeError(f"x must be one of {NORMED_LINEAR_DTYPES}, got {x.dtype}")
+    if not x.is_floating_point():
+        raise TypeError(f"x must be a floating-point tensor, got {x.dtype}")
     if x.dim() != 2 or x.stride(1) != 1 and x.shape[1] > 1:
         raise ValueError(f"x must be [R, K] and contiguous along K, got {list(x.shape)} strides {list(x.stride())}")
     if output not in OUTPUTS:
@@ -211,6 +213,8 @@ def normed_linear(x: torch.Tensor, weight: torch.Tensor, *, norm: tuple | None =
                                        residual=residual, normed_out=normed_out)
     if backend != "triton":
         raise ValueError(f"backend must be 'triton' or 'reference', got {backend!r}")
+    if dt not in NORMED_LINEAR_DTYPES:
+        raise TypeError(f"x must be one of {NORMED_LINEAR_DTYPES} for the Triton normed linear, got {dt}")
     if triton is None or (dev.type != "cuda" and not INTERPRETER):
         raise RuntimeError("the Triton normed linear needs CUDA tensors or the Triton interpreter")
 
