@@ -117,8 +117,8 @@ def install() -> None:
             # at import, above).
             if hasattr(mod, "INTERPRETER"):
                 mod.INTERPRETER = True
-    # The engine's launches that split work when programs are few count an H100's SMs.
-    for mod in (attention, argmax):
+    # The argmax's launch splits rows into parts when programs are few: count an H100's SMs.
+    for mod in (argmax,):
         if mod is not None and hasattr(mod, "sm_count"):
             mod.sm_count = lambda device: 132
 
@@ -278,7 +278,6 @@ def run_op(op: str, batch: int, sdt: torch.dtype, act: torch.dtype,
     elif op == "attention":  # the window attention at the embedded model's shapes (4 query heads, 2 key heads of 64)
         from replayssm.engine import attention
 
-        # 80 rows: more programs (rows x 2 key heads) than an H100's SMs, one launch
         q, cache = torch.randn(80, 4, 4, 64).to(act), torch.randn(2, 4, 2, 256, 64).to(act)
         rows, starts = torch.ones(80, dtype=torch.int64), torch.full((80,), 9)
         attention.slot_attention(q, cache[0], cache[1], rows, starts, 0.125, backend="triton")
@@ -287,17 +286,6 @@ def run_op(op: str, batch: int, sdt: torch.dtype, act: torch.dtype,
             gate = torch.randn(320, 8, 64).to(act)[:, ::2]
             attention.slot_attention(q, cache[0], cache[1], rows, starts, 0.125, backend="triton", gate=gate)
             labels.append("window attention with its output gate, 4 tokens")
-        if hasattr(attention, "key_splits"):  # batch 1's two programs: the keys in parts, merged after
-            attention.KEY_SPLITS_MAX = max(16, attention.KEY_SPLITS_MAX)  # an option, off by default
-            attention.slot_attention(q[:1, :1], cache[0], cache[1], rows[:1], starts[:1], 0.125, backend="triton",
-                                     gate=gate[:1])
-            labels += ["window attention, 1 token, a part of the keys", "the parts merged, with the output gate"]
-        if hasattr(attention, "KEY_MERGE"):  # the parts merged by the last to arrive, in the parts' launch
-            attention.KEY_MERGE, keep = "last_part", attention.KEY_MERGE
-            attention.slot_attention(q[:1, :1], cache[0], cache[1], rows[:1], starts[:1], 0.125, backend="triton",
-                                     gate=gate[:1])
-            attention.KEY_MERGE = keep
-            labels.append("window attention, 1 token, a part of the keys, merged by the last part with the gate")
     elif op == "argmax":  # greedy tokens: the embedded model's vocabulary at batch 16, a Qwen3.5 one at batch 1
         from replayssm.engine import argmax
 

@@ -15,11 +15,10 @@ Two implementations of :func:`slot_attention`:
   capacity. The CPU path and the oracle of the tests.
 * ``triton``: one program per (row, key head) holds the ``G x T`` queries that share
   that key head (grouped-query attention) as one tile and streams the slot's keys in
-  blocks with an online softmax. When those programs are too few to fill the GPU (a
-  few requests: two programs at batch 1 with two key heads), each one's keys are
-  split into parts, one program a part, and a second launch merges the parts' softmax
-  states (flash-decoding): a step's attention then costs about its bytes, not a walk
-  of the whole context by one SM.
+  blocks with an online softmax (flash-decoding without the split along keys: a split
+  whose parts follow a row's length or the batch's size would give a token other bits
+  at another window position or batch, and exact speculation needs the same bits; one
+  measured on an H100 saved ~2 µs a step at batch 1 and broke it, BENCHMARKS.md).
 
 :func:`tree_attention` is the same attention for a draft tree's window (DESIGN.md
 section 2, "Trees"): window entry ``j`` of a row sits at cache position ``starts[b] +
@@ -38,7 +37,7 @@ import torch.nn.functional as F
 
 from ..ops.dispatch import resolve
 from .activations import sigmoid_mul_reference
-from ..ops.triton_common import INTERPRETER, sm_count, triton
+from ..ops.triton_common import INTERPRETER, triton
 
 if triton is not None:
     import triton.language as tl
@@ -198,45 +197,6 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 #: takes fewer where the stages' key and value blocks would not fit the device's
 #: shared memory (:func:`kv_stages`).
 KV_STAGES = 3
-#: Most parts a program's keys are split into (see :func:`key_splits`); 1, the default,
-#: splits nothing. A split is an option to measure, not exact speculation's: its parts'
-#: bounds follow the window's last key and the split the batch's rows, so a token's
-#: output bits would depend on its window position and its batch, and speculative
-#: decoding would leave plain decoding's tokens (an H100, 2026-12-05: 43% of batch 16's
-#: tokens in bf16). Measured at batch 1, the split gained ~2 µs a speculative step.
-KEY_SPLITS_MAX = 1
-#: Programs per SM below which a call splits its keys (each part is a program).
-KEY_SPLIT_PROGRAMS_PER_SM = 1
-#: Who merges the parts: ``"launch"``, a second launch after the parts' (the default);
-#: or ``"last_part"``, the part program that finishes last (an arrival counter per row
-#: and key head; no second launch, but launches that split must not run concurrently on
-#: two streams of a device, since they share the counters). An option to measure.
-KEY_MERGE = "launch"
-_ARRIVALS: dict[torch.device, torch.Tensor] = {}
-
-
-def _arrivals(device: torch.device, n: int) -> torch.Tensor:
-    """The persistent zeroed ``[>= n]`` int32 arrival counters of ``device`` for
-    ``KEY_MERGE = "last_part"`` (each merge resets its own to 0). Made outside a CUDA
-    graph capture (a captured step's eager warm-up makes them)."""
-    have = _ARRIVALS.get(device)
-    if have is None or have.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("the attention's arrival counters must exist before a CUDA graph capture: run the "
-                               "step once eagerly first")
-        have = _ARRIVALS[device] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-    return have
-
-
-def key_splits(programs: int, capacity: int, block_n: int, device: torch.device) -> int:
-    """Parts that each of ``programs`` (rows x key heads) splits its keys into: enough
-    for :data:`KEY_SPLIT_PROGRAMS_PER_SM` programs an SM, at most :data:`KEY_SPLITS_MAX`
-    and one key block a part of the cache's ``capacity``; 1 (no split, no merge launch)
-    when the programs already fill the GPU. Chosen from shapes alone, so a captured
-    step keeps it; the parts' lengths follow the rows' lengths on the device (a part
-    past a row's last key does nothing)."""
-    want = KEY_SPLIT_PROGRAMS_PER_SM * sm_count(device) // max(programs, 1)
-    return max(1, min(KEY_SPLITS_MAX, want, -(-capacity // block_n)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -272,34 +232,18 @@ def _slot_attention_triton(q, k_cache, v_cache, slot_idx, starts, scale, tree_bi
     block_n = 64 if d <= 128 else 32
     tree = tree_bits is not None
     gated = gate is not None
-    splits = key_splits(b * kv_heads, k_cache.shape[2], block_n, q.device)
-    # the parts' unnormalised outputs [rows x key heads x parts, BLOCK_M, D], and their
-    # softmax maxima and sums [..., 2, BLOCK_M] (unused without a split)
-    part_o = out if splits == 1 else torch.empty((b * kv_heads * splits, block_m, d), dtype=torch.float32,
-                                                 device=q.device)
-    part_ml = out if splits == 1 else torch.empty((b * kv_heads * splits, 2, block_m), dtype=torch.float32,
-                                                  device=q.device)
-    rows_out = (out.stride(0), out.stride(1), out.stride(2))
-    gate_at = (gate if gated else out, gate.stride(0) if gated else 0, gate.stride(1) if gated else 0)
-    warps = 4 if block_m * d <= 32 * 128 else 8
-    if KEY_MERGE not in ("launch", "last_part"):
-        raise ValueError(f"KEY_MERGE must be 'launch' or 'last_part', got {KEY_MERGE!r}")
-    merge_here = splits > 1 and KEY_MERGE == "last_part"
-    arrivals = _arrivals(q.device, b * kv_heads) if merge_here else starts
-    _slot_attention_kernel[(b, kv_heads, splits)](
+    _slot_attention_kernel[(b, kv_heads)](
         q, k_cache, v_cache, slot_idx, starts, out, tree_bits if tree else starts, scale,
-        q.stride(0), q.stride(1), q.stride(2), *rows_out,
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *gate_at, part_o, part_ml, arrivals,
+        q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        gate if gated else out, gate.stride(0) if gated else 0, gate.stride(1) if gated else 0,
         T=t, G=groups, D=d, BLOCK_M=block_m, BLOCK_N=block_n, TREE=tree, W=window if tree else t, GATE=gated,
         STAGES=kv_stages(q.device, block_m, block_n, d, max(q.element_size(), k_cache.element_size())),
         # fp32 models get fp32 products (tl.dot would round fp32 operands to tf32 on
         # CUDA); 16-bit operands are exact in either.
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLITS=splits, MERGE_HERE=merge_here,
-        num_warps=warps,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=4 if block_m * d <= 32 * 128 else 8,
     )
-    if splits > 1 and not merge_here:
-        _merge_key_parts_kernel[(b, kv_heads)](part_o, part_ml, out, *rows_out, *gate_at, T=t, G=groups, D=d,
-                                               BLOCK_M=block_m, GATE=gated, SPLITS=splits, num_warps=warps)
     return out
 
 
@@ -309,17 +253,11 @@ if triton is not None:
     def _slot_attention_kernel(
         q_ptr, k_ptr, v_ptr, slot_ptr, start_ptr, o_ptr, bits_ptr, scale,
         stride_qb, stride_qt, stride_qh, stride_ob, stride_ot, stride_oh, stride_ks, stride_kh, stride_kl,
-        g_ptr, stride_gn, stride_gh, part_o_ptr, part_ml_ptr, arrive_ptr,
+        g_ptr, stride_gn, stride_gh,
         T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         TREE: tl.constexpr, W: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr = 1,
-        GATE: tl.constexpr = False, SPLITS: tl.constexpr = 1, MERGE_HERE: tl.constexpr = False,
+        GATE: tl.constexpr = False,
     ):
-        """Row ``program_id(0)``'s queries of key head ``program_id(1)`` over its keys,
-        or with ``SPLITS > 1`` over part ``program_id(2)`` of them (a ``1 / SPLITS`` share
-        of the key blocks up to the row's last key), whose softmax state goes to
-        ``part_o, part_ml`` for :func:`_merge_key_parts_kernel`, or with ``MERGE_HERE``
-        is merged by the row's last part to arrive (``arrive_ptr``, one counter per row
-        and key head)."""
         i_b = tl.program_id(0)
         i_kh = tl.program_id(1)
         slot = tl.load(slot_ptr + i_b).to(tl.int64)
@@ -340,13 +278,7 @@ if triton is not None:
         acc = tl.zeros([BLOCK_M, D], tl.float32)
         base = slot * stride_ks + i_kh * stride_kh
         hi = start + W
-        lo = 0
-        end = hi
-        if SPLITS > 1:  # whole key blocks a part, so no block straddles two parts
-            per = tl.cdiv(tl.cdiv(hi, BLOCK_N), SPLITS) * BLOCK_N
-            lo = tl.program_id(2) * per
-            end = tl.minimum(hi, lo + per)
-        for n0 in tl.range(lo, end, BLOCK_N, num_stages=STAGES):
+        for n0 in tl.range(0, hi, BLOCK_N, num_stages=STAGES):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             kv_ok = offs_n < hi
             kv_off = base + offs_n[:, None] * stride_kl + offs_d[None, :]
@@ -366,77 +298,8 @@ if triton is not None:
             v = tl.load(v_ptr + kv_off, mask=kv_ok[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
-        if SPLITS > 1:
-            pair = i_b * tl.num_programs(1) + i_kh
-            part = pair * SPLITS + tl.program_id(2)
-            tl.store(part_o_ptr + part * (BLOCK_M * D) + offs_m[:, None] * D + offs_d[None, :], acc)
-            tl.store(part_ml_ptr + part * (2 * BLOCK_M) + offs_m, m_i)
-            tl.store(part_ml_ptr + part * (2 * BLOCK_M) + BLOCK_M + offs_m, l_i)
-            if MERGE_HERE:
-                # Every thread's stores are issued before the count (the barrier), and the
-                # count releases them at GPU scope; the last to arrive acquires the others'
-                # and reads them past L1.
-                tl.debug_barrier()
-                arrived = tl.atomic_add(arrive_ptr + pair, 1, sem="acq_rel", scope="gpu")
-                if arrived == SPLITS - 1:
-                    tl.debug_barrier()
-                    o = _merged_parts(part_o_ptr, part_ml_ptr, pair * SPLITS, D, BLOCK_M, SPLITS)
-                    _store_outputs(o, i_b, i_kh, o_ptr, stride_ob, stride_ot, stride_oh, g_ptr, stride_gn, stride_gh,
-                                   T, G, D, BLOCK_M, GATE)
-                    tl.atomic_xchg(arrive_ptr + pair, 0, sem="relaxed", scope="gpu")  # for the next launch
-        else:
-            _store_outputs(acc / l_i[:, None], i_b, i_kh, o_ptr, stride_ob, stride_ot, stride_oh, g_ptr, stride_gn,
-                           stride_gh, T, G, D, BLOCK_M, GATE)
-
-    @triton.jit
-    def _merge_key_parts_kernel(part_o_ptr, part_ml_ptr, o_ptr, stride_ob, stride_ot, stride_oh, g_ptr, stride_gn,
-                                stride_gh, T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                                GATE: tl.constexpr, SPLITS: tl.constexpr):
-        """Row ``program_id(0)``'s queries of key head ``program_id(1)``: the softmax
-        states of its key parts merged in part order (each rescaled to the running
-        maximum), normalised, gated and stored. A part with no keys holds a maximum of
-        ``-inf`` and weighs nothing; part 0 holds every row's first key."""
-        i_b = tl.program_id(0)
-        i_kh = tl.program_id(1)
-        o = _merged_parts(part_o_ptr, part_ml_ptr, (i_b * tl.num_programs(1) + i_kh) * SPLITS, D, BLOCK_M, SPLITS)
-        _store_outputs(o, i_b, i_kh, o_ptr, stride_ob, stride_ot, stride_oh, g_ptr, stride_gn, stride_gh,
-                       T, G, D, BLOCK_M, GATE)
-
-    @triton.jit
-    def _merged_parts(part_o_ptr, part_ml_ptr, first, D: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr):
-        """The normalised outputs ``[BLOCK_M, D]`` (fp32) of parts ``first ..
-        first + SPLITS - 1``: their softmax states merged in part order, each rescaled to
-        the running maximum. Read past L1 (other programs wrote them)."""
-        offs_m = tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, D)
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, D], tl.float32)
-        for s in tl.static_range(SPLITS):
-            m_s = tl.load(part_ml_ptr + (first + s) * (2 * BLOCK_M) + offs_m, cache_modifier=".cg")
-            l_s = tl.load(part_ml_ptr + (first + s) * (2 * BLOCK_M) + BLOCK_M + offs_m, cache_modifier=".cg")
-            o_s = tl.load(part_o_ptr + (first + s) * (BLOCK_M * D) + offs_m[:, None] * D + offs_d[None, :],
-                          cache_modifier=".cg")
-            m_new = tl.maximum(m_i, m_s)
-            a_run = tl.exp(m_i - m_new)
-            a_s = tl.exp(m_s - m_new)
-            acc = acc * a_run[:, None] + o_s * a_s[:, None]
-            l_i = l_i * a_run + l_s * a_s
-            m_i = m_new
-        return acc / l_i[:, None]
-
-    @triton.jit
-    def _store_outputs(o, i_b, i_kh, o_ptr, stride_ob, stride_ot, stride_oh, g_ptr, stride_gn, stride_gh,
-                       T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, GATE: tl.constexpr):
-        """The normalised outputs ``o [BLOCK_M, D]`` (fp32; tile row ``m`` is query token
-        ``m // G`` of head ``i_kh * G + m % G``) of row ``i_b``, rounded to the output
-        dtype, times the output gate where ``GATE``, stored."""
-        offs_m = tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, D)
-        tok = offs_m // G
-        head = i_kh * G + offs_m % G
-        row_ok = offs_m < T * G
-        o = o.to(o_ptr.dtype.element_ty)
+        acc = acc / l_i[:, None]
+        o = acc.to(o_ptr.dtype.element_ty)
         if GATE:
             # The output gate as activations.sigmoid_mul computes it on the rounded
             # outputs: torch's sigmoid (expf, an IEEE division) rounded to the dtype,

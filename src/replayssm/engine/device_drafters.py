@@ -701,12 +701,11 @@ class DeviceMTPDrafter(DeviceDrafter):
         for j in range(1, k):
             if greedy:
                 h, tok = self._greedy_pass(tok[:, None], h, slot_idx, pos[j - 1][:, None], rope[j - 1][:, None])
-                drafts.append(tok)
-                continue
-            h = self._layer(tok[:, None], h, slot_idx, pos[j - 1][:, None], rope[j - 1][:, None])
-            tok, q = self._choose(self.engine.lm_head(h))
+            else:
+                h = self._layer(tok[:, None], h, slot_idx, pos[j - 1][:, None], rope[j - 1][:, None])
+                tok, q = self._choose(self.engine.lm_head(h))
+                probs.append(q)
             drafts.append(tok)
-            probs.append(q)
         if self.q is not None:
             self.q[slot_idx] = torch.stack(probs, 1)
         return torch.stack(drafts, 1)
