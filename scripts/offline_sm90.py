@@ -328,6 +328,9 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=256, help="requests, for the shape table's lookups (default 256)")
     p.add_argument("--tune", action="append", default=[], metavar="FAMILY.PARAM=VALUE",
                    help="override a shape-table entry (repeatable), as bench kernels --tune")
+    p.add_argument("--chained", action="store_true",
+                   help="launch the engine's kernels as a chain (triton_common.chained_launches), as the MTP head's "
+                        "passes do")
     p.add_argument("--sass", action="store_true", help="also print each kernel's 16 commonest SASS instructions")
     p.add_argument("--ring-keys", choices=("act", "float32"), default="act",
                    help="dtype of the rings' raw keys (default: the activations'; float32 keeps them exactly)")
@@ -350,6 +353,10 @@ def main() -> int:
     from replayssm.ops import tuning
 
     with contextlib.ExitStack() as stack:
+        if args.chained:
+            from replayssm.ops.triton_common import chained_launches
+
+            stack.enter_context(chained_launches(torch.device("cuda")))
         for item in args.tune:
             name, _, value = item.partition("=")
             family, _, param = name.partition(".")
@@ -362,7 +369,7 @@ def main() -> int:
                 c = compiled(kernel, args.sass)
                 consts = " ".join(f"{k}={v}" for k, v in kw.items()
                                   if k in ("BV", "BK", "T", "num_warps", "LOAD_AHEAD", "EARLY_TILE", "FUSE_FLUSH",
-                                           "BT", "U", "BC"))
+                                           "BT", "U", "BC", "CHAINED"))
                 print(f"{label}: {name} [{consts}] {c['registers']} registers, {c['stack_bytes']} bytes of stack, "
                       f"{c['instructions']} SASS instructions, {c['conversions']} layout conversions")
                 if c["loops"]:

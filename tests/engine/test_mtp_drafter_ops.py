@@ -268,6 +268,46 @@ def test_greedy_drafts_with_normed_linears_are_the_generic_drafts(model, rng, se
 
 
 @pytest.mark.gpu
+def test_chained_passes_are_the_passes_in_stream_order(rng):
+    """The greedy passes launched as a chain (:attr:`DeviceMTPDrafter.chain_passes`:
+    each kernel starts during the one before and waits before it reads its inputs)
+    against the same passes launched in stream order, bf16, six rounds of updates and
+    drafts at every accepted count: drafts, head outputs and caches bit for bit, each
+    round replayed from a CUDA graph too. A wait missing or misplaced would read a
+    buffer before the kernel writing it had finished: some value of the round would
+    differ."""
+    model = load_model(str(embedded_model_dir("embedded")), dtype="bfloat16", device="cuda")
+    chained, ordered = (_drafter(DeviceMTPDrafter, model, "auto", 3) for _ in range(2))
+    ordered.chain_passes = False
+    assert chained._greedy(8) and chained.chain_passes
+    rounds = _rounds(rng, chained.engine.embed.weight.shape[1], chained.engine.vocab_size, 3, 4, rounds=6)
+    got, want = _drive(chained, rounds, 0), _drive(ordered, rounds, 0)
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert torch.equal(g, w), f"output {i} differs"
+    # one update and its drafts captured (the chain as programmatic edges), replayed
+    emitted, accepted, hidden, positions = (x.to("cuda") for x in rounds[3][-1])
+    hidden = hidden.to(torch.bfloat16)
+    slots = torch.tensor([0, 1], device="cuda")
+    outs = {}
+    with torch.inference_mode():
+        for d in (chained, ordered):
+            d.observe(slots, emitted, accepted, hidden=hidden, positions=positions)
+            d.propose(slots)  # warm-up outside the graph
+        for name, d in (("chained", chained), ("ordered", ordered)):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                d.observe(slots, emitted, accepted, hidden=hidden, positions=positions)
+                drafts = d.propose(slots)
+            for _ in range(3):
+                graph.replay()
+            torch.cuda.synchronize()
+            outs[name] = (drafts.clone(), d._last_hidden.clone(), d.cache.k.clone(), d.cache.v.clone())
+    for i, (g, w) in enumerate(zip(outs["chained"], outs["ordered"])):
+        assert torch.equal(g, w), f"replayed output {i} differs"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["greedy", "tree"])
 def test_join_drafts_in_a_graph_are_the_eager_ones(mode, rng):
     """A join's first drafts replayed from its captured graph

@@ -161,3 +161,23 @@ def test_bf16_on_cuda_against_the_reference(m, rng):
     clear = top2[:, 0] - top2[:, 1] > 2 ** -6 * top2[:, 0].abs()
     got = normed_linear(x, w, norm=norm, output="argmax")
     assert torch.equal(got[clear], logits.argmax(-1)[clear]) and clear.float().mean() > 0.5
+
+
+def test_chained_launches_stay_in_stream_order_off_sm90_and_end_with_their_block(monkeypatch):
+    """:func:`chained_launches` chains only where programmatic launches exist (here, on
+    the CPU and under the interpreter, never), asks nothing of a launch outside its
+    block, and restores the enclosing block's choice after its own, even on an error."""
+    from replayssm.ops import triton_common
+
+    assert triton_common.chain_launch() == (False, {})
+    with triton_common.chained_launches(torch.device("cpu")):
+        assert triton_common.chain_launch() == (False, {})
+    monkeypatch.setattr(triton_common, "dependent_launch", lambda device: True)  # as on an sm_90 card
+    with triton_common.chained_launches(torch.device("cuda")):
+        assert triton_common.chain_launch() == (True, {"launch_pdl": True})
+        with pytest.raises(RuntimeError):
+            with triton_common.chained_launches(torch.device("cuda"), enabled=False):
+                assert triton_common.chain_launch() == (False, {})
+                raise RuntimeError
+        assert triton_common.chain_launch() == (True, {"launch_pdl": True})
+    assert triton_common.chain_launch() == (False, {})

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.triton_common import INTERPRETER, sm_count, triton
+from ..ops.triton_common import INTERPRETER, chain_launch, sm_count, triton
 
 if triton is not None:
     import triton.language as tl
+
+    from ..ops.triton_common import chain_wait
 
 #: Columns a program takes at once (a power of two; shorter rows take their own length).
 ARGMAX_BLOCK = 4096
@@ -101,7 +103,9 @@ def merge_argmax_parts(best: torch.Tensor, where: torch.Tensor, out: torch.Tenso
     each part's value and index, ties already resolved to the first within a part)."""
     rows, parts = best.shape
     if rows:
-        _argmax_parts_kernel[(rows,)](best, where, out, parts, BLOCK=triton.next_power_of_2(parts), num_warps=1)
+        chained, launch = chain_launch()
+        _argmax_parts_kernel[(rows,)](best, where, out, parts, BLOCK=triton.next_power_of_2(parts), CHAINED=chained,
+                                      num_warps=1, **launch)
 
 
 if triton is not None:
@@ -138,9 +142,11 @@ if triton is not None:
             tl.store(out_ptr + row, at)
 
     @triton.jit
-    def _argmax_parts_kernel(best_ptr, where_ptr, out_ptr, parts, BLOCK: tl.constexpr):
+    def _argmax_parts_kernel(best_ptr, where_ptr, out_ptr, parts, BLOCK: tl.constexpr, CHAINED: tl.constexpr):
         """Row ``program_id(0)``: the first part holding a NaN, else the first part
-        holding the greatest value; its index into ``out[row]``."""
+        holding the greatest value; its index into ``out[row]``. ``CHAINED``: launched
+        by :func:`~replayssm.ops.triton_common.chain_launch`."""
+        chain_wait(CHAINED)
         row = tl.program_id(0).to(tl.int64)
         lanes = tl.arange(0, BLOCK)
         mask = lanes < parts

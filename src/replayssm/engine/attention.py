@@ -37,12 +37,12 @@ import torch.nn.functional as F
 
 from ..ops.dispatch import resolve
 from .activations import sigmoid_mul_reference
-from ..ops.triton_common import INTERPRETER, triton
+from ..ops.triton_common import INTERPRETER, chain_launch, triton
 
 if triton is not None:
     import triton.language as tl
 
-    from ..ops.triton_common import expf, to_rtne
+    from ..ops.triton_common import chain_wait, expf, to_rtne
 
 
 def _check(q, k_cache, v_cache, slot_idx, starts, gate=None):
@@ -232,6 +232,7 @@ def _slot_attention_triton(q, k_cache, v_cache, slot_idx, starts, scale, tree_bi
     block_n = 64 if d <= 128 else 32
     tree = tree_bits is not None
     gated = gate is not None
+    chained, launch = chain_launch()
     _slot_attention_kernel[(b, kv_heads)](
         q, k_cache, v_cache, slot_idx, starts, out, tree_bits if tree else starts, scale,
         q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
@@ -242,7 +243,7 @@ def _slot_attention_triton(q, k_cache, v_cache, slot_idx, starts, scale, tree_bi
         # fp32 models get fp32 products (tl.dot would round fp32 operands to tf32 on
         # CUDA); 16-bit operands are exact in either.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4 if block_m * d <= 32 * 128 else 8,
+        CHAINED=chained, num_warps=4 if block_m * d <= 32 * 128 else 8, **launch,
     )
     return out
 
@@ -256,8 +257,9 @@ if triton is not None:
         g_ptr, stride_gn, stride_gh,
         T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         TREE: tl.constexpr, W: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr = 1,
-        GATE: tl.constexpr = False,
+        GATE: tl.constexpr = False, CHAINED: tl.constexpr = False,
     ):
+        chain_wait(CHAINED)  # launched by chain_launch: the inputs once the kernel before has written them
         i_b = tl.program_id(0)
         i_kh = tl.program_id(1)
         slot = tl.load(slot_ptr + i_b).to(tl.int64)

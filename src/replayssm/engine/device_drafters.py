@@ -32,6 +32,7 @@ import torch
 
 from ..ops.counter_hash import counter_hash
 from ..ops.guards import to_device
+from ..ops.triton_common import chained_launches
 from .activations import dense_silu_mlp
 from .fused_linear import fuse_linears, fused_weight
 from .normed_linear import NORMED_LINEAR_DTYPES, normed_linear
@@ -517,6 +518,11 @@ class DeviceMTPDrafter(DeviceDrafter):
     #: requests' windows) runs the modules' matmuls, which cuBLAS tiles better there (an
     #: H100, 2026-12-05: the 256-row update made a step at batch 64 3% slower).
     normed_linear_rows = 64
+    #: The normed linears' passes launch their kernels as a chain
+    #: (:func:`~replayssm.ops.triton_common.chained_launches`: each kernel's start and its
+    #: weights' load overlap the kernel before, on GPUs that allow it); ``False``: in
+    #: stream order, for comparison. The numbers are the same either way.
+    chain_passes = True
 
     def __init__(self, engine, head, sampling=None, tree=None):
         self.sampling = _draft_sampling(sampling, tree)
@@ -597,7 +603,13 @@ class DeviceMTPDrafter(DeviceDrafter):
         the cache writes, the attention with its gate (as the static step); ``o_proj``
         with the residual add; ``gate|up`` with the post-attention norm and SiLU's
         product; ``down`` with the residual add; the LM head with the final norm and
-        each column block's argmax, and the blocks' merge."""
+        each column block's argmax, and the blocks' merge. The ten launch as a chain
+        (:attr:`chain_passes`)."""
+        with chained_launches(hidden.device, self.chain_passes):
+            return self._greedy_launches(tokens, hidden, slot_idx, positions, rope, pick)
+
+    def _greedy_launches(self, tokens, hidden, slot_idx, positions, rope, pick):
+        """:meth:`_greedy_pass`'s launches."""
         from .adapter import split_projections, static_attention_forward
 
         eng, head, w = self.engine, self.head, self._greedy_weights

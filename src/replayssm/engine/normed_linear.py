@@ -33,13 +33,13 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.triton_common import INTERPRETER, triton
+from ..ops.triton_common import INTERPRETER, chain_launch, triton
 from .argmax import merge_argmax_parts
 
 if triton is not None:
     import triton.language as tl
 
-    from ..ops.triton_common import expf, to_rtne
+    from ..ops.triton_common import chain_wait, expf, to_rtne
 
 #: What the kernel multiplies (fp32 products at IEEE precision, not TF32).
 NORMED_LINEAR_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -232,6 +232,7 @@ def normed_linear(x: torch.Tensor, weight: torch.Tensor, *, norm: tuple | None =
         best = where = y
     if m == 0:
         return y
+    chained, launch = chain_launch()
     _normed_linear_kernel[grid](
         x, x.stride(0), x.shape[0], rows if rows is not None else x, row_group, k1,
         g1 if g1 is not None else x, eps1 or 1.0,
@@ -242,7 +243,7 @@ def normed_linear(x: torch.Tensor, weight: torch.Tensor, *, norm: tuple | None =
         normed_out if normed_out is not None else x, normed_out.stride(0) if normed_out is not None else 0,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GATHER=rows is not None, NORM=norm is not None, PAIR=pair is not None,
         OUTPUT=OUTPUTS.index(output), STORE_NORMED=normed_out is not None, ONE_TILE=one_tile,
-        PRECISION="ieee" if dt == torch.float32 else "tf32", num_warps=4,
+        PRECISION="ieee" if dt == torch.float32 else "tf32", CHAINED=chained, num_warps=4, **launch,
     )
     if output == "argmax":
         merge_argmax_parts(best, where, y)
@@ -252,24 +253,35 @@ def normed_linear(x: torch.Tensor, weight: torch.Tensor, *, norm: tuple | None =
 if triton is not None:
 
     @triton.jit
+    def _half_weights(w_ptr, w_col, stride_w, k_len, cols, col_ok, up_rows, BLOCK_K: tl.constexpr,
+                      GLU: tl.constexpr):
+        """A one-tile half's weights ``[BLOCK_K, BLOCK_N]`` (``k_len`` columns from
+        ``w_col`` on), and with ``GLU`` the up rows' (else the first again)."""
+        lanes = tl.arange(0, BLOCK_K)
+        w_at = w_ptr + cols[None, :] * stride_w + w_col + lanes[:, None]
+        ok = col_ok[None, :] & (lanes < k_len)[:, None]
+        w = tl.load(w_at, mask=ok, other=0.0)
+        w2 = w
+        if GLU:
+            w2 = tl.load(w_at + up_rows * stride_w, mask=ok, other=0.0)
+        return w, w2
+
+    @triton.jit
     def _normed_half(acc, acc2, x_ptr, src, row_ok, stride_x, k_len, g_ptr, eps, w_ptr, w_col, stride_w, cols,
-                     col_ok, up_rows, h_ptr, h_rows, stride_h, h_ok,
+                     col_ok, up_rows, h_ptr, h_rows, stride_h, h_ok, w, w2,
                      BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr,
                      STORE_NORMED: tl.constexpr, ONE_TILE: tl.constexpr, PRECISION: tl.constexpr):
         """``acc += A_half W_half^T`` over one half of ``K`` (``k_len`` columns from
         ``w_col`` on): rows ``src`` of ``x``, normed where ``NORM``; with ``GLU`` also
         ``acc2`` against the up rows (``up_rows`` on); with ``STORE_NORMED`` the operand
-        into ``h`` where ``h_ok``. ``ONE_TILE``: the half in one block of ``BLOCK_K``."""
+        into ``h`` where ``h_ok``. ``ONE_TILE``: the half in one block of ``BLOCK_K``,
+        against the weights ``w`` and ``w2`` already loaded (:func:`_half_weights`);
+        otherwise those are unused and the loop loads its own."""
         lanes = tl.arange(0, BLOCK_K)
         x_rows = x_ptr + src[:, None] * stride_x
         w_at = w_ptr + cols[None, :] * stride_w + w_col
         if ONE_TILE:
             k_ok = lanes < k_len
-            # the weights first: their load is the long one, and nothing before it waits
-            w = tl.load(w_at + lanes[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-            if GLU:
-                w2 = tl.load(w_at + up_rows * stride_w + lanes[:, None], mask=col_ok[None, :] & k_ok[:, None],
-                             other=0.0)
             a = tl.load(x_rows + lanes[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             if NORM:
                 xf = a.to(tl.float32)
@@ -317,29 +329,40 @@ if triton is not None:
                               r_ptr, stride_r, y_ptr, stride_y, best_ptr, where_ptr, parts, h_ptr, stride_h,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                               GATHER: tl.constexpr, NORM: tl.constexpr, PAIR: tl.constexpr, OUTPUT: tl.constexpr,
-                              STORE_NORMED: tl.constexpr, ONE_TILE: tl.constexpr, PRECISION: tl.constexpr):
+                              STORE_NORMED: tl.constexpr, ONE_TILE: tl.constexpr, PRECISION: tl.constexpr,
+                              CHAINED: tl.constexpr):
         """Rows ``[pid_m BLOCK_M, +BLOCK_M)`` and columns ``[pid_n BLOCK_N, +BLOCK_N)`` of
-        :func:`normed_linear` (``OUTPUT`` indexes :data:`OUTPUTS`)."""
+        :func:`normed_linear` (``OUTPUT`` indexes :data:`OUTPUTS`; ``CHAINED``: launched
+        by :func:`~replayssm.ops.triton_common.chain_launch`)."""
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         out_rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = out_rows < n_rows
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < n_cols
+        w_a = tl.zeros((BLOCK_K, BLOCK_N), w_ptr.dtype.element_ty)  # the loop path's placeholders
+        w2_a, w_b, w2_b = w_a, w_a, w_a
+        if ONE_TILE:
+            # the weights first: their load is the long one, no kernel writes them, so in
+            # a chain it overlaps the kernel before
+            w_a, w2_a = _half_weights(w_ptr, 0, stride_w, k1, cols, col_ok, n_cols, BLOCK_K, OUTPUT == 2)
+            if PAIR:
+                w_b, w2_b = _half_weights(w_ptr, k1, stride_w, k1, cols, col_ok, n_cols, BLOCK_K, OUTPUT == 2)
+        chain_wait(CHAINED)
         if GATHER:
             src = out_rows * row_group + tl.load(rows_ptr + out_rows, mask=row_ok, other=0).to(tl.int64)
             src_ok = row_ok & (src >= 0) & (src < x_rows)  # a row outside x reads nothing
         else:
             src = out_rows
             src_ok = row_ok
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < n_cols
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         acc2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         h_ok = row_ok & (tl.zeros((BLOCK_M,), tl.int32) + pid_n == 0)  # one program of each row block keeps A
         acc, acc2 = _normed_half(acc, acc2, x_ptr, src, src_ok, stride_x, k1, g1_ptr, eps1, w_ptr, 0, stride_w,
-                                 cols, col_ok, n_cols, h_ptr, out_rows, stride_h, h_ok,
+                                 cols, col_ok, n_cols, h_ptr, out_rows, stride_h, h_ok, w_a, w2_a,
                                  BLOCK_M, BLOCK_K, NORM, OUTPUT == 2, STORE_NORMED, ONE_TILE, PRECISION)
         if PAIR:
             acc, acc2 = _normed_half(acc, acc2, x2_ptr, out_rows, row_ok, stride_x2, k1, g2_ptr, eps2, w_ptr, k1,
-                                     stride_w, cols, col_ok, n_cols, h_ptr, out_rows, stride_h, h_ok,
+                                     stride_w, cols, col_ok, n_cols, h_ptr, out_rows, stride_h, h_ok, w_b, w2_b,
                                      BLOCK_M, BLOCK_K, True, OUTPUT == 2, STORE_NORMED, ONE_TILE, PRECISION)
         dtype = x_ptr.dtype.element_ty
         # torch rounds the matmul's result to the dtype before the next op reads it

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.triton_common import INTERPRETER, triton
+from ..ops.triton_common import INTERPRETER, chain_launch, triton
 
 if triton is not None:
     import triton.language as tl
 
-    from ..ops.triton_common import device_fn, to_rtne
+    from ..ops.triton_common import chain_wait, device_fn, to_rtne
 
 KINDS = ("offset", "gated")
 #: Most rows a norm program takes (see :func:`_norm_blocks`); 1 is a program a row.
@@ -127,10 +127,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, kind: str, gate:
     else:
         y = out
     grid, block_r, block, warps = _norm_blocks(d, rows)
+    chained, launch = chain_launch()
     _rms_norm_kernel[(grid,)](
         x, weight, x if gate is None else gate, y, x, x, rows, d, eps, *rows_x, *rows_g, 0, *rows_out,
         *_NO_SECOND(x, weight, y), BLOCK_R=block_r, BLOCK=block, GATED=kind == "gated", RESIDUAL=False, PAIR=False,
-        GATHER=False, num_warps=warps,
+        GATHER=False, CHAINED=chained, num_warps=warps, **launch,
     )
     return y
 
@@ -186,12 +187,13 @@ def rms_norm_pair(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.
     grid2 = _norm_blocks(d, n2)[0]  # the same rows a program, lanes and warps: they depend on d alone
     if grid + grid2 == 0:
         return
+    chained, launch = chain_launch()
     _rms_norm_kernel[(grid + grid2,)](
         x, weight, x, out, rows if rows is not None else x, x, n, d, eps, *rows_x, 0, 0, 0,
         0 if rows is None else rows.stride(0), *rows_out,
         x2, weight2, out2, grid, n2, eps2, *rows_x2, *rows_out2,
         BLOCK_R=block_r, BLOCK=block, GATED=False, RESIDUAL=False, PAIR=True, GATHER=rows is not None,
-        num_warps=warps,
+        CHAINED=chained, num_warps=warps, **launch,
     )
 
 
@@ -219,10 +221,11 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     n, d = x.shape
     s, y = torch.empty((2, n, d), dtype=x.dtype, device=x.device).unbind(0)
     grid, block_r, block, warps = _norm_blocks(d, n)
+    chained, launch = chain_launch()
     _rms_norm_kernel[(grid,)](
         x, weight, x, y, residual, s, n, d, eps, n, 0, x.stride(0), n, 0, x.stride(0), residual.stride(0), n, 0, d,
         *_NO_SECOND(x, weight, y), BLOCK_R=block_r, BLOCK=block, GATED=False, RESIDUAL=True, PAIR=False, GATHER=False,
-        num_warps=warps,
+        CHAINED=chained, num_warps=warps, **launch,
     )
     return s, y
 
@@ -278,10 +281,12 @@ if triton is not None:
                          x2_ptr, w2_ptr, y2_ptr, grid_1, n_rows_2, eps_2, inner_x2, stride_x2o, stride_x2i,
                          inner_y2, stride_y2o, stride_y2i,
                          BLOCK_R: tl.constexpr, BLOCK: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
-                         PAIR: tl.constexpr, GATHER: tl.constexpr):
+                         PAIR: tl.constexpr, GATHER: tl.constexpr, CHAINED: tl.constexpr):
         # PAIR (rms_norm_pair): the programs from grid_1 on run a second offset norm of
         # the same width (x2 -> y2) through the same block code, so its rows get the
         # bits a launch of their own gives; GATHER (with PAIR) is the first norm's.
+        # CHAINED: launched by chain_launch.
+        chain_wait(CHAINED)
         pid = tl.program_id(0)
         if PAIR:
             if pid >= grid_1:

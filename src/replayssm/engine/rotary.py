@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.triton_common import INTERPRETER, triton
+from ..ops.triton_common import INTERPRETER, chain_launch, triton
 
 if triton is not None:
     import triton.language as tl
 
-    from ..ops.triton_common import mask_and, to_rtne
+    from ..ops.triton_common import chain_wait, mask_and, to_rtne
 
 
 def rope_rows(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -106,10 +106,11 @@ def _rotate_triton(qk: torch.Tensor, rope: torch.Tensor, cache: tuple | None = N
         extra = (v, kc, vc, slots, at, v.stride(0), v.stride(1), v.stride(2), slots.stride(0), at.stride(0), at.stride(1),
                  kc.shape[0], kc.shape[2])
         write = dict(CACHE=True, KVH=kv_heads, BKV=triton.next_power_of_2(kv_heads), BD=triton.next_power_of_2(d))
+    chained, launch = chain_launch()
     _rotate_kernel[(b * t,)](
         qk, rope, t, heads, qk.stride(0), qk.stride(1), rope.stride(0), rope.stride(1) if per_token else 0,
         rope.stride(2), *extra, HALF=half, BH=triton.next_power_of_2(heads), BR=triton.next_power_of_2(half),
-        D=d, num_warps=1 if heads * half <= 512 else 4, **write,
+        D=d, CHAINED=chained, num_warps=1 if heads * half <= 512 else 4, **write, **launch,
         enable_fp_fusion=False,  # torch's separate multiply and add: no FMA (fp32 rounds both)
     )
 
@@ -166,11 +167,13 @@ if triton is not None:
                        v_ptr, kc_ptr, vc_ptr, slots_ptr, at_ptr, v_b, v_t, v_h, slots_s, at_b, at_t, n_slots, cap,
                        HALF: tl.constexpr, BH: tl.constexpr, BR: tl.constexpr, D: tl.constexpr,
                        CACHE: tl.constexpr = False, KVH: tl.constexpr = 1, BKV: tl.constexpr = 1,
-                       BD: tl.constexpr = 1):
+                       BD: tl.constexpr = 1, CHAINED: tl.constexpr = False):
         """Token ``program_id`` (row-major over ``B, T``): its heads' first ``2 HALF``
         channels, ``(x_1 c_1 + x_2 s'_2, x_2 c_2 + x_1 s'_1)`` with ``(c, s')`` its rope
         row (:func:`rope_rows`), each product and each sum rounded to the dtype as torch
-        rounds them, stored over the inputs."""
+        rounds them, stored over the inputs. ``CHAINED``: launched by
+        :func:`~replayssm.ops.triton_common.chain_launch`."""
+        chain_wait(CHAINED)
         i = tl.program_id(0)
         i_b, i_t = i // T, i % T
         h = tl.arange(0, BH)[:, None]

@@ -38,6 +38,8 @@ parts), :func:`row_sum` (``tl.sum`` that stays cheap under the interpreter),
 :func:`to_rtne` (a store's cast, rounded to nearest even on every backend),
 :func:`block_rows` (the host's choice of a tile's row count),
 :func:`dependent_launch` (whether a launch may overlap the kernel before it),
+:func:`chained_launches` with :func:`chain_launch` and :func:`chain_wait` (a chain of
+small kernels, each starting during the one before it),
 :func:`mask_and` (block mask ``&`` scalar flag), :func:`window_program` (a window
 kernel's program coordinates) and :func:`device_fn` (``triton.jit`` for straight-line
 device helpers).
@@ -54,8 +56,10 @@ The module imports without Triton (``triton`` is then ``None`` and no helper exi
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import threading
 
 import torch
 
@@ -156,6 +160,41 @@ def dependent_launch(device: torch.device) -> bool:
     if device.type != "cuda" or INTERPRETER:
         return False
     return _capability_major(device.index if device.index is not None else torch.cuda.current_device()) >= 9
+
+
+_chain = threading.local()
+
+
+@contextlib.contextmanager
+def chained_launches(device: torch.device, enabled: bool = True):
+    """Within the block, the kernels that take part (:func:`chain_launch`) launch as
+    programmatic dependents of the kernel before them, where :func:`dependent_launch`
+    allows it on ``device`` and ``enabled`` holds; elsewhere, and after the block, in
+    stream order.
+
+    For a chain of small kernels, each a few microseconds of which most is its start
+    (the programs' dispatch, the first loads' memory latency): each program of a
+    chained kernel loads what no kernel of the step writes (weights), then waits for the
+    kernel before it (:func:`chain_wait`), then lets the next kernel's programs start.
+    So a kernel's start overlaps the one before it, one kernel ahead at most. The
+    numbers are those of launches in stream order: each program reads its inputs only
+    after the kernel that wrote them has finished. A CUDA graph captured in the block
+    keeps each relation as a programmatic edge."""
+    before = getattr(_chain, "on", False)
+    _chain.on = enabled and dependent_launch(device)
+    try:
+        yield
+    finally:
+        _chain.on = before
+
+
+def chain_launch() -> tuple[bool, dict]:
+    """``(chained, launch options)`` for a kernel that takes part in
+    :func:`chained_launches`: pass ``chained`` as its ``CHAINED`` constexpr (its
+    programs then call :func:`chain_wait` before reading any input a kernel of the step
+    writes) and the options to its launch."""
+    on = getattr(_chain, "on", False)
+    return on, ({"launch_pdl": True} if on else {})
 
 
 def register_cap(max_registers: int, device: torch.device) -> dict:
@@ -402,6 +441,16 @@ if triton is not None:
         bos = tl.load(cu_ptr + i_b).to(tl.int64)
         length = tl.load(cu_ptr + i_b + 1).to(tl.int64) - bos
         return i_v, i_b, i_hv, i_h, slot, bos, length
+
+    @triton.jit
+    def chain_wait(CHAINED: tl.constexpr):
+        """In a kernel launched by :func:`chain_launch` with ``CHAINED``: wait until the
+        kernel before it has finished and its writes are visible, then let the kernel
+        after it start its programs (they too wait before reading). Without
+        ``CHAINED``, nothing (the launch is in stream order)."""
+        if CHAINED:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
 
     @device_fn
     def mask_and(mask, flag):
