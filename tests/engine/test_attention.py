@@ -1,7 +1,8 @@
 """The window attention's output gate in its launch (``slot_attention`` / ``tree_attention``
 with ``gate=``): the bits of the attention followed by ``sigmoid_mul``, on both kernels'
-masks, with the gate a strided view of a wider projection output; a token's output
-the same bits at any window position and batch; a tree's visibility bits built once."""
+masks, with the gate a strided view of a wider projection output; starts read at their
+stride; a token's output the same bits at any window position and batch; a tree's
+visibility bits built once."""
 
 import pytest
 import torch
@@ -104,3 +105,17 @@ def test_tree_attention_takes_its_visibility_bits_built_once(rng):
     for bad in (tree.ancestor_bits[:-1], tree.ancestor_bits.int()):
         with pytest.raises(ValueError, match="visible_bits must be"):
             tree_attention(q, kc, vc, rows, starts, tree.ancestors, 0.3, backend="triton", visible_bits=bad)
+
+
+def test_starts_are_read_at_their_stride(rng):
+    """``starts`` as a column of a ``[B, T]`` positions tensor (the step's ``positions[:,
+    0]``, read in place instead of copied): the outputs of contiguous starts, bit for
+    bit, on both kernels; and not those of the other column, so the stride is used."""
+    q, kc, vc, gate, rows, starts = _case(rng, b=3)
+    positions = starts[:, None] + torch.arange(2)
+    assert positions[:, 0].stride(0) == 2
+    for got, want in zip(_both(q, kc, vc, rows, positions[:, 0], "triton", gate),
+                         _both(q, kc, vc, rows, starts.clone(), "triton", gate)):
+        assert torch.equal(got, want)
+    shifted = _both(q, kc, vc, rows, positions[:, 1], "triton", gate)
+    assert not torch.equal(shifted[0], _both(q, kc, vc, rows, starts, "triton", gate)[0])

@@ -105,7 +105,8 @@ def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
             keys and values already written at positions ``starts[b] + t``.
         slot_idx: ``[B]`` cache slot of each row (padding rows point at any slot whose
             entries are finite; their outputs are meaningless).
-        starts: ``[B]`` committed length of each row (position of its first query).
+        starts: ``[B]`` committed length of each row (position of its first query), any
+            stride (a column of a ``[B, T]`` positions tensor, read in place).
         scale: softmax scale.
         backend: ``"reference"``, ``"triton"`` or ``"auto"`` (Triton on CUDA).
         gate: ``None``, or the output gate ``[B * T, heads, D]`` (``q``'s dtype, last
@@ -226,7 +227,7 @@ def _slot_attention_triton(q, k_cache, v_cache, slot_idx, starts, scale, tree_bi
         raise ValueError(f"the Triton slot attention needs a power-of-two head_dim >= 16, got {d}")
     if q.stride(-1) != 1:  # rows, tokens and heads may have any strides (a slice of a q/k buffer)
         q = q.contiguous()
-    slot_idx, starts = slot_idx.contiguous(), starts.contiguous()  # read as flat arrays
+    slot_idx = slot_idx.contiguous()  # read as a flat array; starts at its stride (a column of positions)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     block_m = max(16, triton.next_power_of_2(groups * t))
     block_n = 64 if d <= 128 else 32
@@ -234,7 +235,7 @@ def _slot_attention_triton(q, k_cache, v_cache, slot_idx, starts, scale, tree_bi
     gated = gate is not None
     chained, launch = chain_launch()
     _slot_attention_kernel[(b, kv_heads)](
-        q, k_cache, v_cache, slot_idx, starts, out, tree_bits if tree else starts, scale,
+        q, k_cache, v_cache, slot_idx, starts, starts.stride(0), out, tree_bits if tree else starts, scale,
         q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         gate if gated else out, gate.stride(0) if gated else 0, gate.stride(1) if gated else 0,
@@ -252,7 +253,7 @@ if triton is not None:
 
     @triton.jit
     def _slot_attention_kernel(
-        q_ptr, k_ptr, v_ptr, slot_ptr, start_ptr, o_ptr, bits_ptr, scale,
+        q_ptr, k_ptr, v_ptr, slot_ptr, start_ptr, stride_start, o_ptr, bits_ptr, scale,
         stride_qb, stride_qt, stride_qh, stride_ob, stride_ot, stride_oh, stride_ks, stride_kh, stride_kl,
         g_ptr, stride_gn, stride_gh,
         T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -263,7 +264,7 @@ if triton is not None:
         i_b = tl.program_id(0)
         i_kh = tl.program_id(1)
         slot = tl.load(slot_ptr + i_b).to(tl.int64)
-        start = tl.load(start_ptr + i_b).to(tl.int64)
+        start = tl.load(start_ptr + i_b * stride_start).to(tl.int64)
         # Tile row m holds query token m // G of head i_kh * G + m % G.
         offs_m = tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, D)

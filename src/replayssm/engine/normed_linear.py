@@ -48,8 +48,10 @@ OUTPUTS = ("store", "residual", "glu", "argmax")
 
 #: ``(rows, BLOCK_M)``: the tile height for a call of at most ``rows`` rows (the MTP
 #: head's draft depths have one row a request, its update ``T`` a request); 16 is the
-#: tensor cores' least.
-_BLOCK_M = ((16, 16), (32, 32), (1 << 62, 64))
+#: tensor cores' least. 64 rows take two blocks of 32, whose tiles fit one
+#: (:data:`ONE_TILE_BYTES`; offline sm_90, bf16: 94-128 registers a thread, no spills),
+#: where one block of 64 loops over ``K`` at 171-219.
+_BLOCK_M = ((16, 16), (64, 32), (1 << 62, 64))
 #: Columns a program: narrow for narrow layers, so that a layer of a few hundred
 #: columns still spreads its weight read over a dozen SMs at batch 1.
 _BLOCK_N = ((1024, 32), (1 << 62, 64))
