@@ -300,6 +300,11 @@ def run_op(op: str, batch: int, sdt: torch.dtype, act: torch.dtype,
         step_inputs.gather_step_inputs(windows, kv_len, torch.arange(64), torch.randn(1000, 2048).to(act),
                                        torch.randn(512, 2, 64).to(act))
         labels.append("windows, lengths, positions, embedding and rotary rows of 64 x 4 tokens")
+        if hasattr(step_inputs, "draft_inputs"):  # (not in a tree before it)
+            out = torch.randint(0, 99, (64, 5))
+            step_inputs.draft_inputs(out[:, 1:], out[:, 0], torch.randint(0, 400, (64, 4)),
+                                     torch.randn(512, 2, 64).to(act), 2)
+            labels.append("the MTP drafter's inputs after a step of 64 x 4 tokens, 2 later depths")
     elif op == "normed_linear":  # the embedded MTP head's passes at batch 1 (a depth) and 16 (an update of 4)
         from replayssm.engine.normed_linear import normed_linear
 

@@ -1,13 +1,14 @@
 """A step's inputs in one kernel (``gather_step_inputs``) against the torch ops it
 replaces: the rows' windows, committed lengths, positions (a chain's, a draft tree's
-depths), embedding and rotary rows."""
+depths), embedding and rotary rows; and the MTP drafter's inputs after a step
+(``draft_inputs``) likewise."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from replayssm.engine.step_inputs import gather_step_inputs
+from replayssm.engine.step_inputs import draft_inputs, gather_step_inputs
 
 
 def _case(rng, slots=6, t=4, vocab=50, hidden=1100, positions=40, r=8, dtype=torch.float32, device="cpu"):
@@ -75,3 +76,65 @@ def test_step_inputs_on_cuda_in_bf16_are_the_torch_ops():
     got = gather_step_inputs(windows, kv_len, slot_idx, embed, table)
     want = gather_step_inputs(windows, kv_len, slot_idx, embed, table, backend="reference")
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def _draft_case(rng, b=5, t=4, cap=40, r=8):
+    """A step's output as the engine leaves it: ``[B, 1 + T]`` (accepted counts, then
+    the emitted tokens, ``-1`` past them), positions from random committed lengths."""
+    accepted = torch.randint(1, t + 1, (b,), generator=rng)
+    out = torch.randint(0, 99, (b, 1 + t), generator=rng)
+    out[:, 0] = accepted
+    out[:, 1:][torch.arange(t)[None] >= accepted[:, None]] = -1
+    starts = torch.randint(0, cap - 2 * t, (b,), generator=rng)
+    positions = (starts[:, None] + torch.arange(t)).t().contiguous().t()  # strided along T
+    return out[:, 1:], out[:, 0], positions, torch.randn(cap, 2, r, generator=rng)
+
+
+@pytest.mark.parametrize("depths", [0, 1, 3])
+def test_draft_inputs_are_the_torch_ops(rng, depths):
+    """Bit for bit the drafter's seven torch ops (two clamps, a subtraction, two sums,
+    two row gathers) with the accepted counts and emitted tokens as columns of the
+    step's output buffer and the positions strided; at 0, 1 and 3 later depths."""
+    emitted, accepted, positions, table = _draft_case(rng)
+    assert accepted.stride(0) == 5 and positions.stride(1) != 1
+    got = draft_inputs(emitted, accepted, positions, table, depths)
+    want = draft_inputs(emitted, accepted, positions, table, depths, backend="reference")
+    assert len(got) == len(want) == 6
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.dtype == w.dtype and g.shape == w.shape and torch.equal(g, w), i
+    assert (got[0] >= 0).all() and (got[1] == accepted - 1).all()
+    if depths:
+        assert torch.equal(got[4][-1], positions[:, 0] + accepted + depths - 1)
+
+
+def test_draft_inputs_out_of_range_positions_read_zero_rows(rng):
+    """A position past the rotary table gets zero rows on the device (no read outside
+    the table), where the reference's indexing would raise."""
+    emitted, accepted, positions, table = _draft_case(rng, b=2, t=2, cap=12)
+    positions = positions.clone()
+    positions[1] = torch.tensor([11, 12])
+    accepted = torch.tensor([1, 2])
+    _, _, _, rope, depth_pos, depth_rope = draft_inputs(emitted, accepted, positions, table, 1)
+    assert torch.equal(rope[1, 0], table[11]) and (rope[1, 1] == 0).all()
+    assert depth_pos[0, 1] == 13 and (depth_rope[0, 1] == 0).all()
+    assert torch.equal(depth_rope[0, 0], table[positions[0, 0] + 1])
+
+
+@pytest.mark.parametrize("refused", ["depths", "emitted dtype", "accepted shape", "positions shape", "table"])
+def test_draft_inputs_refuse_bad_arguments(rng, refused):
+    emitted, accepted, positions, table = _draft_case(rng)
+    kw = dict(emitted=emitted, accepted=accepted, positions=positions, rope_table=table, depths=2)
+    if refused == "depths":
+        kw["depths"] = -1
+    elif refused == "emitted dtype":
+        kw["emitted"] = emitted.to(torch.int32)
+    elif refused == "accepted shape":
+        kw["accepted"] = accepted[:-1]
+    elif refused == "positions shape":
+        kw["positions"] = positions[:, :-1]
+    else:
+        kw["rope_table"] = table[:, :1]
+    word = {"depths": "depths", "emitted dtype": "emitted", "accepted shape": "accepted", "positions shape": "positions",
+            "table": "rope_table"}[refused]
+    with pytest.raises((ValueError, TypeError), match=word):
+        draft_inputs(**kw)

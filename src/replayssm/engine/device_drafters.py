@@ -38,6 +38,7 @@ from .fused_linear import fuse_linears, fused_weight
 from .normed_linear import NORMED_LINEAR_DTYPES, normed_linear
 from .norms import norm_eps, norm_kind, rms_norm_pair
 from .rotary import rope_at
+from .step_inputs import draft_inputs
 
 
 def _check_tree(tree) -> None:
@@ -561,7 +562,7 @@ class DeviceMTPDrafter(DeviceDrafter):
             fuse_linears((mlp.gate_proj, mlp.up_proj))
         fuse_linears((attn.q_proj, attn.k_proj, attn.v_proj))  # one matmul (adapter.attention_projections)
         self._greedy_weights = self._normed_linear_weights() if self.normed_linears else None
-        self._first_draft = None
+        self._first_draft = self._depths = None
 
     def _normed_linear_weights(self) -> dict | None:
         """The weights :meth:`_greedy_pass` multiplies, or ``None`` where that pass does not
@@ -697,19 +698,24 @@ class DeviceMTPDrafter(DeviceDrafter):
         return self._greedy_weights is not None and rows <= self.normed_linear_rows
 
     def _draft(self, slot_idx, h: torch.Tensor, next_pos: torch.Tensor, k: int | None = None,
-               first: torch.Tensor | None = None) -> torch.Tensor:
+               first: torch.Tensor | None = None, depths: tuple | None = None) -> torch.Tensor:
         """``k`` (default :attr:`k`) drafts from the head outputs ``h [B, H]`` of each
         request's last committed pair; later pairs go at ``next_pos [B]`` onwards.
         Sampled drafts keep their probabilities in :attr:`q`. ``first``: the first
-        drafts ``[B]``, already taken with ``h`` (by :meth:`_greedy_pass`)."""
+        drafts ``[B]``, already taken with ``h`` (by :meth:`_greedy_pass`); ``depths``:
+        the ``k - 1`` later depths' positions and rotary rows, already gathered
+        (:func:`~replayssm.engine.step_inputs.draft_inputs`)."""
         k = self.k if k is None else k
         greedy = self._greedy(h.shape[0])
         tok, q = (first, None) if first is not None else self._choose(self.engine.lm_head(h))
         drafts, probs = [tok], [q]
         if k > 1:
             # every depth's positions and rotary rows at once: [k - 1, B] and [k - 1, B, 2, R]
-            pos = self._steps[: k - 1] + next_pos[None]
-            rope = self._rope_at(pos)
+            if depths is not None:
+                pos, rope = depths
+            else:
+                pos = self._steps[: k - 1] + next_pos[None]
+                rope = self._rope_at(pos)
         for j in range(1, k):
             if greedy:
                 h, tok = self._greedy_pass(tok[:, None], h, slot_idx, pos[j - 1][:, None], rope[j - 1][:, None])
@@ -764,20 +770,26 @@ class DeviceMTPDrafter(DeviceDrafter):
     def observe(self, slot_idx, emitted, accepted, *, hidden=None, positions=None):
         if hidden is None or positions is None:
             raise ValueError("the MTP drafter needs the step's hidden states and positions")
-        self._first_draft = None
+        self._first_draft = self._depths = None
         b, t = emitted.shape
+        if self._greedy(b * t):
+            # the pass's inputs and the later depths' positions and rotary rows in one
+            # launch, then the first drafts with the head's outputs
+            with chained_launches(hidden.device, self.chain_passes):
+                tokens, n, self._next_pos, rope, *self._depths = draft_inputs(emitted, accepted, positions,
+                                                                              self._rotary, max(self.k - 1, 0))
+            self._last_hidden, self._first_draft = self._greedy_pass(tokens, hidden, slot_idx, positions, rope,
+                                                                     pick=n)
+            return
         n = (accepted - 1).clamp(min=0)
         self._next_pos = positions[:, 0] + accepted
-        if self._greedy(b * t):  # the first drafts come with the head's outputs
-            self._last_hidden, self._first_draft = self._greedy_pass(emitted.clamp(min=0), hidden, slot_idx, positions,
-                                                                     self._rope_at(positions), pick=n)
-            return
         out = self._layer(emitted.clamp(min=0), hidden, slot_idx, positions, self._rope_at(positions)).view(b, t, -1)
         self._last_hidden = out.gather(1, n[:, None, None].expand(b, 1, out.shape[-1]))[:, 0]
 
     def propose(self, slot_idx):
         if self.tree is None:
-            return self._draft(slot_idx, self._last_hidden, self._next_pos, first=self._first_draft)
+            return self._draft(slot_idx, self._last_hidden, self._next_pos, first=self._first_draft,
+                               depths=self._depths)
         return self._draft_tree(slot_idx, self._last_hidden, self._next_pos)
 
     #: a tree's spine is the argmax at each depth along the argmaxes: the greedy chain,
