@@ -45,7 +45,7 @@ from triton.runtime import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 OPS = ("recurrence", "fold", "ring_decode", "closed_form", "tree_recurrence", "conv_prefill", "norms", "rotary",
-       "attention", "argmax", "step_inputs", "normed_linear")
+       "attention", "argmax", "step_inputs", "normed_linear", "guards")
 H, HV, K, V, T, L = 16, 32, 128, 128, 4, 16
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
@@ -305,6 +305,12 @@ def run_op(op: str, batch: int, sdt: torch.dtype, act: torch.dtype,
             step_inputs.draft_inputs(out[:, 1:], out[:, 0], torch.randint(0, 400, (64, 4)),
                                      torch.randn(512, 2, 64).to(act), 2)
             labels.append("the MTP drafter's inputs after a step of 64 x 4 tokens, 2 later depths")
+    elif op == "guards":  # the accepted counts' device check of a step of 64 rows (a strided int64 column)
+        from replayssm.ops import guards
+
+        out = torch.randint(1, 4, (64, 5))
+        guards.clamp_accepted(torch.arange(64), out[:, 0], torch.full((64,), 4, dtype=torch.int32), backend="triton")
+        labels.append("the accepted counts clamped and checked, 64 rows")
     elif op == "normed_linear":  # the embedded MTP head's passes at batch 1 (a depth) and 16 (an update of 4)
         from replayssm.engine.normed_linear import normed_linear
 

@@ -32,6 +32,7 @@ from replayssm.ops import (  # noqa: E402
     triton_common,
 )
 from replayssm.state import Batch, GDNShape, StatePool  # noqa: E402
+from replayssm.testing.op_count import count_ops  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 if DEVICE.type == "cpu" and not triton_common.INTERPRETER:
@@ -185,6 +186,38 @@ def test_device_guard_of_cursors_liveness_and_accepted():
     assert n.tolist() == [1, 9, 3]  # live rows clamped into [1, length]; padding rows as given
     with pytest.raises(guards.DeviceCheckError, match="accepted"):
         guards.check_errors(DEVICE)
+
+
+@pytest.mark.parametrize("batch", [1, 5, 1500])
+def test_accepted_clamped_in_one_launch_as_by_tensor_ops(batch):
+    """The Triton ``clamp_accepted`` (one launch) against the tensor ops: the same int32
+    counts and the same error bit, for in-range counts (no bit), and with counts below 1
+    and past the window on live and padding rows (the bit; padding rows as given), the
+    counts a strided column of int64 (the step's output buffer), over one program and
+    over two (1500 rows)."""
+    rng = torch.Generator().manual_seed(batch)
+    lengths = torch.randint(1, 9, (batch,), generator=rng, dtype=torch.int32).to(DEVICE)
+    slots = torch.randint(0, NS, (batch,), generator=rng).to(DEVICE)
+    slots[::3] = -1
+    good = (torch.rand(batch, generator=rng).to(DEVICE) * lengths).long() + 1
+    bad = good.clone()
+    bad[-1], bad[0] = -2, 99  # live or padding, one of each at most
+    for counts, flagged in ((good, False), (bad, True)):
+        column = torch.stack([counts, counts], 1)[:, 1]
+        assert column.stride(0) == 2
+        results = []
+        for backend in ("torch", "triton"):
+            guards.clear_errors(DEVICE)
+            n = guards.clamp_accepted(slots, column, lengths, backend=backend)
+            bits = int(guards.error_word(DEVICE).item())
+            results.append((n, bits))
+        (want, want_bits), (got, got_bits) = results
+        assert got.dtype == want.dtype == torch.int32 and torch.equal(got, want)
+        assert got_bits == want_bits == (guards.ACCEPTED if flagged and (slots[[0, -1]] >= 0).any() else 0)
+    with count_ops() as ops:  # a kernel for the whole guard (13 tensor ops, each a kernel on a GPU)
+        guards.clamp_accepted(slots, column, lengths, backend="triton")
+    assert ops.total == 1, ops.counts
+    guards.clear_errors(DEVICE)
 
 
 def test_values_are_read_once_per_step(monkeypatch):

@@ -212,7 +212,7 @@ class StaticStep:
                                            next_windows=self.windows if chain else None,
                                            backend="triton" if eng.fused_norms else "reference", **choice)
         if verify:
-            eng.strategy.commit(self.batch, accepted.to(torch.int32))
+            eng.strategy.commit(self.batch, accepted)  # int64, a column of the output: the guard reads it as it is
         elif self.ring:
             eng.strategy.commit(self.batch)  # the one token of every row
         if self.drafter is not None:

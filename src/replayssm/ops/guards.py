@@ -24,7 +24,8 @@ guard works in one of two ways:
 
 Values that only count (accepted tokens, fold counts, ring starts) are clamped inside
 the kernels, which keeps them in bounds at no cost; the strategies check them once per
-step (on the device when they live there, so commit does not synchronise).
+step (on the device when they live there, so commit does not synchronise; on CUDA in
+one launch, :func:`clamp_accepted`, where its tensor ops were thirteen kernels a step).
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ import numpy as np
 import torch
 
 from .records import slots_error, varlen_error
+from .triton_common import INTERPRETER, triton
+
+if triton is not None:
+    import triton.language as tl
 
 # Bits of the device error word, one per kind of bad index value.
 SLOT_RANGE = 1
@@ -89,6 +94,11 @@ class _ErrorWord:
 
     def raise_bits(self, bits: torch.Tensor) -> None:
         self.word.bitwise_or_(bits)
+        self.written()
+
+    def written(self) -> None:
+        """After a write to :attr:`word` on the device: refresh the host mirror (eagerly;
+        a captured graph's writes are read at the next waiting check)."""
         if self.mirror is not None and not torch.cuda.is_current_stream_capturing():
             self.mirror.copy_(self.word, non_blocking=True)
             self.event = torch.cuda.Event()
@@ -449,20 +459,73 @@ def sanitize_window(slots: torch.Tensor, cu_seqlens: torch.Tensor, *, num_slots:
     return safe_slots, safe_cu
 
 
-def clamp_accepted(slots: torch.Tensor, accepted: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """``accepted`` as int32 with every live row's count clamped into ``[1, length]``, by
-    tensor ops only (no synchronisation); the error word is raised if any was outside.
+def clamp_accepted(slots: torch.Tensor, accepted: torch.Tensor, lengths: torch.Tensor, *,
+                   backend: str = "auto") -> torch.Tensor:
+    """``accepted`` as int32 with every live row's count clamped into ``[1, length]``, on
+    the device (no synchronisation); the error word is raised if any was outside.
 
     Args:
         slots: ``[B]`` the batch's slots (``-1``: padding, ignored).
-        accepted: ``[B]`` integer counts.
+        accepted: ``[B]`` integer counts (any stride).
         lengths: ``[B]`` the window lengths, on the same device.
+        backend: ``"triton"`` (one launch: CUDA or the Triton interpreter), ``"torch"``
+            (about a dozen small tensor ops, a kernel each on a GPU) or ``"auto"``
+            (Triton on CUDA). The same counts and error bits.
     """
+    if backend == "auto":
+        backend = "triton" if accepted.device.type == "cuda" and triton is not None else "torch"
+    if backend == "triton":
+        return _clamp_accepted_triton(slots, accepted, lengths)
+    if backend != "torch":
+        raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
     n = accepted.to(torch.int32)
     live = slots >= 0
     bad = live & ((n < 1) | (n > lengths))
     _word(accepted.device).raise_bits(_bit(bad.any(), ACCEPTED))
     return torch.where(live, torch.minimum(torch.clamp(n, min=1), lengths.to(torch.int32)), n)
+
+
+#: Rows a program of the Triton :func:`clamp_accepted` checks.
+_CLAMP_BLOCK = 1024
+
+
+def _clamp_accepted_triton(slots: torch.Tensor, accepted: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    if triton is None or (accepted.device.type != "cuda" and not INTERPRETER):
+        raise RuntimeError("the Triton clamp_accepted needs CUDA tensors or the Triton interpreter")
+    b = accepted.shape[0]
+    if slots.shape != (b,) or lengths.shape != (b,):
+        raise ValueError(f"slots, accepted and lengths must be [B] alike, got {list(slots.shape)}, "
+                         f"{list(accepted.shape)} and {list(lengths.shape)}")
+    word = _word(accepted.device)
+    out = torch.empty(b, dtype=torch.int32, device=accepted.device)
+    if b:
+        block = min(_CLAMP_BLOCK, triton.next_power_of_2(b))
+        _clamp_accepted_kernel[(triton.cdiv(b, block),)](
+            slots, accepted, lengths, out, word.word, b, slots.stride(0), accepted.stride(0), lengths.stride(0),
+            BIT=ACCEPTED, BLOCK=block, num_warps=1 if block <= 128 else 4,
+        )
+        word.written()
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _clamp_accepted_kernel(slot_ptr, acc_ptr, len_ptr, out_ptr, word_ptr, n_rows, stride_s, stride_a, stride_l,
+                               BIT: tl.constexpr, BLOCK: tl.constexpr):
+        """Rows ``[program_id BLOCK, +BLOCK)`` of :func:`clamp_accepted`: each count, live
+        rows' clamped into ``[1, length]``; ``BIT`` ORed into the error word where one
+        was outside."""
+        rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = rows < n_rows
+        slot = tl.load(slot_ptr + rows * stride_s, mask=ok, other=-1)
+        n = tl.load(acc_ptr + rows * stride_a, mask=ok, other=1).to(tl.int32)
+        length = tl.load(len_ptr + rows * stride_l, mask=ok, other=1).to(tl.int32)
+        live = slot >= 0
+        bad = live & ((n < 1) | (n > length))
+        tl.store(out_ptr + rows, tl.where(live, tl.minimum(tl.maximum(n, 1), length), n), mask=ok)
+        if tl.sum(bad.to(tl.int32), 0) > 0:
+            tl.atomic_or(word_ptr, tl.full((), BIT, tl.int32))
 
 
 def host_ints(values: Iterable[int]) -> np.ndarray:
