@@ -120,6 +120,18 @@ def test_draft_inputs_out_of_range_positions_read_zero_rows(rng):
     assert torch.equal(depth_rope[0, 0], table[positions[0, 0] + 1])
 
 
+@pytest.mark.gpu
+def test_draft_inputs_on_cuda_in_bf16_are_the_torch_ops():
+    """The drafter's inputs on the GPU, a bf16 rotary table of 64 columns, batch 64:
+    bit for bit the torch ops (copies and integer sums)."""
+    g = torch.Generator().manual_seed(7)
+    emitted, accepted, positions, table = _draft_case(g, b=64, cap=300, r=64)
+    args = [x.to("cuda") for x in (emitted, accepted, positions, table.to(torch.bfloat16))]
+    got = draft_inputs(*args, 2)
+    want = draft_inputs(*args, 2, backend="reference")
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, want))
+
+
 @pytest.mark.parametrize("refused", ["depths", "emitted dtype", "accepted shape", "positions shape", "table"])
 def test_draft_inputs_refuse_bad_arguments(rng, refused):
     emitted, accepted, positions, table = _draft_case(rng)
