@@ -132,7 +132,8 @@ def test_draft_inputs_on_cuda_in_bf16_are_the_torch_ops():
     assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, want))
 
 
-@pytest.mark.parametrize("refused", ["depths", "emitted dtype", "accepted shape", "positions shape", "table"])
+@pytest.mark.parametrize("refused", ["depths", "emitted dtype", "no tokens", "accepted shape", "positions shape",
+                                     "table"])
 def test_draft_inputs_refuse_bad_arguments(rng, refused):
     emitted, accepted, positions, table = _draft_case(rng)
     kw = dict(emitted=emitted, accepted=accepted, positions=positions, rope_table=table, depths=2)
@@ -140,13 +141,15 @@ def test_draft_inputs_refuse_bad_arguments(rng, refused):
         kw["depths"] = -1
     elif refused == "emitted dtype":
         kw["emitted"] = emitted.to(torch.int32)
+    elif refused == "no tokens":
+        kw["emitted"], kw["positions"] = emitted[:, :0], positions[:, :0]
     elif refused == "accepted shape":
         kw["accepted"] = accepted[:-1]
     elif refused == "positions shape":
         kw["positions"] = positions[:, :-1]
     else:
         kw["rope_table"] = table[:, :1]
-    word = {"depths": "depths", "emitted dtype": "emitted", "accepted shape": "accepted", "positions shape": "positions",
-            "table": "rope_table"}[refused]
+    word = {"depths": "depths", "emitted dtype": "emitted", "no tokens": "emitted", "accepted shape": "accepted",
+            "positions shape": "positions", "table": "rope_table"}[refused]
     with pytest.raises((ValueError, TypeError), match=word):
         draft_inputs(**kw)

@@ -260,7 +260,11 @@ if triton is not None:
         TREE: tl.constexpr, W: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr = 1,
         GATE: tl.constexpr = False, CHAINED: tl.constexpr = False,
     ):
-        chain_wait(CHAINED)  # launched by chain_launch: the inputs once the kernel before has written them
+        """Row ``program_id(0)``'s queries of key head ``program_id(1)`` over its slot's
+        keys ``0 .. starts + W`` (``TREE``: the window's entries by its visibility bits),
+        normalised, gated where ``GATE``, stored. ``CHAINED``: launched by
+        :func:`~replayssm.ops.triton_common.chain_launch`."""
+        chain_wait(CHAINED)
         i_b = tl.program_id(0)
         i_kh = tl.program_id(1)
         slot = tl.load(slot_ptr + i_b).to(tl.int64)

@@ -198,8 +198,9 @@ def draft_inputs(emitted: torch.Tensor, accepted: torch.Tensor, positions: torch
         if not isinstance(x, torch.Tensor) or x.dtype not in dtypes:
             raise TypeError(f"{name} must be a {' or '.join(str(d) for d in dtypes)} tensor, got "
                             f"{getattr(x, 'dtype', type(x).__name__)}")
-    if emitted.dim() != 2 or positions.shape != emitted.shape or accepted.shape != emitted.shape[:1]:
-        raise ValueError(f"emitted and positions must be alike [B, T] and accepted [B], got {list(emitted.shape)}, "
+    if emitted.dim() != 2 or emitted.shape[1] < 1 or positions.shape != emitted.shape \
+            or accepted.shape != emitted.shape[:1]:
+        raise ValueError(f"emitted and positions must be alike [B, T >= 1] and accepted [B], got {list(emitted.shape)}, "
                          f"{list(positions.shape)} and {list(accepted.shape)}")
     if not isinstance(rope_table, torch.Tensor) or rope_table.dim() != 3 or rope_table.shape[1] != 2:
         raise ValueError(f"rope_table must be [L, 2, R], got {list(getattr(rope_table, 'shape', []))}")
@@ -220,7 +221,7 @@ def draft_inputs(emitted: torch.Tensor, accepted: torch.Tensor, positions: torch
     rope = torch.empty((b, t, 2, r), dtype=rope_table.dtype, device=dev)
     depth_pos = torch.empty((depths, b), dtype=torch.int64, device=dev)
     depth_rope = torch.empty((depths, b, 2, r), dtype=rope_table.dtype, device=dev)
-    if b > 0 and t > 0:
+    if b > 0:
         chained, launch = chain_launch()
         _draft_inputs_kernel[(b, t + depths)](
             emitted, accepted, positions, rope_table, tokens, last, next_pos, rope, depth_pos, depth_rope,
