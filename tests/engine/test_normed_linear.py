@@ -166,18 +166,28 @@ def test_bf16_on_cuda_against_the_reference(m, rng):
 def test_chained_launches_stay_in_stream_order_off_sm90_and_end_with_their_block(monkeypatch):
     """:func:`chained_launches` chains only where programmatic launches exist (here, on
     the CPU and under the interpreter, never), asks nothing of a launch outside its
-    block, and restores the enclosing block's choice after its own, even on an error."""
+    block, starts a block in stream order unless told otherwise, and restores the
+    enclosing block's choice after its own, even on an error."""
     from replayssm.ops import triton_common
 
+    pdl = (True, {"launch_pdl": True})
     assert triton_common.chain_launch() == (False, {})
     with triton_common.chained_launches(torch.device("cpu")):
-        assert triton_common.chain_launch() == (False, {})
+        assert triton_common.chain_launch() == (False, {}) and not triton_common.chain_active()
     monkeypatch.setattr(triton_common, "dependent_launch", lambda device: True)  # as on an sm_90 card
     with triton_common.chained_launches(torch.device("cuda")):
-        assert triton_common.chain_launch() == (True, {"launch_pdl": True})
+        # the block's first kernel in stream order (it still lets the next one start)
+        assert triton_common.chain_launch() == (True, {}) and triton_common.chain_active()
+        assert triton_common.chain_launch() == pdl
         with pytest.raises(RuntimeError):
             with triton_common.chained_launches(torch.device("cuda"), enabled=False):
                 assert triton_common.chain_launch() == (False, {})
                 raise RuntimeError
-        assert triton_common.chain_launch() == (True, {"launch_pdl": True})
+        assert triton_common.chain_launch() == pdl
     assert triton_common.chain_launch() == (False, {})
+    with triton_common.chained_launches(torch.device("cuda"), ordered_start=False):
+        assert triton_common.chain_launch() == pdl
+    with triton_common.chained_launches(torch.device("cuda")):
+        with triton_common.chained_launches(torch.device("cuda"), ordered_start=False):
+            assert triton_common.chain_launch() == pdl
+        assert triton_common.chain_launch() == (True, {})  # the outer block's start is still its own

@@ -522,7 +522,9 @@ class DeviceMTPDrafter(DeviceDrafter):
     #: The normed linears' passes launch their kernels as a chain
     #: (:func:`~replayssm.ops.triton_common.chained_launches`: each kernel's start and its
     #: weights' load overlap the kernel before, on GPUs that allow it); ``False``: in
-    #: stream order, for comparison. The numbers are the same either way.
+    #: stream order, for comparison. The numbers are the same either way. The chain's
+    #: first kernel too overlaps the kernel before it (``ordered_start=False``): before
+    #: its wait it reads weights only.
     chain_passes = True
 
     def __init__(self, engine, head, sampling=None, tree=None):
@@ -606,7 +608,7 @@ class DeviceMTPDrafter(DeviceDrafter):
         product; ``down`` with the residual add; the LM head with the final norm and
         each column block's argmax, and the blocks' merge. The ten launch as a chain
         (:attr:`chain_passes`)."""
-        with chained_launches(hidden.device, self.chain_passes):
+        with chained_launches(hidden.device, self.chain_passes, ordered_start=False):
             return self._greedy_launches(tokens, hidden, slot_idx, positions, rope, pick)
 
     def _greedy_launches(self, tokens, hidden, slot_idx, positions, rope, pick):
@@ -775,7 +777,7 @@ class DeviceMTPDrafter(DeviceDrafter):
         if self._greedy(b * t):
             # the pass's inputs and the later depths' positions and rotary rows in one
             # launch, then the first drafts with the head's outputs
-            with chained_launches(hidden.device, self.chain_passes):
+            with chained_launches(hidden.device, self.chain_passes, ordered_start=False):
                 tokens, n, self._next_pos, rope, *self._depths = draft_inputs(emitted, accepted, positions,
                                                                               self._rotary, max(self.k - 1, 0))
             self._last_hidden, self._first_draft = self._greedy_pass(tokens, hidden, slot_idx, positions, rope,

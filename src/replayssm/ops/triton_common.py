@@ -166,34 +166,49 @@ _chain = threading.local()
 
 
 @contextlib.contextmanager
-def chained_launches(device: torch.device, enabled: bool = True):
+def chained_launches(device: torch.device, enabled: bool = True, *, ordered_start: bool = True):
     """Within the block, the kernels that take part (:func:`chain_launch`) launch as
     programmatic dependents of the kernel before them, where :func:`dependent_launch`
     allows it on ``device`` and ``enabled`` holds; elsewhere, and after the block, in
-    stream order.
+    stream order. With ``ordered_start`` (the default) the block's first such kernel
+    launches in stream order, so what the block reads before its first wait was
+    finished before the block; without it, that kernel too overlaps whatever kernel
+    comes before the block (fit where its programs read only weights before waiting).
 
     For a chain of small kernels, each a few microseconds of which most is its start
     (the programs' dispatch, the first loads' memory latency): each program of a
-    chained kernel loads what no kernel of the step writes (weights), then waits for the
-    kernel before it (:func:`chain_wait`), then lets the next kernel's programs start.
-    So a kernel's start overlaps the one before it, one kernel ahead at most. The
-    numbers are those of launches in stream order: each program reads its inputs only
-    after the kernel that wrote them has finished. A CUDA graph captured in the block
-    keeps each relation as a programmatic edge."""
-    before = getattr(_chain, "on", False)
+    chained kernel loads what the kernel before it does not write (weights; a state
+    kernel's state), then waits for the kernel before it (:func:`chain_wait`), then
+    lets the next kernel's programs start. So a kernel's start overlaps the one before
+    it, one kernel ahead at most. The numbers are those of launches in stream order:
+    each program reads its inputs only after the kernel that wrote them has finished.
+    A CUDA graph captured in the block keeps each relation as a programmatic edge."""
+    before = getattr(_chain, "on", False), getattr(_chain, "next_in_order", False)
     _chain.on = enabled and dependent_launch(device)
+    _chain.next_in_order = ordered_start
     try:
         yield
     finally:
-        _chain.on = before
+        _chain.on, _chain.next_in_order = before
+
+
+def chain_active() -> bool:
+    """Whether :func:`chain_launch` chains launches here (inside an enabled
+    :func:`chained_launches` on a device that allows it)."""
+    return getattr(_chain, "on", False)
 
 
 def chain_launch() -> tuple[bool, dict]:
     """``(chained, launch options)`` for a kernel that takes part in
     :func:`chained_launches`: pass ``chained`` as its ``CHAINED`` constexpr (its
     programs then call :func:`chain_wait` before reading any input a kernel of the step
-    writes) and the options to its launch."""
+    writes) and the options to its launch. A kernel launched in stream order with
+    ``CHAINED`` (a block's ordered start) waits for nothing and still lets the next
+    kernel start early."""
     on = getattr(_chain, "on", False)
+    if on and _chain.next_in_order:
+        _chain.next_in_order = False
+        return True, {}
     return on, ({"launch_pdl": True} if on else {})
 
 
