@@ -56,6 +56,7 @@ import torch
 
 from . import common
 from ..ops import guards
+from ..ops.triton_common import chained_launches
 from ..strategies import STRATEGY_NAMES
 from ..progress import ProgressBar
 from .common import StepShape, Timing
@@ -97,6 +98,9 @@ class BenchConfig:
     tune: tuple[tuple[str, str, int], ...] = ()
     #: draft-tree branching per depth (``--tree``); empty: chains only
     tree: tuple[int, ...] = ()
+    #: the step's kernels launch as a chain (``--no-chain``: in stream order;
+    #: :func:`~replayssm.ops.triton_common.chained_launches`, where the GPU allows it)
+    chain: bool = True
 
     @property
     def smoke(self) -> bool:
@@ -377,6 +381,15 @@ def circular_replays(cfg: BenchConfig, batch: int) -> bool:
                           device=cfg.device)
 
 
+def _chained(cfg: BenchConfig, step):
+    """``step`` with its kernels launched as one chain (``cfg.chain``): each step is a
+    block of its own, whose first kernel starts in stream order."""
+    def chained_step():
+        with chained_launches(cfg.device, cfg.chain):
+            step()
+    return chained_step
+
+
 def measure(cfg: BenchConfig, name: str, batch: int, *, copy_bw: float | None, l2_bytes: int | None,
             progress: ProgressBar | None = None, tree_kind: str | None = None) -> dict:
     """Time one (strategy or baseline, batch) configuration and return its JSON row;
@@ -396,6 +409,7 @@ def measure(cfg: BenchConfig, name: str, batch: int, *, copy_bw: float | None, l
     if tree_kind == "tree":
         cls = TreeStep
     runners = [cls(cfg, name, batch, _generator(cfg, name, batch, i)) for i in range(copies)]
+    steps = [_chained(cfg, r.step) for r in runners]
     graphs = []
     try:
         for r in runners:
@@ -403,14 +417,14 @@ def measure(cfg: BenchConfig, name: str, batch: int, *, copy_bw: float | None, l
         if cfg.graph:
             if progress:
                 progress.write(f"  capturing {copies} graph(s) of {cfg.layers} layers")
-            graphs = [common.capture_graph(r.step) for r in runners]
+            graphs = [common.capture_graph(step) for step in steps]
             probe = common.time_graphs(graphs, steps_per_block=cycle, blocks=1, warmup_blocks=1)
             spb = common.plan_steps_per_block(probe.us_per_step, cycle, copies)
             timing = common.time_graphs(graphs, steps_per_block=spb, blocks=cfg.repeats)
         else:
-            timing = common.time_eager([r.step for r in runners], steps_per_block=cycle, blocks=cfg.repeats)
+            timing = common.time_eager(steps, steps_per_block=cycle, blocks=cfg.repeats)
     finally:
-        del graphs, runners
+        del graphs, runners, steps
         gc.collect()
         if cfg.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -578,7 +592,7 @@ def result_payload(cfg: BenchConfig, backend: str, device_info: dict, rows: list
             "state_dtype": str(cfg.state_dtype)[6:], "act_dtype": str(cfg.act_dtype)[6:], "conv": cfg.conv,
             "repeats": cfg.repeats, "seed": cfg.seed, "l2_rotation_factor": common.L2_ROTATION_FACTOR,
             "tune": [f"{f}.{p}={v}" for f, p, v in cfg.tune],
-            "tree": list(cfg.tree) or None,
+            "tree": list(cfg.tree) or None, "chained_launches": cfg.chain,
         },
         "byte_model": BYTE_MODEL,
         "rows": rows,

@@ -60,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--backend", choices=("auto", "reference", "triton"), default="auto",
                    help="ops backend (default auto: Triton on CUDA, the reference on the CPU)")
     r.add_argument("--no-graph", action="store_true", help="time eager steps with the wall clock instead of CUDA graphs")
+    r.add_argument("--no-chain", action="store_true",
+                   help="launch the step's kernels in stream order, not as a chain whose kernels start during the one "
+                        "before (sm_90 and up; DESIGN.md)")
     r.add_argument("--repeats", type=positive_int, default=None, help="timed blocks per configuration (default 30 on CUDA, 3 on the CPU)")
     r.add_argument("--seed", type=int, default=0, help="seed of the random states and inputs")
     r.add_argument("--tune", action="append", default=[], metavar="FAMILY.PARAM=VALUE",
@@ -161,6 +164,7 @@ def resolve_config(args: argparse.Namespace):
         head_v_dim=head_v_dim, layers=layers, batches=batches, strategies=strategies, baselines=baselines,
         window=window, accept=accept, ring_len=ring_len, ring_len_source=ring_len_source, state_dtype=state_dtype,
         act_dtype=act_dtype, conv=bool(args.conv), repeats=repeats, seed=int(args.seed),
+        chain=not getattr(args, "no_chain", False),
     )
 
 

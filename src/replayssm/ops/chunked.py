@@ -594,7 +594,8 @@ if triton is not None:
     from .fold import _ring_pos
     from .recurrent import _load_token as _rec_load_token, exact_block_k, exact_row, exact_tile
     from .recurrent import exact_token as _exact_token
-    from .triton_common import NORM_EPS, block_rows, device_fn as _tl_device_fn, exact_warps
+    from .triton_common import NORM_EPS, block_rows, chain_active, chain_launch, chain_wait, exact_warps
+    from .triton_common import device_fn as _tl_device_fn
     from .triton_common import INTERPRETER as _TL_INTERPRETER
     from .triton_common import gdn_gates as _tl_gdn_gates
     from .triton_common import load_parts as _tl_load_parts
@@ -666,6 +667,7 @@ if triton is not None:
         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, L: tl.constexpr, LOG_T: tl.constexpr, BT: tl.constexpr,
         BH: tl.constexpr, BK: tl.constexpr, VH: tl.constexpr, DOT_PRECISION: tl.constexpr,
         TREE: tl.constexpr = False, TN: tl.constexpr = 1, LAUNCH_DEPENDENTS: tl.constexpr = False,
+        CHAINED: tl.constexpr = False,
     ):
         """Grid ``(windows, HV / VH)``: the coefficients ``coef [B, HV, 2 BX + BH, BX]`` (rows:
         C1, Z, D) of ``VH`` value heads of one key head (GQA: they share the normalised
@@ -682,8 +684,13 @@ if triton is not None:
 
         With ``LAUNCH_DEPENDENTS`` the outputs kernel, launched as this one's programmatic
         dependent, may start as soon as every program here has: its checkpoint pass
-        overlaps this kernel's chain (:func:`launch_closed_form`)."""
-        if LAUNCH_DEPENDENTS:
+        overlaps this kernel's chain (:func:`launch_closed_form`). ``CHAINED``: launched
+        by :func:`~replayssm.ops.triton_common.chain_launch`; it waits for the kernel
+        before it first, and only then lets the outputs kernel start, whose pass over
+        the checkpoint reads the window's activations."""
+        if CHAINED:
+            chain_wait(CHAINED)
+        elif LAUNCH_DEPENDENTS:
             tl.extra.cuda.gdc_launch_dependents()
         i_b = tl.program_id(0)
         hv0 = tl.program_id(1) * VH  # the program's first value head; VH divides the group
@@ -1056,14 +1063,21 @@ if triton is not None:
         FUSE_FLUSH: tl.constexpr, ROUND_STATE: tl.constexpr, AHEAD: tl.constexpr, TREE: tl.constexpr = False,
         WAIT_COEF: tl.constexpr = False, EARLY_TILE: tl.constexpr = False,
         SHORT_TAIL: tl.constexpr = False, BB: tl.constexpr = 1, RECORDS_FIRST: tl.constexpr = False,
+        CHAINED: tl.constexpr = False,
     ):
         """Grid ``(V blocks, windows, HV)``: every row's window (:func:`_window_row`).
+
+        ``CHAINED``: part of a chain (:func:`~replayssm.ops.triton_common.chained_launches`);
+        it lets the next kernel start at once, whose programs wait for this one's end
+        before they read anything it writes.
 
         ``SHORT_TAIL`` (``BB >= batch``): grid ``(V blocks, HV, windows)``, its last axis a
         position in the order that moves the last ``tail`` rows that do not fold to the
         end (:func:`~replayssm.ops.triton_common.short_tail_row`). The GPU starts
         programs in grid order, so no fold's chain, the longest program, starts in the
         last waves; with ``tail >= batch`` the folds all start first."""
+        if CHAINED:
+            tl.extra.cuda.gdc_launch_dependents()
         if SHORT_TAIL:
             i_b = _tl_short_tail_row(tl.program_id(2), slots_ptr, cu_ptr, wp_ptr, flush_ptr, batch, tail, BB)
             i_hv = tl.program_id(1)
@@ -1292,7 +1306,9 @@ def launch_coefficients(q, k, a, b, A_log, dt_bias, checkpoint, ring, slots, cu_
     coefficients ``[B, HV, 2 BX + BH, BX]`` (float32). It writes the window's raw keys
     and gates to the ring. With ``tree`` the windows are those draft trees (the
     kernel's ``TREE``); with ``dependent`` it lets the next launch, the outputs kernel
-    as a programmatic dependent, start early."""
+    as a programmatic dependent, start early. Inside
+    :func:`~replayssm.ops.triton_common.chained_launches` it is itself a dependent of the
+    kernel before it, which it waits for before anything else."""
     h, kd = q.shape[1], q.shape[2]
     _, hv, vd, _ = checkpoint.shape
     batch = slots.shape[0]
@@ -1302,6 +1318,7 @@ def launch_coefficients(q, k, a, b, A_log, dt_bias, checkpoint, ring, slots, cu_
     # Value heads per program: they share a key head, so its K pass runs once for all of
     # them; at most the group, and a divisor of it.
     vh = math.gcd(cfg["heads_per_program"], hv // h)
+    chained, launch = chain_launch()
     _coefficients_kernel[(batch, hv // vh)](
         q, k, a, b, A_log, dt_bias, ring.k, ring.g, ring.beta,
         slots, cu_seqlens, write_pos, cache_base, is_flush, coef,
@@ -1311,7 +1328,7 @@ def launch_coefficients(q, k, a, b, A_log, dt_bias, checkpoint, ring, slots, cu_
         H=h, HV=hv, K=kd, L=ring.ring_len, LOG_T=max(1, (max_len - 1).bit_length()), BT=bt, BH=bh,
         BK=exact_block_k(kd), VH=vh, DOT_PRECISION=product_precision(q.dtype),
         TREE=tree is not None, TN=1 if tree is None else tree.parents.shape[1], LAUNCH_DEPENDENTS=dependent,
-        num_warps=cfg["coef_warps"], **register_cap(cfg["coef_max_registers"], q.device),
+        CHAINED=chained, num_warps=cfg["coef_warps"], **launch, **register_cap(cfg["coef_max_registers"], q.device),
     )
     return coef
 
@@ -1336,13 +1353,14 @@ def _outputs_launch(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, write_
 
 def launch_window_outputs(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos, cache_base, is_flush, coef,
                           o, max_len: int, *, fuse_flush: bool | None = None, tree: DeviceTrees | None = None,
-                          dependent: bool = False) -> None:
+                          dependent: bool = False, chained: bool = False) -> None:
     """Launch the closed form's outputs kernel (outputs and corrected deltas from the
     checkpoint and ``coef``) on validated arguments; ``fuse_flush``: whether it folds the
     flush rows itself (default: :func:`fuses_flush`); ``dependent``: launch it as the
     programmatic dependent of the coefficient kernel just launched (which must have
     been launched with ``dependent`` too, and on a device where
-    :func:`~replayssm.ops.triton_common.dependent_launch` holds)."""
+    :func:`~replayssm.ops.triton_common.dependent_launch` holds); ``chained``: the
+    coefficient kernel was chained, so this one lets the next kernel of the chain start."""
     hv, vd = v.shape[1], v.shape[2]
     batch = slots.shape[0]
     cfg = tuning.lookup("closed_form", K=q.shape[2], V=vd, state_dtype=checkpoint.dtype, batch=batch)
@@ -1356,7 +1374,7 @@ def launch_window_outputs(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, 
     _window_outputs_kernel[(triton.cdiv(vd, bv), hv, batch) if tail else (triton.cdiv(vd, bv), batch, hv)](
         *args, batch, tail, **common, BV=bv, FUSE_FLUSH=fuse, TREE=tree is not None, WAIT_COEF=dependent,
         EARLY_TILE=fuse and bool(cfg["early_tile"]), SHORT_TAIL=tail > 0,
-        BB=triton.next_power_of_2(batch) if tail else 1,
+        BB=triton.next_power_of_2(batch) if tail else 1, CHAINED=chained,
         # A fused flush is an exact replay: warps that keep the exact kernels' layout of
         # a row (it decides the bits of every row sum; triton_common.exact_warps).
         num_warps=exact_warps(cfg["num_warps"], bv) if fuse else cfg["num_warps"],
@@ -1405,7 +1423,10 @@ def launch_closed_form(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, 
     programs start while the coefficients are computed, make their pass over the
     checkpoint (and fold their flush rows), and wait only before they read the
     coefficients. The coefficient kernel is one wave of short programs, a dependent
-    chain rather than bytes, so this hides it behind the first wave of the outputs."""
+    chain rather than bytes, so this hides it behind the first wave of the outputs.
+    Inside :func:`~replayssm.ops.triton_common.chained_launches` the flush and the
+    coefficient kernel wait for the kernel before them first, and the outputs kernel lets
+    the next kernel of the chain start."""
     batch = slots.shape[0]
     fuse = fuses_flush(q.shape[2], v.shape[2], checkpoint.dtype, batch, q.device)
     cfg = tuning.lookup("closed_form", K=q.shape[2], V=v.shape[2], state_dtype=checkpoint.dtype, batch=batch)
@@ -1415,7 +1436,7 @@ def launch_closed_form(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, 
     coef = launch_coefficients(q, k, a, b, A_log, dt_bias, checkpoint, ring, slots, cu_seqlens, write_pos, cache_base,
                                is_flush, max_len, tree=tree, dependent=dependent)
     launch_window_outputs(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos, cache_base, is_flush, coef,
-                          o, max_len, fuse_flush=fuse, tree=tree, dependent=dependent)
+                          o, max_len, fuse_flush=fuse, tree=tree, dependent=dependent, chained=chain_active())
 
 
 def launch_replay_window(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos,

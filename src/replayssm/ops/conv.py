@@ -316,7 +316,7 @@ CONV_TOKEN_GROUP = 8
 CONV_DTYPES_TRITON = (torch.float16, torch.bfloat16, torch.float32)
 
 if triton is not None:
-    from .triton_common import mask_and as _tl_mask_and, to_rtne as _tl_to_rtne
+    from .triton_common import chain_launch, chain_wait, mask_and as _tl_mask_and, to_rtne as _tl_to_rtne
 
     @triton.jit
     def _shift_history(state_at, stride_w, src_at, stride_src, n, mask_c, W: tl.constexpr, WP: tl.constexpr):
@@ -466,6 +466,7 @@ if triton is not None:
         stride_x_tok, C, ss_slot, ss_c, ss_w, sb_slot, sb_pos, sb_c, N, start_k, start_v,
         W: tl.constexpr, BT: tl.constexpr, U: tl.constexpr, BC: tl.constexpr,
         HAS_BIAS: tl.constexpr, HAS_WBUF: tl.constexpr, UPDATE_STATE: tl.constexpr, PLANAR: tl.constexpr,
+        CHAINED: tl.constexpr = False,
     ):
         """Window positions ``[i_t BT, (i_t + 1) BT)`` of window ``i_b``, channels
         ``[i_c BC, (i_c + 1) BC)``. ``BT >= W - 1`` whenever a window spans more than one
@@ -474,7 +475,9 @@ if triton is not None:
         ``y`` is a fresh contiguous ``[N, C]``, or with ``PLANAR`` three contiguous parts
         one after another, ``[N, start_k]``, ``[N, start_v - start_k]`` and ``[N, C -
         start_v]`` (channels ``[0, start_k)``, ``[start_k, start_v)``, ``[start_v, C)``):
-        each channel's outputs start at its part's base and step by its part's width."""
+        each channel's outputs start at its part's base and step by its part's width.
+        ``CHAINED``: launched by :func:`~replayssm.ops.triton_common.chain_launch`."""
+        chain_wait(CHAINED)  # its every input may be the kernel before's
         i_t = tl.program_id(0)
         i_c = tl.program_id(1)
         i_b = tl.program_id(2)
@@ -578,8 +581,9 @@ if triton is not None:
     def _conv_commit_kernel(
         state_ptr, wbuf_ptr, slots_ptr, acc_ptr, C,
         ss_layer, ss_slot, ss_c, ss_w, sb_layer, sb_slot, sb_pos, sb_c,
-        W: tl.constexpr, WP: tl.constexpr, TB: tl.constexpr, BC: tl.constexpr,
+        W: tl.constexpr, WP: tl.constexpr, TB: tl.constexpr, BC: tl.constexpr, CHAINED: tl.constexpr = False,
     ):
+        chain_wait(CHAINED)  # its every input may be the kernel before's
         i_c = tl.program_id(0)
         i_b = tl.program_id(1)
         i_l = tl.program_id(2).to(tl.int64)
@@ -680,6 +684,7 @@ def causal_conv_verify_triton(
     wbuf_strides = window_buf.stride() if window_buf is not None else (0, 0, 0)
     blocks = triton.cdiv(bound, bt)
     # Token blocks on the first axis, the one without the 65535 limit: a prompt may be long.
+    chained, launch = chain_launch()
     _conv_verify_kernel[(blocks, triton.cdiv(c, bc), batch)](
         x, conv_state, weight, bias if bias is not None else weight, slots, cu_seqlens, y,
         window_buf if window_buf is not None else y,
@@ -687,7 +692,7 @@ def causal_conv_verify_triton(
         *((parts[0], parts[0] + parts[1]) if parts is not None else (0, 0)),
         W=w, BT=bt, U=CONV_TOKEN_GROUP if blocks > 1 else 0, BC=bc,
         HAS_BIAS=bias is not None, HAS_WBUF=window_buf is not None, UPDATE_STATE=bool(update_state),
-        PLANAR=parts is not None, num_warps=4,
+        PLANAR=parts is not None, CHAINED=chained, num_warps=4, **launch,
     )
     return planes
 
@@ -711,9 +716,11 @@ def causal_conv_commit_triton(
     if batch == 0 or nl == 0 or c == 0 or w1 == 0:
         return
     bc = min(CONV_BLOCK, triton.next_power_of_2(c))
+    chained, launch = chain_launch()
     _conv_commit_kernel[(triton.cdiv(c, bc), batch, nl)](
         conv_state, window_buf, slots, accepted, c, *conv_state.stride(), *window_buf.stride(),
-        W=w1 + 1, WP=triton.next_power_of_2(w1), TB=window_buf.shape[2], BC=bc, num_warps=4,
+        W=w1 + 1, WP=triton.next_power_of_2(w1), TB=window_buf.shape[2], BC=bc, CHAINED=chained, num_warps=4,
+        **launch,
     )
 
 

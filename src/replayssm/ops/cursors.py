@@ -168,12 +168,14 @@ except ImportError:  # the reference backend works without Triton
 CURSOR_BLOCK = 128
 
 if triton is not None:
+    from .triton_common import chain_launch, chain_wait
 
     @triton.jit
     def _advance_cursors_kernel(
         wp_ptr, base_ptr, flush_ptr, first_ptr, slots_ptr, acc_ptr, batch, window, ring_len,
-        BLOCK: tl.constexpr, FLUSH_EVERY: tl.constexpr, STAGGER: tl.constexpr,
+        BLOCK: tl.constexpr, FLUSH_EVERY: tl.constexpr, STAGGER: tl.constexpr, CHAINED: tl.constexpr = False,
     ):
+        chain_wait(CHAINED)  # its every input may be the kernel before's
         rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         slot = tl.load(slots_ptr + rows, mask=rows < batch, other=-1).to(tl.int64)
         live = slot >= 0
@@ -246,9 +248,11 @@ def advance_cursors_triton(
     batch = slots.shape[0]
     if batch == 0:
         return
+    chained, launch = chain_launch()
     _advance_cursors_kernel[(triton.cdiv(batch, CURSOR_BLOCK),)](
         write_pos, cache_base, is_flush, write_pos if first_cycle is None else first_cycle, slots, accepted, batch,
-        window, ring_len, BLOCK=CURSOR_BLOCK, FLUSH_EVERY=flush_every, STAGGER=first_cycle is not None, num_warps=4,
+        window, ring_len, BLOCK=CURSOR_BLOCK, FLUSH_EVERY=flush_every, STAGGER=first_cycle is not None,
+        CHAINED=chained, num_warps=4, **launch,
     )
 
 

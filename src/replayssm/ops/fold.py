@@ -143,7 +143,8 @@ except ImportError:  # the reference backend works without Triton
     triton = None
 
 if triton is not None:
-    from .triton_common import NORM_EPS, device_fn as _tl_device_fn, gdn_state_step as _tl_state_step
+    from .triton_common import NORM_EPS, chain_launch, chain_wait, device_fn as _tl_device_fn
+    from .triton_common import gdn_state_step as _tl_state_step
     from .triton_common import load_parts as _tl_load_parts, normalized as _tl_normalized
     from .triton_common import as_stored as _tl_as_stored, store_parts as _tl_store_parts
 
@@ -252,7 +253,9 @@ if triton is not None:
         eps,
         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
         BK: tl.constexpr, BV: tl.constexpr, R: tl.constexpr, PER_SLOT: tl.constexpr, AHEAD: tl.constexpr,
+        CHAINED: tl.constexpr = False,
     ):
+        chain_wait(CHAINED)  # its every input may be the kernel before's
         i_v = tl.program_id(0)
         i_b = tl.program_id(1)
         i_lhv = tl.program_id(2)
@@ -310,12 +313,13 @@ if triton is not None:
         row, bv, warps = exact_tile(kd, vd, batch, hv, checkpoints.dtype, checkpoints.device, layers=nl,
                                     most=block_v)
         grid = (triton.cdiv(vd, bv), batch, nl * hv)
+        chained, launch = chain_launch()
         _fold_kernel[grid](
             checkpoints, ring_k, ring_v, ring_g, ring_beta, slots, start, count, count if flush is None else flush,
             checkpoints.stride(0), checkpoints.stride(1), *ring_k.stride()[:4], *ring_v.stride()[:4],
             *ring_g.stride(), *ring_beta.stride(), NORM_EPS,
             H=h, HV=hv, K=kd, V=vd, BK=exact_block_k(kd), BV=bv, R=r, PER_SLOT=flush is not None,
-            AHEAD=records_ahead or row["records_ahead"], num_warps=warps,
+            AHEAD=records_ahead or row["records_ahead"], CHAINED=chained, num_warps=warps, **launch,
         )
 
 

@@ -24,7 +24,7 @@ from . import _checks, guards, tuning
 from .dispatch import pick, register
 from .gates import expand_heads, gdn_gates, l2_normalize
 from .records import RawRecords, check_varlen
-from .triton_common import block_rows, exact_warps
+from .triton_common import block_rows, chain_launch, exact_warps
 
 
 def state_update(S: torch.Tensor, k_hat: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor):
@@ -295,7 +295,7 @@ def check_inner_contiguous(**named: torch.Tensor):
 
 
 if triton is not None:
-    from .triton_common import NORM_EPS, device_fn as _tl_device_fn, gdn_gates as _tl_gdn_gates
+    from .triton_common import NORM_EPS, chain_wait, device_fn as _tl_device_fn, gdn_gates as _tl_gdn_gates
     from .triton_common import gdn_step as _tl_step, load_parts as _tl_load_parts, mask_and as _tl_mask_and
     from .triton_common import normalized as _tl_normalized, row_dot as _tl_row_dot, store_parts as _tl_store_parts
     from .triton_common import to_rtne as _tl_to_rtne, window_program as _tl_window_program
@@ -386,8 +386,14 @@ if triton is not None:
         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
         BK: tl.constexpr, BV: tl.constexpr, T: tl.constexpr,
         HAS_SNAPSHOTS: tl.constexpr, HAS_RECORDS: tl.constexpr, UPDATE_STATE: tl.constexpr,
-        STEPS_BY_LENGTH: tl.constexpr, LOAD_AHEAD: tl.constexpr = True,
+        STEPS_BY_LENGTH: tl.constexpr, LOAD_AHEAD: tl.constexpr = True, CHAINED: tl.constexpr = False,
     ):
+        # CHAINED (launched by triton_common.chain_launch; read-only windows): the
+        # window's slot and length, the gates' weights and the state tile load before the
+        # wait for the kernel before, the window's tokens after it. A step's kernels
+        # write neither the slots nor a layer's state before its verify (the caller keeps
+        # the kernel just before from writing them: gdn_recurrence_triton chains only
+        # unguarded indices).
         i_v, i_b, i_hv, i_h, slot, bos, length = _tl_window_program(slots_ptr, cu_ptr, H, HV)
         # A window's positions in 32 bits (its length is at most the bound T, or a
         # prompt's), so the loop's counter and the stores' offsets stay 32-bit; only the
@@ -417,6 +423,7 @@ if triton is not None:
         if (slot < 0) | (length < 1):
             # Padding row (or an empty window, outside the contract): zero outputs,
             # nothing else (an empty window's state would be written back unchanged).
+            chain_wait(CHAINED)
             for i in range(0, steps):
                 tl.store(o_row + i * HV * V, tl.full([BV], 0, o_ptr.dtype.element_ty), mask=_tl_mask_and(mask_v, i < length))
             return
@@ -426,6 +433,7 @@ if triton is not None:
         tile = offs_v[:, None] * K + offs_c[None, :]
         state_at = state_ptr + slot * stride_state_slot + i_hv * (V * K)  # [HV, V, K] packed per slot
         S0, S1, S2, S3 = _tl_load_parts(state_at, tile, mask_v[:, None], offs_c[None, :], K, KQ)
+        chain_wait(CHAINED)
         # The window's first token at this program's heads (64-bit); a token's loads add
         # its position within the window times the token stride, in 32 bits below the
         # prompt bound (at most 16 tokens times a layer's activation row).
@@ -570,6 +578,13 @@ def gdn_recurrence_triton(
     rec = records if records is not None else RawRecords(dummy, dummy, dummy, dummy)
     rec_strides = [x.stride(d) if records is not None else 0 for x in rec for d in range(3)]
     grid = (triton.cdiv(vd, bv), batch, hv)
+    # Chained (triton_common.chained_launches) only where it reads states and nothing
+    # else: a state writer's early loads slowed it and the kernel before it (H200,
+    # 2026-12-06, bench kernels --no-chain beside: bf16 snapshot verify 3% slower at 256
+    # requests, bf16 decode 2.5% at 16), while fold's verify gained 4-7% at 16. And only
+    # on the caller's own indices: guarded ones were rewritten just now.
+    read_only = snapshots is None and not update_state
+    chained, launch = chain_launch() if slots is given and read_only else (False, {})
     _recurrence_kernel[grid](
         q, k, v, a, b, A_log, dt_bias,
         state, slots, cu_seqlens, o,
@@ -579,6 +594,7 @@ def gdn_recurrence_triton(
         kd**-0.5, NORM_EPS,
         H=h, HV=hv, K=kd, V=vd, BK=bk, BV=bv, T=t,
         HAS_SNAPSHOTS=snapshots is not None, HAS_RECORDS=records is not None, UPDATE_STATE=bool(update_state),
-        STEPS_BY_LENGTH=t > STEPS_BY_LENGTH_ABOVE, LOAD_AHEAD=bool(row["load_ahead"]), num_warps=warps,
+        STEPS_BY_LENGTH=t > STEPS_BY_LENGTH_ABOVE, LOAD_AHEAD=bool(row["load_ahead"]), CHAINED=chained,
+        num_warps=warps, **launch,
     )
     return o

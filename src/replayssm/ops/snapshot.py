@@ -73,12 +73,14 @@ except ImportError:  # the reference backend works without Triton
 COPY_BLOCK = 2048
 
 if triton is not None:
+    from .triton_common import chain_launch, chain_wait
 
     @triton.jit
     def _snapshot_commit_kernel(
         ckpt_ptr, snap_ptr, slots_ptr, acc_ptr, sc_layer, sc_slot, ss_layer, ss_slot,
-        NUMEL: tl.constexpr, TS: tl.constexpr, BLOCK: tl.constexpr,
+        NUMEL: tl.constexpr, TS: tl.constexpr, BLOCK: tl.constexpr, CHAINED: tl.constexpr = False,
     ):
+        chain_wait(CHAINED)  # its every input may be the kernel before's
         i_x = tl.program_id(0)
         i_b = tl.program_id(1)
         i_l = tl.program_id(2).to(tl.int64)
@@ -120,7 +122,9 @@ def snapshot_commit_triton(
         return
     block = min(COPY_BLOCK, triton.next_power_of_2(numel))
     grid = (triton.cdiv(numel, block), batch, nl)
+    chained, launch = chain_launch()
     _snapshot_commit_kernel[grid](
         checkpoints, snapshots, slots, accepted, checkpoints.stride(0), checkpoints.stride(1),
-        snapshots.stride(0), snapshots.stride(1), NUMEL=numel, TS=snapshots.shape[2], BLOCK=block, num_warps=4
+        snapshots.stride(0), snapshots.stride(1), NUMEL=numel, TS=snapshots.shape[2], BLOCK=block, CHAINED=chained,
+        num_warps=4, **launch,
     )
