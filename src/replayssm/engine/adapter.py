@@ -31,6 +31,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..ops.guards import to_device
+from ..ops.triton_common import chained_launches
 from ..state import Batch, GDNShape, StatePool, strategy_class
 from .attention import slot_attention, tree_attention
 from .kv_cache import KVCache, PromptLayout, WindowLayout, cached_attention
@@ -587,6 +588,13 @@ class HybridEngine:
     advances over every token) or :meth:`verify` followed by :meth:`commit`.
     """
 
+    #: Each GDN layer's conv and state kernel (verify, ring decode, a prompt's or a
+    #: plain step's recurrence) in a static step, and the step's commit, launch as a chain
+    #: (:func:`~replayssm.ops.triton_common.chained_launches`, on GPUs that allow it):
+    #: the verify's programs load their state tiles while the conv runs. ``False``: in
+    #: stream order, for comparison. The numbers are the same either way.
+    chain_state_kernels = True
+
     def __init__(self, hf_model, *, strategy: str = "fold", num_slots: int = 1, window: int = 4,
                  max_len: int = 4096, ring_len: int | None = None, state_dtype: torch.dtype = torch.float32,
                  backend: str = "auto", prefill: str = "auto", chunk_kernel: Callable | None = None,
@@ -1057,19 +1065,20 @@ class HybridEngine:
             if kind == "gdn":
                 mixer = self.mixers[j]
                 mixed, z, a, bb = mixer.project(x)
-                if tree is not None:
-                    q, k, v = mixer.split(strat.conv_verify_tree(j, mixed, batch, trees))
-                    o = strat.verify_tree(j, q, k, v, a, bb, batch, trees)
-                elif verify or ring:
-                    q, k, v = mixer.split(strat.conv_verify(j, mixed, batch))
-                    o = (strat.verify if verify else strat.decode)(j, q, k, v, a, bb, batch)
-                else:
-                    parts = mixer.parts if chunk_kernel is not None else None
-                    q, k, v = mixer.split(strat.conv_prefill(j, mixed, batch, parts=parts))
-                    if chunk_kernel is not None:
-                        o = strat.chunk_prefill_static(j, q, k, v, a, bb, batch, chunk_kernel, chunks=chunks)
+                with chained_launches(self.device, self.chain_state_kernels):
+                    if tree is not None:
+                        q, k, v = mixer.split(strat.conv_verify_tree(j, mixed, batch, trees))
+                        o = strat.verify_tree(j, q, k, v, a, bb, batch, trees)
+                    elif verify or ring:
+                        q, k, v = mixer.split(strat.conv_verify(j, mixed, batch))
+                        o = (strat.verify if verify else strat.decode)(j, q, k, v, a, bb, batch)
                     else:
-                        o = strat.prefill(j, q, k, v, a, bb, batch)
+                        parts = mixer.parts if chunk_kernel is not None else None
+                        q, k, v = mixer.split(strat.conv_prefill(j, mixed, batch, parts=parts))
+                        if chunk_kernel is not None:
+                            o = strat.chunk_prefill_static(j, q, k, v, a, bb, batch, chunk_kernel, chunks=chunks)
+                        else:
+                            o = strat.prefill(j, q, k, v, a, bb, batch)
                 x = mixer.finish(o, z, norm)
             elif prompt is not None:
                 x = prompt_attention_forward(layer.self_attn, x, rope, self.kv, j, prompt, norm,

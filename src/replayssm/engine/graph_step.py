@@ -56,6 +56,7 @@ import numpy as np
 import torch
 
 from ..ops.guards import copy_to_device, host_ints
+from ..ops.triton_common import chained_launches
 from .adapter import HybridEngine
 from .device_drafters import DeviceDrafter
 from .kv_cache import compact_kv_path
@@ -211,10 +212,11 @@ class StaticStep:
         accepted, nxt, emitted = emit_step(ids, starts, self.slot_idx, kv_len, eng.kv.sink, self.out,
                                            next_windows=self.windows if chain else None,
                                            backend="triton" if eng.fused_norms else "reference", **choice)
-        if verify:
-            eng.strategy.commit(self.batch, accepted)  # int64, a column of the output: the guard reads it as it is
-        elif self.ring:
-            eng.strategy.commit(self.batch)  # the one token of every row
+        with chained_launches(eng.device, eng.chain_state_kernels):  # its first kernel after emit's end
+            if verify:
+                eng.strategy.commit(self.batch, accepted)  # int64, a column of the output: the guard reads it as it is
+            elif self.ring:
+                eng.strategy.commit(self.batch)  # the one token of every row
         if self.drafter is not None:
             self.drafter.observe(self.slot_idx, emitted, accepted, hidden=hidden, positions=positions)
         if chain:  # the drafts after it (a plain step proposes nothing: its window is the token)
