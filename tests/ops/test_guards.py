@@ -216,7 +216,10 @@ def test_accepted_clamped_in_one_launch_as_by_tensor_ops(batch):
         assert got_bits == want_bits == (guards.ACCEPTED if flagged and (slots[[0, -1]] >= 0).any() else 0)
     with count_ops() as ops:  # a kernel for the whole guard (13 tensor ops, each a kernel on a GPU)
         guards.clamp_accepted(slots, column, lengths, backend="triton")
-    assert ops.total == 1, ops.counts
+    # On CUDA, eagerly, the error word's host mirror is refreshed after it (a copy to
+    # pinned memory, not a kernel; a captured step has none).
+    mirror = {"aten.copy_": 1} if DEVICE.type == "cuda" else {}
+    assert dict(ops.counts) == {"triton._clamp_accepted_kernel": 1, **mirror}, ops.counts
     guards.clear_errors(DEVICE)
 
 
