@@ -82,6 +82,27 @@ def test_subset_and_no_baselines(tmp_path):
     assert [(r["strategy"], r["batch"]) for r in rows] == [("fold", 2)]
 
 
+@pytest.mark.parametrize("flag,chain", [((), True), (("--no-chain",), False)])
+def test_each_timed_step_is_one_chained_block_unless_no_chain(tmp_path, monkeypatch, flag, chain):
+    """The step runs inside ``chained_launches(device, chain)`` (``--no-chain``: off),
+    one block a step, and the JSON says which."""
+    from replayssm.bench import kernels as bench_kernels
+
+    blocks = []
+    real = bench_kernels.chained_launches
+
+    def spy(device, enabled=True, **kw):
+        blocks.append(enabled)
+        return real(device, enabled, **kw)
+
+    monkeypatch.setattr(bench_kernels, "chained_launches", spy)
+    path = tmp_path / "k.json"
+    rc = cli_kernels.main(tiny_args("--batches", "2", "--strategies", "fold", "--baselines", "none", "--no-graph",
+                                    *flag, "--json", str(path)))
+    assert rc == 0 and blocks and set(blocks) == {chain}
+    assert json.loads(path.read_text())["config"]["chained_launches"] is chain
+
+
 def test_tune_overrides_the_shape_table_for_the_run(tmp_path, monkeypatch):
     """--tune: the run sees the table row changed (here: circular's small-batch mode,
     which makes every commit flush), the JSON records it, the table is restored."""
