@@ -16,6 +16,11 @@ state is read once a step and written at a flush, DESIGN.md section 9) and
 ``snapshot_verify`` (the ``snapshot`` strategy's verify alone: the plain recurrence
 writing a snapshot per window position).
 
+Each timed step is one block of
+:func:`~replayssm.ops.triton_common.chained_launches`, as the engine's static steps run
+their state kernels (on GPUs with programmatic launches; ``--no-chain``: in stream
+order): a read-only verify loads its state tiles while the kernel before it finishes.
+
 Small batches would find their states in L2 on the next replay (a Qwen3.5 layer holds
 2 MiB per request), so there the step is built several times over independent pools
 and the copies are replayed round-robin until their states exceed three times the L2

@@ -533,6 +533,12 @@ def gdn_recurrence_triton(
     tokens with ``T`` the bound from ``snapshots``, ``records`` or ``max_len``, and live
     slots be unique and in range: :mod:`~replayssm.ops.guards` checks that once per step
     on the host, or on the device inside a CUDA graph (bad rows run as padding).
+
+    Inside :func:`~replayssm.ops.triton_common.chained_launches`, a read-only call (no
+    ``snapshots``, no ``update_state``) on the caller's own indices launches as the
+    programmatic dependent of the kernel before it: its programs read ``slots``,
+    ``cu_seqlens`` and their state tiles before they wait for that kernel, which must
+    not be writing them.
     """
     n, h, kd, hv, vd = check_layer_inputs(q, k, v, a, b, A_log, dt_bias)
     for name, x in (("q", q), ("k", k), ("v", v), ("a", a), ("b", b)):
