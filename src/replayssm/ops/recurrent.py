@@ -585,10 +585,9 @@ def gdn_recurrence_triton(
     rec_strides = [x.stride(d) if records is not None else 0 for x in rec for d in range(3)]
     grid = (triton.cdiv(vd, bv), batch, hv)
     # Chained (triton_common.chained_launches) only where it reads states and nothing
-    # else: a state writer's early loads slowed it and the kernel before it (H200,
-    # 2026-12-06, bench kernels --no-chain beside: bf16 snapshot verify 3% slower at 256
-    # requests, bf16 decode 2.5% at 16), while fold's verify gained 4-7% at 16. And only
-    # on the caller's own indices: guarded ones were rewritten just now.
+    # else: a state writer's early loads slowed the writer, where a read-only verify's
+    # sped it up (BENCHMARKS.md, "The state kernels as a chain, on and off"). And only on
+    # the caller's own indices: guarded ones were rewritten just now.
     read_only = snapshots is None and not update_state
     chained, launch = chain_launch() if slots is given and read_only else (False, {})
     _recurrence_kernel[grid](
