@@ -164,7 +164,7 @@ def resolve_config(args: argparse.Namespace):
         head_v_dim=head_v_dim, layers=layers, batches=batches, strategies=strategies, baselines=baselines,
         window=window, accept=accept, ring_len=ring_len, ring_len_source=ring_len_source, state_dtype=state_dtype,
         act_dtype=act_dtype, conv=bool(args.conv), repeats=repeats, seed=int(args.seed),
-        chain=not getattr(args, "no_chain", False),
+        chain=not args.no_chain,
     )
 
 

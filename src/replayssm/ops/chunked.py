@@ -1353,14 +1353,15 @@ def _outputs_launch(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, write_
 
 def launch_window_outputs(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos, cache_base, is_flush, coef,
                           o, max_len: int, *, fuse_flush: bool | None = None, tree: DeviceTrees | None = None,
-                          dependent: bool = False, chained: bool = False) -> None:
+                          dependent: bool = False) -> None:
     """Launch the closed form's outputs kernel (outputs and corrected deltas from the
     checkpoint and ``coef``) on validated arguments; ``fuse_flush``: whether it folds the
     flush rows itself (default: :func:`fuses_flush`); ``dependent``: launch it as the
     programmatic dependent of the coefficient kernel just launched (which must have
     been launched with ``dependent`` too, and on a device where
-    :func:`~replayssm.ops.triton_common.dependent_launch` holds); ``chained``: the
-    coefficient kernel was chained, so this one lets the next kernel of the chain start."""
+    :func:`~replayssm.ops.triton_common.dependent_launch` holds). Inside
+    :func:`~replayssm.ops.triton_common.chained_launches` it lets the next kernel of the
+    chain start."""
     hv, vd = v.shape[1], v.shape[2]
     batch = slots.shape[0]
     cfg = tuning.lookup("closed_form", K=q.shape[2], V=vd, state_dtype=checkpoint.dtype, batch=batch)
@@ -1374,7 +1375,7 @@ def launch_window_outputs(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, 
     _window_outputs_kernel[(triton.cdiv(vd, bv), hv, batch) if tail else (triton.cdiv(vd, bv), batch, hv)](
         *args, batch, tail, **common, BV=bv, FUSE_FLUSH=fuse, TREE=tree is not None, WAIT_COEF=dependent,
         EARLY_TILE=fuse and bool(cfg["early_tile"]), SHORT_TAIL=tail > 0,
-        BB=triton.next_power_of_2(batch) if tail else 1, CHAINED=chained,
+        BB=triton.next_power_of_2(batch) if tail else 1, CHAINED=chain_active(),
         # A fused flush is an exact replay: warps that keep the exact kernels' layout of
         # a row (it decides the bits of every row sum; triton_common.exact_warps).
         num_warps=exact_warps(cfg["num_warps"], bv) if fuse else cfg["num_warps"],
@@ -1436,7 +1437,7 @@ def launch_closed_form(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, 
     coef = launch_coefficients(q, k, a, b, A_log, dt_bias, checkpoint, ring, slots, cu_seqlens, write_pos, cache_base,
                                is_flush, max_len, tree=tree, dependent=dependent)
     launch_window_outputs(q, k, v, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos, cache_base, is_flush, coef,
-                          o, max_len, fuse_flush=fuse, tree=tree, dependent=dependent, chained=chain_active())
+                          o, max_len, fuse_flush=fuse, tree=tree, dependent=dependent)
 
 
 def launch_replay_window(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos,

@@ -205,7 +205,7 @@ def chain_launch() -> tuple[bool, dict]:
     writes) and the options to its launch. A kernel launched in stream order with
     ``CHAINED`` (a block's ordered start) waits for nothing and still lets the next
     kernel start early."""
-    on = getattr(_chain, "on", False)
+    on = chain_active()
     if on and _chain.next_in_order:
         _chain.next_in_order = False
         return True, {}
