@@ -7,8 +7,9 @@ step launched (its rows' slots and their allocation generations) and every promp
 A step launched ahead when it should not have been (a request stopped at the step
 before, a queued request could take a slot, a prompt is half prefilled) shows there as
 an extra step, a step on stale rows or a step before a prompt pass. Those cases turn
-joins ahead off (``join_ahead=False``); the join tests compare the default, whose
-joiners decode a step later, with the loop without overlap request by request.
+joins ahead off (``join_ahead=False``) and runs ahead off (``run_ahead=False``); the
+join and run-ahead tests compare the default, whose joiners decode a step later and
+whose steps may hold dead rows, with the loop without overlap request by request.
 """
 
 from __future__ import annotations
@@ -62,10 +63,12 @@ def _run(model, mode, slots, prompts, budgets, *, overlap, seed, sampling=Sampli
     return res, timeline, streamed
 
 
-def _check_same(model, mode, slots, prompts, budgets, seed, **kwargs):
+def _check_same(model, mode, slots, prompts, budgets, seed, run_ahead=False, **kwargs):
     """Overlap on and off give the same everything; returns the overlapped run. (Joins
-    ahead of a step change when the joiners decode: see the join tests below.)"""
-    on = _run(model, mode, slots, prompts, budgets, overlap=True, seed=seed, join_ahead=False, **kwargs)
+    ahead of a step change when the joiners decode, and runs ahead when a request meets
+    an end-of-sequence token: see the join and run-ahead tests below.)"""
+    on = _run(model, mode, slots, prompts, budgets, overlap=True, seed=seed, join_ahead=False, run_ahead=run_ahead,
+              **kwargs)
     off = _run(model, mode, slots, prompts, budgets, overlap=False, seed=seed, **kwargs)
     (a, a_line, a_stream), (b, b_line, b_stream) = on, off
     assert a.tokens == b.tokens
@@ -138,9 +141,10 @@ def test_joins_ahead_of_a_step_keep_every_greedy_token(mode, seed, rng):
     probe, _, _ = _run(model, mode, 3, prompts, budgets, overlap=False, seed=seed)
     eos = probe.tokens[0][len(probe.tokens[0]) // 2]
     off, _, off_stream = _run(model, mode, 3, prompts, budgets, overlap=False, seed=seed, eos_token_ids=[eos])
-    alone, _, _ = _run(model, mode, 3, prompts, budgets, overlap=True, join_ahead=False, seed=seed,
+    alone, _, _ = _run(model, mode, 3, prompts, budgets, overlap=True, join_ahead=False, run_ahead=False, seed=seed,
                        eos_token_ids=[eos])
-    on, line, on_stream = _run(model, mode, 3, prompts, budgets, overlap=True, seed=seed, eos_token_ids=[eos])
+    on, line, on_stream = _run(model, mode, 3, prompts, budgets, overlap=True, run_ahead=False, seed=seed,
+                               eos_token_ids=[eos])
     assert on.tokens == off.tokens and on.finish_reasons == off.finish_reasons
     for i in range(len(prompts)):
         assert [t for j, t in on_stream if j == i] == [t for j, t in off_stream if j == i]
@@ -155,6 +159,62 @@ def test_joins_ahead_of_a_step_keep_every_greedy_token(mode, seed, rng):
     assert [p.after_step for p in on.stats.prefills[1:]] == [
         sum(e[0] == "step" for e in line[:k]) for k in passes[1:]]
     assert sum(on.stats.ahead) > sum(alone.stats.ahead)
+
+
+def _dead_rows(line, res) -> list[tuple[int, int, int]]:
+    """``(step, slot, generation)`` of every row of a step in ``line`` whose request had
+    already stopped: its (slot, generation) pair is in no later step and the request
+    emitted nothing there (found from the rows' pairs: a request's pair is its own)."""
+    steps = [e for e in line if e[0] == "step"]
+    last = {}  # (slot, generation) -> the last step that holds it
+    for i, (_, slots, gens) in enumerate(steps):
+        for pair in zip(slots, gens):
+            if pair[0] >= 0:
+                last[pair] = i
+    # a request's last step is a step that emitted for it; a dead row's step did not
+    return [(i, *pair) for pair, i in last.items() if res.stats.rows[i] < sum(s >= 0 for s in steps[i][1])]
+
+
+@pytest.mark.parametrize("mode", ["plain", "spec"])
+@pytest.mark.parametrize("slots", [3, 8], ids=["queue", "no-queue"])
+def test_run_ahead_keeps_every_greedy_token_and_drops_dead_rows(mode, slots, seed, rng):
+    """Seven requests (on three slots: four wait in the queue; on eight: none), budgets
+    ending at different steps, one of a single token, and an end-of-sequence token that
+    several requests meet: steps run ahead of the read of the one before give every
+    request the greedy tokens, stop and stream of the loop without overlap. A request
+    that the token stops leaves a dead row in the step run ahead (there is one, and a
+    step with one emits only for its other rows); with a queue, a joiner takes the
+    slot of such a row after that step (the step's work on the dead row is dropped
+    before the joiner's prompt pass) and still decodes its own tokens. No step is run
+    ahead of a step at which a budget could end: every step holds as many rows as
+    requests that emit there, or dead rows of end-of-sequence stops."""
+    model = build_tiny_model("qwen3_5", seed=seed)
+    prompts = _prompts(rng, 7)
+    budgets = [40, 11, 27, 1, 40, 18, 23]
+    probe, _, _ = _run(model, mode, slots, prompts, budgets, overlap=False, seed=seed)
+    # the commonest token of the first request's second half: an end-of-sequence token there
+    half = probe.tokens[0][len(probe.tokens[0]) // 2:]
+    eos = max(set(half), key=half.count)
+    off, off_line, off_stream = _run(model, mode, slots, prompts, budgets, overlap=False, seed=seed,
+                                     eos_token_ids=[eos])
+    on, line, on_stream = _run(model, mode, slots, prompts, budgets, overlap=True, seed=seed, eos_token_ids=[eos])
+    assert on.tokens == off.tokens and on.finish_reasons == off.finish_reasons
+    for i in range(len(prompts)):
+        assert [t for j, t in on_stream if j == i] == [t for j, t in off_stream if j == i]
+    # each request emitted at as many steps and as many tokens a step: dead rows count nowhere
+    assert sum(on.stats.rows) == sum(off.stats.rows) and sum(on.stats.emitted) == sum(off.stats.emitted)
+    assert sorted(on.accept_lengths) == sorted(off.accept_lengths)
+    dead = _dead_rows(line, on)
+    assert dead and not _dead_rows(off_line, off)
+    eos_stopped = {(r, s) for r, s in zip(on.finish_reasons, range(len(prompts))) if r == "eos"}
+    assert len(dead) <= len(eos_stopped)
+    steps = [e for e in line if e[0] == "step"]
+    assert len(steps) == on.steps == len(on.stats.rows)
+    assert len(steps) - len(off_line) + sum(e[0] == "prefill" for e in off_line) <= len(dead)
+    if slots == 3:  # a joiner's prompt pass on the slot of a dead row, right after its step
+        joined_dead = [k for k, e in enumerate(line) if e[0] == "prefill" and k > 0 and line[k - 1][0] == "step"
+                       and any(s in e[1] for (i, s, _) in dead if steps[i] is line[k - 1])]
+        assert joined_dead
 
 
 def test_a_step_a_join_went_ahead_of_does_not_count_the_join(seed, rng, monkeypatch):
@@ -237,3 +297,26 @@ def test_graph_replays_launched_ahead_change_no_output(mode, seed, rng):
     eos = probe.tokens[0][len(probe.tokens[0]) // 2]
     res = _check_same(model, mode, 3, prompts, budgets, seed, eos_token_ids=[eos], graphs=True)
     assert any(res.stats.ahead) and "eos" in res.finish_reasons
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("mode", ["plain", "spec"])
+def test_steps_run_ahead_of_the_read_change_nothing_without_an_end_token(device, mode, seed, rng, monkeypatch):
+    """With budgets alone ending the requests (no end-of-sequence token: no dead row),
+    steps run ahead of the read of the one before change nothing: tokens, stops, accept
+    counts and engine timeline are those of the loop without overlap, and steps did run
+    ahead. On a GPU each is a graph replay queued behind the pinned copy of the output
+    of the step before and before the host waits for that copy (bf16)."""
+    kw = {} if device == "cpu" else {"dtype": torch.bfloat16, "device": "cuda"}
+    model = build_tiny_model("qwen3_5", seed=seed, **kw)
+    flags = []
+    read = StepGenerator._read
+
+    def logged_read(self, step, n, run_next):
+        flags.append(run_next)
+        return read(self, step, n, run_next)
+
+    monkeypatch.setattr(StepGenerator, "_read", logged_read)
+    _check_same(model, mode, 3, _prompts(rng, 6), [60, 11, 37, 1, 60, 18], seed, run_ahead=True,
+                graphs=device == "cuda")
+    assert sum(flags) >= 10

@@ -363,6 +363,9 @@ class _Running(NamedTuple):
     t0: float  # perf_counter() at its launch
     ahead: bool  # launched before the host's bookkeeping of the step before it
     left: np.ndarray  # [R] int64: each row's budget left before the step (tokens it may still emit)
+    #: the requests of its rows, in row order (padding rows after them); one that
+    #: stopped at an earlier step (a step run ahead of that step's read) is a dead row
+    reqs: tuple = ()
     #: perf_counter() when the host saw it end before reading it (a join went ahead of
     #: its read: the prompt pass after it is not its time); None: at its read
     ended: float | None = None
@@ -485,6 +488,20 @@ class StepGenerator:
     read of their step (with overlap, the next step may be running by then), and
     ``StepStats.seconds`` counts from a step's launch to its outputs on the host.
 
+    Run ahead (``run_ahead``, on by default with overlap): even launched ahead of the
+    bookkeeping, the next step waits for the host's read of the current one, and the
+    device idles from a step's end to the next one's launch (the read's wake-up and the
+    graph launch: tens of microseconds, a tenth of a small batch's step). So when the
+    next step would be launched ahead on the same rows anyway and no row can reach its
+    budget at the current step, it is launched before the read (its output copied
+    first); the device runs the two back to back. Only an end-of-sequence token can
+    then stop a request at the current step; its row in the step run ahead is dead: that
+    step's work on it is dropped (its slot is freed, or reset for a joiner, after it in
+    stream order), the step after it runs on the others' rows, and a request queued for
+    a slot joins as it would have. Each request's greedy tokens are the same; a step
+    with a dead row keeps the bucket of the step before, so with sampling the draws may
+    differ, and the engine timeline holds that one step more.
+
     Args:
         engine: the target engine (window ``>= num_draft + 1``; slots = concurrency).
         drafter: a :class:`~replayssm.engine.device_drafters.DeviceDrafter` or ``None``.
@@ -513,6 +530,11 @@ class StepGenerator:
             sitting out one step. Each request's greedy tokens are the same; with
             sampling the draws differ (a step's rows do). ``False``: a join runs between
             two steps, as without overlap.
+        run_ahead: with ``overlap``, launch the next step on the same rows before
+            reading the current one's outputs, whenever the current one could be
+            launched ahead on them and no row can reach its budget at the current one
+            (default): the device then goes from step to step without waiting for the
+            host's read (see above). ``False``: the next step after the read.
         plain_from: with a drafter, the batch buckets of at least this many rows take
             plain steps (one token a request; through the strategy's ring where it has
             one) instead of speculative ones: the engine's choice per bucket, where
@@ -537,7 +559,7 @@ class StepGenerator:
                  sampling: SamplingParams = SamplingParams(), eos_token_ids: Sequence[int] = (),
                  graphs: bool | None = None, buckets: Sequence[int] | None = None,
                  prefill_chunk: int | None = None, tree=None, overlap: bool = True, plain_from: int | None = None,
-                 join_ahead: bool = True, chain_from: int | None = None):
+                 join_ahead: bool = True, chain_from: int | None = None, run_ahead: bool = True):
         from .device_drafters import DeviceDrafter
 
         if tree is not None:
@@ -588,6 +610,9 @@ class StepGenerator:
             raise TypeError(f"join_ahead must be a bool, got {type(join_ahead).__name__}")
         # whole prompts only: a chunked prompt's passes alternate with the steps by design
         self.join_ahead = self.overlap and join_ahead and prefill_chunk is None
+        if not isinstance(run_ahead, bool):
+            raise TypeError(f"run_ahead must be a bool, got {type(run_ahead).__name__}")
+        self.run_ahead = self.overlap and run_ahead
         self.graphs = graphs
         self.buckets = buckets
         self.prefill_chunk = prefill_chunk
@@ -595,6 +620,8 @@ class StepGenerator:
         self.plain_from = plain_from
         self.chain_from = chain_from
         self._steps: dict[int, object] = {}
+        self._host_out: dict[int, torch.Tensor] = {}  # pinned output copies of the steps run ahead, per bucket
+        self._read_done = None  # a CUDA event: the copy into one of them is done
         self._pool = None
         self._joins_captured = False
         # the next window of every slot (last token, then drafts); the last row is the sink
@@ -686,7 +713,7 @@ class StepGenerator:
         running = None  # a step of ``active`` launched ahead (a _Running), not yet read
         pending: list[_Request] = []  # prefilled while ``running`` ran: they join the step after it
         try:
-            while queue or active or filling or pending:
+            while queue or active or filling or pending or running is not None:
                 if running is None:
                     active += pending
                     pending = []
@@ -751,7 +778,7 @@ class StepGenerator:
         step.run()
         if left is None:  # the rows' budgets, built while the device runs the step
             left = np.fromiter((r.max_new - len(r.generated) for r in active), np.int64, len(active))
-        return _Running(step, t0, ahead, left)
+        return _Running(step, t0, ahead, left, tuple(active))
 
     def _stops(self, out: np.ndarray, left: np.ndarray) -> np.ndarray:
         """``[R]`` bool: whether each row's request stops at a step whose host output is
@@ -765,28 +792,65 @@ class StepGenerator:
             stops |= ((tokens[:, :, None] == self._eos_ids).any(2) & emitted).any(1)
         return stops
 
+    def _read(self, step, n: int, run_next: bool) -> np.ndarray:
+        """The first ``n`` rows of ``step``'s output buffer on the host: the step's one
+        host synchronisation, a copy (the next run rewrites the buffer). With
+        ``run_next``, ``step`` runs again (same rows) after the copy is queued and before
+        the host waits for it, so the device goes on to it without waiting for the host;
+        on a GPU the copy then goes through a pinned buffer of the step's shape."""
+        if not run_next:
+            return step.out[:n].to("cpu", copy=True).numpy()
+        if not step.out.is_cuda:
+            out = step.out[:n].clone()
+            step.run()
+            return out.numpy()
+        host = self._host_out.get(step.rows)
+        if host is None:
+            host = self._host_out[step.rows] = torch.empty(step.out.shape, dtype=step.out.dtype, pin_memory=True)
+        if self._read_done is None:
+            self._read_done = torch.cuda.Event()
+        host.copy_(step.out, non_blocking=True)
+        self._read_done.record()
+        step.run()
+        self._read_done.synchronize()
+        return host[:n].numpy().copy()
+
     def _decode_step(self, running: _Running, active: list[_Request], steady: bool, shrink: bool,
                      result: GenerationResult, stats: StepStats, on_tokens,
                      joiners: Sequence[_Request] = ()) -> _Running | None:
-        """Read the outputs of the step ``running`` of ``active``; if ``steady`` and no
-        request stops at it (and none joins), launch the next step on the same rows at
-        once, or if ``shrink`` and some stop or ``joiners`` wait (requests prefilled
-        while this step ran), on the rows of the others (in order: the rows that
-        retiring the stopped requests leaves), then the joiners'; then this step's
-        bookkeeping. Returns the step launched ahead, or ``None``."""
-        step = running.step
+        """Read the outputs of the step ``running`` (whose rows' live requests are
+        ``active``); if ``steady`` and no request stops at it (and none joins), launch
+        the next step on the same rows at once, or if ``shrink`` and some stop, some rows
+        are dead or ``joiners`` wait (requests prefilled while this step ran), on the rows
+        of the others (in order: the rows that retiring the stopped requests leaves),
+        then the joiners'; then this step's bookkeeping. With ``run_ahead``, the next
+        step on the same rows may go before the read instead (see the class docstring).
+        Returns the step launched ahead, or ``None``."""
+        step, reqs = running.step, running.reqs
         slots = step.batch.host_slots  # this step's rows (a launch ahead may rewrite them)
-        live = len(active)
-        # The step's one host synchronisation. A copy, also on the CPU: the next step
-        # rewrites the output buffer, maybe before this step's bookkeeping.
-        out = step.out[:live].to("cpu", copy=True).numpy()
-        stats.seconds.append((time.perf_counter() if running.ended is None else running.ended) - running.t0)
+        keep = None  # [R] bool, the rows of live requests, when some row is dead
+        if len(active) != len(reqs):  # requests that stopped at the step before: ran ahead of its read
+            keep = np.fromiter((r.finish is None for r in reqs), bool, len(reqs))
+        # Run ahead: when no row can reach its budget at this step (only an end-of-sequence
+        # token could stop one), the next step on the same rows goes before this one's read.
+        run_ahead = (self.run_ahead and shrink and keep is None and not joiners
+                     and int(running.left.min()) > step.out.shape[1] - 1)
+        out = self._read(step, len(reqs), run_ahead)
+        t_read = time.perf_counter()
+        stats.seconds.append((t_read if running.ended is None else running.ended) - running.t0)
         stats.ahead.append(running.ahead)
-        stops = self._stops(out, running.left)
-        left = running.left - out[:, 0]
+        left = running.left
+        if keep is not None:
+            out, left = out[keep], left[keep]
+            slots = tuple(s for s, k in zip(slots, keep.tolist()) if k)
+        live = len(active)
+        stops = self._stops(out, left)
+        left = left - out[:, 0]
         ahead = None
-        if steady and not stops.any() and not joiners:
-            ahead = _Running(step, time.perf_counter(), True, left)
+        if run_ahead:  # its device time starts about when this step's output reached the host
+            ahead = _Running(step, t_read, True, left, reqs)
+        elif steady and keep is None and not stops.any() and not joiners:
+            ahead = _Running(step, time.perf_counter(), True, left, reqs)
             step.run()  # its rows hold ``active`` still
         elif shrink and (joiners or not stops.all()):
             going = ~stops
