@@ -3,8 +3,9 @@
 For each (mode, batch) it sets up live requests, captures the step, and reports:
 
 * GPU time per step: replays of the captured step timed with CUDA events (no host
-  work between them), against the wall time of a step as the generator takes it
-  (replay plus the read of its output);
+  work between them), against the wall time of a step as the generator takes it:
+  replay then the read of its output, and the next replay queued before that read
+  (the generator's ``run_ahead``);
 * the step's kernels by total GPU time (torch profiler over a few replays), with the
   count of kernels per step;
 * for speculative modes, the drafter alone: its update and next proposal
@@ -120,6 +121,13 @@ def profile(model, mode: str, batch: int, k: int, reps: int, top: int, drafter_k
             step.run()
             step.out[:batch].tolist()
         wall_ms = (time.perf_counter() - t0) / 10 * 1e3
+        # the generator's loop with each next step queued before the read (run_ahead)
+        step.run()
+        t0 = time.perf_counter()
+        for _ in range(10):
+            gen._read(step, batch, True)
+        ahead_ms = (time.perf_counter() - t0) / 10 * 1e3
+        torch.cuda.synchronize()
         gpu_ms = _replay_ms(step.graph, reps)
         events, total, count = _kernels(step.graph)
         alone = drafter_alone(gen, step, reps) if drafter is not None else {}
@@ -127,7 +135,8 @@ def profile(model, mode: str, batch: int, k: int, reps: int, top: int, drafter_k
     rows = [{"kernel": e.key[:90], "us_per_step": e.device_time_total / 5, "calls_per_step": e.count / 5}
             for e in kernels]
     print(f"\n== {mode} batch {batch} (T={window}): GPU {gpu_ms:.3f} ms/step (graph replays), wall {wall_ms:.3f} "
-          f"ms/step (replay + output read); profiled {total / 1e3:.3f} ms in {count:.0f} kernels per step")
+          f"ms/step (replay + output read), {ahead_ms:.3f} with the next replay queued before the read; "
+          f"profiled {total / 1e3:.3f} ms in {count:.0f} kernels per step")
     if alone:
         print(f"   drafter {drafter_kind} alone (observe + propose): GPU {alone['drafter_gpu_ms']:.3f} ms in "
               f"{alone['drafter_kernels']:.0f} kernels, {alone['drafter_gpu_ms'] / gpu_ms:.0%} of the step")
@@ -135,7 +144,8 @@ def profile(model, mode: str, batch: int, k: int, reps: int, top: int, drafter_k
         print(f"   {r['us_per_step']:8.1f} us  x{r['calls_per_step']:5.1f}  {r['kernel']}")
     return {"mode": mode, "batch": batch, "window": window, "drafter": None if mode == "plain" else drafter_kind,
             "tree": list(branching) if tree is not None else None, "chain_from": chain_from if tree is not None else None,
-            "gpu_ms": gpu_ms, "wall_ms": wall_ms, "kernels_per_step": count, "profiled_ms": total / 1e3, "top": rows,
+            "gpu_ms": gpu_ms, "wall_ms": wall_ms, "wall_run_ahead_ms": ahead_ms, "kernels_per_step": count,
+            "profiled_ms": total / 1e3, "top": rows,
             **alone}
 
 
