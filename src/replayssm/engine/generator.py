@@ -500,7 +500,9 @@ class StepGenerator:
     stream order), the step after it runs on the others' rows, and a request queued for
     a slot joins as it would have. Each request's greedy tokens are the same; a step
     with a dead row keeps the bucket of the step before, so with sampling the draws may
-    differ, and the engine timeline holds that one step more.
+    differ, and the engine timeline holds that one step more. A step run ahead counts
+    its ``StepStats.seconds`` from the read of the step before it (about when the device
+    started it), not from its launch.
 
     Args:
         engine: the target engine (window ``>= num_draft + 1``; slots = concurrency).
