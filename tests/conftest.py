@@ -5,12 +5,40 @@ here, at collection time, when no CUDA device is present.
 """
 
 import os
+import sys
 
 import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+class _CurrentStderr:
+    """A stream that writes to ``sys.stderr`` as it is at each write."""
+
+    def write(self, text):
+        return sys.stderr.write(text)
+
+    def flush(self):
+        sys.stderr.flush()
+
+
+def _transformers_logs_to_the_current_stderr() -> None:
+    """transformers binds its log handler to ``sys.stderr`` as it is when the library
+    first logs. Inside a test that is the test's capture (``capsys``), closed when the
+    test ends, and a later test's warning then prints a "Logging error" traceback into
+    its own captured stderr (which the CLI tests read). Bind it here, to whatever
+    ``sys.stderr`` is at each write."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.get_logger()  # creates the handler now
+    handler = hf_logging._default_handler
+    handler.setStream(_CurrentStderr())
+    handler.__dict__.pop("flush", None)  # the library pinned the old stream's flush on the instance
+
+
+_transformers_logs_to_the_current_stderr()
 
 
 def pytest_collection_modifyitems(config, items):

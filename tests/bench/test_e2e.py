@@ -321,6 +321,34 @@ def test_state_dtype_reaches_the_pool(tmp_path, capsys):
         assert r["state_bytes"]["conv_state"] == fp32["conv_state"]
 
 
+def test_no_run_ahead_reaches_the_generator_and_the_report(tmp_path, capsys, monkeypatch):
+    """``--no-run-ahead`` launches every step after the read of the one before (the
+    generator never queues one before a read), the JSON records it and the header says
+    so; by default steps are queued before reads."""
+    from replayssm.engine.generator import StepGenerator
+
+    flags = []
+    read = StepGenerator._read
+
+    def logged_read(self, step, n, run_next):
+        flags.append(run_next)
+        return read(self, step, n, run_next)
+
+    monkeypatch.setattr(StepGenerator, "_read", logged_read)
+    for extra in ([], ["--no-run-ahead"]):
+        flags.clear()
+        js = tmp_path / f"e2e{len(extra)}.json"
+        rc = cli.main(["bench", "e2e", "--random", "tiny", "--batches", "2", "--max-new-tokens", "10", "--prompt-len",
+                       "5", "--quiet", "--no-hf", "--strategies", "fold", "--drafter", "forced", "--acceptance", "0.5",
+                       "--seed", str(random.randint(0, 10**6)), "--json", str(js), *extra])
+        assert rc == 0
+        header = capsys.readouterr().out.splitlines()[0]
+        ahead = not extra
+        assert json.loads(js.read_text())["config"]["run_ahead"] is ahead
+        assert ("each step after the read" in header) is bool(extra)
+        assert flags and any(flags) is ahead
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--batches", "0"], "batches"),
     (["--model", "/nonexistent/checkpoint"], "does not exist"),

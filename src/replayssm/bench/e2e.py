@@ -167,6 +167,9 @@ class E2EConfig:
     state_dtype: str = "fp32"
     backend: str = "auto"
     graphs: bool = True  # CUDA graphs (CUDA only)
+    #: the generator queues each next step before it reads the current one where it can
+    #: (``StepGenerator(run_ahead=)``); False: every step after the read
+    run_ahead: bool = True
     repeats: int = 3
     seed: int = 0
     #: a draft tree as children per depth (the ngram or mtp drafter): every speculative
@@ -600,7 +603,7 @@ def run_mode(model, mode: str, prompts, warm, cfg: E2EConfig, *, on_done=None,
     gen = StepGenerator(engine, drafter, num_draft=cfg.num_draft, eos_token_ids=(), graphs=cfg.graphed,
                         prefill_chunk=cfg.prefill_chunk, tree=tree,
                         plain_from=None if mode in PLAIN_MODES else cfg.plain_from,
-                        chain_from=None if tree is None else cfg.chain_from)
+                        chain_from=None if tree is None else cfg.chain_from, run_ahead=cfg.run_ahead)
     budgets, warm_budgets = request_budgets(cfg, len(prompts)), request_budgets(cfg, len(warm), warmup=True)
     gen.capture()  # every bucket now: requests finishing unevenly must not capture inside a timed run
     if engine.prompt_graphs is not None and cfg.prefill_chunk is None:  # the first pass: every prompt whole
@@ -918,7 +921,8 @@ def print_table(result: dict, file=None) -> None:
     print(
         f"replayssm bench e2e: {c['model']}, {c['dtype']}, {c.get('state_dtype', 'fp32')} states, "
         f"{env.get('device_name', env['device'])} ({env['backend']}, "
-        f"{'CUDA graphs' if c['graphed'] else 'eager'}), {spec_text(c['prompt_len'])} prompt + "
+        f"{'CUDA graphs' if c['graphed'] else 'eager'}"
+        f"{'' if c.get('run_ahead', True) else ', each step after the read'}), {spec_text(c['prompt_len'])} prompt + "
         f"{spec_text(c['max_new_tokens'])} new tokens "
         f"per request, {drafts_text(c)} ({c['drafter']}), greedy, median of {c['repeats']}",
         file=file,

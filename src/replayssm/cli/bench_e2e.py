@@ -114,6 +114,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "decoding's tokens)")
     parser.add_argument("--backend", choices=BACKENDS, default=d.backend, help="op backend (auto: Triton on CUDA)")
     parser.add_argument("--no-graphs", action="store_true", help="run the static steps eagerly on CUDA (no graphs)")
+    parser.add_argument("--no-run-ahead", action="store_true",
+                        help="launch each decode step after the read of the one before (default: queued before it "
+                             "where no request can reach its budget; StepGenerator(run_ahead=))")
     parser.add_argument("--repeats", type=positive_int, default=None, help="timed generations per configuration (default 3; 1 on the CPU)")
     parser.add_argument("--seed", type=int, default=d.seed, help="seed of the random model and the prompts")
     parser.add_argument("--json", type=output_path(".json"), default=None, help="write the rows here")
@@ -157,7 +160,7 @@ def config_from_args(args):
         prefill=args.prefill, prefill_chunk=args.prefill_chunk, draft_model=draft_model,
         device=device, dtype=pick(args.dtype, "bf16", "fp32"), state_dtype=args.state_dtype, backend=args.backend, graphs=not args.no_graphs,
         repeats=pick(args.repeats, 3, 1), seed=args.seed, tree=tuple(args.tree), plain_from=args.plain_from,
-        chain_from=args.chain_from, requests_per_slot=args.requests_per_slot,
+        chain_from=args.chain_from, requests_per_slot=args.requests_per_slot, run_ahead=not args.no_run_ahead,
     )
 
 

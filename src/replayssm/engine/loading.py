@@ -7,6 +7,7 @@ model is loaded) and Qwen3-Next.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -192,12 +193,28 @@ def check_tokenizer(model_dir, config: dict | None = None):
     model_dir = os.fspath(model_dir)
     if not any(os.path.isfile(os.path.join(model_dir, name)) for name in TOKENIZER_FILES):
         raise ValueError(f"{model_dir!r} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)})")
-    tok = load_tokenizer(model_dir)
+    with _transformers_errors_only():  # the check speaks for itself (a CLI error is one line)
+        tok = load_tokenizer(model_dir)
     vocab = text_config(config if config is not None else read_config(model_dir)).get("vocab_size")
     if isinstance(vocab, int) and len(tok) > vocab:
         raise ValueError(f"the tokenizer of {model_dir!r} has {len(tok)} tokens, more than the model's vocabulary "
                          f"of {vocab} (config.json vocab_size): ids from {vocab} on have no embedding")
     return tok
+
+
+@contextlib.contextmanager
+def _transformers_errors_only():
+    """transformers logs errors only inside the block: loading a checkpoint's tokenizer
+    also reads its config, whose warnings (an end-of-sequence id past a small
+    vocabulary, say) would come before the check's own error."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def has_mtp_weights(model_dir) -> bool:
