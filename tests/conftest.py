@@ -68,3 +68,21 @@ def clear_error_words():
     guards.clear_errors()
     yield
     guards.clear_errors()
+
+
+@pytest.fixture
+def read_flags(monkeypatch):
+    """The list, filled as the test runs, of every read of a step's output by a
+    ``StepGenerator``: ``True`` where the next step was queued before the read
+    (``run_ahead``), ``False`` where it follows the read."""
+    from replayssm.engine.generator import StepGenerator
+
+    flags = []
+    read = StepGenerator._read
+
+    def logged_read(self, step, n, run_next):
+        flags.append(run_next)
+        return read(self, step, n, run_next)
+
+    monkeypatch.setattr(StepGenerator, "_read", logged_read)
+    return flags

@@ -321,20 +321,11 @@ def test_state_dtype_reaches_the_pool(tmp_path, capsys):
         assert r["state_bytes"]["conv_state"] == fp32["conv_state"]
 
 
-def test_no_run_ahead_reaches_the_generator_and_the_report(tmp_path, capsys, monkeypatch):
+def test_no_run_ahead_reaches_the_generator_and_the_report(tmp_path, capsys, read_flags):
     """``--no-run-ahead`` launches every step after the read of the one before (the
     generator never queues one before a read), the JSON records it and the header says
     so; by default steps are queued before reads."""
-    from replayssm.engine.generator import StepGenerator
-
-    flags = []
-    read = StepGenerator._read
-
-    def logged_read(self, step, n, run_next):
-        flags.append(run_next)
-        return read(self, step, n, run_next)
-
-    monkeypatch.setattr(StepGenerator, "_read", logged_read)
+    flags = read_flags
     for extra in ([], ["--no-run-ahead"]):
         flags.clear()
         js = tmp_path / f"e2e{len(extra)}.json"
