@@ -161,33 +161,35 @@ def test_joins_ahead_of_a_step_keep_every_greedy_token(mode, seed, rng):
     assert sum(on.stats.ahead) > sum(alone.stats.ahead)
 
 
-def _dead_rows(line, res) -> list[tuple[int, int, int]]:
-    """``(step, slot, generation)`` of every row of a step in ``line`` whose request had
-    already stopped: its (slot, generation) pair is in no later step and the request
-    emitted nothing there (found from the rows' pairs: a request's pair is its own)."""
-    steps = [e for e in line if e[0] == "step"]
-    last = {}  # (slot, generation) -> the last step that holds it
-    for i, (_, slots, gens) in enumerate(steps):
-        for pair in zip(slots, gens):
-            if pair[0] >= 0:
-                last[pair] = i
-    # a request's last step is a step that emitted for it; a dead row's step did not
-    return [(i, *pair) for pair, i in last.items() if res.stats.rows[i] < sum(s >= 0 for s in steps[i][1])]
+def _logging_dead_rows(monkeypatch) -> list[list[int]]:
+    """Per step read by a ``StepGenerator`` (in launch order: every step is read, in
+    order), the slots of its dead rows: rows whose request had already stopped when the
+    step was read. Filled as the test runs."""
+    dead = []
+    decode_step = StepGenerator._decode_step
+
+    def logged(self, running, *args, **kwargs):
+        dead.append([s for r, s in zip(running.reqs, running.step.batch.host_slots) if r.finish is not None])
+        return decode_step(self, running, *args, **kwargs)
+
+    monkeypatch.setattr(StepGenerator, "_decode_step", logged)
+    return dead
 
 
 @pytest.mark.parametrize("mode", ["plain", "spec"])
 @pytest.mark.parametrize("slots", [3, 8], ids=["queue", "no-queue"])
-def test_run_ahead_keeps_every_greedy_token_and_drops_dead_rows(mode, slots, seed, rng):
+def test_run_ahead_keeps_every_greedy_token_and_drops_dead_rows(mode, slots, seed, rng, monkeypatch):
     """Seven requests (on three slots: four wait in the queue; on eight: none), budgets
     ending at different steps, one of a single token, and an end-of-sequence token that
     several requests meet: steps run ahead of the read of the one before give every
     request the greedy tokens, stop and stream of the loop without overlap. A request
-    that the token stops leaves a dead row in the step run ahead (there is one, and a
-    step with one emits only for its other rows); with a queue, a joiner takes the
-    slot of such a row after that step (the step's work on the dead row is dropped
-    before the joiner's prompt pass) and still decodes its own tokens. No step is run
-    ahead of a step at which a budget could end: every step holds as many rows as
-    requests that emit there, or dead rows of end-of-sequence stops."""
+    that the token stops leaves a dead row in the step run ahead (there is one; each such
+    request at most one; a step emits only for its other rows); with a queue, a joiner
+    takes the slot of such a row right after that step (the step's work on the dead row
+    is dropped before the joiner's prompt pass) and still decodes its own tokens. No step
+    is run ahead of a step at which a budget could end: the steps beyond those of the
+    overlapped loop that reads each step before it launches the next are at most the
+    steps with dead rows."""
     model = build_tiny_model("qwen3_5", seed=seed)
     prompts = _prompts(rng, 7)
     budgets = [40, 11, 27, 1, 40, 18, 23]
@@ -195,8 +197,10 @@ def test_run_ahead_keeps_every_greedy_token_and_drops_dead_rows(mode, slots, see
     # the commonest token of the first request's second half: an end-of-sequence token there
     half = probe.tokens[0][len(probe.tokens[0]) // 2:]
     eos = max(set(half), key=half.count)
-    off, off_line, off_stream = _run(model, mode, slots, prompts, budgets, overlap=False, seed=seed,
-                                     eos_token_ids=[eos])
+    dead = _logging_dead_rows(monkeypatch)
+    off, _, off_stream = _run(model, mode, slots, prompts, budgets, overlap=False, seed=seed, eos_token_ids=[eos])
+    assert not any(dead) and len(dead) == off.steps
+    dead.clear()
     on, line, on_stream = _run(model, mode, slots, prompts, budgets, overlap=True, seed=seed, eos_token_ids=[eos])
     assert on.tokens == off.tokens and on.finish_reasons == off.finish_reasons
     for i in range(len(prompts)):
@@ -204,17 +208,20 @@ def test_run_ahead_keeps_every_greedy_token_and_drops_dead_rows(mode, slots, see
     # each request emitted at as many steps and as many tokens a step: dead rows count nowhere
     assert sum(on.stats.rows) == sum(off.stats.rows) and sum(on.stats.emitted) == sum(off.stats.emitted)
     assert sorted(on.accept_lengths) == sorted(off.accept_lengths)
-    dead = _dead_rows(line, on)
-    assert dead and not _dead_rows(off_line, off)
-    eos_stopped = {(r, s) for r, s in zip(on.finish_reasons, range(len(prompts))) if r == "eos"}
-    assert len(dead) <= len(eos_stopped)
     steps = [e for e in line if e[0] == "step"]
-    assert len(steps) == on.steps == len(on.stats.rows)
-    assert len(steps) - len(off_line) + sum(e[0] == "prefill" for e in off_line) <= len(dead)
+    assert len(steps) == len(dead) == on.steps == len(on.stats.rows)
+    for (_, step_slots, _), d, live in zip(steps, dead, on.stats.rows):
+        assert live == sum(s >= 0 for s in step_slots) - len(d)
+    with_dead = [j for j, d in enumerate(dead) if d]
+    assert with_dead and sum(map(len, dead)) <= on.finish_reasons.count("eos")
+    # against the overlapped loop that reads before it launches (joins go ahead in both)
+    base, _, _ = _run(model, mode, slots, prompts, budgets, overlap=True, run_ahead=False, seed=seed,
+                      eos_token_ids=[eos])
+    assert base.tokens == on.tokens and 0 <= on.steps - base.steps <= len(with_dead)
     if slots == 3:  # a joiner's prompt pass on the slot of a dead row, right after its step
-        joined_dead = [k for k, e in enumerate(line) if e[0] == "prefill" and k > 0 and line[k - 1][0] == "step"
-                       and any(s in e[1] for (i, s, _) in dead if steps[i] is line[k - 1])]
-        assert joined_dead
+        at = [k for k, e in enumerate(line) if e[0] == "step"]  # each step's place in the timeline
+        after = {j: line[at[j] + 1] for j in with_dead if at[j] + 1 < len(line)}
+        assert any(e[0] == "prefill" and set(e[1]) & set(dead[j]) for j, e in after.items())
 
 
 def test_a_step_a_join_went_ahead_of_does_not_count_the_join(seed, rng, monkeypatch):

@@ -193,8 +193,7 @@ def check_tokenizer(model_dir, config: dict | None = None):
     model_dir = os.fspath(model_dir)
     if not any(os.path.isfile(os.path.join(model_dir, name)) for name in TOKENIZER_FILES):
         raise ValueError(f"{model_dir!r} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)})")
-    with _transformers_errors_only():  # the check speaks for itself (a CLI error is one line)
-        tok = load_tokenizer(model_dir)
+    tok = load_tokenizer(model_dir)
     vocab = text_config(config if config is not None else read_config(model_dir)).get("vocab_size")
     if isinstance(vocab, int) and len(tok) > vocab:
         raise ValueError(f"the tokenizer of {model_dir!r} has {len(tok)} tokens, more than the model's vocabulary "
@@ -204,9 +203,7 @@ def check_tokenizer(model_dir, config: dict | None = None):
 
 @contextlib.contextmanager
 def _transformers_errors_only():
-    """transformers logs errors only inside the block: loading a checkpoint's tokenizer
-    also reads its config, whose warnings (an end-of-sequence id past a small
-    vocabulary, say) would come before the check's own error."""
+    """transformers logs errors only inside the block."""
     from transformers.utils import logging as hf_logging
 
     level = hf_logging.get_verbosity()
@@ -249,10 +246,15 @@ def load_model(model_dir, *, dtype: str | torch.dtype | None = "auto", device: s
 
 
 def load_tokenizer(model_dir):
-    """The checkpoint's tokenizer (``"embedded"`` names the shipped checkpoint)."""
+    """The checkpoint's tokenizer (``"embedded"`` names the shipped checkpoint).
+
+    transformers reads the model's config to load it; that config's warnings (an
+    end-of-sequence id past a small vocabulary, say) are left to the model's own load,
+    so that a check of the tokenizer that fails says one line (the CLI's errors)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(_check_dir(resolve_model_path(model_dir)))
+    with _transformers_errors_only():
+        return AutoTokenizer.from_pretrained(_check_dir(resolve_model_path(model_dir)))
 
 
 def eos_token_ids(model_dir, tokenizer=None) -> list[int]:
