@@ -293,6 +293,8 @@ def run_op(op: str, batch: int, sdt: torch.dtype, act: torch.dtype,
             argmax.argmax_rows(torch.randn(rows, vocab).to(act))
             labels.append(f"argmax of {rows} x {vocab}")
         labels.append("the parts' bests merged")
+        argmax.argmax_rows(torch.randn(4, 248320).to(act), arrivals=argmax.arrival_counters("cpu"))
+        labels.append("argmax of 4 x 248320, the last part merging")
     elif op == "step_inputs":  # a chain step's inputs at Qwen3.5's shapes: 64 rows of 4 tokens, hidden 2048, 64 rotary
         from replayssm.engine import step_inputs
 
@@ -312,6 +314,7 @@ def run_op(op: str, batch: int, sdt: torch.dtype, act: torch.dtype,
         guards.clamp_accepted(torch.arange(64), out[:, 0], torch.full((64,), 4, dtype=torch.int32), backend="triton")
         labels.append("the accepted counts clamped and checked, 64 rows")
     elif op == "normed_linear":  # the embedded MTP head's passes at batch 1 (a depth) and 16 (an update of 4)
+        from replayssm.engine.argmax import arrival_counters
         from replayssm.engine.normed_linear import normed_linear
 
         h, inter, vocab = 256, 512, 4096
@@ -325,9 +328,13 @@ def run_op(op: str, batch: int, sdt: torch.dtype, act: torch.dtype,
             normed_linear(x, torch.randn(2 * inter, h).to(act), norm=g, output="glu")
             normed_linear(x, torch.randn(vocab, h).to(act), norm=g, rows=ids[: max(1, m // 4)] % 4, row_group=4,
                           output="argmax", normed_out=torch.empty(max(1, m // 4), h).to(act))
+            normed_linear(x, torch.randn(vocab, h).to(act), norm=g, rows=ids[: max(1, m // 4)] % 4, row_group=4,
+                          output="argmax", normed_out=torch.empty(max(1, m // 4), h).to(act),
+                          arrivals=arrival_counters("cpu"))
             labels += [f"{m} rows: fc with the lookup and both norms", "q|gate|k|v with the input norm",
                        "o_proj with the residual add", "gate|up with the norm and SiLU's product",
-                       "the LM head with the final norm and the argmax", "the argmax's blocks merged"]
+                       "the LM head with the final norm and the argmax", "the argmax's blocks merged",
+                       "the LM head, the last program merging"]
     return labels
 
 

@@ -146,8 +146,9 @@ def test_reports_the_attention_with_and_without_its_gate(tmp_path):
 def test_reports_the_normed_linears_of_a_head_pass(tmp_path):
     """``--ops normed_linear``: the MTP head's five normed linears compile for sm_90 at 1
     and 64 rows (each half of K in one tile at the embedded model's widths), none
-    spilling, with the argmax's merge after each LM head."""
-    regs, _ = _launches(tmp_path, "normed_linear", "_normed_linear_kernel", 10)
+    spilling, with the argmax's merge after each LM head, and each LM head again with
+    its last block merging."""
+    regs, _ = _launches(tmp_path, "normed_linear", "_normed_linear_kernel", 12)
     assert max(regs) <= 255, regs
     _launches(tmp_path, "normed_linear", "_argmax_parts_kernel", 2)
 
@@ -160,6 +161,7 @@ def test_reports_a_steps_inputs_in_one_launch(tmp_path):
 
 def test_reports_greedy_tokens_in_one_launch_or_in_parts(tmp_path):
     """``--ops argmax``: the argmax kernel compiles for sm_90 at a step's rows and, for
-    one row of a Qwen3.5 vocabulary, in parts merged by a second kernel; no spills."""
-    _launches(tmp_path, "argmax", "_argmax_kernel", 2)
+    one row of a Qwen3.5 vocabulary, in parts merged by a second kernel, and for four
+    rows in parts merged by the last part of each; no spills."""
+    _launches(tmp_path, "argmax", "_argmax_kernel", 3)
     _launches(tmp_path, "argmax", "_argmax_parts_kernel", 1)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from replayssm.engine import argmax as argmax_mod
-from replayssm.engine.argmax import ARGMAX_BLOCK, argmax_rows
+from replayssm.engine.argmax import ARGMAX_BLOCK, argmax_rows, arrival_counters
 
 
 @pytest.mark.parametrize("shape", [(16, 4096), (3, 5), (2, 3, 1000), (2, ARGMAX_BLOCK * 2 + 7), (7,)])
@@ -52,6 +52,36 @@ def test_argmax_rows_split_into_parts_is_torchs(rng, monkeypatch):
         assert torch.equal(argmax_rows(y), y.argmax(-1))
 
 
+def _one_launch(monkeypatch):
+    """Fail any second launch: with arrival counters a split row is merged by its last part."""
+    def second_launch(*args, **kwargs):
+        raise AssertionError("the parts were merged in a second launch")
+    monkeypatch.setattr(argmax_mod, "merge_argmax_parts", second_launch)
+
+
+def test_argmax_rows_split_and_merged_by_the_last_part(rng, monkeypatch):
+    """With arrival counters the last part of each row to finish merges the row's parts
+    in the same launch: torch's answer on the hard rows, and every counter back at zero
+    for the next call (which would merge too early otherwise: the second and third
+    calls check that)."""
+    monkeypatch.setattr(argmax_mod, "_PROGRAMS_PER_SM", 16)
+    arrivals = arrival_counters("cpu")
+    _one_launch(monkeypatch)
+    for cols in (5 * ARGMAX_BLOCK + 11, 3 * ARGMAX_BLOCK + 11, 5 * ARGMAX_BLOCK + 11):
+        x = _hard_rows(rng, cols)
+        assert argmax_mod._split(x.shape[0], cols, ARGMAX_BLOCK, x.device)[0] > 1
+        assert torch.equal(argmax_rows(x, arrivals=arrivals), x.argmax(-1))
+        assert not arrivals.any()
+
+
+def test_arrival_counters_are_checked(rng):
+    x = torch.randn(2, 300, generator=rng)
+    for bad in (torch.zeros(4096, dtype=torch.int64), torch.zeros(100, dtype=torch.int32),
+                torch.zeros(2, 4096, dtype=torch.int32)[:, 0], "counters"):
+        with pytest.raises(ValueError, match="arrivals must be"):
+            argmax_rows(x, arrivals=bad)
+
+
 def test_argmax_rows_reads_a_view_of_rows_in_place(rng):
     """A row-strided view (every other row of a wider buffer) is read where it lies;
     a last axis that is not contiguous is refused rather than copied."""
@@ -83,3 +113,21 @@ def test_argmax_rows_on_cuda_is_torchs(dtype, shape):
     assert torch.equal(argmax_rows(x), x.argmax(-1))
     hard = _hard_rows(g, 3 * ARGMAX_BLOCK + 11).to("cuda", dtype)
     assert torch.equal(argmax_rows(hard), hard.argmax(-1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1, 248320), (4, 248320), (16, 248320)])
+def test_argmax_rows_merged_by_the_last_part_on_cuda(shape):
+    """The last part's merge on the card, where the parts finish in any order: 200 calls
+    on fresh rows (a part read before its store landed would show as a wrong index in
+    some of them), a tie planted across parts in each, the counters back at zero."""
+    g = torch.Generator().manual_seed(11)
+    arrivals = arrival_counters("cuda")
+    rows, cols = shape
+    assert argmax_mod._split(rows, cols, ARGMAX_BLOCK, torch.device("cuda"))[0] > 1
+    for _ in range(200):
+        x = (4 * torch.randn(shape, generator=g)).to("cuda", torch.bfloat16)
+        first, late = torch.randint(0, cols // 2, (2,), generator=g).tolist()
+        x[:, first] = x[:, cols // 2 + late] = x.max() + 1  # the first one wins
+        assert torch.equal(argmax_rows(x, arrivals=arrivals), x.argmax(-1))
+    assert not arrivals.any()

@@ -12,6 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from replayssm.engine import argmax as argmax_mod
+from replayssm.engine import normed_linear as normed_linear_mod
+from replayssm.engine.argmax import arrival_counters
 from replayssm.engine.normed_linear import normed_linear, normed_linear_reference
 
 #: fp32 agreement, relative to the largest product: sums of up to 600 terms in
@@ -95,10 +98,24 @@ def test_argmax_of_picked_rows(rng):
     assert torch.equal(got[clear], logits.argmax(-1)[clear])
 
 
-def test_argmax_ties_and_nans_follow_torch(rng):
+def _one_launch(monkeypatch):
+    """Fail any second launch: with arrival counters the last block merges the blocks."""
+    def second_launch(*args, **kwargs):
+        raise AssertionError("the column blocks were merged in a second launch")
+    monkeypatch.setattr(normed_linear_mod, "merge_argmax_parts", second_launch)
+
+
+@pytest.mark.parametrize("merge", ["second launch", "last block"])
+def test_argmax_ties_and_nans_follow_torch(rng, merge, monkeypatch):
     """Columns with one weight row give bit-equal logits: the first wins, within a block
     and across blocks; a NaN row of weights makes a NaN logit, which wins (torch's
-    rule). Row 2's input is zero: every logit is zero, column 0 wins."""
+    rule). Row 2's input is zero: every logit is zero, column 0 wins. The column blocks
+    are merged by a second launch, or by the last block to finish (the counters then
+    back at zero, or the next call would merge too early)."""
+    kw = {}
+    if merge == "last block":
+        kw["arrivals"] = arrivals = arrival_counters("cpu")
+        _one_launch(monkeypatch)
     k, vocab = 32, 700
     w = torch.randn(vocab, k, generator=rng)
     x = torch.randn(3, k, generator=rng)
@@ -106,11 +123,28 @@ def test_argmax_ties_and_nans_follow_torch(rng):
     best = (w @ x[0]).argmax()
     w[[5, 40, 650]] = w[best].clone()  # equal to the best in three other places: earlier and later blocks
     first = min(5, int(best))
-    got = normed_linear(x, w, output="argmax")
+    got = normed_linear(x, w, output="argmax", **kw)
     assert got[0] == first and got[2] == 0
     w[600] = float("nan")
-    got = normed_linear(x[:2], w, output="argmax")
+    got = normed_linear(x[:2], w, output="argmax", **kw)
     assert torch.equal(got, torch.tensor([600, 600]))
+    if kw:
+        assert not arrivals.any()
+
+
+def test_argmax_merged_by_the_last_block_where_the_blocks_fit_one_read(rng, monkeypatch):
+    """More column blocks than one merge reads (a large vocabulary) take the second
+    launch even with counters; the answer is torch's either way."""
+    calls = []
+    monkeypatch.setattr(normed_linear_mod, "merge_argmax_parts",
+                        lambda *a: (calls.append(1), argmax_mod.merge_argmax_parts(*a)))
+    arrivals = arrival_counters("cpu")
+    k = 16
+    x = torch.randn(3, k, generator=rng)
+    for vocab, launches in ((64 * 60, 0), (64 * 70, 1)):  # 60 and 70 blocks: 64 and 128 parts a merge reads
+        w = torch.randn(vocab, k, generator=rng)
+        got = normed_linear(x, w, output="argmax", arrivals=arrivals)
+        assert torch.equal(got, normed_linear_reference(x, w).argmax(-1)) and len(calls) == launches
 
 
 def test_bad_arguments_are_refused_untouched(refused, rng):
@@ -138,6 +172,8 @@ def test_bad_arguments_are_refused_untouched(refused, rng):
         (dict(rows=torch.tensor([0.5])), ValueError, "rows must be"),
         (dict(row_group=2), ValueError, "row_group needs rows"),
         (dict(normed_out=torch.empty(4, 31)), ValueError, "normed_out must be"),
+        (dict(arrivals=arrival_counters("cpu")), ValueError, "arrivals are for output='argmax'"),
+        (dict(output="argmax", normed_out=None, arrivals=torch.zeros(4096)), ValueError, "arrivals must be"),
         (dict(backend="cuda"), ValueError, "backend must be"),
     ], keep)
 
@@ -161,6 +197,16 @@ def test_bf16_on_cuda_against_the_reference(m, rng):
     clear = top2[:, 0] - top2[:, 1] > 2 ** -6 * top2[:, 0].abs()
     got = normed_linear(x, w, norm=norm, output="argmax")
     assert torch.equal(got[clear], logits.argmax(-1)[clear]) and clear.float().mean() > 0.5
+    # the last block merges (the blocks of a row block in any order): 100 calls
+    arrivals = arrival_counters(dev)
+    for _ in range(100):
+        x = torch.randn(m, h, generator=rng).to(dev, dt)
+        logits = normed_linear_reference(x, w, norm=norm).float()
+        top2 = logits.topk(2, -1).values
+        clear = top2[:, 0] - top2[:, 1] > 2 ** -6 * top2[:, 0].abs()
+        got = normed_linear(x, w, norm=norm, output="argmax", arrivals=arrivals)
+        assert torch.equal(got[clear], logits.argmax(-1)[clear])
+    assert not arrivals.any()
 
 
 def test_chained_launches_stay_in_stream_order_off_sm90_and_end_with_their_block(monkeypatch):

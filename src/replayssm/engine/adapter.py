@@ -36,7 +36,7 @@ from ..state import Batch, GDNShape, StatePool, strategy_class
 from .attention import slot_attention, tree_attention
 from .kv_cache import KVCache, PromptLayout, WindowLayout, cached_attention
 from .activations import dense_silu_mlp, sigmoid_mul, silu_mul
-from .argmax import argmax_rows
+from .argmax import argmax_rows, arrival_counters
 from .step_inputs import gather_step_inputs
 from .fused_linear import fuse_linears, fused_weight
 from .norms import add_rms_norm, norm_eps, norm_kind, rms_norm, rms_norm_pair
@@ -676,6 +676,11 @@ class HybridEngine:
         # each on CUDA (a quarter of a batch-1 step was the modules' small kernels); the
         # CPU keeps the modules.
         self.fused_norms = backend == "triton" or (self.device.type == "cuda" and backend != "reference")
+        #: Counters of the fused argmaxes (:func:`~replayssm.engine.argmax.arrival_counters`):
+        #: a split argmax's last part merges the parts in its own launch. The step's
+        #: argmaxes (the target's, the MTP head's draft depths) run one after another
+        #: on its stream, so they share one buffer.
+        self.argmax_arrivals = arrival_counters(self.device) if self.fused_norms else None
         # every cache position's rotary rows, gathered by the static steps (None: the
         # embedding's frequencies follow the sequence length; the steps evaluate it)
         self._rope = None
@@ -1106,8 +1111,12 @@ class HybridEngine:
         """Greedy tokens ``logits.argmax(-1)`` (int64 ``logits.shape[:-1]``) as a static
         step takes them: one launch where the kernels are fused
         (:func:`~replayssm.engine.argmax.argmax_rows`; torch's reduction spends 4-15 µs
-        on a few rows), torch's ``argmax`` elsewhere. The same indices either way."""
-        return argmax_rows(logits, backend="triton" if self.fused_norms else "reference")
+        on a few rows, and a split row is merged by its last part:
+        :attr:`argmax_arrivals`), torch's ``argmax`` elsewhere. The same indices either
+        way."""
+        if not self.fused_norms:
+            return argmax_rows(logits, backend="reference")
+        return argmax_rows(logits, arrivals=self.argmax_arrivals)
 
     def static_add_norm(self, module, h: torch.Tensor, update: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(h + update, norm(h + update))`` for ``h, update [N, hidden]``: a residual add

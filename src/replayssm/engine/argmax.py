@@ -6,7 +6,8 @@ a small model's shapes (``[16, 4096]`` bf16, 128 KB, took 15.5 µs a call on an 
 what eight norm kernels cost). :func:`argmax_rows` gives each row one program (the vocabulary in blocks of
 :data:`ARGMAX_BLOCK`, a running best in registers); when the rows are too few to fill
 the GPU and the vocabulary is long (a Qwen3.5 vocabulary at batch 1), it splits each row
-into parts and reduces the parts' bests in a second launch.
+into parts and reduces the parts' bests: in a second launch, or, given arrival counters
+(:func:`arrival_counters`), in the same launch by the last part of each row to finish.
 
 Ties and NaNs follow torch: the first index of the greatest value, where a NaN counts as
 greater than any number (the first NaN's index).
@@ -29,6 +30,39 @@ ARGMAX_BLOCK = 4096
 ARGMAX_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 #: Programs per SM that a split aims for (below it a row is split into parts).
 _PROGRAMS_PER_SM = 4
+#: Counters in one :func:`arrival_counters` buffer: rows (or row blocks) of one split
+#: argmax that its last part can merge in the launch; a split of more takes a second.
+ARRIVAL_COUNTERS = 4096
+#: Values a merge reads at once (rows x parts; a loop over more parts). A last part
+#: merges in its own launch only where its rows' parts fit one read: a loop of
+#: dependent reads would cost more than the second launch it saves.
+MERGE_VALUES = 1024
+#: Parts the second launch's program reads at once: a whole vocabulary's column blocks
+#: (4096 x 64 columns) in one read.
+_SECOND_LAUNCH_VALUES = 4096
+
+
+def arrival_counters(device: torch.device | str) -> torch.Tensor:
+    """Zeroed int32 counters ``[ARRIVAL_COUNTERS]`` for split argmaxes (:func:`argmax_rows`
+    and :func:`~replayssm.engine.normed_linear.normed_linear`'s ``"argmax"``): each part
+    counts its arrival on its row's counter, and the last to arrive merges the parts
+    and sets the counter back to zero, so the merge costs no launch of its own. The
+    owner keeps the buffer for its life (a CUDA graph holds its address) and gives it
+    only to calls that run one after another: two calls counting on one buffer at the
+    same time would merge too early."""
+    return torch.zeros(ARRIVAL_COUNTERS, dtype=torch.int32, device=device)
+
+
+def check_arrivals(arrivals: torch.Tensor | None, device: torch.device) -> None:
+    """A ``ValueError`` unless ``arrivals`` is ``None`` or an :func:`arrival_counters` buffer
+    on ``device`` (its values are the caller's promise: zero between calls)."""
+    if arrivals is None:
+        return
+    if not isinstance(arrivals, torch.Tensor) or arrivals.dtype != torch.int32 or arrivals.dim() != 1 \
+            or not arrivals.is_contiguous() or arrivals.device != device or arrivals.numel() < ARRIVAL_COUNTERS:
+        raise ValueError(f"arrivals must be a contiguous int32 [{ARRIVAL_COUNTERS}] tensor on {device} "
+                         f"(arrival_counters), got {getattr(arrivals, 'dtype', type(arrivals).__name__)} "
+                         f"{list(getattr(arrivals, 'shape', []))}")
 
 
 def argmax_rows_reference(x: torch.Tensor) -> torch.Tensor:
@@ -45,7 +79,7 @@ def _split(rows: int, cols: int, block: int, device: torch.device) -> tuple[int,
     return triton.cdiv(cols, per_part), per_part
 
 
-def argmax_rows(x: torch.Tensor, *, backend: str = "triton") -> torch.Tensor:
+def argmax_rows(x: torch.Tensor, *, backend: str = "triton", arrivals: torch.Tensor | None = None) -> torch.Tensor:
     """``x.argmax(-1)`` for logits ``x [..., V]``: an int64 tensor of ``x.shape[:-1]``.
 
     ``x``'s last axis must be contiguous and its other axes one stride apart (a view of
@@ -55,6 +89,10 @@ def argmax_rows(x: torch.Tensor, *, backend: str = "triton") -> torch.Tensor:
     ``backend``: ``"triton"`` (CUDA, or the Triton interpreter) or ``"reference"``
     (torch's ``argmax``). Both give the first index of the row's greatest value, a NaN
     counting as the greatest.
+
+    ``arrivals``: ``None``, or counters from :func:`arrival_counters` (the Triton backend;
+    the reference ignores them): a row split into parts is then merged by its last part
+    in the same launch (rows past the counters' number take a second launch).
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a tensor, got {type(x).__name__}")
@@ -62,6 +100,7 @@ def argmax_rows(x: torch.Tensor, *, backend: str = "triton") -> torch.Tensor:
         raise ValueError(f"x must be [..., V] with V > 0, got {list(x.shape)}")
     if backend == "reference":
         return argmax_rows_reference(x)
+    check_arrivals(arrivals, x.device)
     if backend != "triton":
         raise ValueError(f"backend must be 'triton' or 'reference', got {backend!r}")
     if x.dtype not in ARGMAX_DTYPES:
@@ -85,15 +124,23 @@ def argmax_rows(x: torch.Tensor, *, backend: str = "triton") -> torch.Tensor:
     warps = 8 if block >= 4096 else 4
     parts, per_part = _split(rows, cols, block, x.device)
     if parts == 1:
-        _argmax_kernel[(rows, 1)](flat, flat.stride(0), cols, per_part, out, out, out, 1, BLOCK=block, PARTS=False,
-                                  num_warps=warps)
+        _argmax_kernel[(rows, 1)](flat, flat.stride(0), cols, per_part, out, out, out, 1, out, BLOCK=block,
+                                  PARTS=False, ARRIVE=False, PB=1, num_warps=warps)
         return out
     best = torch.empty((rows, parts), dtype=torch.float32, device=x.device)
     where = torch.empty((rows, parts), dtype=torch.int64, device=x.device)
-    _argmax_kernel[(rows, parts)](flat, flat.stride(0), cols, per_part, out, best, where, parts, BLOCK=block, PARTS=True,
-                                  num_warps=warps)
-    merge_argmax_parts(best, where, out.view(rows))
+    arrive = arrivals is not None and rows <= ARRIVAL_COUNTERS and parts <= MERGE_VALUES
+    _argmax_kernel[(rows, parts)](flat, flat.stride(0), cols, per_part, out, best, where, parts,
+                                  arrivals if arrive else out, BLOCK=block, PARTS=True, ARRIVE=arrive,
+                                  PB=merge_block(parts, MERGE_VALUES), num_warps=warps)
+    if not arrive:
+        merge_argmax_parts(best, where, out.view(rows))
     return out
+
+
+def merge_block(parts: int, values: int) -> int:
+    """Parts a merge reads at once for each of its rows: all of them, up to ``values``."""
+    return min(values, triton.next_power_of_2(parts))
 
 
 def merge_argmax_parts(best: torch.Tensor, where: torch.Tensor, out: torch.Tensor) -> None:
@@ -104,18 +151,20 @@ def merge_argmax_parts(best: torch.Tensor, where: torch.Tensor, out: torch.Tenso
     rows, parts = best.shape
     if rows:
         chained, launch = chain_launch()
-        _argmax_parts_kernel[(rows,)](best, where, out, parts, BLOCK=triton.next_power_of_2(parts), CHAINED=chained,
-                                      num_warps=1, **launch)
+        _argmax_parts_kernel[(rows,)](best, where, out, parts, PB=merge_block(parts, _SECOND_LAUNCH_VALUES), CHAINED=chained, num_warps=1,
+                                      **launch)
 
 
 if triton is not None:
 
     @triton.jit
-    def _argmax_kernel(x_ptr, stride_row, n_cols, per_part, out_ptr, best_ptr, where_ptr, parts,
-                       BLOCK: tl.constexpr, PARTS: tl.constexpr):
+    def _argmax_kernel(x_ptr, stride_row, n_cols, per_part, out_ptr, best_ptr, where_ptr, parts, arrivals_ptr,
+                       BLOCK: tl.constexpr, PARTS: tl.constexpr, ARRIVE: tl.constexpr, PB: tl.constexpr):
         """Row ``program_id(0)``'s part ``program_id(1)`` (columns ``[part * per_part,
         +per_part)``): its first greatest value's index (a NaN's first, if any), into
-        ``out[row]``, or with ``PARTS`` the value and index into ``best, where [row, part]``."""
+        ``out[row]``, or with ``PARTS`` the value and index into ``best, where [row, part]``
+        (and with ``ARRIVE`` the row's last part merges them into ``out[row]``:
+        :func:`merge_if_last`)."""
         row = tl.program_id(0).to(tl.int64)
         part = tl.program_id(1)
         start = part * per_part
@@ -138,22 +187,65 @@ if triton is not None:
         if PARTS:
             tl.store(best_ptr + row * parts + part, top)
             tl.store(where_ptr + row * parts + part, at)
+            if ARRIVE:
+                one = tl.arange(0, 1)
+                merge_if_last(best_ptr, where_ptr, out_ptr, arrivals_ptr + row, row + one, one == 0, parts, PB)
         else:
             tl.store(out_ptr + row, at)
 
     @triton.jit
-    def _argmax_parts_kernel(best_ptr, where_ptr, out_ptr, parts, BLOCK: tl.constexpr, CHAINED: tl.constexpr):
-        """Row ``program_id(0)``: the first part holding a NaN, else the first part
-        holding the greatest value; its index into ``out[row]``. ``CHAINED``: launched
-        by :func:`~replayssm.ops.triton_common.chain_launch`."""
+    def merge_parts(best_ptr, where_ptr, rows, row_ok, parts, PB: tl.constexpr, FRESH: tl.constexpr):
+        """The argmax of rows ``rows [R]`` (int64, where ``row_ok``) from their parts'
+        values and indices ``best, where [., parts]`` (contiguous; ties already resolved
+        within a part): the first part's index holding a NaN, else the first part's
+        holding the greatest value, read ``PB`` parts at a time. ``FRESH``: the parts were
+        written by other programs of this launch, so the loads skip L1."""
+        lanes = tl.arange(0, PB)
+        top = tl.zeros_like(rows).to(tl.float32) + float("-inf")
+        at = tl.zeros_like(rows) - 1  # none taken yet
+        seen_nan = tl.zeros_like(rows) != 0
+        for p0 in range(0, parts, PB):
+            p = p0 + lanes
+            ok = row_ok[:, None] & (p < parts)[None, :]
+            off = rows[:, None] * parts + p[None, :]
+            if FRESH:
+                v = tl.load(best_ptr + off, mask=ok, other=float("-inf"), cache_modifier=".cg")
+                w = tl.load(where_ptr + off, mask=ok, other=0, cache_modifier=".cg")
+            else:
+                v = tl.load(best_ptr + off, mask=ok, other=float("-inf"))
+                w = tl.load(where_ptr + off, mask=ok, other=0)
+            nan = (v != v) & ok
+            first_nan = tl.min(tl.where(nan, lanes[None, :], PB), 1)
+            m, i = tl.max(tl.where(nan, float("-inf"), v), 1, return_indices=True, return_indices_tie_break_left=True)
+            has_nan = first_nan < PB
+            pick = tl.where(has_nan, first_nan, i)
+            here = tl.sum(tl.where(lanes[None, :] == pick[:, None], w, 0), 1)
+            # an earlier block's NaN, or its equal value, keeps its index
+            take = ~seen_nan & (has_nan | (m > top) | (at < 0))
+            at = tl.where(take, here, at)
+            top = tl.where(take, m, top)
+            seen_nan = seen_nan | has_nan
+        return at
+
+    @triton.jit
+    def merge_if_last(best_ptr, where_ptr, out_ptr, counter_ptr, rows, row_ok, parts, PB: tl.constexpr):
+        """After a program has stored its part of rows ``rows`` (:func:`merge_parts`'
+        layout): count its arrival on ``counter_ptr`` (zero before the launch's first);
+        the ``parts``-th to arrive merges the rows into ``out_ptr[rows]`` and sets the
+        counter back to zero for the next launch."""
+        # Every thread's stores before the count: the barrier orders them before thread
+        # 0's release, which publishes them; the last program's acquire sees them all.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+        if arrived == parts - 1:
+            tl.store(out_ptr + rows, merge_parts(best_ptr, where_ptr, rows, row_ok, parts, PB, True), mask=row_ok)
+            tl.store(counter_ptr, 0)
+
+    @triton.jit
+    def _argmax_parts_kernel(best_ptr, where_ptr, out_ptr, parts, PB: tl.constexpr, CHAINED: tl.constexpr):
+        """Row ``program_id(0)``: :func:`merge_parts` into ``out[row]``. ``CHAINED``:
+        launched by :func:`~replayssm.ops.triton_common.chain_launch`."""
         chain_wait(CHAINED)
-        row = tl.program_id(0).to(tl.int64)
-        lanes = tl.arange(0, BLOCK)
-        mask = lanes < parts
-        v = tl.load(best_ptr + row * parts + lanes, mask=mask, other=float("-inf"))
-        where = tl.load(where_ptr + row * parts + lanes, mask=mask, other=0)
-        nan = (v != v) & mask
-        first_nan = tl.min(tl.where(nan, lanes, BLOCK), 0)
-        _, i = tl.max(v, 0, return_indices=True, return_indices_tie_break_left=True)
-        pick = tl.where(first_nan < BLOCK, first_nan, i)
-        tl.store(out_ptr + row, tl.sum(tl.where(lanes == pick, where, 0), 0))
+        one = tl.arange(0, 1)
+        rows = tl.program_id(0).to(tl.int64) + one
+        tl.store(out_ptr + rows, merge_parts(best_ptr, where_ptr, rows, one == 0, parts, PB, False))

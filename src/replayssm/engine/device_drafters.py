@@ -601,13 +601,15 @@ class DeviceMTPDrafter(DeviceDrafter):
 
         The same arithmetic as :meth:`_layer` and the LM head, to rounding (the matmuls
         are :func:`~replayssm.engine.normed_linear.normed_linear`'s, not cuBLAS's), in
-        ten launches: ``fc`` with the embedding lookup and both input norms;
+        nine launches: ``fc`` with the embedding lookup and both input norms;
         ``q|gate|k|v`` with the input norm; the query and key norms, the rotary with
         the cache writes, the attention with its gate (as the static step); ``o_proj``
         with the residual add; ``gate|up`` with the post-attention norm and SiLU's
         product; ``down`` with the residual add; the LM head with the final norm and
-        each column block's argmax, and the blocks' merge. The ten launch as a chain
-        (:attr:`chain_passes`)."""
+        each column block's argmax, the blocks merged by the last block to finish (the
+        engine's :attr:`~replayssm.engine.adapter.HybridEngine.argmax_arrivals`; a second
+        launch where they outnumber one merge's read, as a large vocabulary's do). They
+        launch as a chain (:attr:`chain_passes`)."""
         with chained_launches(hidden.device, self.chain_passes, ordered_start=False):
             return self._greedy_launches(tokens, hidden, slot_idx, positions, rope, pick)
 
@@ -634,7 +636,7 @@ class DeviceMTPDrafter(DeviceDrafter):
         x = normed_linear(y, w["down"], output="residual", residual=x)
         h = torch.empty((b, x.shape[1]), dtype=x.dtype, device=x.device)
         tok = normed_linear(x, w["lm_head"], norm=norm(head.norm), rows=pick, row_group=t if pick is not None else 0,
-                            output="argmax", normed_out=h)
+                            output="argmax", normed_out=h, arrivals=eng.argmax_arrivals)
         return h, tok
 
     def _layer(self, tokens: torch.Tensor, hidden: torch.Tensor, slot_idx: torch.Tensor | None,

@@ -19,7 +19,8 @@ built as it is loaded and whose result is finished before it is stored:
   the two halves of a ``[2 I, K]`` weight (each program computes matching columns of
   both, the bits of :func:`~replayssm.engine.activations.silu_mul` after the matmul);
   or, for greedy tokens, each row's argmax over the columns (each program reduces its
-  block of columns, a second launch its blocks: the logits are never stored).
+  block of columns, and the last program of a row block to finish, or a second launch,
+  reduces the blocks: the logits are never stored).
 * ``normed_out`` keeps the normed operand where a later step reads it (the MTP head's
   output, which the next depth takes as its hidden state).
 
@@ -34,12 +35,13 @@ from __future__ import annotations
 import torch
 
 from ..ops.triton_common import INTERPRETER, chain_launch, triton
-from .argmax import merge_argmax_parts
+from .argmax import MERGE_VALUES, check_arrivals, merge_argmax_parts
 
 if triton is not None:
     import triton.language as tl
 
     from ..ops.triton_common import chain_wait, expf, to_rtne
+    from .argmax import merge_if_last
 
 #: What the kernel multiplies (fp32 products at IEEE precision, not TF32).
 NORMED_LINEAR_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -128,7 +130,7 @@ def _check_norm(name: str, norm, width: int, device: torch.device) -> tuple[torc
 def normed_linear(x: torch.Tensor, weight: torch.Tensor, *, norm: tuple | None = None, pair: tuple | None = None,
                   rows: torch.Tensor | None = None, row_group: int = 0, output: str = "store",
                   residual: torch.Tensor | None = None, normed_out: torch.Tensor | None = None,
-                  backend: str = "triton") -> torch.Tensor:
+                  arrivals: torch.Tensor | None = None, backend: str = "triton") -> torch.Tensor:
     """``y = A W^T`` with ``A``'s norm and ``y``'s next step in one launch (see the module
     docstring).
 
@@ -148,6 +150,10 @@ def normed_linear(x: torch.Tensor, weight: torch.Tensor, *, norm: tuple | None =
             row's first greatest column of the product rounded to the dtype; a NaN counts
             as the greatest).
         normed_out: ``None``, or a ``[M, K]`` tensor of the dtype: ``A`` as the product read it.
+        arrivals: ``None``, or with ``"argmax"`` counters from
+            :func:`~replayssm.engine.argmax.arrival_counters`: the last program of each
+            block of rows merges the column blocks in this launch (a second launch
+            otherwise, and where the blocks outnumber one merge's read).
         backend: ``"triton"`` (CUDA, or the Triton interpreter; fp16, bf16 or fp32) or
             ``"reference"`` (torch's ops, any floating dtype: float64 for an oracle).
 
@@ -210,6 +216,9 @@ def normed_linear(x: torch.Tensor, weight: torch.Tensor, *, norm: tuple | None =
         _check_rows("normed_out", normed_out, k, dt, dev)
         if normed_out.shape[0] != m:
             raise ValueError(f"normed_out must be [{m}, {k}], got {list(normed_out.shape)}")
+    if arrivals is not None and output != "argmax":
+        raise ValueError(f"arrivals are for output='argmax', not {output!r}")
+    check_arrivals(arrivals, dev)
     if backend == "reference":
         return normed_linear_reference(x, weight, norm=norm, pair=pair, rows=rows, row_group=row_group, output=output,
                                        residual=residual, normed_out=normed_out)
@@ -225,6 +234,8 @@ def normed_linear(x: torch.Tensor, weight: torch.Tensor, *, norm: tuple | None =
     one_tile = (bm + bn * (2 if output == "glu" else 1)) * width * x.element_size() <= ONE_TILE_BYTES
     bk = width if one_tile else min(width, BLOCK_K if x.element_size() <= 2 else BLOCK_K // 2)
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    merge_parts = triton.next_power_of_2(grid[1])
+    arrive = arrivals is not None and bm * merge_parts <= MERGE_VALUES and grid[0] <= arrivals.numel()
     if output == "argmax":
         y = torch.empty((m,), dtype=torch.int64, device=dev)
         best = torch.empty((m, grid[1]), dtype=torch.float32, device=dev)
@@ -241,13 +252,14 @@ def normed_linear(x: torch.Tensor, weight: torch.Tensor, *, norm: tuple | None =
         x2 if x2 is not None else x, x2.stride(0) if x2 is not None else 0, g2 if g2 is not None else x, eps2 or 1.0,
         weight, weight.stride(0), n, m,
         residual if residual is not None else x, residual.stride(0) if residual is not None else 0,
-        y, y.stride(0), best, where, grid[1],
+        y, y.stride(0), best, where, grid[1], arrivals if arrive else y,
         normed_out if normed_out is not None else x, normed_out.stride(0) if normed_out is not None else 0,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GATHER=rows is not None, NORM=norm is not None, PAIR=pair is not None,
         OUTPUT=OUTPUTS.index(output), STORE_NORMED=normed_out is not None, ONE_TILE=one_tile,
-        PRECISION="ieee" if dt == torch.float32 else "tf32", CHAINED=chained, num_warps=4, **launch,
+        PRECISION="ieee" if dt == torch.float32 else "tf32", CHAINED=chained, ARRIVE=arrive,
+        PB=merge_parts if arrive else 1, num_warps=4, **launch,
     )
-    if output == "argmax":
+    if output == "argmax" and not arrive:
         merge_argmax_parts(best, where, y)
     return y
 
@@ -328,14 +340,16 @@ if triton is not None:
     @triton.jit
     def _normed_linear_kernel(x_ptr, stride_x, x_rows, rows_ptr, row_group, k1, g1_ptr, eps1,
                               x2_ptr, stride_x2, g2_ptr, eps2, w_ptr, stride_w, n_cols, n_rows,
-                              r_ptr, stride_r, y_ptr, stride_y, best_ptr, where_ptr, parts, h_ptr, stride_h,
+                              r_ptr, stride_r, y_ptr, stride_y, best_ptr, where_ptr, parts, arrivals_ptr,
+                              h_ptr, stride_h,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                               GATHER: tl.constexpr, NORM: tl.constexpr, PAIR: tl.constexpr, OUTPUT: tl.constexpr,
                               STORE_NORMED: tl.constexpr, ONE_TILE: tl.constexpr, PRECISION: tl.constexpr,
-                              CHAINED: tl.constexpr):
+                              CHAINED: tl.constexpr, ARRIVE: tl.constexpr, PB: tl.constexpr):
         """Rows ``[pid_m BLOCK_M, +BLOCK_M)`` and columns ``[pid_n BLOCK_N, +BLOCK_N)`` of
         :func:`normed_linear` (``OUTPUT`` indexes :data:`OUTPUTS`; ``CHAINED``: launched
-        by :func:`~replayssm.ops.triton_common.chain_launch`)."""
+        by :func:`~replayssm.ops.triton_common.chain_launch`; ``ARRIVE``: the argmax's
+        last program of the row block merges its ``parts``, ``PB`` >= them, into ``y``)."""
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         out_rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = out_rows < n_rows
@@ -392,3 +406,5 @@ if triton is not None:
             top = tl.where(nan_at < n_cols, float("nan"), top)
             tl.store(best_ptr + out_rows * parts + pid_n, top, mask=row_ok)
             tl.store(where_ptr + out_rows * parts + pid_n, at.to(tl.int64), mask=row_ok)
+            if ARRIVE:
+                merge_if_last(best_ptr, where_ptr, y_ptr, arrivals_ptr + pid_m, out_rows, row_ok, parts, PB)
