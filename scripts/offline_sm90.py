@@ -286,6 +286,13 @@ def run_op(op: str, batch: int, sdt: torch.dtype, act: torch.dtype,
             gate = torch.randn(320, 8, 64).to(act)[:, ::2]
             attention.slot_attention(q, cache[0], cache[1], rows, starts, 0.125, backend="triton", gate=gate)
             labels.append("window attention with its output gate, 4 tokens")
+        if "key_split" in inspect.signature(attention.slot_attention).parameters:
+            from replayssm.engine.argmax import arrival_counters
+
+            for t in (4, 1):
+                attention.slot_attention(q[:, :t], cache[0], cache[1], rows, starts, 0.125, backend="triton",
+                                         gate=gate[: 80 * t], key_split=64, arrivals=arrival_counters("cpu"))
+                labels.append(f"window attention, keys split, parts merged in the launch, {t} token(s)")
     elif op == "argmax":  # greedy tokens: the embedded model's vocabulary at batch 16, a Qwen3.5 one at batch 1
         from replayssm.engine import argmax
 

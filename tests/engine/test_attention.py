@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from replayssm.engine.activations import sigmoid_mul
+from replayssm.engine.argmax import arrival_counters
 from replayssm.engine.attention import slot_attention, tree_attention
 
 
@@ -62,23 +63,75 @@ def test_gate_in_the_attention_on_cuda_in_bf16():
             assert torch.equal(g, sigmoid_mul(o.reshape(gate.shape), gate).view(o.shape))
 
 
-def test_a_tokens_attention_does_not_depend_on_its_window_or_batch(rng):
+@pytest.mark.parametrize("key_split", [0, 64, 256])
+def test_a_tokens_attention_does_not_depend_on_its_window_or_batch(rng, key_split):
     """What exact speculation rests on: a token's attention output is the same bits at
     any position of a verified window as alone in a plain step (``T = 1`` at its own
-    position), and in a batch of one as in a batch of 12. (A split of the keys whose
-    parts follow the window's end or the batch's size fails here: a row at 958 keys
-    ends a window of 4 past the 15th block of 64.)"""
+    position), and in a batch of one as in a batch of 12, with the keys in one walk or
+    split into parts at fixed positions. (A split of the keys whose parts follow the
+    window's end or the batch's size fails here: a row at 958 keys ends a window of 4
+    past the 15th block of 64; at 254 a window of 4 crosses the parts' bound at 256.)"""
     b = 12
     q, kc, vc, gate, rows, starts = _case(rng, b=b, t=4, slots=b, cap=1100)
-    starts[:3] = torch.tensor([958, 17, 1090])
-    window = slot_attention(q, kc, vc, rows, starts, 0.3, backend="triton", gate=gate)
+    starts[:4] = torch.tensor([958, 17, 1090, 254])
+    split = dict(key_split=key_split, arrivals=arrival_counters("cpu")) if key_split else {}
+    window = slot_attention(q, kc, vc, rows, starts, 0.3, backend="triton", gate=gate, **split)
     gate4 = gate.reshape(b, 4, *gate.shape[1:])
     for j in range(4):  # each window position, as a plain step takes that token
         alone = slot_attention(q[:, j:j + 1], kc, vc, rows, starts + j, 0.3, backend="triton",
-                               gate=gate4[:, j].reshape(b, *gate.shape[1:]))
+                               gate=gate4[:, j].reshape(b, *gate.shape[1:]), **split)
         assert torch.equal(alone[:, 0], window[:, j]), j
-    one = slot_attention(q[:1], kc, vc, rows[:1], starts[:1], 0.3, backend="triton", gate=gate[:4])
+    one = slot_attention(q[:1], kc, vc, rows[:1], starts[:1], 0.3, backend="triton", gate=gate[:4], **split)
     assert torch.equal(one[0], window[0])
+    if split:
+        assert not split["arrivals"].any()  # each row's last part set its counter back
+
+
+def test_split_keys_are_the_attention_to_rounding(rng):
+    """Keys split into parts merged in the launch: the float64 reference's outputs to
+    fp32 rounding (a few ulps of outputs of order 1: a merge rescales each part's sums
+    once more), rows of one part and of several, every counter back at zero."""
+    q, kc, vc, gate, rows, starts = _case(rng, b=4, t=4, slots=6, cap=700)
+    starts[:] = torch.tensor([3, 150, 500, 690])
+    want = slot_attention(q.double(), kc.double(), vc.double(), rows, starts, 0.3, backend="reference")
+    arrivals = arrival_counters("cpu")
+    for key_split in (64, 128, 1024):
+        got = slot_attention(q, kc, vc, rows, starts, 0.3, backend="triton", key_split=key_split, arrivals=arrivals)
+        assert (got.double() - want).abs().max() < 2e-6, key_split
+        assert not arrivals.any()
+
+
+def test_a_key_split_that_does_not_fit_is_refused(rng):
+    q, kc, vc, gate, rows, starts = _case(rng)
+    arrivals = arrival_counters("cpu")
+    for bad in (32, 100, -64, True, 64.0):
+        with pytest.raises(ValueError, match="key_split must be 0 or a power of two >= 64"):
+            slot_attention(q, kc, vc, rows, starts, 0.3, backend="triton", key_split=bad, arrivals=arrivals)
+    with pytest.raises(ValueError, match="key_split needs arrivals"):
+        slot_attention(q, kc, vc, rows, starts, 0.3, backend="triton", key_split=64)
+    with pytest.raises(ValueError, match="arrivals must be"):
+        slot_attention(q, kc, vc, rows, starts, 0.3, backend="triton", key_split=64, arrivals=arrivals[:10])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 4])
+def test_split_keys_on_cuda_in_bf16(t):
+    """The compiled split (heads of 64, the embedded model's, over 1800 keys): the
+    unsplit kernel's outputs to bf16 rounding, and a token's bits the same in its
+    window as alone, over 50 calls whose parts finish in any order (a part merged
+    before its stores landed would show)."""
+    gen = torch.Generator().manual_seed(5)
+    arrivals = arrival_counters("cuda")
+    for _ in range(50):
+        q, kc, vc, gate, rows, starts = _case(gen, b=3, t=t, d=64, cap=2048, device="cuda", dtype=torch.bfloat16)
+        starts[:] = torch.randint(1000, 2048 - t, (3,), generator=gen).to("cuda")
+        split = slot_attention(q, kc, vc, rows, starts, 0.125, gate=gate, key_split=256, arrivals=arrivals)
+        whole = slot_attention(q, kc, vc, rows, starts, 0.125, gate=gate)
+        assert (split.float() - whole.float()).abs().max() <= 2 ** -7 * whole.float().abs().max()
+        alone = slot_attention(q[:, -1:], kc, vc, rows, starts + t - 1, 0.125, gate=gate.view(3, t, -1, 64)[:, -1],
+                               key_split=256, arrivals=arrivals)
+        assert torch.equal(alone[:, 0], split[:, -1])
+    assert not arrivals.any()
 
 
 def test_tree_attention_takes_its_visibility_bits_built_once(rng):

@@ -305,7 +305,8 @@ def gated_output(o: torch.Tensor, gate: torch.Tensor, *, fused: bool = False) ->
 def static_attention_forward(attn, x: torch.Tensor | None, rope: torch.Tensor, cache: KVCache,
                              layer: int, slot_idx: torch.Tensor, positions: torch.Tensor,
                              backend: str = "auto", norm=None, tree=None, fused: bool = False,
-                             projections: tuple | None = None, output_projection: bool = True) -> torch.Tensor:
+                             projections: tuple | None = None, output_projection: bool = True,
+                             key_split: int = 0, arrivals: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`attention_forward` for a static-shape step of ``B`` rows of ``T`` tokens.
 
     Args:
@@ -328,6 +329,8 @@ def static_attention_forward(attn, x: torch.Tensor | None, rope: torch.Tensor, c
             entries ``visible[t]`` (:func:`tree_attention`; ``visible_bits`` its rows as
             bit sets, built once per tree); ``positions`` are then only the rotary ones
             (``start + depth``, already in ``cos`` / ``sin``).
+        key_split, arrivals: a causal window's attention with its keys split into parts
+            of ``key_split`` merged in its launch (:func:`slot_attention`; not for trees).
 
     Writes the window's keys and values at their positions (the lengths are not
     changed) and attends over each row's slot with :func:`slot_attention`; no value is
@@ -343,7 +346,9 @@ def static_attention_forward(attn, x: torch.Tensor | None, rope: torch.Tensor, c
     inside = gate if fused else None
     if tree is None:
         o = slot_attention(qk[:, :, :heads], cache.k[layer], cache.v[layer], slot_idx, positions[:, 0],
-                           attn.scaling, backend=backend, gate=inside)
+                           attn.scaling, backend=backend, gate=inside, key_split=key_split, arrivals=arrivals)
+    elif key_split:
+        raise ValueError("key_split is for causal windows, not trees")
     else:
         o = tree_attention(qk[:, :, :heads], cache.k[layer], cache.v[layer], slot_idx, tree[0], tree[2],
                            attn.scaling, backend=backend, gate=inside, visible_bits=tree[3])
@@ -594,6 +599,12 @@ class HybridEngine:
     #: the verify's programs load their state tiles while the conv runs. ``False``: in
     #: stream order, for comparison. The numbers are the same either way.
     chain_state_kernels = True
+    #: Keys a part of a static step's window attention (the fused kernels): ``0`` walks
+    #: each row's keys in one program; ``C`` splits them at fixed positions into parts
+    #: merged in the launch (:func:`~replayssm.engine.attention.slot_attention`). Either
+    #: way a token's bits do not depend on its window position or batch, so plain and
+    #: speculative steps agree; the two settings differ from each other to rounding.
+    attention_key_split = 0
 
     def __init__(self, hf_model, *, strategy: str = "fold", num_slots: int = 1, window: int = 4,
                  max_len: int = 4096, ring_len: int | None = None, state_dtype: torch.dtype = torch.float32,
@@ -1089,8 +1100,10 @@ class HybridEngine:
                 x = prompt_attention_forward(layer.self_attn, x, rope, self.kv, j, prompt, norm,
                                              fused=self.fused_norms)
             else:
+                split = self.attention_key_split if window is None and self.fused_norms else 0
                 x = static_attention_forward(layer.self_attn, x, rope, self.kv, j, slot_idx, positions,
-                                             backend=self.backend, norm=norm, tree=window, fused=self.fused_norms)
+                                             backend=self.backend, norm=norm, tree=window, fused=self.fused_norms,
+                                             key_split=split, arrivals=self.argmax_arrivals if split else None)
             h, x = self.static_add_norm(layer.post_attention_layernorm, h, x)
             after = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
             h, x = self.static_add_norm(after, h, self.static_mlp(layer.mlp, x))

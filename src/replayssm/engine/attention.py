@@ -15,10 +15,17 @@ Two implementations of :func:`slot_attention`:
   capacity. The CPU path and the oracle of the tests.
 * ``triton``: one program per (row, key head) holds the ``G x T`` queries that share
   that key head (grouped-query attention) as one tile and streams the slot's keys in
-  blocks with an online softmax (flash-decoding without the split along keys: a split
-  whose parts follow a row's length or the batch's size would give a token other bits
-  at another window position or batch, and exact speculation needs the same bits; one
+  blocks with an online softmax. By default without a split along keys: a split whose
+  parts follow a row's length or the batch's size would give a token other bits at
+  another window position or batch, and exact speculation needs the same bits (one
   measured on an H100 saved ~2 µs a step at batch 1 and broke it, BENCHMARKS.md).
+  With ``key_split = C`` the keys are split at fixed positions (``0, C, 2C, ...``), a
+  program a part, and the row's last part to finish merges the parts in the same
+  launch (flash-decoding; arrival counters as the split argmax's,
+  :func:`~replayssm.engine.argmax.arrival_counters`): a token's parts then depend on
+  its own position alone, so its bits are the same at every window position and batch
+  too, though not those of the unsplit kernel (to rounding). For a few rows over long
+  slots, where the unsplit kernel is a handful of programs each walking every key.
 
 :func:`tree_attention` is the same attention for a draft tree's window (DESIGN.md
 section 2, "Trees"): window entry ``j`` of a row sits at cache position ``starts[b] +
@@ -37,6 +44,7 @@ import torch.nn.functional as F
 
 from ..ops.dispatch import resolve
 from .activations import sigmoid_mul_reference
+from .argmax import ARRIVAL_COUNTERS, check_arrivals
 from ..ops.triton_common import INTERPRETER, chain_launch, triton
 
 if triton is not None:
@@ -96,7 +104,8 @@ def slot_attention_reference(q, k_cache, v_cache, slot_idx, starts, scale: float
 
 def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_idx: torch.Tensor,
                    starts: torch.Tensor, scale: float, *, backend: str = "auto",
-                   gate: torch.Tensor | None = None) -> torch.Tensor:
+                   gate: torch.Tensor | None = None, key_split: int = 0,
+                   arrivals: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of ``T`` query tokens per row over each row's cache slot.
 
     Args:
@@ -114,18 +123,46 @@ def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
             ``sigmoid(gate)``, the bits of
             :func:`~replayssm.engine.activations.sigmoid_mul` after the attention, in
             the attention's launch on the Triton backend.
+        key_split: ``0``, or ``C``: the Triton kernel splits each row's keys into parts
+            of ``C`` from position 0 (a power of two, at least the kernel's key block of
+            64), merged by the last part to finish (module docstring); the reference
+            ignores it. Needs ``arrivals``.
+        arrivals: with ``key_split``, counters from
+            :func:`~replayssm.engine.argmax.arrival_counters`, one per (row, key head).
 
     Returns:
         ``[B, T, heads, D]`` in the dtype of ``q``.
     """
     _check(q, k_cache, v_cache, slot_idx, starts, gate)
+    _check_split(key_split, arrivals, q.shape[0] * k_cache.shape[1], q.device)
     if resolve(backend, q.device) == "reference":
         return _gated(slot_attention_reference(q, k_cache, v_cache, slot_idx, starts, scale), gate)
     if triton is None:
         raise RuntimeError("backend='triton' for slot attention needs the triton package")
     if q.device.type != "cuda" and not INTERPRETER:
         raise ValueError("backend='triton' on CPU tensors needs TRITON_INTERPRET=1 before importing replayssm")
-    return _slot_attention_triton(q, k_cache, v_cache, slot_idx, starts, scale, gate=gate)
+    return _slot_attention_triton(q, k_cache, v_cache, slot_idx, starts, scale, gate=gate, key_split=key_split,
+                                  arrivals=arrivals)
+
+
+#: The least part of a key split: the kernel's key block.
+KEY_SPLIT_MIN = 64
+
+
+def _check_split(key_split, arrivals, counters: int, device: torch.device) -> None:
+    """A ``ValueError`` unless ``key_split`` is 0, or a power of two of at least
+    :data:`KEY_SPLIT_MIN` with ``arrivals`` counters for ``counters`` (row, key head) pairs."""
+    if isinstance(key_split, bool) or not isinstance(key_split, int) or key_split < 0 \
+            or key_split and (key_split < KEY_SPLIT_MIN or key_split & (key_split - 1)):
+        raise ValueError(f"key_split must be 0 or a power of two >= {KEY_SPLIT_MIN}, got {key_split!r}")
+    if not key_split:
+        return
+    if arrivals is None:
+        raise ValueError("key_split needs arrivals (arrival_counters): the last part merges the row's parts")
+    check_arrivals(arrivals, device)
+    if counters > ARRIVAL_COUNTERS:
+        raise ValueError(f"key_split counts on one counter per (row, key head): {counters} rows x key heads, more "
+                         f"than the {ARRIVAL_COUNTERS} arrival counters")
 
 
 def _gated(o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
@@ -219,7 +256,8 @@ def kv_stages(device: torch.device, block_m: int, block_n: int, d: int, itemsize
     return max(1, min(KV_STAGES, (room - fixed) // per_stage))
 
 
-def _slot_attention_triton(q, k_cache, v_cache, slot_idx, starts, scale, tree_bits=None, window=0, gate=None):
+def _slot_attention_triton(q, k_cache, v_cache, slot_idx, starts, scale, tree_bits=None, window=0, gate=None,
+                           key_split=0, arrivals=None):
     b, t, heads, d = q.shape
     kv_heads = k_cache.shape[1]
     groups = heads // kv_heads
@@ -233,13 +271,24 @@ def _slot_attention_triton(q, k_cache, v_cache, slot_idx, starts, scale, tree_bi
     block_n = 64 if d <= 128 else 32
     tree = tree_bits is not None
     gated = gate is not None
+    parts = 1
+    part_m = part_acc = out  # (unused without a split)
+    if key_split:
+        if tree:
+            raise ValueError("key_split is for causal windows, not trees")
+        parts = triton.cdiv(k_cache.shape[2], key_split)
+        # each part's running max and sum, then its unnormalised outputs, per (row, key head)
+        part_m = torch.empty((b, kv_heads, parts, 2, block_m), dtype=torch.float32, device=q.device)
+        part_acc = torch.empty((b, kv_heads, parts, block_m, d), dtype=torch.float32, device=q.device)
     chained, launch = chain_launch()
-    _slot_attention_kernel[(b, kv_heads)](
+    _slot_attention_kernel[(b, kv_heads, parts)](
         q, k_cache, v_cache, slot_idx, starts, starts.stride(0), out, tree_bits if tree else starts, scale,
         q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         gate if gated else out, gate.stride(0) if gated else 0, gate.stride(1) if gated else 0,
+        part_m, part_acc, arrivals if key_split else out, parts,
         T=t, G=groups, D=d, BLOCK_M=block_m, BLOCK_N=block_n, TREE=tree, W=window if tree else t, GATE=gated,
+        SPLIT=key_split,
         STAGES=kv_stages(q.device, block_m, block_n, d, max(q.element_size(), k_cache.element_size())),
         # fp32 models get fp32 products (tl.dot would round fp32 operands to tf32 on
         # CUDA); 16-bit operands are exact in either.
@@ -252,40 +301,18 @@ def _slot_attention_triton(q, k_cache, v_cache, slot_idx, starts, scale, tree_bi
 if triton is not None:
 
     @triton.jit
-    def _slot_attention_kernel(
-        q_ptr, k_ptr, v_ptr, slot_ptr, start_ptr, stride_start, o_ptr, bits_ptr, scale,
-        stride_qb, stride_qt, stride_qh, stride_ob, stride_ot, stride_oh, stride_ks, stride_kh, stride_kl,
-        g_ptr, stride_gn, stride_gh,
-        T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        TREE: tl.constexpr, W: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr = 1,
-        GATE: tl.constexpr = False, CHAINED: tl.constexpr = False,
-    ):
-        """Row ``program_id(0)``'s queries of key head ``program_id(1)`` over its slot's
-        keys ``0 .. starts + W`` (``TREE``: the window's entries by its visibility bits),
-        normalised, gated where ``GATE``, stored. ``CHAINED``: launched by
-        :func:`~replayssm.ops.triton_common.chain_launch`."""
-        chain_wait(CHAINED)
-        i_b = tl.program_id(0)
-        i_kh = tl.program_id(1)
-        slot = tl.load(slot_ptr + i_b).to(tl.int64)
-        start = tl.load(start_ptr + i_b * stride_start).to(tl.int64)
-        # Tile row m holds query token m // G of head i_kh * G + m % G.
-        offs_m = tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, D)
-        tok = offs_m // G
-        head = i_kh * G + offs_m % G
-        row_ok = offs_m < T * G
-        q_off = i_b * stride_qb + tok * stride_qt + head * stride_qh
-        q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-        last = start + tok  # the last key each row sees (causal window)
-        if TREE:  # bit j of a query's mask: it sees window entry j (an ancestor, or itself)
-            bits = tl.load(bits_ptr + tok, mask=row_ok, other=0).to(tl.int64)
+    def _attend_keys(q, k_ptr, v_ptr, base, stride_kl, lo, hi, last, bits, start, scale, offs_d,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, TREE: tl.constexpr,
+                     W: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr):
+        """The online softmax of the tile's queries ``q`` over keys ``[lo, hi)`` (``lo`` a
+        multiple of ``BLOCK_N``), each row up to its ``last`` key (``TREE``: the window's
+        entries by its visibility ``bits``): ``(m, l, acc)``, the rows' running max, sum
+        of ``exp(s - m)`` and unnormalised outputs. A block past a row's last key leaves
+        its three unchanged, bit for bit (``p = 0``, ``alpha = 1``)."""
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
-        base = slot * stride_ks + i_kh * stride_kh
-        hi = start + W
-        for n0 in tl.range(0, hi, BLOCK_N, num_stages=STAGES):
+        for n0 in tl.range(lo, hi, BLOCK_N, num_stages=STAGES):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             kv_ok = offs_n < hi
             kv_off = base + offs_n[:, None] * stride_kl + offs_d[None, :]
@@ -299,12 +326,46 @@ if triton is not None:
             else:
                 s = tl.where(offs_n[None, :] <= last[:, None], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
+            # A row that has seen no key yet (a later part of the split, past its last
+            # key) keeps m = -inf: its exponents are taken from 0 so that they are 0,
+            # not NaN. Any other row's m is finite (every row sees key 0), unchanged.
+            m_exp = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_exp)
+            p = tl.exp(s - m_exp[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_ptr + kv_off, mask=kv_ok[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
+        return m_i, l_i, acc
+
+    @triton.jit
+    def _merge_key_parts(pm_at, pacc_at, parts, offs_m, offs_d, BLOCK_M: tl.constexpr, D: tl.constexpr):
+        """The rows' ``(l, acc)`` over their ``parts`` parts, merged in part order from
+        the parts' stored max and sum (``pm_at``, ``[parts, 2, BLOCK_M]``) and
+        unnormalised outputs (``pacc_at``, ``[parts, BLOCK_M, D]``), written by other
+        programs of this launch (read past L1). A part wholly past a row's last key
+        (max -inf, sum and outputs 0) leaves the row's bits unchanged, and part 0 holds
+        key 0, which every row sees, so a row's result depends on the parts up to its
+        own last key alone."""
+        m_i = tl.load(pm_at + offs_m, cache_modifier=".cg")
+        l_i = tl.load(pm_at + BLOCK_M + offs_m, cache_modifier=".cg")
+        acc = tl.load(pacc_at + offs_m[:, None] * D + offs_d[None, :], cache_modifier=".cg")
+        for c in range(1, parts):
+            m_c = tl.load(pm_at + c * 2 * BLOCK_M + offs_m, cache_modifier=".cg")
+            l_c = tl.load(pm_at + (c * 2 + 1) * BLOCK_M + offs_m, cache_modifier=".cg")
+            acc_c = tl.load(pacc_at + c * BLOCK_M * D + offs_m[:, None] * D + offs_d[None, :], cache_modifier=".cg")
+            m_new = tl.maximum(m_i, m_c)
+            alpha = tl.exp(m_i - m_new)
+            beta = tl.exp(m_c - m_new)
+            l_i = l_i * alpha + l_c * beta
+            acc = acc * alpha[:, None] + acc_c * beta[:, None]
+            m_i = m_new
+        return l_i, acc
+
+    @triton.jit
+    def _finish_rows(acc, l_i, o_ptr, g_ptr, i_b, tok, head, row_ok, offs_d, stride_ob, stride_ot, stride_oh,
+                     stride_gn, stride_gh, T: tl.constexpr, GATE: tl.constexpr):
+        """The rows' outputs ``acc / l``, rounded, gated where ``GATE``, stored."""
         acc = acc / l_i[:, None]
         o = acc.to(o_ptr.dtype.element_ty)
         if GATE:
@@ -317,3 +378,72 @@ if triton is not None:
             o = to_rtne(o.to(tl.float32) * sg, o_ptr.dtype.element_ty)
         o_off = i_b * stride_ob + tok * stride_ot + head * stride_oh
         tl.store(o_ptr + o_off[:, None] + offs_d[None, :], o, mask=row_ok[:, None])
+
+    @triton.jit
+    def _slot_attention_kernel(
+        q_ptr, k_ptr, v_ptr, slot_ptr, start_ptr, stride_start, o_ptr, bits_ptr, scale,
+        stride_qb, stride_qt, stride_qh, stride_ob, stride_ot, stride_oh, stride_ks, stride_kh, stride_kl,
+        g_ptr, stride_gn, stride_gh, pm_ptr, pacc_ptr, arrivals_ptr, n_parts,
+        T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        TREE: tl.constexpr, W: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr = 1,
+        GATE: tl.constexpr = False, SPLIT: tl.constexpr = 0, CHAINED: tl.constexpr = False,
+    ):
+        """Row ``program_id(0)``'s queries of key head ``program_id(1)`` over its slot's
+        keys ``0 .. starts + W`` (``TREE``: the window's entries by its visibility bits),
+        normalised, gated where ``GATE``, stored. With ``SPLIT``: only keys ``[c SPLIT,
+        (c + 1) SPLIT)`` for part ``c = program_id(2)`` (of ``n_parts``, the cache's),
+        the row's last part to finish merging them (``arrivals_ptr``, one counter per
+        row and key head). ``CHAINED``: launched by
+        :func:`~replayssm.ops.triton_common.chain_launch`."""
+        chain_wait(CHAINED)
+        i_b = tl.program_id(0)
+        i_kh = tl.program_id(1)
+        slot = tl.load(slot_ptr + i_b).to(tl.int64)
+        start = tl.load(start_ptr + i_b * stride_start).to(tl.int64)
+        # Tile row m holds query token m // G of head i_kh * G + m % G.
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, D)
+        tok = offs_m // G
+        head = i_kh * G + offs_m % G
+        row_ok = offs_m < T * G
+        last = start + tok  # the last key each row sees (causal window)
+        bits = last
+        if TREE:  # bit j of a query's mask: it sees window entry j (an ancestor, or itself)
+            bits = tl.load(bits_ptr + tok, mask=row_ok, other=0).to(tl.int64)
+        base = slot * stride_ks + i_kh * stride_kh
+        hi = start + W
+        lo = 0
+        if SPLIT:
+            lo = tl.program_id(2).to(tl.int64) * SPLIT
+        if lo < hi:  # (a part past the window's last key has nothing to do)
+            q_off = i_b * stride_qb + tok * stride_qt + head * stride_qh
+            q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+            if SPLIT:
+                m_i, l_i, acc = _attend_keys(q, k_ptr, v_ptr, base, stride_kl, lo, tl.minimum(lo + SPLIT, hi), last,
+                                             bits, start, scale, offs_d, BLOCK_M, BLOCK_N, D, TREE, W, PRECISION,
+                                             STAGES)
+                parts = (hi + SPLIT - 1) // SPLIT
+                if parts == 1:
+                    _finish_rows(acc, l_i, o_ptr, g_ptr, i_b, tok, head, row_ok, offs_d, stride_ob, stride_ot,
+                                 stride_oh, stride_gn, stride_gh, T, GATE)
+                else:
+                    pair = i_b * tl.num_programs(1) + i_kh
+                    pm_at = pm_ptr + pair.to(tl.int64) * n_parts * 2 * BLOCK_M
+                    pacc_at = pacc_ptr + pair.to(tl.int64) * n_parts * BLOCK_M * D
+                    part = tl.program_id(2)
+                    tl.store(pm_at + part * 2 * BLOCK_M + offs_m, m_i)
+                    tl.store(pm_at + (part * 2 + 1) * BLOCK_M + offs_m, l_i)
+                    tl.store(pacc_at + part * BLOCK_M * D + offs_m[:, None] * D + offs_d[None, :], acc)
+                    # The stores before the count (argmax.merge_if_last's protocol).
+                    tl.debug_barrier()
+                    arrived = tl.atomic_add(arrivals_ptr + pair, 1, sem="acq_rel", scope="gpu")
+                    if arrived == parts - 1:
+                        l_i, acc = _merge_key_parts(pm_at, pacc_at, parts, offs_m, offs_d, BLOCK_M, D)
+                        _finish_rows(acc, l_i, o_ptr, g_ptr, i_b, tok, head, row_ok, offs_d, stride_ob, stride_ot,
+                                     stride_oh, stride_gn, stride_gh, T, GATE)
+                        tl.store(arrivals_ptr + pair, 0)
+            else:
+                m_i, l_i, acc = _attend_keys(q, k_ptr, v_ptr, base, stride_kl, 0, hi, last, bits, start, scale,
+                                             offs_d, BLOCK_M, BLOCK_N, D, TREE, W, PRECISION, STAGES)
+                _finish_rows(acc, l_i, o_ptr, g_ptr, i_b, tok, head, row_ok, offs_d, stride_ob, stride_ot,
+                             stride_oh, stride_gn, stride_gh, T, GATE)

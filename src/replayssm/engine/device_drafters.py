@@ -519,6 +519,13 @@ class DeviceMTPDrafter(DeviceDrafter):
     #: requests' windows) runs the modules' matmuls, which cuBLAS tiles better there (an
     #: H100, 2026-12-05: the 256-row update made a step at batch 64 3% slower).
     normed_linear_rows = 64
+    #: Keys a part of the greedy passes' attention over the head's cache (its keys
+    #: split at fixed positions, the parts merged in the launch:
+    #: :func:`~replayssm.engine.attention.slot_attention`); ``0`` walks each row's keys
+    #: in one program. A few rows over a long prompt are otherwise a few programs, each
+    #: walking every key; the split changes the head's outputs to rounding, which
+    #: changes which drafts are proposed, never which are accepted.
+    attention_key_split = 256
     #: The normed linears' passes launch their kernels as a chain
     #: (:func:`~replayssm.ops.triton_common.chained_launches`: each kernel's start and its
     #: weights' load overlap the kernel before, on GPUs that allow it); ``False``: in
@@ -630,7 +637,8 @@ class DeviceMTPDrafter(DeviceDrafter):
         qkv = normed_linear(x, w["qkv"], norm=norm(layer.input_layernorm))
         o = static_attention_forward(attn, None, rope, self.cache, 0, slot_idx, positions, backend=eng.backend,
                                      norm=eng.static_norm, fused=True, projections=split_projections(attn, qkv),
-                                     output_projection=False)
+                                     output_projection=False, key_split=self.attention_key_split,
+                                     arrivals=eng.argmax_arrivals)
         x = normed_linear(o, w["o"], output="residual", residual=x)
         y = normed_linear(x, w["gate_up"], norm=norm(layer.post_attention_layernorm), output="glu")
         x = normed_linear(y, w["down"], output="residual", residual=x)
