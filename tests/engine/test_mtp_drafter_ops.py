@@ -196,22 +196,26 @@ def test_head_pass_on_cuda_in_bf16_is_the_generic_layers(mode, rng):
         assert g.dtype == w.dtype and torch.equal(g, w), f"output {i} differs"
 
 
-def _check_greedy_pass(model, backend, rng, rel: float, margin: float) -> None:
+def _check_greedy_pass(model, backend, rng, rel: float, margin: float, starts=(5, 30), key_split=None) -> None:
     """:meth:`DeviceMTPDrafter._greedy_pass` against the generic layers' pass and torch's
     LM head and argmax on the same inputs (random pairs, a random context in both
     caches): an update of ``T = 4`` pairs a request picking one row each, then a depth of
     one pair. Head outputs and the cache entries written within ``rel`` of their scale;
     tokens equal wherever the oracle's best logit leads the next by more than
-    ``margin`` (and that must be most rows, or the check says nothing)."""
+    ``margin`` (and that must be most rows, or the check says nothing). ``starts``: the
+    two requests' context lengths; ``key_split``: the fast pass's
+    :attr:`~DeviceMTPDrafter.attention_key_split`, if not its default."""
     fast = _drafter(DeviceMTPDrafter, model, backend, 3)
     slow = _drafter(GenericLayerDrafter, model, backend, 3)
+    if key_split is not None:
+        fast.attention_key_split = key_split
     assert fast._greedy_weights is not None and slow._greedy_weights is None
     dev, dtype, hid = fast.engine.device, fast.engine.dtype, fast.engine.embed.weight.shape[1]
     context = torch.randn(fast.cache.k.shape, generator=rng)
     for d in (fast, slow):
         d.cache.k.copy_(context)
         d.cache.v.copy_(context.flip(-1))
-    slot, starts = torch.tensor([1, 0], device=dev), torch.tensor([5, 30], device=dev)
+    slot, starts = torch.tensor([1, 0], device=dev), torch.tensor(starts, device=dev)
     checked = rows = 0
     for t, pick in ((4, torch.randint(0, 4, (2,), generator=rng).to(dev)), (1, None)):
         tokens = torch.randint(0, fast.engine.vocab_size, (2, t), generator=rng).to(dev)
@@ -238,6 +242,27 @@ def test_greedy_pass_is_the_generic_pass_to_rounding(model, rng):
     torch's, so values agree to 1e-5 of their scale (several fp32 ulps over 6 chained
     matmuls of K <= 512), not bit for bit."""
     _check_greedy_pass(model, "triton", rng, rel=1e-5, margin=1e-4)
+
+
+def test_greedy_pass_with_its_keys_split_is_the_generic_pass_to_rounding(model, rng, monkeypatch):
+    """The pass's attention with its keys in parts of 64 over contexts of 40 and 85
+    keys (one part, and two merged by the last): the generic pass to the same
+    rounding. And only passes of a few requests split: one of more requests than
+    ``attention_key_split_rows`` walks its keys whole."""
+    _check_greedy_pass(model, "triton", rng, rel=1e-5, margin=1e-4, starts=(40, 85), key_split=64)
+    from replayssm.engine import adapter
+
+    seen = []
+    attend = adapter.slot_attention
+    monkeypatch.setattr(adapter, "slot_attention", lambda *a, **kw: seen.append(kw["key_split"]) or attend(*a, **kw))
+    d = _drafter(DeviceMTPDrafter, model, "triton", 2)
+    hid = d.engine.embed.weight.shape[1]
+    for b in (d.attention_key_split_rows, d.attention_key_split_rows + 1):
+        positions = torch.full((b, 1), 3)
+        with torch.inference_mode():
+            d._greedy_pass(torch.zeros((b, 1), dtype=torch.int64), torch.randn(b, hid, generator=rng),
+                           torch.zeros(b, dtype=torch.int64), positions, d._rope_at(positions))
+    assert seen == [d.attention_key_split, 0]
 
 
 @pytest.mark.gpu
@@ -336,8 +361,8 @@ def test_join_drafts_in_a_graph_are_the_eager_ones(mode, rng):
 
 # Kernel ceilings of the GPU path (fused norms, Triton attention; here under the
 # interpreter), counted by replayssm.testing.op_count.
-OBSERVE_OPS = 11
-DEPTH_OPS = 10
+OBSERVE_OPS = 10
+DEPTH_OPS = 9
 FIRST_DRAFT_OPS = 1
 
 
@@ -345,8 +370,8 @@ def test_kernels_per_draft_depth(model, rng):
     """Kernels of the drafter's work per step on the fused (GPU) path, greedy chains
     (the head's passes as normed linears): ``observe`` (the head over the ``T`` emitted
     pairs, then the LM head and its argmax on each request's last accepted pair: the
-    first drafts) at most 11, the first draft in ``propose`` 1 (the drafts' stack), each
-    further draft depth at most 10.
+    first drafts) at most 10, the first draft in ``propose`` 1 (the drafts' stack), each
+    further draft depth at most 9.
 
     A depth is one head pass with its LM head and argmax: ``fc`` with the embedding
     lookup and the two input norms; ``q|gate|k|v`` with the input norm; the query and
@@ -354,10 +379,11 @@ def test_kernels_per_draft_depth(model, rng):
     keys and values (one kernel); the attention with its output gate; ``o_proj`` with
     the residual add; ``gate|up`` with the post-attention norm and SiLU's product;
     ``down`` with the residual add; the LM head with the final norm and each column
-    block's argmax, and the blocks' merge. ``observe`` adds one kernel before its pass
+    block's argmax, the blocks merged by the last to finish (11 and 10 with the merge
+    a launch of its own). ``observe`` adds one kernel before its pass
     (:func:`~replayssm.engine.step_inputs.draft_inputs`: the tokens, the accepted rows'
     offsets, the next positions, and every depth's positions and rotary rows; 15 with
-    seven torch ops in its place), so a chain of ``k`` drafts costs ``1 + 10 (k - 1)``
+    seven torch ops in its place), so a chain of ``k`` drafts costs ``1 + 9 (k - 1)``
     in ``propose`` (3 more before). Before the normed linears (``normed_linears`` off, the modules'
     matmuls): 19 for ``observe``, 3 for the first draft, 15 a depth; 16 a depth and 20
     before the output gate joined the attention, 18 and 22 before the cache writes
@@ -391,14 +417,15 @@ def test_kernels_per_draft_depth(model, rng):
 #: Kernel ceilings of a whole captured step on the embedded model at batch 1 (the GPU
 #: path under the interpreter): a plain step, and fold's with 3 MTP drafts.
 PLAIN_STEP_OPS = 91
-MTP_STEP_OPS = 128
+MTP_STEP_OPS = 125
 
 
 def test_kernels_per_step(model):
     """A static step's kernels at batch 1 on the fused (GPU) path: plain decoding at most
-    91, fold verifying 3 MTP drafts at most 128 (8 layers, 2 of them full attention;
+    91, fold verifying 3 MTP drafts at most 125 (8 layers, 2 of them full attention;
     the MTP head's observe pass and 2 further depths), counted on a step after its
-    warm-up, as a capture takes it. 134 before the drafter's inputs became one kernel,
+    warm-up, as a capture takes it. 128 before the LM heads' argmax merged in their
+    launch, 134 before the drafter's inputs became one kernel,
     150 before the head's passes became normed linears,
     151 before fold's commit kept its zero start
     positions, 92 and 152 before the step's

@@ -521,11 +521,16 @@ class DeviceMTPDrafter(DeviceDrafter):
     normed_linear_rows = 64
     #: Keys a part of the greedy passes' attention over the head's cache (its keys
     #: split at fixed positions, the parts merged in the launch:
-    #: :func:`~replayssm.engine.attention.slot_attention`); ``0`` walks each row's keys
-    #: in one program. A few rows over a long prompt are otherwise a few programs, each
-    #: walking every key; the split changes the head's outputs to rounding, which
-    #: changes which drafts are proposed, never which are accepted.
+    #: :func:`~replayssm.engine.attention.slot_attention`), in passes of at most
+    #: :attr:`attention_key_split_rows` requests; ``0`` walks each row's keys in one
+    #: program. A few rows over a long prompt are otherwise a few programs, each walking
+    #: every key (an H100, 512-768 keys: the batch-1 step 7-9 µs shorter, batch 16's
+    #: 3 µs). The split changes the head's outputs to rounding, which changes which
+    #: drafts are proposed, never which are accepted.
     attention_key_split = 256
+    #: Most requests a pass splits its attention's keys for: at batch 64 the unsplit
+    #: grid already fills the SMs, and the merge made the step 3 µs longer.
+    attention_key_split_rows = 16
     #: The normed linears' passes launch their kernels as a chain
     #: (:func:`~replayssm.ops.triton_common.chained_launches`: each kernel's start and its
     #: weights' load overlap the kernel before, on GPUs that allow it); ``False``: in
@@ -610,7 +615,8 @@ class DeviceMTPDrafter(DeviceDrafter):
         are :func:`~replayssm.engine.normed_linear.normed_linear`'s, not cuBLAS's), in
         nine launches: ``fc`` with the embedding lookup and both input norms;
         ``q|gate|k|v`` with the input norm; the query and key norms, the rotary with
-        the cache writes, the attention with its gate (as the static step); ``o_proj``
+        the cache writes, the attention with its gate (as the static step, its keys split at
+        a few rows: :attr:`attention_key_split`); ``o_proj``
         with the residual add; ``gate|up`` with the post-attention norm and SiLU's
         product; ``down`` with the residual add; the LM head with the final norm and
         each column block's argmax, the blocks merged by the last block to finish (the
@@ -632,13 +638,13 @@ class DeviceMTPDrafter(DeviceDrafter):
         def norm(module):
             return module.weight, norm_eps(module)
 
+        split = self.attention_key_split if b <= self.attention_key_split_rows else 0
         x = normed_linear(eng.embed.weight, w["fc"], norm=norm(head.pre_fc_norm_embedding), rows=tokens.reshape(-1),
                           pair=(hidden.to(eng.dtype), *norm(head.pre_fc_norm_hidden)))
         qkv = normed_linear(x, w["qkv"], norm=norm(layer.input_layernorm))
         o = static_attention_forward(attn, None, rope, self.cache, 0, slot_idx, positions, backend=eng.backend,
                                      norm=eng.static_norm, fused=True, projections=split_projections(attn, qkv),
-                                     output_projection=False, key_split=self.attention_key_split,
-                                     arrivals=eng.argmax_arrivals)
+                                     output_projection=False, key_split=split, arrivals=eng.argmax_arrivals)
         x = normed_linear(o, w["o"], output="residual", residual=x)
         y = normed_linear(x, w["gate_up"], norm=norm(layer.post_attention_layernorm), output="glu")
         x = normed_linear(y, w["down"], output="residual", residual=x)
