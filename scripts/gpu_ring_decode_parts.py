@@ -2,7 +2,8 @@
 """Where ring decoding's state step goes: its rows that only take their token, its
 flush rows, and the two together, each against the one-read floor, on a CUDA GPU.
 
-    PYTHONPATH=src python3 scripts/gpu_ring_decode_parts.py --batches 64,256 --state-dtype float32
+    PYTHONPATH=src python3 scripts/gpu_ring_decode_parts.py --batches 64,256 --state-dtype float32 \
+        [--tune ring_decode.early_u=1]
 
 For each batch it builds ``bench kernels``' ``plain_ring`` step (``RingDecodeStep``: the
 requests spread over the cursor cycle by speculative steps, then plain ones), then
@@ -24,6 +25,7 @@ rows' share and their records ``cycle`` instead of the mean ``write_pos`` printe
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import torch
 
@@ -31,6 +33,7 @@ from replayssm.bench import common
 from replayssm.bench.kernels import RingDecodeStep, _generator
 from replayssm.cli import parse
 from replayssm.cli.bench_kernels import resolve_config
+from replayssm.ops import tuning
 
 
 def main() -> None:
@@ -38,12 +41,25 @@ def main() -> None:
     ap.add_argument("--batches", default="64,256")
     ap.add_argument("--state-dtype", default="float32")
     ap.add_argument("--blocks", type=int, default=15)
+    ap.add_argument("--tune", action="append", default=[], metavar="FAMILY.PARAM=VALUE",
+                    help="a shape-table override, as bench kernels --tune (repeatable)")
     args = ap.parse_args()
+    tune = [arg for item in args.tune for arg in ("--tune", item)]
     cfg = resolve_config(parse(["bench", "kernels", "--layers", "6", "--window", "4", "--accept", "3",
                                 "--ring-len", "16", "--state-dtype", args.state_dtype, "--batches", args.batches,
-                                "--strategies", "none", "--baselines", "plain_ring"]))
+                                "--strategies", "none", "--baselines", "plain_ring", *tune]))
+    with contextlib.ExitStack() as overrides:
+        for family, param, value in cfg.tune:
+            overrides.enter_context(tuning.override(family, **{param: value}))
+        _parts(cfg, args.blocks)
+
+
+def _parts(cfg, blocks: int) -> None:
+    """Each batch's three replays (module docstring)."""
     copy_bw = common.copy_bandwidth(cfg.device)
-    print(f"{torch.cuda.get_device_name()}; {args.state_dtype} states; copy bandwidth {copy_bw / 1e9:.0f} GB/s")
+    extra = "".join(f", {f}.{p}={v}" for f, p, v in cfg.tune)
+    dtype = str(cfg.state_dtype).removeprefix("torch.")
+    print(f"{torch.cuda.get_device_name()}; {dtype} states; copy bandwidth {copy_bw / 1e9:.0f} GB/s{extra}")
     for batch in cfg.batches:
         r = RingDecodeStep(cfg, "plain_ring", batch, _generator(cfg, "plain_ring", batch, 0))
         r.prepare()
@@ -68,7 +84,7 @@ def main() -> None:
               f"flush rows as is {int((flags[: batch] != 0).sum())} of {batch}")
         for name, value in rows.items():
             buf.is_flush.copy_(value)
-            t = common.time_graphs([graph], steps_per_block=20, blocks=args.blocks)
+            t = common.time_graphs([graph], steps_per_block=20, blocks=blocks)
             us = t.us_per_step / cfg.layers
             print(f"  {name:10s} {us:8.1f} us a layer  {us / floor_us:5.2f}x the floor")
         buf.is_flush.copy_(flags)

@@ -138,9 +138,10 @@ def test_reports_the_rotary_with_and_without_the_cache_writes(tmp_path):
 def test_reports_the_attention_with_and_without_its_gate(tmp_path):
     """``--ops attention``: the window attention compiles for sm_90 alone and with the
     output gate in its epilogue, the same registers (the epilogue runs after the key
-    pass) and more instructions, no spills."""
-    regs, counts = _launches(tmp_path, "attention", "_slot_attention_kernel", 2)
-    assert counts[1] > counts[0] and regs[1] <= 255, (regs, counts)
+    pass) and more instructions, then with its keys split (the parts' merge adds
+    instructions), no spills."""
+    regs, counts = _launches(tmp_path, "attention", "_slot_attention_kernel", 4)
+    assert counts[1] > counts[0] and counts[2] > counts[1] and max(regs) <= 255, (regs, counts)
 
 
 def test_reports_the_normed_linears_of_a_head_pass(tmp_path):
