@@ -3,7 +3,7 @@
 flush rows, and the two together, each against the one-read floor, on a CUDA GPU.
 
     PYTHONPATH=src python3 scripts/gpu_ring_decode_parts.py --batches 64,256 --state-dtype float32 \
-        [--tune ring_decode.early_u=1]
+        [--tune ring_decode.max_registers=200]
 
 For each batch it builds ``bench kernels``' ``plain_ring`` step (``RingDecodeStep``: the
 requests spread over the cursor cycle by speculative steps, then plain ones), then

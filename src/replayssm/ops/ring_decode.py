@@ -215,16 +215,13 @@ if triton is not None:
         ROUND_STATE: tl.constexpr, AHEAD: tl.constexpr, EARLY_TILE: tl.constexpr,
         FLUSH_ROWS: tl.constexpr, TOKEN_ROWS: tl.constexpr,
         DOT: tl.constexpr, KC: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        EARLY_U: tl.constexpr,
     ):
         """Output, corrected delta and record of V block ``i_v`` (``BV`` rows) of request
         ``i_b``'s value head ``i_hv`` (see the module notes), for the rows its kernel
         owns: flush rows where ``FLUSH_ROWS``, the others (padding included) where
         ``TOKEN_ROWS``. A branch that its kernel never takes is not compiled. ``DOT``: a
         row that does not flush takes its products with the checkpoint on tensor cores
-        (:func:`_checkpoint_products`) instead of FMA on the four-part tile. ``EARLY_U``
-        (FMA): a row that does not flush loads its history's ``u`` with its keys, not
-        after the products."""
+        (:func:`_checkpoint_products`) instead of FMA on the four-part tile."""
         i_h = i_hv // (HV // H)
         slot = tl.load(slots_ptr + i_b).to(tl.int64)
         bos = tl.load(cu_ptr + i_b).to(tl.int64)
@@ -316,13 +313,7 @@ if triton is not None:
                         e_Gh = tl.full([], 1.0, tl.float32)
                         c_k = tl.zeros([L], tl.float32)
                         c_q = tl.zeros([L], tl.float32)
-                        if EARLY_U:
-                            u_h = tl.zeros([BV, L], tl.float32)
                     else:
-                        if EARLY_U:
-                            # The history's u with its keys, a load level earlier than after
-                            # the products (its [BV, L] then live across them).
-                            u_h = _history_u(ru_at, base, wp, offs_v, mask_v, HV, V, L)
                         # The history's weights before the tile's products, so that its
                         # keys are dead by then.
                         e_Gh, c_k, c_q = _history_weights(rk_at, rg_at, base, wp, offs_c, kh0, kh1, kh2, kh3,
@@ -334,17 +325,13 @@ if triton is not None:
                     S_k = _tl_row_dot(S0, S1, S2, S3, kh0, kh1, kh2, kh3)
                     S_q = _tl_row_dot(S0, S1, S2, S3, qh0, qh1, qh2, qh3)
                     if TOKEN_ROWS:
-                        if EARLY_U:
-                            S_k, S_q = _with_history(S_k, S_q, e_Gh, c_k, c_q, u_h)
+                        # The history's u after the products (fewer registers live across
+                        # them); none on a flush row (c = 0, and its u are not read).
+                        if FLUSH_ROWS:
+                            n_hist = tl.where(folds, 0, wp)
                         else:
-                            # The history's u after the products (fewer registers live
-                            # across them); none on a flush row (c = 0, and its u are not read).
-                            if FLUSH_ROWS:
-                                n_hist = tl.where(folds, 0, wp)
-                            else:
-                                n_hist = wp
-                            S_k, S_q = _add_history(S_k, S_q, e_Gh, c_k, c_q, ru_at, base, n_hist, offs_v, mask_v,
-                                                    HV, V, L)
+                            n_hist = wp
+                        S_k, S_q = _add_history(S_k, S_q, e_Gh, c_k, c_q, ru_at, base, n_hist, offs_v, mask_v, HV, V, L)
                 _token_rows(o_at, rv_at, ru_at, pos, HV * V, v_at, offs_v, mask_v, S_k, S_q, e, beta, kq)
                 # The raw key and the gates, once per (request, key head) and value head,
                 # after every load (the history's records are read from the same ring).
@@ -452,7 +439,6 @@ if triton is not None:
         BK: tl.constexpr, BV: tl.constexpr,
         ROUND_STATE: tl.constexpr, AHEAD: tl.constexpr, EARLY_TILE: tl.constexpr, FLUSH_ROWS: tl.constexpr,
         DOT: tl.constexpr, KC: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        EARLY_U: tl.constexpr,
     ):
         """Grid ``(V blocks, requests, HV)``: every row's token (``FLUSH_ROWS``) or every
         row's but the flush rows' (the flush kernel's)."""
@@ -463,7 +449,7 @@ if triton is not None:
                   stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
                   stride_a_tok, stride_b_tok, scale, eps,
                   H, HV, K, V, L, BK, BV, ROUND_STATE, AHEAD, EARLY_TILE, FLUSH_ROWS, True,
-                  DOT, KC, NUM_STAGES, DOT_PRECISION, EARLY_U)
+                  DOT, KC, NUM_STAGES, DOT_PRECISION)
 
     @triton.jit
     def _ring_flush_kernel(
@@ -495,7 +481,7 @@ if triton is not None:
                       stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
                       stride_a_tok, stride_b_tok, scale, eps,
                       H, HV, K, V, L, BK, BV, ROUND_STATE, AHEAD, EARLY_TILE, True, False,
-                      False, BK, 1, "ieee", False)
+                      False, BK, 1, "ieee")
 
 
 def launch_ring_decode(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos,
@@ -540,7 +526,7 @@ def launch_ring_decode(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, 
     _ring_decode_kernel[(triton.cdiv(vd, bv), batch, hv)](
         *args, **common, BV=bv, EARLY_TILE=bool(cfg["early_tile"]), FLUSH_ROWS=not split,
         DOT=dot, KC=max(16, min(cfg["k_chunk"], bk)), NUM_STAGES=cfg["num_stages"],
-        DOT_PRECISION=product_precision(q.dtype), EARLY_U=bool(cfg["early_u"]) and not dot,
+        DOT_PRECISION=product_precision(q.dtype),
         num_warps=exact_warps(cfg["num_warps"], bv), **register_cap(cfg["max_registers"], q.device))
     if side is not None:
         torch.cuda.current_stream(q.device).wait_stream(side)
