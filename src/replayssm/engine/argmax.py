@@ -151,8 +151,8 @@ def merge_argmax_parts(best: torch.Tensor, where: torch.Tensor, out: torch.Tenso
     rows, parts = best.shape
     if rows:
         chained, launch = chain_launch()
-        _argmax_parts_kernel[(rows,)](best, where, out, parts, PB=merge_block(parts, _SECOND_LAUNCH_VALUES), CHAINED=chained, num_warps=1,
-                                      **launch)
+        _argmax_parts_kernel[(rows,)](best, where, out, parts, PB=merge_block(parts, _SECOND_LAUNCH_VALUES),
+                                      CHAINED=chained, num_warps=1, **launch)
 
 
 if triton is not None:
