@@ -287,7 +287,7 @@ def run_op(op: str, batch: int, sdt: torch.dtype, act: torch.dtype,
             attention.slot_attention(q, cache[0], cache[1], rows, starts, 0.125, backend="triton", gate=gate)
             labels.append("window attention with its output gate, 4 tokens")
         if "key_split" in inspect.signature(attention.slot_attention).parameters:
-            from replayssm.engine.argmax import arrival_counters
+            from replayssm.ops.triton_common import arrival_counters
 
             for t in (4, 1):
                 attention.slot_attention(q[:, :t], cache[0], cache[1], rows, starts, 0.125, backend="triton",
@@ -295,12 +295,13 @@ def run_op(op: str, batch: int, sdt: torch.dtype, act: torch.dtype,
                 labels.append(f"window attention, keys split, parts merged in the launch, {t} token(s)")
     elif op == "argmax":  # greedy tokens: the embedded model's vocabulary at batch 16, a Qwen3.5 one at batch 1
         from replayssm.engine import argmax
+        from replayssm.ops.triton_common import arrival_counters
 
         for rows, vocab in ((16, 4096), (1, 248320)):
             argmax.argmax_rows(torch.randn(rows, vocab).to(act))
             labels.append(f"argmax of {rows} x {vocab}")
         labels.append("the parts' bests merged")
-        argmax.argmax_rows(torch.randn(4, 248320).to(act), arrivals=argmax.arrival_counters("cpu"))
+        argmax.argmax_rows(torch.randn(4, 248320).to(act), arrivals=arrival_counters("cpu"))
         labels.append("argmax of 4 x 248320, the last part merging")
     elif op == "step_inputs":  # a chain step's inputs at Qwen3.5's shapes: 64 rows of 4 tokens, hidden 2048, 64 rotary
         from replayssm.engine import step_inputs
@@ -321,7 +322,7 @@ def run_op(op: str, batch: int, sdt: torch.dtype, act: torch.dtype,
         guards.clamp_accepted(torch.arange(64), out[:, 0], torch.full((64,), 4, dtype=torch.int32), backend="triton")
         labels.append("the accepted counts clamped and checked, 64 rows")
     elif op == "normed_linear":  # the embedded MTP head's passes at batch 1 (a depth) and 16 (an update of 4)
-        from replayssm.engine.argmax import arrival_counters
+        from replayssm.ops.triton_common import arrival_counters
         from replayssm.engine.normed_linear import normed_linear
 
         h, inter, vocab = 256, 512, 4096

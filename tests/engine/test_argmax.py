@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from replayssm.engine import argmax as argmax_mod
-from replayssm.engine.argmax import ARGMAX_BLOCK, argmax_rows, arrival_counters
+from replayssm.engine.argmax import ARGMAX_BLOCK, argmax_rows
+from replayssm.ops.triton_common import arrival_counters
 
 
 @pytest.mark.parametrize("shape", [(16, 4096), (3, 5), (2, 3, 1000), (2, ARGMAX_BLOCK * 2 + 7), (7,)])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from replayssm.engine.activations import sigmoid_mul
-from replayssm.engine.argmax import arrival_counters
+from replayssm.ops.triton_common import arrival_counters
 from replayssm.engine.attention import slot_attention, tree_attention
 
 

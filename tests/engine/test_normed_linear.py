@@ -14,7 +14,7 @@ import torch
 
 from replayssm.engine import argmax as argmax_mod
 from replayssm.engine import normed_linear as normed_linear_mod
-from replayssm.engine.argmax import arrival_counters
+from replayssm.ops.triton_common import arrival_counters
 from replayssm.engine.normed_linear import normed_linear, normed_linear_reference
 
 #: fp32 agreement, relative to the largest product: sums of up to 600 terms in

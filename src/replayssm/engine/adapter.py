@@ -31,12 +31,12 @@ from typing import Callable, Sequence
 import torch
 
 from ..ops.guards import to_device
-from ..ops.triton_common import chained_launches
+from ..ops.triton_common import arrival_counters, chained_launches
 from ..state import Batch, GDNShape, StatePool, strategy_class
 from .attention import slot_attention, tree_attention
 from .kv_cache import KVCache, PromptLayout, WindowLayout, cached_attention
 from .activations import dense_silu_mlp, sigmoid_mul, silu_mul
-from .argmax import argmax_rows, arrival_counters
+from .argmax import argmax_rows
 from .step_inputs import gather_step_inputs
 from .fused_linear import fuse_linears, fused_weight
 from .norms import add_rms_norm, norm_eps, norm_kind, rms_norm, rms_norm_pair
@@ -687,11 +687,12 @@ class HybridEngine:
         # each on CUDA (a quarter of a batch-1 step was the modules' small kernels); the
         # CPU keeps the modules.
         self.fused_norms = backend == "triton" or (self.device.type == "cuda" and backend != "reference")
-        #: Counters of the fused argmaxes (:func:`~replayssm.engine.argmax.arrival_counters`):
-        #: a split argmax's last part merges the parts in its own launch. The step's
-        #: argmaxes (the target's, the MTP head's draft depths) run one after another
-        #: on its stream, so they share one buffer.
-        self.argmax_arrivals = arrival_counters(self.device) if self.fused_norms else None
+        #: Arrival counters of the fused kernels split into parts
+        #: (:func:`~replayssm.ops.triton_common.arrival_counters`): a split argmax's
+        #: last part, or a split attention's, merges the parts in its own launch. A
+        #: step's split kernels (the target's argmax, the MTP head's attention and
+        #: argmaxes) run one after another on its stream, so they share one buffer.
+        self.arrivals = arrival_counters(self.device) if self.fused_norms else None
         # every cache position's rotary rows, gathered by the static steps (None: the
         # embedding's frequencies follow the sequence length; the steps evaluate it)
         self._rope = None
@@ -1103,7 +1104,7 @@ class HybridEngine:
                 split = self.attention_key_split if window is None and self.fused_norms else 0
                 x = static_attention_forward(layer.self_attn, x, rope, self.kv, j, slot_idx, positions,
                                              backend=self.backend, norm=norm, tree=window, fused=self.fused_norms,
-                                             key_split=split, arrivals=self.argmax_arrivals if split else None)
+                                             key_split=split, arrivals=self.arrivals if split else None)
             h, x = self.static_add_norm(layer.post_attention_layernorm, h, x)
             after = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
             h, x = self.static_add_norm(after, h, self.static_mlp(layer.mlp, x))
@@ -1125,11 +1126,11 @@ class HybridEngine:
         step takes them: one launch where the kernels are fused
         (:func:`~replayssm.engine.argmax.argmax_rows`; torch's reduction spends 4-15 µs
         on a few rows, and a split row is merged by its last part:
-        :attr:`argmax_arrivals`), torch's ``argmax`` elsewhere. The same indices either
+        :attr:`arrivals`), torch's ``argmax`` elsewhere. The same indices either
         way."""
         if not self.fused_norms:
             return argmax_rows(logits, backend="reference")
-        return argmax_rows(logits, arrivals=self.argmax_arrivals)
+        return argmax_rows(logits, arrivals=self.arrivals)
 
     def static_add_norm(self, module, h: torch.Tensor, update: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(h + update, norm(h + update))`` for ``h, update [N, hidden]``: a residual add

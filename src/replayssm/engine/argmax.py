@@ -7,7 +7,8 @@ what eight norm kernels cost). :func:`argmax_rows` gives each row one program (t
 :data:`ARGMAX_BLOCK`, a running best in registers); when the rows are too few to fill
 the GPU and the vocabulary is long (a Qwen3.5 vocabulary at batch 1), it splits each row
 into parts and reduces the parts' bests: in a second launch, or, given arrival counters
-(:func:`arrival_counters`), in the same launch by the last part of each row to finish.
+(:func:`~replayssm.ops.triton_common.arrival_counters`), in the same launch by the last
+part of each row to finish.
 
 Ties and NaNs follow torch: the first index of the greatest value, where a NaN counts as
 greater than any number (the first NaN's index).
@@ -17,12 +18,12 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.triton_common import INTERPRETER, chain_launch, sm_count, triton
+from ..ops.triton_common import ARRIVAL_COUNTERS, INTERPRETER, chain_launch, check_arrivals, sm_count, triton
 
 if triton is not None:
     import triton.language as tl
 
-    from ..ops.triton_common import chain_wait
+    from ..ops.triton_common import chain_wait, last_to_arrive
 
 #: Columns a program takes at once (a power of two; shorter rows take their own length).
 ARGMAX_BLOCK = 4096
@@ -30,9 +31,6 @@ ARGMAX_BLOCK = 4096
 ARGMAX_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 #: Programs per SM that a split aims for (below it a row is split into parts).
 _PROGRAMS_PER_SM = 4
-#: Counters in one :func:`arrival_counters` buffer: rows (or row blocks) of one split
-#: argmax that its last part can merge in the launch; a split of more takes a second.
-ARRIVAL_COUNTERS = 4096
 #: Values a merge reads at once (rows x parts; a loop over more parts). A last part
 #: merges in its own launch only where its rows' parts fit one read: a loop of
 #: dependent reads would cost more than the second launch it saves.
@@ -40,29 +38,6 @@ MERGE_VALUES = 1024
 #: Parts the second launch's program reads at once: a whole vocabulary's column blocks
 #: (4096 x 64 columns) in one read.
 _SECOND_LAUNCH_VALUES = 4096
-
-
-def arrival_counters(device: torch.device | str) -> torch.Tensor:
-    """Zeroed int32 counters ``[ARRIVAL_COUNTERS]`` for split argmaxes (:func:`argmax_rows`
-    and :func:`~replayssm.engine.normed_linear.normed_linear`'s ``"argmax"``): each part
-    counts its arrival on its row's counter, and the last to arrive merges the parts
-    and sets the counter back to zero, so the merge costs no launch of its own. The
-    owner keeps the buffer for its life (a CUDA graph holds its address) and gives it
-    only to calls that run one after another: two calls counting on one buffer at the
-    same time would merge too early."""
-    return torch.zeros(ARRIVAL_COUNTERS, dtype=torch.int32, device=device)
-
-
-def check_arrivals(arrivals: torch.Tensor | None, device: torch.device) -> None:
-    """A ``ValueError`` unless ``arrivals`` is ``None`` or an :func:`arrival_counters` buffer
-    on ``device`` (its values are the caller's promise: zero between calls)."""
-    if arrivals is None:
-        return
-    if not isinstance(arrivals, torch.Tensor) or arrivals.dtype != torch.int32 or arrivals.dim() != 1 \
-            or not arrivals.is_contiguous() or arrivals.device != device or arrivals.numel() < ARRIVAL_COUNTERS:
-        raise ValueError(f"arrivals must be a contiguous int32 [{ARRIVAL_COUNTERS}] tensor on {device} "
-                         f"(arrival_counters), got {getattr(arrivals, 'dtype', type(arrivals).__name__)} "
-                         f"{list(getattr(arrivals, 'shape', []))}")
 
 
 def argmax_rows_reference(x: torch.Tensor) -> torch.Tensor:
@@ -90,7 +65,8 @@ def argmax_rows(x: torch.Tensor, *, backend: str = "triton", arrivals: torch.Ten
     (torch's ``argmax``). Both give the first index of the row's greatest value, a NaN
     counting as the greatest.
 
-    ``arrivals``: ``None``, or counters from :func:`arrival_counters` (the Triton backend;
+    ``arrivals``: ``None``, or counters from
+    :func:`~replayssm.ops.triton_common.arrival_counters` (the Triton backend;
     the reference ignores them): a row split into parts is then merged by its last part
     in the same launch (rows past the counters' number take a second launch).
     """
@@ -230,14 +206,9 @@ if triton is not None:
     @triton.jit
     def merge_if_last(best_ptr, where_ptr, out_ptr, counter_ptr, rows, row_ok, parts, PB: tl.constexpr):
         """After a program has stored its part of rows ``rows`` (:func:`merge_parts`'
-        layout): count its arrival on ``counter_ptr`` (zero before the launch's first);
-        the ``parts``-th to arrive merges the rows into ``out_ptr[rows]`` and sets the
-        counter back to zero for the next launch."""
-        # Every thread's stores before the count: the barrier orders them before thread
-        # 0's release, which publishes them; the last program's acquire sees them all.
-        tl.debug_barrier()
-        arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-        if arrived == parts - 1:
+        layout): the last of the ``parts`` to arrive (:func:`last_to_arrive`) merges the
+        rows into ``out_ptr[rows]`` and sets the counter back to zero."""
+        if last_to_arrive(counter_ptr, parts):
             tl.store(out_ptr + rows, merge_parts(best_ptr, where_ptr, rows, row_ok, parts, PB, True), mask=row_ok)
             tl.store(counter_ptr, 0)
 

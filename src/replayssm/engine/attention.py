@@ -22,7 +22,7 @@ Two implementations of :func:`slot_attention`:
   With ``key_split = C`` the keys are split at fixed positions (``0, C, 2C, ...``), a
   program a part, and the row's last part to finish merges the parts in the same
   launch (flash-decoding; arrival counters as the split argmax's,
-  :func:`~replayssm.engine.argmax.arrival_counters`): a token's parts then depend on
+  :func:`~replayssm.ops.triton_common.arrival_counters`): a token's parts then depend on
   its own position alone, so its bits are the same at every window position and batch
   too, though not those of the unsplit kernel (to rounding). For a few rows over long
   slots, where the unsplit kernel is a handful of programs each walking every key.
@@ -44,13 +44,12 @@ import torch.nn.functional as F
 
 from ..ops.dispatch import resolve
 from .activations import sigmoid_mul_reference
-from .argmax import ARRIVAL_COUNTERS, check_arrivals
-from ..ops.triton_common import INTERPRETER, chain_launch, triton
+from ..ops.triton_common import ARRIVAL_COUNTERS, INTERPRETER, chain_launch, check_arrivals, triton
 
 if triton is not None:
     import triton.language as tl
 
-    from ..ops.triton_common import chain_wait, expf, to_rtne
+    from ..ops.triton_common import chain_wait, expf, last_to_arrive, to_rtne
 
 
 def _check(q, k_cache, v_cache, slot_idx, starts, gate=None):
@@ -128,7 +127,7 @@ def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
             64), merged by the last part to finish (module docstring); the reference
             ignores it. Needs ``arrivals``.
         arrivals: with ``key_split``, counters from
-            :func:`~replayssm.engine.argmax.arrival_counters`, one per (row, key head).
+            :func:`~replayssm.ops.triton_common.arrival_counters`, one per (row, key head).
 
     Returns:
         ``[B, T, heads, D]`` in the dtype of ``q``.
@@ -434,10 +433,7 @@ if triton is not None:
                     tl.store(pm_at + part * 2 * BLOCK_M + offs_m, m_i)
                     tl.store(pm_at + (part * 2 + 1) * BLOCK_M + offs_m, l_i)
                     tl.store(pacc_at + part * BLOCK_M * D + offs_m[:, None] * D + offs_d[None, :], acc)
-                    # The stores before the count (argmax.merge_if_last's protocol).
-                    tl.debug_barrier()
-                    arrived = tl.atomic_add(arrivals_ptr + pair, 1, sem="acq_rel", scope="gpu")
-                    if arrived == parts - 1:
+                    if last_to_arrive(arrivals_ptr + pair, parts):
                         l_i, acc = _merge_key_parts(pm_at, pacc_at, parts, offs_m, offs_d, BLOCK_M, D)
                         _finish_rows(acc, l_i, o_ptr, g_ptr, i_b, tok, head, row_ok, offs_d, stride_ob, stride_ot,
                                      stride_oh, stride_gn, stride_gh, T, GATE)

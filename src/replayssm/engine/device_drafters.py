@@ -620,7 +620,7 @@ class DeviceMTPDrafter(DeviceDrafter):
         with the residual add; ``gate|up`` with the post-attention norm and SiLU's
         product; ``down`` with the residual add; the LM head with the final norm and
         each column block's argmax, the blocks merged by the last block to finish (the
-        engine's :attr:`~replayssm.engine.adapter.HybridEngine.argmax_arrivals`; a second
+        engine's :attr:`~replayssm.engine.adapter.HybridEngine.arrivals`; a second
         launch where they outnumber one merge's read, as a large vocabulary's do). They
         launch as a chain (:attr:`chain_passes`)."""
         with chained_launches(hidden.device, self.chain_passes, ordered_start=False):
@@ -644,13 +644,13 @@ class DeviceMTPDrafter(DeviceDrafter):
         qkv = normed_linear(x, w["qkv"], norm=norm(layer.input_layernorm))
         o = static_attention_forward(attn, None, rope, self.cache, 0, slot_idx, positions, backend=eng.backend,
                                      norm=eng.static_norm, fused=True, projections=split_projections(attn, qkv),
-                                     output_projection=False, key_split=split, arrivals=eng.argmax_arrivals)
+                                     output_projection=False, key_split=split, arrivals=eng.arrivals)
         x = normed_linear(o, w["o"], output="residual", residual=x)
         y = normed_linear(x, w["gate_up"], norm=norm(layer.post_attention_layernorm), output="glu")
         x = normed_linear(y, w["down"], output="residual", residual=x)
         h = torch.empty((b, x.shape[1]), dtype=x.dtype, device=x.device)
         tok = normed_linear(x, w["lm_head"], norm=norm(head.norm), rows=pick, row_group=t if pick is not None else 0,
-                            output="argmax", normed_out=h, arrivals=eng.argmax_arrivals)
+                            output="argmax", normed_out=h, arrivals=eng.arrivals)
         return h, tok
 
     def _layer(self, tokens: torch.Tensor, hidden: torch.Tensor, slot_idx: torch.Tensor | None,

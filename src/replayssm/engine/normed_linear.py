@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.triton_common import INTERPRETER, chain_launch, triton
-from .argmax import MERGE_VALUES, check_arrivals, merge_argmax_parts
+from ..ops.triton_common import INTERPRETER, chain_launch, check_arrivals, triton
+from .argmax import MERGE_VALUES, merge_argmax_parts
 
 if triton is not None:
     import triton.language as tl
@@ -151,7 +151,7 @@ def normed_linear(x: torch.Tensor, weight: torch.Tensor, *, norm: tuple | None =
             as the greatest).
         normed_out: ``None``, or a ``[M, K]`` tensor of the dtype: ``A`` as the product read it.
         arrivals: ``None``, or with ``"argmax"`` counters from
-            :func:`~replayssm.engine.argmax.arrival_counters`: the last program of each
+            :func:`~replayssm.ops.triton_common.arrival_counters`: the last program of each
             block of rows merges the column blocks in this launch (a second launch
             otherwise, and where the blocks outnumber one merge's read).
         backend: ``"triton"`` (CUDA, or the Triton interpreter; fp16, bf16 or fp32) or

@@ -39,7 +39,8 @@ parts), :func:`row_sum` (``tl.sum`` that stays cheap under the interpreter),
 :func:`block_rows` (the host's choice of a tile's row count),
 :func:`dependent_launch` (whether a launch may overlap the kernel before it),
 :func:`chained_launches` with :func:`chain_launch` and :func:`chain_wait` (a chain of
-small kernels, each starting during the one before it),
+small kernels, each starting during the one before it), :func:`arrival_counters` with
+:func:`last_to_arrive` (a launch split into parts that its last part merges),
 :func:`mask_and` (block mask ``&`` scalar flag), :func:`window_program` (a window
 kernel's program coordinates) and :func:`device_fn` (``triton.jit`` for straight-line
 device helpers).
@@ -210,6 +211,34 @@ def chain_launch() -> tuple[bool, dict]:
         _chain.next_in_order = False
         return True, {}
     return on, ({"launch_pdl": True} if on else {})
+
+
+#: Counters in one :func:`arrival_counters` buffer: the most rows (or row blocks) one
+#: split launch can count its parts' arrivals on.
+ARRIVAL_COUNTERS = 4096
+
+
+def arrival_counters(device: torch.device | str) -> torch.Tensor:
+    """Zeroed int32 counters ``[ARRIVAL_COUNTERS]`` for launches split into parts that
+    their last part merges (:func:`last_to_arrive`: a split argmax's, the window
+    attention's key split): each part counts its arrival on its row's counter, and the
+    last to arrive merges the parts and sets the counter back to zero, so the merge costs
+    no launch of its own. The owner keeps the buffer for its life (a CUDA graph holds its
+    address) and gives it only to calls that run one after another: two calls counting
+    on one buffer at the same time would merge too early."""
+    return torch.zeros(ARRIVAL_COUNTERS, dtype=torch.int32, device=device)
+
+
+def check_arrivals(arrivals: torch.Tensor | None, device: torch.device) -> None:
+    """A ``ValueError`` unless ``arrivals`` is ``None`` or an :func:`arrival_counters` buffer
+    on ``device`` (its values are the caller's promise: zero between calls)."""
+    if arrivals is None:
+        return
+    if not isinstance(arrivals, torch.Tensor) or arrivals.dtype != torch.int32 or arrivals.dim() != 1 \
+            or not arrivals.is_contiguous() or arrivals.device != device or arrivals.numel() < ARRIVAL_COUNTERS:
+        raise ValueError(f"arrivals must be a contiguous int32 [{ARRIVAL_COUNTERS}] tensor on {device} "
+                         f"(arrival_counters), got {getattr(arrivals, 'dtype', type(arrivals).__name__)} "
+                         f"{list(getattr(arrivals, 'shape', []))}")
 
 
 def register_cap(max_registers: int, device: torch.device) -> dict:
@@ -466,6 +495,18 @@ if triton is not None:
         if CHAINED:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
+
+    @triton.jit
+    def last_to_arrive(counter_ptr, parts):
+        """After a program has stored its part of a split launch: count its arrival on
+        ``counter_ptr`` (an :func:`arrival_counters` entry, zero before the launch's
+        first part); whether it is the ``parts``-th, the last. The last reads the other
+        parts (past L1: ``cache_modifier=".cg"``), merges them and stores 0 at
+        ``counter_ptr`` for the next launch. The barrier orders every thread's stores
+        before thread 0's release, which publishes them; the last program's acquire
+        sees them all."""
+        tl.debug_barrier()
+        return tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == parts - 1
 
     @device_fn
     def mask_and(mask, flag):
