@@ -532,6 +532,27 @@ def test_add_norm_kernel_is_the_add_then_the_norm(rng):
         add_rms_norm(x, r[:, :5], w, 1e-6)
 
 
+def test_a_key_split_with_a_tree_is_refused_before_the_cache_writes(model, rng):
+    """``static_attention_forward`` splits the keys of causal windows only: with a tree
+    it raises before the window's keys and values reach the cache."""
+    from replayssm.engine.adapter import static_attention_forward
+
+    d = _drafter(DeviceMTPDrafter, model, "triton", 2)
+    attn, hid = d.head.layers[0].self_attn, d.engine.embed.weight.shape[1]
+    d.cache.k.normal_(generator=rng)
+    before = d.cache.k.clone(), d.cache.v.clone()
+    from replayssm.engine.attention import visibility_bits
+
+    positions = torch.full((1, 2), 5)
+    visible = torch.tril(torch.ones(2, 2, dtype=torch.bool))  # a chain of two nodes, as a tree
+    tree = (torch.tensor([5]), torch.arange(2), visible, visibility_bits(visible))
+    with pytest.raises(ValueError, match="key_split is for causal windows"):
+        static_attention_forward(attn, torch.randn(2, hid, generator=rng), d._rope_at(positions), d.cache, 0,
+                                 torch.tensor([0]), positions, backend="triton", fused=True, tree=tree,
+                                 key_split=64, arrivals=d.engine.arrivals)
+    assert torch.equal(d.cache.k, before[0]) and torch.equal(d.cache.v, before[1])
+
+
 def test_slot_attention_reads_strided_queries(rng):
     """Queries sliced out of a wider buffer (the MTP head's query/key buffer): the
     Triton kernel reads them in place and returns what contiguous queries give."""

@@ -336,6 +336,8 @@ def static_attention_forward(attn, x: torch.Tensor | None, rope: torch.Tensor, c
     changed) and attends over each row's slot with :func:`slot_attention`; no value is
     read on the host, so the call can be captured in a CUDA graph.
     """
+    if key_split and tree is not None:  # before the cache writes: a refused call changes nothing
+        raise ValueError("key_split is for causal windows, not trees")
     b, t = positions.shape
     q, gate, k, v = attention_projections(attn, x) if projections is None else projections
     heads, d = gate.shape[1], attn.head_dim
@@ -347,8 +349,6 @@ def static_attention_forward(attn, x: torch.Tensor | None, rope: torch.Tensor, c
     if tree is None:
         o = slot_attention(qk[:, :, :heads], cache.k[layer], cache.v[layer], slot_idx, positions[:, 0],
                            attn.scaling, backend=backend, gate=inside, key_split=key_split, arrivals=arrivals)
-    elif key_split:
-        raise ValueError("key_split is for causal windows, not trees")
     else:
         o = tree_attention(qk[:, :, :heads], cache.k[layer], cache.v[layer], slot_idx, tree[0], tree[2],
                            attn.scaling, backend=backend, gate=inside, visible_bits=tree[3])

@@ -272,9 +272,7 @@ def _slot_attention_triton(q, k_cache, v_cache, slot_idx, starts, scale, tree_bi
     gated = gate is not None
     parts = 1
     part_m = part_acc = out  # (unused without a split)
-    if key_split:
-        if tree:
-            raise ValueError("key_split is for causal windows, not trees")
+    if key_split:  # (causal windows: tree_attention takes no split)
         parts = triton.cdiv(k_cache.shape[2], key_split)
         # each part's running max and sum, then its unnormalised outputs, per (row, key head)
         part_m = torch.empty((b, kv_heads, parts, 2, block_m), dtype=torch.float32, device=q.device)
