@@ -5,8 +5,9 @@ cursors that one step leaves feed the next).
 
 Run on the GPU machine:  python -m pytest -q -m gpu tests/gpu/test_chained_state_gpu.py
 
-A chained verify loads its slot and its state tile before it waits for the kernel
-before it; a coefficient, fold, commit or conv kernel waits first. A missing or
+A chained verify, or ring decoding in one launch, loads its slot and its state tile
+before it waits for the kernel before it; a coefficient, fold, commit or conv kernel
+waits first. A missing or
 misplaced wait can show here as a step that read a state, a ring record or an
 activation the kernel before had not finished writing; whether it does depends on the
 kernels' timing, so a pass is evidence, not proof (the launch rules themselves are
@@ -30,6 +31,7 @@ CASES = [
     ("circular", 64, torch.bfloat16),
     ("circular", 64, torch.float32),
     ("plain_decode", 16, torch.float32),
+    ("plain_ring", 64, torch.float32),
 ]
 
 
@@ -45,7 +47,8 @@ def _config(name: str, batch: int, state_dtype: torch.dtype, chain: bool) -> bk.
 
 
 def _runner(cfg: bk.BenchConfig, name: str, batch: int):
-    cls = bk.StrategyStep if name in bk.STRATEGY_NAMES else bk.RecurrenceStep
+    cls = bk.StrategyStep if name in bk.STRATEGY_NAMES else (bk.RingDecodeStep if name == "plain_ring"
+                                                             else bk.RecurrenceStep)
     gen = torch.Generator(device=cfg.device)
     gen.manual_seed(1234)
     r = cls(cfg, name, batch, gen)

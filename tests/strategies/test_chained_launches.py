@@ -18,7 +18,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from replayssm.ops import triton_common  # noqa: E402
+from replayssm.ops import triton_common, tuning  # noqa: E402
 from replayssm.state import GDNShape, StatePool  # noqa: E402
 
 if not triton_common.INTERPRETER:
@@ -109,6 +109,22 @@ def test_plain_decoding_through_the_recurrence_writes_states_in_stream_order(lau
         pool.strategy.prefill(0, q, k, v, a, b, batch)
         pool.strategy.prefill(1, q, k, v, a, b, batch)
     assert launches == [("_recurrence_kernel", False, False)] * 2
+
+
+@pytest.mark.parametrize("split", [0, 2])
+def test_plain_decoding_through_the_ring_chains_its_one_launch(launches, split):
+    """circular's plain step: the ring decoding kernel in one launch chains after the conv
+    (its checkpoint tiles read before the wait); with the flush rows apart (a kernel on
+    a side stream) both stay in stream order."""
+    pool, slots = _pool("circular")
+    with tuning.override("ring_decode", split_flush=split):
+        *layers, commit = _step(pool, slots, launches, tokens=1)
+    for block in layers:
+        assert block[0] == ("_conv_verify_kernel", True, False), block
+        if split:
+            assert sorted(block[1:]) == [("_ring_decode_kernel", False, False), ("_ring_flush_kernel", False, False)]
+        else:
+            assert block[1:] == [("_ring_decode_kernel", True, True)], block
 
 
 def test_outside_a_block_nothing_chains(launches):

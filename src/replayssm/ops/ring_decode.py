@@ -150,7 +150,7 @@ if triton is not None:
     from .fold import _ring_pos, replay_and_store_tile as _replay_and_store_tile
     from .recurrent import exact_block_k
     from .triton_common import EXACT_NUM_WARPS, NORM_EPS, block_rows, exact_warps, register_cap, side_stream
-    from .triton_common import sm_count
+    from .triton_common import chain_launch, chain_wait, sm_count
     from .triton_common import device_fn as _tl_device_fn, folding_rows as _tl_folding_rows
     from .triton_common import gdn_gates as _tl_gdn_gates, load_parts as _tl_load_parts, mask_and as _tl_mask_and
     from .triton_common import row_dot as _tl_row_dot, row_sum as _tl_row_sum, sum_sq as _tl_sum_sq
@@ -215,13 +215,18 @@ if triton is not None:
         ROUND_STATE: tl.constexpr, AHEAD: tl.constexpr, EARLY_TILE: tl.constexpr,
         FLUSH_ROWS: tl.constexpr, TOKEN_ROWS: tl.constexpr,
         DOT: tl.constexpr, KC: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        CHAINED: tl.constexpr,
     ):
         """Output, corrected delta and record of V block ``i_v`` (``BV`` rows) of request
         ``i_b``'s value head ``i_hv`` (see the module notes), for the rows its kernel
         owns: flush rows where ``FLUSH_ROWS``, the others (padding included) where
         ``TOKEN_ROWS``. A branch that its kernel never takes is not compiled. ``DOT``: a
         row that does not flush takes its products with the checkpoint on tensor cores
-        (:func:`_checkpoint_products`) instead of FMA on the four-part tile."""
+        (:func:`_checkpoint_products`) instead of FMA on the four-part tile. ``CHAINED``
+        (:func:`~replayssm.ops.triton_common.chain_launch`): the row reads its slot,
+        cursors and (``EARLY_TILE``) checkpoint tile, which the kernel before it does
+        not write, then waits for that kernel before its first store and before reading
+        the token's activations."""
         i_h = i_hv // (HV // H)
         slot = tl.load(slots_ptr + i_b).to(tl.int64)
         bos = tl.load(cu_ptr + i_b).to(tl.int64)
@@ -233,6 +238,7 @@ if triton is not None:
         mask_v = offs_v < V
         o_at = o_ptr + (bos * HV + i_hv) * V  # o is a fresh contiguous [N, HV, V]
         if (slot < 0) | (length <= 0):
+            chain_wait(CHAINED)  # o may be memory the kernel before still reads
             if TOKEN_ROWS:
                 # Padding row: zero outputs, nothing else.
                 tl.store(o_at + offs_v, tl.full([BV], 0, o_ptr.dtype.element_ty),
@@ -254,6 +260,8 @@ if triton is not None:
             # Which rows this kernel owns, and whether they fold: decided at run time in
             # one launch, at compile time in the split kernels (the flush kernel is only
             # ever given flush rows), so each of those compiles one branch.
+            # What the kernel before may write (activations; o's memory) after the wait.
+            chain_wait(CHAINED)
             if FLUSH_ROWS and TOKEN_ROWS:
                 owned = True
                 folds_here = folds
@@ -439,9 +447,10 @@ if triton is not None:
         BK: tl.constexpr, BV: tl.constexpr,
         ROUND_STATE: tl.constexpr, AHEAD: tl.constexpr, EARLY_TILE: tl.constexpr, FLUSH_ROWS: tl.constexpr,
         DOT: tl.constexpr, KC: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        CHAINED: tl.constexpr = False,
     ):
         """Grid ``(V blocks, requests, HV)``: every row's token (``FLUSH_ROWS``) or every
-        row's but the flush rows' (the flush kernel's)."""
+        row's but the flush rows' (the flush kernel's). ``CHAINED``: see :func:`_ring_row`."""
         _ring_row(tl.program_id(0), tl.program_id(1), tl.program_id(2),
                   q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr,
                   ckpt_ptr, rk_ptr, rv_ptr, rg_ptr, rb_ptr, ru_ptr,
@@ -449,7 +458,7 @@ if triton is not None:
                   stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
                   stride_a_tok, stride_b_tok, scale, eps,
                   H, HV, K, V, L, BK, BV, ROUND_STATE, AHEAD, EARLY_TILE, FLUSH_ROWS, True,
-                  DOT, KC, NUM_STAGES, DOT_PRECISION)
+                  DOT, KC, NUM_STAGES, DOT_PRECISION, CHAINED)
 
     @triton.jit
     def _ring_flush_kernel(
@@ -481,7 +490,7 @@ if triton is not None:
                       stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
                       stride_a_tok, stride_b_tok, scale, eps,
                       H, HV, K, V, L, BK, BV, ROUND_STATE, AHEAD, EARLY_TILE, True, False,
-                      False, BK, 1, "ieee")
+                      False, BK, 1, "ieee", False)
 
 
 def launch_ring_decode(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos,
@@ -523,11 +532,15 @@ def launch_ring_decode(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, 
     # lanes and order at any warp count (exact_warps). At other counts than 4 only the
     # history's sums over its records (outputs and u, stated to rounding) change order,
     # since their record axis lies across warps.
+    # One launch takes part in a chain (triton_common.chained_launches): its rows read
+    # their checkpoints while the kernel before (the conv) runs. Rows apart stay in
+    # stream order (the flush kernel has started on its own stream already).
+    chained, launch = (False, {}) if split else chain_launch()
     _ring_decode_kernel[(triton.cdiv(vd, bv), batch, hv)](
         *args, **common, BV=bv, EARLY_TILE=bool(cfg["early_tile"]), FLUSH_ROWS=not split,
         DOT=dot, KC=max(16, min(cfg["k_chunk"], bk)), NUM_STAGES=cfg["num_stages"],
-        DOT_PRECISION=product_precision(q.dtype),
-        num_warps=exact_warps(cfg["num_warps"], bv), **register_cap(cfg["max_registers"], q.device))
+        DOT_PRECISION=product_precision(q.dtype), CHAINED=chained,
+        num_warps=exact_warps(cfg["num_warps"], bv), **register_cap(cfg["max_registers"], q.device), **launch)
     if side is not None:
         torch.cuda.current_stream(q.device).wait_stream(side)
 
