@@ -31,8 +31,8 @@ CASES = [
     ("circular", 64, torch.bfloat16),
     ("circular", 64, torch.float32),
     ("plain_decode", 16, torch.float32),
-    ("plain_ring", 64, torch.float32),  # one launch
-    ("plain_ring", 64, torch.bfloat16),  # the flush rows apart, on a side stream
+    ("plain_ring", 64, torch.float32),  # one launch, chained
+    ("plain_ring", 64, torch.bfloat16),  # the flush rows apart, in stream order; the commit chained
 ]
 
 

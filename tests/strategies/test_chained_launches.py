@@ -112,17 +112,20 @@ def test_plain_decoding_through_the_recurrence_writes_states_in_stream_order(lau
 
 
 @pytest.mark.parametrize("split", [0, 1, 2])
-def test_plain_decoding_through_the_ring_chains_its_token_kernel(launches, split):
-    """circular's plain step: the ring decoding kernel chains after the kernel before it
-    (its checkpoint tiles read before the wait), in one launch or with the flush rows
-    apart; the flush kernel, launched first, stays in stream order."""
+def test_plain_decoding_through_the_ring_chains_its_one_launch(launches, split):
+    """circular's plain step: the ring decoding kernel in one launch chains after the conv
+    (its checkpoint tiles read before the wait); with the flush rows apart (a kernel on
+    a side stream, or before the token kernel) both stay in stream order: chained there,
+    the token kernel measured 8-13% slower at batch 16 (BENCHMARKS.md)."""
     pool, slots = _pool("circular")
     with tuning.override("ring_decode", split_flush=split):
         *layers, commit = _step(pool, slots, launches, tokens=1)
     for block in layers:
         assert block[0] == ("_conv_verify_kernel", True, False), block
-        flush = [("_ring_flush_kernel", False, False)] if split else []
-        assert block[1:] == flush + [("_ring_decode_kernel", True, True)], block
+        if split:
+            assert sorted(block[1:]) == [("_ring_decode_kernel", False, False), ("_ring_flush_kernel", False, False)]
+        else:
+            assert block[1:] == [("_ring_decode_kernel", True, True)], block
 
 
 def test_outside_a_block_nothing_chains(launches):

@@ -532,11 +532,11 @@ def launch_ring_decode(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, 
     # lanes and order at any warp count (exact_warps). At other counts than 4 only the
     # history's sums over its records (outputs and u, stated to rounding) change order,
     # since their record axis lies across warps.
-    # The token kernel takes part in a chain (triton_common.chained_launches): its rows
-    # read their slots, cursors and (early_tile) checkpoint tiles while the kernel before
-    # it runs: the conv, or with the rows apart in order (split_flush = 1) the flush
-    # kernel, whose rows it never touches. The flush kernel stays in stream order.
-    chained, launch = chain_launch()
+    # One launch takes part in a chain (triton_common.chained_launches): its rows read
+    # their checkpoints while the kernel before (the conv) runs. Rows apart stay in
+    # stream order: a chained token kernel beside the flush kernel measured slower at
+    # batch 16 (BENCHMARKS.md, "Ring decoding chained").
+    chained, launch = (False, {}) if split else chain_launch()
     _ring_decode_kernel[(triton.cdiv(vd, bv), batch, hv)](
         *args, **common, BV=bv, EARLY_TILE=bool(cfg["early_tile"]), FLUSH_ROWS=not split,
         DOT=dot, KC=max(16, min(cfg["k_chunk"], bk)), NUM_STAGES=cfg["num_stages"],
