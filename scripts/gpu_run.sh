@@ -21,6 +21,13 @@
 #                                         # 1, 4, 16, 64: the depth-3 chain, the 3,2,1 tree, and the
 #                                         # tree with its spine from $CHAIN_FROM rows (default 16); then
 #                                         # the shipped draft model's chain and 3,2,1 tree
+#   scripts/gpu_run.sh targets-spec       # the speculative end-to-end rows the open targets are read
+#                                         # from: qwen3.5-shapes with forced acceptance 0.8 at batches
+#                                         # 64 and 256 (fold, circular), the embedded model's MTP drafts
+#                                         # at batches 1, 16, 64 (512 + 256 tokens)
+#   scripts/gpu_run.sh targets-plain      # plain decoding through the ring (plain_ring kernels, fp32 and
+#                                         # bf16 states, batches 64, 256; plain-ring end to end) and the
+#                                         # 2048-token prompt rows (batches 1 and 16) with their floor
 #
 # Results go to $RESULTS (default benchmarks/results, under the names BENCHMARKS.md
 # cites; $TAG, default h200, names the card):
@@ -35,6 +42,9 @@
 #   acceptance    acceptance_$TAG.log, acceptance_$TAG.json, acceptance_$TAG.png
 #   closed-loop   closed_loop_${CLOSED_LOOP_DTYPE}_$TAG.{log,json,png}
 #   trees         e2e_trees_{chain,tree,spine,model_chain,model_tree}_$TAG.{log,json}
+#   targets-spec  e2e_forced_b{64,256}_$TAG.{log,json}, e2e_mtp_$TAG.{log,json}
+#   targets-plain kernels_plain_ring_{float32,bfloat16}_$TAG.{log,json}, e2e_plain_ring_$TAG.{log,json},
+#                 e2e_prefill2048_$TAG.{log,json}
 # A test stage fails (exit 1) when pytest passed no GPU test: all skipped (no CUDA
 # device) or none collected must not read as success. Wheels of packages the machine
 # lacks (fla-core for chunked prefill and training, with flash-linear-attention and
@@ -98,6 +108,28 @@ for what in "$@"; do
                        --drafter mtp --strategies circular,fold --no-hf --batches 1,4,16,64 ${cfg#*|} \
                        --json "$RESULTS/e2e_trees_${name}_$TAG.json"
                done ;;
+        targets-spec)
+               for b in 64 256; do
+                   stage "e2e_forced_b${b}_$TAG" "${E2E_LIMIT:-170}" "$PYTHON" -m replayssm.cli bench e2e --random qwen3.5-shapes \
+                       --drafter forced --acceptance 0.8 --dtype bf16 --num-draft 3 --no-hf --strategies fold,circular \
+                       --ring-len 16 --batches "$b" --json "$RESULTS/e2e_forced_b${b}_$TAG.json"
+               done
+               stage "e2e_mtp_$TAG" "${E2E_LIMIT:-170}" "$PYTHON" -m replayssm.cli bench e2e --model embedded --drafter mtp \
+                   --batches 1,16,64 --prompt-len 512 --max-new-tokens 256 --no-hf --strategies fold \
+                   --json "$RESULTS/e2e_mtp_$TAG.json" ;;
+        targets-plain)
+               for sdt in float32 bfloat16; do
+                   stage "kernels_plain_ring_${sdt}_$TAG" "${BENCH_LIMIT:-60}" "$PYTHON" -m replayssm.cli bench kernels \
+                       --layers 6 --window 4 --accept 3 --ring-len 16 --batches 64,256 --state-dtype "$sdt" \
+                       --strategies none --baselines plain_decode,plain_ring --quiet \
+                       --json "$RESULTS/kernels_plain_ring_${sdt}_$TAG.json"
+               done
+               stage "e2e_plain_ring_$TAG" "${E2E_LIMIT:-150}" "$PYTHON" -m replayssm.cli bench e2e --random qwen3.5-shapes \
+                   --dtype bf16 --batches 64,256 --no-hf --plain-ring --plain-ring-len 16 --strategies none \
+                   --json "$RESULTS/e2e_plain_ring_$TAG.json"
+               stage "e2e_prefill2048_$TAG" "${E2E_LIMIT:-150}" "$PYTHON" -m replayssm.cli bench e2e --random qwen3.5-shapes \
+                   --dtype bf16 --batches 1,16 --prompt-len 2048 --max-new-tokens 16 --no-hf --strategies none \
+                   --json "$RESULTS/e2e_prefill2048_$TAG.json" ;;
         *) echo "unknown stage $what"; rc=2 ;;
     esac
 done
