@@ -15,10 +15,10 @@ timings, each on a fresh copy of the state.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
+from replayssm.bench.common import time_cuda
 from replayssm.ops import conv
 from replayssm.ops.conv import causal_conv_verify
 
@@ -45,7 +45,7 @@ def main() -> None:
     # The card's copy rate: a device-to-device copy of the same bytes.
     src = torch.empty(2 * n * c, dtype=torch.bfloat16, device=dev)
     dst = torch.empty_like(src)
-    rate = 2 * src.numel() * 2 / time_it(lambda: dst.copy_(src))
+    rate = 2 * src.numel() * 2 / time_cuda(lambda: dst.copy_(src), warmup=5, repeats=20)
     floor = 2 * n * c * 2 / rate
     print(f"prompt conv {b} x {p} (+{pad} padding), C = {c}: bytes floor {1e3 * floor:.3f} ms "
           f"at {rate / 1e9:.0f} GB/s")
@@ -58,22 +58,8 @@ def main() -> None:
             state.copy_(state0)
             causal_conv_verify(x, state, weight, bias, slots, cu, update_state=True, max_len=p, parts=parts)
 
-        dt = time_it(once)
+        dt = time_cuda(once, warmup=5, repeats=20)
         print(f"  {tile}: {1e3 * dt:.3f} ms, {dt / floor:.2f}x the floor")
-
-
-def time_it(fn, warm: int = 5, reps: int = 20) -> float:
-    for _ in range(warm):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(a.elapsed_time(e) / 1e3)
-    return statistics.median(times)
 
 
 if __name__ == "__main__":

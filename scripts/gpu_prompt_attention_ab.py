@@ -19,11 +19,12 @@ and a padding request of 256 tokens; with ``PYTHONPATH`` at another tree, that t
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from replayssm.bench.common import time_cuda
 
 
 def main() -> None:
@@ -62,7 +63,7 @@ def main() -> None:
             if ref is None:
                 ref = out.float()
             diff = (out.float() - ref).abs().max().item()
-            dt = time_it(call)
+            dt = time_cuda(call)
             print(f"  {name:9s} gqa={gqa!s:5s}: {1e3 * dt:.3f} ms, {flops / dt / 1e12:.0f} TFLOP/s, "
                   f"max |out - flash| {diff:.2e}")
     if args.flex:
@@ -75,7 +76,7 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001 - reported, the run goes on
             print(f"  flex: refused ({type(e).__name__}: {str(e).splitlines()[0][:100]})")
             return
-        dt = time_it(lambda: flex(q, k, v, block_mask=mask, enable_gqa=True))
+        dt = time_cuda(lambda: flex(q, k, v, block_mask=mask, enable_gqa=True))
         print(f"  flex      gqa=True : {1e3 * dt:.3f} ms, {flops / dt / 1e12:.0f} TFLOP/s, "
               f"max |out - flash| {(out.float() - ref).abs().max().item():.2e}")
 
@@ -92,23 +93,9 @@ def engine_attention(b: int, t: int, heads: int, kv_heads: int, d: int, g: torch
     col = torch.arange(n, device="cuda") - starts[row]
     layout = kv_cache.PromptLayout(len(lengths), t, torch.stack([row, col, col, row]))
     flops = 4 * heads * d * t * (t + 1) / 2 * b
-    dt = time_it(lambda: kv_cache._fresh_attention(layout, q, k, v, d**-0.5))
+    dt = time_cuda(lambda: kv_cache._fresh_attention(layout, q, k, v, d**-0.5))
     print(f"engine prompt attention {b} x {t} + 256 padding, {heads} / {kv_heads} heads of {d}, bf16: "
           f"{1e3 * dt:.3f} ms, {flops / dt / 1e12:.0f} TFLOP/s of the prompts' causal products")
-
-
-def time_it(fn, warm: int = 3, reps: int = 10) -> float:
-    for _ in range(warm):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(a.elapsed_time(e) / 1e3)
-    return statistics.median(times)
 
 
 if __name__ == "__main__":

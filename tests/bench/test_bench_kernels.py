@@ -429,6 +429,17 @@ def test_time_eager_runs_every_step_of_every_block():
         common.time_eager([], steps_per_block=1, blocks=1)
 
 
+def test_time_cuda_checks_its_counts_and_needs_cuda():
+    calls = []
+    for kw, match in (({"repeats": 0}, "repeats"), ({"warmup": -1}, "warmup"), ({"repeats": True}, "repeats")):
+        with pytest.raises(ValueError, match=match):
+            common.time_cuda(lambda: calls.append(1), **kw)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA"):
+            common.time_cuda(lambda: calls.append(1))
+    assert not calls, "a refused call ran its function"
+
+
 def test_copy_bandwidth_and_l2_need_cuda():
     with pytest.raises(ValueError, match="CUDA"):
         common.copy_bandwidth("cpu")

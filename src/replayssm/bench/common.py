@@ -463,6 +463,28 @@ def time_eager(steps: Sequence[Callable[[], object]], *, steps_per_block: int, b
     return Timing(statistics.median(samples), samples, steps_per_block, len(steps), "eager-wallclock")
 
 
+def time_cuda(fn: Callable[[], object], *, warmup: int = 3, repeats: int = 10) -> float:
+    """Median seconds of ``repeats`` calls of ``fn`` on the current CUDA device, each call
+    timed alone by a pair of CUDA events, after ``warmup`` untimed calls: for one op or
+    kernel of a millisecond or so, where a wall clock would count the host's launch."""
+    for name, value, low in (("warmup", warmup, 0), ("repeats", repeats, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    if not torch.cuda.is_available():
+        raise ValueError("time_cuda needs a CUDA device")
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
 def plan_steps_per_block(est_us_per_step: float, cycle: int, copies: int, *, target_block_us: float = 2000.0) -> int:
     """Steps per timed block: a whole number of cursor cycles, long enough (about
     ``target_block_us``) that event resolution and launch jitter do not matter."""
