@@ -257,11 +257,12 @@ if triton is not None:
             wp = tl.load(wp_ptr + slot).to(tl.int32)
             base = tl.load(base_ptr + slot).to(tl.int32)
             folds = (tl.load(flush_ptr + slot) != 0) & (wp > 0)
+            # Everything the kernel before may write (the activations; o's memory) after
+            # the wait; the slot, cursors and tile above it are not among them.
+            chain_wait(CHAINED)
             # Which rows this kernel owns, and whether they fold: decided at run time in
             # one launch, at compile time in the split kernels (the flush kernel is only
             # ever given flush rows), so each of those compiles one branch.
-            # What the kernel before may write (activations; o's memory) after the wait.
-            chain_wait(CHAINED)
             if FLUSH_ROWS and TOKEN_ROWS:
                 owned = True
                 folds_here = folds
