@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 
@@ -161,8 +162,9 @@ def test_bad_inputs_are_refused_before_any_write(rng, seed):
     eng = HybridEngine(model, strategy="fold", num_slots=2, window=2, max_len=64, prompt_graphs=True)
     s = eng.alloc()
     ck = eng.pool.checkpoints.clone()
-    with pytest.raises(ValueError, match="token id"):
-        eng.extend([s], [[1, 300]], prompt=True)
+    for bad in ([1, 300], [1, 2**70], [True, 2], [1, 2.0]):  # past the vocabulary or int64; not plain ints
+        with pytest.raises(ValueError, match="token id"):
+            eng.extend([s], [bad], prompt=True)
     with pytest.raises(ValueError, match="appears twice"):
         eng.extend([s, s], [[1], [2]], prompt=True)
     with pytest.raises(ValueError, match="max_len"):
@@ -177,10 +179,29 @@ def test_bad_inputs_are_refused_before_any_write(rng, seed):
         PromptGraph(eng, 2, 32, graph=False, padded=False)
     with pytest.raises(ValueError, match="exactly 32 tokens"):
         PromptGraph(eng, 1, 32, graph=False, padded=False).run([s], [[1] * 31])
+    with pytest.raises(ValueError, match="ids must be"):
+        PromptGraph(eng, 1, 32, graph=False).run([s], [[1] * 5], ids=np.arange(4))
     with pytest.raises(ValueError, match="CUDA"):
         PromptGraph(eng, 1, 32, graph=True)
     with pytest.raises(ValueError, match="exclude"):
         HybridEngine(model, num_slots=1, window=2, max_len=64, prompt_graphs=True, fixed_shape=(2, 2))
+
+
+def test_int_subclass_token_ids_pack_as_their_values(rng, seed):
+    """Token ids of an int subclass (not plain ints: the token-by-token check admits
+    them) pack into the static pass's ids as their values: the pass equals the one of
+    the same ids as plain ints, bit for bit."""
+
+    class Token(int):
+        pass
+
+    model = build_tiny_model("qwen3_5", seed=seed)
+    eng = HybridEngine(model, strategy="fold", num_slots=2, window=2, max_len=64, prompt_graphs=True)
+    prompt = torch.randint(0, 256, (11,), generator=rng).tolist()
+    plain = eng.extend([eng.alloc()], [prompt], prompt=True)
+    sub = eng.extend([eng.alloc()], [[Token(t) for t in prompt]], prompt=True)
+    assert eng.prompt_passes == {"static": 2, "eager": 0}
+    assert torch.equal(sub.logits, plain.logits) and torch.equal(sub.hidden, plain.hidden)
 
 
 @pytest.mark.parametrize("length", [21, 32])

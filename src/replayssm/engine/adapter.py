@@ -28,6 +28,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 from ..ops.guards import to_device
@@ -527,6 +528,15 @@ class _PromptKernel:
         return call
 
 
+def _packed_ints(w: list) -> np.ndarray | None:
+    """The plain ints ``w`` as an int64 array, or ``None`` where one is past int64 (out
+    of any vocabulary: the caller's token-by-token check names it)."""
+    try:
+        return np.fromiter(w, np.int64, len(w))
+    except OverflowError:
+        return None
+
+
 class HybridEngine:
     """A Qwen3.5 / Qwen3-Next model whose GDN state lives in a :class:`StatePool`.
 
@@ -829,13 +839,14 @@ class HybridEngine:
         """
         if not prompt and self.ring_decoding and all(len(w) == 1 for w in windows):
             return self._ring_step(slots, windows, all_logits)
-        slots, windows = self._check_step(slots, windows)
-        if prompt and not all_logits and self.prompt_graphs is not None and self.gdn_inputs_hook is None:
+        static = prompt and not all_logits and self.prompt_graphs is not None and self.gdn_inputs_hook is None
+        slots, windows, *ids = self._check_step(slots, windows, with_ids=static)
+        if static:
             lengths = [len(w) for w in windows]
             slots, _ = self.pool.check_rows(slots, lengths, prefill=True)
             if self.prompt_graphs.fits(slots, windows):
                 self.kv.check_room(slots, lengths)
-                out = self.prompt_graphs.run(slots, windows)
+                out = self.prompt_graphs.run(slots, windows, ids=ids[0])
                 self.prompt_passes["static"] += 1
                 return out
         out = self._forward(slots, windows, verify=False, all_logits=all_logits, chunked=prompt, checked=True)
@@ -898,26 +909,33 @@ class HybridEngine:
         self.kv.truncate(slots, lengths)
 
     # ------------------------------------------------------------------ forward
-    def _check_step(self, slots, windows):
+    def _check_step(self, slots, windows, *, with_ids: bool = False):
+        """``(slots, windows)`` as lists after the step's checks (no pending step, a window
+        per slot, token ids in range); ``with_ids``: also the windows' ids packed in one
+        int64 array, as a prompt pass uploads them."""
         if self._pending is not None:
             raise RuntimeError("a verified step is pending: commit it first")
         slots = list(slots)
         if len(windows) != len(slots) or not slots:
             raise ValueError(f"need one window per slot and at least one request; got {len(windows)} windows "
                              f"for {len(slots)} slots")
-        flat = []
+        flat, packed = [], []
         for i, w in enumerate(windows):
             w = list(w)
             if not w:
                 raise ValueError(f"windows[{i}] is empty")
-            # plain ints in range, checked at C speed (a long prompt's loop took milliseconds); else the
-            # token-by-token check finds the culprit (and admits int subclasses other than bool)
-            if set(map(type, w)) != {int} or min(w) < 0 or max(w) >= self.vocab_size:
+            # plain ints in range, checked at C speed (a long prompt's loop took milliseconds; the range
+            # on the ids as an array, which a prompt pass uploads); else the token-by-token check finds the
+            # culprit (and admits int subclasses other than bool)
+            ids = _packed_ints(w) if set(map(type, w)) == {int} else None
+            if ids is None or ids.min() < 0 or ids.max() >= self.vocab_size:
                 for t in w:
                     if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
                         raise ValueError(f"windows[{i}] holds {t!r}, not a token id in [0, {self.vocab_size})")
+                ids = np.array([int(t) for t in w], dtype=np.int64)
             flat.append(w)
-        return slots, flat
+            packed.append(ids)
+        return (slots, flat, np.concatenate(packed)) if with_ids else (slots, flat)
 
     @torch.inference_mode()
     def _forward(self, slots, windows, *, verify: bool, all_logits: bool, chunked: bool,

@@ -248,11 +248,14 @@ class PromptGraph:
         if graph:
             self._capture(pool)
 
-    def run(self, slots: Sequence[int], windows: Sequence[Sequence[int]]) -> StepOutput:
+    def run(self, slots: Sequence[int], windows: Sequence[Sequence[int]], *,
+            ids: np.ndarray | None = None) -> StepOutput:
         """Prefill ``windows`` (prompt tokens, checked by the caller: fresh, live,
         unique slots, token ids in range; fewer than ``tokens`` in all, or exactly
         ``tokens`` for a shape without padding; with a capacity, each prompt at most
         ``capacity`` tokens and the padding at most :attr:`width`) into ``slots``.
+        ``ids``: the windows' token ids already packed in one int64 array (the engine's
+        checks build it), else packed here.
 
         Returns the eager pass's :class:`StepOutput` (last-token logits), in tensors of
         its own (the graph's buffers are copied out)."""
@@ -267,6 +270,9 @@ class PromptGraph:
         if self.capacity is not None and (max(lengths) > self.capacity or pad > self.width):
             raise ValueError(f"this shape takes prompts of at most {self.capacity} tokens and at most "
                              f"{self.width} padding tokens, got a prompt of {max(lengths)} and {pad} padding")
+        if ids is not None and (not isinstance(ids, np.ndarray) or ids.shape != (used,)):
+            raise ValueError(f"ids must be the windows' {used} token ids packed in one array, got "
+                             f"{getattr(ids, 'shape', type(ids).__name__)}")
         lens = np.fromiter(lengths, np.int64, b)
         ends = np.cumsum(lens)
         sl = np.fromiter(slots, np.int64, b)
@@ -274,7 +280,7 @@ class PromptGraph:
             self._copied.synchronize()  # the last pass's copy has left the pinned buffer
         h = self._host_fields
         row, col, pos, kv_slot = h.index
-        h.ids[:used] = np.fromiter(itertools.chain.from_iterable(windows), np.int64, used)
+        h.ids[:used] = ids if ids is not None else np.fromiter(itertools.chain.from_iterable(windows), np.int64, used)
         h.ids[used:] = 0
         row[:used] = np.repeat(np.arange(b), lens)
         col[:used] = np.arange(used) - np.repeat(ends - lens, lens)
@@ -573,7 +579,9 @@ class PromptGraphs:
             self._build(key)
 
     @torch.inference_mode()  # as the eager pass: no autograd record inside a capture
-    def run(self, slots: Sequence[int], windows: Sequence[Sequence[int]]) -> StepOutput:
-        """The pass through its shape's :class:`PromptGraph` (``fits`` must hold)."""
+    def run(self, slots: Sequence[int], windows: Sequence[Sequence[int]], *,
+            ids: np.ndarray | None = None) -> StepOutput:
+        """The pass through its shape's :class:`PromptGraph` (``fits`` must hold; ``ids``
+        as :meth:`PromptGraph.run` takes them)."""
         lengths = [len(w) for w in windows]
-        return self.prepare(len(slots), sum(lengths), max(lengths)).run(slots, windows)
+        return self.prepare(len(slots), sum(lengths), max(lengths)).run(slots, windows, ids=ids)
