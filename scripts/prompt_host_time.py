@@ -1,0 +1,63 @@
+#!/usr/bin/env python3
+"""Host time of a static prompt pass, without its device work.
+
+    OMP_NUM_THREADS=1 python scripts/prompt_host_time.py --cases 16x2048,1x64
+
+The pass's body (every layer, as a CUDA graph replays it) is replaced by a stub, so an
+``extend(prompt=True)`` call's time is the host's own work before the graph would
+replay: the step's checks of the slots and token ids, the shape's choice, the
+metadata the host builds and its one upload, and the outputs' copies. The engine is a
+small random Qwen3.5 on the CPU with the CPU stand-in of the chunked kernel, so the
+shapes are those of several requests through the chunked kernel (a chunk list), as on
+a GPU with fla-core. Prints the median of ``--repeats`` calls, fresh requests and
+fresh prompts each (random ids as Python lists), after two warm-up calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from replayssm.engine import prompt_graph
+from replayssm.engine.adapter import HybridEngine
+from replayssm.engine.random_model import build_tiny_model
+from replayssm.testing.chunk_kernel import chunk_kernel_on_cpu
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cases", default="16x2048,1x64", help="BATCHxPROMPT_LEN, comma-separated")
+    ap.add_argument("--repeats", type=int, default=15)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    prompt_graph.PromptGraph._body = lambda self: None  # the host's work alone
+    model = build_tiny_model("qwen3_5", seed=0)
+    g = torch.Generator().manual_seed(1)
+    for case in args.cases.split(","):
+        batch, length = (int(v) for v in case.split("x"))
+        eng = HybridEngine(model, num_slots=batch, window=1, max_len=length + 64, prefill="chunk",
+                           chunk_kernel=chunk_kernel_on_cpu)
+        eng.prompt_graphs = prompt_graph.PromptGraphs(eng, graph=False)
+
+        def once() -> float:
+            slots = [eng.alloc() for _ in range(batch)]
+            prompts = torch.randint(0, 200, (batch, length), generator=g).tolist()
+            t0 = time.perf_counter()
+            eng.extend(slots, prompts, prompt=True)
+            dt = time.perf_counter() - t0
+            for s in slots:
+                eng.free(s)
+            return dt
+
+        with torch.inference_mode():
+            once(), once()
+            host = statistics.median(once() for _ in range(args.repeats))
+        print(f"{batch} x {length}: host {1e3 * host:.2f} ms a pass (median of {args.repeats}; "
+              f"passes {eng.prompt_passes})")
+
+
+if __name__ == "__main__":
+    main()
