@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from replayssm.bench.common import time_prompt_pass
 from replayssm.bench.e2e import QWEN35_SHAPES
 from replayssm.engine.adapter import HybridEngine
 from replayssm.engine.random_model import build_tiny_model
@@ -57,16 +57,7 @@ def profile_cases(model, cases, args) -> None:
     g = torch.Generator().manual_seed(1)
     for batch, length in cases:
         def once() -> float:
-            slots = [eng.alloc() for _ in range(batch)]
-            prompts = torch.randint(0, 256, (batch, length), generator=g).tolist()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            eng.extend(slots, prompts, prompt=True)
-            torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
-            for s in slots:
-                eng.free(s)
-            return dt
+            return time_prompt_pass(eng, batch, length, g)
 
         with torch.inference_mode():
             once(), once()

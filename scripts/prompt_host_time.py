@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
+from replayssm.bench.common import time_prompt_pass
 from replayssm.engine import prompt_graph
 from replayssm.engine.adapter import HybridEngine
 from replayssm.engine.random_model import build_tiny_model
@@ -43,14 +43,7 @@ def main() -> None:
         eng.prompt_graphs = prompt_graph.PromptGraphs(eng, graph=False)
 
         def once() -> float:
-            slots = [eng.alloc() for _ in range(batch)]
-            prompts = torch.randint(0, 200, (batch, length), generator=g).tolist()
-            t0 = time.perf_counter()
-            eng.extend(slots, prompts, prompt=True)
-            dt = time.perf_counter() - t0
-            for s in slots:
-                eng.free(s)
-            return dt
+            return time_prompt_pass(eng, batch, length, g)
 
         with torch.inference_mode():
             once(), once()

@@ -440,6 +440,17 @@ def test_time_cuda_checks_its_counts_and_needs_cuda():
     assert not calls, "a refused call ran its function"
 
 
+def test_time_prompt_pass_runs_one_pass_and_gives_its_slots_back():
+    from replayssm.engine.adapter import HybridEngine
+    from replayssm.engine.random_model import build_tiny_model
+
+    eng = HybridEngine(build_tiny_model("qwen3_5", seed=0), num_slots=2, window=1, max_len=64)
+    passes = dict(eng.prompt_passes)
+    dt = common.time_prompt_pass(eng, 2, 9, torch.Generator().manual_seed(0))
+    assert dt > 0 and sum(eng.prompt_passes.values()) == sum(passes.values()) + 1
+    assert sorted([eng.alloc(), eng.alloc()]) == [0, 1]  # both slots free again
+
+
 def test_copy_bandwidth_and_l2_need_cuda():
     with pytest.raises(ValueError, match="CUDA"):
         common.copy_bandwidth("cpu")

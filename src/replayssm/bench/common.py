@@ -485,6 +485,24 @@ def time_cuda(fn: Callable[[], object], *, warmup: int = 3, repeats: int = 10) -
     return statistics.median(times)
 
 
+def time_prompt_pass(engine, batch: int, length: int, generator: torch.Generator, *, vocab: int = 256) -> float:
+    """Seconds of one ``engine.extend(..., prompt=True)`` of ``batch`` fresh requests of
+    ``length`` random token ids below ``vocab`` (Python lists, as callers pass them): the
+    slots are taken before the clock and freed after it, and on a CUDA engine the device
+    is synchronised on both sides of the call."""
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+    slots = [engine.alloc() for _ in range(batch)]
+    prompts = torch.randint(0, vocab, (batch, length), generator=generator).tolist()
+    sync()
+    t0 = time.perf_counter()
+    engine.extend(slots, prompts, prompt=True)
+    sync()
+    dt = time.perf_counter() - t0
+    for s in slots:
+        engine.free(s)
+    return dt
+
+
 def plan_steps_per_block(est_us_per_step: float, cycle: int, copies: int, *, target_block_us: float = 2000.0) -> int:
     """Steps per timed block: a whole number of cursor cycles, long enough (about
     ``target_block_us``) that event resolution and launch jitter do not matter."""
