@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.triton_common import INTERPRETER, chain_launch, check_arrivals, triton
+from ..ops.triton_common import ARRIVAL_COUNTERS, INTERPRETER, chain_launch, check_arrivals, triton
 from .argmax import MERGE_VALUES, merge_argmax_parts
 
 if triton is not None:
@@ -234,8 +234,8 @@ def normed_linear(x: torch.Tensor, weight: torch.Tensor, *, norm: tuple | None =
     one_tile = (bm + bn * (2 if output == "glu" else 1)) * width * x.element_size() <= ONE_TILE_BYTES
     bk = width if one_tile else min(width, BLOCK_K if x.element_size() <= 2 else BLOCK_K // 2)
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-    merge_parts = triton.next_power_of_2(grid[1])
-    arrive = arrivals is not None and bm * merge_parts <= MERGE_VALUES and grid[0] <= arrivals.numel()
+    pb = triton.next_power_of_2(grid[1])  # the column blocks a row block's merge reads at once
+    arrive = arrivals is not None and bm * pb <= MERGE_VALUES and grid[0] <= ARRIVAL_COUNTERS
     if output == "argmax":
         y = torch.empty((m,), dtype=torch.int64, device=dev)
         best = torch.empty((m, grid[1]), dtype=torch.float32, device=dev)
@@ -257,7 +257,7 @@ def normed_linear(x: torch.Tensor, weight: torch.Tensor, *, norm: tuple | None =
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GATHER=rows is not None, NORM=norm is not None, PAIR=pair is not None,
         OUTPUT=OUTPUTS.index(output), STORE_NORMED=normed_out is not None, ONE_TILE=one_tile,
         PRECISION="ieee" if dt == torch.float32 else "tf32", CHAINED=chained, ARRIVE=arrive,
-        PB=merge_parts if arrive else 1, num_warps=4, **launch,
+        PB=pb if arrive else 1, num_warps=4, **launch,
     )
     if output == "argmax" and not arrive:
         merge_argmax_parts(best, where, y)
