@@ -12,6 +12,8 @@ two warm-up passes (which capture a prompt graph's shape). The profiled pass is 
 ``--conv BCxBT,...`` repeats the cases per setting of the conv kernel's channel block
 and prompt token block (``replayssm.ops.conv.CONV_BLOCK``, ``CONV_TOKEN_BLOCK``, read at
 each launch), each on an engine of its own (its graphs captured with that setting).
+``--attention flash,cudnn`` likewise repeats them per SDPA backend of the prompt
+attention (``replayssm.engine.kv_cache.PROMPT_ATTENTION_BACKEND``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ from torch.profiler import ProfilerActivity, profile
 
 from replayssm.bench.common import time_prompt_pass
 from replayssm.bench.e2e import QWEN35_SHAPES
+from torch.nn.attention import SDPBackend
+
+from replayssm.engine import kv_cache
 from replayssm.engine.adapter import HybridEngine
 from replayssm.engine.random_model import build_tiny_model
 from replayssm.ops import conv
@@ -39,15 +44,25 @@ def main() -> None:
     ap.add_argument("--conv", default="",
                     help="BCxBT settings of the conv kernel (channel block x prompt token block), comma-separated; "
                          "default: the module's")
+    ap.add_argument("--attention", default="",
+                    help="SDPA backends of the prompt attention (flash, cudnn, efficient), comma-separated; "
+                         "default: the module's")
     args = ap.parse_args()
     cases = [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")]
     model = build_tiny_model("qwen3_5", seed=0, dtype=torch.bfloat16, device=torch.device("cuda"), **QWEN35_SHAPES)
     settings = [tuple(int(v) for v in c.split("x")) for c in args.conv.split(",")] if args.conv else [None]
-    for setting in settings:
-        if setting is not None:
-            conv.CONV_BLOCK, conv.CONV_TOKEN_BLOCK = setting
-            print(f"##### conv: CONV_BLOCK {setting[0]}, CONV_TOKEN_BLOCK {setting[1]}")
-        profile_cases(model, cases, args)
+    backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                "efficient": SDPBackend.EFFICIENT_ATTENTION}
+    attention = [backends[a] for a in args.attention.split(",")] if args.attention else [None]
+    for backend in attention:
+        if backend is not None:
+            kv_cache.PROMPT_ATTENTION_BACKEND = backend
+            print(f"##### prompt attention: {backend.name}", flush=True)
+        for setting in settings:
+            if setting is not None:
+                conv.CONV_BLOCK, conv.CONV_TOKEN_BLOCK = setting
+                print(f"##### conv: CONV_BLOCK {setting[0]}, CONV_TOKEN_BLOCK {setting[1]}")
+            profile_cases(model, cases, args)
 
 
 def profile_cases(model, cases, args) -> None:
@@ -60,7 +75,9 @@ def profile_cases(model, cases, args) -> None:
             return time_prompt_pass(eng, batch, length, g)
 
         with torch.inference_mode():
-            once(), once()
+            warm = [once(), once()]  # the first captures the shape's graph
+            print(f"--- B={batch} P={length}: warm-up passes {', '.join(f'{1e3 * w:.1f}' for w in warm)} ms",
+                  flush=True)
             wall = statistics.median(once() for _ in range(5))
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 once()
@@ -69,7 +86,7 @@ def profile_cases(model, cases, args) -> None:
         syncs = {e.key: e.count for e in events if "Synchronize" in e.key or "Memcpy" in e.key}
         print(f"=== B={batch} P={length}: wall p50 {1e3 * wall:.2f} ms; GPU kernels "
               f"{sum(e.self_device_time_total for e in gpu) / 1e3:.2f} ms in {sum(e.count for e in gpu)} kernels; "
-              f"passes so far {eng.prompt_passes}; host copies and syncs of the profiled pass {syncs}")
+              f"passes so far {eng.prompt_passes}; host copies and syncs of the profiled pass {syncs}", flush=True)
         print(events.table(sort_by="self_cuda_time_total", row_limit=args.top, max_name_column_width=60))
 
 

@@ -177,6 +177,27 @@ def test_fresh_attention_of_uneven_requests_is_the_zero_padded_batch(rng):
     assert torch.equal(got, want)
 
 
+def test_static_prompt_attention_backend_is_cudnn_on_sm90_only(monkeypatch):
+    """A static pass's attention asks for cuDNN on an sm_90 card with cuDNN's SDPA
+    enabled, and flash on any other card, with it disabled, or on the CPU; an eager
+    pass's layout always asks for flash (no per-shape plan)."""
+    from torch.nn.attention import SDPBackend
+
+    from replayssm.engine import kv_cache
+
+    cuda = torch.device("cuda", 0)
+    for cap, enabled, want in (((9, 0), True, SDPBackend.CUDNN_ATTENTION), ((8, 0), True, SDPBackend.FLASH_ATTENTION),
+                               ((10, 0), True, SDPBackend.FLASH_ATTENTION),
+                               ((9, 0), False, SDPBackend.FLASH_ATTENTION)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, cap=cap: cap)
+        monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda enabled=enabled: enabled)
+        assert kv_cache.static_attention_backend(cuda) == want, (cap, enabled)
+    assert kv_cache.static_attention_backend(torch.device("cpu")) == SDPBackend.FLASH_ATTENTION
+    assert kv_cache.WindowLayout.attention_backend == SDPBackend.FLASH_ATTENTION
+    layout = kv_cache.PromptLayout(2, 4, torch.zeros(4, 6, dtype=torch.int64))
+    assert layout.attention_backend == SDPBackend.FLASH_ATTENTION  # a CPU pass
+
+
 @pytest.mark.parametrize("batch", [1, 3])
 def test_fresh_prompt_attention_equals_the_masked_cache_attention(batch, rng):
     """A pass of fresh requests attends within each window with a causal mask only

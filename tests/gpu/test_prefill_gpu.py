@@ -258,14 +258,21 @@ def test_prompt_ops_on_the_card_and_in_a_graph():
     assert torch.equal(ck[0], before[0]) and torch.equal(ck[1, [0, 1, 2, 4]], before[1, [0, 1, 2, 4]])
 
 
+@pytest.mark.parametrize("backend", ["flash", "cudnn"])
 @pytest.mark.parametrize("packed", [True, False])
-def test_fresh_attention_takes_grouped_keys_as_they_are(packed):
+def test_fresh_attention_takes_grouped_keys_as_they_are(packed, backend):
     """A prompt pass's attention of 16 query heads over 2 key/value heads (Qwen3.5's,
-    head dim 256, bf16) hands SDPA the grouped keys and values (its flash kernel's GQA)
-    instead of repeating them per query head: against SDPA on the repeated keys and
-    values, to one bf16 rounding of the outputs' scale, over a layout of one row per
-    request (``packed``) and over requests of 700 and 300 tokens and their padding."""
+    head dim 256, bf16) hands SDPA the grouped keys and values (the GQA of its flash
+    and cuDNN kernels, the layout's backend, each asked for alone) instead of repeating
+    them per query head: against SDPA on the repeated keys and values, to one bf16
+    rounding of the outputs' scale, over a layout of one row per request (``packed``)
+    and over requests of 700 and 300 tokens and their padding."""
+    from torch.nn.attention import SDPBackend
+
     from replayssm.engine.kv_cache import PromptLayout, _fresh_attention
+
+    if backend == "cudnn" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("cuDNN's attention is taken on sm_90 cards only")
 
     g = torch.Generator(device="cuda").manual_seed(4)
     lengths = [512, 512] if packed else [700, 300, 24]
@@ -277,6 +284,7 @@ def test_fresh_attention_takes_grouped_keys_as_they_are(packed):
     col = torch.arange(n, device="cuda") - starts[row]
     layout = PromptLayout(len(lengths), max(lengths), torch.stack([row, col, col, row]))
     layout.uniform = packed
+    layout.attention_backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
     got = _fresh_attention(layout, q, k, v, d**-0.5)
     want = torch.cat([torch.nn.functional.scaled_dot_product_attention(
         q[s : s + m].transpose(0, 1)[None], k[s : s + m].repeat_interleave(8, 1).transpose(0, 1)[None],

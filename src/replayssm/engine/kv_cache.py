@@ -24,6 +24,14 @@ from ..ops.guards import to_device
 
 GIB = 2**30
 
+# The SDPA backend of every fresh-request attention when set (None: each layout's own,
+# ``WindowLayout.attention_backend`` / ``PromptLayout.attention_backend``);
+# ``scripts/gpu_prefill_profile.py --attention`` sets it per run to time one against another.
+PROMPT_ATTENTION_BACKEND: SDPBackend | None = None
+_BACKEND_ENABLED = {SDPBackend.FLASH_ATTENTION: torch.backends.cuda.flash_sdp_enabled,
+                    SDPBackend.CUDNN_ATTENTION: torch.backends.cuda.cudnn_sdp_enabled,
+                    SDPBackend.EFFICIENT_ATTENTION: torch.backends.cuda.mem_efficient_sdp_enabled}
+
 
 def kv_cache_nbytes(num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, max_len: int,
                     dtype: torch.dtype) -> int:
@@ -184,6 +192,10 @@ class WindowLayout:
             longest history (fixed shapes, see ``HybridEngine(fixed_shape=...)``).
     """
 
+    #: the SDPA backend of its fresh-request attention: flash, which serves any shape
+    #: with no per-shape setup (an eager pass's shapes are the prompts')
+    attention_backend = SDPBackend.FLASH_ATTENTION
+
     def __init__(self, slots: Sequence[int], starts: Sequence[int], lengths: Sequence[int], device,
                  *, t_max: int | None = None, l_max: int | None = None):
         self.slots = list(slots)
@@ -250,6 +262,19 @@ class PromptLayout:
     def __init__(self, rows: int, t_max: int, index: torch.Tensor):
         self.batch, self.t_max = rows, t_max
         self.row, self.col, self.positions, self.slot_of_token = index
+        self.attention_backend = static_attention_backend(index.device)
+
+
+def static_attention_backend(device: torch.device) -> SDPBackend:
+    """The SDPA backend of a static prompt pass's attention on ``device``: cuDNN's on an
+    sm_90 card (where torch enables it), else flash. cuDNN builds an execution plan per
+    shape at its first call, which a static shape pays once, in the warm-up before its
+    capture; at Qwen3.5's head dim of 256 its causal products then run at about twice
+    flash's rate (BENCHMARKS.md, "The prompt attention through cuDNN, graphed")."""
+    if (device.type == "cuda" and torch.backends.cuda.cudnn_sdp_enabled()
+            and torch.cuda.get_device_capability(device) == (9, 0)):
+        return SDPBackend.CUDNN_ATTENTION
+    return SDPBackend.FLASH_ATTENTION
 
 
 def write_window_kv(cache: KVCache, layer: int, layout: WindowLayout, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -301,12 +326,13 @@ def _fresh_attention(layout: WindowLayout, q: torch.Tensor, k: torch.Tensor, v: 
     real query's causal window ends at itself, before its row's padding."""
     n, heads, d = q.shape
     kv_heads = k.shape[1]
-    # SDPA's flash kernel takes grouped keys and values as they are (16-bit inputs on an
-    # sm_80+ card, head dims up to 256), and the call below asks for it alone, so that
-    # an input it refuses raises instead of falling to the math kernel; elsewhere the
-    # keys and values are repeated per query head.
+    # SDPA's flash and cuDNN kernels take grouped keys and values as they are (16-bit
+    # inputs on an sm_80+ card, head dims up to 256), and the call below asks for the
+    # layout's backend alone, so that an input it refuses raises instead of falling to
+    # the math kernel; elsewhere the keys and values are repeated per query head.
+    backend = PROMPT_ATTENTION_BACKEND or layout.attention_backend
     gqa = (heads != kv_heads and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and d <= 256
-           and torch.backends.cuda.flash_sdp_enabled() and torch.cuda.get_device_capability(q.device)[0] >= 8)
+           and _BACKEND_ENABLED[backend]() and torch.cuda.get_device_capability(q.device)[0] >= 8)
     if heads != kv_heads and not gqa:
         k = k.repeat_interleave(heads // kv_heads, dim=1)
         v = v.repeat_interleave(heads // kv_heads, dim=1)
@@ -326,7 +352,7 @@ def _fresh_attention(layout: WindowLayout, q: torch.Tensor, k: torch.Tensor, v: 
         qs = q.index_select(0, src).view(layout.batch, layout.t_max, heads, d)
         ks, vs = (x.to(q.dtype).index_select(0, src).view(layout.batch, layout.t_max, kv_heads, d) for x in (k, v))
     extra = {"enable_gqa": True} if gqa else {}
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION) if gqa else contextlib.nullcontext():
+    with sdpa_kernel(backend) if gqa else contextlib.nullcontext():
         out = F.scaled_dot_product_attention(qs.transpose(1, 2), ks.transpose(1, 2).to(q.dtype),
                                              vs.transpose(1, 2).to(q.dtype), is_causal=True, scale=scale, **extra)
     out = out.transpose(1, 2)  # [B, Tmax, heads, D] (its memory order, as flash writes it)
