@@ -522,7 +522,7 @@ class StepGenerator:
         sampling: greedy, or warped sampling with rejection of the drafts.
         eos_token_ids: tokens that end a request.
         graphs: capture CUDA graphs (default: on a CUDA engine).
-        buckets: batch buckets (default 1, 2, 4, ... up to the engine's slots).
+        buckets: batch buckets (default: :func:`default_buckets` of the engine's slots).
         prefill_chunk: prompt tokens per prefill pass, or ``None`` (default): every
             joiner's whole prompt in one pass before the next step.
         tree: a :class:`~replayssm.engine.trees.StaticTree`: every step verifies a
