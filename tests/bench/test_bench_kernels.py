@@ -449,6 +449,23 @@ def test_time_prompt_pass_runs_one_pass_and_gives_its_slots_back():
     dt = common.time_prompt_pass(eng, 2, 9, torch.Generator().manual_seed(0))
     assert dt > 0 and sum(eng.prompt_passes.values()) == sum(passes.values()) + 1
     assert sorted([eng.alloc(), eng.alloc()]) == [0, 1]  # both slots free again
+    eng.free_many([0, 1])
+
+    # ``around`` is entered after the slots are taken and left before they are freed,
+    # with the pass inside it
+    seen = []
+
+    class Around:
+        def __enter__(self):
+            seen.append((eng.pool.num_free, sum(eng.prompt_passes.values())))
+
+        def __exit__(self, *exc):
+            seen.append((eng.pool.num_free, sum(eng.prompt_passes.values())))
+
+    common.time_prompt_pass(eng, 2, 9, torch.Generator().manual_seed(1), around=Around())
+    (free_in, passes_in), (free_out, passes_out) = seen
+    assert free_in == free_out == 0 and passes_out == passes_in + 1
+    assert eng.pool.num_free == 2
 
 
 def test_copy_bandwidth_and_l2_need_cuda():

@@ -18,6 +18,7 @@ the wall clock: a smoke run that proves the code path, not a measurement.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
@@ -485,19 +486,23 @@ def time_cuda(fn: Callable[[], object], *, warmup: int = 3, repeats: int = 10) -
     return statistics.median(times)
 
 
-def time_prompt_pass(engine, batch: int, length: int, generator: torch.Generator, *, vocab: int = 256) -> float:
+def time_prompt_pass(engine, batch: int, length: int, generator: torch.Generator, *, vocab: int = 256,
+                     around=None) -> float:
     """Seconds of one ``engine.extend(..., prompt=True)`` of ``batch`` fresh requests of
     ``length`` random token ids below ``vocab`` (Python lists, as callers pass them): the
     slots are taken before the clock and freed after it, and on a CUDA engine the device
-    is synchronised on both sides of the call."""
+    is synchronised on both sides of the call. ``around``: a context manager entered
+    just around the timed call (a profiler, so that it records the pass and not the
+    slots' allocation)."""
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
     slots = [engine.alloc() for _ in range(batch)]
     prompts = torch.randint(0, vocab, (batch, length), generator=generator).tolist()
     sync()
-    t0 = time.perf_counter()
-    engine.extend(slots, prompts, prompt=True)
-    sync()
-    dt = time.perf_counter() - t0
+    with around if around is not None else contextlib.nullcontext():
+        t0 = time.perf_counter()
+        engine.extend(slots, prompts, prompt=True)
+        sync()
+        dt = time.perf_counter() - t0
     for s in slots:
         engine.free(s)
     return dt
