@@ -12,8 +12,8 @@ two warm-up passes (which capture a prompt graph's shape). The profiled pass is 
 ``--conv BCxBT,...`` repeats the cases per setting of the conv kernel's channel block
 and prompt token block (``replayssm.ops.conv.CONV_BLOCK``, ``CONV_TOKEN_BLOCK``, read at
 each launch), each on an engine of its own (its graphs captured with that setting).
-``--attention flash,cudnn`` likewise repeats them per SDPA backend of the prompt
-attention (``replayssm.engine.kv_cache.PROMPT_ATTENTION_BACKEND``).
+``--attention flash,cudnn`` likewise repeats them per SDPA backend of the static passes'
+attention (``replayssm.engine.kv_cache.static_attention_backend``, replaced per run).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def main() -> None:
     attention = [backends[a] for a in args.attention.split(",")] if args.attention else [None]
     for backend in attention:
         if backend is not None:
-            kv_cache.PROMPT_ATTENTION_BACKEND = backend
+            kv_cache.static_attention_backend = lambda device, backend=backend: backend
             print(f"##### prompt attention: {backend.name}", flush=True)
         for setting in settings:
             if setting is not None:

@@ -194,8 +194,12 @@ def test_static_prompt_attention_backend_is_cudnn_on_sm90_only(monkeypatch):
         assert kv_cache.static_attention_backend(cuda) == want, (cap, enabled)
     assert kv_cache.static_attention_backend(torch.device("cpu")) == SDPBackend.FLASH_ATTENTION
     assert kv_cache.WindowLayout.attention_backend == SDPBackend.FLASH_ATTENTION
-    layout = kv_cache.PromptLayout(2, 4, torch.zeros(4, 6, dtype=torch.int64))
-    assert layout.attention_backend == SDPBackend.FLASH_ATTENTION  # a CPU pass
+    index = torch.zeros(4, 6, dtype=torch.int64)
+    assert kv_cache.PromptLayout(2, 4, index).attention_backend == SDPBackend.FLASH_ATTENTION  # a CPU pass
+    # a static pass's layout takes the choice for its index's device
+    seen = []
+    monkeypatch.setattr(kv_cache, "static_attention_backend", lambda device: seen.append(device) or "chosen")
+    assert kv_cache.PromptLayout(2, 4, index).attention_backend == "chosen" and seen == [index.device]
 
 
 @pytest.mark.parametrize("batch", [1, 3])

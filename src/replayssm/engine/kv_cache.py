@@ -24,10 +24,6 @@ from ..ops.guards import to_device
 
 GIB = 2**30
 
-# The SDPA backend of every fresh-request attention when set (None: each layout's own,
-# ``WindowLayout.attention_backend`` / ``PromptLayout.attention_backend``);
-# ``scripts/gpu_prefill_profile.py --attention`` sets it per run to time one against another.
-PROMPT_ATTENTION_BACKEND: SDPBackend | None = None
 _BACKEND_ENABLED = {SDPBackend.FLASH_ATTENTION: torch.backends.cuda.flash_sdp_enabled,
                     SDPBackend.CUDNN_ATTENTION: torch.backends.cuda.cudnn_sdp_enabled,
                     SDPBackend.EFFICIENT_ATTENTION: torch.backends.cuda.mem_efficient_sdp_enabled}
@@ -330,7 +326,7 @@ def _fresh_attention(layout: WindowLayout, q: torch.Tensor, k: torch.Tensor, v: 
     # inputs on an sm_80+ card, head dims up to 256), and the call below asks for the
     # layout's backend alone, so that an input it refuses raises instead of falling to
     # the math kernel; elsewhere the keys and values are repeated per query head.
-    backend = PROMPT_ATTENTION_BACKEND or layout.attention_backend
+    backend = layout.attention_backend
     gqa = (heads != kv_heads and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and d <= 256
            and _BACKEND_ENABLED[backend]() and torch.cuda.get_device_capability(q.device)[0] >= 8)
     if heads != kv_heads and not gqa:
@@ -355,7 +351,7 @@ def _fresh_attention(layout: WindowLayout, q: torch.Tensor, k: torch.Tensor, v: 
     with sdpa_kernel(backend) if gqa else contextlib.nullcontext():
         out = F.scaled_dot_product_attention(qs.transpose(1, 2), ks.transpose(1, 2).to(q.dtype),
                                              vs.transpose(1, 2).to(q.dtype), is_causal=True, scale=scale, **extra)
-    out = out.transpose(1, 2)  # [B, Tmax, heads, D] (its memory order, as flash writes it)
+    out = out.transpose(1, 2)  # [B, Tmax, heads, D]
     return out.reshape(n, heads, d) if packed else out.reshape(-1, heads, d).index_select(0, flat)
 
 
