@@ -89,6 +89,30 @@ def test_slot_attention_on_cuda_matches_the_reference(t, stages, b, monkeypatch)
 
 
 @pytest.mark.parametrize("t", [1, 4])
+def test_slot_attention_warps_change_no_bit(t, monkeypatch):
+    """The Triton window attention on 4 warps and on 8 (the rule picks 4 for these
+    tiles, :func:`attention_warps`), gated, at Qwen3.5's attention shapes, batch 64:
+    the same bits, so the rule may pick either per tile without moving a greedy token."""
+    from replayssm.engine import attention
+
+    g = torch.Generator(device="cuda").manual_seed(torch.initial_seed())
+    heads, kvh, d, cap, b = 16, 2, 256, 300, 64
+    kc = torch.randn(b + 3, kvh, cap, d, device="cuda", generator=g).bfloat16()
+    vc = torch.randn(b + 3, kvh, cap, d, device="cuda", generator=g).bfloat16()
+    q = torch.randn(b, t, heads, d, device="cuda", generator=g).bfloat16()
+    gate = torch.randn(b * t, heads, d, device="cuda", generator=g).bfloat16()
+    slot = torch.randperm(b + 3, device="cuda", generator=g)[:b]
+    starts = torch.randint(0, cap - t, (b,), device="cuda", generator=g)
+    assert attention.attention_warps(max(16, heads // kvh * t), d) == 4
+    runs = []
+    for warps in (4, 8):
+        monkeypatch.setattr(attention, "attention_warps", lambda block_m, d, w=warps: w)
+        runs.append(attention.slot_attention(q, kc, vc, slot, starts, d**-0.5, gate=gate, backend="triton"))
+    assert runs[0].abs().max() > 0.1
+    assert torch.equal(runs[0], runs[1]), f"{(runs[0] != runs[1]).sum().item()} of {runs[0].numel()} differ"
+
+
+@pytest.mark.parametrize("t", [1, 4])
 def test_emit_step_on_cuda_is_the_torch_ops(t):
     """The step's outputs after acceptance in one kernel, against the torch ops, on the
     card (integers: equal), greedy, at batch 64 with the last row padding."""
