@@ -13,8 +13,9 @@ used is replayed alone (``--reps`` graph replays between two CUDA events, on slo
 freshly allocated and not prefilled: a step's cost does not depend on its tokens) and
 the run is split into
 
-* ``steady``: the steps the run would take without a drain (its tokens at the full
-  bucket's tokens a step) at the full bucket's cost;
+* ``steady``: the steps the run would take without a drain (its decode tokens, the
+  prompt passes' first tokens not counted, at the full bucket's tokens a step) at the
+  full bucket's cost;
 * ``buckets``: the sum of each step's bucket cost, so ``buckets - steady`` is what the
   drain's smaller (and padded) steps cost;
 * the rest of the decode time: the host between steps (reads not overlapped, launches).
@@ -129,7 +130,8 @@ def main() -> None:
     full = cost[gen._bucket(a.batch)]
     first = s.emitted[0] / s.rows[0]  # tokens a live request takes a step, before any stops
     rate = sum(e for e, r in zip(s.emitted, s.rows) if r == a.batch) / sum(r for r in s.rows if r == a.batch)
-    steady = res.num_generated / (a.batch * rate) * full
+    # the decode steps' tokens: each request's first token comes from its prompt pass
+    steady = (res.num_generated - n) / (a.batch * rate) * full
     buckets = sum(cost[gen._bucket(r)] for r in s.rows)
     per_bucket = collections.Counter(gen._bucket(r) for r in s.rows)
     print(f"tokens a step at the full batch {rate:.3f} (first step {first:.3f}); bucket costs ms: "
