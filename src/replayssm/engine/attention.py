@@ -240,9 +240,9 @@ def attention_warps(block_m: int, d: int) -> int:
     """Warps of the Triton kernel for a query tile of ``block_m`` rows at head dim ``d``:
     4 up to 32 x 128 elements, and for up to 32 rows at head dim 256 (a verify window
     of 4 tokens over the 8 query heads of a key head, Qwen3.5's attention), else 8. At
-    that tile 4 warps measured 7% and 9% faster than 8 on an H100 at batch 256 and 64,
-    with the same bits (the warps split the tile's rows, not a sum; BENCHMARKS.md,
-    "Where a closed batch's decode time goes")."""
+    that tile 4 warps measured 7% and 10% faster than 8 on an H100 at batch 256 and 64,
+    with the same bits (a GPU test compares them; BENCHMARKS.md, "Where a closed
+    batch's decode time goes")."""
     return 4 if block_m * d <= 32 * 128 or (d == 256 and block_m <= 32) else 8
 
 

@@ -1,0 +1,76 @@
+"""The Triton slot attention alone at Qwen3.5's attention shapes (16 query heads on 2 key
+heads of 256, bf16, gated, contexts 64-191): the committed warps rule
+(:func:`~replayssm.engine.attention.attention_warps`) against 8 warps, µs a call from
+graph replays (10 calls a graph), and whether the two give the same bits.
+
+    PYTHONPATH=src python3 scripts/gpu_slot_attention_ab.py [--batches 256,64] [--windows 4,1]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from replayssm.engine import attention
+
+HEADS, KV_HEADS, HEAD_DIM, CAPACITY = 16, 2, 256, 256
+
+
+def time_us(call, reps: int) -> float:
+    """µs a call of ``call``, replayed from a graph of 10 calls after one warm replay."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(10):
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps // 10):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / (10 * (reps // 10))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", default="256,64")
+    ap.add_argument("--windows", default="4,1")
+    ap.add_argument("--reps", type=int, default=50)
+    a = ap.parse_args()
+    rule = attention.attention_warps
+    g = torch.Generator(device="cuda").manual_seed(0)
+    try:
+        for b in map(int, a.batches.split(",")):
+            for t in map(int, a.windows.split(",")):
+                kc = torch.randn(b, KV_HEADS, CAPACITY, HEAD_DIM, device="cuda", generator=g).bfloat16()
+                vc = torch.randn_like(kc)
+                q = torch.randn(b, t, HEADS, HEAD_DIM, device="cuda", generator=g).bfloat16()
+                gate = torch.randn(b * t, HEADS, HEAD_DIM, device="cuda", generator=g).bfloat16()
+                slots = torch.randperm(b, device="cuda", generator=g).to(torch.int32)
+                starts = torch.randint(64, 192, (b,), device="cuda", generator=g)
+
+                def call():
+                    return attention.slot_attention(q, kc, vc, slots, starts, HEAD_DIM**-0.5, gate=gate)
+
+                block_m = max(16, triton_rows(HEADS // KV_HEADS * t))
+                outs = []
+                for name, warps in (("rule", rule), ("8 warps", lambda m, d: 8), ("rule again", rule)):
+                    attention.attention_warps = warps
+                    outs.append(call())
+                    print(f"B {b} T {t} {name:10s} warps {warps(block_m, HEAD_DIM)}: {time_us(call, a.reps):8.2f} us",
+                          flush=True)
+                print(f"B {b} T {t} same bits: {torch.equal(outs[0], outs[1])}")
+    finally:
+        attention.attention_warps = rule
+
+
+def triton_rows(n: int) -> int:
+    """The kernel's query rows for ``n`` (a power of two, as its tile takes them)."""
+    return 1 << (n - 1).bit_length()
+
+
+if __name__ == "__main__":
+    main()
