@@ -28,6 +28,8 @@
 #   scripts/gpu_run.sh targets-plain      # plain decoding through the ring (plain_ring kernels, fp32 and
 #                                         # bf16 states, batches 64, 256; plain-ring end to end) and the
 #                                         # 2048-token prompt rows (batches 1 and 16) with their floor
+#   scripts/gpu_run.sh timeline           # the forced row's closed batch at 256 step by step (circular,
+#                                         # plain): steady steps, the drain's buckets, the host
 #
 # Results go to $RESULTS (default benchmarks/results, under the names BENCHMARKS.md
 # cites; $TAG, default h200, names the card):
@@ -45,6 +47,7 @@
 #   targets-spec  e2e_forced_b{64,256}_$TAG.{log,json}, e2e_mtp_$TAG.{log,json}
 #   targets-plain kernels_plain_ring_{float32,bfloat16}_$TAG.{log,json}, e2e_plain_ring_$TAG.{log,json},
 #                 e2e_prefill2048_$TAG.{log,json}
+#   timeline      step_timeline_{circular,plain}_b256_$TAG.log
 # A test stage fails (exit 1) when pytest passed no GPU test: all skipped (no CUDA
 # device) or none collected must not read as success. Wheels of packages the machine
 # lacks (fla-core for chunked prefill and training, with flash-linear-attention and
@@ -130,6 +133,11 @@ for what in "$@"; do
                stage "e2e_prefill2048_$TAG" "${E2E_LIMIT:-150}" "$PYTHON" -m replayssm.cli bench e2e --random qwen3.5-shapes \
                    --dtype bf16 --batches 1,16 --prompt-len 2048 --max-new-tokens 16 --no-hf --strategies none \
                    --json "$RESULTS/e2e_prefill2048_$TAG.json" ;;
+        timeline)
+               for m in circular plain; do
+                   stage "step_timeline_${m}_b256_$TAG" "${E2E_LIMIT:-150}" "$PYTHON" scripts/gpu_step_timeline.py \
+                       --mode "$m" --batch 256
+               done ;;
         *) echo "unknown stage $what"; rc=2 ;;
     esac
 done
