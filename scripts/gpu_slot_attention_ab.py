@@ -57,11 +57,11 @@ def main() -> None:
 
                 block_m = max(16, triton_rows(HEADS // KV_HEADS * t))
                 outs = []
-                for name, warps in (("rule", rule), ("8 warps", lambda m, d: 8), ("rule again", rule)):
+                for name, warps in (("rule", rule), ("8 warps", lambda m, d, size: 8), ("rule again", rule)):
                     attention.attention_warps = warps
                     outs.append(call())
-                    print(f"B {b} T {t} {name:10s} warps {warps(block_m, HEAD_DIM)}: {time_us(call, a.reps):8.2f} us",
-                          flush=True)
+                    print(f"B {b} T {t} {name:10s} warps {warps(block_m, HEAD_DIM, q.element_size())}: "
+                          f"{time_us(call, a.reps):8.2f} us", flush=True)
                 print(f"B {b} T {t} same bits: {torch.equal(outs[0], outs[1])}")
     finally:
         attention.attention_warps = rule

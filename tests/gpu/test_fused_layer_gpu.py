@@ -103,10 +103,10 @@ def test_slot_attention_warps_change_no_bit(t, monkeypatch):
     gate = torch.randn(b * t, heads, d, device="cuda", generator=g).bfloat16()
     slot = torch.randperm(b + 3, device="cuda", generator=g)[:b]
     starts = torch.randint(0, cap - t, (b,), device="cuda", generator=g)
-    assert attention.attention_warps(max(16, heads // kvh * t), d) == 4
+    assert attention.attention_warps(max(16, heads // kvh * t), d, q.element_size()) == 4
     runs = []
     for warps in (4, 8):
-        monkeypatch.setattr(attention, "attention_warps", lambda block_m, d, w=warps: w)
+        monkeypatch.setattr(attention, "attention_warps", lambda block_m, d, itemsize, w=warps: w)
         runs.append(attention.slot_attention(q, kc, vc, slot, starts, d**-0.5, gate=gate, backend="triton"))
     assert runs[0].abs().max() > 0.1
     assert torch.equal(runs[0], runs[1]), f"{(runs[0] != runs[1]).sum().item()} of {runs[0].numel()} differ"

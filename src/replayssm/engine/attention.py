@@ -236,14 +236,15 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 KV_STAGES = 3
 
 
-def attention_warps(block_m: int, d: int) -> int:
-    """Warps of the Triton kernel for a query tile of ``block_m`` rows at head dim ``d``:
-    4 up to 32 x 128 elements, and for up to 32 rows at head dim 256 (a verify window
-    of 4 tokens over the 8 query heads of a key head, Qwen3.5's attention), else 8. At
-    that tile 4 warps measured 7% and 10% faster than 8 on an H100 at batch 256 and 64,
-    with the same bits (a GPU test compares them; BENCHMARKS.md, "Where a closed
-    batch's decode time goes")."""
-    return 4 if block_m * d <= 32 * 128 or (d == 256 and block_m <= 32) else 8
+def attention_warps(block_m: int, d: int, itemsize: int) -> int:
+    """Warps of the Triton kernel for a query tile of ``block_m`` rows at head dim ``d``
+    of ``itemsize``-byte queries: 4 up to 32 x 128 elements, and for up to 32 rows of
+    16-bit queries at head dim 256 (a verify window of 4 tokens over the 8 query heads
+    of a key head, Qwen3.5's attention), else 8. At that tile 4 warps measured 7% and
+    10% faster than 8 on an H100 at batch 256 and 64 in bf16, with the same bits (a GPU
+    test compares them; BENCHMARKS.md, "Where a closed batch's decode time goes");
+    fp32 tiles of that size were not measured."""
+    return 4 if block_m * d <= 32 * 128 or (d == 256 and block_m <= 32 and itemsize <= 2) else 8
 
 
 @functools.lru_cache(maxsize=None)
@@ -300,7 +301,7 @@ def _slot_attention_triton(q, k_cache, v_cache, slot_idx, starts, scale, tree_bi
         # fp32 models get fp32 products (tl.dot would round fp32 operands to tf32 on
         # CUDA); 16-bit operands are exact in either.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        CHAINED=chained, num_warps=attention_warps(block_m, d), **launch,
+        CHAINED=chained, num_warps=attention_warps(block_m, d, q.element_size()), **launch,
     )
     return out
 
