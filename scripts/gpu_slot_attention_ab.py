@@ -13,6 +13,7 @@ import argparse
 import torch
 
 from replayssm.engine import attention
+from replayssm.ops.triton_common import triton
 
 HEADS, KV_HEADS, HEAD_DIM, CAPACITY = 16, 2, 256, 256
 
@@ -55,7 +56,7 @@ def main() -> None:
                 def call():
                     return attention.slot_attention(q, kc, vc, slots, starts, HEAD_DIM**-0.5, gate=gate)
 
-                block_m = max(16, triton_rows(HEADS // KV_HEADS * t))
+                block_m = max(16, triton.next_power_of_2(HEADS // KV_HEADS * t))  # the launcher's rows
                 outs = []
                 for name, warps in (("rule", rule), ("8 warps", lambda m, d, size: 8), ("rule again", rule)):
                     attention.attention_warps = warps
@@ -65,11 +66,6 @@ def main() -> None:
                 print(f"B {b} T {t} same bits: {torch.equal(outs[0], outs[1])}")
     finally:
         attention.attention_warps = rule
-
-
-def triton_rows(n: int) -> int:
-    """The kernel's query rows for ``n`` (a power of two, as its tile takes them)."""
-    return 1 << (n - 1).bit_length()
 
 
 if __name__ == "__main__":

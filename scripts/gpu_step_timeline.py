@@ -94,8 +94,9 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cpu: the tiny model in fp32, to try the script")
     a = ap.parse_args()
     cuda = a.device == "cuda"
-    cfg = E2EConfig(random_model="qwen3.5-shapes" if cuda else "tiny", device=a.device, dtype="bf16" if cuda else "fp32", drafter="forced", acceptance=(0.8,),
-                    max_new_tokens=128, prompt_len=64, ring_len=16)
+    cfg = E2EConfig(random_model="qwen3.5-shapes" if cuda else "tiny", device=a.device,
+                    dtype="bf16" if cuda else "fp32", drafter="forced", acceptance=(0.8,), max_new_tokens=128,
+                    prompt_len=64, ring_len=16)
     if 4 * (a.reps + 3) > cfg.longest:
         raise SystemExit(f"--reps {a.reps}: the bucket replays would pass the engine's {cfg.longest} KV tokens")
     model, _, _ = load_model(cfg)
@@ -119,21 +120,21 @@ def main() -> None:
         res = gen.generate(prompts, budgets)
         wall = time.perf_counter() - host.t_start
         s = res.stats
-        used = sorted({gen._bucket(r) for r in s.rows})
+        step_buckets = [gen._bucket(r) for r in s.rows]
+        per_bucket = collections.Counter(step_buckets)
+        used = sorted(per_bucket)
         cost = {b: bucket_cost_ms(gen, b, a.reps) for b in used}
     print(f"{a.mode} batch {a.batch}: {res.steps} steps, {res.num_generated} tokens, decode {1e3 * res.decode_s:.2f} ms "
           f"({1e3 * res.decode_s / res.steps:.3f} a step; step p50 {1e3 * statistics.median(s.seconds):.3f})")
     print(" step  live bucket  tokens  seconds ms  ahead  bucket cost ms")
-    for i, (rows, sec, ahead, emitted) in enumerate(zip(s.rows, s.seconds, s.ahead, s.emitted)):
-        b = gen._bucket(rows)
+    for i, (rows, b, sec, ahead, emitted) in enumerate(zip(s.rows, step_buckets, s.seconds, s.ahead, s.emitted)):
         print(f"{i:5d} {rows:5d} {b:6d} {emitted:7d} {1e3 * sec:11.3f} {'yes' if ahead else 'no':>6} {cost[b]:15.3f}")
     full = cost[gen._bucket(a.batch)]
     first = s.emitted[0] / s.rows[0]  # tokens a live request takes a step, before any stops
     rate = sum(e for e, r in zip(s.emitted, s.rows) if r == a.batch) / sum(r for r in s.rows if r == a.batch)
     # the decode steps' tokens: each request's first token comes from its prompt pass
     steady = (res.num_generated - n) / (a.batch * rate) * full
-    buckets = sum(cost[gen._bucket(r)] for r in s.rows)
-    per_bucket = collections.Counter(gen._bucket(r) for r in s.rows)
+    buckets = sum(cost[b] for b in step_buckets)
     print(f"tokens a step at the full batch {rate:.3f} (first step {first:.3f}); bucket costs ms: "
           + ", ".join(f"{b}: {cost[b]:.3f} x {per_bucket[b]}" for b in used))
     print(f"wall {1e3 * wall:.2f} ms: prefill passes {1e3 * res.prefill_s:.2f}, the first launch at "
