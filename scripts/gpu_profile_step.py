@@ -18,6 +18,7 @@ numerics: every strategy runs the same accepted counts) or ``mtp`` (the model's 
 the checkpoint's with ``--model``, a random-weight one on the random model).
 
     PYTHONPATH=src python3 scripts/gpu_profile_step.py --batches 1,64 --modes plain,fold,circular
+    PYTHONPATH=src python3 scripts/gpu_profile_step.py --batches 64,256 --modes plain,plain_ring
     PYTHONPATH=src python3 scripts/gpu_profile_step.py --model embedded --drafter mtp --modes plain,fold
     PYTHONPATH=src python3 scripts/gpu_profile_step.py --model embedded --drafter mtp --modes fold --tree 3,2,1 \
         [--chain-from 16]
@@ -88,16 +89,19 @@ def profile(model, mode: str, batch: int, k: int, reps: int, top: int, drafter_k
             cfg: E2EConfig | None = None, branching: tuple[int, ...] = (), chain_from: int | None = None) -> dict:
     from replayssm.engine.trees import StaticTree
 
-    tree_nodes = StaticTree.from_branching(branching, "cpu").num_nodes if branching and mode != "plain" else 0
-    window = 1 if mode == "plain" else tree_nodes or k + 1
-    engine = HybridEngine(model, strategy="fold" if mode == "plain" else mode, num_slots=batch, window=window,
-                          max_len=64 + (reps + 40) * window + window)
+    plain = mode in ("plain", "plain_ring")
+    tree_nodes = StaticTree.from_branching(branching, "cpu").num_nodes if branching and not plain else 0
+    window = 1 if plain else tree_nodes or k + 1
+    # plain_ring: plain steps through circular's ring (bench e2e's plain-ring mode, its ring of 16)
+    options = (dict(strategy="circular", ring_len=16, plain_via_ring=True) if mode == "plain_ring"
+               else dict(strategy="fold" if mode == "plain" else mode))
+    engine = HybridEngine(model, **options, num_slots=batch, window=window, max_len=64 + (reps + 40) * window + window)
     tree = StaticTree.from_branching(branching, engine.device) if tree_nodes else None
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(batch)
     prompts = torch.randint(0, min(vocab, 256), (batch, 64), generator=g).tolist()
     refs = torch.randint(0, min(vocab, 256), (batch, 64 + (reps + 40) * window), generator=g).tolist()
-    if mode == "plain":
+    if plain:
         drafter = None
     elif drafter_kind == "mtp":
         drafter = make_drafter(cfg, engine, model, tree=tree)
@@ -142,7 +146,7 @@ def profile(model, mode: str, batch: int, k: int, reps: int, top: int, drafter_k
               f"{alone['drafter_kernels']:.0f} kernels, {alone['drafter_gpu_ms'] / gpu_ms:.0%} of the step")
     for r in rows:
         print(f"   {r['us_per_step']:8.1f} us  x{r['calls_per_step']:5.1f}  {r['kernel']}")
-    return {"mode": mode, "batch": batch, "window": window, "drafter": None if mode == "plain" else drafter_kind,
+    return {"mode": mode, "batch": batch, "window": window, "drafter": None if plain else drafter_kind,
             "tree": list(branching) if tree is not None else None, "chain_from": chain_from if tree is not None else None,
             "gpu_ms": gpu_ms, "wall_ms": wall_ms, "wall_run_ahead_ms": ahead_ms, "kernels_per_step": count,
             "profiled_ms": total / 1e3, "top": rows,

@@ -10,7 +10,8 @@ metadata the host builds and its one upload, and the outputs' copies. The engine
 small random Qwen3.5 on the CPU with the CPU stand-in of the chunked kernel, so the
 shapes are those of several requests through the chunked kernel (a chunk list), as on
 a GPU with fla-core. Prints the median of ``--repeats`` calls, fresh requests and
-fresh prompts each (random ids as Python lists), after two warm-up calls.
+fresh prompts each (random ids as Python lists, or with ``--arrays`` as the int64 arrays
+that the generators pass), after two warm-up calls.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", default="16x2048,1x64", help="BATCHxPROMPT_LEN, comma-separated")
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--arrays", action="store_true", help="prompts as int64 arrays (as the generators pass them)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     prompt_graph.PromptGraph._body = lambda self: None  # the host's work alone
@@ -43,12 +45,13 @@ def main() -> None:
         eng.prompt_graphs = prompt_graph.PromptGraphs(eng, graph=False)
 
         def once() -> float:
-            return time_prompt_pass(eng, batch, length, g)
+            return time_prompt_pass(eng, batch, length, g, arrays=args.arrays)
 
         with torch.inference_mode():
             once(), once()
             host = statistics.median(once() for _ in range(args.repeats))
-        print(f"{batch} x {length}: host {1e3 * host:.2f} ms a pass (median of {args.repeats}; "
+        print(f"{batch} x {length}, {'arrays' if args.arrays else 'lists'}: host {1e3 * host:.2f} ms a pass "
+              f"(median of {args.repeats}; "
               f"passes {eng.prompt_passes})")
 
 

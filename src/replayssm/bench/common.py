@@ -487,16 +487,18 @@ def time_cuda(fn: Callable[[], object], *, warmup: int = 3, repeats: int = 10) -
 
 
 def time_prompt_pass(engine, batch: int, length: int, generator: torch.Generator, *, vocab: int = 256,
-                     around=None) -> float:
+                     around=None, arrays: bool = False) -> float:
     """Seconds of one ``engine.extend(..., prompt=True)`` of ``batch`` fresh requests of
-    ``length`` random token ids below ``vocab`` (Python lists, as callers pass them): the
+    ``length`` random token ids below ``vocab``, as Python lists, or with ``arrays`` as
+    int64 arrays (what the generators pass, their prompts checked and packed once): the
     slots are taken before the clock and freed after it, and on a CUDA engine the device
     is synchronised on both sides of the call. ``around``: a context manager entered
     just around the timed call (a profiler, so that it records the pass and not the
     slots' allocation)."""
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
     slots = [engine.alloc() for _ in range(batch)]
-    prompts = torch.randint(0, vocab, (batch, length), generator=generator).tolist()
+    ids = torch.randint(0, vocab, (batch, length), generator=generator)
+    prompts = list(ids.numpy()) if arrays else ids.tolist()
     sync()
     with around if around is not None else contextlib.nullcontext():
         t0 = time.perf_counter()

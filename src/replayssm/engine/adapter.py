@@ -528,6 +528,37 @@ class _PromptKernel:
         return call
 
 
+def token_ids(w, what: str, vocab_size: int) -> np.ndarray:
+    """The token ids ``w`` as a 1-D int64 array, checked (``ValueError`` naming ``what``):
+    non-empty, every id in ``[0, vocab_size)``. ``w`` is a sequence of Python ints (not
+    bools), or a 1-D integer NumPy array or CPU tensor, whose dtype stands for every
+    element (a long prompt's ids are then checked in one pass, not one by one)."""
+    if isinstance(w, torch.Tensor):
+        if w.device.type != "cpu":
+            raise ValueError(f"{what} is a tensor on {w.device}: token ids come from the host")
+        w = w.numpy()
+    if isinstance(w, np.ndarray):
+        if w.ndim != 1 or w.dtype.kind not in "iu":
+            raise ValueError(f"{what} must be a 1-D array of integer token ids, got {w.ndim}-D {w.dtype}")
+        ids = w.astype(np.int64)  # a copy: later changes to the caller's array do not reach the pass
+    else:
+        w = w if isinstance(w, list) else list(w)
+        # plain ints, their types checked at C speed (a long prompt's loop took milliseconds);
+        # else the token-by-token check below finds the culprit
+        ids = _packed_ints(w) if set(map(type, w)) == {int} else None
+        if ids is None:
+            for t in w:
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+                    raise ValueError(f"{what} holds {t!r}, not a token id in [0, {vocab_size})")
+            ids = np.array(w, dtype=np.int64)  # int subclasses other than bool
+    if ids.size == 0:
+        raise ValueError(f"{what} is empty")
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        bad = ids[(ids < 0) | (ids >= vocab_size)][0]
+        raise ValueError(f"{what} holds {bad}, not a token id in [0, {vocab_size})")
+    return ids
+
+
 def _packed_ints(w: list) -> np.ndarray | None:
     """The plain ints ``w`` as an int64 array, or ``None`` where one is past int64 (out
     of any vocabulary: the caller's token-by-token check names it)."""
@@ -910,32 +941,19 @@ class HybridEngine:
 
     # ------------------------------------------------------------------ forward
     def _check_step(self, slots, windows, *, with_ids: bool = False):
-        """``(slots, windows)`` as lists after the step's checks (no pending step, a window
-        per slot, token ids in range); ``with_ids``: also the windows' ids packed in one
-        int64 array, as a prompt pass uploads them."""
+        """``(slots, windows)`` after the step's checks (no pending step, a window per slot,
+        token ids in range, :func:`token_ids`): the slots as a list, each window as a
+        1-D int64 array; ``with_ids``: also the windows' ids packed in one array, as a
+        prompt pass uploads them."""
         if self._pending is not None:
             raise RuntimeError("a verified step is pending: commit it first")
         slots = list(slots)
         if len(windows) != len(slots) or not slots:
             raise ValueError(f"need one window per slot and at least one request; got {len(windows)} windows "
                              f"for {len(slots)} slots")
-        flat, packed = [], []
-        for i, w in enumerate(windows):
-            w = list(w)
-            if not w:
-                raise ValueError(f"windows[{i}] is empty")
-            # plain ints in range, checked at C speed (a long prompt's loop took milliseconds; the range
-            # on the ids as an array, which a prompt pass uploads); else the token-by-token check finds the
-            # culprit (and admits int subclasses other than bool)
-            ids = _packed_ints(w) if set(map(type, w)) == {int} else None
-            if ids is None or ids.min() < 0 or ids.max() >= self.vocab_size:
-                for t in w:
-                    if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                        raise ValueError(f"windows[{i}] holds {t!r}, not a token id in [0, {self.vocab_size})")
-                ids = np.array([int(t) for t in w], dtype=np.int64)
-            flat.append(w)
-            packed.append(ids)
-        return (slots, flat, np.concatenate(packed)) if with_ids else (slots, flat)
+        # each window's ids packed and checked once; the pass takes them as these arrays
+        packed = [token_ids(w, f"windows[{i}]", self.vocab_size) for i, w in enumerate(windows)]
+        return (slots, packed, np.concatenate(packed)) if with_ids else (slots, packed)
 
     @torch.inference_mode()
     def _forward(self, slots, windows, *, verify: bool, all_logits: bool, chunked: bool,
@@ -963,7 +981,7 @@ class HybridEngine:
         if fixed is not None and n <= fixed[0] and max(lengths) <= fixed[1]:
             rows, t_max, l_max = fixed[0], fixed[1], self.max_len
         layout = WindowLayout(slots, starts, lengths, self.device, t_max=t_max, l_max=l_max)
-        ids = to_device(itertools.chain.from_iterable(windows), self.device)
+        ids = to_device(np.concatenate(windows), self.device)  # the checked windows: int64 arrays
 
         h = _pad_rows(self.embed(ids), rows)  # [rows, hidden]; rows > N only with fixed_shape
         cos, sin = self.rotary_cos_sin(h[:n], layout.positions)

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..ops.guards import to_device
-from .adapter import HybridEngine
+from .adapter import HybridEngine, token_ids
 from .drafters import Drafter
 from .sampling import SamplingParams, greedy_accept, rejection_sample, warp_probs
 
@@ -86,6 +86,7 @@ class _Request:
     slot: int
     prompt: list[int]
     max_new: int
+    ids: np.ndarray | None = None  # the prompt as checked int64 ids, as its prompt passes take them
     generated: list[int] = field(default_factory=list)
     finish: str | None = None
     arrival: float = 0.0  # perf_counter() at the call's start: every request arrives then
@@ -94,6 +95,10 @@ class _Request:
     filled: int = 0  # prompt tokens prefilled so far
     generation: int = 0  # the pool's allocation generation of ``slot`` when the request took it
     hidden: list = field(default_factory=list)  # target hidden states of earlier prompt chunks
+
+    def __post_init__(self):
+        if self.ids is None:  # a request built from a checked prompt (check_requests gives both)
+            self.ids = np.fromiter(self.prompt, np.int64, len(self.prompt))
 
     @property
     def last(self) -> int:
@@ -116,12 +121,16 @@ def check_generator_args(engine, drafter, drafter_cls: type, sampling, num_draft
             raise ValueError(f"num_draft + 1 = {num_draft + 1} exceeds the engine's window {engine.window}")
 
 
-def check_requests(engine: HybridEngine, prompts, max_new_tokens) -> tuple[list[list[int]], list[int]]:
-    """Validated ``(prompts, budgets)`` of a ``generate`` call (``ValueError`` naming the
-    request at fault): non-empty prompts of token ids, positive budgets, room for each
-    request within the engine's ``max_len`` and the model's ``max_position_embeddings``
-    (positions past it were never trained: the rotary embedding extrapolates)."""
-    prompts = [list(p) for p in prompts]
+def check_requests(engine: HybridEngine, prompts, max_new_tokens) -> tuple[list[list[int]], list[int],
+                                                                             list[np.ndarray]]:
+    """Validated ``(prompts, budgets, ids)`` of a ``generate`` call (``ValueError`` naming
+    the request at fault): non-empty prompts of token ids (each a sequence of ints, or a
+    1-D integer array or CPU tensor: :func:`~replayssm.engine.adapter.token_ids`), positive
+    budgets, room for each request within the engine's ``max_len`` and the model's
+    ``max_position_embeddings`` (positions past it were never trained: the rotary
+    embedding extrapolates). ``prompts`` come back as lists of ints, ``ids`` as the same
+    tokens in int64 arrays, which the prompt passes take as they are."""
+    prompts = list(prompts)
     if not prompts:
         raise ValueError("prompts is empty")
     budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
@@ -129,9 +138,9 @@ def check_requests(engine: HybridEngine, prompts, max_new_tokens) -> tuple[list[
         raise ValueError(f"max_new_tokens has {len(budgets)} entries for {len(prompts)} prompts")
     vocab = engine.vocab_size
     limit = getattr(engine.config, "max_position_embeddings", None)
+    ids = [token_ids(p, f"prompts[{i}]", vocab) for i, p in enumerate(prompts)]
+    prompts = [list(p) if isinstance(p, (list, tuple)) else x.tolist() for p, x in zip(prompts, ids)]
     for i, (p, m) in enumerate(zip(prompts, budgets)):
-        if not p or any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in p):
-            raise ValueError(f"prompts[{i}] must be a non-empty list of token ids in [0, {vocab})")
         if isinstance(m, bool) or not isinstance(m, int) or m < 1:
             raise ValueError(f"max_new_tokens must be positive ints, got {m!r} for request {i}")
         if limit is not None and len(p) + m > limit:
@@ -140,7 +149,7 @@ def check_requests(engine: HybridEngine, prompts, max_new_tokens) -> tuple[list[
         if len(p) + m + engine.window > engine.max_len:
             raise ValueError(f"request {i}: prompt {len(p)} + max_new_tokens {m} + window {engine.window} "
                              f"exceeds the engine's max_len {engine.max_len}")
-    return prompts, budgets
+    return prompts, budgets, ids
 
 
 def _retire(gen, active: list) -> list:
@@ -246,21 +255,21 @@ class SpeculativeGenerator:
                 request emits tokens (streaming).
         """
         eng = self.engine
-        prompts, budgets = check_requests(eng, prompts, max_new_tokens)
+        prompts, budgets, ids = check_requests(eng, prompts, max_new_tokens)
         if len(prompts) > eng.pool.num_free:
             raise ValueError(f"{len(prompts)} prompts but the engine has {eng.pool.num_free} free slots")
         eng.set_prompt_head(None)  # its drafters join eagerly
         with torch.inference_mode():
-            return self._generate(prompts, budgets, on_tokens)
+            return self._generate(prompts, budgets, ids, on_tokens)
 
-    def _generate(self, prompts, budgets, on_tokens) -> GenerationResult:
+    def _generate(self, prompts, budgets, ids, on_tokens) -> GenerationResult:
         eng, drafter = self.engine, self.drafter
         t0 = time.perf_counter()
-        reqs = [_Request(i, slot, p, m, arrival=t0)
-                for i, (slot, p, m) in enumerate(zip(eng.alloc_many(len(prompts)), prompts, budgets))]
+        reqs = [_Request(i, slot, p, m, ids=x, arrival=t0)
+                for i, (slot, p, m, x) in enumerate(zip(eng.alloc_many(len(prompts)), prompts, budgets, ids))]
         result = GenerationResult(tokens=[], finish_reasons=[])
         try:
-            out = eng.extend([r.slot for r in reqs], [r.prompt for r in reqs], prompt=True)
+            out = eng.extend([r.slot for r in reqs], [r.ids for r in reqs], prompt=True)
             firsts = self._pick(out.logits)
             _sync(eng.device)
             result.prefill_s = time.perf_counter() - t0
@@ -706,17 +715,18 @@ class StepGenerator:
         ``overlap=False``.
         """
         eng = self.engine
-        prompts, budgets = check_requests(eng, prompts, max_new_tokens)
+        prompts, budgets, ids = check_requests(eng, prompts, max_new_tokens)
         if eng.pool.num_free < eng.pool.num_slots:
             raise ValueError("the engine has live slots; a StepGenerator needs all of them free")
         eng.set_prompt_head(self._prompt_head)  # another generator on this engine may have set its own
         with torch.inference_mode():
-            return self._generate(prompts, budgets, on_tokens)
+            return self._generate(prompts, budgets, ids, on_tokens)
 
-    def _generate(self, prompts, budgets, on_tokens) -> GenerationResult:
+    def _generate(self, prompts, budgets, ids, on_tokens) -> GenerationResult:
         eng = self.engine
         t_start = time.perf_counter()
-        queue = [_Request(i, -1, p, m, arrival=t_start) for i, (p, m) in enumerate(zip(prompts, budgets))]
+        queue = [_Request(i, -1, p, m, ids=x, arrival=t_start)
+                 for i, (p, m, x) in enumerate(zip(prompts, budgets, ids))]
         reqs = list(queue)
         queue.reverse()  # pop() takes the next request
         result = GenerationResult(tokens=[], finish_reasons=[])
@@ -906,7 +916,7 @@ class StepGenerator:
             n = min(len(r.prompt) - r.filled, left)
             picked.append((r, r.filled, n))
             left -= n
-        out = eng.extend([r.slot for r, _, _ in picked], [r.prompt[s : s + n] for r, s, n in picked], prompt=True)
+        out = eng.extend([r.slot for r, _, _ in picked], [r.ids[s : s + n] for r, s, n in picked], prompt=True)
         keep_hidden = self.drafter is not None and self.drafter.needs_hidden
         done = []
         for i, (r, s, n) in enumerate(picked):
