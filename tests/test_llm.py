@@ -93,6 +93,9 @@ def test_token_prompts_stop_tokens_and_sampling(plain):
     ids = plain.tokenizer.encode(PROMPTS[0], add_special_tokens=False)
     [greedy] = plain.generate([ids], SamplingParams(max_tokens=300))
     assert greedy.prompt is None and greedy.prompt_token_ids == ids
+    # the same ids as an integer tensor: the same request, and its ids come back as a list
+    [same] = plain.generate([torch.tensor(ids, dtype=torch.int32)], SamplingParams(max_tokens=300))
+    assert same.prompt_token_ids == ids and same.token_ids == greedy.token_ids
     eos = set(plain._eos)
     if greedy.finish_reason == "stop":  # ended by an end-of-sequence token, which it keeps
         assert greedy.token_ids[-1] in eos and len(greedy.token_ids) <= 300
@@ -113,7 +116,9 @@ def test_bad_requests_raise_before_decoding(plain):
     cases = [
         (["ab\udcffc"], None, ValueError, "not UTF-8"),
         ([""], None, ValueError, "encodes to no tokens"),
-        ([[1, 2, 10**6]], None, ValueError, "token ids in"),
+        ([[1, 2, 10**6]], None, ValueError, r"prompts\[0\] holds 1000000, not a token id in"),
+        ([[1, 2], "text"], None, ValueError, r"prompts\[1\] is text among token-id prompts"),
+        ([[1, 2], torch.tensor([0.5])], None, ValueError, r"prompts\[1\] must be a 1-D array of integer"),
         ([], None, TypeError, "non-empty"),
         (PROMPTS, SamplingParams(max_tokens=600), ValueError, "max_model_len 512"),
         (PROMPTS, [SamplingParams()], TypeError, "list of 2"),

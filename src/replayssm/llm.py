@@ -245,7 +245,8 @@ class LLM:
         """Generate for each prompt.
 
         Args:
-            prompts: a text, a list of texts, or a list of token-id lists.
+            prompts: a text, a list of texts, or a list of token-id prompts (each a
+                list of ints, or a 1-D integer array or CPU tensor).
             sampling_params: one :class:`SamplingParams` for all prompts (default
                 greedy, 16 tokens), or one per prompt; per-prompt parameters may
                 differ in ``max_tokens``, and requests that share temperature, top-p,
@@ -318,13 +319,17 @@ class LLM:
                 if not ids[-1]:
                     raise ValueError(f"prompts[{i}] encodes to no tokens")
             return list(prompts), ids
-        vocab = self.engine.vocab_size
+        from .engine.adapter import token_ids
+
+        ids = []
         for i, p in enumerate(prompts):
-            if (isinstance(p, str) or not isinstance(p, Sequence) or not p
-                    or any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in p)):
-                raise ValueError(f"prompts[{i}] must be a non-empty list of token ids in [0, {vocab}) "
-                                 "(or give every prompt as text)")
-        return [None] * len(prompts), [list(p) for p in prompts]
+            try:
+                if isinstance(p, str):
+                    raise ValueError(f"prompts[{i}] is text among token-id prompts")
+                ids.append(token_ids(p, f"prompts[{i}]", self.engine.vocab_size).tolist())
+            except ValueError as e:
+                raise ValueError(f"{e} (give every prompt as token ids, or every prompt as text)") from None
+        return [None] * len(prompts), ids
 
     @staticmethod
     def _params(sampling_params, n: int) -> list[SamplingParams]:

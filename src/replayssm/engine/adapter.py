@@ -862,7 +862,8 @@ class HybridEngine:
 
         Args:
             slots: live slot per request.
-            windows: token ids per request (any length >= 1).
+            windows: token ids per request (any length >= 1): lists of ints, or 1-D
+                integer arrays or CPU tensors (:func:`token_ids`).
             all_logits: logits of every token (default: each request's last token).
             prompt: prompt tokens: the chunked prefill kernel may run them (see
                 ``prefill``). A request may hold committed tokens already (a prompt

@@ -249,7 +249,8 @@ class SpeculativeGenerator:
         """Generate for a batch of prompts (at most the engine's slots).
 
         Args:
-            prompts: token ids per request (non-empty).
+            prompts: token ids per request (non-empty): lists of ints, or 1-D
+                integer arrays or CPU tensors (:func:`check_requests`).
             max_new_tokens: generated-token budget, one for all or one per request.
             on_tokens: called as ``on_tokens(request_index, new_tokens)`` whenever a
                 request emits tokens (streaming).
@@ -698,7 +699,9 @@ class StepGenerator:
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
                  on_tokens: Callable[[int, list[int]], None] | None = None) -> GenerationResult:
-        """Generate for any number of prompts; at most the engine's slots run at once.
+        """Generate for any number of prompts (token ids: lists of ints, or 1-D integer
+        arrays or CPU tensors, :func:`check_requests`); at most the engine's slots run at
+        once.
 
         Returns a :class:`GenerationResult` whose ``stats`` attribute holds the
         :class:`StepStats`. ``prefill_s`` is the wall time of every prefill pass,
