@@ -19,7 +19,7 @@ def test_every_form_packs_to_the_same_int64_ids(rng):
     ids = torch.randint(0, VOCAB, (37,), generator=rng)
     want = ids.numpy().astype(np.int64)
     for form in (ids.tolist(), tuple(ids.tolist()), ids.numpy().astype(np.int32), ids.numpy().astype(np.uint16),
-                 ids.to(torch.int16)):
+                 ids.to(torch.int16), list(ids.numpy())):  # the last: a list of NumPy ints
         got = token_ids(form, "w", VOCAB)
         assert got.dtype == np.int64 and np.array_equal(got, want), type(form)
 
@@ -34,6 +34,7 @@ def test_an_array_is_copied(rng):
 @pytest.mark.parametrize("bad, err", [
     ([1, 2.0, 3], "holds 2.0"),
     ([1, True], "holds True"),
+    ([1, np.True_], "holds np.True_|holds True"),
     (["7"], "holds '7'"),
     ([1, VOCAB], f"holds {VOCAB}"),
     ([-1, 2], "holds -1"),

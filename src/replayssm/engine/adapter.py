@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import numbers
 import sys
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -530,9 +531,10 @@ class _PromptKernel:
 
 def token_ids(w, what: str, vocab_size: int) -> np.ndarray:
     """The token ids ``w`` as a 1-D int64 array, checked (``ValueError`` naming ``what``):
-    non-empty, every id in ``[0, vocab_size)``. ``w`` is a sequence of Python ints (not
-    bools), or a 1-D integer NumPy array or CPU tensor, whose dtype stands for every
-    element (a long prompt's ids are then checked in one pass, not one by one)."""
+    non-empty, every id in ``[0, vocab_size)``. ``w`` is a sequence of integers (Python's
+    or NumPy's; not bools), or a 1-D integer NumPy array or CPU tensor, whose dtype
+    stands for every element. A list of plain ints, and an array, are checked in one
+    pass at C speed; anything else id by id."""
     if isinstance(w, torch.Tensor):
         if w.device.type != "cpu":
             raise ValueError(f"{what} is a tensor on {w.device}: token ids come from the host")
@@ -546,11 +548,11 @@ def token_ids(w, what: str, vocab_size: int) -> np.ndarray:
         # plain ints, their types checked at C speed (a long prompt's loop took milliseconds);
         # else the token-by-token check below finds the culprit
         ids = _packed_ints(w) if set(map(type, w)) == {int} else None
-        if ids is None:
+        if ids is None:  # other integers (NumPy's, int subclasses), one by one; never bools
             for t in w:
-                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+                if isinstance(t, (bool, np.bool_)) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab_size:
                     raise ValueError(f"{what} holds {t!r}, not a token id in [0, {vocab_size})")
-            ids = np.array(w, dtype=np.int64)  # int subclasses other than bool
+            ids = np.array([int(t) for t in w], dtype=np.int64)
     if ids.size == 0:
         raise ValueError(f"{what} is empty")
     if ids.min() < 0 or ids.max() >= vocab_size:
