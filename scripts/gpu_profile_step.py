@@ -30,6 +30,7 @@ import argparse
 import json
 import time
 
+import numpy as np
 import torch
 
 from replayssm.bench import common
@@ -111,7 +112,7 @@ def profile(model, mode: str, batch: int, k: int, reps: int, top: int, drafter_k
         drafter = OracleDrafter(refs, 0.8, vocab)
     gen = StepGenerator(engine, drafter, num_draft=k, tree=tree, chain_from=chain_from if tree is not None else None)
     with torch.inference_mode():
-        reqs = [_Request(i, -1, p, 10**6) for i, p in enumerate(prompts)]
+        reqs = [_Request(i, -1, p, 10**6, ids=np.array(p, dtype=np.int64)) for i, p in enumerate(prompts)]
         for r, slot in zip(reqs, engine.alloc_many(batch)):
             r.slot, r.generation = slot, engine.pool.generation(slot)
         gen._prefill_pass(reqs, StepStats(), None)

@@ -86,7 +86,7 @@ class _Request:
     slot: int
     prompt: list[int]
     max_new: int
-    ids: np.ndarray | None = None  # the prompt as checked int64 ids, as its prompt passes take them
+    ids: np.ndarray  # the prompt as checked int64 ids (check_requests), as its prompt passes take them
     generated: list[int] = field(default_factory=list)
     finish: str | None = None
     arrival: float = 0.0  # perf_counter() at the call's start: every request arrives then
@@ -95,10 +95,6 @@ class _Request:
     filled: int = 0  # prompt tokens prefilled so far
     generation: int = 0  # the pool's allocation generation of ``slot`` when the request took it
     hidden: list = field(default_factory=list)  # target hidden states of earlier prompt chunks
-
-    def __post_init__(self):
-        if self.ids is None:  # a request built from a checked prompt (check_requests gives both)
-            self.ids = np.fromiter(self.prompt, np.int64, len(self.prompt))
 
     @property
     def last(self) -> int:
