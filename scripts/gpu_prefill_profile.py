@@ -22,12 +22,11 @@ import argparse
 import statistics
 
 import torch
+from torch.nn.attention import SDPBackend
 from torch.profiler import ProfilerActivity, profile
 
 from replayssm.bench.common import time_prompt_pass
 from replayssm.bench.e2e import QWEN35_SHAPES
-from torch.nn.attention import SDPBackend
-
 from replayssm.engine import kv_cache
 from replayssm.engine.adapter import HybridEngine
 from replayssm.engine.random_model import build_tiny_model

@@ -96,6 +96,7 @@ def test_token_prompts_stop_tokens_and_sampling(plain):
     # the same ids as an integer tensor: the same request, and its ids come back as a list
     [same] = plain.generate([torch.tensor(ids, dtype=torch.int32)], SamplingParams(max_tokens=300))
     assert same.prompt_token_ids == ids and same.token_ids == greedy.token_ids
+    assert all(type(t) is int for t in same.prompt_token_ids)  # plain ints, as for a list prompt
     eos = set(plain._eos)
     if greedy.finish_reason == "stop":  # ended by an end-of-sequence token, which it keeps
         assert greedy.token_ids[-1] in eos and len(greedy.token_ids) <= 300

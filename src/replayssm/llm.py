@@ -274,12 +274,12 @@ class LLM:
         for members in groups.values():
             for i, out in zip(members, self._run(self._generator(params[members[0]]), [ids[i] for i in members],
                                                   [params[i].max_tokens for i in members])):
-                outputs[i] = Output(prompt=texts[i], prompt_token_ids=list(ids[i]),
+                outputs[i] = Output(prompt=texts[i], prompt_token_ids=[int(t) for t in ids[i]],
                                     text=self.tokenizer.decode(out[0], skip_special_tokens=True),
                                     token_ids=out[0], finish_reason=out[1], stats=out[2])
         return outputs
 
-    def _run(self, gen, prompts: list[list[int]], budgets: list[int]):
+    def _run(self, gen, prompts: list, budgets: list[int]):
         """``(tokens, finish reason, stats)`` per prompt through ``gen`` (a
         ``SpeculativeGenerator`` takes at most the engine's slots per call)."""
         from .engine.generator import SpeculativeGenerator
@@ -302,7 +302,9 @@ class LLM:
                 out.append((toks, "stop" if reason == "eos" else "length", stats))
         return out
 
-    def _encode(self, prompts) -> tuple[list[str | None], list[list[int]]]:
+    def _encode(self, prompts) -> tuple[list[str | None], list]:
+        """``(texts, ids)``: the prompts' texts (``None`` for token-id prompts) and their
+        token ids (the tokenizer's lists, or checked int64 arrays)."""
         if isinstance(prompts, str):
             prompts = [prompts]
         if not isinstance(prompts, Sequence) or not prompts:
@@ -321,14 +323,15 @@ class LLM:
             return list(prompts), ids
         from .engine.adapter import token_ids
 
-        ids = []
+        ids = []  # int64 arrays, which the generators take without a second pass over the ids
         for i, p in enumerate(prompts):
+            hint = "(give every prompt as token ids, or every prompt as text)"
+            if isinstance(p, str):
+                raise ValueError(f"prompts[{i}] is text among token-id prompts {hint}")
             try:
-                if isinstance(p, str):
-                    raise ValueError(f"prompts[{i}] is text among token-id prompts")
-                ids.append(token_ids(p, f"prompts[{i}]", self.engine.vocab_size).tolist())
+                ids.append(token_ids(p, f"prompts[{i}]", self.engine.vocab_size))
             except ValueError as e:
-                raise ValueError(f"{e} (give every prompt as token ids, or every prompt as text)") from None
+                raise ValueError(f"{e} {hint}") from None
         return [None] * len(prompts), ids
 
     @staticmethod

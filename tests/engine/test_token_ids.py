@@ -9,7 +9,7 @@ import torch
 
 from replayssm.engine.adapter import HybridEngine, token_ids
 from replayssm.engine.device_drafters import DeviceNgramDrafter
-from replayssm.engine.generator import StepGenerator
+from replayssm.engine.generator import StepGenerator, check_requests
 from replayssm.engine.random_model import build_tiny_model
 
 VOCAB = 300
@@ -80,3 +80,13 @@ def test_the_generator_takes_array_prompts(rng, seed):
     assert outs[0] == outs[1] == outs[2]
     with pytest.raises(ValueError, match=r"prompts\[1\] must be a 1-D array of integer"):
         StepGenerator(eng, DeviceNgramDrafter(), num_draft=3).generate([[1, 2], np.array([0.5])], 4)
+
+
+def test_check_requests_gives_plain_int_prompts_and_their_arrays(rng, seed):
+    eng = HybridEngine(build_tiny_model("qwen3_5", seed=seed), strategy="fold", num_slots=2, window=4, max_len=64)
+    a = torch.randint(0, 256, (11,), generator=rng)
+    prompts, budgets, ids = check_requests(eng, [a.numpy().astype(np.int32), list(a.numpy())], 5)
+    assert budgets == [5, 5]
+    for p, x in zip(prompts, ids):
+        assert p == a.tolist() and all(type(t) is int for t in p)  # the drafters' histories take plain ints
+        assert x.dtype == np.int64 and np.array_equal(x, a.numpy())

@@ -135,7 +135,7 @@ def check_requests(engine: HybridEngine, prompts, max_new_tokens) -> tuple[list[
     vocab = engine.vocab_size
     limit = getattr(engine.config, "max_position_embeddings", None)
     ids = [token_ids(p, f"prompts[{i}]", vocab) for i, p in enumerate(prompts)]
-    prompts = [list(p) if isinstance(p, (list, tuple)) else x.tolist() for p, x in zip(prompts, ids)]
+    prompts = [x.tolist() for x in ids]  # plain ints, whatever integers the caller gave
     for i, (p, m) in enumerate(zip(prompts, budgets)):
         if isinstance(m, bool) or not isinstance(m, int) or m < 1:
             raise ValueError(f"max_new_tokens must be positive ints, got {m!r} for request {i}")
