@@ -11,19 +11,22 @@ small random Qwen3.5 on the CPU with the CPU stand-in of the chunked kernel, so 
 shapes are those of several requests through the chunked kernel (a chunk list), as on
 a GPU with fla-core. Prints the median of ``--repeats`` calls, fresh requests and
 fresh prompts each (random ids as Python lists, or with ``--arrays`` as the int64 arrays
-that the generators pass), after two warm-up calls.
+that the generators pass), after two warm-up calls; and the median time of a
+generator's ``check_requests`` of such prompts as lists.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import time
 
 import torch
 
 from replayssm.bench.common import time_prompt_pass
 from replayssm.engine import prompt_graph
 from replayssm.engine.adapter import HybridEngine
+from replayssm.engine.generator import check_requests
 from replayssm.engine.random_model import build_tiny_model
 from replayssm.testing.chunk_kernel import chunk_kernel_on_cpu
 
@@ -50,9 +53,18 @@ def main() -> None:
         with torch.inference_mode():
             once(), once()
             host = statistics.median(once() for _ in range(args.repeats))
+        # a generator's checks of the same prompts as lists, before its clock starts
+        prompts = torch.randint(0, 256, (batch, length), generator=g).tolist()
+        checks = statistics.median(_seconds(lambda: check_requests(eng, prompts, 1)) for _ in range(args.repeats))
         print(f"{batch} x {length}, {'arrays' if args.arrays else 'lists'}: host {1e3 * host:.2f} ms a pass "
-              f"(median of {args.repeats}; "
-              f"passes {eng.prompt_passes})")
+              f"(median of {args.repeats}; passes {eng.prompt_passes}); check_requests of lists "
+              f"{1e3 * checks:.2f} ms")
+
+
+def _seconds(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 if __name__ == "__main__":
