@@ -494,92 +494,6 @@ if triton is not None:
                       False, BK, 1, "ieee", False)
 
 
-    @triton.jit
-    def _ring_token_stream_kernel(
-        q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr,
-        ckpt_ptr, rk_ptr, rv_ptr, rg_ptr, rb_ptr, ru_ptr,
-        slots_ptr, cu_ptr, wp_ptr, base_ptr, flush_ptr, o_ptr,
-        stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
-        stride_a_tok, stride_b_tok,
-        scale, eps, items,
-        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
-        BK: tl.constexpr, BV: tl.constexpr, STAGES: tl.constexpr,
-    ):
-        """The rows that do not flush, streamed: a fixed grid of programs walks the
-        ``items`` (V block, value head, request) tiles, the loop pipelined ``STAGES``
-        deep, so each program's next tiles (checkpoint, history, activations) are on
-        their way into shared memory while it computes this one (the module notes).
-        Flush rows and their outputs are the flush kernel's; padding rows get zeros."""
-        NV: tl.constexpr = (V + BV - 1) // BV
-        offs_k = tl.arange(0, BK)
-        mask_k = offs_k < K
-        offs_h = tl.arange(0, L)
-        later = offs_h[None, :] > offs_h[:, None]
-        for t in tl.range(tl.program_id(0), items, tl.num_programs(0), num_stages=STAGES):
-            i_v = t % NV
-            i_hv = (t // NV) % HV
-            i_b = t // (NV * HV)
-            i_h = i_hv // (HV // H)
-            slot = tl.load(slots_ptr + i_b)
-            bos = tl.load(cu_ptr + i_b)
-            length = tl.load(cu_ptr + i_b + 1) - bos
-            live = (slot >= 0) & (length > 0)
-            s64 = tl.maximum(slot, 0).to(tl.int64)
-            bos64 = bos.to(tl.int64)
-            wp = tl.load(wp_ptr + s64, mask=live, other=0)
-            base = tl.load(base_ptr + s64, mask=live, other=0)
-            folds = (tl.load(flush_ptr + s64, mask=live, other=0) != 0) & (wp > 0)
-            mine = live & ~folds
-            offs_v = i_v * BV + tl.arange(0, BV)
-            mask_v = offs_v < V
-            S = tl.load(ckpt_ptr + (s64 * HV + i_hv) * (V * K) + offs_v[:, None] * K + offs_k[None, :],
-                        mask=_tl_mask_and(mask_v[:, None] & mask_k[None, :], mine), other=0.0)
-            hist = _tl_mask_and(offs_h < wp, mine)
-            pos_h = _ring_pos(base + offs_h, L)
-            hk = tl.load(rk_ptr + s64 * (L * H * K) + i_h * K + pos_h[:, None] * (H * K) + offs_k[None, :],
-                         mask=hist[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
-            hg = tl.load(rg_ptr + s64 * (L * HV) + i_hv + pos_h * HV, mask=hist, other=0.0)
-            hu = tl.load(ru_ptr + s64 * (L * HV * V) + i_hv * V + pos_h[None, :] * (HV * V) + offs_v[:, None],
-                         mask=hist[None, :] & mask_v[:, None], other=0.0)
-            xq = tl.load(q_ptr + bos64 * stride_q_tok + i_h * stride_q_head + offs_k, mask=_tl_mask_and(mask_k, mine),
-                         other=0.0).to(tl.float32)
-            xk_raw = tl.load(k_ptr + bos64 * stride_k_tok + i_h * stride_k_head + offs_k, mask=_tl_mask_and(mask_k, mine),
-                             other=0.0)
-            xv = tl.load(v_ptr + bos64 * stride_v_tok + i_hv * stride_v_head + offs_v, mask=_tl_mask_and(mask_v, mine),
-                         other=0.0)
-            g, beta = _tl_gdn_gates(tl.load(a_ptr + bos64 * stride_a_tok + i_hv, mask=mine, other=0.0),
-                                    tl.load(b_ptr + bos64 * stride_b_tok + i_hv, mask=mine, other=0.0),
-                                    tl.load(A_log_ptr + i_hv), tl.load(dt_bias_ptr + i_hv))
-            xk = xk_raw.to(tl.float32)
-            kh = xk * tl.math.rsqrt(tl.sum(xk * xk, 0) + eps)
-            qh = xq * (tl.math.rsqrt(tl.sum(xq * xq, 0) + eps) * scale)
-            # The history's weights (as _weights, on whole keys).
-            r_h = tl.math.rsqrt(tl.sum(hk * hk, 1) + eps)
-            w_h = tl.where(hist, tl.exp(tl.sum(tl.where(later, hg[None, :], 0.0), 1)), 0.0) * r_h
-            c_k = tl.sum(hk * kh[None, :], 1) * w_h
-            c_q = tl.sum(hk * qh[None, :], 1) * w_h
-            e_Gh = tl.exp(tl.sum(hg, 0))
-            Sf = S.to(tl.float32)
-            S_k = e_Gh * tl.sum(Sf * kh[None, :], 1) + tl.sum(hu * c_k[None, :], 1)
-            S_q = e_Gh * tl.sum(Sf * qh[None, :], 1) + tl.sum(hu * c_q[None, :], 1)
-            e = tl.exp(g)
-            kq = tl.sum(kh * qh, 0)
-            u = beta * (xv.to(tl.float32) - e * S_k)
-            o_at = o_ptr + (bos64 * HV + i_hv) * V
-            tl.store(o_at + offs_v, _tl_to_rtne(tl.where(mine, e * S_q + u * kq, 0.0), o_ptr.dtype.element_ty),
-                     mask=_tl_mask_and(mask_v, mine | ((slot < 0) & (length > 0))))
-            pos = _ring_pos(base + wp, L)
-            rv_at = rv_ptr + s64 * (L * HV * V) + i_hv * V + pos * (HV * V)
-            ru_at = ru_ptr + s64 * (L * HV * V) + i_hv * V + pos * (HV * V)
-            tl.store(rv_at + offs_v, xv.to(rv_ptr.dtype.element_ty), mask=_tl_mask_and(mask_v, mine))
-            tl.store(ru_at + offs_v, u, mask=_tl_mask_and(mask_v, mine))
-            k_writer = mine & (i_hv % (HV // H) == 0) & (i_v == 0)
-            tl.store(rk_ptr + s64 * (L * H * K) + i_h * K + pos * (H * K) + offs_k, xk_raw.to(rk_ptr.dtype.element_ty),
-                     mask=_tl_mask_and(mask_k, k_writer))
-            tl.store(rg_ptr + s64 * (L * HV) + i_hv + pos * HV, g, mask=mine & (i_v == 0))
-            tl.store(rb_ptr + s64 * (L * HV) + i_hv + pos * HV, beta, mask=mine & (i_v == 0))
-
-
 def launch_ring_decode(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos,
                        cache_base, is_flush, o) -> None:
     """Launch the ring decoding kernels on validated arguments: one launch, or the flush
@@ -623,14 +537,6 @@ def launch_ring_decode(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, 
     # their checkpoints while the kernel before (the conv) runs. Rows apart stay in
     # stream order: a chained token kernel beside the flush kernel measured slower at
     # batch 16 (BENCHMARKS.md, "Ring decoding chained").
-    if split and cfg["stream_programs"]:
-        items = triton.cdiv(vd, bv) * hv * batch
-        _ring_token_stream_kernel[(min(items, cfg["stream_programs"] * sm_count(q.device)),)](
-            *args, items, H=h, HV=hv, K=kd, V=vd, L=ring.ring_len, BK=bk, BV=bv, STAGES=cfg["stream_stages"],
-            num_warps=cfg["num_warps"], **register_cap(cfg["max_registers"], q.device))
-        if side is not None:
-            torch.cuda.current_stream(q.device).wait_stream(side)
-        return
     chained, launch = (False, {}) if split else chain_launch()
     _ring_decode_kernel[(triton.cdiv(vd, bv), batch, hv)](
         *args, **common, BV=bv, EARLY_TILE=bool(cfg["early_tile"]), FLUSH_ROWS=not split,
