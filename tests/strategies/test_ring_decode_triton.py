@@ -93,10 +93,10 @@ def test_triton_plain_ring_steps_are_the_triton_recurrence(small_batch):
     assert flushes >= (38 if small_batch else 6), flushes
 
 
-@pytest.mark.parametrize("early_tile,split_flush,dot,flush_warps,weights_first",
-                         [(0, 0, 0, 4, 0), (1, 0, 0, 4, 0), (0, 1, 0, 4, 0), (1, 2, 0, 4, 0), (0, 0, 1, 4, 0),
-                          (0, 2, 1, 4, 0), (0, 1, 0, 2, 0), (0, 1, 0, 4, 1), (1, 2, 0, 2, 1)])
-def test_ring_decode_kernel_against_the_window_op(early_tile, split_flush, dot, flush_warps, weights_first):
+@pytest.mark.parametrize("early_tile,split_flush,dot,flush_warps",
+                         [(0, 0, 0, 4), (1, 0, 0, 4), (0, 1, 0, 4), (1, 2, 0, 4), (0, 0, 1, 4), (0, 2, 1, 4),
+                          (0, 1, 0, 2)])
+def test_ring_decode_kernel_against_the_window_op(early_tile, split_flush, dot, flush_warps):
     """``gdn_ring_decode`` (Triton) on one-token windows over histories of 0..7 records,
     flush and non-flush rows (one with no records: the token kernel's) and a padding
     row (V = 24: two 16-row blocks), with the checkpoint tile loaded before or after the
@@ -129,7 +129,7 @@ def test_ring_decode_kernel_against_the_window_op(early_tile, split_flush, dot, 
     results = {}
     def decode(*a):
         with tuning.override("ring_decode", early_tile=early_tile, split_flush=split_flush, dot_products=dot,
-                             flush_warps=flush_warps, weights_first=weights_first):
+                             flush_warps=flush_warps):
             return gdn_ring_decode(*a, backend="triton")
 
     for name, run in (

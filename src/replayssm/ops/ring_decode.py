@@ -150,7 +150,7 @@ if triton is not None:
     from .fold import _ring_pos, replay_and_store_tile as _replay_and_store_tile
     from .recurrent import exact_block_k
     from .triton_common import EXACT_NUM_WARPS, NORM_EPS, block_rows, exact_warps, register_cap, side_stream
-    from .triton_common import chain_launch, chain_wait, dependent_launch, sm_count
+    from .triton_common import chain_launch, chain_wait, sm_count
     from .triton_common import device_fn as _tl_device_fn, folding_rows as _tl_folding_rows
     from .triton_common import gdn_gates as _tl_gdn_gates, load_parts as _tl_load_parts, mask_and as _tl_mask_and
     from .triton_common import row_dot as _tl_row_dot, row_sum as _tl_row_sum, sum_sq as _tl_sum_sq
@@ -494,162 +494,6 @@ if triton is not None:
                       False, BK, 1, "ieee", False)
 
 
-    #: Scalars after a row's two history weight vectors in its ``weights`` entry:
-    #: exp(Gtot) r_k, exp(Gtot) r_q, exp(g), beta, k^ . q^ (then padding).
-    N_SCALARS = 8
-
-    @triton.jit
-    def _ring_weights_kernel(
-        q_ptr, k_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, rk_ptr, rg_ptr, rb_ptr,
-        slots_ptr, cu_ptr, wp_ptr, base_ptr, flush_ptr, w_ptr,
-        stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_a_tok, stride_b_tok,
-        scale, eps,
-        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, L: tl.constexpr, BK: tl.constexpr,
-        NS: tl.constexpr, CHAINED: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
-    ):
-        """Grid ``(requests, HV)``: what a row's token needs besides its checkpoint, for
-        the token kernel (:func:`_ring_token_kernel`): the history's weights ``c_k``,
-        ``c_q`` (:func:`_weights`) and the token's scalars, into ``w [B, HV, 2 L + NS]``;
-        and the token's raw key and gates as its record. Rows that fold are the flush
-        kernel's: nothing here."""
-        chain_wait(CHAINED)
-        if LAUNCH_DEPENDENTS:
-            # The token kernel's programs may start now: they load their tiles, then
-            # wait for this kernel's end before they read its weights.
-            tl.extra.cuda.gdc_launch_dependents()
-        i_b = tl.program_id(0)
-        i_hv = tl.program_id(1)
-        i_h = i_hv // (HV // H)
-        slot = tl.load(slots_ptr + i_b).to(tl.int64)
-        bos = tl.load(cu_ptr + i_b).to(tl.int64)
-        length = tl.load(cu_ptr + i_b + 1).to(tl.int64) - bos
-        if (slot >= 0) & (length > 0):
-            wp = tl.load(wp_ptr + slot).to(tl.int32)
-            base = tl.load(base_ptr + slot).to(tl.int32)
-            folds = (tl.load(flush_ptr + slot) != 0) & (wp > 0)
-            if not folds:
-                KQ: tl.constexpr = BK // 4
-                offs_c = tl.arange(0, KQ)
-                all_c = offs_c >= 0
-                rk_at = rk_ptr + slot * (L * H * K) + i_h * K
-                rg_at = rg_ptr + slot * (L * HV) + i_hv
-                q0, q1, q2, q3 = _tl_load_parts(q_ptr + bos * stride_q_tok + i_h * stride_q_head, offs_c, all_c,
-                                                offs_c, K, KQ)
-                k0, k1, k2, k3 = _tl_load_parts(k_ptr + bos * stride_k_tok + i_h * stride_k_head, offs_c, all_c,
-                                                offs_c, K, KQ)
-                g, beta = _tl_gdn_gates(tl.load(a_ptr + bos * stride_a_tok + i_hv),
-                                        tl.load(b_ptr + bos * stride_b_tok + i_hv),
-                                        tl.load(A_log_ptr + i_hv), tl.load(dt_bias_ptr + i_hv))
-                r_k = tl.math.rsqrt(_tl_sum_sq(k0, k1, k2, k3) + eps)
-                r_q = tl.math.rsqrt(_tl_sum_sq(q0, q1, q2, q3) + eps) * scale
-                kh0, kh1, kh2, kh3 = k0 * r_k, k1 * r_k, k2 * r_k, k3 * r_k
-                qh0, qh1, qh2, qh3 = q0 * r_q, q1 * r_q, q2 * r_q, q3 * r_q
-                kq = _tl_row_sum(tl.fma(kh3, qh3, tl.fma(kh2, qh2, tl.fma(kh1, qh1, kh0 * qh0))), 0)
-                e_Gh, c_k, c_q = _history_weights(rk_at, rg_at, base, wp, offs_c, kh0, kh1, kh2, kh3,
-                                                  qh0, qh1, qh2, qh3, eps, H, HV, K, L, KQ)
-                w_at = w_ptr + (i_b * HV + i_hv) * (2 * L + NS)
-                offs_h = tl.arange(0, L)
-                tl.store(w_at + offs_h, c_k)
-                tl.store(w_at + L + offs_h, c_q)
-                offs_s = tl.arange(0, NS)
-                scalars = tl.where(offs_s == 0, e_Gh * r_k, tl.where(offs_s == 1, e_Gh * r_q, tl.where(
-                    offs_s == 2, tl.exp(g), tl.where(offs_s == 3, beta, tl.where(offs_s == 4, kq, 0.0)))))
-                tl.store(w_at + 2 * L + offs_s, scalars)
-                # The token's record: its raw key once per (request, key head), its gates.
-                pos = _ring_pos(base + wp, L)
-                _tl_store_parts(rk_at, pos * (H * K) + offs_c, _tl_mask_and(all_c, i_hv % (HV // H) == 0), offs_c,
-                                K, KQ, k0, k1, k2, k3)
-                tl.store(rg_at + pos * HV, g)
-                tl.store(rb_ptr + slot * (L * HV) + i_hv + pos * HV, beta)
-
-    @triton.jit
-    def _ring_token_kernel(
-        q_ptr, k_ptr, v_ptr, ckpt_ptr, rv_ptr, ru_ptr,
-        slots_ptr, cu_ptr, wp_ptr, base_ptr, flush_ptr, w_ptr, o_ptr,
-        stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
-        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
-        BK: tl.constexpr, BV: tl.constexpr, NS: tl.constexpr, EARLY_TILE: tl.constexpr,
-        WAIT_WEIGHTS: tl.constexpr,
-    ):
-        """Grid ``(V blocks, requests, HV)``: a row that does not fold, from its checkpoint
-        tile, its raw key and query, its history's ``u`` and the weights kernel's
-        entry: ``S x^ = exp(Gtot) r_x (S0 x) + u_h c_x``; ``u``, ``o`` as
-        :func:`_token_rows`. ``WAIT_WEIGHTS``: launched as the weights kernel's
-        programmatic dependent; everything but its entry loads before the wait.
-        ``EARLY_TILE``: the tile loads before the cursors (a folding row's then for
-        nothing)."""
-        i_v = tl.program_id(0)
-        i_b = tl.program_id(1)
-        i_hv = tl.program_id(2)
-        i_h = i_hv // (HV // H)
-        slot = tl.load(slots_ptr + i_b).to(tl.int64)
-        bos = tl.load(cu_ptr + i_b).to(tl.int64)
-        length = tl.load(cu_ptr + i_b + 1).to(tl.int64) - bos
-        KQ: tl.constexpr = BK // 4
-        offs_c = tl.arange(0, KQ)
-        all_c = offs_c >= 0
-        offs_v = i_v * BV + tl.arange(0, BV)
-        mask_v = offs_v < V
-        o_at = o_ptr + (bos * HV + i_hv) * V
-        if (slot < 0) | (length <= 0):
-            tl.store(o_at + offs_v, tl.full([BV], 0, o_ptr.dtype.element_ty), mask=_tl_mask_and(mask_v, length > 0))
-        else:
-            ckpt_at = ckpt_ptr + (slot * HV + i_hv) * (V * K)
-            tile = offs_v[:, None] * K + offs_c[None, :]
-            if EARLY_TILE:
-                S0, S1, S2, S3 = _tl_load_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ)
-            wp = tl.load(wp_ptr + slot).to(tl.int32)
-            base = tl.load(base_ptr + slot).to(tl.int32)
-            folds = (tl.load(flush_ptr + slot) != 0) & (wp > 0)
-            if not folds:
-                if not EARLY_TILE:
-                    S0, S1, S2, S3 = _tl_load_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ)
-                q0, q1, q2, q3 = _tl_load_parts(q_ptr + bos * stride_q_tok + i_h * stride_q_head, offs_c, all_c,
-                                                offs_c, K, KQ)
-                k0, k1, k2, k3 = _tl_load_parts(k_ptr + bos * stride_k_tok + i_h * stride_k_head, offs_c, all_c,
-                                                offs_c, K, KQ)
-                ru_at = ru_ptr + slot * (L * HV * V) + i_hv * V
-                u_h = _history_u(ru_at, base, wp, offs_v, mask_v, HV, V, L)
-                S0_k = _tl_row_dot(S0, S1, S2, S3, k0, k1, k2, k3)
-                S0_q = _tl_row_dot(S0, S1, S2, S3, q0, q1, q2, q3)
-                if WAIT_WEIGHTS:
-                    tl.extra.cuda.gdc_wait()
-                    tl.extra.cuda.gdc_launch_dependents()
-                w_at = w_ptr + (i_b * HV + i_hv) * (2 * L + NS)
-                offs_h = tl.arange(0, L)
-                c_k = tl.load(w_at + offs_h)
-                c_q = tl.load(w_at + L + offs_h)
-                S_k = tl.load(w_at + 2 * L) * S0_k + _tl_row_sum(u_h * c_k[None, :], 1)
-                S_q = tl.load(w_at + 2 * L + 1) * S0_q + _tl_row_sum(u_h * c_q[None, :], 1)
-                _token_rows(o_at, rv_ptr + slot * (L * HV * V) + i_hv * V, ru_at, _ring_pos(base + wp, L), HV * V,
-                            v_ptr + bos * stride_v_tok + i_hv * stride_v_head, offs_v, mask_v, S_k, S_q,
-                            tl.load(w_at + 2 * L + 2), tl.load(w_at + 2 * L + 3), tl.load(w_at + 2 * L + 4))
-
-
-def _launch_weights_and_tokens(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos,
-                               cache_base, is_flush, o, bv, bk, cfg) -> None:
-    """The rows that do not fold in two kernels: the weights kernel (history weights,
-    the token's scalars and record), then the token kernel on ``bv``-row tiles, its
-    programmatic dependent where the device allows it."""
-    h, kd = q.shape[1], q.shape[2]
-    hv, vd = v.shape[1], v.shape[2]
-    batch, L = slots.shape[0], ring.ring_len
-    w = torch.empty(batch, hv, 2 * L + N_SCALARS, dtype=torch.float32, device=q.device)
-    chained, launch = chain_launch()
-    dependent = dependent_launch(q.device)
-    _ring_weights_kernel[(batch, hv)](
-        q, k, a, b, A_log, dt_bias, ring.k, ring.g, ring.beta, slots, cu_seqlens, write_pos, cache_base, is_flush, w,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), a.stride(0), b.stride(0), kd**-0.5, NORM_EPS,
-        H=h, HV=hv, K=kd, L=L, BK=bk, NS=N_SCALARS, CHAINED=chained, LAUNCH_DEPENDENTS=dependent and not chained,
-        num_warps=cfg["weights_warps"], **launch)
-    _ring_token_kernel[(triton.cdiv(vd, bv), batch, hv)](
-        q, k, v, checkpoint, ring.v, ring_u, slots, cu_seqlens, write_pos, cache_base, is_flush, w, o,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        H=h, HV=hv, K=kd, V=vd, L=L, BK=bk, BV=bv, NS=N_SCALARS, EARLY_TILE=bool(cfg["early_tile"]),
-        WAIT_WEIGHTS=dependent, num_warps=exact_warps(cfg["num_warps"], bv),
-        **({"launch_pdl": True} if dependent else {}), **register_cap(cfg["max_registers"], q.device))
-
-
 def launch_ring_decode(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens, write_pos,
                        cache_base, is_flush, o) -> None:
     """Launch the ring decoding kernels on validated arguments: one launch, or the flush
@@ -693,12 +537,6 @@ def launch_ring_decode(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, 
     # their checkpoints while the kernel before (the conv) runs. Rows apart stay in
     # stream order: a chained token kernel beside the flush kernel measured slower at
     # batch 16 (BENCHMARKS.md, "Ring decoding chained").
-    if split and cfg["weights_first"]:
-        _launch_weights_and_tokens(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slots, cu_seqlens,
-                                   write_pos, cache_base, is_flush, o, bv, bk, cfg)
-        if side is not None:
-            torch.cuda.current_stream(q.device).wait_stream(side)
-        return
     chained, launch = (False, {}) if split else chain_launch()
     _ring_decode_kernel[(triton.cdiv(vd, bv), batch, hv)](
         *args, **common, BV=bv, EARLY_TILE=bool(cfg["early_tile"]), FLUSH_ROWS=not split,
