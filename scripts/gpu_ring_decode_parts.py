@@ -20,6 +20,9 @@ cursors stay, so every replay is the same step) and replays it with the pool's
 A step of the natural cycle (``bench kernels``' ``plain_ring`` row, printed beside when
 the batch is timed there) is about ``(1 - f) token + f flush``, with ``f`` the flush
 rows' share and their records ``cycle`` instead of the mean ``write_pos`` printed here.
+``as is`` is one phase of that cycle, so a change that moves the flush rows (their own
+kernel, another stream) can read better here than over the cycle: judge it by ``bench
+kernels`` (BENCHMARKS.md, "Ring decoding's token rows streamed, and in two kernels").
 """
 
 from __future__ import annotations
