@@ -874,13 +874,13 @@ class HybridEngine:
         if not prompt and self.ring_decoding and all(len(w) == 1 for w in windows):
             return self._ring_step(slots, windows, all_logits)
         static = prompt and not all_logits and self.prompt_graphs is not None and self.gdn_inputs_hook is None
-        slots, windows, *ids = self._check_step(slots, windows, with_ids=static)
+        slots, windows = self._check_step(slots, windows)
         if static:
             lengths = [len(w) for w in windows]
             slots, _ = self.pool.check_rows(slots, lengths, prefill=True)
             if self.prompt_graphs.fits(slots, windows):
                 self.kv.check_room(slots, lengths)
-                out = self.prompt_graphs.run(slots, windows, ids=ids[0])
+                out = self.prompt_graphs.run(slots, windows, ids=np.concatenate(windows))
                 self.prompt_passes["static"] += 1
                 return out
         out = self._forward(slots, windows, verify=False, all_logits=all_logits, chunked=prompt, checked=True)
@@ -943,11 +943,10 @@ class HybridEngine:
         self.kv.truncate(slots, lengths)
 
     # ------------------------------------------------------------------ forward
-    def _check_step(self, slots, windows, *, with_ids: bool = False):
+    def _check_step(self, slots, windows):
         """``(slots, windows)`` after the step's checks (no pending step, a window per slot,
         token ids in range, :func:`token_ids`): the slots as a list, each window as a
-        1-D int64 array; ``with_ids``: also the windows' ids packed in one array, as a
-        prompt pass uploads them."""
+        1-D int64 array (a pass packs them with one ``np.concatenate``)."""
         if self._pending is not None:
             raise RuntimeError("a verified step is pending: commit it first")
         slots = list(slots)
@@ -955,8 +954,7 @@ class HybridEngine:
             raise ValueError(f"need one window per slot and at least one request; got {len(windows)} windows "
                              f"for {len(slots)} slots")
         # each window's ids packed and checked once; the pass takes them as these arrays
-        packed = [token_ids(w, f"windows[{i}]", self.vocab_size) for i, w in enumerate(windows)]
-        return (slots, packed, np.concatenate(packed)) if with_ids else (slots, packed)
+        return slots, [token_ids(w, f"windows[{i}]", self.vocab_size) for i, w in enumerate(windows)]
 
     @torch.inference_mode()
     def _forward(self, slots, windows, *, verify: bool, all_logits: bool, chunked: bool,
