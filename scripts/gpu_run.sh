@@ -30,6 +30,10 @@
 #                                         # 2048-token prompt rows (batches 1 and 16) with their floor
 #   scripts/gpu_run.sh timeline           # the forced row's closed batch at 256 step by step (circular,
 #                                         # plain): steady steps, the drain's buckets, the host
+#   scripts/gpu_run.sh tunes              # the shape table's ring decoding and closed-form rows against
+#                                         # the variants in $TUNES (default: DEFAULT_TUNES below), batches
+#                                         # 64 and 256, the table's own rows first and again last; for
+#                                         # reading whether another card wants other rows
 #
 # Results go to $RESULTS (default benchmarks/results, under the names BENCHMARKS.md
 # cites; $TAG, default h200, names the card):
@@ -48,6 +52,7 @@
 #   targets-plain kernels_plain_ring_{float32,bfloat16}_$TAG.{log,json}, e2e_plain_ring_$TAG.{log,json},
 #                 e2e_prefill2048_$TAG.{log,json}
 #   timeline      step_timeline_{circular,plain}_b256_$TAG.log
+#   tunes         kernels_tune_{NAME}_$TAG.{log,json} per variant, kernels_tunes_$TAG.log (their table)
 # A test stage fails (exit 1) when pytest passed no GPU test: all skipped (no CUDA
 # device) or none collected must not read as success. Wheels of packages the machine
 # lacks (fla-core for chunked prefill and training, with flash-linear-attention and
@@ -62,6 +67,27 @@ TAG=${TAG:-h200}
 TRAIN_OUT=${TRAIN_OUT:-out/train_$TAG}
 DRAFT_OUT=${DRAFT_OUT:-out/draft_$TAG}
 CLOSED_LOOP_DTYPE=${CLOSED_LOOP_DTYPE:-float32}
+# The tunes stage's variants, NAME:STATE_DTYPE:WHAT[:FAMILY.PARAM=VALUE,...], WHAT being
+# ring (plain_ring) or circular; a variant without overrides is the table as it stands.
+# The defaults are the launch shapes the table's notes name for these rows (ops/tuning.py),
+# each a value the table allows.
+DEFAULT_TUNES="ring_f32:float32:ring
+ring_f32_bv32_w1:float32:ring:ring_decode.block_v=32,ring_decode.num_warps=1
+ring_f32_bv128_w4:float32:ring:ring_decode.block_v=128,ring_decode.num_warps=4
+ring_f32_ahead2:float32:ring:ring_decode.records_ahead=2
+ring_f32_apart:float32:ring:ring_decode.split_flush=2,ring_decode.block_v=32,ring_decode.token_block_v=64,ring_decode.flush_warps=2
+ring_f32_r168:float32:ring:ring_decode.max_registers=168
+ring_f32_again:float32:ring
+ring_bf16:bfloat16:ring
+ring_bf16_in_order:bfloat16:ring:ring_decode.split_flush=1
+ring_bf16_tok64:bfloat16:ring:ring_decode.token_block_v=64
+circ_f32:float32:circular
+circ_f32_stages3:float32:circular:closed_form.num_stages=3
+circ_f32_bv32:float32:circular:closed_form.block_v=32
+circ_f32_uncapped:float32:circular:closed_form.max_registers=0
+circ_f32_early:float32:circular:closed_form.early_tile=1
+circ_f32_kc32:float32:circular:closed_form.k_chunk=32
+circ_f32_again:float32:circular"
 mkdir -p "$RESULTS"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 if ls .gpu_wheels/*.whl >/dev/null 2>&1; then
@@ -133,6 +159,24 @@ for what in "$@"; do
                stage "e2e_prefill2048_$TAG" "${E2E_LIMIT:-150}" "$PYTHON" -m replayssm.cli bench e2e --random qwen3.5-shapes \
                    --dtype bf16 --batches 1,16 --prompt-len 2048 --max-new-tokens 16 --no-hf --strategies none \
                    --json "$RESULTS/e2e_prefill2048_$TAG.json" ;;
+        tunes)
+               ring=(); circular=()  # label=json per kind, for kernel_table.py
+               while IFS=: read -r name sdt what over; do
+                   [ -n "$name" ] || continue
+                   if [ "$what" = ring ]; then sel=(--strategies none --baselines plain_ring)
+                   else sel=(--strategies circular --baselines none); fi
+                   tune=(); for t in ${over//,/ }; do tune+=(--tune "$t"); done
+                   json="$RESULTS/kernels_tune_${name}_$TAG.json"
+                   stage "kernels_tune_${name}_$TAG" "${BENCH_LIMIT:-60}" "$PYTHON" -m replayssm.cli bench kernels \
+                       --layers 6 --window 4 --accept 3 --ring-len 16 --batches 64,256 --state-dtype "$sdt" \
+                       "${sel[@]}" "${tune[@]}" --quiet --json "$json"
+                   [ -f "$json" ] || continue
+                   if [ "$what" = ring ]; then ring+=("$name=$json"); else circular+=("$name=$json"); fi
+               done <<< "${TUNES:-$DEFAULT_TUNES}"
+               # one row per ring variant and batch; circular's variants as columns of one row per batch
+               { [ ${#ring[@]} -eq 0 ] || "$PYTHON" scripts/kernel_table.py "${ring[@]}"
+                 [ ${#circular[@]} -eq 0 ] || "$PYTHON" scripts/kernel_table.py "${circular[@]}"; } \
+                   | tee "$RESULTS/kernels_tunes_$TAG.log" ;;
         timeline)
                for m in circular plain; do
                    stage "step_timeline_${m}_b256_$TAG" "${E2E_LIMIT:-150}" "$PYTHON" scripts/gpu_step_timeline.py \
