@@ -167,6 +167,7 @@ for what in "$@"; do
                    else sel=(--strategies circular --baselines none); fi
                    tune=(); for t in ${over//,/ }; do tune+=(--tune "$t"); done
                    json="$RESULTS/kernels_tune_${name}_$TAG.json"
+                   rm -f "$json"  # only this run's variants go into the table
                    stage "kernels_tune_${name}_$TAG" "${BENCH_LIMIT:-60}" "$PYTHON" -m replayssm.cli bench kernels \
                        --layers 6 --window 4 --accept 3 --ring-len 16 --batches 64,256 --state-dtype "$sdt" \
                        "${sel[@]}" "${tune[@]}" --quiet --json "$json"

@@ -324,8 +324,8 @@ class LLM:
         from .engine.adapter import token_ids
 
         ids = []  # int64 arrays, which the generators take without a second pass over the ids
+        hint = "(give every prompt as token ids, or every prompt as text)"
         for i, p in enumerate(prompts):
-            hint = "(give every prompt as token ids, or every prompt as text)"
             if isinstance(p, str):
                 raise ValueError(f"prompts[{i}] is text among token-id prompts {hint}")
             try:
