@@ -83,6 +83,9 @@ ring_bf16:bfloat16:ring
 ring_bf16_in_order:bfloat16:ring:ring_decode.split_flush=1
 ring_bf16_tok64:bfloat16:ring:ring_decode.token_block_v=64
 ring_bf16_flush64:bfloat16:ring:ring_decode.block_v=64
+ring_bf16_r96:bfloat16:ring:ring_decode.max_registers=96
+ring_bf16_r80:bfloat16:ring:ring_decode.max_registers=80
+ring_bf16_again:bfloat16:ring
 circ_f32:float32:circular
 circ_f32_stages3:float32:circular:closed_form.num_stages=3
 circ_f32_bv32:float32:circular:closed_form.block_v=32
