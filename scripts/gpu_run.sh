@@ -77,14 +77,12 @@ ring_f32_bv128_w4:float32:ring:ring_decode.block_v=128,ring_decode.num_warps=4
 ring_f32_ahead2:float32:ring:ring_decode.records_ahead=2
 ring_f32_apart:float32:ring:ring_decode.split_flush=2,ring_decode.block_v=32,ring_decode.token_block_v=64,ring_decode.flush_warps=2
 ring_f32_r168:float32:ring:ring_decode.max_registers=168
-ring_f32_dot:float32:ring:ring_decode.dot_products=1,ring_decode.early_tile=0,ring_decode.split_flush=2,ring_decode.block_v=128,ring_decode.token_block_v=128,ring_decode.num_warps=4
 ring_f32_again:float32:ring
 ring_bf16:bfloat16:ring
 ring_bf16_in_order:bfloat16:ring:ring_decode.split_flush=1
 ring_bf16_tok64:bfloat16:ring:ring_decode.token_block_v=64
 ring_bf16_flush64:bfloat16:ring:ring_decode.block_v=64
 ring_bf16_r96:bfloat16:ring:ring_decode.max_registers=96
-ring_bf16_r80:bfloat16:ring:ring_decode.max_registers=80
 ring_bf16_again:bfloat16:ring
 circ_f32:float32:circular
 circ_f32_stages3:float32:circular:closed_form.num_stages=3
