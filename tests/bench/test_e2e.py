@@ -360,6 +360,8 @@ def test_no_run_ahead_reaches_the_generator_and_the_report(tmp_path, capsys, rea
     (["--chain-from", "2"], "chain_from chooses between a draft tree and its spine"),
     (["--drafter", "model"], "--drafter model needs --draft-model"),
     (["--draft-model", "embedded-draft"], "--draft-model is only used with --drafter model"),
+    (["--plain-ring-len", "32"], "--plain-ring-len is only used with --plain-ring or --plain-from"),
+    (["--ring-len", "16", "--strategies", "fold"], "--ring-len is circular's"),
     (["--random", "tiny", "--drafter", "model", "--draft-model", "embedded-draft"], "needs a checkpoint"),
     (["--tree", "2,1", "--chain-from", "0"], "--chain-from"),
     (["--requests-per-slot", "0"], "--requests-per-slot"),

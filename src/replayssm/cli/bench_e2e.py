@@ -57,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the speculative modes' batch buckets of at least B rows take plain steps (the engine's "
                              "choice per bucket; circular's plain steps then decode through a ring of "
                              "--plain-ring-len); default: every step speculates")
-    parser.add_argument("--plain-ring-len", type=positive_int, default=d.plain_ring_len,
+    parser.add_argument("--plain-ring-len", type=positive_int, default=None,
                         help=f"ring length L of plain-ring: a power of two >= 2 (num_draft + 1); a flush every "
                              f"L - 2 (num_draft + 1) + 1 tokens (default {d.plain_ring_len})")
     parser.add_argument("--ring-len", type=positive_int, default=None, metavar="L",
@@ -150,9 +150,15 @@ def config_from_args(args):
             common.check_same_tokenizer("--draft-model", draft_model, model)
     elif args.drafter == "model":
         raise ValueError("--drafter model needs --draft-model DIR (and a checkpoint: --model, not --random)")
+    # Ring lengths only some modes read: one given where none reads it is an error, not ignored.
+    if args.plain_ring_len is not None and not args.plain_ring and args.plain_from is None:
+        raise ValueError("--plain-ring-len is only used with --plain-ring or --plain-from")
+    if args.ring_len is not None and "circular" not in args.strategies:
+        raise ValueError("--ring-len is circular's; --strategies has no circular")
     return E2EConfig(
         model=model, random_model=args.random or "tiny", strategies=tuple(args.strategies),
-        plain=not args.no_plain, plain_ring=args.plain_ring, plain_ring_len=args.plain_ring_len,
+        plain=not args.no_plain, plain_ring=args.plain_ring,
+        plain_ring_len=args.plain_ring_len if args.plain_ring_len is not None else E2EConfig.plain_ring_len,
         ring_len=args.ring_len, hf=() if args.no_hf else tuple(args.hf), hf_max_batch=args.hf_max_batch,
         batches=tuple(pick(args.batches, (1, 16, 64), (2,))),
         num_draft=args.num_draft, max_new_tokens=pick(args.max_new_tokens, 128, 12),
