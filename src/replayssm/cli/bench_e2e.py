@@ -151,8 +151,9 @@ def config_from_args(args):
     elif args.drafter == "model":
         raise ValueError("--drafter model needs --draft-model DIR (and a checkpoint: --model, not --random)")
     # Ring lengths only some modes read: one given where none reads it is an error, not ignored.
-    if args.plain_ring_len is not None and not args.plain_ring and args.plain_from is None:
-        raise ValueError("--plain-ring-len is only used with --plain-ring or --plain-from")
+    ring_plain_steps = args.plain_ring or (args.plain_from is not None and "circular" in args.strategies)
+    if args.plain_ring_len is not None and not ring_plain_steps:
+        raise ValueError("--plain-ring-len is only used with --plain-ring, or --plain-from with circular")
     if args.ring_len is not None and "circular" not in args.strategies:
         raise ValueError("--ring-len is circular's; --strategies has no circular")
     return E2EConfig(
