@@ -207,8 +207,8 @@ class E2EConfig:
             raise ValueError(f"strategies must be distinct names from {STRATEGY_NAMES}, got {list(self.strategies)}")
         if not self.strategies and not self.plain and not self.plain_ring and not self.hf:
             raise ValueError("nothing to run: no strategies, no plain decoding and no hf baseline")
-        if self.plain_ring:
-            self._check_plain_ring()
+        if self.plain_ring_used:
+            self._check_ring("plain_ring_len")
         if any(h not in HF_CACHES for h in self.hf) or len(set(self.hf)) != len(self.hf):
             raise ValueError(f"hf must be distinct names from {tuple(HF_CACHES)}, got {list(self.hf)}")
         if self.hf_max_batch is not None and (isinstance(self.hf_max_batch, bool)
@@ -276,16 +276,19 @@ class E2EConfig:
             raise ValueError(f"plain_from must be a positive int or None, got {self.plain_from!r}")
         if self.tree:
             raise ValueError("plain_from takes chains of drafts, not a draft tree")
-        if "circular" in self.strategies:  # its plain steps decode through the ring
-            self._check_plain_ring()
+
+    @property
+    def plain_ring_used(self) -> bool:
+        """Whether a mode takes plain steps through a ring of ``plain_ring_len``: ``plain-ring``,
+        or ``circular`` with ``plain_from`` (:func:`mode_engine_options`)."""
+        return self.plain_ring or (self.plain_from is not None and "circular" in self.strategies)
 
     def _check_ring_len(self) -> None:
         self._check_ring("ring_len")
+        if "circular" not in self.strategies:
+            raise ValueError("ring_len is circular's ring length; strategies has no circular")
         if self.plain_from is not None:
             raise ValueError("with plain_from, circular's ring is plain_ring_len's; leave ring_len unset")
-
-    def _check_plain_ring(self) -> None:
-        self._check_ring("plain_ring_len")
 
     def _check_ring(self, name: str) -> None:
         L, t = getattr(self, name), self.num_draft + 1

@@ -150,13 +150,7 @@ def config_from_args(args):
             common.check_same_tokenizer("--draft-model", draft_model, model)
     elif args.drafter == "model":
         raise ValueError("--drafter model needs --draft-model DIR (and a checkpoint: --model, not --random)")
-    # Ring lengths only some modes read: one given where none reads it is an error, not ignored.
-    ring_plain_steps = args.plain_ring or (args.plain_from is not None and "circular" in args.strategies)
-    if args.plain_ring_len is not None and not ring_plain_steps:
-        raise ValueError("--plain-ring-len is only used with --plain-ring, or --plain-from with circular")
-    if args.ring_len is not None and "circular" not in args.strategies:
-        raise ValueError("--ring-len is circular's; --strategies has no circular")
-    return E2EConfig(
+    config = E2EConfig(
         model=model, random_model=args.random or "tiny", strategies=tuple(args.strategies),
         plain=not args.no_plain, plain_ring=args.plain_ring,
         plain_ring_len=args.plain_ring_len if args.plain_ring_len is not None else E2EConfig.plain_ring_len,
@@ -169,6 +163,11 @@ def config_from_args(args):
         repeats=pick(args.repeats, 3, 1), seed=args.seed, tree=tuple(args.tree), plain_from=args.plain_from,
         chain_from=args.chain_from, requests_per_slot=args.requests_per_slot, run_ahead=not args.no_run_ahead,
     )
+    # A ring length that no mode reads is an error, not ignored (the config cannot tell a given
+    # length from its default, so this check is the command line's).
+    if args.plain_ring_len is not None and not config.plain_ring_used:
+        raise ValueError("--plain-ring-len is only used with --plain-ring, or --plain-from with circular")
+    return config
 
 
 def check_args(args) -> None:
