@@ -112,8 +112,6 @@ def install() -> None:
                 mod.register_cap = cap
             if hasattr(mod, "dependent_launch"):  # read off the device on CUDA
                 mod.dependent_launch = sm90_dependent_launch
-            if hasattr(mod, "inline_ptx"):  # as on the card
-                mod.inline_ptx = lambda device: True
             # The launchers send CPU tensors to Triton only under the interpreter (each
             # module's copy of the flag); the kernels were defined for compiling (checked
             # at import, above).

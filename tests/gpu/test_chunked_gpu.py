@@ -217,16 +217,14 @@ def test_ring_decode_matches_float64_oracle(batch, state_dtype, act_dtype, block
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("param,value,dot", [("max_registers", 128, 0), ("max_registers", 168, 0), ("early_tile", 1, 0),
                                              ("split_flush", 1, 0), ("split_flush", 2, 0), ("split_flush", 1, 1),
-                                             ("split_flush", 2, 1), ("max_registers", 128, 1),
-                                             ("prefetch_records", 1, 0), ("prefetch_records", 1, 1)])
+                                             ("split_flush", 2, 1), ("max_registers", 128, 1)])
 def test_ring_decode_launch_choices_change_no_bit(state_dtype, param, value, dot):
     """The ring decoding kernel under a register cap (``ring_decode.max_registers``; the
     compiler spills the tile instead), with its checkpoint tile loaded before the
     cursors (``ring_decode.early_tile = 1``, the table's choice from batch 33) or with
     the flush rows in a kernel of their own (``ring_decode.split_flush``, in order with the
     token kernel or beside it on a side stream; both kernels at the one launch's tile height,
-    so every row keeps its lanes), or with each flush row's records asked of L2 first
-    (``ring_decode.prefetch_records``) gives the kernel's outputs, ``u`` and folded
+    so every row keeps its lanes) gives the kernel's outputs, ``u`` and folded
     checkpoints without it (the entry at 0) bit for bit, on histories of 0..L-1 records
     with flush rows, with the other rows' products by FMA or on tensor cores
     (``dot_products``; its checkpoint streams, so the tile is never loaded early)."""

@@ -146,7 +146,6 @@ if triton is not None:
     from .triton_common import NORM_EPS, chain_launch, chain_wait, device_fn as _tl_device_fn
     from .triton_common import gdn_state_step as _tl_state_step
     from .triton_common import load_parts as _tl_load_parts, normalized as _tl_normalized
-    from .triton_common import prefetch_l2 as _tl_prefetch_l2
     from .triton_common import as_stored as _tl_as_stored, store_parts as _tl_store_parts
 
     @_tl_device_fn
@@ -167,21 +166,6 @@ if triton is not None:
         k0, k1, k2, k3 = _tl_load_parts(rk_at, pos * srk_pos + offs_c, offs_c >= 0, offs_c, K, KQ)
         v = tl.load(rv_at + pos * srv_pos + offs_v, mask=mask_v, other=0.0).to(tl.float32)
         return k0, k1, k2, k3, v, tl.load(rg_at + pos * srg_pos), tl.load(rb_at + pos * srb_pos)
-
-    @_tl_device_fn
-    def _prefetch_records(rk_at, rv_at, rg_at, rb_at, at, count, offs_v, mask_v, srk_pos, srv_pos, srg_pos, srb_pos,
-                          K: tl.constexpr, L: tl.constexpr, KQ: tl.constexpr):
-        """Ask L2 for the ``count`` (>= 1) records from ring position ``at`` that a replay
-        is about to step (:func:`_tl_prefetch_l2`): the raw keys every 32 elements (a
-        line whatever their dtype), the tile's rows of ``v``, the gates. Positions
-        past ``count`` repeat the last record, so no line outside the history is asked
-        for."""
-        pos = _ring_pos(at + tl.minimum(tl.arange(0, L), count - 1), L)
-        NL: tl.constexpr = (4 * KQ + 31) // 32
-        _tl_prefetch_l2(rk_at + (pos[:, None] * srk_pos + tl.minimum(tl.arange(0, NL) * 32, K - 1)[None, :]))
-        _tl_prefetch_l2(rv_at + (pos[:, None] * srv_pos + tl.where(mask_v, offs_v, 0)[None, :]))
-        _tl_prefetch_l2(rg_at + pos * srg_pos)
-        _tl_prefetch_l2(rb_at + pos * srb_pos)
 
     @triton.jit
     def replay_history(ckpt_at, tile, rk_at, rv_at, rg_at, rb_at, base, count, offs_c, offs_v, mask_v,
@@ -204,7 +188,7 @@ if triton is not None:
     @triton.jit
     def replay_tile(S0, S1, S2, S3, rk_at, rv_at, rg_at, rb_at, base, count, offs_c, offs_v, mask_v,
                     srk_pos, srv_pos, srg_pos, srb_pos, eps, K: tl.constexpr, L: tl.constexpr, KQ: tl.constexpr,
-                    AHEAD: tl.constexpr = 1, NORM_AFTER: tl.constexpr = True, PREFETCH: tl.constexpr = False):
+                    AHEAD: tl.constexpr = 1, NORM_AFTER: tl.constexpr = True):
         """:func:`replay_history` on a tile already loaded (its four parts): for a kernel
         that loads the checkpoint before it knows whether the row replays.
 
@@ -213,11 +197,7 @@ if triton is not None:
         div_rn end a block, so a norm at the loop's head runs alone); off, each record's
         key is normalised at the head of its own step. Which is faster depends on the
         kernel around the loop, so it is the caller's (BENCHMARKS.md, "The exact
-        replay's loop in fewer instructions"). It changes no number.
-
-        ``PREFETCH`` (GPU only): every record of the replay is asked of L2 first
-        (:func:`_prefetch_records`), so that each step's loads, one or two records ahead,
-        wait on L2 rather than DRAM. It changes no number either."""
+        replay's loop in fewer instructions"). It changes no number."""
         # Ring positions in 32 bits (a position times its stride stays far below 2^31),
         # wrapped by a mask where L is a power of two; every position lies inside the
         # row's ring, so the loads need no validity masks: a record read past ``count``
@@ -225,8 +205,6 @@ if triton is not None:
         # modulo and the masks were about 8% of the loop's instructions.)
         at = base.to(tl.int32)
         strides = (srk_pos, srv_pos, srg_pos, srb_pos)
-        if PREFETCH:
-            _prefetch_records(rk_at, rv_at, rg_at, rb_at, at, count, offs_v, mask_v, *strides, K, L, KQ)
         k0n, k1n, k2n, k3n, v_n, g_n, b_n = _load_record_at(rk_at, rv_at, rg_at, rb_at, _ring_pos(at, L), offs_c,
                                                             mask_v, offs_v, *strides, K, KQ)
         if AHEAD == 2:
@@ -254,14 +232,14 @@ if triton is not None:
     def replay_and_store_tile(S0, S1, S2, S3, ckpt_at, tile, rk_at, rv_at, rg_at, rb_at, base, count, offs_c, offs_v,
                               mask_v, srk_pos, srv_pos, srg_pos, srb_pos, eps, K: tl.constexpr, L: tl.constexpr,
                               KQ: tl.constexpr, AHEAD: tl.constexpr, ROUND_STATE: tl.constexpr,
-                              NORM_AFTER: tl.constexpr = True, PREFETCH: tl.constexpr = False):
+                              NORM_AFTER: tl.constexpr = True):
         """A flush inside another kernel: :func:`replay_tile` on a loaded checkpoint tile,
         the folded tile stored at ``ckpt_at + tile`` (this kernel's store, so the
         checkpoint is the fold's bit for bit), and the tile returned as stored (rounded
         to the checkpoint's dtype with ``ROUND_STATE``), which is where the caller's
         window or token starts from."""
         S0, S1, S2, S3 = replay_tile(S0, S1, S2, S3, rk_at, rv_at, rg_at, rb_at, base, count, offs_c, offs_v, mask_v,
-                                     srk_pos, srv_pos, srg_pos, srb_pos, eps, K, L, KQ, AHEAD, NORM_AFTER, PREFETCH)
+                                     srk_pos, srv_pos, srg_pos, srb_pos, eps, K, L, KQ, AHEAD, NORM_AFTER)
         _tl_store_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ, S0, S1, S2, S3)
         if ROUND_STATE:
             S0, S1, S2, S3 = _tl_as_stored(S0, S1, S2, S3, ckpt_at.dtype.element_ty)

@@ -150,7 +150,7 @@ if triton is not None:
     from .fold import _ring_pos, replay_and_store_tile as _replay_and_store_tile
     from .recurrent import exact_block_k
     from .triton_common import EXACT_NUM_WARPS, NORM_EPS, block_rows, exact_warps, register_cap, side_stream
-    from .triton_common import chain_launch, chain_wait, inline_ptx, sm_count
+    from .triton_common import chain_launch, chain_wait, sm_count
     from .triton_common import device_fn as _tl_device_fn, folding_rows as _tl_folding_rows
     from .triton_common import gdn_gates as _tl_gdn_gates, load_parts as _tl_load_parts, mask_and as _tl_mask_and
     from .triton_common import row_dot as _tl_row_dot, row_sum as _tl_row_sum, sum_sq as _tl_sum_sq
@@ -212,7 +212,7 @@ if triton is not None:
         scale, eps,
         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
         BK: tl.constexpr, BV: tl.constexpr,
-        ROUND_STATE: tl.constexpr, AHEAD: tl.constexpr, PREFETCH: tl.constexpr, EARLY_TILE: tl.constexpr,
+        ROUND_STATE: tl.constexpr, AHEAD: tl.constexpr, EARLY_TILE: tl.constexpr,
         FLUSH_ROWS: tl.constexpr, TOKEN_ROWS: tl.constexpr,
         DOT: tl.constexpr, KC: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
         CHAINED: tl.constexpr,
@@ -303,8 +303,7 @@ if triton is not None:
                             S0, S1, S2, S3 = _tl_load_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ)
                         # (F, not S: the tile exists on this branch alone.)
                         F0, F1, F2, F3 = _fold(S0, S1, S2, S3, ckpt_at, tile, rk_at, rv_at, rg_at, rb_at, base, wp,
-                                               offs_c, offs_v, mask_v, eps, H, HV, K, V, L, KQ, AHEAD, ROUND_STATE,
-                                               PREFETCH)
+                                               offs_c, offs_v, mask_v, eps, H, HV, K, V, L, KQ, AHEAD, ROUND_STATE)
                         S_k = _tl_row_dot(F0, F1, F2, F3, kh0, kh1, kh2, kh3)
                         S_q = _tl_row_dot(F0, F1, F2, F3, qh0, qh1, qh2, qh3)
                     else:
@@ -319,8 +318,7 @@ if triton is not None:
                         if not EARLY_TILE:
                             S0, S1, S2, S3 = _tl_load_parts(ckpt_at, tile, mask_v[:, None], offs_c[None, :], K, KQ)
                         S0, S1, S2, S3 = _fold(S0, S1, S2, S3, ckpt_at, tile, rk_at, rv_at, rg_at, rb_at, base, wp,
-                                               offs_c, offs_v, mask_v, eps, H, HV, K, V, L, KQ, AHEAD, ROUND_STATE,
-                                               PREFETCH)
+                                               offs_c, offs_v, mask_v, eps, H, HV, K, V, L, KQ, AHEAD, ROUND_STATE)
                         e_Gh = tl.full([], 1.0, tl.float32)
                         c_k = tl.zeros([L], tl.float32)
                         c_q = tl.zeros([L], tl.float32)
@@ -355,14 +353,14 @@ if triton is not None:
     @triton.jit
     def _fold(S0, S1, S2, S3, ckpt_at, tile, rk_at, rv_at, rg_at, rb_at, base, wp, offs_c, offs_v, mask_v, eps,
               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, KQ: tl.constexpr,
-              AHEAD: tl.constexpr, ROUND_STATE: tl.constexpr, PREFETCH: tl.constexpr):
+              AHEAD: tl.constexpr, ROUND_STATE: tl.constexpr):
         """A flush row: fold the history into the checkpoint tile (the fold's replay and
         store); return the folded rows as stored, where the token starts from (an empty
         history)."""
         return _replay_and_store_tile(
             S0, S1, S2, S3, ckpt_at, tile, rk_at, rv_at, rg_at, rb_at,
             base, tl.minimum(wp, L), offs_c, offs_v, mask_v, H * K, HV * V, HV, HV, eps, K, L, KQ, AHEAD,
-            ROUND_STATE, False, PREFETCH)  # each key normalised at its step's head: faster here (fold.replay_tile)
+            ROUND_STATE, False)  # each key normalised at its step's head: faster in this kernel (fold.replay_tile)
 
     @_tl_device_fn
     def _weights(h0, h1, h2, h3, g_h, hist, offs_h, kh0, kh1, kh2, kh3, qh0, qh1, qh2, qh3, eps):
@@ -448,8 +446,8 @@ if triton is not None:
         scale, eps,
         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
         BK: tl.constexpr, BV: tl.constexpr,
-        ROUND_STATE: tl.constexpr, AHEAD: tl.constexpr, PREFETCH: tl.constexpr, EARLY_TILE: tl.constexpr,
-        FLUSH_ROWS: tl.constexpr, DOT: tl.constexpr, KC: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        ROUND_STATE: tl.constexpr, AHEAD: tl.constexpr, EARLY_TILE: tl.constexpr, FLUSH_ROWS: tl.constexpr,
+        DOT: tl.constexpr, KC: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
         CHAINED: tl.constexpr = False,
     ):
         """Grid ``(V blocks, requests, HV)``: every row's token (``FLUSH_ROWS``) or every
@@ -460,7 +458,7 @@ if triton is not None:
                   slots_ptr, cu_ptr, wp_ptr, base_ptr, flush_ptr, o_ptr,
                   stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
                   stride_a_tok, stride_b_tok, scale, eps,
-                  H, HV, K, V, L, BK, BV, ROUND_STATE, AHEAD, PREFETCH, EARLY_TILE, FLUSH_ROWS, True,
+                  H, HV, K, V, L, BK, BV, ROUND_STATE, AHEAD, EARLY_TILE, FLUSH_ROWS, True,
                   DOT, KC, NUM_STAGES, DOT_PRECISION, CHAINED)
 
     @triton.jit
@@ -473,7 +471,7 @@ if triton is not None:
         scale, eps, batch,
         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
         BK: tl.constexpr, BV: tl.constexpr, BB: tl.constexpr,
-        ROUND_STATE: tl.constexpr, AHEAD: tl.constexpr, PREFETCH: tl.constexpr, EARLY_TILE: tl.constexpr,
+        ROUND_STATE: tl.constexpr, AHEAD: tl.constexpr, EARLY_TILE: tl.constexpr,
     ):
         """A few programs that walk the flush rows' (V block, value head) items: item
         ``t`` of ``n x HV x NV`` is the ``t // (HV NV)``-th flush row of the batch (``BB``
@@ -492,7 +490,7 @@ if triton is not None:
                       slots_ptr, cu_ptr, wp_ptr, base_ptr, flush_ptr, o_ptr,
                       stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
                       stride_a_tok, stride_b_tok, scale, eps,
-                      H, HV, K, V, L, BK, BV, ROUND_STATE, AHEAD, PREFETCH, EARLY_TILE, True, False,
+                      H, HV, K, V, L, BK, BV, ROUND_STATE, AHEAD, EARLY_TILE, True, False,
                       False, BK, 1, "ieee", False)
 
 
@@ -509,9 +507,8 @@ def launch_ring_decode(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, 
             slots, cu_seqlens, write_pos, cache_base, is_flush, o,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
             kd**-0.5, NORM_EPS)
-    # The records' L2 prefetch is an inline-PTX hint: on CUDA alone (it changes no number).
     common = dict(H=h, HV=hv, K=kd, V=vd, L=ring.ring_len, BK=bk, ROUND_STATE=checkpoint.dtype != torch.float32,
-                  AHEAD=cfg["records_ahead"], PREFETCH=bool(cfg["prefetch_records"]) and inline_ptx(q.device))
+                  AHEAD=cfg["records_ahead"])
     split = cfg["split_flush"]
     dot = bool(cfg["dot_products"])
     if dot and cfg["early_tile"]:

@@ -249,12 +249,6 @@ def register_cap(max_registers: int, device: torch.device) -> dict:
     return {"maxnreg": max_registers} if max_registers and device.type == "cuda" and not INTERPRETER else {}
 
 
-def inline_ptx(device: torch.device) -> bool:
-    """Whether kernels on ``device`` may carry inline PTX (CUDA; the interpreter runs
-    none). Only hints that change no number are written so (:func:`prefetch_l2`)."""
-    return device.type == "cuda" and not INTERPRETER
-
-
 def device_fn(fn):
     """``triton.jit`` for device helpers (functions that kernels call).
 
@@ -411,15 +405,6 @@ if triton is not None:
         computed as ``x * (scale / sqrt(...))``."""
         r = inv_norm(x0, x1, x2, x3, eps) * scale
         return x0 * r, x1 * r, x2 * r, x3 * r
-
-    @device_fn
-    def prefetch_l2(ptrs):
-        """Ask L2 for the lines at ``ptrs`` (a pointer tensor of any shape; every address
-        must be valid): PTX ``prefetch.global.L2``, a hint that takes no register and
-        waits for nothing, so a later load of those lines finds them in L2 instead of
-        DRAM. It changes no number. GPU only (the interpreter runs no inline PTX)."""
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                                  is_pure=False, pack=1)
 
     @device_fn
     def row_dot(S0, S1, S2, S3, x0, x1, x2, x3):

@@ -110,11 +110,9 @@ PARAMS = {
     # which holds the tile in registers), or by FMA on the four-part tile (0).
     # ``flush_warps`` (rows apart): the flush kernel's warps, 4 (the exact kernels') or
     # 2, whose tiles keep the 4-warp lanes along K (ops/ring_decode.py
-    # launch_ring_decode). ``prefetch_records``: a flush row asks L2 for all the records
-    # it replays before its first step (fold.replay_tile; CUDA only, no number changes).
+    # launch_ring_decode).
     "ring_decode": ("block_v", "records_ahead", "early_tile", "max_registers", "num_warps", "split_flush",
-                    "token_block_v", "flush_programs", "dot_products", "k_chunk", "num_stages", "flush_warps",
-                    "prefetch_records"),
+                    "token_block_v", "flush_programs", "dot_products", "k_chunk", "num_stages", "flush_warps"),
 }
 
 _KEY_FIELDS = ("K", "V", "state_dtype", "min_batch", "max_batch", "device")
@@ -122,10 +120,9 @@ _KEY_FIELDS = ("K", "V", "state_dtype", "min_batch", "max_batch", "device")
 _MAY_BE_ZERO = ("replay_max_batch", "tree_replay_max_paths", "path_max_paths",
                 "tf32_coefficients", "fuse_flush", "early_tile", "dependent_launch", "max_registers", "load_ahead",
                 "coef_max_registers", "records_first",
-                "split_flush", "short_tail", "dot_products", "prefetch_records")
+                "split_flush", "short_tail", "dot_products")
 #: Parameters with a closed set of values (by name, or ``family.name`` for one family).
-_CHOICES = {"tf32_coefficients": (0, 1), "dot_products": (0, 1), "prefetch_records": (0, 1), "fuse_flush": (0, 1),
-            "records_ahead": (1, 2),
+_CHOICES = {"tf32_coefficients": (0, 1), "dot_products": (0, 1), "fuse_flush": (0, 1), "records_ahead": (1, 2),
             "flush_records_ahead": (1, 2),
             "early_tile": (0, 1), "dependent_launch": (0, 1), "load_ahead": (0, 1), "records_first": (0, 1),
             "ring_decode.split_flush": (0, 1, 2),
@@ -234,21 +231,21 @@ TABLE: dict[str, list[tuple[dict, dict]]] = {
                                                                             max_registers=0, num_warps=4,
                                                                             split_flush=0, token_block_v=128,
                                                                             flush_programs=2, dot_products=0,
-                                                                            k_chunk=64, num_stages=2, flush_warps=4, prefetch_records=0)),
+                                                                            k_chunk=64, num_stages=2, flush_warps=4)),
                     ({"state_dtype": torch.bfloat16}, dict(block_v=128, records_ahead=1, early_tile=0, max_registers=0,
                                                            num_warps=4, split_flush=2, token_block_v=128,
                                                            flush_programs=2, dot_products=1, k_chunk=64,
-                                                           num_stages=2, flush_warps=4, prefetch_records=0)),
+                                                           num_stages=2, flush_warps=4)),
                     ({"min_batch": 16, "max_batch": 32}, dict(block_v=32, records_ahead=1, early_tile=1,
                                                               max_registers=0, num_warps=4, split_flush=2,
                                                               token_block_v=128, flush_programs=2, dot_products=0,
-                                                              k_chunk=64, num_stages=2, flush_warps=2, prefetch_records=0)),
+                                                              k_chunk=64, num_stages=2, flush_warps=2)),
                     ({"min_batch": 33}, dict(block_v=64, records_ahead=1, early_tile=1, max_registers=0, num_warps=2,
                                              split_flush=0, token_block_v=128, flush_programs=2, dot_products=0,
-                                             k_chunk=64, num_stages=2, flush_warps=4, prefetch_records=0)),
+                                             k_chunk=64, num_stages=2, flush_warps=4)),
                     ({}, dict(block_v=128, records_ahead=1, early_tile=1, max_registers=0, num_warps=4, split_flush=0,
                               token_block_v=128, flush_programs=2, dot_products=0, k_chunk=64, num_stages=2,
-                              flush_warps=4, prefetch_records=0))],
+                              flush_warps=4))],
 }
 
 
