@@ -363,6 +363,7 @@ def test_no_run_ahead_reaches_the_generator_and_the_report(tmp_path, capsys, rea
     (["--plain-ring-len", "32"], "--plain-ring-len is only used with --plain-ring"),
     (["--plain-ring-len", "32", "--plain-from", "2", "--strategies", "fold"], "--plain-from with circular"),
     (["--ring-len", "16", "--strategies", "fold"], "ring_len is circular's ring length"),
+    (["--ring-len", "3", "--strategies", "fold"], "ring_len is circular's ring length"),
     (["--random", "tiny", "--drafter", "model", "--draft-model", "embedded-draft"], "needs a checkpoint"),
     (["--tree", "2,1", "--chain-from", "0"], "--chain-from"),
     (["--requests-per-slot", "0"], "--requests-per-slot"),

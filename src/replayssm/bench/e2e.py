@@ -284,9 +284,9 @@ class E2EConfig:
         return self.plain_ring or (self.plain_from is not None and "circular" in self.strategies)
 
     def _check_ring_len(self) -> None:
-        self._check_ring("ring_len")
-        if "circular" not in self.strategies:
+        if "circular" not in self.strategies:  # before its value: a length nothing reads is the error
             raise ValueError("ring_len is circular's ring length; strategies has no circular")
+        self._check_ring("ring_len")
         if self.plain_from is not None:
             raise ValueError("with plain_from, circular's ring is plain_ring_len's; leave ring_len unset")
 
