@@ -10,7 +10,10 @@ For each (mode, batch) it sets up live requests, captures the step, and reports:
   count of kernels per step;
 * for speculative modes, the drafter alone: its update and next proposal
   (``observe`` + ``propose``, what the step runs after the commit) captured in a graph
-  of their own at the step's shapes, timed by replays, with its kernel count.
+  of their own at the step's shapes, timed by replays, with its kernel count;
+* every kernel summed by part (matrix products, GDN state, conv, attention, norms,
+  other) beside each part's bound, from the card's copy and matmul rates measured in
+  the same run (:mod:`replayssm.bench.step_bounds`; chains only, not trees).
 
 Drafters: ``oracle`` (set acceptance 0.8 on its reference tokens, a few tensor ops),
 ``forced`` (each draft accepted with probability 0.8 by a seeded draw, whatever the
@@ -34,7 +37,9 @@ import numpy as np
 import torch
 
 from replayssm.bench import common
+from replayssm.bench.compute_floor import measure_matmul_rate
 from replayssm.bench.e2e import E2EConfig, load_model, make_drafter
+from replayssm.bench.step_bounds import format_parts, parts_against_bounds, step_bounds
 from replayssm.engine.adapter import HybridEngine
 from replayssm.engine.device_drafters import ForcedDrafter, OracleDrafter
 from replayssm.engine.generator import StepGenerator, StepStats, _Request
@@ -87,7 +92,8 @@ def drafter_alone(gen: StepGenerator, step, reps: int) -> dict:
 
 
 def profile(model, mode: str, batch: int, k: int, reps: int, top: int, drafter_kind: str = "oracle",
-            cfg: E2EConfig | None = None, branching: tuple[int, ...] = (), chain_from: int | None = None) -> dict:
+            cfg: E2EConfig | None = None, branching: tuple[int, ...] = (), chain_from: int | None = None,
+            rates: dict | None = None, accept: int | None = None) -> dict:
     from replayssm.engine.trees import StaticTree
 
     plain = mode in ("plain", "plain_ring")
@@ -136,6 +142,12 @@ def profile(model, mode: str, batch: int, k: int, reps: int, top: int, drafter_k
         gpu_ms = _replay_ms(step.graph, reps)
         events, total, count = _kernels(step.graph)
         alone = drafter_alone(gen, step, reps) if drafter is not None else {}
+        context = engine.kv.device_lengths[step.slot_idx].double().mean().item()
+    parts = None
+    if rates is not None and tree is None:  # the bounds' byte model is a chain's
+        bounds = step_bounds(engine, rows=batch, window=window, accept=1 if plain else min(accept or k, window),
+                             context=context, copy_bw=rates["copy_Bps"], matmul_rate=rates["matmul_flops_per_s"])
+        parts = parts_against_bounds([(e.key, e.device_time_total / 5) for e in events], bounds)
     kernels = sorted(events, key=lambda e: -e.device_time_total)[:top]
     rows = [{"kernel": e.key[:90], "us_per_step": e.device_time_total / 5, "calls_per_step": e.count / 5}
             for e in kernels]
@@ -147,10 +159,13 @@ def profile(model, mode: str, batch: int, k: int, reps: int, top: int, drafter_k
               f"{alone['drafter_kernels']:.0f} kernels, {alone['drafter_gpu_ms'] / gpu_ms:.0%} of the step")
     for r in rows:
         print(f"   {r['us_per_step']:8.1f} us  x{r['calls_per_step']:5.1f}  {r['kernel']}")
+    if parts is not None:
+        print(f"   by part, against each part's bound (context {context:.0f} tokens):")
+        print(format_parts(parts))
     return {"mode": mode, "batch": batch, "window": window, "drafter": None if plain else drafter_kind,
             "tree": list(branching) if tree is not None else None, "chain_from": chain_from if tree is not None else None,
             "gpu_ms": gpu_ms, "wall_ms": wall_ms, "wall_run_ahead_ms": ahead_ms, "kernels_per_step": count,
-            "profiled_ms": total / 1e3, "top": rows,
+            "profiled_ms": total / 1e3, "top": rows, "context": context, "parts": parts,
             **alone}
 
 
@@ -168,6 +183,10 @@ def main() -> None:
                     help="speculative modes verify a draft tree of this branching per depth (e.g. 3,2,1; mtp drafter)")
     ap.add_argument("--chain-from", type=int, default=None, metavar="B",
                     help="with --tree, buckets of at least B rows verify the tree's spine as a chain")
+    ap.add_argument("--accept", type=int, default=None,
+                    help="tokens a request commits a speculative step, for the state's byte bound (default: "
+                         "--num-draft, about the mean at acceptance 0.8)")
+    ap.add_argument("--no-bounds", action="store_true", help="skip the parts' bounds (and measuring the rates)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--set", action="append", default=[], metavar="FAMILY.PARAM=VALUE",
                     help="override a row of the kernels' shape table (replayssm/ops/tuning.py) for the whole run "
@@ -196,11 +215,20 @@ def main() -> None:
         model_dir = str(resolve_model_path(args.model))  # "embedded": the checkpoint in the package
     cfg = E2EConfig(model=model_dir, random_model="qwen3.5-shapes", device="cuda", dtype="bf16", drafter=args.drafter)
     model, description, _ = load_model(cfg)
-    out = [profile(model, m, int(b), args.num_draft, args.reps, args.top, args.drafter, cfg, branching, args.chain_from)
+    rates = None
+    if not args.no_bounds:
+        device = torch.device("cuda")
+        rates = {"copy_Bps": common.copy_bandwidth(device),
+                 "matmul_flops_per_s": measure_matmul_rate(device, model.dtype)["flops_per_s"]}
+        print(f"copy rate {rates['copy_Bps'] / 1e9:.0f} GB/s, matmul rate {rates['matmul_flops_per_s'] / 1e12:.1f} "
+              f"TFLOP/s ({model.dtype})")
+    out = [profile(model, m, int(b), args.num_draft, args.reps, args.top, args.drafter, cfg, branching, args.chain_from,
+                   rates, args.accept)
            for b in args.batches.split(",") for m in args.modes.split(",")]
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"card": torch.cuda.get_device_name(), "model": description, "rows": out}, fh, indent=1)
+            json.dump({"card": torch.cuda.get_device_name(), "model": description, "rates": rates, "rows": out},
+                      fh, indent=1)
 
 
 if __name__ == "__main__":
