@@ -28,6 +28,8 @@
 #   scripts/gpu_run.sh targets-plain      # plain decoding through the ring (plain_ring kernels, fp32 and
 #                                         # bf16 states, batches 64, 256; plain-ring end to end) and the
 #                                         # 2048-token prompt rows (batches 1 and 16) with their floor
+#   scripts/gpu_run.sh parts              # the forced step's kernels by part against each part's bound
+#                                         # (plain, circular, fold at batches 256 and 64)
 #   scripts/gpu_run.sh timeline           # the forced row's closed batch at 256 step by step (circular,
 #                                         # plain): steady steps, the drain's buckets, the host
 #   scripts/gpu_run.sh tunes              # the shape table's ring decoding and closed-form rows against
@@ -51,6 +53,7 @@
 #   targets-spec  e2e_forced_b{64,256}_$TAG.{log,json}, e2e_mtp_$TAG.{log,json}
 #   targets-plain kernels_plain_ring_{float32,bfloat16}_$TAG.{log,json}, e2e_plain_ring_$TAG.{log,json},
 #                 e2e_prefill2048_$TAG.{log,json}
+#   parts         profile_step_parts_$TAG.{log,json}
 #   timeline      step_timeline_{circular,plain}_b256_$TAG.log
 #   tunes         kernels_tune_{NAME}_$TAG.{log,json} per variant, kernels_tunes_$TAG.log (their table)
 # A test stage fails (exit 1) when pytest passed no GPU test: all skipped (no CUDA
@@ -181,6 +184,8 @@ for what in "$@"; do
                { [ ${#ring[@]} -eq 0 ] || "$PYTHON" scripts/kernel_table.py "${ring[@]}"
                  [ ${#circular[@]} -eq 0 ] || "$PYTHON" scripts/kernel_table.py "${circular[@]}"; } \
                    | tee "$RESULTS/kernels_tunes_$TAG.log" ;;
+        parts) stage "profile_step_parts_$TAG" "${PROFILE_LIMIT:-300}" "$PYTHON" scripts/gpu_profile_step.py --drafter forced \
+                   --modes plain,circular,fold --batches 256,64 --top 16 --reps 30 --json "$RESULTS/profile_step_parts_$TAG.json" ;;
         timeline)
                for m in circular plain; do
                    stage "step_timeline_${m}_b256_$TAG" "${E2E_LIMIT:-150}" "$PYTHON" scripts/gpu_step_timeline.py \
