@@ -145,7 +145,7 @@ def profile(model, mode: str, batch: int, k: int, reps: int, top: int, drafter_k
         context = engine.kv.device_lengths[step.slot_idx].double().mean().item()
     parts = None
     if rates is not None and tree is None:  # the bounds' byte model is a chain's
-        bounds = step_bounds(engine, rows=batch, window=window, accept=1 if plain else min(accept or k, window),
+        bounds = step_bounds(engine, rows=batch, window=window, accept=1 if plain else accept or k,
                              context=context, copy_bw=rates["copy_Bps"], matmul_rate=rates["matmul_flops_per_s"])
         parts = parts_against_bounds([(e.key, e.device_time_total / 5) for e in events], bounds)
     kernels = sorted(events, key=lambda e: -e.device_time_total)[:top]
@@ -192,6 +192,8 @@ def main() -> None:
                     help="override a row of the kernels' shape table (replayssm/ops/tuning.py) for the whole run "
                          "(e.g. exact_read_only.block_v=64)")
     args = ap.parse_args()
+    if args.accept is not None and not 1 <= args.accept <= args.num_draft + 1:
+        ap.error(f"--accept must be between 1 and --num-draft + 1 ({args.num_draft + 1}), got {args.accept}")
     branching = tuple(int(x) for x in args.tree.split(",")) if args.tree else ()
     if branching and args.drafter != "mtp":
         ap.error("--tree takes the mtp drafter (--drafter mtp)")
