@@ -6,7 +6,9 @@ at the card's copy rate or its FLOPs at its matmul rate, both measured in the sa
 
 * ``matmul``: every ``nn.Linear`` of the decoder layers and the LM head on the ``N``
   rows: ``2 N W`` FLOPs for ``W`` weights, at the matmul rate, or the weights' bytes
-  read once at the copy rate, whichever is longer;
+  read once at the copy rate, whichever is longer (a sparse MoE block counts the
+  weights one token multiplies, :func:`~replayssm.bench.compute_floor.prefill_flops`'
+  rule, so its bytes are a lower bound);
 * ``gdn_state``: the state kernels of every GDN layer (verify, commit, flush, cursors):
   the bytes of :func:`~replayssm.bench.common.step_bytes` (DESIGN.md section 4) for the
   step's kind, without the conv;
