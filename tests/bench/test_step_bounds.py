@@ -144,5 +144,8 @@ def test_bad_arguments_are_named(tiny, override, word):
     kw = dict(rows=4, window=4, accept=3, context=10.0, copy_bw=3e12, matmul_rate=7e14) | override
     with pytest.raises(ValueError, match=word):
         sb.step_bounds(_engine(tiny, "fold", 4), **kw)
+
+
+def test_a_kernel_name_must_be_a_string():
     with pytest.raises(TypeError, match="kernel"):
         sb.step_part(3)

@@ -31,7 +31,7 @@ would take if every part ran at its own bound back to back.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -90,9 +90,15 @@ def _bound(nbytes: float, flops: float, copy_bw: float, matmul_rate: float) -> P
     return PartBound(float(nbytes), float(flops), max(t_bytes, t_flops), "flops" if t_flops > t_bytes else "bytes")
 
 
-def _positive(name: str, value, kind=int) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int) or not value > 0:
-        raise ValueError(f"{name} must be a positive {'number' if kind is float else 'int'}, got {value!r}")
+def _positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _number(name: str, value, *, zero: bool = False) -> None:
+    """A real number above zero (or at least zero, with ``zero``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value >= 0 if zero else value > 0):
+        raise ValueError(f"{name} must be a {'non-negative' if zero else 'positive'} number, got {value!r}")
 
 
 def step_kind(engine, window: int) -> str:
@@ -122,20 +128,16 @@ def step_bounds(engine, *, rows: int, window: int, accept: int, context: float, 
     Returns:
         ``{part: PartBound}`` for every part of :data:`STEP_PARTS` but ``"other"``.
     """
-    _positive("rows", rows)
-    _positive("window", window)
-    _positive("accept", accept)
+    for name, value in (("rows", rows), ("window", window), ("accept", accept)):
+        _positive_int(name, value)
     if accept > window:
         raise ValueError(f"accept must be at most window ({window}), got {accept}")
-    if isinstance(context, bool) or not isinstance(context, (int, float)) or not context >= 0:
-        raise ValueError(f"context must be a non-negative number, got {context!r}")
-    _positive("copy_bw", copy_bw, float)
-    _positive("matmul_rate", matmul_rate, float)
+    _number("context", context, zero=True)
+    _number("copy_bw", copy_bw)
+    _number("matmul_rate", matmul_rate)
     tokens = rows * window
     e = torch.empty((), dtype=engine.dtype).element_size()
-    hidden = engine.config.hidden_size
-    gdn = [layer for layer, kind in zip(engine.layers, engine.kinds) if kind == "gdn"]
-    attn = [layer for layer, kind in zip(engine.layers, engine.kinds) if kind == "attn"]
+    hidden, gdn_layers = engine.config.hidden_size, len(engine.mixers)
 
     weights = engine.lm_head.weight.numel()
     for layer in engine.layers:
@@ -145,34 +147,32 @@ def step_bounds(engine, *, rows: int, window: int, accept: int, context: float, 
 
     s, pool = engine.shape, engine.pool
     kind = step_kind(engine, window)
+    conv_dim = 2 * s.num_heads * s.head_k_dim + s.num_value_heads * s.head_v_dim
     shape = StepShape(batch=rows, num_heads=s.num_heads, num_value_heads=s.num_value_heads, head_k_dim=s.head_k_dim,
                       head_v_dim=s.head_v_dim, window=window, accept=accept,
                       state_elem=torch.empty((), dtype=pool.state_dtype).element_size(), act_elem=e,
-                      ring_len=pool.ring_len or 0)
-    out["gdn_state"] = _bound(len(gdn) * step_bytes(kind, shape).total, 0, copy_bw, matmul_rate)
-
-    c, w = 2 * s.num_heads * s.head_k_dim + s.num_value_heads * s.head_v_dim, s.conv_kernel
-    if window == 1 and kind == "plain_decode":  # the state advanced in place
-        conv = rows * (2 * c + 2 * (w - 1) * c)
-    else:  # verify: x, y, the state, the window buffer; commit: the accepted tokens, the state
-        conv = rows * (2 * window * c + (w - 1) * c + window * c + accept * c + (w - 1) * c)
-    out["conv"] = _bound(len(gdn) * conv * e, 0, copy_bw, matmul_rate)
-
-    attention = 0
-    for layer in attn:
-        a = layer.self_attn
-        heads, kv_heads = a.config.num_attention_heads, a.config.num_key_value_heads
-        per_row = 2 * kv_heads * a.head_dim * (context + window)  # the cache read, the window's keys and values written
-        per_row += window * heads * a.head_dim * 3  # queries and their gate read, outputs written
-        attention += rows * per_row
-    out["attention"] = _bound(attention * e, 0, copy_bw, matmul_rate)
+                      ring_len=pool.ring_len or 0, conv_dim=conv_dim, conv_kernel=s.conv_kernel)
+    # the state kernels without the conv, which is a part of its own
+    out["gdn_state"] = _bound(gdn_layers * step_bytes(kind, replace(shape, conv_dim=0)).total, 0, copy_bw, matmul_rate)
+    if kind == "plain_decode":  # x read, y written, the state read and advanced in place
+        conv = rows * (2 + 2 * (s.conv_kernel - 1)) * conv_dim * e
+    else:  # a verify's window buffer and a commit (a plain step through the ring takes both)
+        conv = shape.conv_bytes()
+    out["conv"] = _bound(gdn_layers * conv, 0, copy_bw, matmul_rate)
 
     norms = 2 * tokens * hidden  # the first layer's input norm
     norms += len(engine.layers) * 2 * 4 * tokens * hidden  # two residual adds with their norms a layer
-    norms += len(gdn) * 3 * tokens * s.num_value_heads * s.head_v_dim  # the GDN output, its gate, the result
-    for layer in attn:
+    norms += gdn_layers * 3 * tokens * s.num_value_heads * s.head_v_dim  # the GDN output, its gate, the result
+    attention = 0
+    for layer, layer_kind in zip(engine.layers, engine.kinds):
+        if layer_kind != "attn":
+            continue
         a = layer.self_attn
-        norms += 2 * tokens * (a.config.num_attention_heads + a.config.num_key_value_heads) * a.head_dim
+        heads, kv_heads, d = a.config.num_attention_heads, a.config.num_key_value_heads, a.head_dim
+        # each row's cached keys and values read, the window's written; queries and their gate read, outputs written
+        attention += rows * (2 * kv_heads * d * (context + window) + 3 * window * heads * d)
+        norms += 2 * tokens * (heads + kv_heads) * d  # the query and key norms
+    out["attention"] = _bound(attention * e, 0, copy_bw, matmul_rate)
     out["norms"] = _bound(norms * e, 0, copy_bw, matmul_rate)
     return out
 
