@@ -20,7 +20,7 @@ def test_defaults_are_the_measured_values():
     assert tuning.lookup("exact_snapshot", **dict(at, state_dtype=BF16)) == {"block_v": 16, "num_warps": 1, "load_ahead": 1}
     assert tuning.lookup("exact_snapshot", **dict(at, state_dtype=BF16, batch=8))["block_v"] == 8
     assert tuning.lookup("closed_form", **dict(at, batch=16))["heads_per_program"] == 1
-    assert tuning.lookup("closed_form", **at) == {"block_v": 64, "k_chunk": 64, "num_stages": 2, "num_warps": 4, "tf32_coefficients": 1,
+    assert tuning.lookup("closed_form", **at) == {"block_v": 64, "k_chunk": 128, "num_stages": 2, "num_warps": 4, "tf32_coefficients": 1,
                                                         "coef_warps": 1, "heads_per_program": 8, "flush_block_v": 32,
                                                         "fuse_flush": 1, "flush_records_ahead": 1, "dependent_launch": 1,
                                                         "max_registers": 128, "early_tile": 0, "short_tail": 0,
@@ -28,6 +28,8 @@ def test_defaults_are_the_measured_values():
     assert [tuning.lookup("closed_form", **dict(at, batch=b, state_dtype=d))["records_first"]
             for d in (F32, BF16) for b in (16, 64)] == [1, 1, 1, 1]
     assert tuning.lookup("closed_form", **dict(at, batch=32))["max_registers"] == 0
+    assert [tuning.lookup("closed_form", **dict(at, batch=b, state_dtype=d))["k_chunk"]
+            for d in (F32, BF16) for b in (32, 33)] == [64, 128, 64, 128]
     assert [tuning.lookup("closed_form", **dict(at, batch=b, state_dtype=d))["short_tail"]
             for d in (F32, BF16) for b in (32, 33)] == [32, 0, 32, 0]
     assert tuning.lookup("closed_form", **dict(at, state_dtype=BF16))["max_registers"] == 128

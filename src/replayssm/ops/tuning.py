@@ -130,9 +130,9 @@ _CHOICES = {"tf32_coefficients": (0, 1), "dot_products": (0, 1), "fuse_flush": (
             "exact_read_only.num_warps": (1, 2, 4, 8), "exact_snapshot.num_warps": (1, 2, 4, 8),
             "ring_decode.flush_warps": (2, 4), "closed_form.num_warps": (2, 4)}
 
-#: circular's closed form from batch 33; up to batch 32 three entries differ (the
+#: circular's closed form from batch 33; up to batch 32 four entries differ (the
 #: table's rows below say why each value).
-_CLOSED_FORM_LARGE = dict(block_v=64, k_chunk=64, num_stages=2, num_warps=4, tf32_coefficients=1, coef_warps=1,
+_CLOSED_FORM_LARGE = dict(block_v=64, k_chunk=128, num_stages=2, num_warps=4, tf32_coefficients=1, coef_warps=1,
                           heads_per_program=8, flush_block_v=32, fuse_flush=1, flush_records_ahead=1, dependent_launch=1,
                           max_registers=128, early_tile=0, short_tail=0,
                           coef_max_registers=0, records_first=1)
@@ -184,7 +184,14 @@ TABLE: dict[str, list[tuple[dict, dict]]] = {
     # The records first (records_first) measured faster at every batch in both dtypes
     # (BENCHMARKS.md, "circular's outputs kernel: the window's rows in one load", and
     # for fp32 states from batch 64, "The records first at fp32, alone").
-    "closed_form": [({"max_batch": 32}, dict(_CLOSED_FORM_LARGE, heads_per_program=1, max_registers=0, short_tail=32)),
+    # From batch 33 the non-folding rows multiply their checkpoint in one 128-key chunk
+    # (k_chunk = K: all of the tile's loads issued at once, no pipelined pass), which
+    # measured faster than two 64-key chunks on an H100 at batch 256 (fp32 states 1.9%,
+    # bf16 4%) and level (fp32) or 2.4% faster (bf16) at 64; batches up to 32 keep 64,
+    # untimed at 128 (BENCHMARKS.md, "circular's outputs kernel at batch 256 with more in
+    # flight").
+    "closed_form": [({"max_batch": 32}, dict(_CLOSED_FORM_LARGE, heads_per_program=1, max_registers=0, short_tail=32,
+                                             k_chunk=64)),
                     ({}, _CLOSED_FORM_LARGE)],
     # Small batches are latency-bound: one launch with a chain of n + T exact steps
     # beats three launches and the window solve's per-head chain there. The switch sits
