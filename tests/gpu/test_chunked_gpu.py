@@ -514,50 +514,49 @@ def test_register_cap_changes_no_bit(state_dtype, param, cap):
     assert not torch.equal(capped[1], case["checkpoint"])
 
 
-@pytest.mark.parametrize("state_dtype,act_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16),
-                                                   (torch.float32, torch.float32)], ids=["fp32", "bf16", "fp32_acts"])
+PRODUCT_DTYPES = pytest.mark.parametrize("state_dtype,act_dtype", [(torch.float32, torch.bfloat16),
+                                                                    (torch.bfloat16, torch.bfloat16),
+                                                                    (torch.float32, torch.float32)],
+                                         ids=["fp32", "bf16", "fp32_acts"])
+
+
+def check_products_only(choice: dict, base: dict, state_dtype, act_dtype):
+    """The closed form under the table overrides ``choice`` against ``base``, where the
+    two differ only in how a non-flush row sums ``S0 x``: the folded checkpoints and
+    the raw records are the same bit for bit (so the fold kernel's), and some row
+    folded; outputs and ``u`` agree to the products' rounding (relative error under
+    1e-5 in fp32 products, 5e-3 in tf32; scale: the values' largest); ``choice``'s
+    outputs match the float64 reference. Fresh inputs, batch 64, about half the rows
+    folding."""
+    case = make_case(32, 4, 64, state_dtype, act_dtype, pad=True)
+    with tuning.override("closed_form", **choice):
+        got = run(case, "triton", method="closed_form")
+    with tuning.override("closed_form", **base):
+        want = run(case, "triton", method="closed_form")
+    assert same(got[1], want[1]), "checkpoints differ"
+    assert not torch.equal(got[1], case["checkpoint"]), "no row folded"
+    assert all(same(a, b) for a, b in zip(got[2], want[2])), "records differ"
+    rel = 1e-5 if act_dtype == torch.float32 else 5e-3
+    for g, w, name in ((got[0], want[0], "outputs"), (got[3], want[3], "u")):
+        g, w = g.float().nan_to_num(), w.float().nan_to_num()
+        assert w.abs().max() > 1e-3, f"{name} too small to compare"
+        assert (g - w).abs().max() <= rel * w.abs().max(), name
+    ref = run(case, "reference", dtype=torch.float64)
+    torch.testing.assert_close(got[0].double(), ref[0], **tol(ref[0], state_dtype, act_dtype))
+
+
+@PRODUCT_DTYPES
 def test_one_key_chunk_keeps_the_checkpoints_and_the_outputs(state_dtype, act_dtype):
     """A non-flush row's ``S0 x`` in one 128-key chunk (``closed_form.k_chunk = 128``,
-    the table's from batch 33) against two 64-key chunks: the folded checkpoints and the
-    records are the same bit for bit (the fold does not use the chunks), the outputs
-    and ``u`` agree to the products' rounding (relative error under 1e-5 in fp32
-    products, 5e-3 in tf32; scale: the outputs' largest value), and both match the
-    float64 reference."""
-    case = make_case(32, 4, 64, state_dtype, act_dtype, pad=True)
-    with tuning.override("closed_form", k_chunk=128):
-        one = run(case, "triton", method="closed_form")
-    with tuning.override("closed_form", k_chunk=64):
-        two = run(case, "triton", method="closed_form")
-    assert same(one[1], two[1]), "checkpoints differ"
-    assert not torch.equal(one[1], case["checkpoint"]), "no row folded"
-    assert all(same(a, b) for a, b in zip(one[2], two[2])), "records differ"
-    rel = 1e-5 if act_dtype == torch.float32 else 5e-3
-    for got, want, name in ((one[0], two[0], "outputs"), (one[3], two[3], "u")):
-        got, want = got.float().nan_to_num(), want.float().nan_to_num()
-        assert want.abs().max() > 1e-3, f"{name} too small to compare"
-        assert (got - want).abs().max() <= rel * want.abs().max(), name
-    ref = run(case, "reference", dtype=torch.float64)
-    torch.testing.assert_close(one[0].double(), ref[0], **tol(ref[0], state_dtype, act_dtype))
+    the table's from batch 33) against two 64-key chunks (:func:`check_products_only`:
+    the fold does not use the chunks)."""
+    check_products_only(dict(k_chunk=128), dict(k_chunk=64), state_dtype, act_dtype)
 
 
-@pytest.mark.parametrize("state_dtype,act_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16),
-                                                   (torch.float32, torch.float32)], ids=["fp32", "bf16", "fp32_acts"])
+@PRODUCT_DTYPES
 def test_early_tile_keeps_the_checkpoints_and_the_outputs(state_dtype, act_dtype):
     """Every row's checkpoint tile loaded before its cursors (``closed_form.early_tile =
-    1``): the folded checkpoints are the pipelined kernel's, bit for bit (and so the fold
-    kernel's); a non-flush row's ``S0 x`` is summed over four 32-key parts instead of the
-    table's key chunks, so its outputs and ``u`` agree to the products' rounding (relative
-    error under 1e-5 in fp32 products, 5e-3 in tf32; scale: the outputs' largest value)."""
-    case = make_case(32, 4, 64, state_dtype, act_dtype, pad=True)
-    with tuning.override("closed_form", early_tile=1):
-        early = run(case, "triton", method="closed_form")
-    with tuning.override("closed_form", early_tile=0):
-        late = run(case, "triton", method="closed_form")
-    assert same(early[1], late[1]), "checkpoints differ"
-    assert not torch.equal(early[1], case["checkpoint"])
-    rel = 1e-5 if act_dtype == torch.float32 else 5e-3
-    for got, want, name in ((early[0], late[0], "outputs"), (early[3], late[3], "u")):
-        got, want = got.float().nan_to_num(), want.float().nan_to_num()
-        assert (got - want).abs().max() <= rel * want.abs().max(), name
-    ref = run(case, "reference", dtype=torch.float64)
-    torch.testing.assert_close(early[0].double(), ref[0], **tol(ref[0], state_dtype, act_dtype))
+    1``) against the pipelined pass (:func:`check_products_only`): a non-flush row's
+    ``S0 x`` is summed over four 32-key parts instead of the table's key chunks, and a
+    flush row's fold is the pipelined kernel's."""
+    check_products_only(dict(early_tile=1), dict(early_tile=0), state_dtype, act_dtype)
