@@ -186,10 +186,9 @@ TABLE: dict[str, list[tuple[dict, dict]]] = {
     # for fp32 states from batch 64, "The records first at fp32, alone").
     # From batch 33 the non-folding rows multiply their checkpoint in one 128-key chunk
     # (k_chunk = K: all of the tile's loads issued at once, no pipelined pass), which
-    # measured faster than two 64-key chunks on an H100 at batch 256 (fp32 states 1.9%,
-    # bf16 4%) and level (fp32) or 2.4% faster (bf16) at 64; batches up to 32 keep 64,
-    # untimed at 128 (BENCHMARKS.md, "circular's outputs kernel at batch 256 with more in
-    # flight").
+    # measured faster than two 64-key chunks at batch 256 in both state dtypes and at
+    # 64 with 16-bit states (level at 64 in fp32); batches up to 32 keep 64, untimed at
+    # 128 (BENCHMARKS.md, "circular's outputs kernel at batch 256 with more in flight").
     "closed_form": [({"max_batch": 32}, dict(_CLOSED_FORM_LARGE, heads_per_program=1, max_registers=0, short_tail=32,
                                              k_chunk=64)),
                     ({}, _CLOSED_FORM_LARGE)],
