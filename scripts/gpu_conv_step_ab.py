@@ -5,12 +5,14 @@ shape (B windows of T tokens, Qwen3.5's q|k|v channels, bf16), timed per channel
 written: the advanced state when T = 1, the window buffer otherwise) at the card's copy
 rate. 6 launches (a step's GDN layers) in a CUDA graph, replayed.
 
-    PYTHONPATH=src python3 scripts/gpu_conv_step_ab.py --batches 256,64 --windows 1,4 --blocks 256,1024
+    PYTHONPATH=src python3 scripts/gpu_conv_step_ab.py --batches 256,64 --windows 1,4 --blocks 256,1024 \
+        [--layouts per-entry,per-channel]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 
 import torch
 
@@ -27,6 +29,8 @@ def main() -> None:
     ap.add_argument("--batches", default="256,64")
     ap.add_argument("--windows", default="1,4")
     ap.add_argument("--blocks", default="256,1024", help="conv.CONV_BLOCK settings, comma-separated")
+    ap.add_argument("--layouts", default="per-entry,per-channel",
+                    help="conv state layouts: per-entry ([W - 1, C] in memory, the pool's) and/or per-channel")
     args = ap.parse_args()
     h, k, hv, v, w = 16, 128, 32, 128, 4
     c = 2 * h * k + hv * v
@@ -41,7 +45,8 @@ def main() -> None:
         for t in map(int, args.windows.split(",")):
             n = b * t
             x = torch.randn(n, c, device=dev, generator=g).to(torch.bfloat16)
-            state = torch.randn(b, c, w - 1, device=dev, generator=g).to(torch.bfloat16)
+            states = {"per-channel": torch.randn(b, c, w - 1, device=dev, generator=g).to(torch.bfloat16),
+                      "per-entry": torch.randn(b, w - 1, c, device=dev, generator=g).to(torch.bfloat16).transpose(1, 2)}
             buf = torch.zeros(b, t, c, device=dev, dtype=torch.bfloat16)
             # index tensors with their host copies recorded, as an engine's step holds them:
             # checked once on the host, not by device kernels at every launch
@@ -51,8 +56,9 @@ def main() -> None:
             written = (w - 1) if decode else t
             floor = LAYERS * (2 * n * c + b * c * (w - 1 + written)) * 2 / rate
             print(f"B {b} T {t}: bytes floor {1e6 * floor:.1f} us for {LAYERS} launches at {rate / 1e9:.0f} GB/s")
-            for block in map(int, args.blocks.split(",")):
+            for layout, block in itertools.product(args.layouts.split(","), map(int, args.blocks.split(","))):
                 conv.CONV_BLOCK = block
+                state = states[layout]
 
                 def layers():
                     for _ in range(LAYERS):
@@ -66,7 +72,7 @@ def main() -> None:
                 with torch.cuda.graph(graph):
                     layers()
                 dt = time_cuda(graph.replay, warmup=3, repeats=20)
-                print(f"  {block} channels a program: {1e6 * dt:.1f} us, {dt / floor:.2f}x the floor")
+                print(f"  {layout}, {block} channels a program: {1e6 * dt:.1f} us, {dt / floor:.2f}x the floor")
 
 
 if __name__ == "__main__":

@@ -81,11 +81,29 @@ def attention_rows(batch: int, t: int, context: int, stages: list[int], bw: floa
     return rows
 
 
-def commit_rows(batch: int, blocks: list[int], bw: float, window: int = 4, accepted: int = 3) -> list[dict]:
+def conv_states(layout: str, *lead: int) -> torch.Tensor:
+    """A random bf16 conv state ``[*lead, C, W - 1]`` stored ``per-channel`` (packed as
+    shown) or ``per-entry`` (``[*lead, W - 1, C]`` in memory: the pool's own layout)."""
+    if layout == "per-channel":
+        return torch.randn(*lead, CHANNELS, TAPS - 1, device="cuda", dtype=torch.bfloat16)
+    if layout == "per-entry":
+        return torch.randn(*lead, TAPS - 1, CHANNELS, device="cuda", dtype=torch.bfloat16).transpose(-1, -2)
+    raise ValueError(f"unknown conv state layout {layout!r}")
+
+
+def commit_rows(batch: int, blocks: list[int], bw: float, layouts: list[str], window: int = 4,
+                accepted: int = 3) -> list[dict]:
+    rows = []
+    for layout in layouts:
+        rows += commit_layout_rows(batch, blocks, bw, layout, window, accepted)
+    return rows
+
+
+def commit_layout_rows(batch: int, blocks: list[int], bw: float, layout: str, window: int,
+                       accepted: int) -> list[dict]:
     sets, rows = 4, []
     slots = batch + 1
-    state = [torch.randn(LAYERS, slots, CHANNELS, TAPS - 1, device="cuda", dtype=torch.bfloat16)
-             for _ in range(sets)]
+    state = [conv_states(layout, LAYERS, slots) for _ in range(sets)]
     buf = [torch.randn(LAYERS, slots, window, CHANNELS, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
     idx = torch.randperm(slots, device="cuda")[:batch].to(torch.int32)
     acc = torch.full((batch,), accepted, device="cuda", dtype=torch.int32)
@@ -100,7 +118,7 @@ def commit_rows(batch: int, blocks: list[int], bw: float, window: int = 4, accep
         conv.causal_conv_commit(got, buf[0], idx, acc, backend="triton")
         work = [s.clone() for s in state]
         us = graphed_us(lambda i: conv.causal_conv_commit(work[i], buf[i], idx, acc, backend="triton"), sets)
-        rows.append(dict(op="conv_commit", batch=batch, block=bc, us=us, floor_us=nbytes / bw * 1e6,
+        rows.append(dict(op="conv_commit", batch=batch, block=bc, layout=layout, us=us, floor_us=nbytes / bw * 1e6,
                          bit_equal=bool(torch.equal(got, want))))
     conv.CONV_BLOCK = default
     return rows
@@ -112,6 +130,9 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=192)
     ap.add_argument("--stages", default="1,2,3")
     ap.add_argument("--blocks", default="256,1024,2048")
+    ap.add_argument("--layouts", default="per-entry,per-channel",
+                    help="conv state layouts for the commit: per-entry ([W - 1, C] in memory, the pool's) and/or "
+                         "per-channel ([C, W - 1])")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     bw = copy_bandwidth()
@@ -119,12 +140,12 @@ def main() -> int:
     for b in map(int, a.batches.split(",")):
         for t in (4, 1):
             rows += attention_rows(b, t, a.context, [int(x) for x in a.stages.split(",")], bw)
-        rows += commit_rows(b, [int(x) for x in a.blocks.split(",")], bw)
+        rows += commit_rows(b, [int(x) for x in a.blocks.split(",")], bw, a.layouts.split(","))
     print(f"copy {bw / 1e12:.2f} TB/s")
     for r in rows:
         what = (f"T={r['T']} stages={r['kv_stages']} rel_err={r['rel_err']:.1e}" if r["op"] == "attention"
-                else f"block={r['block']} bits={'equal' if r['bit_equal'] else 'DIFFER'}")
-        print(f"{r['op']:<12} B={r['batch']:>3} {what:<34} {r['us']:8.2f} us  floor {r['floor_us']:7.2f}  "
+                else f"{r['layout']} block={r['block']} bits={'equal' if r['bit_equal'] else 'DIFFER'}")
+        print(f"{r['op']:<12} B={r['batch']:>3} {what:<46} {r['us']:8.2f} us  floor {r['floor_us']:7.2f}  "
               f"x{r['us'] / r['floor_us']:.2f}")
     if a.json:
         with open(a.json, "w") as f:

@@ -129,6 +129,19 @@ def test_buffer_specs_list_every_buffer_with_its_layout():
     assert dict(pool.specs) == buffer_specs(SHAPE, strategy="fold", window=WINDOW)
 
 
+def test_the_pools_own_conv_state_keeps_its_channels_contiguous():
+    # The conv kernels read and write a channel block's W - 1 entries as rows; the pool
+    # allocates its conv state [layers, slots, C, W - 1] over [layers, slots, W - 1, C].
+    pool = StatePool(SHAPE, LAYERS, SLOTS, strategy="circular", window=WINDOW, ring_len=RING)
+    c, w1 = SHAPE.conv_dim, SHAPE.conv_kernel - 1
+    assert pool.specs["conv_state"].swap_last
+    assert pool.conv_state.shape == (LAYERS, SLOTS, c, w1)
+    assert pool.conv_state.stride() == (SLOTS * w1 * c, w1 * c, 1, c)
+    assert pool.conv_state.eq(0).all()
+    others = [name for name, spec in pool.specs.items() if not spec.swap_last]
+    assert others and all(pool.buffers[name].is_contiguous() for name in others)
+
+
 def test_alloc_keep_state_keeps_the_engines_state_and_empties_the_history():
     pool = StatePool(SHAPE, LAYERS, SLOTS, strategy="circular", window=WINDOW, ring_len=RING)
     ckpt, conv = pool.buffers["checkpoints"], pool.buffers["conv_state"]

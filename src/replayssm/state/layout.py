@@ -103,6 +103,10 @@ class BufferSpec:
     must be packed (row-major without gaps, the last of stride 1); every axis before
     them may have any (nonzero) stride, e.g. the layer and slot strides of an engine
     that interleaves layers or pages. ``why`` says which kernels need the packing.
+
+    ``swap_last``: the pool allocates the buffer with its last two axes swapped in
+    memory (a ``[..., b, a]`` tensor seen as ``[..., a, b]``), the layout its kernels
+    read fastest; a caller's tensor may have either.
     """
 
     shape: tuple[int, ...]
@@ -112,10 +116,20 @@ class BufferSpec:
     committed: bool = True
     packed: int = 0
     why: str = ""
+    swap_last: bool = False
 
     def full_shape(self, num_layers: int, num_slots: int) -> tuple[int, ...]:
         """The shape of the whole buffer, leading axes included."""
         return ((num_layers, num_slots) if self.per_layer else (num_slots,)) + tuple(self.shape)
+
+    def allocate(self, num_layers: int, num_slots: int, device: torch.device) -> torch.Tensor:
+        """A fresh buffer of :meth:`full_shape` filled with :attr:`fill`, in the memory
+        order :attr:`swap_last` asks for."""
+        full = self.full_shape(num_layers, num_slots)
+        if not self.swap_last:
+            return torch.full(full, self.fill, dtype=self.dtype, device=device)
+        swapped = full[:-2] + (full[-1], full[-2])
+        return torch.full(swapped, self.fill, dtype=self.dtype, device=device).transpose(-1, -2)
 
 
 @dataclass(frozen=True)

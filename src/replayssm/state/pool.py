@@ -84,8 +84,11 @@ def buffer_specs(
             packed=strategy_cls.checkpoint_packed,
             why=strategy_cls.packed_reason or "the kernels read and write a state [HV, V, K] as one packed block",
         ),
-        # Any strides: a [slots, W - 1, C] state passed transposed serves as it is.
-        "conv_state": BufferSpec((s.conv_dim, s.conv_kernel - 1), act_dtype, fill=0.0),
+        # Any strides: a [slots, W - 1, C] state passed transposed serves as it is, and
+        # is how the pool keeps its own: a conv kernel's loads and stores of a channel
+        # block's W - 1 entries are then W - 1 contiguous rows, not one short row per
+        # channel (the commit and the conv read them at every step).
+        "conv_state": BufferSpec((s.conv_dim, s.conv_kernel - 1), act_dtype, fill=0.0, swap_last=True),
         "conv_window": BufferSpec((window, s.conv_dim), act_dtype, committed=False),
     }
     extra = dict(strategy_cls.buffer_specs(cfg))
@@ -182,7 +185,7 @@ class StatePool:
             if name in given:
                 self._buffers[name] = self._check_given(name, spec, given[name], full)
             else:
-                self._buffers[name] = torch.full(full, spec.fill, dtype=spec.dtype, device=self.device)
+                self._buffers[name] = spec.allocate(num_layers, num_slots, self.device)
         #: names of the buffers the caller handed in (the pool owns the others)
         self.caller_buffers: frozenset[str] = frozenset(given)
         #: read-only view name -> tensor of every buffer (the tensors themselves are the
