@@ -41,6 +41,35 @@ def _transformers_logs_to_the_current_stderr() -> None:
 _transformers_logs_to_the_current_stderr()
 
 
+@pytest.fixture
+def entry_independent_dots(monkeypatch):
+    """Interpreter dots whose entry ``(i, j)`` depends on row ``i`` of the left operand
+    and column ``j`` of the right alone, as on a GPU (each entry of an MMA tile
+    accumulates its own products, in the same order wherever it sits), for tests of bits
+    between two launches of other shapes (a token alone against the same token in a
+    window) or between two columns (equal weight rows, equal logits). The interpreter's
+    dot is numpy's ``matmul``, whose BLAS picks its kernels by shape and position: on some
+    CPUs (OpenBLAS on an AMD EPYC, for one) a row of an ``[M, K] x [K, N]`` product
+    differs in its last bit from the same row in a product of another ``M``. Here
+    float32 dots go through ``einsum``, whose loop sums each entry over ``K`` in order,
+    the same wherever the entry sits (three times slower than BLAS, so only where a
+    test asks); other dtypes, and runs on a GPU, are left as they are."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    import numpy as np
+    from triton.runtime import interpreter
+
+    blas_dot = interpreter.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if not (a.data.dtype == b.data.dtype == d.data.dtype == np.float32):
+            return blas_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+        product = np.einsum("...mk,...kn->...mn", a.data, b.data, optimize=False)
+        return interpreter.TensorHandle(product + d.data, d.dtype.scalar)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

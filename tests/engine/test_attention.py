@@ -64,7 +64,7 @@ def test_gate_in_the_attention_on_cuda_in_bf16():
 
 
 @pytest.mark.parametrize("key_split", [0, 64, 256])
-def test_a_tokens_attention_does_not_depend_on_its_window_or_batch(rng, key_split):
+def test_a_tokens_attention_does_not_depend_on_its_window_or_batch(rng, key_split, entry_independent_dots):
     """What exact speculation rests on: a token's attention output is the same bits at
     any position of a verified window as alone in a plain step (``T = 1`` at its own
     position), and in a batch of one as in a batch of 12, with the keys in one walk or

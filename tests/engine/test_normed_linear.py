@@ -106,7 +106,7 @@ def _one_launch(monkeypatch):
 
 
 @pytest.mark.parametrize("merge", ["second launch", "last block"])
-def test_argmax_ties_and_nans_follow_torch(rng, merge, monkeypatch):
+def test_argmax_ties_and_nans_follow_torch(rng, merge, monkeypatch, entry_independent_dots):
     """Columns with one weight row give bit-equal logits: the first wins, within a block
     and across blocks; a NaN row of weights makes a NaN logit, which wins (torch's
     rule). Row 2's input is zero: every logit is zero, column 0 wins. The column blocks
