@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from replayssm.state import GDNShape, StatePool, buffer_specs
+from replayssm.state import BufferSpec, GDNShape, StatePool, buffer_specs
 
 SHAPE = GDNShape(num_heads=2, num_value_heads=4, head_k_dim=8, head_v_dim=4)
 LAYERS, SLOTS, WINDOW, RING = 2, 4, 3, 8
@@ -140,6 +140,8 @@ def test_the_pools_own_conv_state_keeps_its_channels_contiguous():
     assert pool.conv_state.eq(0).all()
     others = [name for name, spec in pool.specs.items() if not spec.swap_last]
     assert others and all(pool.buffers[name].is_contiguous() for name in others)
+    with pytest.raises(ValueError, match="swap_last needs at least two axes and no packed ones"):
+        BufferSpec((4, 3), torch.float32, packed=1, swap_last=True)
 
 
 def test_alloc_keep_state_keeps_the_engines_state_and_empties_the_history():

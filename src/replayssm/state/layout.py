@@ -118,6 +118,11 @@ class BufferSpec:
     why: str = ""
     swap_last: bool = False
 
+    def __post_init__(self):
+        if self.swap_last and (len(self.shape) < 2 or self.packed):
+            raise ValueError(f"swap_last needs at least two axes and no packed ones, got shape {self.shape} "
+                             f"packed {self.packed}")
+
     def full_shape(self, num_layers: int, num_slots: int) -> tuple[int, ...]:
         """The shape of the whole buffer, leading axes included."""
         return ((num_layers, num_slots) if self.per_layer else (num_slots,)) + tuple(self.shape)
