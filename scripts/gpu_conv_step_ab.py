@@ -3,7 +3,8 @@ shape (B windows of T tokens, Qwen3.5's q|k|v channels, bf16), timed per channel
 (``conv.CONV_BLOCK``, channels a program, read at each launch), against its bytes
 (the windows' inputs and outputs, the conv state's entries read, and the entries
 written: the advanced state when T = 1, the window buffer otherwise) at the card's copy
-rate. 6 launches (a step's GDN layers) in a CUDA graph, replayed.
+rate. 6 launches (a step's GDN layers) in a CUDA graph, replayed; the conv state
+packed ``[C, W - 1]`` (``per-channel``) or stored ``[W - 1, C]`` (``per-entry``, the pool's).
 
     PYTHONPATH=src python3 scripts/gpu_conv_step_ab.py --batches 256,64 --windows 1,4 --blocks 256,1024 \
         [--layouts per-entry,per-channel]
@@ -45,8 +46,8 @@ def main() -> None:
         for t in map(int, args.windows.split(",")):
             n = b * t
             x = torch.randn(n, c, device=dev, generator=g).to(torch.bfloat16)
-            states = {"per-channel": torch.randn(b, c, w - 1, device=dev, generator=g).to(torch.bfloat16),
-                      "per-entry": torch.randn(b, w - 1, c, device=dev, generator=g).to(torch.bfloat16).transpose(1, 2)}
+            packed = torch.randn(b, c, w - 1, device=dev, generator=g).to(torch.bfloat16)
+            states = {"per-channel": packed, "per-entry": packed.mT.contiguous().mT}  # same values, [W - 1, C] stored
             buf = torch.zeros(b, t, c, device=dev, dtype=torch.bfloat16)
             # index tensors with their host copies recorded, as an engine's step holds them:
             # checked once on the host, not by device kernels at every launch

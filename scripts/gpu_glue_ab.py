@@ -7,7 +7,8 @@ one run, on Qwen3.5 shapes (bench e2e's ``qwen3.5-shapes``):
   reference backend's;
 * the conv commit (``ops/conv.py``): 6 GDN layers' conv states (8192 channels, 3
   entries) advanced by 3 accepted inputs, at each channel block ``conv.CONV_BLOCK``
-  (which the verify shares); its states bit for bit the reference's.
+  (which the verify shares) and conv state layout (``--layouts``); its states bit for
+  bit the reference's.
 
 Each op runs from a CUDA graph of 10 calls (``triton.testing.do_bench``, median), on
 inputs that rotate among 4 sets so that repeats do not time the L2. Bytes are the
@@ -81,29 +82,24 @@ def attention_rows(batch: int, t: int, context: int, stages: list[int], bw: floa
     return rows
 
 
-def conv_states(layout: str, *lead: int) -> torch.Tensor:
-    """A random bf16 conv state ``[*lead, C, W - 1]`` stored ``per-channel`` (packed as
-    shown) or ``per-entry`` (``[*lead, W - 1, C]`` in memory: the pool's own layout)."""
-    if layout == "per-channel":
-        return torch.randn(*lead, CHANNELS, TAPS - 1, device="cuda", dtype=torch.bfloat16)
-    if layout == "per-entry":
-        return torch.randn(*lead, TAPS - 1, CHANNELS, device="cuda", dtype=torch.bfloat16).transpose(-1, -2)
-    raise ValueError(f"unknown conv state layout {layout!r}")
-
-
 def commit_rows(batch: int, blocks: list[int], bw: float, layouts: list[str], window: int = 4,
                 accepted: int = 3) -> list[dict]:
-    rows = []
-    for layout in layouts:
-        rows += commit_layout_rows(batch, blocks, bw, layout, window, accepted)
-    return rows
+    """The conv commit at each channel block and conv state layout: ``per-channel``
+    (``[C, W - 1]`` packed) or ``per-entry`` (the same values stored ``[W - 1, C]``, the
+    pool's own layout)."""
+    return [row for layout in layouts for row in commit_layout_rows(batch, blocks, bw, layout, window, accepted)]
 
 
 def commit_layout_rows(batch: int, blocks: list[int], bw: float, layout: str, window: int,
                        accepted: int) -> list[dict]:
+    if layout not in ("per-channel", "per-entry"):
+        raise ValueError(f"unknown conv state layout {layout!r}")
     sets, rows = 4, []
     slots = batch + 1
-    state = [conv_states(layout, LAYERS, slots) for _ in range(sets)]
+    state = [torch.randn(LAYERS, slots, CHANNELS, TAPS - 1, device="cuda", dtype=torch.bfloat16)
+             for _ in range(sets)]
+    if layout == "per-entry":
+        state = [s.mT.contiguous().mT for s in state]
     buf = [torch.randn(LAYERS, slots, window, CHANNELS, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
     idx = torch.randperm(slots, device="cuda")[:batch].to(torch.int32)
     acc = torch.full((batch,), accepted, device="cuda", dtype=torch.int32)
