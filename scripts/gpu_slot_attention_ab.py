@@ -1,9 +1,12 @@
 """The Triton slot attention alone at Qwen3.5's attention shapes (16 query heads on 2 key
 heads of 256, bf16, gated, contexts 64-191): the committed warps rule
 (:func:`~replayssm.engine.attention.attention_warps`) against 8 warps, µs a call from
-graph replays (10 calls a graph), and whether the two give the same bits.
+graph replays (10 calls a graph), and whether the two give the same bits; with
+``--key-splits``, the committed warps with each row's keys split into parts of those
+many keys (``slot_attention``'s ``key_split``), and their largest difference from the
+unsplit outputs.
 
-    PYTHONPATH=src python3 scripts/gpu_slot_attention_ab.py [--batches 256,64] [--windows 4,1]
+    PYTHONPATH=src python3 scripts/gpu_slot_attention_ab.py [--batches 256,64] [--windows 4,1] [--key-splits 64,128]
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import argparse
 import torch
 
 from replayssm.engine import attention
-from replayssm.ops.triton_common import triton
+from replayssm.ops.triton_common import arrival_counters, triton
 
 HEADS, KV_HEADS, HEAD_DIM, CAPACITY = 16, 2, 256, 256
 
@@ -40,6 +43,7 @@ def main() -> None:
     ap.add_argument("--batches", default="256,64")
     ap.add_argument("--windows", default="4,1")
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--key-splits", default="", help="comma-separated key_split values to time beside (powers of two >= 64)")
     a = ap.parse_args()
     rule = attention.attention_warps
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -64,6 +68,15 @@ def main() -> None:
                     print(f"B {b} T {t} {name:10s} warps {warps(block_m, HEAD_DIM, q.element_size())}: "
                           f"{time_us(call, a.reps):8.2f} us", flush=True)
                 print(f"B {b} T {t} same bits: {torch.equal(outs[0], outs[1])}")
+                arrivals = arrival_counters("cuda")
+                for split in (int(c) for c in a.key_splits.split(",") if c):
+                    def split_call(split=split):
+                        return attention.slot_attention(q, kc, vc, slots, starts, HEAD_DIM**-0.5, gate=gate,
+                                                        key_split=split, arrivals=arrivals)
+
+                    diff = (split_call().float() - outs[0].float()).abs().max().item()
+                    print(f"B {b} T {t} key split {split:4d}: {time_us(split_call, a.reps):8.2f} us, "
+                          f"largest difference from unsplit {diff:.2e}", flush=True)
     finally:
         attention.attention_warps = rule
 
