@@ -31,22 +31,35 @@ def _tool_can_run() -> str | None:
 pytestmark = pytest.mark.skipif(_tool_can_run() is not None, reason=str(_tool_can_run()))
 
 
-def offline(tmp_path, *argv) -> str:
-    paths = [str(SCRIPT.parents[1] / "src"), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "TRITON_CACHE_DIR": str(tmp_path),
-           "OMP_NUM_THREADS": "1", "TRITON_DEFAULT_FP_FUSION": "1"}
-    env.pop("TRITON_INTERPRET", None)
-    out = subprocess.run([sys.executable, str(SCRIPT), *argv], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    return out.stdout
+@pytest.fixture(scope="module")
+def offline(tmp_path_factory):
+    """``offline(*argv)``: the script's stdout for ``argv`` (it must exit 0). A command
+    line runs once a module: the tests that read the same launches (``--ops fold``, one
+    op's kernels by name) read the same report, compiled into one Triton cache."""
+    cache_dir = tmp_path_factory.mktemp("triton_cache")
+    reports = {}
+
+    def run(*argv) -> str:
+        if argv not in reports:
+            paths = [str(SCRIPT.parents[1] / "src"), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "TRITON_CACHE_DIR": str(cache_dir),
+                   "OMP_NUM_THREADS": "1", "TRITON_DEFAULT_FP_FUSION": "1"}
+            env.pop("TRITON_INTERPRET", None)
+            out = subprocess.run([sys.executable, str(SCRIPT), *argv], env=env, capture_output=True, text=True,
+                                 timeout=600)
+            assert out.returncode == 0, out.stderr[-2000:]
+            reports[argv] = out.stdout
+        return reports[argv]
+
+    return run
 
 
-def test_reports_the_fold_kernel_at_the_tables_height(tmp_path):
+def test_reports_the_fold_kernel_at_the_tables_height(offline):
     """One line per launch with the table's tile (32 rows for the fold at batch 256, 64
     with --tune) and a register count within the sm_90 limit."""
     rows = {}
     for tune in ([], ["--tune", "exact_write.block_v=64"]):
-        line = next(x for x in offline(tmp_path, "--ops", "fold", *tune).splitlines() if x.startswith("fold commit"))
+        line = next(x for x in offline("--ops", "fold", *tune).splitlines() if x.startswith("fold commit"))
         m = re.search(r"_fold_kernel \[.*BV=(\d+).*\] (\d+) registers, (\d+) bytes of stack, (\d+) SASS", line)
         assert m, line
         bv, regs, _, instrs = map(int, m.groups())
@@ -55,11 +68,11 @@ def test_reports_the_fold_kernel_at_the_tables_height(tmp_path):
     assert set(rows) == {32, 64} and rows[64] > rows[32]  # a taller tile holds more of the state a thread
 
 
-def test_16_bit_tiles_take_the_fp32_layout(tmp_path):
+def test_16_bit_tiles_take_the_fp32_layout(offline):
     """The exactness rule's layout (ops/triton_common.py): a bf16 state tile is held 4
     keys a thread x 8 lanes a row, as an fp32 one, not the 8 x 4 that Triton gives
     16-byte bf16 loads. Fails if load_parts / store_parts lose their contiguity cap."""
-    out = offline(tmp_path, "--ops", "recurrence,fold", "--state-dtype", "bfloat16")
+    out = offline("--ops", "recurrence,fold", "--state-dtype", "bfloat16")
     lines = out.splitlines()
     launches = [x for x in lines if x and not x.startswith(" ")]
     tiles = [x for x in lines if "sizePerThread = [1, 4], threadsPerWarp = [4, 8]" in x]
@@ -87,18 +100,18 @@ def test_loops_are_read_from_backward_branches():
     assert out.stdout.strip() == "[4, 3]"
 
 
-def test_reports_the_replay_loop(tmp_path):
+def test_reports_the_replay_loop(offline):
     """The fold kernel's record loop is reported, shorter than the kernel."""
-    line = next(x for x in offline(tmp_path, "--ops", "fold").splitlines() if "loops" in x)
+    line = next(x for x in offline("--ops", "fold").splitlines() if "loops" in x)
     trips = [int(n) for n in line.split(":")[1].split(",")]
     assert len(trips) == 1 and 100 < trips[0] < 900
 
 
-def test_window_sets_the_verify_ops_window_and_ring(tmp_path):
+def test_window_sets_the_verify_ops_window_and_ring(offline):
     """--window 8 compiles the closed form for windows of 8 on a ring of 32 (its
     coefficient kernel's stacked window 2 x 8 rows: BT=8); a window past the closed
     form's bound is refused with a one-line usage error before anything compiles."""
-    lines = [x for x in offline(tmp_path, "--ops", "closed_form", "--window", "8").splitlines() if "SASS" in x]
+    lines = [x for x in offline("--ops", "closed_form", "--window", "8").splitlines() if "SASS" in x]
     assert lines and all(x.startswith("closed form T=8, L=32:") for x in lines), lines
     assert any("_coefficients_kernel [BT=8 " in x for x in lines), lines
     env = {**os.environ, "PYTHONPATH": str(SCRIPT.parents[1] / "src")}
@@ -108,61 +121,61 @@ def test_window_sets_the_verify_ops_window_and_ring(tmp_path):
     assert bad.returncode == 2 and "--window: must be in 1..16" in bad.stderr, bad.stderr[-2000:]
 
 
-def _launches(tmp_path, op: str, kernel: str, n: int) -> tuple[list[int], list[int]]:
+def _launches(offline, op: str, kernel: str, n: int) -> tuple[list[int], list[int]]:
     """``--ops op``'s ``n`` launches of ``kernel``, none spilling: their registers and
     SASS instruction counts, in launch order."""
-    lines = [x for x in offline(tmp_path, "--ops", op).splitlines() if kernel in x]
+    lines = [x for x in offline("--ops", op).splitlines() if kernel in x]
     assert len(lines) == n, lines
     assert all(" 0 bytes of stack" in x for x in lines), lines
     return ([int(re.search(r"(\d+) registers", x).group(1)) for x in lines],
             [int(re.search(r"(\d+) SASS", x).group(1)) for x in lines])
 
 
-def test_reports_the_norms_one_launch_each(tmp_path):
+def test_reports_the_norms_one_launch_each(offline):
     """``--ops norms``: the engine's norm kernel compiles for sm_90 in each of its forms
     (one norm, a residual add with its norm, two norms in one launch, an embedding row
     looked up inside the pair): four launches, none spilling; the pair holds two copies
     of the block code, so it has more instructions than one norm."""
-    _, counts = _launches(tmp_path, "norms", "_rms_norm_kernel", 4)
+    _, counts = _launches(offline, "norms", "_rms_norm_kernel", 4)
     assert counts[2] > counts[0], counts
 
 
-def test_reports_the_rotary_with_and_without_the_cache_writes(tmp_path):
+def test_reports_the_rotary_with_and_without_the_cache_writes(offline):
     """``--ops rotary``: the rotary kernel compiles for sm_90 alone and with the keys'
     and values' cache writes in its launch, neither spilling; the writes add
     instructions."""
-    _, counts = _launches(tmp_path, "rotary", "_rotate_kernel", 2)
+    _, counts = _launches(offline, "rotary", "_rotate_kernel", 2)
     assert counts[1] > counts[0], counts
 
 
-def test_reports_the_attention_with_and_without_its_gate(tmp_path):
+def test_reports_the_attention_with_and_without_its_gate(offline):
     """``--ops attention``: the window attention compiles for sm_90 alone and with the
     output gate in its epilogue, the same registers (the epilogue runs after the key
     pass) and more instructions, then with its keys split (the parts' merge adds
     instructions), no spills."""
-    regs, counts = _launches(tmp_path, "attention", "_slot_attention_kernel", 4)
+    regs, counts = _launches(offline, "attention", "_slot_attention_kernel", 4)
     assert counts[1] > counts[0] and counts[2] > counts[1] and max(regs) <= 255, (regs, counts)
 
 
-def test_reports_the_normed_linears_of_a_head_pass(tmp_path):
+def test_reports_the_normed_linears_of_a_head_pass(offline):
     """``--ops normed_linear``: the MTP head's five normed linears compile for sm_90 at 1
     and 64 rows (each half of K in one tile at the embedded model's widths), none
     spilling, with the argmax's merge after each LM head, and each LM head again with
     its last block merging."""
-    regs, _ = _launches(tmp_path, "normed_linear", "_normed_linear_kernel", 12)
+    regs, _ = _launches(offline, "normed_linear", "_normed_linear_kernel", 12)
     assert max(regs) <= 255, regs
-    _launches(tmp_path, "normed_linear", "_argmax_parts_kernel", 2)
+    _launches(offline, "normed_linear", "_argmax_parts_kernel", 2)
 
 
-def test_reports_a_steps_inputs_in_one_launch(tmp_path):
+def test_reports_a_steps_inputs_in_one_launch(offline):
     """``--ops step_inputs``: the gather of a chain step's inputs compiles for sm_90,
     no spills."""
-    _launches(tmp_path, "step_inputs", "_step_inputs_kernel", 1)
+    _launches(offline, "step_inputs", "_step_inputs_kernel", 1)
 
 
-def test_reports_greedy_tokens_in_one_launch_or_in_parts(tmp_path):
+def test_reports_greedy_tokens_in_one_launch_or_in_parts(offline):
     """``--ops argmax``: the argmax kernel compiles for sm_90 at a step's rows and, for
     one row of a Qwen3.5 vocabulary, in parts merged by a second kernel, and for four
     rows in parts merged by the last part of each; no spills."""
-    _launches(tmp_path, "argmax", "_argmax_kernel", 3)
-    _launches(tmp_path, "argmax", "_argmax_parts_kernel", 1)
+    _launches(offline, "argmax", "_argmax_kernel", 3)
+    _launches(offline, "argmax", "_argmax_parts_kernel", 1)
