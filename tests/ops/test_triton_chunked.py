@@ -167,6 +167,8 @@ def assert_close_nan(actual, expected, **tol):
 
 
 def check_against_reference(case: Case, method=None):
+    """The Triton op on ``case`` against the reference op (see the module notes); returns
+    the Triton op's ``(o, checkpoint, ring, ring_u)`` for further checks."""
     o_r, ck_r, ring_r, u_r = case.run("reference")
     cursors = [c.clone() for c in case.cursors()]
     o_t, ck_t, ring_t, u_t = case.run("triton", method=method)
@@ -191,7 +193,7 @@ def check_against_reference(case: Case, method=None):
             assert not torch.equal(ck_t[s], case.checkpoint[s]) or case.write_pos[s] == 0
         else:
             assert torch.equal(ck_t[s], case.checkpoint[s]), f"checkpoint of slot {s} changed"
-    return o_t, ck_t
+    return o_t, ck_t, ring_t, u_t
 
 
 # ---------------------------------------------------------------------------- op vs reference
@@ -224,8 +226,7 @@ def test_coefficient_programs_per_key_head(h, group, kd, vd, t, L):
     with tuning.override("closed_form", heads_per_program=1):
         o_1, ck_1, ring_1, u_1 = case.run("triton", method="closed_form")
     with tuning.override("closed_form", heads_per_program=8):
-        check_against_reference(case, method="closed_form")
-        o_g, ck_g, ring_g, u_g = case.run("triton", method="closed_form")
+        o_g, ck_g, ring_g, u_g = check_against_reference(case, method="closed_form")
     for a, b in ((o_g, o_1), (ck_g, ck_1), (u_g, u_1), *zip(ring_g, ring_1)):
         assert same(a, b)
 
@@ -398,14 +399,13 @@ def test_short_tail_changes_no_bit(tail):
     tolerance of the reference."""
     case = _mixed_case()
     got = {}
-    for t in (0, tail):
-        with tuning.override("closed_form", fuse_flush=1, short_tail=t):
-            got[t] = case.run("triton")
+    with tuning.override("closed_form", fuse_flush=1, short_tail=0):
+        got[0] = case.run("triton")
+    with tuning.override("closed_form", fuse_flush=1, short_tail=tail):  # the reordered grid's run, checked too
+        got[tail] = check_against_reference(case, method="closed_form")
     (o0, ck0, ring0, u0), (o1, ck1, ring1, u1) = got[0], got[tail]
     assert same(o0, o1) and same(ck0, ck1) and same(u0, u1)
     assert all(same(x, y) for x, y in zip(ring0, ring1))
-    with tuning.override("closed_form", fuse_flush=1, short_tail=tail):
-        check_against_reference(case, method="closed_form")
 
 
 @pytest.mark.parametrize("early_tile", [0, 1])
@@ -417,14 +417,13 @@ def test_records_first_changes_no_bit(early_tile):
     records and folding rows; and within tolerance of the reference."""
     case = _mixed_case()
     got = {}
-    for first in (0, 1):
-        with tuning.override("closed_form", fuse_flush=1, early_tile=early_tile, records_first=first):
-            got[first] = case.run("triton", method="closed_form")
+    with tuning.override("closed_form", fuse_flush=1, early_tile=early_tile, records_first=0):  # checked too
+        got[0] = check_against_reference(case, method="closed_form")
+    with tuning.override("closed_form", fuse_flush=1, early_tile=early_tile, records_first=1):
+        got[1] = case.run("triton", method="closed_form")
     (o0, ck0, ring0, u0), (o1, ck1, ring1, u1) = got[0], got[1]
     assert same(o0, o1) and same(ck0, ck1) and same(u0, u1)
     assert all(same(x, y) for x, y in zip(ring0, ring1))
-    with tuning.override("closed_form", fuse_flush=1, early_tile=early_tile, records_first=0):
-        check_against_reference(case, method="closed_form")
 
 
 def test_strided_inputs():
