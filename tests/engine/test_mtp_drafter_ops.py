@@ -394,7 +394,7 @@ def test_kernels_per_draft_depth(model, rng):
     and its product did, 28 and 32 before gate and up became one matmul, 27 and 31
     before q, k and v did: a count past the ceiling is a kernel added per draft."""
     counts = {}
-    for k in (1, 2, 3):  # no further depth, then one and two: a depth's cost is their difference
+    for k in (1, 2, 3):  # the first draft alone, then one and two depths after it (a depth: 3 less 2)
         d = _drafter(DeviceMTPDrafter, model, "triton", k)
         emitted = torch.randint(0, d.engine.vocab_size, (1, k + 1), generator=rng)
         hidden = torch.randn(k + 1, d.engine.embed.weight.shape[1], generator=rng)
