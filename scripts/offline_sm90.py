@@ -3,10 +3,10 @@
 For each launch of the chosen ops at Qwen3.5 shapes (``H=16, HV=32, K=V=128``) this
 prints the kernel, its tile constants, registers a thread and its stack frame (where
 spilled values go; both from ``cuobjdump -res-usage``), the blocked layouts Triton gave
-it, its layout conversions, its SASS instruction count (static; ``--sass`` adds a
-histogram) and the instructions of each loop's trip (a replay's per-record loop, the
-products' K pipeline). That is how BENCHMARKS.md's
-"offline sm_90" register counts are read, and how a table row or a kernel change can be
+it, its layout conversions, its SASS instruction count (static; ``--sass`` adds its
+histogram and each loop body's) and the instructions of each loop's trip (a replay's
+per-record loop, the products' K pipeline). That is how BENCHMARKS.md's "offline sm_90"
+register and instruction counts are read, and how a table row or a kernel change can be
 checked for spills before device time is spent on it.
 
     pip install --target DIR triton==3.6.0       # the card's compiler; it ships cuobjdump
@@ -134,14 +134,32 @@ def compiled(kernel, sass: bool) -> dict:
                                capture_output=True, text=True, check=True).stdout
         dump = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", cubin],
                               capture_output=True, text=True, check=True).stdout
-    ops = [m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+ )?([A-Z0-9_]+)", dump)]
+    ops = [m.group(2) for m in re.finditer(_OP, dump)]
     loops = _loops(dump)
     ttgir = kernel.asm["ttgir"]
     return dict(registers=int(re.search(r"REG:(\d+)", usage).group(1)),
                 stack_bytes=int(re.search(r"STACK:(\d+)", usage).group(1)),
                 layouts=sorted(set(re.findall(r"#ttg\.blocked<\{([^}]*)\}>", ttgir))),
                 conversions=ttgir.count("ttg.convert_layout"), instructions=len(ops), loops=loops,
-                histogram=Counter(ops).most_common(16) if sass else None)
+                histogram=Counter(ops).most_common(16) if sass else None,
+                loop_histograms=[h.most_common(16) for h in _loop_histograms(dump)] if sass else None)
+
+
+#: A SASS line's address and opcode (its predicate skipped) in a cuobjdump listing.
+_OP = r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+ )?([A-Z0-9_]+)"
+_BRANCH = r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+ )?BRA (?:\S+, )?0x([0-9a-f]+)"
+
+
+def _backward_branches(dump: str) -> list[tuple[int, int]]:
+    """``(target, branch)`` addresses of each backward branch, in order: a loop's body."""
+    return [(int(target, 16), int(at, 16)) for at, target in re.findall(_BRANCH, dump) if int(target, 16) < int(at, 16)]
+
+
+def _loop_histograms(dump: str) -> list[Counter]:
+    """Each loop body's opcodes (:func:`_loops`' bodies), counted: where a trip's
+    instructions go (a replay's state arithmetic against its key's load and norm)."""
+    ops = [(int(at, 16), op) for at, op in re.findall(_OP, dump)]
+    return [Counter(op for at, op in ops if lo <= at <= hi) for lo, hi in _backward_branches(dump)]
 
 
 def _loops(dump: str) -> list[int]:
@@ -149,11 +167,7 @@ def _loops(dump: str) -> list[int]:
     backward branch's target to the branch (16 bytes an instruction on sm_90). A loop's
     trip costs its body's issue, so this is what a change to a per-record or per-token
     loop moves."""
-    loops = []
-    for at, target in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+ )?BRA (?:\S+, )?0x([0-9a-f]+)", dump):
-        if int(target, 16) < int(at, 16):
-            loops.append((int(at, 16) - int(target, 16)) // 16 + 1)
-    return loops
+    return [(hi - lo) // 16 + 1 for lo, hi in _backward_branches(dump)]
 
 
 def _acts(n, act):
@@ -357,7 +371,8 @@ def main() -> int:
     p.add_argument("--chained", action="store_true",
                    help="launch the engine's kernels as a chain (triton_common.chained_launches), as the MTP head's "
                         "passes do")
-    p.add_argument("--sass", action="store_true", help="also print each kernel's 16 commonest SASS instructions")
+    p.add_argument("--sass", action="store_true",
+                   help="also print each kernel's 16 commonest SASS instructions, and each loop body's")
     p.add_argument("--ring-keys", choices=("act", "float32"), default="act",
                    help="dtype of the rings' raw keys (default: the activations'; float32 keeps them exactly)")
     p.add_argument("--window", type=int, default=T, metavar="T",
@@ -404,6 +419,8 @@ def main() -> int:
                     print(f"    layout {{{lay}}}")
                 if c["histogram"]:
                     print("    " + ", ".join(f"{o} {n}" for o, n in c["histogram"]))
+                for i, h in enumerate(c["loop_histograms"] or []):
+                    print(f"    loop {i + 1}: " + ", ".join(f"{o} {n}" for o, n in h))
     return 0
 
 

@@ -59,7 +59,7 @@ def test_reports_the_fold_kernel_at_the_tables_height(offline):
     with --tune) and a register count within the sm_90 limit."""
     rows = {}
     for tune in ([], ["--tune", "exact_write.block_v=64"]):
-        line = next(x for x in offline("--ops", "fold", *tune).splitlines() if x.startswith("fold commit"))
+        line = next(x for x in offline("--ops", "fold", "--sass", *tune).splitlines() if x.startswith("fold commit"))
         m = re.search(r"_fold_kernel \[.*BV=(\d+).*\] (\d+) registers, (\d+) bytes of stack, (\d+) SASS", line)
         assert m, line
         bv, regs, _, instrs = map(int, m.groups())
@@ -93,18 +93,27 @@ def test_loops_are_read_from_backward_branches():
         "        /*0150*/                   EXIT ;",
     ])
     code = (f"import sys; sys.path.insert(0, {str(SCRIPT.parent)!r}); "
-            "from offline_sm90 import _loops; print(_loops(sys.stdin.read()))")
+            "from offline_sm90 import _loops, _loop_histograms; d = sys.stdin.read(); "
+            "print(_loops(d)); print([sorted(h.items()) for h in _loop_histograms(d)])")
     out = subprocess.run([sys.executable, "-c", code], input=dump, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "PYTHONPATH": str(SCRIPT.parents[1] / "src")})
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "[4, 3]"
+    trips, bodies = out.stdout.strip().splitlines()
+    assert trips == "[4, 3]"
+    # each body's opcodes, predicates skipped: 0x100-0x130, then 0x120-0x140
+    assert bodies == "[[('BRA', 2), ('FFMA', 1), ('FMUL', 1)], [('BRA', 2), ('FMUL', 1)]]"
 
 
 def test_reports_the_replay_loop(offline):
-    """The fold kernel's record loop is reported, shorter than the kernel."""
-    line = next(x for x in offline("--ops", "fold").splitlines() if "loops" in x)
+    """The fold kernel's record loop is reported, shorter than the kernel; with --sass
+    its body's opcodes, which sum to the trip (a histogram lists 16 at most)."""
+    out = offline("--ops", "fold", "--sass")  # the command line test_reports_the_fold_kernel runs
+    line = next(x for x in out.splitlines() if "loops" in x)
     trips = [int(n) for n in line.split(":")[1].split(",")]
     assert len(trips) == 1 and 100 < trips[0] < 900
+    body = next(x for x in out.splitlines() if x.startswith("    loop 1:"))
+    counts = {op: int(n) for op, n in (item.split() for item in body.split(":")[1].split(","))}
+    assert counts["FFMA"] > 64 and sum(counts.values()) <= trips[0]  # a 4-part tile's FMAs, at the least
 
 
 def test_window_sets_the_verify_ops_window_and_ring(offline):
