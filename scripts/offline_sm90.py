@@ -123,6 +123,11 @@ def install() -> None:
             mod.sm_count = lambda device: 132
 
 
+#: A SASS line's address and opcode (its predicate skipped) in a cuobjdump listing.
+_OP = r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+ )?([A-Z0-9_]+)"
+_BRANCH = r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+ )?BRA (?:\S+, )?0x([0-9a-f]+)"
+
+
 def compiled(kernel, sass: bool) -> dict:
     """Registers, stack frame (where spills go) and SASS of one compiled kernel, read off
     the cubin the compiler made (cuobjdump)."""
@@ -143,11 +148,6 @@ def compiled(kernel, sass: bool) -> dict:
                 conversions=ttgir.count("ttg.convert_layout"), instructions=len(ops), loops=loops,
                 histogram=Counter(ops).most_common(16) if sass else None,
                 loop_histograms=[h.most_common(16) for h in _loop_histograms(dump)] if sass else None)
-
-
-#: A SASS line's address and opcode (its predicate skipped) in a cuobjdump listing.
-_OP = r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+ )?([A-Z0-9_]+)"
-_BRANCH = r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+ )?BRA (?:\S+, )?0x([0-9a-f]+)"
 
 
 def _backward_branches(dump: str) -> list[tuple[int, int]]:
