@@ -109,22 +109,22 @@ def test_device_ngram_proposes_what_the_host_lookup_does(rng):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_step_generator_exact_strategies_equal_plain_for_1024_tokens(family, seed, rng):
+def test_step_generator_exact_strategies_equal_plain_for_512_tokens(family, seed, rng):
     """fp32: greedy speculative decoding with every exact strategy, through the static
     step with device n-gram drafts and continuous batching (more prompts than slots,
     budgets of different lengths), emits plain greedy decoding's tokens one for one."""
     model = build_tiny_model(family, seed=seed)
     prompts = _prompts(rng, 5)
-    budgets = [1024, 300, 1030, 64, 500]
-    plain = SpeculativeGenerator(HybridEngine(model, strategy="fold", num_slots=5, window=1, max_len=1100)).generate(
+    budgets = [512, 150, 515, 32, 250]
+    plain = SpeculativeGenerator(HybridEngine(model, strategy="fold", num_slots=5, window=1, max_len=600)).generate(
         prompts, budgets)
     for strategy in ("snapshot", "fold"):
-        eng = HybridEngine(model, strategy=strategy, num_slots=3, window=4, max_len=1100)
+        eng = HybridEngine(model, strategy=strategy, num_slots=3, window=4, max_len=600)
         res = StepGenerator(eng, DeviceNgramDrafter(), num_draft=3).generate(prompts, budgets)
         assert res.tokens == plain.tokens, strategy
         assert res.mean_accept_length > 1.2 and len(set(res.stats.rows)) > 1
     # plain decoding through static steps with any strategy (circular: its ring stays empty)
-    fast_plain = StepGenerator(HybridEngine(model, strategy="circular", num_slots=2, window=1, max_len=1100)).generate(
+    fast_plain = StepGenerator(HybridEngine(model, strategy="circular", num_slots=2, window=1, max_len=600)).generate(
         prompts, budgets)
     assert fast_plain.tokens == plain.tokens
 

@@ -85,7 +85,7 @@ def _triton_launchers():
 
 
 @contextlib.contextmanager
-def count_ops():
+def count_ops(run_triton: bool = True):
     """Count the kernels of the code run inside (see the module docstring)::
 
         with count_ops() as ops:
@@ -94,6 +94,11 @@ def count_ops():
 
     Yields an :class:`OpCounter`. Triton launches are counted by wrapping the launchers'
     ``run`` for the duration of the block (not thread-safe: count on one thread).
+
+    ``run_triton=False`` counts each Triton launch without running it (the interpreter
+    takes seconds a launch; the count is the same). Only for code whose launches do not
+    depend on what its kernels write: a step a CUDA graph could capture, which reads
+    nothing back to the host. The kernels' outputs are left as they were.
     """
     counter = OpCounter()
     saved = []
@@ -104,7 +109,7 @@ def count_ops():
             if kwargs.get("warmup"):
                 return _original(self, *args, **kwargs)
             with counter.launch(getattr(self, "__name__", None) or getattr(self.fn, "__name__", "kernel")):
-                return _original(self, *args, **kwargs)
+                return _original(self, *args, **kwargs) if run_triton else None
 
         saved.append((cls, original))
         cls.run = run
