@@ -176,13 +176,13 @@ def _acts(n, act):
                 dt_bias=torch.randn(HV) * 0.5)
 
 
-def _ring_case(batch, t, sdt, act, keys=None):
+def _ring_case(batch, t, sdt, act, keys):
     """Circular's buffers: random cursors and histories, about half the rows flushing;
-    the ring's raw keys in ``keys`` (default: the activations' dtype, as a pool's)."""
+    the ring's keys in ``keys`` (float32: normalised, as a pool keeps them; 16-bit: raw)."""
     from replayssm.ops import RawRecords
 
     x = _acts(batch * t, act)
-    ring = RawRecords(torch.randn(batch, L, H, K).to(keys or act), torch.randn(batch, L, HV, V).to(act),
+    ring = RawRecords(torch.randn(batch, L, H, K).to(keys), torch.randn(batch, L, HV, V).to(act),
                       -torch.rand(batch, L, HV) - 0.02, torch.rand(batch, L, HV))
     cursors = (torch.arange(batch, dtype=torch.int32), torch.arange(0, batch * t + 1, t, dtype=torch.int32),
                torch.randint(0, L - t + 1, (batch,), dtype=torch.int32), torch.randint(0, L, (batch,), dtype=torch.int32),
@@ -199,8 +199,9 @@ def _set_window(t: int) -> None:
 
 
 def run_op(op: str, batch: int, sdt: torch.dtype, act: torch.dtype,
-           ring_keys: torch.dtype | None = None) -> list[str]:
-    """Launch ``op``'s kernels once; return a label per launch."""
+           ring_keys: torch.dtype = torch.float32) -> list[str]:
+    """Launch ``op``'s kernels once; return a label per launch. ``ring_keys``: the dtype
+    of every ring's keys (``ops.records.keys_normalized``)."""
     from replayssm.ops import RawRecords, gdn_chunked_window, gdn_fold
     from replayssm.ops.recurrent import gdn_recurrence_triton
     from replayssm.ops.ring_decode import gdn_ring_decode
@@ -214,7 +215,7 @@ def run_op(op: str, batch: int, sdt: torch.dtype, act: torch.dtype,
             x = _acts(batch * t, act)
             kw = dict(update_state=True) if mode == "decode" else {}
             if mode == "fold verify":
-                kw["records"] = RawRecords(torch.empty(batch, t, H, K, dtype=act), torch.empty(batch, t, HV, V, dtype=act),
+                kw["records"] = RawRecords(torch.empty(batch, t, H, K, dtype=ring_keys), torch.empty(batch, t, HV, V, dtype=act),
                                            torch.empty(batch, t, HV), torch.empty(batch, t, HV))
             if mode == "snapshot verify":
                 kw["snapshots"] = torch.empty(batch, t, HV, V, K, dtype=sdt)
@@ -224,7 +225,7 @@ def run_op(op: str, batch: int, sdt: torch.dtype, act: torch.dtype,
     elif op == "fold":
         n = 3  # records folded per slot, as a fold commit of 3 accepted tokens
         ck = torch.randn(2, batch, HV, V, K).to(sdt)
-        gdn_fold(ck, torch.randn(2, batch, T, H, K).to(act), torch.randn(2, batch, T, HV, V).to(act),
+        gdn_fold(ck, torch.randn(2, batch, T, H, K).to(ring_keys), torch.randn(2, batch, T, HV, V).to(act),
                  -torch.rand(2, batch, T, HV), torch.rand(2, batch, T, HV), torch.arange(batch, dtype=torch.int32),
                  torch.zeros(batch, dtype=torch.int32), torch.full((batch,), n, dtype=torch.int32), backend="triton")
         labels.append(f"fold commit, {n} records")
@@ -240,7 +241,7 @@ def run_op(op: str, batch: int, sdt: torch.dtype, act: torch.dtype,
         n = trees.batch * trees.max_nodes
         x = _acts(n, act)
         state = torch.randn(batch, HV, V, K).to(sdt)
-        rec = RawRecords(torch.empty(batch, trees.max_nodes, H, K, dtype=act),
+        rec = RawRecords(torch.empty(batch, trees.max_nodes, H, K, dtype=ring_keys),
                          torch.empty(batch, trees.max_nodes, HV, V, dtype=act),
                          torch.empty(batch, trees.max_nodes, HV), torch.empty(batch, trees.max_nodes, HV))
         for method in ("stack", "paths"):
@@ -373,8 +374,9 @@ def main() -> int:
                         "passes do")
     p.add_argument("--sass", action="store_true",
                    help="also print each kernel's 16 commonest SASS instructions, and each loop body's")
-    p.add_argument("--ring-keys", choices=("act", "float32"), default="act",
-                   help="dtype of the rings' raw keys (default: the activations'; float32 keeps them exactly)")
+    p.add_argument("--ring-keys", choices=("float32", "act"), default="float32",
+                   help="dtype of the rings' keys: float32 (default), normalised as a pool keeps them; act, raw in "
+                        "the activations' dtype as an engine's own 16-bit rings (SGLang's layout)")
     p.add_argument("--window", type=int, default=T, metavar="T",
                    help=f"draft window of the verify ops (default {T}; the ring holds 4 T records, at least {L})")
     args = p.parse_args()
@@ -405,7 +407,7 @@ def main() -> int:
         sdt, act = getattr(torch, args.state_dtype), getattr(torch, args.act_dtype)
         for op in ops:
             first = len(LAUNCHES)
-            labels = run_op(op, args.batch, sdt, act, None if args.ring_keys == "act" else torch.float32)
+            labels = run_op(op, args.batch, sdt, act, act if args.ring_keys == "act" else torch.float32)
             for (name, kw, kernel), label in zip(LAUNCHES[first:], labels):
                 c = compiled(kernel, args.sass)
                 consts = " ".join(f"{k}={v}" for k, v in kw.items()

@@ -146,15 +146,16 @@ def test_table_counts_what_fits():
 
 
 def test_rows_report_the_ring_bytes_per_request():
-    """``ring_bytes_per_request``: circular's L records (raw k, v in bf16, fp32 g, beta
-    and u) in every GDN layer plus four int32 cursors (the last the first-flush flag); fold's T raw records; none for
-    plain and snapshot. Counted by hand from DESIGN.md section 8's table."""
+    """``ring_bytes_per_request``: circular's L records (k normalised in fp32, v in bf16,
+    fp32 g, beta and u) in every GDN layer plus four int32 cursors (the last the
+    first-flush flag); fold's T records; none for plain and snapshot. Counted by hand from
+    DESIGN.md section 8's table."""
     L, T = random.choice([8, 16, 32]), random.choice([2, 4])
     cfg = memory.MemoryConfig(models=("qwen3.5-35b-a3b",), contexts=(1024,), window=T, ring_len=L, tp=1)
     rows = {r["strategy"]: r for r in memory.memory_table(cfg, memory.MODELS)["rows"]}
     m = memory.MODELS["qwen3.5-35b-a3b"]
     h, hv, kd, vd = m.num_heads, m.num_value_heads, m.head_k_dim, m.head_v_dim
-    raw = (h * kd + hv * vd) * 2 + 2 * hv * 4
+    raw = h * kd * 4 + hv * vd * 2 + 2 * hv * 4
     assert rows["circular"]["ring_bytes_per_request"] == m.gdn_layers * L * (raw + hv * vd * 4) + 4 * 4
     assert rows["fold"]["ring_bytes_per_request"] == m.gdn_layers * T * raw
     assert rows["plain"]["ring_bytes_per_request"] == rows["snapshot"]["ring_bytes_per_request"] == 0

@@ -35,7 +35,8 @@ import pytest
 import torch
 
 from replayssm.ops import RawRecords, advance_cursors, gdn_chunked_window, gdn_fold, tuning
-from replayssm.ops.gates import expand_heads, l2_normalize
+from replayssm.ops.gates import expand_heads
+from replayssm.ops.records import keys_normalized, stored_keys, unit_keys
 from replayssm.ops.ring_decode import gdn_ring_decode
 from replayssm.state import GDNShape, StatePool
 
@@ -61,9 +62,24 @@ def same(a, b):
     return a.shape == b.shape and bool(torch.isclose(a, b, rtol=0, atol=0, equal_nan=True).all())
 
 
-def make_case(hv, t, batch, state_dtype, act_dtype, *, flush="mixed", pad=True):
+def same_keys(k_t, k_64):
+    """A Triton run's ring keys against the float64 reference run's, whose float64 ring
+    holds raw keys (``ops.records.keys_normalized``): in a 16-bit ring raw copies, bit for
+    bit; in an fp32 ring the window's keys normalised and the history's unit keys as they
+    were, against the float64 run's normalised (a unit key moves by 5e-7 there, the eps):
+    within 1e-6, the same entries NaN."""
+    if not keys_normalized(k_t.dtype):
+        return same(k_t.double(), k_64)
+    want = unit_keys(k_64, torch.float64)
+    return torch.equal(k_t.isnan(), want.isnan()) and torch.allclose(
+        k_t.double().nan_to_num(0.0), want.nan_to_num(0.0), rtol=1e-6, atol=1e-6)
+
+
+def make_case(hv, t, batch, state_dtype, act_dtype, *, flush="mixed", pad=True, key_dtype=torch.float32):
     """Buffers of ``batch + 3`` slots with random cursors and histories, and a packed
-    batch of windows (``1..t`` tokens, the first row ``t``; one padding row)."""
+    batch of windows (``1..t`` tokens, the first row ``t``; one padding row). The ring's
+    keys are ``key_dtype``: normalised in fp32 (a pool's ring), raw in 16 bits
+    (``ops.records.keys_normalized``)."""
     ns = batch + 3
     lengths = torch.randint(1, t + 1, (batch,)).tolist()
     lengths[0] = t
@@ -95,7 +111,7 @@ def make_case(hv, t, batch, state_dtype, act_dtype, *, flush="mixed", pad=True):
         if len(live) > 1:
             is_flush[live[-1]] = 1
     ring = RawRecords(
-        torch.randn(ns, L, H, K, device=DEV).to(act_dtype),
+        stored_keys(torch.randn(ns, L, H, K, device=DEV), key_dtype).to(key_dtype),
         torch.randn(ns, L, hv, V, device=DEV).to(act_dtype),
         -torch.empty(ns, L, hv, device=DEV).uniform_(0.02, 1.0),
         torch.rand(ns, L, hv, device=DEV),
@@ -125,7 +141,7 @@ def with_consistent_u(case):
     for c in range(int(write_pos.max())):
         pos = (cache_base.long() + c) % L
         live = c < write_pos
-        k_hat = expand_heads(l2_normalize(ring.k[rows, pos].double().nan_to_num(0.0)), hv)  # [ns, HV, K]
+        k_hat = expand_heads(unit_keys(ring.k[rows, pos].nan_to_num(0.0), torch.float64), hv)  # [ns, HV, K]
         g, beta = ring.g[rows, pos].double().nan_to_num(0.0), ring.beta[rows, pos].double().nan_to_num(0.0)
         S2 = torch.exp(g)[..., None, None] * S
         u = beta[..., None] * (ring.v[rows, pos].double().nan_to_num(0.0) - torch.einsum("nhvk,nhk->nhv", S2, k_hat))
@@ -172,8 +188,9 @@ def test_chunked_window_matches_float64_oracle(hv, t, batch, state_dtype, act_dt
     for i, s in enumerate(slots):
         if s < 0:
             assert torch.equal(o_t[cu[i]:cu[i + 1]], torch.zeros_like(o_t[cu[i]:cu[i + 1]])), "padding row output"
-    # Ring: raw copies exact; gates and u close; never-written entries keep their NaN.
-    assert same(ring_t.k.double(), ring_64.k) and same(ring_t.v.double(), ring_64.v)
+    # Ring: copies exact, keys as their ring stores them; gates and u close; never-written
+    # entries keep their NaN.
+    assert same_keys(ring_t.k, ring_64.k) and same(ring_t.v.double(), ring_64.v)
     for got, want, tt in ((ring_t.g, ring_64.g, dict(rtol=1e-5, atol=1e-5)),
                           (ring_t.beta, ring_64.beta, dict(rtol=1e-5, atol=1e-5)),
                           (u_t, u_64, tol(u_64, state_dtype, act_dtype))):
@@ -207,7 +224,7 @@ def test_ring_decode_matches_float64_oracle(batch, state_dtype, act_dtype, block
     o_64, ck_64, ring_64, u_64 = run(case, "reference", torch.float64)
     torch.testing.assert_close(o_t.double(), o_64, **tol(o_64, state_dtype, act_dtype))
     torch.testing.assert_close(u_t.double().nan_to_num(0.0), u_64.nan_to_num(0.0), **tol(u_64, state_dtype, act_dtype))
-    assert same(ring_t.k.double(), ring_64.k) and same(ring_t.v.double(), ring_64.v)
+    assert same_keys(ring_t.k, ring_64.k) and same(ring_t.v.double(), ring_64.v)
     assert torch.equal(ring_t.g.isnan(), ring_64.g.isnan())
     _, ck_w, ring_w, _ = run(case, "triton", method="closed_form")
     assert torch.equal(ck_t, ck_w)

@@ -38,6 +38,7 @@ from replayssm.ops import (
     snapshot_commit,
 )
 from replayssm.ops import tuning
+from replayssm.ops.records import keys_normalized
 from replayssm.state import GDNShape, StatePool
 
 pytestmark = pytest.mark.gpu
@@ -149,7 +150,11 @@ def test_recurrence_matches_reference(hv, act, sdt, rows, t):
     o_plain = gdn_recurrence(*args(x), state0, slots, cu, max_len=t, backend="triton")
     assert torch.equal(o_side, o_plain)
     assert torch.equal(o_t, o_plain), "snapshot writes changed the outputs"
-    assert same(rec_t.k, rec_r.k) and same(rec_t.v, rec_r.v)
+    assert same(rec_t.v, rec_r.v)
+    if keys_normalized(rec_t.k.dtype):  # an fp32 ring's keys, normalised by each side: a few ulp
+        close_nan(rec_t.k, rec_r.k, rtol=1e-6, atol=1e-7)
+    else:  # raw copies
+        assert same(rec_t.k, rec_r.k)
     close_nan(rec_t.g, rec_r.g, rtol=1e-5, atol=1e-6)
     close_nan(rec_t.beta, rec_r.beta, rtol=1e-5, atol=1e-6)
 

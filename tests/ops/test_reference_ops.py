@@ -19,6 +19,7 @@ from replayssm.ops import (
     l2_normalize,
     snapshot_commit_reference,
 )
+from replayssm.ops.records import stored_keys
 
 
 def rand_layer(n, h, hv, kd, vd, dtype=torch.float64):
@@ -157,7 +158,11 @@ class TestRecurrenceOracle:
                 gdn_recurrence_reference(*args(one), st, torch.tensor([0], dtype=torch.int32), cu_of([1]), update_state=True)
                 S = st[0]
                 assert torch.equal(snaps[s, j], S)
-                assert torch.equal(rec.k[s, j], x["k"][bos + j]) and torch.equal(rec.v[s, j], x["v"][bos + j])
+                # An fp32 ring keeps the key normalised (ops.records.keys_normalized).
+                kk = x["k"][bos + j].double()
+                k_hat = kk / torch.sqrt((kk * kk).sum(-1, keepdim=True) + 1e-6)
+                torch.testing.assert_close(rec.k[s, j].double(), k_hat, rtol=1e-6, atol=1e-7)
+                assert torch.equal(rec.v[s, j], x["v"][bos + j])
                 assert torch.equal(rec.g[s, j], g[bos + j]) and torch.equal(rec.beta[s, j], beta[bos + j])
         assert torch.isnan(snaps[1]).all() and torch.isnan(rec.v[1]).all(), "an unused slot was written"
 
@@ -307,21 +312,25 @@ class TestChunkedWindow:
 
 
 class TestFold:
-    def test_fold_replays_records_like_the_float64_step_all_layers(self):
-        """Folding raw records == the float64 statement of the step (naive matrix form) on
+    @pytest.mark.parametrize("key_dtype", [torch.float32, torch.bfloat16], ids=["unit_keys", "raw_bf16_keys"])
+    def test_fold_replays_records_like_the_float64_step_all_layers(self, key_dtype):
+        """Folding records == the float64 statement of the step (naive matrix form) on
         the same records, for every layer in one call, with a wrapping start position;
-        padding rows and other slots untouched. Bound: <= 4 contractive fp32 steps on O(1)
-        values, within 1e-5 of the state's scale. (This used to compare with the reference
+        padding rows and other slots untouched. Keys: normalised in an fp32 ring, raw in
+        a bf16 one (``ops.records.keys_normalized``); the naive step normalises both, a
+        unit key to within 1e-6. Bound: <= 4 contractive fp32 steps on O(1) values,
+        within 1e-5 of the state's scale. (This used to compare with the reference
         recurrence, which runs the same ``state_update`` as the fold: it could not fail.)"""
         nl, ns, h, hv, kd, vd, R = 3, 4, 2, 4, 8, 4, 5
         ckpt = torch.randn(nl, ns, hv, vd, kd)
         before = ckpt.clone()
         rings = [torch.full((nl, ns, R) + shp, float("nan")) for shp in ((h, kd), (hv, vd), (hv,), (hv,))]
+        rings[0] = rings[0].to(key_dtype)
         rows = ((3, 3, 4), (1, 0, 2))  # (slot, start, count)
         for layer in range(nl):
             for s, st, n in rows:
                 for c in range(n):
-                    rings[0][layer, s, (st + c) % R] = torch.randn(h, kd)
+                    rings[0][layer, s, (st + c) % R] = stored_keys(torch.randn(h, kd), key_dtype)
                     rings[1][layer, s, (st + c) % R] = torch.randn(hv, vd)
                     rings[2][layer, s, (st + c) % R] = -torch.rand(hv) * 2  # log decays g <= 0
                     rings[3][layer, s, (st + c) % R] = torch.rand(hv)  # beta in (0, 1)

@@ -20,7 +20,10 @@ Tolerances.
     ``|k^_i . k^_j| <= 1``, decays <= 1) so that at most ``T <= 8`` terms of size <= 1
     accumulate per output. The measured error is ~1e-6; the fp32 reference op itself
     sits at the same distance from the oracle.
-  * Copies (raw ``k`` / ``v`` records) and untouched buffers: bit for bit.
+  * Copies (``v`` records, raw keys in a 16-bit ring) and untouched buffers: bit for
+    bit. Keys in an fp32 ring are normalised by each side (the kernel multiplies by
+    ``1 / sqrt(...)``, the reference divides by ``sqrt(...)``, over sums in other
+    orders): ``rtol = 1e-6`` (a few ulp of unit-vector entries).
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ import triton.language as tl  # noqa: E402
 from replayssm.ops import RawRecords, gdn_chunked_window, gdn_fold, triton_common  # noqa: E402
 from replayssm.ops import chunked as chunked_ops  # noqa: E402
 from replayssm.ops import tuning  # noqa: E402
-from replayssm.ops.gates import expand_heads, l2_normalize  # noqa: E402
+from replayssm.ops.gates import expand_heads  # noqa: E402
+from replayssm.ops.records import keys_normalized, stored_keys, unit_keys  # noqa: E402
 from replayssm.state import GDNShape, StatePool  # noqa: E402
 
 DEVICE = torch.device("cpu")
@@ -62,12 +66,14 @@ class Case:
     """A packed batch of windows on a pool-like set of buffers with random cursors.
 
     Every live slot gets a history of ``write_pos`` committed records at ring positions
-    ``(cache_base + c) % L`` (random raw records and ``u``); every other ring entry is
-    poisoned. Live rows alternate flush / non-flush so that both paths run; one row (not
-    the first) is padding with tokens of its own.
+    ``(cache_base + c) % L`` (random records and ``u``: keys stored as a ring of
+    ``key_dtype`` stores them, normalised in fp32, raw in 16 bits); every other ring entry
+    is poisoned. Live rows alternate flush / non-flush so that both paths run; one row
+    (not the first) is padding with tokens of its own.
     """
 
-    def __init__(self, h, group, kd, vd, t, ring_len, *, rows=4, num_slots=6, pad_row=True, max_hist=None):
+    def __init__(self, h, group, kd, vd, t, ring_len, *, rows=4, num_slots=6, pad_row=True, max_hist=None,
+                 key_dtype=torch.float32):
         hv = h * group
         self.h, self.hv, self.kd, self.vd, self.t, self.L = h, hv, kd, vd, t, ring_len
         lengths = torch.randint(1, t + 1, (rows,)).tolist()
@@ -86,7 +92,7 @@ class Case:
         L = ring_len
         hmax = L - t if max_hist is None else max_hist
         self.checkpoint = torch.randn(num_slots, hv, vd, kd, device=DEVICE) * 0.5
-        self.ring = RawRecords(poisoned(num_slots, L, h, kd), poisoned(num_slots, L, hv, vd),
+        self.ring = RawRecords(poisoned(num_slots, L, h, kd).to(key_dtype), poisoned(num_slots, L, hv, vd),
                                poisoned(num_slots, L, hv), poisoned(num_slots, L, hv))
         self.ring_u = poisoned(num_slots, L, hv, vd)
         wp = torch.randint(0, hmax + 1, (num_slots,))
@@ -101,7 +107,7 @@ class Case:
         for s in range(num_slots):
             for c in range(int(wp[s])):
                 p = (int(self.cache_base[s]) + c) % L
-                self.ring.k[s, p] = torch.randn(h, kd, device=DEVICE)
+                self.ring.k[s, p] = stored_keys(torch.randn(h, kd, device=DEVICE), key_dtype)
                 self.ring.v[s, p] = torch.randn(hv, vd, device=DEVICE)
                 self.ring.g[s, p] = -torch.empty(hv, device=DEVICE).uniform_(0.02, 1.0)
                 self.ring.beta[s, p] = torch.rand(hv, device=DEVICE)
@@ -117,7 +123,7 @@ class Case:
             S = self.checkpoint[s].double()
             for c in range(int(self.write_pos[s])):
                 p = (int(self.cache_base[s]) + c) % self.L
-                k_hat = expand_heads(l2_normalize(self.ring.k[s, p].double()), self.hv)  # [HV, K]
+                k_hat = expand_heads(unit_keys(self.ring.k[s, p], torch.float64), self.hv)  # [HV, K]
                 S = torch.exp(self.ring.g[s, p].double())[:, None, None] * S
                 u = self.ring.beta[s, p].double()[:, None] * (self.ring.v[s, p].double() - torch.einsum("hvk,hk->hv", S, k_hat))
                 S = S + u[:, :, None] * k_hat[:, None, :]
@@ -180,8 +186,13 @@ def check_against_reference(case: Case, method=None):
         if s < 0:  # padding rows: exact zeros
             pad = o_t[case.cu[i]:case.cu[i + 1]]
             assert torch.equal(pad, torch.zeros_like(pad))
-    # Raw records are copies; gates and u computed values; unused entries keep their poison.
-    assert same(ring_t.k, ring_r.k) and same(ring_t.v, ring_r.v)
+    # Values (and raw keys) are copies; normalised keys, gates and u computed values;
+    # unused entries keep their poison.
+    assert same(ring_t.v, ring_r.v)
+    if keys_normalized(ring_t.k.dtype):
+        assert_close_nan(ring_t.k, ring_r.k, rtol=1e-6, atol=1e-7)
+    else:
+        assert same(ring_t.k, ring_r.k)
     assert_close_nan(ring_t.g, ring_r.g, **TOL)
     assert_close_nan(ring_t.beta, ring_r.beta, **TOL)
     assert_close_nan(u_t, u_r, **TOL)
@@ -214,6 +225,21 @@ def test_chunked_window_matches_reference(h, group, kd, vd, t, L):
     histories of 0..L-T committed records, flush and non-flush rows, a padding row and
     NaN/inf in every unused ring entry."""
     check_against_reference(Case(h, group, kd, vd, t, L))
+
+
+@pytest.mark.parametrize("method", ["closed_form", "replay"])
+def test_raw_keys_of_a_16_bit_ring(method):
+    """A ring whose keys are bf16 (an engine's own buffers, SGLang's layout) holds raw
+    keys: the window's keys stored as given (bit for bit the reference's copies), the
+    history's normalised where they are read, by both methods."""
+    case = Case(2, 2, 24, 20, 3, 8, key_dtype=torch.bfloat16)
+    # Keys bf16 can hold (stored as fp32 activations): the copy is exact under the
+    # interpreter too, whose bf16 casts truncate.
+    case.x["k"] = case.x["k"].to(torch.bfloat16).float()
+    if method == "replay":
+        case = case.with_consistent_u()
+    _, _, ring_t, _ = check_against_reference(case, method=method)
+    assert ring_t.k.dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("h,group,kd,vd,t,L", [c for c in CONFIGS if c[1] > 1])

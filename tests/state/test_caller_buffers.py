@@ -115,12 +115,34 @@ def test_caller_buffers_that_do_not_fit_are_refused():
     pool(checkpoints=strided(specs["checkpoints"], "layer-strided"))  # a layer stride is free
 
 
+def test_ring_keys_raw_in_the_activation_dtype_or_normalised_in_fp32():
+    """A bf16 pool takes a caller's ring of keys in fp32 (normalised, as it allocates)
+    or in bf16 (raw, SGLang's layout), and names both when given another dtype; an fp32
+    pool takes fp32 only."""
+    spec = buffer_specs(SHAPE, strategy="fold", window=WINDOW, act_dtype=torch.bfloat16)["ring_k"]
+    assert (spec.dtype, spec.alt_dtype) == (torch.float32, torch.bfloat16)
+    full = spec.full_shape(LAYERS, SLOTS)
+
+    def pool(act_dtype, ring_k):
+        return StatePool(SHAPE, LAYERS, SLOTS, strategy="fold", window=WINDOW, act_dtype=act_dtype,
+                         buffers=dict(ring_k=ring_k))
+
+    for dtype in (torch.float32, torch.bfloat16):
+        assert pool(torch.bfloat16, torch.randn(full).to(dtype)).buffers["ring_k"].dtype == dtype
+    with pytest.raises(TypeError, match=r"buffers\['ring_k'\] must have dtype torch.float32 or torch.bfloat16, "
+                                        r"got torch.float16"):
+        pool(torch.bfloat16, torch.randn(full).half())
+    with pytest.raises(TypeError, match=r"must have dtype torch.float32, got torch.bfloat16"):
+        pool(torch.float32, torch.randn(full).bfloat16())
+
+
 def test_buffer_specs_list_every_buffer_with_its_layout():
     fold = buffer_specs(SHAPE, strategy="fold", window=WINDOW, state_dtype=torch.bfloat16, act_dtype=torch.bfloat16)
     assert list(fold) == ["checkpoints", "conv_state", "conv_window", "ring_k", "ring_v", "ring_g", "ring_beta"]
     assert fold["checkpoints"].full_shape(LAYERS, SLOTS) == (LAYERS, SLOTS, 4, 4, 8)
     assert fold["ring_k"].full_shape(LAYERS, SLOTS) == (LAYERS, SLOTS, WINDOW, 2, 8)
-    assert fold["ring_g"].dtype == torch.float32 and fold["ring_k"].dtype == torch.bfloat16
+    # keys normalised in fp32 (ops.records.keys_normalized), values in the activations' dtype
+    assert fold["ring_g"].dtype == fold["ring_k"].dtype == torch.float32 and fold["ring_v"].dtype == torch.bfloat16
     packed = [fold[name].packed for name in ("checkpoints", "conv_state", "ring_k", "ring_g")]
     assert packed == [3, 0, 1, 0]
     circ = buffer_specs(SHAPE, strategy="circular", window=WINDOW, ring_len=RING)

@@ -28,10 +28,10 @@ import torch
 
 from . import _checks, guards, tuning
 from .dispatch import pick, register
-from .gates import expand_heads, gdn_gates, l2_normalize
+from .gates import expand_heads, gdn_gates
 from .fold import replay_records
 from .recurrent import check_layer_inputs, prepare_window
-from .records import RawRecords, check_varlen, slots_error
+from .records import RawRecords, check_varlen, slots_error, unit_keys
 from .trees import DeviceTrees, DraftTrees
 
 
@@ -64,7 +64,7 @@ def committed_products(S0, ring, ring_u, slot, hist, k_hat, q_hat):
     of ``slot`` (:func:`apply_history`)."""
     dtype = S0.dtype
     u_h = ring_u[slot, hist].to(dtype)
-    k_h = expand_heads(l2_normalize(ring.k[slot, hist], dtype=dtype), S0.shape[0])
+    k_h = expand_heads(unit_keys(ring.k[slot, hist], dtype), S0.shape[0])
     g_h = ring.g[slot, hist].to(dtype)
     return apply_history(S0, u_h, k_h, g_h, k_hat), apply_history(S0, u_h, k_h, g_h, q_hat)
 
@@ -602,6 +602,7 @@ if triton is not None:
     from .triton_common import mask_and as _tl_mask_and
     from .triton_common import row_sum as _tl_row_sum, store_parts as _tl_store_parts
     from .triton_common import as_stored as _tl_as_stored, to_rtne as _tl_to_rtne, window_program as _tl_window_program
+    from .triton_common import normalized as _tl_normalized, record_key as _tl_record_key
     from .triton_common import dependent_launch, register_cap, short_tail_row as _tl_short_tail_row
     from .tree_ops import leaf_path as _leaf_path, owns as _owns, path_node as _path_node
     from .tree_ops import zero_padded_nodes as _zero_padded_nodes
@@ -722,19 +723,43 @@ if triton is not None:
             x_at = tl.where(is_k, k_ptr + p_tok * stride_k_tok + i_h * stride_k_head,
                             q_ptr + p_tok * stride_q_tok + i_h * stride_q_head)
             x = tl.load(x_at[:, None] + offs_k[None, :], mask=x_ok[:, None] & mask_k[None, :], other=0.0)
-            k_store = _tl_mask_and(xk_ok, hv0 % (HV // H) == 0)  # by the group's first program
-            tl.store(rk_at + pos_w[:, None] * (H * K) + offs_k[None, :], x.to(rk_ptr.dtype.element_ty),
-                     mask=k_store[:, None] & mask_k[None, :])
+            NORMED: tl.constexpr = rk_ptr.dtype.element_ty == tl.float32
+            k_group = hv0 % (HV // H) == 0  # the window's keys are stored by the group's first program
+            if NORMED:
+                # The ring keeps each key normalised, by the exact kernels' own helper on a
+                # key held as they hold it (four [K/4] vectors, whose sums run in the same
+                # layout and order), so with the bits the exact recurrence steps with.
+                KQ: tl.constexpr = BK // 4
+                offs_c = tl.arange(0, KQ)
+                for t in tl.static_range(BT):
+                    t_ok = _tl_mask_and(offs_c >= 0, k_group & (t < length))
+                    k0, k1, k2, k3 = _tl_load_parts(k_ptr, (bos + t) * stride_k_tok + i_h * stride_k_head + offs_c,
+                                                    t_ok, offs_c, K, KQ)
+                    kh0, kh1, kh2, kh3 = _tl_normalized(k0, k1, k2, k3, eps, 1.0)
+                    _tl_store_parts(rk_at, _ring_pos(base + wp + t, L) * (H * K) + offs_c, t_ok, offs_c, K, KQ,
+                                    kh0, kh1, kh2, kh3)
+            else:
+                k_store = _tl_mask_and(xk_ok, k_group)
+                tl.store(rk_at + pos_w[:, None] * (H * K) + offs_k[None, :], x.to(rk_ptr.dtype.element_ty),
+                         mask=k_store[:, None] & mask_k[None, :])
             # Unused ring entries may hold NaN: masked loads give 0 instead.
             h = tl.load(rk_at + pos_h[:, None] * (H * K) + offs_k[None, :],
                         mask=hist[:, None] & mask_k[None, :], other=0.0)
-            if x.dtype != h.dtype or x.dtype == tl.float32:
-                x = x.to(tl.float32)
-                h = h.to(tl.float32)
-            # Keys and queries are exact in tf32 when 16-bit: these lose nothing.
-            P = _gram(x, x, DOT_PRECISION)  # x_r . x_c
-            HX = _gram(h, x, DOT_PRECISION)  # k_c . x_r (history keys)
-            if h.dtype == tl.float32:
+            if NORMED:
+                # Keys and queries are exact in tf32 when 16-bit; the history's unit keys
+                # round to tf32 as the state does in S x (product_precision).
+                P = _gram(x, x, DOT_PRECISION)  # x_r . x_c
+                HX = _gram(h, x.to(tl.float32), DOT_PRECISION)  # k^_c . x_r
+            else:
+                if x.dtype != h.dtype or x.dtype == tl.float32:
+                    x = x.to(tl.float32)
+                    h = h.to(tl.float32)
+                # Keys and queries are exact in tf32 when 16-bit: these lose nothing.
+                P = _gram(x, x, DOT_PRECISION)  # x_r . x_c
+                HX = _gram(h, x, DOT_PRECISION)  # k_c . x_r (history keys)
+            if NORMED:
+                hh = tl.where(hist, 1.0 - eps, 0.0)  # r_h = 1 below (the keys are unit vectors)
+            elif h.dtype == tl.float32:
                 hh = _tl_row_sum(h * h, 1)
             else:
                 # 16-bit keys: |k_c|^2 on the tensor cores too, the diagonal of h h^T
@@ -1106,15 +1131,16 @@ if triton is not None:
 
     @_tl_device_fn
     def _store_token(o_at, o, rk_ptr, rv_ptr, ru_ptr, rg_ptr, rb_ptr, rec, i_h, i_hv, offs_c, offs_v, mc, mv,
-                     k_writer, gate_writer, k0, k1, k2, k3, xv, u, g, beta,
+                     k_writer, gate_writer, k0, k1, k2, k3, xv, u, g, beta, eps,
                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KQ: tl.constexpr):
         """A replayed token's output at ``o_at`` and its record at flat ring entry
         ``rec``: raw ``k`` (where ``k_writer``: once per key head), ``v``, ``u``, and the
         gates (where ``gate_writer``: once per value head); ``mc`` / ``mv`` the block
         masks."""
         tl.store(o_at, _tl_to_rtne(o, o_at.dtype.element_ty), mask=mv)
+        r0, r1, r2, r3 = _tl_record_key(rk_ptr, k0, k1, k2, k3, eps)
         _tl_store_parts(rk_ptr, (rec * H + i_h) * K + offs_c, _tl_mask_and(mc, k_writer), offs_c, K, KQ,
-                        k0, k1, k2, k3)
+                        r0, r1, r2, r3)
         tl.store(rv_ptr + (rec * HV + i_hv) * V + offs_v, xv.to(rv_ptr.dtype.element_ty), mask=mv)
         tl.store(ru_ptr + (rec * HV + i_hv) * V + offs_v, u, mask=mv)
         tl.store(rg_ptr + rec * HV + i_hv, g, mask=gate_writer)
@@ -1190,7 +1216,7 @@ if triton is not None:
             # The record at logical position write_pos + i (physical after cache_base).
             _store_token(o_row + i * HV * V, o, rk_ptr, rv_ptr, ru_ptr, rg_ptr, rb_ptr, ring_at + (base + wp + i) % L,
                          i_h, i_hv, offs_c, offs_v, mc, mv, k_writer, valid & (i_v == 0), k0, k1, k2, k3, xv, u, g,
-                         beta, H, HV, K, V, KQ)
+                         beta, eps, H, HV, K, V, KQ)
 
     # The small-batch path for draft trees. One program per (V block, leaf path, value
     # head) steps the exact recurrence along its leaf's root path, so a tree's latency is
@@ -1287,7 +1313,7 @@ if triton is not None:
             at = tl.maximum(node, 0)
             _store_token(o_row + at * HV * V, o, rk_ptr, rv_ptr, ru_ptr, rg_ptr, rb_ptr, ring_at + (base + wp + at) % L,
                          i_h, i_hv, offs_c, offs_v, mc, _tl_mask_and(mv, store), k_writer & store,
-                         store & (i_v == 0), k0, k1, k2, k3, xv, u, g, beta, H, HV, K, V, KQ)
+                         store & (i_v == 0), k0, k1, k2, k3, xv, u, g, beta, eps, H, HV, K, V, KQ)
 
 
 def launch_flush(checkpoint, ring, slots, write_pos, cache_base, is_flush) -> None:

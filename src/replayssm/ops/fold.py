@@ -21,8 +21,8 @@ import torch
 
 from . import _checks, guards
 from .dispatch import pick, register
-from .gates import expand_heads, l2_normalize
-from .records import slots_error
+from .gates import expand_heads
+from .records import slots_error, unit_keys
 from .recurrent import STATE_DTYPES_TRITON, check_inner_contiguous, exact_block_k, exact_tile, state_update
 
 
@@ -58,7 +58,7 @@ def replay_records(S, k, v, g, beta):
     ``[c, HV]``; everything is computed in the dtype of ``S``.
     """
     dtype = S.dtype
-    k_hat = expand_heads(l2_normalize(k, dtype=dtype), S.shape[0])
+    k_hat = expand_heads(unit_keys(k, dtype), S.shape[0])
     v, g, beta = v.to(dtype), g.to(dtype), beta.to(dtype)
     for c in range(k.shape[0]):
         S = state_update(S, k_hat[c], v[c], g[c], beta[c])
@@ -210,7 +210,8 @@ if triton is not None:
         if AHEAD == 2:
             k0a, k1a, k2a, k3a, v_a, g_a, b_a = _load_record_at(rk_at, rv_at, rg_at, rb_at, _ring_pos(at + 1, L),
                                                                 offs_c, mask_v, offs_v, *strides, K, KQ)
-        if NORM_AFTER:
+        NORMED: tl.constexpr = rk_at.dtype.element_ty == tl.float32
+        if NORM_AFTER and not NORMED:
             k0n, k1n, k2n, k3n = _tl_normalized(k0n, k1n, k2n, k3n, eps, 1.0)
         for c in range(0, count):
             k0, k1, k2, k3, v, g, beta = k0n, k1n, k2n, k3n, v_n, g_n, b_n
@@ -221,10 +222,10 @@ if triton is not None:
             else:
                 k0n, k1n, k2n, k3n, v_n, g_n, b_n = _load_record_at(
                     rk_at, rv_at, rg_at, rb_at, _ring_pos(at + c + 1, L), offs_c, mask_v, offs_v, *strides, K, KQ)
-            if not NORM_AFTER:
+            if not NORM_AFTER and not NORMED:
                 k0, k1, k2, k3 = _tl_normalized(k0, k1, k2, k3, eps, 1.0)
             S0, S1, S2, S3 = _tl_state_step(S0, S1, S2, S3, k0, k1, k2, k3, v, g, beta)
-            if NORM_AFTER:
+            if NORM_AFTER and not NORMED:
                 k0n, k1n, k2n, k3n = _tl_normalized(k0n, k1n, k2n, k3n, eps, 1.0)
         return S0, S1, S2, S3
 

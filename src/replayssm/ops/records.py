@@ -1,8 +1,11 @@
 """Raw per-token records, the packed-batch descriptor checks, and ring indexing.
 
 A raw record is what the closed-loop fold needs to replay one token through the exact
-recurrence: the pre-normalisation key per key head and the value in the activation dtype
-(stored as given, so the copy is lossless), plus the float32 gates ``g`` and ``beta``.
+recurrence: the key per key head, the value in the activation dtype (stored as given, so
+the copy is lossless), and the float32 gates ``g`` and ``beta``. The key is stored
+normalised where the ring's keys are float32 (the pools' rings), raw otherwise
+(:func:`keys_normalized`): either way a replay steps with the bits the exact
+recurrence stepped with.
 
 Ring buffers are per layer ``[num_slots, R, ...]``: record ``i`` of a request whose ring
 starts at physical position ``base`` lives at ``(base + i) % R``.
@@ -15,13 +18,40 @@ from typing import NamedTuple
 import torch
 
 from . import _checks
+from .gates import l2_normalize
+
+
+def keys_normalized(ring_k_dtype: torch.dtype) -> bool:
+    """Whether a ring whose keys are ``ring_k_dtype`` holds them normalised.
+
+    A float32 ring (a pool's) holds each key as ``k^ = k / sqrt(sum(k*k) + eps)``,
+    computed once by the kernel that writes the record with the exact kernels' own
+    normalisation, so a replay reads the key it steps with (the bits it computed before
+    from the raw key) and the coefficient kernels read unit keys. A 16-bit ring (an
+    engine's own buffers in SGLang's layout, whose fold normalises what it reads) or a
+    float64 one (the reference's exact pools) holds the raw key as given; every reader
+    normalises it."""
+    return ring_k_dtype == torch.float32
+
+
+def stored_keys(k: torch.Tensor, ring_k_dtype: torch.dtype) -> torch.Tensor:
+    """What a ring of ``ring_k_dtype`` keys stores for raw keys ``k [..., K]``
+    (:func:`keys_normalized`): ``k^`` computed in the ring's dtype, or ``k``."""
+    return l2_normalize(k, dtype=ring_k_dtype) if keys_normalized(ring_k_dtype) else k
+
+
+def unit_keys(ring_k: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The normalised keys ``k^ [..., K]`` in ``dtype`` of ring entries ``ring_k``
+    (:func:`keys_normalized`)."""
+    return ring_k.to(dtype) if keys_normalized(ring_k.dtype) else l2_normalize(ring_k, dtype=dtype)
 
 
 class RawRecords(NamedTuple):
     """Ring buffers of raw records for one layer.
 
     Attributes:
-        k: ``[num_slots, R, H, K]`` pre-normalisation keys, activation dtype.
+        k: ``[num_slots, R, H, K]`` keys: normalised in float32, raw in a 16-bit dtype
+            or float64 (:func:`keys_normalized`).
         v: ``[num_slots, R, HV, V]`` values, activation dtype.
         g: ``[num_slots, R, HV]`` float32 log decays.
         beta: ``[num_slots, R, HV]`` float32 write strengths.
@@ -50,8 +80,9 @@ class RawRecords(NamedTuple):
         _checks.same_device(self.k, **{f"{name}.{f}": getattr(self, f) for f in ("v", "g", "beta")})
 
     def write(self, slot: int, pos: int, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor):
-        """Store one token's raw record at physical ring position ``pos`` of ``slot``."""
-        self.k[slot, pos] = k
+        """Store one token's record at physical ring position ``pos`` of ``slot`` (``k``
+        raw: normalised here where the ring holds normalised keys)."""
+        self.k[slot, pos] = stored_keys(k, self.k.dtype)
         self.v[slot, pos] = v
         self.g[slot, pos] = g
         self.beta[slot, pos] = beta

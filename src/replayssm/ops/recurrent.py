@@ -297,6 +297,7 @@ def check_inner_contiguous(**named: torch.Tensor):
 if triton is not None:
     from .triton_common import NORM_EPS, chain_wait, device_fn as _tl_device_fn, gdn_gates as _tl_gdn_gates
     from .triton_common import gdn_step as _tl_step, load_parts as _tl_load_parts, mask_and as _tl_mask_and
+    from .triton_common import record_key as _tl_record_key
     from .triton_common import normalized as _tl_normalized, row_dot as _tl_row_dot, store_parts as _tl_store_parts
     from .triton_common import to_rtne as _tl_to_rtne, window_program as _tl_window_program
 
@@ -496,7 +497,8 @@ if triton is not None:
                 if HAS_RECORDS:
                     # Side channel only: stores, no change to the arithmetic above (the raw
                     # key's parts went through fp32 and back, which is lossless).
-                    _tl_store_parts(rk_at, i * srk_pos + offs_c, k_mask, offs_c, K, KQ, k0, k1, k2, k3)
+                    r0, r1, r2, r3 = _tl_record_key(rk_at, k0, k1, k2, k3, eps)
+                    _tl_store_parts(rk_at, i * srk_pos + offs_c, k_mask, offs_c, K, KQ, r0, r1, r2, r3)
                     tl.store(rv_at + i * srv_pos + offs_v, v.to(rec_v_ptr.dtype.element_ty), mask=mask_v)
                     tl.store(rg_at + i * srg_pos, g, mask=gb_writer)
                     tl.store(rb_at + i * srb_pos, beta, mask=gb_writer)

@@ -154,6 +154,7 @@ if triton is not None:
     from .triton_common import device_fn as _tl_device_fn, folding_rows as _tl_folding_rows
     from .triton_common import gdn_gates as _tl_gdn_gates, load_parts as _tl_load_parts, mask_and as _tl_mask_and
     from .triton_common import row_dot as _tl_row_dot, row_sum as _tl_row_sum, sum_sq as _tl_sum_sq
+    from .triton_common import inv_norm as _tl_inv_norm
     from .triton_common import store_parts as _tl_store_parts, to_rtne as _tl_to_rtne
 
     @_tl_device_fn
@@ -232,6 +233,7 @@ if triton is not None:
         bos = tl.load(cu_ptr + i_b).to(tl.int64)
         length = tl.load(cu_ptr + i_b + 1).to(tl.int64) - bos
         KQ: tl.constexpr = BK // 4
+        RING_KEYS_NORMED: tl.constexpr = rk_ptr.dtype.element_ty == tl.float32  # ops.records.keys_normalized
         offs_c = tl.arange(0, KQ)  # key index within a part
         all_c = offs_c >= 0
         offs_v = i_v * BV + tl.arange(0, BV)
@@ -288,9 +290,14 @@ if triton is not None:
                 g, beta = _tl_gdn_gates(tl.load(a_ptr + bos * stride_a_tok + i_hv),
                                         tl.load(b_ptr + bos * stride_b_tok + i_hv),
                                         tl.load(A_log_ptr + i_hv), tl.load(dt_bias_ptr + i_hv))
-                # The token's key and query feed its output and u alone (stated to rounding;
-                # a flush replays the ring's raw keys): rsqrt, not sqrt_rn and div_rn.
-                r_k = tl.math.rsqrt(_tl_sum_sq(k0, k1, k2, k3) + eps)
+                # The token's query feeds its output and u alone (stated to rounding): rsqrt,
+                # not sqrt_rn and div_rn. So does its key where the ring keeps raw keys (a
+                # flush replays those); a ring of normalised keys stores k^ with the exact
+                # kernels' bits (ops.records.keys_normalized), which the products then share.
+                if RING_KEYS_NORMED:
+                    r_k = _tl_inv_norm(k0, k1, k2, k3, eps)
+                else:
+                    r_k = tl.math.rsqrt(_tl_sum_sq(k0, k1, k2, k3) + eps)
                 r_q = tl.math.rsqrt(_tl_sum_sq(q0, q1, q2, q3) + eps) * scale
                 kh0, kh1, kh2, kh3 = k0 * r_k, k1 * r_k, k2 * r_k, k3 * r_k
                 qh0, qh1, qh2, qh3 = q0 * r_q, q1 * r_q, q2 * r_q, q3 * r_q
@@ -345,8 +352,12 @@ if triton is not None:
                 # The raw key and the gates, once per (request, key head) and value head,
                 # after every load (the history's records are read from the same ring).
                 k_writer = (i_hv % (HV // H) == 0) & (i_v == 0)
-                _tl_store_parts(rk_at, pos * (H * K) + offs_c, _tl_mask_and(all_c, k_writer), offs_c, K, KQ,
-                                k0, k1, k2, k3)
+                if RING_KEYS_NORMED:
+                    _tl_store_parts(rk_at, pos * (H * K) + offs_c, _tl_mask_and(all_c, k_writer), offs_c, K, KQ,
+                                    kh0, kh1, kh2, kh3)
+                else:
+                    _tl_store_parts(rk_at, pos * (H * K) + offs_c, _tl_mask_and(all_c, k_writer), offs_c, K, KQ,
+                                    k0, k1, k2, k3)
                 tl.store(rg_at + pos * HV, g, mask=i_v == 0)
                 tl.store(rb_at + pos * HV, beta, mask=i_v == 0)
 
@@ -363,15 +374,19 @@ if triton is not None:
             ROUND_STATE, False)  # each key normalised at its step's head: faster in this kernel (fold.replay_tile)
 
     @_tl_device_fn
-    def _weights(h0, h1, h2, h3, g_h, hist, offs_h, kh0, kh1, kh2, kh3, qh0, qh1, qh2, qh3, eps):
+    def _weights(h0, h1, h2, h3, g_h, hist, offs_h, kh0, kh1, kh2, kh3, qh0, qh1, qh2, qh3, eps,
+                 NORMED: tl.constexpr):
         """The committed history's share of ``S x`` (a row that does not flush; a flush
         row with no records has none),
             S x = exp(Gtot) S0 x + sum_c exp(g_{c+1} + ... + g_h) u_c (k^_c . x),
         as ``(exp(Gtot), c_k, c_q)``, ``c_x[c] = exp(g_{c+1} + ... + g_h) (k^_c . x)``, from
-        the records' raw keys (four parts ``[L, KQ]``) and gates ``g_h`` (zero past the
-        history)."""
-        # 1 / |k_c| (to rounding, as the token's: rsqrt)
-        r_h = tl.math.rsqrt(_tl_row_sum(tl.fma(h3, h3, tl.fma(h2, h2, tl.fma(h1, h1, h0 * h0))), 1) + eps)
+        the records' keys (four parts ``[L, KQ]``; ``NORMED``: normalised, else raw) and
+        gates ``g_h`` (zero past the history)."""
+        if NORMED:
+            r_h = 1.0
+        else:
+            # 1 / |k_c| (to rounding, as the token's: rsqrt)
+            r_h = tl.math.rsqrt(_tl_row_sum(tl.fma(h3, h3, tl.fma(h2, h2, tl.fma(h1, h1, h0 * h0))), 1) + eps)
         later = offs_h[None, :] > offs_h[:, None]
         w_h = tl.where(hist, tl.exp(_tl_row_sum(tl.where(later, g_h[None, :], 0.0), 1)), 0.0) * r_h
         c_k = _tl_row_dot(h0, h1, h2, h3, kh0, kh1, kh2, kh3) * w_h
@@ -396,7 +411,8 @@ if triton is not None:
                          H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, L: tl.constexpr, KQ: tl.constexpr):
         """:func:`_weights` of the ``wp`` records from ring position ``base``."""
         offs_h, hist, h0, h1, h2, h3, g_h = _history_records(rk_at, rg_at, base, wp, offs_c, H, HV, K, L, KQ)
-        return _weights(h0, h1, h2, h3, g_h, hist, offs_h, kh0, kh1, kh2, kh3, qh0, qh1, qh2, qh3, eps)
+        return _weights(h0, h1, h2, h3, g_h, hist, offs_h, kh0, kh1, kh2, kh3, qh0, qh1, qh2, qh3, eps,
+                        rk_at.dtype.element_ty == tl.float32)  # ops.records.keys_normalized
 
     @_tl_device_fn
     def _history_u(ru_at, base, n_hist, offs_v, mask_v, HV: tl.constexpr, V: tl.constexpr, L: tl.constexpr):
@@ -433,7 +449,8 @@ if triton is not None:
         u_h = _history_u(ru_at, base, wp, offs_v, mask_v, HV, V, L)
         S0_k, S0_q = _checkpoint_products(ckpt_at, k_at, q_at, r_k, r_q, offs_v, mask_v, K, BK, KC, BV,
                                           DOT_PRECISION, NUM_STAGES)
-        e_Gh, c_k, c_q = _weights(h0, h1, h2, h3, g_h, hist, offs_h, kh0, kh1, kh2, kh3, qh0, qh1, qh2, qh3, eps)
+        e_Gh, c_k, c_q = _weights(h0, h1, h2, h3, g_h, hist, offs_h, kh0, kh1, kh2, kh3, qh0, qh1, qh2, qh3, eps,
+                                  rk_at.dtype.element_ty == tl.float32)  # ops.records.keys_normalized
         return _with_history(S0_k, S0_q, e_Gh, c_k, c_q, u_h)
 
     @triton.jit

@@ -281,6 +281,7 @@ if triton is not None:
     from .recurrent import _load_token as _rec_load_token, exact_block_k, exact_tile, exact_token as _exact_token
     from .triton_common import EXACT_NUM_WARPS, NORM_EPS, block_rows, gdn_gates as _tl_gdn_gates
     from .triton_common import gdn_state_step as _tl_state_step, load_parts as _tl_load_parts
+    from .triton_common import record_key as _tl_record_key
     from .triton_common import mask_and as _tl_mask_and, normalized as _tl_normalized, row_dot as _tl_row_dot
     from .triton_common import row_sum as _tl_row_sum, store_parts as _tl_store_parts, to_rtne as _tl_to_rtne
     from .triton_common import device_fn as _tl_device_fn
@@ -372,8 +373,9 @@ if triton is not None:
                 snap_at = snap_ptr + slot * stride_snap_slot + (node * HV + i_hv) * (V * K)
                 _tl_store_parts(snap_at, tile, mv[:, None], offs_c[None, :], K, KQ, S0, S1, S2, S3)
             if HAS_RECORDS:
+                r0, r1, r2, r3 = _tl_record_key(rk_at, k0, k1, k2, k3, eps)
                 _tl_store_parts(rk_at, node * srk_pos + offs_c, _tl_mask_and(mc, k_writer), offs_c, K, KQ,
-                                k0, k1, k2, k3)
+                                r0, r1, r2, r3)
                 tl.store(rv_at + node * srv_pos + offs_v, v.to(rec_v_ptr.dtype.element_ty), mask=mv)
                 tl.store(rg_at + node * srg_pos, g, mask=valid & (i_v == 0))
                 tl.store(rb_at + node * srb_pos, beta, mask=valid & (i_v == 0))
@@ -479,8 +481,9 @@ if triton is not None:
                 snap_at = snap_ptr + slot * stride_snap_slot + (at * HV + i_hv) * (V * K)
                 _tl_store_parts(snap_at, tile, ms[:, None], offs_c[None, :], K, KQ, S0, S1, S2, S3)
             if HAS_RECORDS:
+                r0, r1, r2, r3 = _tl_record_key(rk_at, k0, k1, k2, k3, eps)
                 _tl_store_parts(rk_at, at * srk_pos + offs_c, _tl_mask_and(mc, k_writer & store), offs_c, K, KQ,
-                                k0, k1, k2, k3)
+                                r0, r1, r2, r3)
                 tl.store(rv_at + at * srv_pos + offs_v, v.to(rec_v_ptr.dtype.element_ty), mask=ms)
                 tl.store(rg_at + at * srg_pos, g, mask=store & (i_v == 0))
                 tl.store(rb_at + at * srb_pos, beta, mask=store & (i_v == 0))

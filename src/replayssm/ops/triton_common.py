@@ -28,13 +28,17 @@ normalisation crossed warps through shared memory (BENCHMARKS.md, tuning notes).
 16-bit tile gets the same layout: Triton would give its loads 8 keys per thread x 4
 lanes (a 16-byte vector), which doubles the keys and queries each thread holds and the
 in-thread chain of every row sum, so :func:`load_parts` and :func:`store_parts` cap the
-tile pointers' contiguity at 4 (``tl.max_contiguous``, 8-byte vectors). Sums
-that decide bits are spelled
+tile pointers' contiguity at 4 (``tl.max_contiguous``, 8-byte vectors). A key's
+:func:`normalized` runs on its ``[BK/4]`` vectors, whose sum of squares sm_90 compiles in
+a one-dimensional layout (one key a lane, 32 lanes: TTGIR) in every exact kernel; a
+kernel that normalises keys with no state tile (circular's coefficient kernel, which
+writes the ring's normalised keys) holds them the same way, so its bits are the
+recurrence's. Sums that decide bits are spelled
 with explicit ``tl.fma``, so that no kernel depends on the compiler's contraction
 choices.
 
-Small helpers for kernel writers: :func:`store_parts`, :func:`row_dot` (``S x`` of
-parts), :func:`row_sum` (``tl.sum`` that stays cheap under the interpreter),
+Small helpers for kernel writers: :func:`store_parts`, :func:`record_key` (what a
+ring stores for a key), :func:`row_dot` (``S x`` of parts), :func:`row_sum` (``tl.sum`` that stays cheap under the interpreter),
 :func:`to_rtne` (a store's cast, rounded to nearest even on every backend),
 :func:`block_rows` (the host's choice of a tile's row count),
 :func:`dependent_launch` (whether a launch may overlap the kernel before it),
@@ -405,6 +409,17 @@ if triton is not None:
         computed as ``x * (scale / sqrt(...))``."""
         r = inv_norm(x0, x1, x2, x3, eps) * scale
         return x0 * r, x1 * r, x2 * r, x3 * r
+
+    @device_fn
+    def record_key(rk_ptr, k0, k1, k2, k3, eps):
+        """The four parts a record stores at ``rk_ptr`` (a ring's keys) for a raw key's:
+        :func:`normalized` where the ring's keys are fp32, the raw parts otherwise
+        (:func:`~replayssm.ops.records.keys_normalized`). A kernel that also steps with
+        the key computes the same normalisation, so the record holds its bits."""
+        if rk_ptr.dtype.element_ty == tl.float32:
+            return normalized(k0, k1, k2, k3, eps, 1.0)
+        else:
+            return k0, k1, k2, k3
 
     @device_fn
     def row_dot(S0, S1, S2, S3, x0, x1, x2, x3):

@@ -107,6 +107,11 @@ class BufferSpec:
     ``swap_last``: the pool allocates the buffer with its last two axes swapped in
     memory (a ``[..., b, a]`` tensor seen as ``[..., a, b]``), the layout its kernels
     read fastest; a caller's tensor may have either.
+
+    ``alt_dtype``: a second dtype a caller's tensor may have, which the kernels read in
+    another form (a ring's keys: raw in the activations' 16-bit dtype, as SGLang's rings
+    hold them, where the pool keeps them normalised in float32;
+    :func:`~replayssm.ops.records.keys_normalized`).
     """
 
     shape: tuple[int, ...]
@@ -117,6 +122,7 @@ class BufferSpec:
     packed: int = 0
     why: str = ""
     swap_last: bool = False
+    alt_dtype: torch.dtype | None = None
 
     def __post_init__(self):
         if self.swap_last and (len(self.shape) < 2 or self.packed):

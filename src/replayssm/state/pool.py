@@ -224,8 +224,9 @@ class StatePool:
             raise TypeError(f"{where} must be a torch.Tensor, got {type(x).__name__}")
         if tuple(x.shape) != full:
             raise ValueError(f"{where} must have shape {list(full)}, got {list(x.shape)}")
-        if x.dtype != spec.dtype:
-            raise TypeError(f"{where} must have dtype {spec.dtype}, got {x.dtype}")
+        if x.dtype not in (spec.dtype, spec.alt_dtype):
+            also = f" or {spec.alt_dtype}" if spec.alt_dtype is not None else ""
+            raise TypeError(f"{where} must have dtype {spec.dtype}{also}, got {x.dtype}")
         if x.device != self.device:
             raise ValueError(f"{where} is on {x.device}, the pool on {self.device}")
         for axis, (n, st) in enumerate(zip(x.shape, x.stride())):

@@ -40,12 +40,15 @@ def record_specs(pool, ring_len: int, *, committed: bool, slot_packed: str = "")
     s = pool.shape
     gd = gate_dtype(pool)
 
-    def spec(shape, dtype, inner_packed):
+    def spec(shape, dtype, inner_packed, alt_dtype=None):
         packed = len(shape) + 1 if slot_packed else inner_packed
-        return BufferSpec(shape, dtype, committed=committed, packed=packed, why=slot_packed)
+        return BufferSpec(shape, dtype, committed=committed, packed=packed, why=slot_packed, alt_dtype=alt_dtype)
 
+    # Keys normalised in the gates' dtype; a caller's ring may hold them raw in 16 bits
+    # (SGLang's layout), which every kernel reads as raw (ops.records.keys_normalized).
+    raw_keys = pool.act_dtype if pool.act_dtype in (torch.bfloat16, torch.float16) else None
     return {
-        "ring_k": spec((ring_len, s.num_heads, s.head_k_dim), pool.act_dtype, 1),
+        "ring_k": spec((ring_len, s.num_heads, s.head_k_dim), gd, 1, raw_keys),
         "ring_v": spec((ring_len, s.num_value_heads, s.head_v_dim), pool.act_dtype, 1),
         "ring_g": spec((ring_len, s.num_value_heads), gd, 0),
         "ring_beta": spec((ring_len, s.num_value_heads), gd, 0),
@@ -54,9 +57,10 @@ def record_specs(pool, ring_len: int, *, committed: bool, slot_packed: str = "")
 
 @dataclass(frozen=True)
 class RecordBuffers(StrategyBuffers):
-    """A raw-record ring per layer: ``ring_k [layers, slots, R, H, K]``, ``ring_v
-    [layers, slots, R, HV, V]`` (activation dtype), ``ring_g``, ``ring_beta`` ``[layers,
-    slots, R, HV]`` (float32; float64 in a float64 pool)."""
+    """A raw-record ring per layer: ``ring_k [layers, slots, R, H, K]`` (each key
+    normalised, :func:`~replayssm.ops.records.keys_normalized`), ``ring_v [layers, slots,
+    R, HV, V]`` (activation dtype), ``ring_g``, ``ring_beta`` ``[layers, slots, R, HV]``;
+    keys and gates float32 (float64 in a float64 pool)."""
 
     ring_k: torch.Tensor
     ring_v: torch.Tensor

@@ -16,7 +16,8 @@ import torch
 
 from ..ops import advance_cursors_reference
 from ..ops.chunked import apply_history
-from ..ops.gates import expand_heads, l2_normalize
+from ..ops.gates import expand_heads
+from ..ops.records import unit_keys
 from .circular import CircularStrategy
 
 
@@ -35,7 +36,7 @@ def open_loop_fold(S: torch.Tensor, u: torch.Tensor, k: torch.Tensor, g: torch.T
         return S
     dtype = torch.float64 if S.dtype == torch.float64 else torch.float32
     hv, _, kd = S.shape
-    k_hat = expand_heads(l2_normalize(k, dtype=dtype), hv)  # [c, HV, K]
+    k_hat = expand_heads(unit_keys(k, dtype), hv)  # [c, HV, K]
     basis = torch.eye(kd, dtype=dtype, device=S.device)[:, None, :].expand(kd, hv, kd)  # [K, HV, K]
     columns = apply_history(S.to(dtype), u.to(dtype), k_hat, g.to(dtype), basis)  # [K, HV, V]: S e_k
     return columns.permute(1, 2, 0).to(S.dtype)
