@@ -525,7 +525,7 @@ def gdn_tree_verify(q, k, v, a, b, A_log, dt_bias, checkpoint, ring, ring_u, slo
 #     the closed form that depends on keys, gates and the history but not on V
 #     (DESIGN.md section 2: normalisation, decays, (I + A)^-1, the output map), folded
 #     into three small matrices such that  [U | o] = (S0 x_r) C1 + u_h Z + v D;  plus the
-#     window's raw keys and gates to the ring. This chain is latency-bound: it runs once
+#     window's keys and gates to the ring. This chain is latency-bound: it runs once
 #     per head, outside the state's pass, on a stacked window of 2 max(4, T) rows.
 #  2. The outputs, per (V block, window, value head). A flush row first folds its
 #     committed raw records into its checkpoint rows (the exact step shared with the
@@ -673,9 +673,9 @@ if triton is not None:
         """Grid ``(windows, HV / VH)``: the coefficients ``coef [B, HV, 2 BX + BH, BX]`` (rows:
         C1, Z, D) of ``VH`` value heads of one key head (GQA: they share the normalised
         window and history keys, so the K pass runs once for all of them), and the
-        window's gates and (once per key head) raw keys. Coordinates in the BX x BX space:
-        a column c < BT is token j = c (its k^), a row is token i (k-row: A, q-row:
-        output).
+        window's gates and (once per key head) keys as the ring keeps them. Coordinates
+        in the BX x BX space: a column c < BT is token j = c (its k^), a row is token i
+        (k-row: A, q-row: output).
 
         With ``TREE`` the window is a draft tree of ``TN`` nodes (DESIGN.md section 2,
         "Trees"): tokens past ``nodes_ptr[i_b]`` are padded nodes (like tokens past the
@@ -723,7 +723,7 @@ if triton is not None:
             x_at = tl.where(is_k, k_ptr + p_tok * stride_k_tok + i_h * stride_k_head,
                             q_ptr + p_tok * stride_q_tok + i_h * stride_q_head)
             x = tl.load(x_at[:, None] + offs_k[None, :], mask=x_ok[:, None] & mask_k[None, :], other=0.0)
-            NORMED: tl.constexpr = rk_ptr.dtype.element_ty == tl.float32
+            NORMED: tl.constexpr = rk_ptr.dtype.element_ty == tl.float32  # ops.records.keys_normalized
             k_group = hv0 % (HV // H) == 0  # the window's keys are stored by the group's first program
             if NORMED:
                 # The ring keeps each key normalised, by the exact kernels' own helper on a
@@ -757,21 +757,22 @@ if triton is not None:
                 # Keys and queries are exact in tf32 when 16-bit: these lose nothing.
                 P = _gram(x, x, DOT_PRECISION)  # x_r . x_c
                 HX = _gram(h, x, DOT_PRECISION)  # k_c . x_r (history keys)
-            if NORMED:
-                hh = tl.where(hist, 1.0 - eps, 0.0)  # r_h = 1 below (the keys are unit vectors)
-            elif h.dtype == tl.float32:
-                hh = _tl_row_sum(h * h, 1)
-            else:
-                # 16-bit keys: |k_c|^2 on the tensor cores too, the diagonal of h h^T
-                # (exact products, fp32 sums), instead of an fp32 copy of h.
-                hh = _tl_row_sum(tl.where(offs_h[:, None] == offs_h[None, :], _gram(h, h, "ieee"), 0.0), 1)
             eye = offs_x[:, None] == offs_x[None, :]
-            # The coefficients need no exact norms (the ring keeps raw keys): rsqrt, not
-            # sqrt_rn and div_rn with their slow paths.
+            # The coefficients need no exact norms (the flush replays the records): rsqrt,
+            # not sqrt_rn and div_rn with their slow paths.
             r_x = tl.where(is_q, scale, 1.0) * tl.math.rsqrt(_tl_row_sum(tl.where(eye, P, 0.0), 1) + eps)  # 1/|x_r| (q: x scale)
-            r_h = tl.where(hist, tl.math.rsqrt(hh + eps), 0.0)
             P = P * r_x[:, None] * r_x[None, :]  # x^_r . x^_c
-            HX = HX * r_h[:, None] * r_x[None, :]  # k^_c . x^_r
+            if NORMED:
+                HX = HX * r_x[None, :]  # k^_c . x^_r: the history's keys are unit vectors
+            else:
+                if h.dtype == tl.float32:
+                    hh = _tl_row_sum(h * h, 1)
+                else:
+                    # 16-bit keys: |k_c|^2 on the tensor cores too, the diagonal of h h^T
+                    # (exact products, fp32 sums), instead of an fp32 copy of h.
+                    hh = _tl_row_sum(tl.where(offs_h[:, None] == offs_h[None, :], _gram(h, h, "ieee"), 0.0), 1)
+                r_h = tl.where(hist, tl.math.rsqrt(hh + eps), 0.0)
+                HX = HX * r_h[:, None] * r_x[None, :]  # k^_c . x^_r
             # Transposed, as the head's matrices are built (row c, column r):
             # on_path_t[c, r]: c's token is on r's root path (r's own included).
             if TREE:
@@ -1134,9 +1135,9 @@ if triton is not None:
                      k_writer, gate_writer, k0, k1, k2, k3, xv, u, g, beta, eps,
                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KQ: tl.constexpr):
         """A replayed token's output at ``o_at`` and its record at flat ring entry
-        ``rec``: raw ``k`` (where ``k_writer``: once per key head), ``v``, ``u``, and the
-        gates (where ``gate_writer``: once per value head); ``mc`` / ``mv`` the block
-        masks."""
+        ``rec``: ``k`` as the ring keeps it (where ``k_writer``: once per key head;
+        :func:`~replayssm.ops.triton_common.record_key`), ``v``, ``u``, and the gates
+        (where ``gate_writer``: once per value head); ``mc`` / ``mv`` the block masks."""
         tl.store(o_at, _tl_to_rtne(o, o_at.dtype.element_ty), mask=mv)
         r0, r1, r2, r3 = _tl_record_key(rk_ptr, k0, k1, k2, k3, eps)
         _tl_store_parts(rk_ptr, (rec * H + i_h) * K + offs_c, _tl_mask_and(mc, k_writer), offs_c, K, KQ,
@@ -1329,8 +1330,8 @@ def launch_coefficients(q, k, a, b, A_log, dt_bias, checkpoint, ring, slots, cu_
                         is_flush, max_len: int, tree: DeviceTrees | None = None, *,
                         dependent: bool = False) -> torch.Tensor:
     """Launch the closed form's coefficient kernel on validated arguments; return the
-    coefficients ``[B, HV, 2 BX + BH, BX]`` (float32). It writes the window's raw keys
-    and gates to the ring. With ``tree`` the windows are those draft trees (the
+    coefficients ``[B, HV, 2 BX + BH, BX]`` (float32). It writes the window's keys
+    (normalised in an fp32 ring: ``ops.records.keys_normalized``) and gates to the ring. With ``tree`` the windows are those draft trees (the
     kernel's ``TREE``); with ``dependent`` it lets the next launch, the outputs kernel
     as a programmatic dependent, start early. Inside
     :func:`~replayssm.ops.triton_common.chained_launches` it is itself a dependent of the

@@ -80,7 +80,8 @@ def gdn_fold_reference(
 
     Args:
         checkpoints: ``[layers, num_slots, HV, V, K]`` float32/bfloat16/float64.
-        ring_k: ``[layers, num_slots, R, H, K]`` raw keys (activation dtype).
+        ring_k: ``[layers, num_slots, R, H, K]`` keys: normalised in float32, raw in a
+            16-bit dtype or float64 (:func:`~replayssm.ops.records.keys_normalized`).
         ring_v: ``[layers, num_slots, R, HV, V]`` raw values (activation dtype).
         ring_g, ring_beta: ``[layers, num_slots, R, HV]`` float32 gates.
         slots: ``[B]`` slot per row, ``-1`` rows are skipped.
@@ -210,6 +211,8 @@ if triton is not None:
         if AHEAD == 2:
             k0a, k1a, k2a, k3a, v_a, g_a, b_a = _load_record_at(rk_at, rv_at, rg_at, rb_at, _ring_pos(at + 1, L),
                                                                 offs_c, mask_v, offs_v, *strides, K, KQ)
+        # A ring of fp32 keys holds them normalised, with the bits computed here from a
+        # raw key (ops.records.keys_normalized): such a key is stepped with as loaded.
         NORMED: tl.constexpr = rk_at.dtype.element_ty == tl.float32
         if NORM_AFTER and not NORMED:
             k0n, k1n, k2n, k3n = _tl_normalized(k0n, k1n, k2n, k3n, eps, 1.0)

@@ -397,7 +397,7 @@ if triton is not None:
     def _history_records(rk_at, rg_at, base, wp, offs_c, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                          L: tl.constexpr, KQ: tl.constexpr):
         """The ``wp`` records from ring position ``base`` that :func:`_weights` reads:
-        ``(offs_h, hist, h0, h1, h2, h3, g_h)``, their raw keys' four parts and gates
+        ``(offs_h, hist, h0, h1, h2, h3, g_h)``, their keys' four parts and gates
         (zero past the history: unused ring entries may hold NaN, masked loads give 0)."""
         offs_h = tl.arange(0, L)
         hist = offs_h < wp
