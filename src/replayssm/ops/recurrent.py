@@ -495,8 +495,9 @@ if triton is not None:
                     _tl_store_parts(snap_at + i * (HV * V * K), tile, mask_v[:, None], offs_c[None, :], K, KQ,
                                     S0, S1, S2, S3)
                 if HAS_RECORDS:
-                    # Side channel only: stores, no change to the arithmetic above (the raw
-                    # key's parts went through fp32 and back, which is lossless).
+                    # Side channel only: stores, no change to the arithmetic above (the key
+                    # as the ring keeps it: the step's own normalisation in an fp32 ring, the
+                    # raw parts through fp32 and back, lossless, in a 16-bit one).
                     r0, r1, r2, r3 = _tl_record_key(rk_at, k0, k1, k2, k3, eps)
                     _tl_store_parts(rk_at, i * srk_pos + offs_c, k_mask, offs_c, K, KQ, r0, r1, r2, r3)
                     tl.store(rv_at + i * srv_pos + offs_v, v.to(rec_v_ptr.dtype.element_ty), mask=mask_v)
