@@ -719,7 +719,7 @@ if triton is not None:
             offs_k = tl.arange(0, BK)
             mask_k = offs_k < K
             # The stacked window in one load, each row from its key or its query, as stored
-            # (zero where the token is missing): its key rows go to the ring as loaded.
+            # (zero where the token is missing): a 16-bit ring stores its key rows as loaded.
             x_at = tl.where(is_k, k_ptr + p_tok * stride_k_tok + i_h * stride_k_head,
                             q_ptr + p_tok * stride_q_tok + i_h * stride_q_head)
             x = tl.load(x_at[:, None] + offs_k[None, :], mask=x_ok[:, None] & mask_k[None, :], other=0.0)
@@ -1195,7 +1195,7 @@ if triton is not None:
         # ---- the window, token by token (next token's loads ahead of this token's step)
         A_log = tl.load(A_log_ptr + i_hv)
         dt_bias = tl.load(dt_bias_ptr + i_hv)
-        k_writer = (i_hv % (HV // H) == 0) & (i_v == 0)  # raw k once per key head
+        k_writer = (i_hv % (HV // H) == 0) & (i_v == 0)  # the key once per key head
         valid_n = 0 < length
         mc_n, mv_n, q0n, q1n, q2n, q3n, k0n, k1n, k2n, k3n, xv_n, a_n, b_n = _rec_load_token(
             q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, bos, valid_n, all_c, mask_v, i_h, i_hv, offs_c, offs_v,
@@ -1280,7 +1280,7 @@ if triton is not None:
         # registers without it, so more programs an SM)
         A_log = tl.load(A_log_ptr + i_hv)
         dt_bias = tl.load(dt_bias_ptr + i_hv)
-        k_writer = (i_hv % (HV // H) == 0) & (i_v == 0)  # raw k once per key head
+        k_writer = (i_hv % (HV // H) == 0) & (i_v == 0)  # the key once per key head
         if LOAD_AHEAD:
             node_n = first
             mc_n, mv_n, q0n, q1n, q2n, q3n, k0n, k1n, k2n, k3n, xv_n, a_n, b_n = _rec_load_token(

@@ -447,7 +447,7 @@ if triton is not None:
         if HAS_SNAPSHOTS:
             snap_at = snap_ptr + slot * stride_snap_slot + i_hv * (V * K)  # token i's at + i * HV * V * K
         if HAS_RECORDS:
-            # Raw k once per key head: by the group's first value head, first V block.
+            # The key once per key head: by the group's first value head, first V block.
             k_mask = _tl_mask_and(all_c, (i_hv % (HV // H) == 0) & (i_v == 0))
             # g and beta once per value head: by its first V block.
             gb_writer = i_v == 0
