@@ -44,7 +44,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-OPS = ("recurrence", "fold", "ring_decode", "closed_form", "tree_recurrence", "conv_prefill", "norms", "rotary",
+OPS = ("recurrence", "fold", "ring_decode", "closed_form", "tree_recurrence", "conv_prefill", "conv_verify", "norms", "rotary",
        "attention", "argmax", "step_inputs", "normed_linear", "guards")
 H, HV, K, V, T, L = 16, 32, 128, 128, 4, 16
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -262,6 +262,21 @@ def run_op(op: str, batch: int, sdt: torch.dtype, act: torch.dtype,
                                   torch.arange(0, rows * p + 1, p, dtype=torch.int32), update_state=True, max_len=p,
                                   parts=(H * K, H * K, HV * V))
         labels.append(f"prompt conv, {rows} x {p} tokens")
+    elif op == "conv_verify":  # a verify window's conv: the window buffer and commit, then the conv ring
+        from replayssm.ops.conv import causal_conv_commit_triton, causal_conv_verify_triton, conv_ring_commit_triton
+
+        c, w, rows = 2 * H * K + HV * V, 4, batch
+        x, weight = torch.randn(rows * T, c).to(act), torch.randn(c, w).to(act)
+        slots, cu = torch.arange(rows, dtype=torch.int32), torch.arange(0, rows * T + 1, T, dtype=torch.int32)
+        state = torch.randn(rows, w - 1, c).to(act).transpose(1, 2)
+        causal_conv_verify_triton(x, state, weight, None, slots, cu, window_buf=torch.randn(rows, T, c).to(act))
+        causal_conv_commit_triton(state[None], torch.randn(1, rows, T, c).to(act), slots, slots)
+        r = triton.next_power_of_2(T + w - 1)
+        pos = torch.zeros(rows, dtype=torch.int32)
+        causal_conv_verify_triton(x, torch.randn(rows, r, c).to(act).transpose(1, 2), weight, None, slots, cu,
+                                  ring_pos=pos, max_len=T)
+        conv_ring_commit_triton(pos, slots, slots)
+        labels += [f"conv verify T={T}", "conv commit", f"conv verify T={T} on a ring of {r}", "conv ring commit"]
     elif op == "norms":  # the engine's RMS norms at the embedded model's batch-1 shapes (hidden 256, heads 4 + 2 of 64)
         from replayssm.engine import norms
 

@@ -50,6 +50,24 @@ def test_lifecycle_256_steps(strategy):
         assert not all(r.out_bitexact for r in reports), "closed-form outputs bit-equal everywhere: is verify the recurrence?"
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_lifecycle_on_a_conv_ring(strategy):
+    """The conv history and window as one ring a slot (``conv_ring=True``, 8 entries for
+    windows of 4 and taps of 4): over 48 steps each slot's history is sequential
+    decoding's inputs and the conv outputs sequential decoding's, bit for bit, the GDN
+    state the reference recurrence's; the positions pass the ring's end many times,
+    and no window buffer exists. (The Triton ring kernels: tests/ops/test_conv_ring.py.)"""
+    pool = StatePool(SHAPE, 2, 5, strategy=strategy, window=4, ring_len=8, conv_ring=True)
+    lc = Lifecycle(pool, num_requests=3, padding_rows=1, generator=torch.Generator().manual_seed(7))
+    assert "conv_window" not in pool.buffers and pool.conv_state.shape[-1] == 8
+    for _ in range(48):
+        r = lc.step()
+        assert torch.equal(pool.conv_history()[:, lc.slots], lc.conv_reference), f"step {r.step}: conv history"
+        assert r.conv_bitexact, f"step {r.step}: conv outputs differ from sequential decoding"
+        assert r.state_bitexact, f"step {r.step}: committed state differs from the reference recurrence"
+    assert int(pool.conv_pos[lc.slots].min()) > 4 * 8
+
+
 def _corrupt_record(pool, rows, accepted):
     """Poison the value of the first record the commit will keep, for the first live row."""
     i = next(i for i, s in enumerate(rows) if s >= 0)

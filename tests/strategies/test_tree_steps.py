@@ -35,8 +35,8 @@ SHAPES = [
 ]
 
 
-def make(strategy, seed=0):
-    pool = StatePool(SHAPE, 2, 5, strategy=strategy, window=N, ring_len=32)
+def make(strategy, seed=0, conv_ring=False):
+    pool = StatePool(SHAPE, 2, 5, strategy=strategy, window=N, ring_len=32, conv_ring=conv_ring)
     return pool, Lifecycle(pool, num_requests=3, padding_rows=1, generator=torch.Generator().manual_seed(seed))
 
 
@@ -98,12 +98,16 @@ def tree_step(lc: Lifecycle, gen: torch.Generator):
                                          update_state=True)
         assert torch.equal(pool.strategy.committed_state(layer, lc.slots), lc.reference[layer]), layer
     slots_t = torch.tensor(lc.slots)
-    assert torch.equal(pool.buffers["conv_state"][:, slots_t], lc.conv_reference)
+    assert torch.equal(pool.conv_history()[:, slots_t], lc.conv_reference)
 
 
+@pytest.mark.parametrize("conv_ring", [False, True])
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_tree_steps_mixed_with_chain_steps(strategy):
-    pool, lc = make(strategy, seed=1)
+def test_tree_steps_mixed_with_chain_steps(strategy, conv_ring):
+    """Tree steps and chain steps in turn on the same requests; with ``conv_ring`` the
+    conv history and window are one ring a slot (16 entries for trees of 8 nodes), so
+    the accepted paths are gathered where the history continues."""
+    pool, lc = make(strategy, seed=1, conv_ring=conv_ring)
     gen = torch.Generator().manual_seed(2)
     flushes = 0
     for step in range(8):

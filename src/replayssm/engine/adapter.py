@@ -631,6 +631,10 @@ class HybridEngine:
             layers run the recurrence (a power of two; the
             :class:`~replayssm.engine.prompt_graph.PromptGraphs`'
             ``max_tokens``); longer passes without a chunked kernel run eagerly.
+        conv_ring: keep each request's conv inputs as one ring (``StatePool(...,
+            conv_ring=True)``): a commit moves the request's position instead of copying
+            the accepted inputs into its conv state (one launch and ~6 rows of every
+            GDN layer's channels a request, read or written, fewer a step).
 
     A step is either :meth:`extend` (prompt prefill or plain decoding: the state
     advances over every token) or :meth:`verify` followed by :meth:`commit`.
@@ -653,7 +657,7 @@ class HybridEngine:
                  max_len: int = 4096, ring_len: int | None = None, state_dtype: torch.dtype = torch.float32,
                  backend: str = "auto", prefill: str = "auto", chunk_kernel: Callable | None = None,
                  fixed_shape: tuple[int, int] | None = None, plain_via_ring: bool | None = None,
-                 prompt_graphs: bool | None = None, prompt_graph_tokens: int = 512):
+                 prompt_graphs: bool | None = None, prompt_graph_tokens: int = 512, conv_ring: bool = True):
         if prefill not in PREFILL_MODES:
             raise ValueError(f"prefill must be one of {PREFILL_MODES}, got {prefill!r}")
         if not isinstance(window, int) or isinstance(window, bool) or window < 1:
@@ -710,7 +714,7 @@ class HybridEngine:
         self.window = window
         self.pool = StatePool(
             self.shape, len(self.mixers), num_slots, strategy=strategy, window=window, ring_len=ring_len,
-            state_dtype=state_dtype, act_dtype=self.dtype, device=self.device, backend=backend,
+            state_dtype=state_dtype, act_dtype=self.dtype, device=self.device, backend=backend, conv_ring=conv_ring,
         )
         for j, mixer in enumerate(self.mixers):
             mod = mixer.module

@@ -19,6 +19,8 @@ from .conv import (
     causal_conv_verify_reference,
     causal_conv_verify_tree,
     causal_conv_verify_tree_reference,
+    conv_ring_commit,
+    conv_ring_commit_reference,
 )
 from .checkpoints import write_checkpoints, write_checkpoints_reference
 from .counter_hash import counter_hash, counter_hash_reference
@@ -48,6 +50,8 @@ __all__ = [
     "causal_conv_verify_tree_reference",
     "compact_path",
     "compact_path_reference",
+    "conv_ring_commit",
+    "conv_ring_commit_reference",
     "counter_hash",
     "counter_hash_reference",
     "expand_heads",

@@ -10,6 +10,13 @@ Verify (:func:`causal_conv_verify`) never advances the state; it keeps the windo
 inputs in a per-slot buffer. Commit (:func:`causal_conv_commit`) shifts the first ``n``
 buffered inputs into the state, which leaves it exactly as if the ``n`` accepted tokens
 had been decoded one by one. Plain decoding and prefill pass ``update_state=True``.
+
+A conv ring (``ring_pos``) keeps a slot's history and its window in one buffer of ``R``
+entries: the committed history is entries ``p - W + 1 .. p - 1`` (mod ``R``) before the
+slot's position ``p``, and a verify stores its window's inputs at ``p, p + 1, ...``
+where the commit finds them, so the commit only moves the position
+(:func:`conv_ring_commit`): no entry is copied. Plain decoding and prefill rewrite the
+history entries in place and leave the position where it is.
 """
 
 from __future__ import annotations
@@ -34,10 +41,10 @@ def check_parts(parts, c: int) -> tuple[int, int, int] | None:
     return tuple(parts)
 
 
-def check_conv_args(x, conv_state, weight, bias):
+def check_conv_args(x, conv_state, weight, bias, ring_pos=None):
     """Validate a conv call (metadata only); return ``(N, C, W)``. ``C`` and ``W`` come
     from the registered ``weight``, so an input with the wrong channel count is the one
-    named in the error."""
+    named in the error. With ``ring_pos``, ``conv_state`` is a ring (:func:`check_ring`)."""
     _checks.tensor("weight", weight, ndim=2, dtypes=_checks.FLOAT_DTYPES)
     c, w = weight.shape
     if w < 2:
@@ -49,9 +56,31 @@ def check_conv_args(x, conv_state, weight, bias):
         _checks.tensor("bias", bias, ndim=1, dtypes=_checks.FLOAT_DTYPES)
         _checks.shape("bias", bias, [c])
     _checks.tensor("conv_state", conv_state, ndim=3, dtypes=_checks.FLOAT_DTYPES)
-    _checks.shape("conv_state", conv_state, [None, c, w - 1])
-    _checks.same_device(x, conv_state=conv_state, weight=weight, bias=bias)
+    if ring_pos is None:
+        _checks.shape("conv_state", conv_state, [None, c, w - 1])
+    else:
+        _checks.shape("conv_state", conv_state, [None, c, None])
+        check_ring(conv_state.shape[2], w, ring_pos, conv_state.shape[0])
+    _checks.same_device(x, conv_state=conv_state, weight=weight, bias=bias, ring_pos=ring_pos)
     return n, c, w
+
+
+def check_ring(r: int, w: int, ring_pos, num_slots: int, window: int | None = None) -> None:
+    """Validate a conv ring of ``r`` entries for taps of width ``w``: ``r`` a power of
+    two of at least ``w`` entries (``w - 1`` of history and ``window`` tokens when given),
+    and ``ring_pos`` an integer ``[num_slots]`` of positions."""
+    if r < w or r & (r - 1):
+        raise ValueError(f"conv_state as a ring must hold a power of two of at least W = {w} entries, got {r}")
+    if window is not None and window > r - (w - 1):
+        raise ValueError(f"a conv ring of {r} entries holds windows of at most {r - (w - 1)} tokens beside its "
+                         f"W - 1 = {w - 1} of history, got windows of {window}")
+    _checks.tensor("ring_pos", ring_pos, ndim=1, dtypes=_checks.INDEX_DTYPES)
+    _checks.shape("ring_pos", ring_pos, [num_slots])
+
+
+def ring_history_rows(pos: int, w: int, r: int) -> list[int]:
+    """The ring entries of a slot's ``W - 1`` history inputs, oldest first, at position ``pos``."""
+    return [(pos - (w - 1) + j) % r for j in range(w - 1)]
 
 
 @register("conv_verify", "reference")
@@ -67,6 +96,7 @@ def causal_conv_verify_reference(
     update_state: bool = False,
     max_len: int | None = None,
     parts: tuple[int, int, int] | None = None,
+    ring_pos: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Causal depthwise conv + SiLU over a packed batch of windows.
 
@@ -85,30 +115,48 @@ def causal_conv_verify_reference(
         parts: optional channel counts ``(C_q, C_k, C_v)`` summing to ``C``: the output
             in three contiguous parts instead of one ``[N, C]`` (a chunked kernel that
             wants contiguous ``q``, ``k``, ``v`` would otherwise copy each).
+        ring_pos: optional ``[num_slots]`` integer positions: ``conv_state`` is then a
+            conv ring ``[num_slots, C, R]`` (``R`` a power of two, ``R >= W``) whose
+            entries ``(p - W + 1 .. p - 1) mod R`` are slot ``s``'s history, ``p =
+            ring_pos[s]``. A verify stores window input ``t`` at entry ``(p + t) mod R``
+            (the ring is its own window buffer: no ``window_buf``; windows of at most
+            ``R - W + 1`` tokens) for :func:`conv_ring_commit`; ``update_state`` writes
+            the new history to the same ``W - 1`` entries and leaves ``p`` as it is.
 
     Returns:
         ``y``: ``[N, C]`` in the dtype of ``x``, or with ``parts`` the tuple ``(y_q [N,
         C_q], y_k [N, C_k], y_v [N, C_v])``, each contiguous (the same values). Computed
         in float32 (float64 for float64 inputs).
     """
-    n, c, w = check_conv_args(x, conv_state, weight, bias)
+    n, c, w = check_conv_args(x, conv_state, weight, bias, ring_pos)
     parts = check_parts(parts, c)
     ns = conv_state.shape[0]
     max_len = check_max_len(max_len)
     if window_buf is not None:
+        if ring_pos is not None:
+            raise ValueError("window_buf must be None with ring_pos: the ring keeps the window's inputs")
         _checks.tensor("window_buf", window_buf, ndim=3, dtypes=_checks.FLOAT_DTYPES)
         _checks.shape("window_buf", window_buf, [ns, None, c])
         _checks.same_device(x, window_buf=window_buf)
         max_len = window_buf.shape[1] if max_len is None else min(max_len, window_buf.shape[1])
+    if ring_pos is not None and not update_state:
+        room = conv_state.shape[2] - (w - 1)
+        max_len = room if max_len is None else min(max_len, room)
     cu, sl = check_varlen(cu_seqlens, slots, n, ns, max_len)
     dtype = _checks.compute_dtype(x, weight)
     wt = weight.to(dtype)
     y = torch.zeros_like(x)
+    positions = ring_pos.tolist() if ring_pos is not None else None
     for i, s in enumerate(sl):
         bos, eos = cu[i], cu[i + 1]
         if s < 0 or eos == bos:
             continue
-        xs = torch.cat([conv_state[s].to(dtype).T, x[bos:eos].to(dtype)], 0)  # [W-1+m, C]
+        if positions is None:
+            rows = list(range(w - 1))
+        else:
+            rows = ring_history_rows(positions[s], w, conv_state.shape[2])
+        hist = conv_state[s][:, rows]  # [C, W - 1], oldest first
+        xs = torch.cat([hist.to(dtype).T, x[bos:eos].to(dtype)], 0)  # [W-1+m, C]
         acc = torch.zeros(eos - bos, c, dtype=dtype, device=x.device)
         if bias is not None:
             acc = acc + bias.to(dtype)
@@ -118,7 +166,10 @@ def causal_conv_verify_reference(
         if window_buf is not None:
             window_buf[s, : eos - bos] = x[bos:eos]
         if update_state:
-            conv_state[s] = torch.cat([conv_state[s].T, x[bos:eos].to(conv_state.dtype)], 0)[-(w - 1) :].T
+            conv_state[s][:, rows] = torch.cat([hist.T, x[bos:eos].to(conv_state.dtype)], 0)[-(w - 1) :].T
+        elif positions is not None:
+            r = conv_state.shape[2]
+            conv_state[s][:, [(positions[s] + t) % r for t in range(eos - bos)]] = x[bos:eos].T.to(conv_state.dtype)
     return y if parts is None else tuple(part.contiguous() for part in y.split(parts, dim=1))
 
 
@@ -156,6 +207,48 @@ def causal_conv_commit_reference(
         conv_state[:, s] = hist[:, -w1:].transpose(1, 2)
 
 
+def check_ring_commit_args(ring_pos, slots, accepted) -> int:
+    """Validate :func:`conv_ring_commit`'s arguments (metadata only); return ``num_slots``."""
+    _checks.tensor("ring_pos", ring_pos, ndim=1, dtypes=_checks.INDEX_DTYPES)
+    _checks.tensor("slots", slots, ndim=1, dtypes=_checks.INDEX_DTYPES)
+    _checks.tensor("accepted", accepted, ndim=1, dtypes=_checks.INDEX_DTYPES)
+    _checks.shape("accepted", accepted, [slots.shape[0]])
+    _checks.same_device(ring_pos, slots=slots, accepted=accepted)
+    return ring_pos.shape[0]
+
+
+@register("conv_ring_commit", "reference")
+def conv_ring_commit_reference(ring_pos: torch.Tensor, slots: torch.Tensor, accepted: torch.Tensor) -> None:
+    """Commit the first ``accepted[i]`` inputs of each window in a conv ring (see
+    :func:`causal_conv_verify_reference`'s ``ring_pos``), in place: the verify stored
+    them where the history continues, so the slot's position moves past them, and the
+    rest of the window is overwritten by the next one.
+
+    Args:
+        ring_pos: ``[num_slots]`` positions (one per slot, shared by every layer's ring).
+        slots: ``[B]`` slot per row, ``-1`` ignored; live slots unique.
+        accepted: ``[B]``, ``1 <= n <= T`` for live rows (validated by the caller).
+    """
+    ns = check_ring_commit_args(ring_pos, slots, accepted)
+    sl = slots.tolist()
+    error = slots_error(sl, ns, unique=True)
+    if error:
+        raise ValueError(error)
+    for s, n in zip(sl, accepted.tolist()):
+        if s >= 0:
+            ring_pos[s] += n
+
+
+def conv_ring_commit(ring_pos: torch.Tensor, slots: torch.Tensor, accepted: torch.Tensor, *,
+                     backend: str = "auto") -> None:
+    """Move each slot's conv ring position past its ``accepted`` window inputs: the
+    ring's commit, no entry copied. Arguments: :func:`conv_ring_commit_reference`.
+
+    ``backend``: ``"reference"``, ``"triton"`` or ``"auto"``.
+    """
+    return pick("conv_ring_commit", backend, ring_pos)(ring_pos, slots, accepted)
+
+
 def causal_conv_verify(
     x: torch.Tensor,
     conv_state: torch.Tensor,
@@ -168,6 +261,7 @@ def causal_conv_verify(
     update_state: bool = False,
     max_len: int | None = None,
     parts: tuple[int, int, int] | None = None,
+    ring_pos: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The depthwise causal conv (with SiLU) over packed windows ``x [N, C] -> [N, C]``,
@@ -179,7 +273,8 @@ def causal_conv_verify(
     fallback).
     """
     return pick("conv_verify", backend, x)(x, conv_state, weight, bias, slots, cu_seqlens, window_buf=window_buf,
-                                           update_state=update_state, max_len=max_len, parts=parts)
+                                           update_state=update_state, max_len=max_len, parts=parts,
+                                           ring_pos=ring_pos)
 
 
 def causal_conv_commit(
@@ -223,6 +318,7 @@ def causal_conv_verify_tree_reference(
     trees,
     *,
     window_buf: torch.Tensor | None = None,
+    ring_pos: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal depthwise conv + SiLU over draft trees: each node's window is its own root
     path, preceded by the request's conv state:
@@ -241,6 +337,11 @@ def causal_conv_verify_tree_reference(
         trees: the requests' :class:`~replayssm.ops.trees.DraftTrees`.
         window_buf: optional ``[num_slots, T, C]``, ``T >= N``: the nodes' inputs, node
             ``i`` at position ``i`` (for the commit, which shifts in the accepted path).
+        ring_pos: optional ``[num_slots]``: ``conv_state`` is a conv ring ``[num_slots,
+            C, R]`` (:func:`causal_conv_verify_reference`), read at the slot's history
+            entries; node ``i``'s input is stored at entry ``(p + i) mod R`` (``N <= R -
+            W + 1``), where the tree commit gathers the accepted path
+            (:func:`~replayssm.ops.tree_ops.compact_path` with ``offset = ring_pos``).
 
     Returns:
         ``y``: ``[B * N, C]`` in the dtype of ``x``; padded nodes and padding requests
@@ -248,16 +349,11 @@ def causal_conv_verify_tree_reference(
     """
     from .tree_ops import check_tree_rows
 
-    n, c, w = check_conv_args(x, conv_state, weight, bias)
+    n, c, w = check_conv_args(x, conv_state, weight, bias, ring_pos)
     ns = conv_state.shape[0]
     nb, nn = check_tree_rows(n, trees, slots)
-    if window_buf is not None:
-        _checks.tensor("window_buf", window_buf, ndim=3, dtypes=_checks.FLOAT_DTYPES)
-        _checks.shape("window_buf", window_buf, [ns, None, c])
-        _checks.same_device(x, window_buf=window_buf)
-        if window_buf.shape[1] < nn:
-            raise ValueError(f"window_buf holds {window_buf.shape[1]} inputs per slot, the trees have {nn} nodes")
-    _checks.same_device(x, slots=slots)
+    check_tree_window(window_buf, ring_pos, conv_state, ns, c, nn, w)
+    _checks.same_device(x, slots=slots, window_buf=window_buf)
     sl = slots.tolist()
     error = slots_error(sl, ns, unique=True)
     if error:
@@ -269,7 +365,8 @@ def causal_conv_verify_tree_reference(
         if s < 0:
             continue
         bos = r * nn
-        state = conv_state[s].to(dtype).T  # [W - 1, C], oldest first
+        rows = list(range(w - 1)) if ring_pos is None else ring_history_rows(int(ring_pos[s]), w, conv_state.shape[2])
+        state = conv_state[s][:, rows].to(dtype).T  # [W - 1, C], oldest first
         for i, src in enumerate(nodes):
             acc = torch.zeros(c, dtype=dtype, device=x.device)
             if bias is not None:
@@ -279,16 +376,35 @@ def causal_conv_verify_tree_reference(
             y[bos + i] = torch.nn.functional.silu(acc).to(y.dtype)
         if window_buf is not None:
             window_buf[s, : len(nodes)] = x[bos : bos + len(nodes)]
+        elif ring_pos is not None:
+            ring = [(int(ring_pos[s]) + i) % conv_state.shape[2] for i in range(len(nodes))]
+            conv_state[s][:, ring] = x[bos : bos + len(nodes)].T.to(conv_state.dtype)
     return y
 
 
-def causal_conv_verify_tree(x, conv_state, weight, bias, slots, trees, *, window_buf=None, backend: str = "auto"):
+def check_tree_window(window_buf, ring_pos, conv_state, ns: int, c: int, nn: int, w: int) -> None:
+    """Validate where a tree conv keeps its ``nn`` nodes' inputs: a ``window_buf [ns, T,
+    C]`` of ``T >= nn`` entries, or a conv ring (``ring_pos``) with room for them."""
+    if window_buf is not None:
+        if ring_pos is not None:
+            raise ValueError("window_buf must be None with ring_pos: the ring keeps the window's inputs")
+        _checks.tensor("window_buf", window_buf, ndim=3, dtypes=_checks.FLOAT_DTYPES)
+        _checks.shape("window_buf", window_buf, [ns, None, c])
+        if window_buf.shape[1] < nn:
+            raise ValueError(f"window_buf holds {window_buf.shape[1]} inputs per slot, the trees have {nn} nodes")
+    elif ring_pos is not None:
+        check_ring(conv_state.shape[2], w, ring_pos, ns, window=nn)
+
+
+def causal_conv_verify_tree(x, conv_state, weight, bias, slots, trees, *, window_buf=None, ring_pos=None,
+                            backend: str = "auto"):
     """The causal conv over draft trees (each node's taps along its root path), ``x [B * N,
     C] -> [B * N, C]``. Arguments, shapes and results: :func:`causal_conv_verify_tree_reference`.
 
     ``backend``: ``"reference"``, ``"triton"`` or ``"auto"``.
     """
-    return pick("conv_verify_tree", backend, x)(x, conv_state, weight, bias, slots, trees, window_buf=window_buf)
+    return pick("conv_verify_tree", backend, x)(x, conv_state, weight, bias, slots, trees, window_buf=window_buf,
+                                                ring_pos=ring_pos)
 
 
 # ---------------------------------------------------------------------------- Triton
@@ -317,6 +433,16 @@ CONV_DTYPES_TRITON = (torch.float16, torch.bfloat16, torch.float32)
 
 if triton is not None:
     from .triton_common import chain_launch, chain_wait, mask_and as _tl_mask_and, to_rtne as _tl_to_rtne
+
+    @triton.jit
+    def _entry(base, k, R: tl.constexpr):
+        """The row of a slot's conv entry ``k`` counted from ``base``: ``k`` itself in a
+        conv state or window buffer (``R = 0``), entry ``(base + k) mod R`` of a ring of
+        ``R`` (a power of two; ``base`` may be negative)."""
+        if R > 0:
+            return (base + k) & (R - 1)
+        else:
+            return k
 
     @triton.jit
     def _shift_history(state_at, stride_w, src_at, stride_src, n, mask_c, W: tl.constexpr, WP: tl.constexpr):
@@ -351,27 +477,28 @@ if triton is not None:
         return ws, bias
 
     @triton.jit
-    def _conv_rows(x_at, state_at, p0, length, stride_x_tok, ss_w, mask_c, W: tl.constexpr, U: tl.constexpr,
-                   FIRST_BLOCK: tl.constexpr):
+    def _conv_rows(x_at, state_at, h0, p0, length, stride_x_tok, ss_w, mask_c, W: tl.constexpr, U: tl.constexpr,
+                   FIRST_BLOCK: tl.constexpr, R: tl.constexpr):
         """The ``W - 1 + U`` rows that positions ``p0 .. p0 + U - 1`` read (positions ``p0 - W
         + 1 .. p0 + U - 1``) as stored, rows past ``length`` zeros. A window's first block
         (``FIRST_BLOCK``, ``p0 = 0``) reads the rows before the window from the conv state,
-        entry ``W - 1 + t`` for position ``t < 0``."""
+        entry ``W - 1 + t`` for position ``t < 0`` (a ring's from ``h0``: :func:`_entry`)."""
         xs = ()
         for k in tl.static_range(U + W - 1):
             if FIRST_BLOCK and k < W - 1:
-                xs = xs + (tl.load(state_at + k * ss_w, mask=mask_c, other=0.0),)
+                xs = xs + (tl.load(state_at + _entry(h0, k, R) * ss_w, mask=mask_c, other=0.0),)
             else:
                 xs = xs + (tl.load(x_at + (p0 - (W - 1) + k) * stride_x_tok,
                                    mask=_tl_mask_and(mask_c, p0 - (W - 1) + k < length), other=0.0),)
         return xs
 
     @triton.jit
-    def _conv_outputs(xs, ws, bias, y_row, wbuf_at, p0, length, mask_c, y_tok, sb_pos, W: tl.constexpr,
-                      U: tl.constexpr, HAS_WBUF: tl.constexpr):
+    def _conv_outputs(xs, ws, bias, y_row, wbuf_at, w0, p0, length, mask_c, y_tok, sb_pos, W: tl.constexpr,
+                      U: tl.constexpr, HAS_WBUF: tl.constexpr, R: tl.constexpr):
         """Store positions ``p0 .. p0 + U - 1`` (those below ``length``) from their rows ``xs``
         (:func:`_conv_rows`; ``y_tok``: the outputs' token stride, per channel in a planar
-        output), and with ``HAS_WBUF`` their inputs to the window buffer. Each
+        output), and with ``HAS_WBUF`` their inputs to the window buffer (a ring's
+        entries from ``w0``). Each
         output is ``silu(bias + w_0 x_{i-W+1} + ... + w_{W-1} x_i)``, summed in that order
         (the reference's) whatever the block, so a token's bits do not depend on the block
         that holds it."""
@@ -383,7 +510,8 @@ if triton is not None:
             valid = _tl_mask_and(mask_c, p0 + i < length)
             tl.store(y_row + (p0 + i) * y_tok, _tl_to_rtne(y, y_row.dtype.element_ty), mask=valid)
             if HAS_WBUF:
-                tl.store(wbuf_at + (p0 + i) * sb_pos, xs[i + W - 1].to(wbuf_at.dtype.element_ty), mask=valid)
+                tl.store(wbuf_at + _entry(w0, p0 + i, R) * sb_pos, xs[i + W - 1].to(wbuf_at.dtype.element_ty),
+                         mask=valid)
 
     @triton.jit
     def _next_history(xs, x_at, state_at, length, stride_x_tok, mask_c, W: tl.constexpr, BT: tl.constexpr,
@@ -419,9 +547,9 @@ if triton is not None:
         return hist
 
     @triton.jit
-    def _conv_first_block(x_at, state_at, w_ptr, bias_ptr, y_row, wbuf_at, offs_c, mask_c, length, stride_x_tok,
-                          y_tok, ss_w, sb_pos, W: tl.constexpr, BT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                          HAS_WBUF: tl.constexpr, UPDATE_STATE: tl.constexpr, LONG: tl.constexpr):
+    def _conv_first_block(x_at, state_at, w_ptr, bias_ptr, y_row, wbuf_at, offs_c, mask_c, h0, w0, length,
+                          stride_x_tok, y_tok, ss_w, sb_pos, W: tl.constexpr, BT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          HAS_WBUF: tl.constexpr, UPDATE_STATE: tl.constexpr, LONG: tl.constexpr, R: tl.constexpr):
         """Positions ``0 .. BT - 1`` (those below ``length``) of a window, the taps before it
         from the conv state; with ``UPDATE_STATE`` the state advanced over the whole window
         (``LONG``: the window may be longer than the block).
@@ -432,10 +560,10 @@ if triton is not None:
         dependent memory round trips each, where these are in flight together. The new
         state is picked from the rows already loaded."""
         ws, bias = _conv_taps(w_ptr, bias_ptr, offs_c, mask_c, W, HAS_BIAS)
-        xs = _conv_rows(x_at, state_at, 0, length, stride_x_tok, ss_w, mask_c, W, BT, True)
+        xs = _conv_rows(x_at, state_at, h0, 0, length, stride_x_tok, ss_w, mask_c, W, BT, True, R)
         if UPDATE_STATE:
             hist = _next_history(xs, x_at, state_at, length, stride_x_tok, mask_c, W, BT, LONG)
-        _conv_outputs(xs, ws, bias, y_row, wbuf_at, 0, length, mask_c, y_tok, sb_pos, W, BT, HAS_WBUF)
+        _conv_outputs(xs, ws, bias, y_row, wbuf_at, w0, 0, length, mask_c, y_tok, sb_pos, W, BT, HAS_WBUF, R)
         if UPDATE_STATE:
             # This block's programs are the only readers of the slot's history, and the
             # new entries are inputs, which nothing writes: no other program races with
@@ -444,12 +572,12 @@ if triton is not None:
             # reading before any thread overwrites.
             tl.debug_barrier()
             for p in tl.static_range(W - 1):
-                tl.store(state_at + p * ss_w, hist[p], mask=mask_c)
+                tl.store(state_at + _entry(h0, p, R) * ss_w, hist[p], mask=mask_c)
 
     @triton.jit
-    def _conv_tokens(x_at, state_at, w_ptr, bias_ptr, y_row, wbuf_at, offs_c, mask_c, t0, length, stride_x_tok, y_tok,
-                     ss_w, sb_pos, W: tl.constexpr, BT: tl.constexpr, U: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     HAS_WBUF: tl.constexpr):
+    def _conv_tokens(x_at, state_at, w_ptr, bias_ptr, y_row, wbuf_at, offs_c, mask_c, w0, t0, length, stride_x_tok,
+                     y_tok, ss_w, sb_pos, W: tl.constexpr, BT: tl.constexpr, U: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     HAS_WBUF: tl.constexpr, R: tl.constexpr):
         """Positions ``t0 .. t0 + BT - 1`` (those below ``length``) of a block after a window's
         first (``t0 >= W - 1``: every tap is an input), in groups of ``U`` tokens (``BT`` a
         multiple of ``U``). The taps and bias are loaded once, and each group loads its
@@ -457,16 +585,16 @@ if triton is not None:
         ws, bias = _conv_taps(w_ptr, bias_ptr, offs_c, mask_c, W, HAS_BIAS)
         for g in range(0, BT // U):
             p0 = t0 + g * U
-            xs = _conv_rows(x_at, state_at, p0, length, stride_x_tok, ss_w, mask_c, W, U, False)
-            _conv_outputs(xs, ws, bias, y_row, wbuf_at, p0, length, mask_c, y_tok, sb_pos, W, U, HAS_WBUF)
+            xs = _conv_rows(x_at, state_at, 0, p0, length, stride_x_tok, ss_w, mask_c, W, U, False, R)
+            _conv_outputs(xs, ws, bias, y_row, wbuf_at, w0, p0, length, mask_c, y_tok, sb_pos, W, U, HAS_WBUF, R)
 
     @triton.jit
     def _conv_verify_kernel(
-        x_ptr, state_ptr, w_ptr, bias_ptr, slots_ptr, cu_ptr, y_ptr, wbuf_ptr,
+        x_ptr, state_ptr, w_ptr, bias_ptr, slots_ptr, cu_ptr, y_ptr, wbuf_ptr, pos_ptr,
         stride_x_tok, C, ss_slot, ss_c, ss_w, sb_slot, sb_pos, sb_c, N, start_k, start_v,
         W: tl.constexpr, BT: tl.constexpr, U: tl.constexpr, BC: tl.constexpr,
         HAS_BIAS: tl.constexpr, HAS_WBUF: tl.constexpr, UPDATE_STATE: tl.constexpr, PLANAR: tl.constexpr,
-        CHAINED: tl.constexpr = False,
+        R: tl.constexpr = 0, CHAINED: tl.constexpr = False,
     ):
         """Window positions ``[i_t BT, (i_t + 1) BT)`` of window ``i_b``, channels
         ``[i_c BC, (i_c + 1) BC)``. ``BT >= W - 1`` whenever a window spans more than one
@@ -476,6 +604,10 @@ if triton is not None:
         one after another, ``[N, start_k]``, ``[N, start_v - start_k]`` and ``[N, C -
         start_v]`` (channels ``[0, start_k)``, ``[start_k, start_v)``, ``[start_v, C)``):
         each channel's outputs start at its part's base and step by its part's width.
+        ``R > 0``: ``state_ptr`` is a conv ring of ``R`` entries a slot and ``pos_ptr``
+        the slots' positions; the history is read (and with ``UPDATE_STATE`` rewritten) at
+        the ``W - 1`` entries before the position, and ``wbuf_ptr`` (the ring itself, when
+        ``HAS_WBUF``) takes window position ``t`` at entry ``position + t``.
         ``CHAINED``: launched by :func:`~replayssm.ops.triton_common.chain_launch`."""
         chain_wait(CHAINED)  # its every input may be the kernel before's
         i_t = tl.program_id(0)
@@ -509,18 +641,23 @@ if triton is not None:
         state_at = state_ptr + slot * ss_slot + offs_c * ss_c
         x_at = x_ptr + bos * stride_x_tok + offs_c
         wbuf_at = wbuf_ptr + slot * sb_slot + offs_c * sb_c
+        w0 = 0
+        if R > 0:
+            w0 = tl.load(pos_ptr + slot).to(tl.int64)
         if i_t == 0:
-            _conv_first_block(x_at, state_at, w_ptr, bias_ptr, y_row, wbuf_at, offs_c, mask_c, length, stride_x_tok,
-                              y_tok, ss_w, sb_pos, W, BT, HAS_BIAS, HAS_WBUF, UPDATE_STATE, U > 0)
+            _conv_first_block(x_at, state_at, w_ptr, bias_ptr, y_row, wbuf_at, offs_c, mask_c, w0 - (W - 1), w0,
+                              length, stride_x_tok, y_tok, ss_w, sb_pos, W, BT, HAS_BIAS, HAS_WBUF, UPDATE_STATE,
+                              U > 0, R)
         elif U > 0:  # U = 0: the grid has one token block, the first
-            _conv_tokens(x_at, state_at, w_ptr, bias_ptr, y_row, wbuf_at, offs_c, mask_c, t0, length, stride_x_tok,
-                         y_tok, ss_w, sb_pos, W, BT, U, HAS_BIAS, HAS_WBUF)
+            _conv_tokens(x_at, state_at, w_ptr, bias_ptr, y_row, wbuf_at, offs_c, mask_c, w0, t0, length, stride_x_tok,
+                         y_tok, ss_w, sb_pos, W, BT, U, HAS_BIAS, HAS_WBUF, R)
 
     @triton.jit
     def _conv_verify_tree_kernel(
-        x_ptr, state_ptr, w_ptr, bias_ptr, slots_ptr, nodes_ptr, parents_ptr, depth_ptr, y_ptr, wbuf_ptr,
+        x_ptr, state_ptr, w_ptr, bias_ptr, slots_ptr, nodes_ptr, parents_ptr, depth_ptr, y_ptr, wbuf_ptr, pos_ptr,
         stride_x_tok, C, ss_slot, ss_c, ss_w, sb_slot, sb_pos, sb_c,
         W: tl.constexpr, TN: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_WBUF: tl.constexpr,
+        R: tl.constexpr = 0,
     ):
         """The tree conv: node ``i``'s tap ``j`` reads its ancestor at distance ``W - 1 - j``
         (found by walking ``parents``), or, past the root, conv state entry ``depth + j``;
@@ -531,7 +668,8 @@ if triton is not None:
         load cannot move above a store that may alias it, nor, in practice, above the
         branch to an IEEE division's slow path, which waits for the loads before it. So
         the nodes' loads are in flight together, not each node's after the one before
-        it. A node's own input, its last tap, is also its window buffer row."""
+        it. A node's own input, its last tap, is also its window buffer row. ``R > 0``: a
+        conv ring, as in :func:`_conv_verify_kernel`."""
         i_c = tl.program_id(0)
         i_b = tl.program_id(1)
         slot = tl.load(slots_ptr + i_b).to(tl.int64)
@@ -544,6 +682,9 @@ if triton is not None:
                 tl.store(y_row + i * C, tl.full([BC], 0, y_ptr.dtype.element_ty), mask=mask_c)
             return
         count = tl.load(nodes_ptr + i_b)
+        w0 = 0
+        if R > 0:
+            w0 = tl.load(pos_ptr + slot).to(tl.int64)
         state_at = state_ptr + slot * ss_slot + offs_c * ss_c
         x_at = x_ptr + bos * stride_x_tok + offs_c
         ws, bias = _conv_taps(w_ptr, bias_ptr, offs_c, mask_c, W, HAS_BIAS)
@@ -564,7 +705,8 @@ if triton is not None:
                 from_x = node >= 0
                 xv = tl.load(x_at + tl.maximum(node, 0) * stride_x_tok, mask=_tl_mask_and(mask_c, valid & from_x),
                              other=0.0)
-                sv = tl.load(state_at + (d + j) * ss_w, mask=_tl_mask_and(mask_c, valid & (node < 0)), other=0.0)
+                sv = tl.load(state_at + _entry(w0 - (W - 1), d + j, R) * ss_w,
+                             mask=_tl_mask_and(mask_c, valid & (node < 0)), other=0.0)
                 acc = acc + ws[j] * tl.where(from_x, xv.to(tl.float32), sv.to(tl.float32))
             sums = sums + (acc + ws[W - 1] * xi.to(tl.float32),)
             xs = xs + (xi,)
@@ -574,8 +716,8 @@ if triton is not None:
             y = tl.div_rn(acc, 1.0 + tl.exp(-acc))  # SiLU
             tl.store(y_row + i * C, _tl_to_rtne(tl.where(valid, y, 0.0), y_ptr.dtype.element_ty), mask=mask_c)
             if HAS_WBUF:
-                tl.store(wbuf_ptr + slot * sb_slot + i * sb_pos + offs_c * sb_c, xs[i].to(wbuf_ptr.dtype.element_ty),
-                         mask=_tl_mask_and(mask_c, valid))
+                tl.store(wbuf_ptr + slot * sb_slot + _entry(w0, i, R) * sb_pos + offs_c * sb_c,
+                         xs[i].to(wbuf_ptr.dtype.element_ty), mask=_tl_mask_and(mask_c, valid))
 
     @triton.jit
     def _conv_commit_kernel(
@@ -597,6 +739,21 @@ if triton is not None:
         state_at = state_ptr + i_l * ss_layer + slot * ss_slot + offs_c * ss_c
         wbuf_at = wbuf_ptr + i_l * sb_layer + slot * sb_slot + offs_c * sb_c
         _shift_history(state_at, ss_w, wbuf_at, sb_pos, n, mask_c, W, WP)
+
+
+    @triton.jit
+    def _conv_ring_commit_kernel(pos_ptr, slots_ptr, acc_ptr, B, BB: tl.constexpr, CHAINED: tl.constexpr = False):
+        """Every live row's slot position moves by its accepted count (live slots are
+        unique: no two rows add to one position). A position is only ever taken mod the
+        ring's length, so no count can move an access out of the ring."""
+        chain_wait(CHAINED)  # the counts may be the kernel before's
+        offs = tl.program_id(0) * BB + tl.arange(0, BB)
+        in_batch = offs < B
+        slot = tl.load(slots_ptr + offs, mask=in_batch, other=-1).to(tl.int64)
+        live = in_batch & (slot >= 0)
+        n = tl.load(acc_ptr + offs, mask=live, other=0)
+        at = pos_ptr + tl.maximum(slot, 0)
+        tl.store(at, tl.load(at, mask=live, other=0) + n.to(pos_ptr.dtype.element_ty), mask=live)
 
 
 def conv_token_block(t: int, w: int) -> int:
@@ -624,6 +781,7 @@ def causal_conv_verify_triton(
     update_state: bool = False,
     max_len: int | None = None,
     parts: tuple[int, int, int] | None = None,
+    ring_pos: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton version of :func:`causal_conv_verify_reference` (same arguments and results).
 
@@ -648,25 +806,32 @@ def causal_conv_verify_triton(
     read its conv state, write its new entries after their outputs, picked from the
     rows loaded for the taps (a prompt's last inputs past the block are loaded with
     them). Every output is the same bits whatever the block: the same products, summed
-    in the same order. ``parts`` changes only where the outputs are stored.
+    in the same order. ``parts`` changes only where the outputs are stored. A conv ring
+    (``ring_pos``, contiguous) is read and written at its slots' entries
+    (:func:`_entry`); its positions are not read on the host.
     """
-    n, c, w = check_conv_args(x, conv_state, weight, bias)
+    n, c, w = check_conv_args(x, conv_state, weight, bias, ring_pos)
     parts = check_parts(parts, c)
     ns = conv_state.shape[0]
     for name, t in (("x", x), ("conv_state", conv_state), ("weight", weight), ("bias", bias), ("window_buf", window_buf)):
         if t is not None:
             _checks.tensor(name, t, dtypes=CONV_DTYPES_TRITON)
     check_inner_contiguous(x=x)
-    _checks.contiguous(weight=weight, bias=bias)
+    _checks.contiguous(weight=weight, bias=bias, ring_pos=ring_pos)
     check_index_pair(slots, cu_seqlens)
     _checks.same_device(x, slots=slots, cu_seqlens=cu_seqlens)
     max_len = check_max_len(max_len)
     buf_len = None
     if window_buf is not None:
+        if ring_pos is not None:
+            raise ValueError("window_buf must be None with ring_pos: the ring keeps the window's inputs")
         _checks.tensor("window_buf", window_buf, ndim=3)
         _checks.shape("window_buf", window_buf, [ns, None, c])
         _checks.same_device(x, window_buf=window_buf)
         buf_len = window_buf.shape[1]
+    ring = conv_state.shape[2] if ring_pos is not None else 0
+    if ring and not update_state:
+        buf_len = ring - (w - 1)  # the window's room in the ring
     y = torch.empty(n * c, dtype=x.dtype, device=x.device)
     planes = y.view(n, c) if parts is None else tuple(
         y[n * lo : n * (lo + width)].view(n, width) for lo, width in zip((0, parts[0], parts[0] + parts[1]), parts))
@@ -681,18 +846,20 @@ def causal_conv_verify_triton(
         y.zero_()  # rewritten on the device: rows made padding zero only what they cover
     bc = min(CONV_BLOCK, triton.next_power_of_2(c))
     bt = conv_token_block(t, w)
+    if ring and not update_state:  # the ring is the window buffer
+        window_buf = conv_state.transpose(1, 2)
     wbuf_strides = window_buf.stride() if window_buf is not None else (0, 0, 0)
     blocks = triton.cdiv(bound, bt)
     # Token blocks on the first axis, the one without the 65535 limit: a prompt may be long.
     chained, launch = chain_launch()
     _conv_verify_kernel[(blocks, triton.cdiv(c, bc), batch)](
         x, conv_state, weight, bias if bias is not None else weight, slots, cu_seqlens, y,
-        window_buf if window_buf is not None else y,
+        window_buf if window_buf is not None else y, ring_pos if ring_pos is not None else slots,
         x.stride(0), c, *conv_state.stride(), *wbuf_strides, n,
         *((parts[0], parts[0] + parts[1]) if parts is not None else (0, 0)),
         W=w, BT=bt, U=CONV_TOKEN_GROUP if blocks > 1 else 0, BC=bc,
         HAS_BIAS=bias is not None, HAS_WBUF=window_buf is not None, UPDATE_STATE=bool(update_state),
-        PLANAR=parts is not None, CHAINED=chained, num_warps=4, **launch,
+        PLANAR=parts is not None, R=ring, CHAINED=chained, num_warps=4, **launch,
     )
     return planes
 
@@ -724,25 +891,39 @@ def causal_conv_commit_triton(
     )
 
 
+@register("conv_ring_commit", "triton")
+def conv_ring_commit_triton(ring_pos: torch.Tensor, slots: torch.Tensor, accepted: torch.Tensor) -> None:
+    """Triton version of :func:`conv_ring_commit_reference` (same arguments), one launch
+    of one program per 1024 rows. ``slots`` is checked by :mod:`~replayssm.ops.guards`;
+    ``accepted`` is not read on the host."""
+    ns = check_ring_commit_args(ring_pos, slots, accepted)
+    _checks.contiguous(ring_pos=ring_pos, slots=slots, accepted=accepted)
+    slots = guards.check_slots(slots, num_slots=ns)
+    batch = slots.shape[0]
+    if batch == 0:
+        return
+    bb = min(1024, triton.next_power_of_2(batch))
+    chained, launch = chain_launch()
+    _conv_ring_commit_kernel[(triton.cdiv(batch, bb),)](ring_pos, slots, accepted, batch, BB=bb, CHAINED=chained,
+                                                        num_warps=4, **launch)
+
+
 @register("conv_verify_tree", "triton")
-def causal_conv_verify_tree_triton(x, conv_state, weight, bias, slots, trees, *, window_buf=None) -> torch.Tensor:
+def causal_conv_verify_tree_triton(x, conv_state, weight, bias, slots, trees, *, window_buf=None,
+                                   ring_pos=None) -> torch.Tensor:
     """Triton version of :func:`causal_conv_verify_tree_reference` (same arguments and
     results), one launch. Layouts as :func:`causal_conv_verify_triton`'s."""
     from .tree_ops import check_tree_rows
 
-    n, c, w = check_conv_args(x, conv_state, weight, bias)
+    n, c, w = check_conv_args(x, conv_state, weight, bias, ring_pos)
     ns = conv_state.shape[0]
     nb, nn = check_tree_rows(n, trees, slots)
     for name, t in (("x", x), ("conv_state", conv_state), ("weight", weight), ("bias", bias), ("window_buf", window_buf)):
         if t is not None:
             _checks.tensor(name, t, dtypes=CONV_DTYPES_TRITON)
     check_inner_contiguous(x=x)
-    _checks.contiguous(weight=weight, bias=bias, slots=slots)
-    if window_buf is not None:
-        _checks.tensor("window_buf", window_buf, ndim=3)
-        _checks.shape("window_buf", window_buf, [ns, None, c])
-        if window_buf.shape[1] < nn:
-            raise ValueError(f"window_buf holds {window_buf.shape[1]} inputs per slot, the trees have {nn} nodes")
+    _checks.contiguous(weight=weight, bias=bias, slots=slots, ring_pos=ring_pos)
+    check_tree_window(window_buf, ring_pos, conv_state, ns, c, nn, w)
     _checks.same_device(x, slots=slots, window_buf=window_buf)
     slots = guards.check_slots(slots, num_slots=ns)
     y = torch.empty(n, c, dtype=x.dtype, device=x.device)
@@ -750,11 +931,14 @@ def causal_conv_verify_tree_triton(x, conv_state, weight, bias, slots, trees, *,
         return y
     dev = trees.on(x.device)
     bc = min(CONV_BLOCK, triton.next_power_of_2(c))
+    ring = conv_state.shape[2] if ring_pos is not None else 0
+    if ring:  # the ring is the window buffer
+        window_buf = conv_state.transpose(1, 2)
     wbuf_strides = window_buf.stride() if window_buf is not None else (0, 0, 0)
     _conv_verify_tree_kernel[(triton.cdiv(c, bc), nb)](
         x, conv_state, weight, bias if bias is not None else weight, slots, dev.num_nodes, dev.parents, dev.depth, y,
-        window_buf if window_buf is not None else y,
+        window_buf if window_buf is not None else y, ring_pos if ring_pos is not None else slots,
         x.stride(0), c, *conv_state.stride(), *wbuf_strides,
-        W=w, TN=nn, BC=bc, HAS_BIAS=bias is not None, HAS_WBUF=window_buf is not None, num_warps=4,
+        W=w, TN=nn, BC=bc, HAS_BIAS=bias is not None, HAS_WBUF=window_buf is not None, R=ring, num_warps=4,
     )
     return y

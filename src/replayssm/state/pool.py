@@ -43,9 +43,15 @@ __all__ = [
 ]
 
 #: the pool's own buffers; a strategy's specs may not reuse these names
-CORE_BUFFERS = ("checkpoints", "conv_state", "conv_window")
+CORE_BUFFERS = ("checkpoints", "conv_state", "conv_window", "conv_pos")
 #: the committed state an engine may have written before a slot joins (``alloc(keep_state=True)``)
-STATE_BUFFERS = ("checkpoints", "conv_state")
+STATE_BUFFERS = ("checkpoints", "conv_state", "conv_pos")
+
+
+def conv_ring_len(window: int, conv_kernel: int) -> int:
+    """Entries of a conv ring (:mod:`replayssm.ops.conv`) for windows of ``window``
+    tokens: the ``W - 1`` history entries and a window, rounded up to a power of two."""
+    return 1 << (window + conv_kernel - 2).bit_length()
 
 
 def as_index(name: str, value) -> int:
@@ -68,9 +74,15 @@ def buffer_specs(
     ring_len: int = 16,
     state_dtype: torch.dtype = torch.float32,
     act_dtype: torch.dtype = torch.float32,
+    conv_ring: bool = False,
 ) -> dict[str, BufferSpec]:
     """Every buffer a pool of this configuration holds, by name: what an engine
     allocates to hand its own tensors in (DESIGN.md, "Buffers an engine may own").
+
+    ``conv_ring``: the conv history and window as one ring a slot (``conv_state [C,
+    R]``, :func:`conv_ring_len` entries, and ``conv_pos``, each slot's position) instead
+    of ``conv_state [C, W - 1]`` and ``conv_window``: a commit moves the position
+    instead of copying the accepted inputs into the state.
 
     Each buffer is ``spec.full_shape(num_layers, num_slots)`` of ``spec.dtype``; its
     first axes may have any strides, its last ``spec.packed`` axes must be packed.
@@ -91,6 +103,12 @@ def buffer_specs(
         "conv_state": BufferSpec((s.conv_dim, s.conv_kernel - 1), act_dtype, fill=0.0, swap_last=True),
         "conv_window": BufferSpec((window, s.conv_dim), act_dtype, committed=False),
     }
+    if conv_ring:
+        del specs["conv_window"]
+        specs["conv_state"] = BufferSpec((s.conv_dim, conv_ring_len(window, s.conv_kernel)), act_dtype, fill=0.0,
+                                         swap_last=True)
+        specs["conv_pos"] = BufferSpec((), torch.int32, per_layer=False, fill=0, packed=1,
+                                       why="the conv kernels index the slots' positions")
     extra = dict(strategy_cls.buffer_specs(cfg))
     for name, spec in extra.items():
         if name in specs or not isinstance(name, str) or not isinstance(spec, BufferSpec):
@@ -115,6 +133,8 @@ class StatePool:
         buffers: tensors the caller owns, by buffer name (any subset of
             :func:`buffer_specs`); the pool uses them in place, keeps their contents
             (slots get their fill at :meth:`alloc`) and allocates the rest.
+        conv_ring: keep each slot's conv history and window as one ring
+            (:func:`buffer_specs`), committed by moving its position.
 
     Buffers (see :meth:`nbytes`): :attr:`checkpoints` ``[layers, slots, HV, V, K]``,
     :attr:`conv_state` ``[layers, slots, C, W - 1]``, :attr:`conv_window` ``[layers,
@@ -138,6 +158,7 @@ class StatePool:
         device: str | torch.device = "cpu",
         backend: str = "auto",
         buffers: Mapping[str, torch.Tensor] | None = None,
+        conv_ring: bool = False,
     ):
         if not isinstance(shape, GDNShape):
             raise TypeError(f"shape must be a GDNShape, got {type(shape).__name__}")
@@ -151,6 +172,8 @@ class StatePool:
             raise TypeError(f"act_dtype must be a float dtype, got {act_dtype}")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if not isinstance(conv_ring, bool):
+            raise TypeError(f"conv_ring must be a bool, got {type(conv_ring).__name__}")
         device = torch.device(device)
         strategy_cls.check_config(window=window, ring_len=ring_len, backend=resolve(backend, device))
 
@@ -166,10 +189,12 @@ class StatePool:
             # "cuda" means the current device; pin it so tensors compare equal to it.
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.backend = backend
+        #: whether the conv history and window are one ring a slot (``conv_pos`` its positions)
+        self.conv_ring = conv_ring
 
         s = shape
         specs = buffer_specs(shape, strategy=strategy_cls, window=window, ring_len=ring_len,
-                             state_dtype=state_dtype, act_dtype=act_dtype)
+                             state_dtype=state_dtype, act_dtype=act_dtype, conv_ring=conv_ring)
         if buffers is not None and not isinstance(buffers, Mapping):
             raise TypeError(f"buffers must be a mapping of name -> tensor, got {type(buffers).__name__}")
         given = dict(buffers or {})
@@ -193,7 +218,8 @@ class StatePool:
         self.buffers: Mapping[str, torch.Tensor] = MappingProxyType(self._buffers)
         self.checkpoints: torch.Tensor = self._buffers["checkpoints"]
         self.conv_state: torch.Tensor = self._buffers["conv_state"]
-        self.conv_window: torch.Tensor = self._buffers["conv_window"]
+        self.conv_window: torch.Tensor | None = self._buffers.get("conv_window")
+        self.conv_pos: torch.Tensor | None = self._buffers.get("conv_pos")
 
         self.params = {
             "A_log": torch.full((num_layers, s.num_value_heads), float("nan"), device=self.device),
@@ -407,6 +433,17 @@ class StatePool:
                 continue
             spec = self._specs[name]
             buf.index_fill_(1 if spec.per_layer else 0, idx, spec.fill)
+
+    def conv_history(self) -> torch.Tensor:
+        """Every slot's committed conv inputs ``[layers, slots, C, W - 1]``, oldest first:
+        :attr:`conv_state` itself, or gathered from the conv ring at each slot's position
+        (a copy)."""
+        if not self.conv_ring:
+            return self.conv_state
+        w1, r = self.shape.conv_kernel - 1, self.conv_state.shape[-1]
+        rows = (self.conv_pos.long()[:, None] - w1 + torch.arange(w1, device=self.device)) % r  # [slots, W - 1]
+        index = rows[None, :, None, :].expand(*self.conv_state.shape[:3], w1)
+        return self.conv_state.gather(3, index)
 
     @property
     def specs(self) -> Mapping[str, BufferSpec]:

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from ..ops import _checks, guards
-from ..ops.conv import causal_conv_commit, causal_conv_verify, causal_conv_verify_tree
+from ..ops.conv import causal_conv_commit, causal_conv_verify, causal_conv_verify_tree, conv_ring_commit
 from ..ops.checkpoints import write_checkpoints
 from ..ops.prompt_gates import prompt_gates
 from ..ops.recurrent import check_layer_inputs, gdn_recurrence
@@ -267,6 +267,22 @@ class Strategy:
         return p["A_log"], p["dt_bias"]
 
     # ------------------------------------------------------------------ conv
+    def _conv_window(self, layer: int) -> dict:
+        """Where a verify keeps the layer's window inputs for the commit: the pool's
+        window buffer, or its conv ring at the slots' positions."""
+        if self.pool.conv_ring:
+            return {"ring_pos": self.pool.conv_pos}
+        return {"window_buf": self.pool.conv_window[layer]}
+
+    def _commit_conv(self, slots: torch.Tensor, accepted: torch.Tensor) -> None:
+        """Keep the first ``accepted`` inputs of every window, all layers: move each
+        ring's position past them, or shift them into the conv state."""
+        pool = self.pool
+        if pool.conv_ring:
+            conv_ring_commit(pool.conv_pos, slots, accepted, backend=pool.backend)
+        else:
+            causal_conv_commit(pool.conv_state, pool.conv_window, slots, accepted, backend=pool.backend)
+
     def conv_verify(self, layer: int, x: torch.Tensor, batch: Batch) -> torch.Tensor:
         """The layer's causal conv over the window, ``x [N, C] -> [N, C]``; the conv
         state advances only at :meth:`commit`."""
@@ -279,7 +295,7 @@ class Strategy:
         self._open_step(batch)
         y = causal_conv_verify(
             x, self.pool.conv_state[layer], p["conv_weight"], p["conv_bias"], batch.slots, batch.cu_seqlens,
-            window_buf=self.pool.conv_window[layer], max_len=batch.max_len or None, backend=self.pool.backend,
+            max_len=batch.max_len or None, backend=self.pool.backend, **self._conv_window(layer),
         )
         self._conv_verified.add(layer)
         return y
@@ -295,6 +311,7 @@ class Strategy:
         return causal_conv_verify(
             x, self.pool.conv_state[layer], p["conv_weight"], p["conv_bias"], batch.slots, batch.cu_seqlens,
             update_state=True, max_len=batch.max_len or None, parts=parts, backend=self.pool.backend,
+            ring_pos=self.pool.conv_pos,
         )
 
     # ------------------------------------------------------------------ state
@@ -363,12 +380,12 @@ class Strategy:
         if trees.is_chain:
             y = causal_conv_verify(
                 x, self.pool.conv_state[layer], p["conv_weight"], p["conv_bias"], batch.slots, batch.cu_seqlens,
-                window_buf=self.pool.conv_window[layer], backend=self.pool.backend,
+                backend=self.pool.backend, **self._conv_window(layer),
             )
         else:
             y = causal_conv_verify_tree(
                 x, self.pool.conv_state[layer], p["conv_weight"], p["conv_bias"], batch.slots, trees,
-                window_buf=self.pool.conv_window[layer], backend=self.pool.backend,
+                backend=self.pool.backend, **self._conv_window(layer),
             )
         self._conv_verified.add(layer)
         return y
@@ -436,8 +453,13 @@ class Strategy:
         dev = trees.on(self.pool.device)
         path, count = accepted_paths(dev, node)
         if self._conv_verified:
-            compact_path([self.pool.conv_window], batch.slots, path, count, backend=self.pool.backend)
-            causal_conv_commit(self.pool.conv_state, self.pool.conv_window, batch.slots, count, backend=self.pool.backend)
+            pool = self.pool
+            if pool.conv_ring:  # the path's inputs where the history continues
+                compact_path([pool.conv_state.transpose(-1, -2)], batch.slots, path, count, pool.conv_pos,
+                             backend=pool.backend)
+            else:
+                compact_path([pool.conv_window], batch.slots, path, count, backend=pool.backend)
+            self._commit_conv(batch.slots, count)
         self._commit_tree_states(batch, dev, node, path, count)
         self._close_step()
 
@@ -510,7 +532,7 @@ class Strategy:
     def _commit_counts(self, batch: Batch, accepted: torch.Tensor) -> None:
         """Commit the first ``accepted`` (checked, on the device) tokens of every window."""
         if self._conv_verified:
-            causal_conv_commit(self.pool.conv_state, self.pool.conv_window, batch.slots, accepted, backend=self.pool.backend)
+            self._commit_conv(batch.slots, accepted)
         self._commit_states(batch, accepted)
         self._close_step()
 

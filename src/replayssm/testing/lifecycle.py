@@ -216,7 +216,7 @@ class Lifecycle:
                 state_err = max(state_err, _rel(committed[r], self.oracle[layer, r]))
             state_exact &= torch.equal(committed, self.reference[layer])
         slots_t = torch.tensor(self.slots, dtype=torch.long, device=pool.device)
-        conv_exact &= torch.equal(pool.buffers["conv_state"][:, slots_t], self.conv_reference)
+        conv_exact &= torch.equal(pool.conv_history()[:, slots_t], self.conv_reference)
         self.step_count += 1
         return StepReport(
             step=self.step_count, lengths=lengths, accepted=accepted, flushed=flush_rows,
