@@ -41,6 +41,60 @@ def _transformers_logs_to_the_current_stderr() -> None:
 _transformers_logs_to_the_current_stderr()
 
 
+def _interpreter_patches_the_language_once_a_launch() -> None:
+    """The Triton interpreter swaps ``triton.language``'s builtins for its own at each
+    launch, and again at every call of a ``@triton.jit`` helper inside the kernel, for
+    every program of the grid: the same swaps (the helper's modules are the kernel's, or
+    a part of them), each walking the modules' members. On the engine's kernels that is
+    a third of a test's time. Here a helper's call skips the swap where the launch around
+    it has already made it for each language module the helper sees; a helper that sees
+    another one swaps as before. What the kernels compute is unchanged (the same
+    functions run); only the repeated swaps go."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    patch = getattr(interpreter, "_patch_lang", None)
+    if patch is None or getattr(patch, "_once_a_launch", False) or not hasattr(interpreter, "_LangPatchScope"):
+        return
+    import inspect
+
+    import triton.language as tl
+
+    active: list[set] = []  # the language modules swapped by the launch in progress
+    seen: dict = {}  # a function's language modules (its module's imports)
+
+    def langs(fn) -> set:
+        if fn not in seen:
+            seen[fn] = frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
+        return seen[fn]
+
+    def patch_lang(fn):
+        if active and langs(fn) <= active[-1]:  # a helper's call inside a launch that swapped its modules
+            return interpreter._LangPatchScope()
+        scope = patch(fn)
+        if active:  # a helper seeing a module that the launch did not swap: swapped, kept until the launch ends
+            active[-1] |= langs(fn)
+            return scope
+        active.append(set(langs(fn)))  # a launch (GridExecutor): until it restores its swaps
+        restore = scope.restore
+
+        def restore_and_end():
+            active.clear()
+            restore()
+
+        scope.restore = restore_and_end
+        return scope
+
+    patch_lang._once_a_launch = True
+    interpreter._patch_lang = patch_lang
+
+
+_interpreter_patches_the_language_once_a_launch()
+
+
 @pytest.fixture
 def entry_independent_dots(monkeypatch):
     """Interpreter dots whose entry ``(i, j)`` depends on row ``i`` of the left operand

@@ -90,18 +90,22 @@ def test_draft_trees_match_plain_decoding(plain, chain_from):
 
 
 def test_token_prompts_stop_tokens_and_sampling(plain):
+    """A token-id prompt (list or tensor) is the text's request; greedy decoding stops at
+    an end-of-sequence token, which it keeps, or at max_tokens with none emitted (100
+    tokens: the embedded model's greedy text repeats a function body long before); a
+    sampled request of 20 tokens."""
     ids = plain.tokenizer.encode(PROMPTS[0], add_special_tokens=False)
-    [greedy] = plain.generate([ids], SamplingParams(max_tokens=300))
+    [greedy] = plain.generate([ids], SamplingParams(max_tokens=100))
     assert greedy.prompt is None and greedy.prompt_token_ids == ids
     # the same ids as an integer tensor: the same request, and its ids come back as a list
-    [same] = plain.generate([torch.tensor(ids, dtype=torch.int32)], SamplingParams(max_tokens=300))
+    [same] = plain.generate([torch.tensor(ids, dtype=torch.int32)], SamplingParams(max_tokens=100))
     assert same.prompt_token_ids == ids and same.token_ids == greedy.token_ids
     assert all(type(t) is int for t in same.prompt_token_ids)  # plain ints, as for a list prompt
     eos = set(plain._eos)
     if greedy.finish_reason == "stop":  # ended by an end-of-sequence token, which it keeps
-        assert greedy.token_ids[-1] in eos and len(greedy.token_ids) <= 300
+        assert greedy.token_ids[-1] in eos and len(greedy.token_ids) <= 100
     else:
-        assert len(greedy.token_ids) == 300 and not eos & set(greedy.token_ids)
+        assert len(greedy.token_ids) == 100 and not eos & set(greedy.token_ids)
     [sampled] = plain.generate(PROMPTS[0], SamplingParams(temperature=0.8, top_p=0.9, max_tokens=20, ignore_eos=True))
     assert len(sampled.token_ids) == 20 and all(0 <= t < plain.engine.vocab_size for t in sampled.token_ids)
     assert math.isclose(sampled.stats.tokens_per_step, 1.0)

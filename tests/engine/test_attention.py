@@ -67,11 +67,13 @@ def test_gate_in_the_attention_on_cuda_in_bf16():
 def test_a_tokens_attention_does_not_depend_on_its_window_or_batch(rng, key_split, entry_independent_dots):
     """What exact speculation rests on: a token's attention output is the same bits at
     any position of a verified window as alone in a plain step (``T = 1`` at its own
-    position), and in a batch of one as in a batch of 12, with the keys in one walk or
+    position), and in a batch of one as in a batch of 6, with the keys in one walk or
     split into parts at fixed positions. (A split of the keys whose parts follow the
     window's end or the batch's size fails here: a row at 958 keys ends a window of 4
-    past the 15th block of 64; at 254 a window of 4 crosses the parts' bound at 256.)"""
-    b = 12
+    past the 15th block of 64; at 254 a window of 4 crosses the parts' bound at 256.)
+    Six rows: the four fixed starts and two random ones (each row is its own programs;
+    more rows repeat them)."""
+    b = 6
     q, kc, vc, gate, rows, starts = _case(rng, b=b, t=4, slots=b, cap=1100)
     starts[:4] = torch.tensor([958, 17, 1090, 254])
     split = dict(key_split=key_split, arrivals=arrival_counters("cpu")) if key_split else {}

@@ -2,7 +2,7 @@
 
 For both model families (tiny random Qwen3.5 and Qwen3-Next, fp32, CPU) and every
 strategy, n-gram speculative decoding of a batch whose requests finish at different
-steps (1024, 300 and 77 new tokens) must emit the tokens of plain decoding (one token
+steps (512, 150 and 77 new tokens) must emit the tokens of plain decoding (one token
 per step through the exact recurrence) token for token, with drafts actually accepted
 (the mean accepted length is asserted and reported). A deliberately broken rollback must
 make the comparison fail.
@@ -20,7 +20,7 @@ from replayssm.engine.random_model import build_tiny_model
 
 FAMILIES = ("qwen3_5", "qwen3_next")
 STRATEGIES = ("snapshot", "fold", "circular")
-BUDGETS = [1024, 300, 77]
+BUDGETS = [512, 150, 77]
 K = 3
 
 

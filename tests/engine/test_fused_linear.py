@@ -160,12 +160,14 @@ def test_the_engine_projects_a_full_attention_layer_in_one_matmul(family, rng):
 def test_fused_attention_projections_give_the_unfused_engines_bits(family, backend, rng):
     """Two engines on copies of one model, the second with its attention projections
     unfused (three modules): a prompt pass (eager) and a static verify step give the same
-    logits, hidden states and KV caches, bit for bit (fp32, CPU)."""
+    logits, hidden states and KV caches, bit for bit (fp32, CPU). Prompts of 3 and 6
+    tokens: the Triton GDN layers take a prompt token by token under the interpreter,
+    the same in both engines, so longer prompts add time and no check."""
     from replayssm.engine.adapter import HybridEngine
     from replayssm.engine.random_model import build_tiny_model
 
     seed = int(torch.randint(0, 1000, (1,), generator=rng))
-    prompts = [torch.randint(0, 256, (n,), generator=rng).tolist() for n in (7, 12)]
+    prompts = [torch.randint(0, 256, (n,), generator=rng).tolist() for n in (3, 6)]
     windows = torch.randint(0, 256, (2, 4), generator=rng)
     runs = []
     for fused in (True, False):

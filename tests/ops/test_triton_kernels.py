@@ -618,11 +618,12 @@ def test_dispatch_picks_and_refuses_backends(monkeypatch):
 # ---------------------------------------------------------------------------- lifecycle
 @pytest.mark.parametrize("strategy", ["snapshot", "fold"])
 def test_lifecycle_triton_pool_tracks_reference_pool(strategy):
-    """48 verify -> random accept -> commit steps (after a prefill) on a Triton pool
+    """32 verify -> random accept -> commit steps (after a prefill) on a Triton pool
     and a reference pool fed the same tokens: outputs and committed states agree to
-    fp32 rounding at every step, and the difference does not grow."""
+    fp32 rounding at every step, and the difference does not grow (the last quarter's
+    8 steps against the first's)."""
     shape = GDNShape(num_heads=1, num_value_heads=1, head_k_dim=16, head_v_dim=8)
-    window, steps = 3, 48
+    window, steps = 3, 32
     pools = {
         be: StatePool(shape, 1, 3, strategy=strategy, window=window, backend=be, device=DEVICE)
         for be in ("reference", "triton")

@@ -170,13 +170,15 @@ def test_abort_and_committed_state_at_any_time(strategy):
 def test_abort_with_the_triton_fold_keeps_the_oracle(small_batch):
     """The same for circular on the Triton backend (interpreter): abort's fold of the
     layers the step did not reach is the Triton fold; the float64 oracle keeps agreeing.
-    ``replay``: with the small-batch path (one-launch verify, a flush at every commit)."""
+    ``replay``: with the small-batch path (one-launch verify, a flush at every commit).
+    Four steps: aborts after 1, 2, 1 and 0 verified layers (the generator's draws), two
+    of them folding the layer the step did not reach."""
     if small_batch:
         with tuning.override("circular", replay_max_batch=8):
             return test_abort_with_the_triton_fold_keeps_the_oracle(False)
     pool, lc = make("circular", requests=2, slots=3, layers=2, window=2, ring_len=4, seed=2, backend="triton")
     gen = torch.Generator().manual_seed(3)
-    for step in range(6):  # ring_len = 2T: a flush every other step
+    for step in range(4):  # ring_len = 2T: a flush every other step
         r = lc.step()
         assert r.state_err < TOL, f"step {step}: {r.state_err:.2e}"
         batch = pool.batch(lc.slots, [2, 1])
