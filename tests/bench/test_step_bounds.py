@@ -55,9 +55,9 @@ def tiny():
     return model
 
 
-def _engine(model, strategy, window, ring_len=None, plain_via_ring=None):
+def _engine(model, strategy, window, ring_len=None, plain_via_ring=None, conv_ring=True):
     return HybridEngine(model, strategy=strategy, num_slots=2, window=window, max_len=64, ring_len=ring_len,
-                        plain_via_ring=plain_via_ring)
+                        plain_via_ring=plain_via_ring, conv_ring=conv_ring)
 
 
 def test_bounds_of_a_plain_step_counted_by_hand(tiny):
@@ -100,7 +100,11 @@ def test_a_window_multiplies_the_rows_and_the_ring_moves_less_than_fold(tiny):
     c = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim
     w = cfg.linear_conv_kernel_dim
     gdn = len(_engine(tiny, "fold", t).mixers)
-    assert fold["conv"].bytes == gdn * rows * (2 * t + (w - 1) + t + 3 + (w - 1)) * c * 2
+    # x read and y written, the history read, the window stored; on the conv ring that is all
+    assert fold["conv"].bytes == gdn * rows * (2 * t + (w - 1) + t) * c * 2
+    # with a window buffer, the commit reads the 3 accepted inputs back and rewrites the history
+    shifted = sb.step_bounds(_engine(tiny, "fold", t, conv_ring=False), **kw)
+    assert shifted["conv"].bytes == gdn * rows * (2 * t + (w - 1) + t + 3 + (w - 1)) * c * 2
     # fold reads the state twice and writes it once; circular reads it once and flushes it now and then
     assert circ["gdn_state"].bytes < fold["gdn_state"].bytes
     sbytes = rows * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
@@ -116,7 +120,10 @@ def test_a_plain_step_through_the_ring_is_counted_as_one(tiny):
     ring = sb.step_bounds(eng, **kw)
     plain = sb.step_bounds(_engine(tiny, "fold", 1), **kw)
     assert ring["gdn_state"].bytes < plain["gdn_state"].bytes  # one read, the flushes amortised
-    assert ring["conv"].bytes > plain["conv"].bytes  # the window buffer and the commit's shift
+    # on the conv ring: the history read and the token stored, where plain decoding rewrites the history
+    assert ring["conv"].bytes < plain["conv"].bytes
+    shifted = sb.step_bounds(_engine(tiny, "circular", 4, ring_len=16, plain_via_ring=True, conv_ring=False), **kw)
+    assert shifted["conv"].bytes > plain["conv"].bytes  # the window buffer and the commit's shift
 
 
 def test_parts_are_summed_beside_their_bounds():

@@ -177,14 +177,17 @@ class StepShape:
         h, hv, kd, vd = self.num_heads, self.num_value_heads, self.head_k_dim, self.head_v_dim
         return tokens * (2 * h * kd + hv * vd + 2 * hv + hv * vd) * self.act_elem
 
-    def conv_bytes(self) -> int:
+    def conv_bytes(self, ring: bool = False) -> int:
         """The causal conv of a verify + commit, when it is part of the step: ``x`` read,
         ``y`` written, the conv state read, the window buffer written at verify and the
-        accepted part read back plus the state rewritten at commit."""
+        accepted part read back plus the state rewritten at commit. On a conv ring
+        (``ring``) the commit moves a position: no bytes of its own."""
         if not self.conv_dim:
             return 0
         c, t, w, e = self.conv_dim, self.window, self.conv_kernel, self.act_elem
-        per_request = (2 * t * c + (w - 1) * c + t * c + self.accept * c + (w - 1) * c) * e
+        per_request = (2 * t * c + (w - 1) * c + t * c) * e
+        if not ring:
+            per_request += (self.accept * c + (w - 1) * c) * e
         return self.batch * per_request
 
 

@@ -14,7 +14,8 @@ at the card's copy rate or its FLOPs at its matmul rate, both measured in the sa
   step's kind, without the conv;
 * ``conv``: the causal conv of every GDN layer: its inputs read and outputs written,
   the conv state read and rewritten (a verify writes its window buffer, and the commit
-  reads the accepted tokens back);
+  reads the accepted tokens back; on the engine's conv ring the commit moves a position
+  and moves no bytes);
 * ``attention``: every full-attention layer's window attention: each row's cached keys
   and values read at its context length, the window's written, queries (with their
   output gate) read and outputs written;
@@ -51,7 +52,7 @@ PART_KERNELS = {
         "_clamp_accepted_kernel",
         "_tree_recurrence_kernel", "_tree_path_kernel", "_compact_path_kernel",
     ),
-    "conv": ("_conv_verify_kernel", "_conv_commit_kernel", "_conv_verify_tree_kernel"),
+    "conv": ("_conv_verify_kernel", "_conv_commit_kernel", "_conv_ring_commit_kernel", "_conv_verify_tree_kernel"),
     "attention": ("_slot_attention_kernel",),
     "norms": ("_rms_norm_kernel",),
 }
@@ -157,7 +158,7 @@ def step_bounds(engine, *, rows: int, window: int, accept: int, context: float, 
     if kind == "plain_decode":  # x read, y written, the state read and advanced in place
         conv = rows * (2 + 2 * (s.conv_kernel - 1)) * conv_dim * e
     else:  # a verify's window buffer and a commit (a plain step through the ring takes both)
-        conv = shape.conv_bytes()
+        conv = shape.conv_bytes(ring=pool.conv_ring)
     out["conv"] = _bound(gdn_layers * conv, 0, copy_bw, matmul_rate)
 
     norms = 2 * tokens * hidden  # the first layer's input norm
