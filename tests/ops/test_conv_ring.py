@@ -164,6 +164,10 @@ def test_ring_arguments_are_refused_before_anything_is_written(backend):
         causal_conv_verify(x, ring, weight, None, slots, cu, ring_pos=pos[:2], backend=backend)
     with pytest.raises(TypeError, match="ring_pos"):
         causal_conv_verify(x, ring, weight, None, slots, cu, ring_pos=pos.float(), backend=backend)
+    trees = DraftTrees.from_parents([[-1, 0, 0, 1, 1, 2]], max_nodes=6)  # 6 nodes, room for 5
+    with pytest.raises(ValueError, match="the trees have 6 nodes"):
+        causal_conv_verify_tree(torch.randn(6, c, device=DEVICE), ring, weight, None, slots, trees, ring_pos=pos,
+                                backend=backend)
     assert torch.equal(ring, ring0)
     with pytest.raises(ValueError, match="slots"):
         conv_ring_commit(pos, torch.tensor([0, 3], dtype=torch.int32), torch.tensor([1, 1], dtype=torch.int32),

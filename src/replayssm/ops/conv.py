@@ -65,15 +65,12 @@ def check_conv_args(x, conv_state, weight, bias, ring_pos=None):
     return n, c, w
 
 
-def check_ring(r: int, w: int, ring_pos, num_slots: int, window: int | None = None) -> None:
+def check_ring(r: int, w: int, ring_pos, num_slots: int) -> None:
     """Validate a conv ring of ``r`` entries for taps of width ``w``: ``r`` a power of
-    two of at least ``w`` entries (``w - 1`` of history and ``window`` tokens when given),
-    and ``ring_pos`` an integer ``[num_slots]`` of positions."""
+    two of at least ``w`` entries, and ``ring_pos`` an integer ``[num_slots]`` of
+    positions."""
     if r < w or r & (r - 1):
         raise ValueError(f"conv_state as a ring must hold a power of two of at least W = {w} entries, got {r}")
-    if window is not None and window > r - (w - 1):
-        raise ValueError(f"a conv ring of {r} entries holds windows of at most {r - (w - 1)} tokens beside its "
-                         f"W - 1 = {w - 1} of history, got windows of {window}")
     _checks.tensor("ring_pos", ring_pos, ndim=1, dtypes=_checks.INDEX_DTYPES)
     _checks.shape("ring_pos", ring_pos, [num_slots])
 
@@ -384,7 +381,8 @@ def causal_conv_verify_tree_reference(
 
 def check_tree_window(window_buf, ring_pos, conv_state, ns: int, c: int, nn: int, w: int) -> None:
     """Validate where a tree conv keeps its ``nn`` nodes' inputs: a ``window_buf [ns, T,
-    C]`` of ``T >= nn`` entries, or a conv ring (``ring_pos``) with room for them."""
+    C]`` of ``T >= nn`` entries, or a conv ring (``ring_pos``, already checked by
+    :func:`check_conv_args`) with room for them beside its ``W - 1`` of history."""
     if window_buf is not None:
         if ring_pos is not None:
             raise ValueError("window_buf must be None with ring_pos: the ring keeps the window's inputs")
@@ -392,8 +390,10 @@ def check_tree_window(window_buf, ring_pos, conv_state, ns: int, c: int, nn: int
         _checks.shape("window_buf", window_buf, [ns, None, c])
         if window_buf.shape[1] < nn:
             raise ValueError(f"window_buf holds {window_buf.shape[1]} inputs per slot, the trees have {nn} nodes")
-    elif ring_pos is not None:
-        check_ring(conv_state.shape[2], w, ring_pos, ns, window=nn)
+    elif ring_pos is not None and nn > conv_state.shape[2] - (w - 1):
+        raise ValueError(f"a conv ring of {conv_state.shape[2]} entries holds windows of at most "
+                         f"{conv_state.shape[2] - (w - 1)} tokens beside its W - 1 = {w - 1} of history, "
+                         f"the trees have {nn} nodes")
 
 
 def causal_conv_verify_tree(x, conv_state, weight, bias, slots, trees, *, window_buf=None, ring_pos=None,

@@ -138,7 +138,8 @@ class StatePool:
 
     Buffers (see :meth:`nbytes`): :attr:`checkpoints` ``[layers, slots, HV, V, K]``,
     :attr:`conv_state` ``[layers, slots, C, W - 1]``, :attr:`conv_window` ``[layers,
-    slots, T, C]`` and the strategy's own (typed access through the strategy, e.g.
+    slots, T, C]`` (with ``conv_ring``: :attr:`conv_state` ``[layers, slots, C, R]`` and
+    :attr:`conv_pos` ``[slots]``, no window buffer) and the strategy's own (typed access through the strategy, e.g.
     ``pool.strategy.buf.ring_k``). :attr:`buffers` is a read-only name -> tensor view of
     all of them. Gate and conv parameters of each layer are registered with
     :meth:`set_layer_params` before the first verify.
