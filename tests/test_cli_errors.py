@@ -168,6 +168,7 @@ CASES = [
     ("bench memory", ["--tp", "3"], "divisible"),
     ("bench memory", ["--plot", "{tmp}/m.svg"], ".png"),
     ("bench memory", ["--mem-fraction", "0"], "--mem-fraction"),
+    ("bench memory", ["--conv-layout", "flat"], "--conv-layout"),
 ]
 CUDA_CASES = [
     ("bench kernels", ["--device", "cuda"], "CUDA"),

@@ -28,16 +28,18 @@ def random_shape():
     )
 
 
+@pytest.mark.parametrize("conv_ring", [False, True])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
-def test_accounting_equals_a_real_pool(strategy, state_dtype):
+def test_accounting_equals_a_real_pool(strategy, state_dtype, conv_ring):
     shape = random_shape()
     window = random.randint(1, 4)
     ring_len = 2 ** random.randint((2 * window - 1).bit_length(), 5)
     layers, slots = random.randint(1, 4), random.randint(1, 5)
     pool = StatePool(shape, layers, slots, strategy=strategy, window=window, ring_len=ring_len,
-                     state_dtype=state_dtype, act_dtype=torch.bfloat16)
-    b = memory.gdn_bytes(shape, strategy, window=window, ring_len=ring_len, state_dtype=state_dtype, act_dtype=torch.bfloat16)
+                     state_dtype=state_dtype, act_dtype=torch.bfloat16, conv_ring=conv_ring)
+    b = memory.gdn_bytes(shape, strategy, window=window, ring_len=ring_len, state_dtype=state_dtype, act_dtype=torch.bfloat16,
+                         conv_ring=conv_ring)
     real = pool.nbytes()
     assert real["total"] == slots * (layers * b["per_layer_total"] + b["per_request_total"])
     for name, n in real.items():
@@ -48,10 +50,11 @@ def test_accounting_equals_a_real_pool(strategy, state_dtype):
     if strategy == "snapshot":
         elem = torch.empty((), dtype=state_dtype).element_size()
         assert b["per_layer"]["snapshots"] == window * shape.state_numel * elem
+    conv = {"conv_pos": 4} if conv_ring else {}  # one int32 position a request, whatever the layers
     if strategy == "circular":
-        assert b["per_request"] == {"write_pos": 4, "cache_base": 4, "is_flush": 4, "first_cycle": 4}
+        assert b["per_request"] == {"write_pos": 4, "cache_base": 4, "is_flush": 4, "first_cycle": 4, **conv}
     else:
-        assert b["per_request_total"] == 0
+        assert b["per_request"] == conv
 
 
 def test_plain_is_checkpoint_and_conv_state():
@@ -63,6 +66,71 @@ def test_plain_is_checkpoint_and_conv_state():
     assert b["per_request_total"] == 0
     assert per["checkpoints"] == shape.state_numel * 4
     assert per["conv_state"] == shape.conv_dim * (shape.conv_kernel - 1) * 2
+
+
+def next_power_of_two(n):
+    r = 1
+    while r < n:
+        r *= 2
+    return r
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_conv_ring_is_c_by_r_a_layer_and_one_position_a_request(strategy):
+    """The engine's layout (DESIGN.md section 3, "Conv ring"): ``conv_state [C, R]``,
+    ``R`` the least power of two >= ``T + W - 1``, no window buffer, and ``conv_pos``
+    once per request, 4 bytes. The classic layout: ``[C, W - 1]`` and ``[T, C]``."""
+    shape = random_shape()
+    window = random.randint(1, 8)
+    ring_len = next_power_of_two(2 * window)
+    elem = 2  # bf16 activations
+    c, w = shape.conv_dim, shape.conv_kernel
+    kw = dict(window=window, ring_len=ring_len, state_dtype=torch.float32, act_dtype=torch.bfloat16)
+    ring = memory.gdn_bytes(shape, strategy, conv_ring=True, **kw)
+    classic = memory.gdn_bytes(shape, strategy, conv_ring=False, **kw)
+    r = next_power_of_two(window + w - 1)
+    assert ring["per_layer"]["conv_state"] == c * r * elem
+    assert "conv_window" not in ring["per_layer"] and "conv_pos" not in ring["per_layer"]
+    assert ring["per_request"]["conv_pos"] == 4
+    assert classic["per_layer"]["conv_state"] == c * (w - 1) * elem
+    assert classic["per_layer"]["conv_window"] == window * c * elem
+    assert "conv_pos" not in classic["per_request"]
+    # the conv buffers are all that differ
+    others = {k: v for k, v in ring["per_layer"].items() if k != "conv_state"}
+    assert others == {k: v for k, v in classic["per_layer"].items() if k not in ("conv_state", "conv_window")}
+    assert ring["per_layer_total"] - classic["per_layer_total"] == c * (r - (w - 1) - window) * elem
+    assert ring["per_request_total"] - classic["per_request_total"] == 4
+
+
+def test_plain_is_the_classic_conv_state_in_both_layouts():
+    shape = random_shape()
+    kw = dict(window=random.randint(1, 8), ring_len=16, state_dtype=torch.float32, act_dtype=torch.bfloat16)
+    ring = memory.gdn_bytes(shape, "plain", conv_ring=True, **kw)
+    assert ring == memory.gdn_bytes(shape, "plain", conv_ring=False, **kw)
+    assert ring["per_layer"] == {"checkpoints": shape.state_numel * 4,
+                                 "conv_state": shape.conv_dim * (shape.conv_kernel - 1) * 2}
+    assert ring["per_request"] == {}
+
+
+def test_table_counts_the_conv_layout_it_says():
+    """Qwen3.5-35B-A3B at TP1, T = 4: C = 2 * 16 * 128 + 32 * 128 = 8192 channels, a ring
+    of 8 entries against 3 + 4 in each of 30 layers, bf16, and one int32 position."""
+    base = dict(models=("qwen3.5-35b-a3b",), contexts=(4096,), window=4, ring_len=16, tp=1, budget_gib=50.0)
+    tables = {ring: memory.memory_table(memory.MemoryConfig(conv_ring=ring, **base), memory.MODELS) for ring in (True, False)}
+    rows = {ring: {r["strategy"]: r for r in t["rows"]} for ring, t in tables.items()}
+    assert tables[True]["config"]["conv_ring"] is True and tables[False]["config"]["conv_ring"] is False
+    assert tables[True]["models"]["qwen3.5-35b-a3b"]["conv_entries"] == 8
+    assert tables[False]["models"]["qwen3.5-35b-a3b"]["conv_entries"] == 7
+    for s in STRATEGIES:
+        assert rows[True][s]["conv_layout"] == "ring" and rows[False][s]["conv_layout"] == "classic"
+        assert rows[True][s]["gdn_bytes_per_request"] - rows[False][s]["gdn_bytes_per_request"] == 30 * 8192 * 2 + 4
+        assert rows[True][s]["gdn_buffers_per_layer"]["conv_state"] == 8192 * 8 * 2
+        assert rows[False][s]["gdn_buffers_per_layer"]["conv_state"] + rows[False][s]["gdn_buffers_per_layer"]["conv_window"] \
+            == 8192 * (3 + 4) * 2
+        # the ring of records is the strategy's; the conv ring's position is not in it
+        assert rows[True][s]["ring_bytes_per_request"] == rows[False][s]["ring_bytes_per_request"]
+    assert rows[True]["plain"] == {**rows[False]["plain"], "conv_layout": "classic"}
+    assert rows[True]["plain"]["gdn_bytes_per_request"] == 30 * (32 * 128 * 128 * 4 + 8192 * 3 * 2)
 
 
 def published_config(layers, value_heads, attn_heads):
@@ -177,7 +245,7 @@ def test_explicit_budget_and_tp():
 
 @pytest.mark.parametrize("field,value", [
     ("window", 0), ("tp", 0), ("mem_fraction", 1.5), ("budget_gib", -1.0), ("state_dtype", "fp16"),
-    ("act_dtype", "fp8"), ("contexts", ()), ("strategies", ("ring",)),
+    ("act_dtype", "fp8"), ("contexts", ()), ("strategies", ("ring",)), ("conv_ring", "ring"), ("conv_ring", 1),
 ])
 def test_config_errors_name_the_field(field, value):
     cfg = memory.MemoryConfig(**{field: value})
@@ -198,6 +266,8 @@ def test_cli_writes_json_and_plot(tmp_path, capsys):
         (m, c, s) for m in memory.MODELS for c in (ctx, 2 * ctx) for s in ("plain",) + STRATEGIES
     }
     assert all(r["max_requests"] > 0 for r in data["rows"])  # both models fit an H200 at their default TP
+    assert data["config"]["conv_ring"] is True  # the engine's layout unless told
+    assert "conv ring" in out.splitlines()[0] and "C=8192 x R=8" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -212,7 +282,7 @@ def test_cli_reads_a_hf_config(tmp_path, capsys):
     rows = json.loads(js.read_text())["rows"]
     assert [r["strategy"] for r in rows] == ["snapshot", "circular"]
     assert rows[0]["model"] == "my-model" and rows[0]["tp"] == 1
-    assert rows[0]["gdn_bytes_per_request"] == 18 * rows[0]["gdn_bytes_per_layer"]
+    assert rows[0]["gdn_bytes_per_request"] == 18 * rows[0]["gdn_bytes_per_layer"] + 4  # snapshot: conv_pos alone a request
 
 
 def test_cli_rejects_bad_settings(capsys):
@@ -220,3 +290,26 @@ def test_cli_rejects_bad_settings(capsys):
     assert "divisible" in capsys.readouterr().err
     assert cli.main(["bench", "memory", "--ring-len", "12"]) == 2
     assert "ring_len" in capsys.readouterr().err
+
+
+def test_cli_conv_layout(tmp_path, capsys):
+    js = tmp_path / "classic.json"
+    argv = ["bench", "memory", "--models", "qwen3.5-35b-a3b", "--context", "1024", "--budget-gib", "20"]
+    assert cli.main([*argv, "--conv-layout", "classic", "--json", str(js)]) == 0
+    out = capsys.readouterr().out
+    assert "classic conv" in out.splitlines()[0] and "C=8192 x (3 + 4)" in out
+    classic = json.loads(js.read_text())
+    assert classic["config"]["conv_ring"] is False
+    assert cli.main([*argv, "--conv-layout", "ring", "--json", str(js)]) == 0
+    capsys.readouterr()
+    ring = json.loads(js.read_text())
+    assert ring["config"]["conv_ring"] is True
+    by = {r["strategy"]: r["gdn_bytes_per_request"] for r in classic["rows"]}
+    for r in ring["rows"]:
+        extra = 0 if r["strategy"] == "plain" else 30 * 8192 * 2 + 4
+        assert r["gdn_bytes_per_request"] - by[r["strategy"]] == extra, r["strategy"]
+    # a bad value: argparse's one line, status 2
+    assert cli.main([*argv, "--conv-layout", "flat"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1, err
+    assert err.startswith("replayssm bench memory: error: argument --conv-layout: invalid choice: 'flat'"), err

@@ -6,13 +6,26 @@ device, so nothing is allocated and the numbers cannot disagree with a real pool
 same over all GDN layers, the KV cache of the full-attention layers at the given
 context length, and the number of concurrent requests that fit in a memory budget.
 
-``plain`` is decoding without speculation: checkpoint and conv state only. The
+``plain`` is decoding without speculation: checkpoint and the classic conv state
+``[C, W - 1]`` only, whatever the conv layout (a step of one token keeps no window). The
 strategies add what DESIGN.md section 4 says: ``snapshot`` a ``[T, HV, V, K]`` scratch,
 ``fold`` a ``T``-record raw ring, ``circular`` an ``L``-record ring plus the records'
 float32 ``u``; every speculative pool also keeps the window's conv inputs. Each row
 also gives the ring's share (``ring/request``: the records of every GDN layer and the
 cursors), which is also what plain decoding through ``circular``'s ring (DESIGN.md
 section 9) costs a request beside its checkpoints.
+
+Conv layout (``MemoryConfig.conv_ring``, ``--conv-layout``). By default the speculative
+pools are counted as the engine keeps them (``HybridEngine(conv_ring=True)``, DESIGN.md
+section 3, "Conv ring"): a request's ``W - 1`` committed conv inputs and its window's
+``T`` are one ring per layer, ``conv_state [C, R]`` with ``R`` the least power of two
+of at least ``T + W - 1`` (:func:`~replayssm.state.pool.conv_ring_len`), plus one int32
+``conv_pos`` per request, shared by the layers (a ``per_request`` buffer, like the
+cursors; not part of ``ring/request``, which counts the records' ring). The classic
+layout (``conv_ring=False``) keeps ``conv_state [C, W - 1]`` and a ``conv_window [T, C]``
+beside it. The ring costs the rounding up to a power of two: at ``T = 4``, ``W = 4`` it
+is 8 entries a channel and layer against 3 + 4 (one more, 2 bytes a channel in bf16),
+plus 4 bytes a request; at ``T = 16`` (a 16-node tree) 32 against 3 + 16.
 
 The budget is ``--budget-gib`` if given, else ``--mem-fraction`` of ``--gpu-gib`` minus
 the weights' share of one GPU (weights / TP). Not counted: activations, CUDA graphs,
@@ -32,11 +45,14 @@ from datetime import datetime, timezone
 import torch
 
 from ..state import GDNShape, StatePool
+from ..state.pool import conv_ring_len
 from ..strategies import STRATEGY_NAMES
 
 PLAIN = "plain"
 #: the buffers of a strategy's ring of records (and its cursors), DESIGN.md section 8
 RING_BUFFERS = ("ring_k", "ring_v", "ring_g", "ring_beta", "ring_u", "write_pos", "cache_base", "is_flush", "first_cycle")
+#: ``--conv-layout`` -> ``MemoryConfig.conv_ring``: the engine's conv ring, or state + window
+CONV_LAYOUTS = {"ring": True, "classic": False}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}
 GIB = 2**30
 MIB = 2**20
@@ -150,16 +166,26 @@ def spec_from_hf_config(config: dict, name: str, *, weight_bytes: int | None = N
 
 
 # ---------------------------------------------------------------------- accounting
-def gdn_bytes(shape: GDNShape, strategy: str, *, window: int, ring_len: int, state_dtype, act_dtype) -> dict:
+def gdn_bytes(shape: GDNShape, strategy: str, *, window: int, ring_len: int, state_dtype, act_dtype,
+              conv_ring: bool = False) -> dict:
     """Per-request bytes of ``strategy`` from the pool's own accounting, no allocation.
 
     Returns ``{"per_layer": {buffer: bytes, ...}, "per_request": {buffer: bytes, ...},
     "per_layer_total": int, "per_request_total": int}``: ``per_layer`` buffers are
-    repeated in every GDN layer, ``per_request`` ones (the cursors) exist once per
-    request. ``strategy`` may be ``"plain"`` (checkpoint and conv state only).
+    repeated in every GDN layer, ``per_request`` ones (the cursors, and ``conv_pos``
+    with ``conv_ring``) exist once per request. ``strategy`` may be ``"plain"``
+    (checkpoint ``[HV, V, K]`` and conv state ``[C, W - 1]`` only).
+
+    ``conv_ring`` is :class:`~replayssm.state.StatePool`'s (and its default): ``True``
+    counts ``conv_state [C, R]`` and ``conv_pos`` instead of ``conv_state [C, W - 1]``
+    and ``conv_window [T, C]``. ``plain`` ignores it: without speculation the classic
+    ``W - 1`` state is all a request needs.
     """
+    if not isinstance(conv_ring, bool):
+        raise TypeError(f"conv_ring must be a bool, got {type(conv_ring).__name__}")
     name = "snapshot" if strategy == PLAIN else strategy
-    kw = dict(strategy=name, window=window, ring_len=ring_len, state_dtype=state_dtype, act_dtype=act_dtype, device="meta")
+    kw = dict(strategy=name, window=window, ring_len=ring_len, state_dtype=state_dtype, act_dtype=act_dtype, device="meta",
+              conv_ring=conv_ring and strategy != PLAIN)
     # A one- and a two-layer pool of one slot: the difference is what one layer costs,
     # the rest what a request costs whatever the number of layers.
     one = StatePool(shape, 1, 1, **kw).nbytes_per_slot()
@@ -200,6 +226,9 @@ def kv_bytes_per_token(model: ModelSpec, *, tp: int, kv_dtype) -> int:
 
 @dataclass
 class MemoryConfig:
+    """What ``replayssm bench memory`` counts (one field per option, :meth:`check`
+    validates them); ``conv_ring`` is ``--conv-layout`` (``True``: ring)."""
+
     models: tuple[str, ...] = tuple(MODELS)
     strategies: tuple[str, ...] = (PLAIN,) + STRATEGY_NAMES
     window: int = 4
@@ -213,8 +242,13 @@ class MemoryConfig:
     mem_fraction: float = 0.9
     budget_gib: float | None = None
     weights_gib: float | None = None  # override of the models' weight size
+    # the speculative pools' conv layout: the engine's ring (its default) or the classic
+    # state + window; plain is always counted with the classic W - 1 state
+    conv_ring: bool = True
 
     def check(self) -> None:
+        if not isinstance(self.conv_ring, bool):
+            raise ValueError(f"conv_ring must be a bool, got {self.conv_ring!r}")
         for name in ("window", "ring_len", "tp"):
             v = getattr(self, name)
             if name == "tp" and v is None:
@@ -243,6 +277,11 @@ class MemoryConfig:
             raise ValueError(f"budget_gib must be positive, got {self.budget_gib}")
         if self.weights_gib is not None and not self.weights_gib >= 0:
             raise ValueError(f"weights_gib must be non-negative, got {self.weights_gib}")
+
+
+def conv_layout(conv_ring: bool) -> str:
+    """The ``--conv-layout`` name of ``conv_ring``: ``"ring"`` or ``"classic"``."""
+    return next(name for name, ring in CONV_LAYOUTS.items() if ring == conv_ring)
 
 
 def budget_bytes(cfg: MemoryConfig, model: ModelSpec, tp: int) -> tuple[int, int | None, str]:
@@ -278,11 +317,15 @@ def memory_table(cfg: MemoryConfig, specs: dict[str, ModelSpec]) -> dict:
         )
         budget, weights, how = budget_bytes(cfg, model, tp)
         kv_tok = kv_bytes_per_token(model, tp=tp, kv_dtype=DTYPES[cfg.kv_dtype])
+        # conv entries a channel and layer of a speculative request: the ring's R, or W - 1 + T
+        conv_entries = (conv_ring_len(cfg.window, shape.conv_kernel) if cfg.conv_ring
+                        else shape.conv_kernel - 1 + cfg.window)
         models[key] = {**asdict(model), "tp": tp, "budget_bytes": budget, "budget": how, "weight_bytes_per_gpu": weights,
-                       "kv_bytes_per_token": kv_tok, "gdn_shape_per_gpu": asdict(shape)}
+                       "kv_bytes_per_token": kv_tok, "gdn_shape_per_gpu": asdict(shape), "conv_dim_per_gpu": shape.conv_dim,
+                       "conv_entries": conv_entries}
         per_strategy = {
             s: gdn_bytes(shape, s, window=cfg.window, ring_len=cfg.ring_len, state_dtype=DTYPES[cfg.state_dtype],
-                         act_dtype=DTYPES[cfg.act_dtype])
+                         act_dtype=DTYPES[cfg.act_dtype], conv_ring=cfg.conv_ring)
             for s in cfg.strategies
         }
         for ctx in cfg.contexts:
@@ -294,6 +337,7 @@ def memory_table(cfg: MemoryConfig, specs: dict[str, ModelSpec]) -> dict:
                 max_req = max(0, budget // total)
                 row = {
                     "model": model.name, "model_key": key, "tp": tp, "context": ctx, "strategy": s,
+                    "conv_layout": conv_layout(cfg.conv_ring and s != PLAIN),
                     "gdn_bytes_per_layer": b["per_layer_total"], "gdn_buffers_per_layer": b["per_layer"],
                     "gdn_bytes_per_request_fixed": b["per_request_total"],
                     "gdn_bytes_per_request": gdn, "kv_bytes_per_request": kv_tok * ctx,
@@ -322,20 +366,33 @@ def _gib(n) -> str:
 
 
 def print_table(result: dict, file=None) -> None:
+    """Print a :func:`memory_table` result: the settings and the conv layout counted,
+    then per model its shapes, budget and one line per strategy and context."""
     file = file or sys.stdout
     cfg = result["config"]
+    conv_ring = cfg["conv_ring"]
     print(
         f"replayssm bench memory: T={cfg['window']}, L={cfg['ring_len']}, {cfg['state_dtype']} state, "
-        f"{cfg['act_dtype']} activations, {cfg['kv_dtype']} KV (figures per GPU)",
+        f"{cfg['act_dtype']} activations, {cfg['kv_dtype']} KV, {'conv ring' if conv_ring else 'classic conv'} "
+        f"(figures per GPU)",
         file=file,
     )
+    if conv_ring:
+        print("conv ring (--conv-layout ring, the engine's): the speculative strategies keep each layer's conv inputs as "
+              "one ring [C, R], R the least power of two >= T + W - 1, and a 4-byte position per request (in GDN/request, "
+              "not ring/request); plain keeps [C, W - 1]", file=file)
+    else:
+        print("classic conv (--conv-layout classic; the engine's is ring): the speculative strategies keep each layer's "
+              "conv state [C, W - 1] and the window's inputs [T, C]; plain keeps [C, W - 1]", file=file)
     print("ring/request: the ring of records and its cursors over every GDN layer (part of GDN/request); plain "
           "decoding through circular's ring (bench e2e --plain-ring) holds circular's", file=file)
     for key, m in result["models"].items():
         sh = m["gdn_shape_per_gpu"]
+        entries = f"R={m['conv_entries']}" if conv_ring else f"({sh['conv_kernel'] - 1} + {cfg['window']})"
         print(
             f"\n{m['name']} at TP{m['tp']}: {m['gdn_layers']} GDN layers (H={sh['num_heads']} HV={sh['num_value_heads']} "
-            f"K={sh['head_k_dim']} V={sh['head_v_dim']} per GPU), {m['attention_layers']} attention layers "
+            f"K={sh['head_k_dim']} V={sh['head_v_dim']} per GPU, conv C={m['conv_dim_per_gpu']} x {entries}), "
+            f"{m['attention_layers']} attention layers "
             f"({_gib(m['kv_bytes_per_token'])}/token of KV); budget {_gib(m['budget_bytes'])} ({m['budget']})",
             file=file,
         )

@@ -112,7 +112,9 @@ def plot_memory(result: dict, path: str | os.PathLike) -> Path:
     ax.set_ylabel("max concurrent requests")
     budget = result["config"]
     ax.set_title(
-        f"requests per GPU that fit: GDN state + KV cache per request, T={budget['window']}, L={budget['ring_len']}",
+        f"requests per GPU that fit: GDN state + KV cache per request, T={budget['window']}, L={budget['ring_len']}, "
+        # results written before the conv layout was a setting counted the classic one
+        f"{'conv ring' if budget.get('conv_ring', False) else 'classic conv'}",
         fontsize=10,
     )
     ax.legend(fontsize=8)

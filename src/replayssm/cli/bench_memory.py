@@ -8,7 +8,10 @@ from pathlib import Path
 
 import torch
 
-from ..bench.memory import DTYPES, GIB, H200_GIB, MODELS, PLAIN, MemoryConfig, ModelSpec, memory_table, print_table, spec_from_hf_config
+from ..bench.memory import (
+    CONV_LAYOUTS, DTYPES, GIB, H200_GIB, MODELS, PLAIN, MemoryConfig, ModelSpec, conv_layout, memory_table, print_table,
+    spec_from_hf_config,
+)
 from ..strategies import STRATEGY_NAMES
 from . import common
 from .args import int_list, name_list, nonneg_float, output_path, positive_float, positive_int
@@ -29,6 +32,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="size the pools for draft trees of this branching per depth (e.g. 3,2,1: 16 nodes): "
                              "--window becomes the node count and --ring-len at least twice it; snapshot then keeps "
                              "a state per node, fold and circular a record per node")
+    parser.add_argument("--conv-layout", choices=tuple(CONV_LAYOUTS), default=conv_layout(d.conv_ring),
+                        help="how the speculative strategies keep the conv inputs: ring, the engine's (one ring [C, R] a "
+                             "layer, R the least power of two >= T + W - 1, and a 4-byte position a request), or classic "
+                             "(state [C, W - 1] and window [T, C] a layer); plain always keeps [C, W - 1] (default "
+                             f"{conv_layout(d.conv_ring)})")
     parser.add_argument("--context", type=int_list, default=d.contexts,
                         help="tokens of KV cache per request, comma-separated (default 4096,32768)")
     parser.add_argument("--state-dtype", choices=("fp32", "bf16"), default=d.state_dtype, help="checkpoints (default fp32)")
@@ -73,6 +81,7 @@ def config_from_args(args) -> tuple[MemoryConfig, dict[str, ModelSpec]]:
         models=models, strategies=tuple(args.strategies), window=window, ring_len=ring_len,
         contexts=tuple(args.context), state_dtype=args.state_dtype, act_dtype=args.act_dtype, kv_dtype=args.kv_dtype,
         tp=args.tp, gpu_gib=gpu, mem_fraction=args.mem_fraction, budget_gib=args.budget_gib, weights_gib=args.weights_gib,
+        conv_ring=CONV_LAYOUTS[args.conv_layout],
     )
     return cfg, specs
 
