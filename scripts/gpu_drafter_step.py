@@ -1,8 +1,9 @@
 """The forced drafter's work in one static step, alone: its accepted counts, the step
 counters' increment and the next drafts written into the windows, as
 :class:`~replayssm.engine.graph_step.StaticStep` runs them, µs a step from graph replays
-(10 steps a graph), at each batch; and the counts and drafts of the last replay, so that
-two trees (``PYTHONPATH``) can be compared for bits as well as time.
+(one step a graph, its launch included), at each batch; and the counts and drafts of
+the last replay, so that two trees (``PYTHONPATH``) can be compared for bits as well
+as time.
 
     PYTHONPATH=src python3 scripts/gpu_drafter_step.py [--batches 256,64] [--json FILE]
 """
@@ -15,32 +16,17 @@ import json
 
 import torch
 
+from replayssm.bench.common import capture_graph, time_graphs
 from replayssm.engine.device_drafters import ForcedDrafter
+from replayssm.ops.guards import host_index
 
 K, VOCAB = 3, 151936
-
-
-def time_us(call, reps: int) -> float:
-    """µs a call of ``call``, replayed from a graph of 10 calls after one warm replay."""
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(10):
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps // 10):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (10 * (reps // 10))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="256,64")
-    ap.add_argument("--reps", type=int, default=500)
+    ap.add_argument("--blocks", type=int, default=20, help="timed blocks of 50 replays; the median block (default 20)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     dev, rows = torch.device("cuda"), []
@@ -49,7 +35,8 @@ def main() -> None:
         d.bind(b, K, 256, dev)
         for slot in range(b):
             d.start(slot, [1, 2], 1000 + slot)
-        slot_idx = torch.arange(b, device=dev)
+        # rows whose host copy is known, as a step's are (StaticStep.set_rows): guards read nothing on the device
+        slot_idx = host_index(range(b), dev, torch.int64)
         windows = torch.zeros(b + 1, K + 1, dtype=torch.int64, device=dev)
         emitted = torch.zeros(b, K + 1, dtype=torch.int64, device=dev)
         out = {}
@@ -60,8 +47,8 @@ def main() -> None:
             windows[slot_idx, 1:] = d.propose(slot_idx)
             out["n"] = n
 
-        step()  # eager once: the kernels compiled before the capture (both trees take this step)
-        us = time_us(step, a.reps)
+        graph = capture_graph(step, warmup_steps=1)  # one eager step first: both trees take it
+        us = time_graphs([graph], steps_per_block=50, blocks=a.blocks).us_per_step
         digest = hashlib.sha1(torch.cat([out["n"][:, None], windows[:b]], 1).cpu().numpy().tobytes()).hexdigest()[:16]
         row = dict(batch=b, us_per_step=us, mean_accepted=float(out["n"].float().mean()), bits=digest)
         rows.append(row)

@@ -164,3 +164,23 @@ def test_bad_draw_arguments_are_refused(fns):
         tokens(0, request, request, slots, -1, 3, 10)
     with pytest.raises(TypeError, match="seed"):
         tokens(0.5, request, request, slots, 0, 3, 10)
+
+
+@pytest.mark.parametrize("fns", [(hash_accept_counts_reference, hash_tokens_reference),
+                                 (hash_accept_counts_triton, hash_tokens_triton)])
+def test_slots_out_of_range_inside_a_capture_give_zeros(fns):
+    """Where nothing may be read on the host (a graph capture, forced here), a row whose
+    slot is outside the counters gets zeros and reads nothing; its neighbours keep
+    their draws."""
+    from replayssm.ops import guards
+
+    counts, tokens = fns
+    g = torch.Generator().manual_seed(torch.initial_seed() % 2**31)
+    request, step, _ = _slot_case(g, 6, 1)
+    p, good = torch.tensor(1.0), torch.tensor([0, 3, 5])
+    bad = torch.tensor([0, 6, 5])
+    with guards.device_checks():
+        assert counts(1, request, step, bad, 3, p).tolist() == [3, 0, 3]
+        got = tokens(1, request, step, bad, 3, 2, 1000)
+    want = tokens(1, request, step, good, 3, 2, 1000)
+    assert got[1].tolist() == [0, 0] and torch.equal(got[[0, 2]], want[[0, 2]])

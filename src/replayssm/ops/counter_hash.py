@@ -93,8 +93,9 @@ def _check_slot_draws(seed, request, step, slots, count: int, name: str) -> None
 
 
 def _slot_counters(request, step, slots) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(live [B], request[s], step[s])``, padding rows (slot ``-1``) reading slot 0."""
-    live = slots >= 0
+    """``(live [B], request[s], step[s])``, rows whose slot is not one (``-1``, or out of
+    range inside a capture) reading slot 0."""
+    live = (slots >= 0) & (slots < request.shape[0])
     s = torch.where(live, slots.long(), 0)
     return live, request[s], step[s]
 
@@ -162,9 +163,13 @@ def _check_tokens_args(first, vocab) -> None:
 
 
 def _check_slot_values(slots: torch.Tensor, num_slots: int) -> torch.Tensor:
-    """The reference's host check of the slot values, the Triton launch's guard
-    (:func:`~replayssm.ops.guards.check_slots`: the same check, or on the device inside a
-    capture) before a kernel addresses the counters with them."""
+    """The slot values checked on the host (:func:`~replayssm.ops.guards.check_slots`,
+    read once per tensor version), before any kernel addresses the counters with them.
+    Inside a CUDA graph capture nothing is read: the kernel gives a row whose slot is
+    outside ``[0, num_slots)`` zeros and reads nothing for it (a device-side guard
+    would add launches to every captured step, which this op exists to save)."""
+    if guards.on_device(slots):
+        return slots
     return guards.check_slots(slots, num_slots=num_slots)
 
 
@@ -227,15 +232,15 @@ if triton is not None:
 
 
     @triton.jit
-    def _slot_draws_kernel(request_ptr, step_ptr, slots_ptr, p_ptr, out_ptr, seed_mixed, mask, mix1, mix2, B, M,
+    def _slot_draws_kernel(request_ptr, step_ptr, slots_ptr, p_ptr, out_ptr, seed_mixed, mask, mix1, mix2, B, S, M,
                            first, vocab, BB: tl.constexpr, BM: tl.constexpr, COUNT: tl.constexpr):
         """Rows ``BB`` at a time: the row's counters through its slot, then its ``M``
         draws; ``COUNT``: the length of their leading run below ``P`` (one int a row),
-        else each draw mod ``vocab``."""
+        else each draw mod ``vocab``. A slot outside ``[0, S)`` gives zeros."""
         rows = tl.program_id(0) * BB + tl.arange(0, BB)
         row_ok = rows < B
         slot = tl.load(slots_ptr + rows, mask=row_ok, other=-1).to(tl.int64)
-        live = row_ok & (slot >= 0)
+        live = row_ok & (slot >= 0) & (slot < S)
         a = tl.load(request_ptr + slot, mask=live, other=0) & mask
         b = tl.load(step_ptr + slot, mask=live, other=0) & mask
         cols = tl.arange(0, BM)
@@ -264,7 +269,8 @@ def _launch_slot_draws(seed, request, step, slots, p, out, num, first, vocab, co
     bm = triton.next_power_of_2(num)
     bb = max(1, min(128, 2048 // bm))
     _slot_draws_kernel[(triton.cdiv(rows, bb),)](request, step, slots, p, out, mix32(seed & MASK32), MASK32, _MIX1,
-                                                 _MIX2, rows, num, first, vocab, BB=bb, BM=bm, COUNT=count)
+                                                 _MIX2, rows, request.shape[0], num, first, vocab, BB=bb, BM=bm,
+                                                 COUNT=count)
     return out
 
 
