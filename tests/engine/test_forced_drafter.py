@@ -32,10 +32,12 @@ def _ref_step(seed: int, p: float, k: int, request: int, step: int) -> tuple[int
     return n, [_ref_hash(seed, request, step, k + i) % VOCAB for i in range(k)]
 
 
-def _draws(p: float, k: int, seed: int, requests: list[int], steps: int) -> tuple[torch.Tensor, ForcedDrafter]:
+def _draws(p: float, k: int, seed: int, requests: list[int], steps: int,
+           backend: str = "auto") -> tuple[torch.Tensor, ForcedDrafter]:
     """``[steps, len(requests)]`` forced counts, each request in its own slot, and the
     drafter after those steps."""
     drafter = ForcedDrafter(p, VOCAB, seed=seed)
+    drafter.backend = backend
     drafter.bind(len(requests), k, 8, torch.device("cpu"))
     for slot, r in enumerate(requests):
         drafter.start(slot, [1, 2], r)
@@ -85,6 +87,28 @@ def test_draws_depend_on_request_step_and_seed_only(rng):
     for col, r in enumerate(requests):
         assert [_ref_step(seed, p, k, r, s)[0] for s in range(5)] == a[:, col].tolist()
         assert proposed[col] == _ref_step(seed, p, k, r, 2)[1]
+
+
+def test_the_gpu_path_draws_the_same_in_three_launches_a_step(rng):
+    """The Triton path (here under the interpreter), which CUDA runs: the reference
+    path's counts and drafts, step after step, and a step's drafter work (its counts,
+    the step counters' increment, the next drafts) in 3 launches, 17 as tensor ops
+    around the hash: a count past 3 is a launch added to every forced step."""
+    from replayssm.testing.op_count import count_ops
+
+    seed, k = int(torch.randint(0, 2**40, (1,), generator=rng)), 3
+    requests = torch.randperm(60, generator=rng)[:9].tolist()
+    ref, d_ref = _draws(0.7, k, seed, requests, 4)
+    got, d_got = _draws(0.7, k, seed, requests, 4, backend="triton")
+    assert torch.equal(got, ref)
+    idx = torch.arange(len(requests))
+    assert torch.equal(d_got.propose(idx), d_ref.propose(idx))
+    emitted, accepted = torch.zeros(len(requests), k + 1, dtype=torch.long), torch.ones(len(requests), dtype=torch.long)
+    with count_ops(run_triton=False) as ops:  # the step's own work, not its arguments
+        d_got.forced_accepts(idx)
+        d_got.observe(idx, emitted, accepted)
+        d_got.propose(idx)
+    assert ops.total <= 3, ops.counts
 
 
 def test_every_strategy_sees_the_same_accepted_counts(seed, rng):

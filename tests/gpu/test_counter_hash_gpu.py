@@ -40,3 +40,22 @@ def test_forced_drafter_draws_are_device_independent():
         runs.append(out)
     assert all(torch.equal(x, y) for x, y in zip(*runs))
     assert 0 < float(torch.stack(runs[0][::2]).float().mean()) < 3
+
+
+@pytest.mark.parametrize("rows,k", [(1, 3), (257, 4), (1000, 7)])
+def test_cuda_draws_give_the_reference_draws(rows, k):
+    """The forced drafter's two draws (counts and tokens) on CUDA: the CPU reference's,
+    padding rows and repeated slots included."""
+    from replayssm.ops.counter_hash import (hash_accept_counts, hash_accept_counts_reference, hash_tokens,
+                                            hash_tokens_reference)
+
+    g = torch.Generator().manual_seed(torch.initial_seed() % 2**31)
+    seed = int(torch.randint(0, 1 << 62, (1,), generator=g))
+    request, step = (torch.randint(0, 1 << 62, (300,), generator=g) for _ in range(2))
+    slots = torch.randint(-1, 300, (rows,), generator=g)
+    p = torch.tensor(0.7)
+    cuda = [t.cuda() for t in (request, step, slots, p)]
+    assert torch.equal(hash_accept_counts(seed, *cuda[:3], k, cuda[3]).cpu(),
+                       hash_accept_counts_reference(seed, request, step, slots, k, p))
+    assert torch.equal(hash_tokens(seed, *cuda[:3], k, k, 151936).cpu(),
+                       hash_tokens_reference(seed, request, step, slots, k, k, 151936))

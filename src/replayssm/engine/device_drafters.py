@@ -30,7 +30,7 @@ from typing import Sequence
 
 import torch
 
-from ..ops.counter_hash import counter_hash
+from ..ops.counter_hash import hash_accept_counts, hash_tokens
 from ..ops.guards import to_device
 from ..ops.triton_common import chained_launches
 from .activations import dense_silu_mlp
@@ -384,8 +384,10 @@ class ForcedDrafter(_SetAcceptance, DeviceDrafter):
     The coins are :func:`~replayssm.ops.counter_hash.counter_hash` of ``(seed, request,
     the request's step, i)``: the same for a request whatever its slot, batch or
     strategy, on the CPU and on CUDA (no generator state, nothing read on the host; on
-    CUDA one kernel a draw, so that the drafter adds microseconds, not ~0.1 ms, to the
-    step whose cost it is there to measure). The drafts themselves are
+    CUDA three launches a step, :func:`~replayssm.ops.counter_hash.hash_accept_counts`,
+    the step counters' increment and :func:`~replayssm.ops.counter_hash.hash_tokens`,
+    so that the drafter adds microseconds to the step whose cost it is there to
+    measure: as tensor ops around the hash they were 17). The drafts themselves are
     pseudo-random tokens from the same hash (varied tokens, as real text routes to
     varied MoE experts); the step emits the accepted drafts and then the target's
     greedy token at the first rejected position (or after the last draft), so the text
@@ -403,6 +405,8 @@ class ForcedDrafter(_SetAcceptance, DeviceDrafter):
 
     name = "forced"
     forces_acceptance = True
+    #: the draws' backend (:mod:`replayssm.ops.dispatch`): ``"auto"``, Triton on CUDA
+    backend = "auto"
 
     def __init__(self, acceptance: float, vocab_size: int, seed: int = 0):
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
@@ -419,12 +423,7 @@ class ForcedDrafter(_SetAcceptance, DeviceDrafter):
         self.request = torch.zeros(num_slots + 1, dtype=torch.int64, device=device)  # request index per slot
         self.step = torch.zeros(num_slots + 1, dtype=torch.int64, device=device)  # the request's steps so far
         self._p = torch.full((), self.acceptance, dtype=torch.float32, device=device)
-        # counter 0..k-1: the acceptance coins of drafts 0..k-1; k..2k-1: the drafts' tokens
-        self._index = torch.arange(2 * num_draft, dtype=torch.int64, device=device)
-
-    def _bits(self, slot_idx: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        """``[B, len(index)]`` hash bits of each row's ``(request, step, index)``."""
-        return counter_hash(self.seed, self.request[slot_idx], self.step[slot_idx], index)
+        self._one = torch.ones(1, dtype=torch.int64, device=device)  # observe's increment, a row each
 
     def start(self, slot, tokens, request):
         if isinstance(request, bool) or not isinstance(request, int) or request < 0:
@@ -433,15 +432,17 @@ class ForcedDrafter(_SetAcceptance, DeviceDrafter):
         self.step[slot] = 0
 
     def observe(self, slot_idx, emitted, accepted, *, hidden=None, positions=None):
-        self.step[slot_idx] = self.step[slot_idx] + 1
+        # one launch; padding rows all name the sink slot, whose count nothing reads
+        self.step.index_add_(0, slot_idx, self._one.expand(slot_idx.shape[0]))
 
     def propose(self, slot_idx):
-        return self._bits(slot_idx, self._index[self.k:]) % self.vocab_size
+        # draws k..2k-1 of the row's (request, step): the drafts
+        return hash_tokens(self.seed, self.request, self.step, slot_idx, self.k, self.k, self.vocab_size,
+                           backend=self.backend)
 
     def forced_accepts(self, slot_idx):
-        # 24 uniform bits as a float32 in [0, 1), exactly; u < P has probability P
-        u = (self._bits(slot_idx, self._index[: self.k]) >> 8).to(torch.float32) * 2.0**-24
-        return (u < self._p).long().cumprod(1).sum(1)
+        # draws 0..k-1: the coins, 24 uniform bits each as a float32 in [0, 1), u < P
+        return hash_accept_counts(self.seed, self.request, self.step, slot_idx, self.k, self._p, backend=self.backend)
 
 
 class _JoinGraph:

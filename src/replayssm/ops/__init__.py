@@ -23,7 +23,14 @@ from .conv import (
     conv_ring_commit_reference,
 )
 from .checkpoints import write_checkpoints, write_checkpoints_reference
-from .counter_hash import counter_hash, counter_hash_reference
+from .counter_hash import (
+    counter_hash,
+    counter_hash_reference,
+    hash_accept_counts,
+    hash_accept_counts_reference,
+    hash_tokens,
+    hash_tokens_reference,
+)
 from .cursors import advance_cursors, advance_cursors_reference, reset_cursors, reset_cursors_reference
 from .fold import gdn_fold, gdn_fold_reference
 from .gates import expand_heads, gdn_gates, l2_normalize
@@ -69,6 +76,10 @@ __all__ = [
     "gdn_tree_verify",
     "gdn_tree_verify_reference",
     "gdn_tree_window_reference",
+    "hash_accept_counts",
+    "hash_accept_counts_reference",
+    "hash_tokens",
+    "hash_tokens_reference",
     "l2_normalize",
     "prompt_gates",
     "prompt_gates_reference",
