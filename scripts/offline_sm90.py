@@ -176,19 +176,27 @@ def _acts(n, act):
                 dt_bias=torch.randn(HV) * 0.5)
 
 
+def _states(*rows: int, dtype: torch.dtype) -> torch.Tensor:
+    """State tiles ``(*rows, HV, V, K)``, unwritten: a launch here compiles and nothing
+    reads a value, and drawing a batch of 256 states (134 M numbers) at random takes
+    seconds of a run."""
+    return torch.empty(*rows, HV, V, K, dtype=dtype)
+
+
 def _ring_case(batch, t, sdt, act, keys):
-    """Circular's buffers: random cursors and histories, about half the rows flushing;
+    """Circular's buffers: random cursors, about half the rows flushing, and histories
+    unwritten (as the states, :func:`_states`: tens of millions of values nothing reads);
     the ring's keys in ``keys`` (float32: normalised, as a pool keeps them; 16-bit: raw)."""
     from replayssm.ops import RawRecords
 
     x = _acts(batch * t, act)
-    ring = RawRecords(torch.randn(batch, L, H, K).to(keys), torch.randn(batch, L, HV, V).to(act),
+    ring = RawRecords(torch.empty(batch, L, H, K, dtype=keys), torch.empty(batch, L, HV, V, dtype=act),
                       -torch.rand(batch, L, HV) - 0.02, torch.rand(batch, L, HV))
     cursors = (torch.arange(batch, dtype=torch.int32), torch.arange(0, batch * t + 1, t, dtype=torch.int32),
                torch.randint(0, L - t + 1, (batch,), dtype=torch.int32), torch.randint(0, L, (batch,), dtype=torch.int32),
                (torch.rand(batch) < 0.5).to(torch.int32))
-    ckpt = (torch.randn(batch, HV, V, K) * 0.1).to(sdt)
-    return x, ckpt, ring, torch.randn(batch, L, HV, V), cursors
+    ckpt = _states(batch, dtype=sdt)
+    return x, ckpt, ring, torch.empty(batch, L, HV, V), cursors
 
 
 def _set_window(t: int) -> None:
@@ -209,7 +217,7 @@ def run_op(op: str, batch: int, sdt: torch.dtype, act: torch.dtype,
     labels = []
     if op == "recurrence":
         slots = torch.arange(batch, dtype=torch.int32)
-        state = torch.randn(batch, HV, V, K).to(sdt)
+        state = _states(batch, dtype=sdt)
         for mode in ("decode", "fold verify", "snapshot verify"):
             t = 1 if mode == "decode" else T
             x = _acts(batch * t, act)
@@ -224,7 +232,7 @@ def run_op(op: str, batch: int, sdt: torch.dtype, act: torch.dtype,
             labels.append(f"{mode}, T={t}")
     elif op == "fold":
         n = 3  # records folded per slot, as a fold commit of 3 accepted tokens
-        ck = torch.randn(2, batch, HV, V, K).to(sdt)
+        ck = _states(2, batch, dtype=sdt)
         gdn_fold(ck, torch.randn(2, batch, T, H, K).to(ring_keys), torch.randn(2, batch, T, HV, V).to(act),
                  -torch.rand(2, batch, T, HV), torch.rand(2, batch, T, HV), torch.arange(batch, dtype=torch.int32),
                  torch.zeros(batch, dtype=torch.int32), torch.full((batch,), n, dtype=torch.int32), backend="triton")
@@ -240,7 +248,7 @@ def run_op(op: str, batch: int, sdt: torch.dtype, act: torch.dtype,
         trees = DraftTrees.from_branching((3, 2, 1), batch=batch)
         n = trees.batch * trees.max_nodes
         x = _acts(n, act)
-        state = torch.randn(batch, HV, V, K).to(sdt)
+        state = _states(batch, dtype=sdt)
         rec = RawRecords(torch.empty(batch, trees.max_nodes, H, K, dtype=ring_keys),
                          torch.empty(batch, trees.max_nodes, HV, V, dtype=act),
                          torch.empty(batch, trees.max_nodes, HV), torch.empty(batch, trees.max_nodes, HV))
