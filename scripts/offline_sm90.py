@@ -3,13 +3,13 @@
 For each launch of the chosen ops at Qwen3.5 shapes (``H=16, HV=32, K=V=128``) this
 prints the kernel, its tile constants, registers a thread and its stack frame (where
 spilled values go; both from ``cuobjdump -res-usage``), the blocked layouts Triton gave
-it, its layout conversions, its SASS instruction count (static; ``--sass`` adds its
-histogram and each loop body's) and the instructions of each loop's trip (a replay's
-per-record loop, the products' K pipeline). That is how BENCHMARKS.md's "offline sm_90"
-register and instruction counts are read, and how a table row or a kernel change can be
-checked for spills before device time is spent on it.
+it, its layout conversions, its SASS instruction count (static, from ``nvdisasm``;
+``--sass`` adds its histogram and each loop body's) and the instructions of each loop's
+trip (a replay's per-record loop, the products' K pipeline). That is how BENCHMARKS.md's
+"offline sm_90" register and instruction counts are read, and how a table row or a
+kernel change can be checked for spills before device time is spent on it.
 
-    pip install --target DIR triton==3.6.0       # the card's compiler; it ships cuobjdump
+    pip install --target DIR triton==3.6.0       # the card's compiler; it ships cuobjdump, nvdisasm
     PYTHONPATH=DIR:src python3 scripts/offline_sm90.py --ops recurrence,fold [--window 8] \\
         --state-dtype bfloat16 [--batch 256] [--tune exact_read_only.block_v=128] [--sass]
 
@@ -28,9 +28,12 @@ device decides (BENCHMARKS.md records where they disagreed).
 from __future__ import annotations
 
 import argparse
+import bisect
 import inspect
+import itertools
 import os
 import re
+import struct
 import subprocess
 import sys
 import tempfile
@@ -123,31 +126,64 @@ def install() -> None:
             mod.sm_count = lambda device: 132
 
 
-#: A SASS line's address and opcode (its predicate skipped) in a cuobjdump listing.
+#: In an nvdisasm listing (as ``cuobjdump -sass`` prints it): a SASS line's address; its
+#: address and opcode (its predicate skipped); a branch's address and target.
+_ADDRESS = r"/\*([0-9a-f]{4,})\*/"
 _OP = r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+ )?([A-Z0-9_]+)"
 _BRANCH = r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+ )?BRA (?:\S+, )?0x([0-9a-f]+)"
 
 
-def compiled(kernel, sass: bool) -> dict:
-    """Registers, stack frame (where spills go) and SASS of one compiled kernel, read off
-    the cubin the compiler made (cuobjdump)."""
+def _instructions(cubin: bytes) -> bytes:
+    """A cubin's instructions: its executable sections' bytes (an ELF64's section
+    headers read directly), in section order."""
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    size, count = struct.unpack_from("<HH", cubin, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQ", cubin, shoff + i * size) for i in range(count)]
+    return b"".join(cubin[offset:offset + n] for _, _, flags, _, offset, n in headers if flags & 0x4)  # SHF_EXECINSTR
+
+
+def _listings(cubins: list[bytes]) -> list[str]:
+    """Each cubin's SASS listing, from one disassembler run over all their instructions
+    laid end to end: ``nvdisasm`` (which ``cuobjdump -sass`` runs a cubin) takes about a
+    second to start, whatever it reads, and a run compiles tens of kernels. A listing's
+    addresses are the concatenation's, its cubin's plus a constant; what is read off them
+    (opcodes, the distance from a backward branch to its target) is the same."""
+    texts = [_instructions(c) for c in cubins]
     with tempfile.TemporaryDirectory() as d:
-        cubin = os.path.join(d, "k.cubin")
-        with open(cubin, "wb") as f:
-            f.write(kernel.asm["cubin"])
-        usage = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", cubin],
-                               capture_output=True, text=True, check=True).stdout
-        dump = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", cubin],
+        raw = os.path.join(d, "sass.bin")
+        with open(raw, "wb") as f:
+            f.write(b"".join(texts))
+        # sm_90a: what Triton compiles a capability-90 target to (the driver above names one)
+        dump = subprocess.run([os.path.join(BIN, "nvdisasm"), "-b", "SM90a", "-novliw", raw],
                               capture_output=True, text=True, check=True).stdout
-    ops = [m.group(2) for m in re.finditer(_OP, dump)]
-    loops = _loops(dump)
-    ttgir = kernel.asm["ttgir"]
-    return dict(registers=int(re.search(r"REG:(\d+)", usage).group(1)),
-                stack_bytes=int(re.search(r"STACK:(\d+)", usage).group(1)),
-                layouts=sorted(set(re.findall(r"#ttg\.blocked<\{([^}]*)\}>", ttgir))),
-                conversions=ttgir.count("ttg.convert_layout"), instructions=len(ops), loops=loops,
-                histogram=Counter(ops).most_common(16) if sass else None,
-                loop_histograms=[h.most_common(16) for h in _loop_histograms(dump)] if sass else None)
+    ends = list(itertools.accumulate(len(t) for t in texts))
+    listings = [[] for _ in texts]
+    for line in dump.splitlines():
+        if m := re.search(_ADDRESS, line):
+            listings[bisect.bisect_right(ends, int(m.group(1), 16))].append(line)
+    return ["\n".join(lines) for lines in listings]
+
+
+def compiled(kernels: list) -> list[dict]:
+    """Registers, stack frame (where spills go) and SASS of each compiled kernel, read off
+    the cubins the compiler made (cuobjdump, nvdisasm)."""
+    reports = []
+    for kernel, dump in zip(kernels, _listings([k.asm["cubin"] for k in kernels])):
+        with tempfile.TemporaryDirectory() as d:  # (cuobjdump reads usage without the disassembler: milliseconds)
+            cubin = os.path.join(d, "k.cubin")
+            with open(cubin, "wb") as f:
+                f.write(kernel.asm["cubin"])
+            usage = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", cubin],
+                                   capture_output=True, text=True, check=True).stdout
+        ops = [m.group(2) for m in re.finditer(_OP, dump)]
+        ttgir = kernel.asm["ttgir"]
+        reports.append(dict(registers=int(re.search(r"REG:(\d+)", usage).group(1)),
+                            stack_bytes=int(re.search(r"STACK:(\d+)", usage).group(1)),
+                            layouts=sorted(set(re.findall(r"#ttg\.blocked<\{([^}]*)\}>", ttgir))),
+                            conversions=ttgir.count("ttg.convert_layout"), instructions=len(ops), loops=_loops(dump),
+                            histogram=Counter(ops).most_common(16),
+                            loop_histograms=[h.most_common(16) for h in _loop_histograms(dump)]))
+    return reports
 
 
 def _backward_branches(dump: str) -> list[tuple[int, int]]:
@@ -428,23 +464,25 @@ def main() -> int:
             family, _, param = name.partition(".")
             stack.enter_context(tuning.override(family, **{param: int(value)}))
         sdt, act = getattr(torch, args.state_dtype), getattr(torch, args.act_dtype)
+        launches = []
         for op in ops:
             first = len(LAUNCHES)
             labels = run_op(op, args.batch, sdt, act, act if args.ring_keys == "act" else torch.float32)
-            for (name, kw, kernel), label in zip(LAUNCHES[first:], labels):
-                c = compiled(kernel, args.sass)
-                consts = " ".join(f"{k}={v}" for k, v in kw.items()
-                                  if k in ("BV", "BK", "T", "num_warps", "LOAD_AHEAD", "EARLY_TILE", "FUSE_FLUSH",
-                                           "BT", "U", "BC", "CHAINED"))
-                print(f"{label}: {name} [{consts}] {c['registers']} registers, {c['stack_bytes']} bytes of stack, "
-                      f"{c['instructions']} SASS instructions, {c['conversions']} layout conversions")
-                if c["loops"]:
-                    print("    loops (instructions a trip): " + ", ".join(str(n) for n in c["loops"]))
-                for lay in c["layouts"]:
-                    print(f"    layout {{{lay}}}")
+            launches += [(label, name, kw, kernel) for (name, kw, kernel), label in zip(LAUNCHES[first:], labels)]
+        for (label, name, kw, _), c in zip(launches, compiled([kernel for *_, kernel in launches])):
+            consts = " ".join(f"{k}={v}" for k, v in kw.items()
+                              if k in ("BV", "BK", "T", "num_warps", "LOAD_AHEAD", "EARLY_TILE", "FUSE_FLUSH",
+                                       "BT", "U", "BC", "CHAINED"))
+            print(f"{label}: {name} [{consts}] {c['registers']} registers, {c['stack_bytes']} bytes of stack, "
+                  f"{c['instructions']} SASS instructions, {c['conversions']} layout conversions")
+            if c["loops"]:
+                print("    loops (instructions a trip): " + ", ".join(str(n) for n in c["loops"]))
+            for lay in c["layouts"]:
+                print(f"    layout {{{lay}}}")
+            if args.sass:
                 if c["histogram"]:
                     print("    " + ", ".join(f"{o} {n}" for o, n in c["histogram"]))
-                for i, h in enumerate(c["loop_histograms"] or []):
+                for i, h in enumerate(c["loop_histograms"]):
                     print(f"    loop {i + 1}: " + ", ".join(f"{o} {n}" for o, n in h))
     return 0
 

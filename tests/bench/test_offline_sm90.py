@@ -14,14 +14,16 @@ import pytest
 
 triton = pytest.importorskip("triton")
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "offline_sm90.py"
-CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
 def _tool_can_run() -> str | None:
     """Why the script cannot compile offline with this Triton, or None: it needs the
-    wheel's cuobjdump and the runtime hooks it stands in for a GPU driver with."""
-    if not CUOBJDUMP.exists():
-        return "this Triton wheel ships no cuobjdump"
+    wheel's cuobjdump and nvdisasm and the runtime hooks it stands in for a GPU driver
+    with."""
+    for tool in ("cuobjdump", "nvdisasm"):
+        if not (TOOLS / tool).exists():
+            return f"this Triton wheel ships no {tool}"
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
 
