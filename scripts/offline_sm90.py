@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import contextlib
 import inspect
 import itertools
 import os
@@ -39,18 +40,17 @@ import sys
 import tempfile
 from collections import Counter
 
-os.environ.pop("TRITON_INTERPRET", None)  # the kernels must be defined for compiling
-
-import torch  # noqa: E402
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.runtime import driver  # noqa: E402
-from triton.runtime.jit import JITFunction  # noqa: E402
-
 OPS = ("recurrence", "fold", "ring_decode", "closed_form", "tree_recurrence", "conv_prefill", "conv_verify", "norms", "rotary",
        "attention", "argmax", "step_inputs", "normed_linear", "guards")
 H, HV, K, V, T, L = 16, 32, 128, 128, 4, 16
-BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+#: Imported by :func:`install`, once the command line is read: they take seconds, and a
+#: usage error or the SASS readers below need neither.
+torch = triton = None
+
+
+def _tool(name: str) -> str:
+    """The path of one of the CUDA tools that the Triton wheel ships."""
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
 class _Sm90Driver:
@@ -63,6 +63,8 @@ class _Sm90Driver:
         return 0
 
     def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+
         return GPUTarget("cuda", 90, 32)
 
     def get_active_torch_device(self):
@@ -73,6 +75,7 @@ class _Sm90Driver:
 
 
 LAUNCHES: list[tuple[str, dict, object]] = []
+_run = None  # JITFunction.run as Triton defines it
 
 
 def _compile_only(self, *args, grid, warmup, **kwargs):
@@ -81,13 +84,20 @@ def _compile_only(self, *args, grid, warmup, **kwargs):
     return kernel
 
 
-_run = JITFunction.run
-
-
 def install() -> None:
-    """Route every launch to the compiler, and let the ops take CPU tensors."""
+    """Import torch and Triton, route every launch to the compiler, and let the ops take
+    CPU tensors."""
+    global torch, triton, _run
+    os.environ.pop("TRITON_INTERPRET", None)  # the kernels must be defined for compiling
+    import torch
+    import triton
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
     driver.set_active(_Sm90Driver())
-    JITFunction.run = _compile_only
+    if _run is None:
+        _run = JITFunction.run
+        JITFunction.run = _compile_only
     # Every module with kernels, imported (so its kernels and helpers are defined for
     # compiling) before the flags below are set.
     from replayssm import ops  # noqa: F401
@@ -154,7 +164,7 @@ def _listings(cubins: list[bytes]) -> list[str]:
         with open(raw, "wb") as f:
             f.write(b"".join(texts))
         # sm_90a: what Triton compiles a capability-90 target to (the driver above names one)
-        dump = subprocess.run([os.path.join(BIN, "nvdisasm"), "-b", "SM90a", "-novliw", raw],
+        dump = subprocess.run([_tool("nvdisasm"), "-b", "SM90a", "-novliw", raw],
                               capture_output=True, text=True, check=True).stdout
     ends = list(itertools.accumulate(len(t) for t in texts))
     listings = [[] for _ in texts]
@@ -173,7 +183,7 @@ def compiled(kernels: list) -> list[dict]:
             cubin = os.path.join(d, "k.cubin")
             with open(cubin, "wb") as f:
                 f.write(kernel.asm["cubin"])
-            usage = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", cubin],
+            usage = subprocess.run([_tool("cuobjdump"), "-res-usage", cubin],
                                    capture_output=True, text=True, check=True).stdout
         ops = [m.group(2) for m in re.finditer(_OP, dump)]
         ttgir = kernel.asm["ttgir"]
@@ -243,12 +253,14 @@ def _set_window(t: int) -> None:
 
 
 def run_op(op: str, batch: int, sdt: torch.dtype, act: torch.dtype,
-           ring_keys: torch.dtype = torch.float32) -> list[str]:
+           ring_keys: torch.dtype | None = None) -> list[str]:
     """Launch ``op``'s kernels once; return a label per launch. ``ring_keys``: the dtype
-    of every ring's keys (``ops.records.keys_normalized``)."""
+    of every ring's keys (``ops.records.keys_normalized``; float32 by default)."""
     from replayssm.ops import RawRecords, gdn_chunked_window, gdn_fold
     from replayssm.ops.recurrent import gdn_recurrence_triton
     from replayssm.ops.ring_decode import gdn_ring_decode
+
+    ring_keys = torch.float32 if ring_keys is None else ring_keys
 
     labels = []
     if op == "recurrence":
@@ -442,16 +454,14 @@ def main() -> int:
     if not 1 <= args.window <= 16:
         p.error(f"--window: must be in 1..16 (the closed form's bound), got {args.window}")
     _set_window(args.window)
-    if not triton.__version__.startswith("3.6"):
-        print(f"note: Triton {triton.__version__}; the H200's is 3.6.0, whose counts BENCHMARKS.md quotes",
-              file=sys.stderr)
     ops = args.ops.split(",")
     bad = [o for o in ops if o not in OPS]
     if bad:
         p.error(f"--ops: unknown {bad}; known: {', '.join(OPS)}")
     install()
-    import contextlib
-
+    if not triton.__version__.startswith("3.6"):
+        print(f"note: Triton {triton.__version__}; the H200's is 3.6.0, whose counts BENCHMARKS.md quotes",
+              file=sys.stderr)
     from replayssm.ops import tuning
 
     with contextlib.ExitStack() as stack:
