@@ -43,6 +43,7 @@ from collections import Counter
 OPS = ("recurrence", "fold", "ring_decode", "closed_form", "tree_recurrence", "conv_prefill", "conv_verify", "norms", "rotary",
        "attention", "argmax", "step_inputs", "normed_linear", "guards")
 H, HV, K, V, T, L = 16, 32, 128, 128, 4, 16
+WINDOW = T  # --window's default (T and L change with each command line's window)
 #: Imported by :func:`install`, once the command line is read: they take seconds, and a
 #: usage error or the SASS readers below need neither.
 torch = triton = None
@@ -86,7 +87,7 @@ def _compile_only(self, *args, grid, warmup, **kwargs):
 
 def install() -> None:
     """Import torch and Triton, route every launch to the compiler, and let the ops take
-    CPU tensors."""
+    CPU tensors. (Called again in the same process, it changes nothing more.)"""
     global torch, triton, _run
     os.environ.pop("TRITON_INTERPRET", None)  # the kernels must be defined for compiling
     import torch
@@ -432,7 +433,8 @@ def run_op(op: str, batch: int, sdt: torch.dtype, act: torch.dtype,
     return labels
 
 
-def main() -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The command line's options."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated, from {','.join(OPS)} (default all)")
     p.add_argument("--state-dtype", choices=("float32", "bfloat16"), default="float32")
@@ -448,22 +450,18 @@ def main() -> int:
     p.add_argument("--ring-keys", choices=("float32", "act"), default="float32",
                    help="dtype of the rings' keys: float32 (default), normalised as a pool keeps them; act, raw in "
                         "the activations' dtype as an engine's own 16-bit rings (SGLang's layout)")
-    p.add_argument("--window", type=int, default=T, metavar="T",
-                   help=f"draft window of the verify ops (default {T}; the ring holds 4 T records, at least {L})")
-    args = p.parse_args()
-    if not 1 <= args.window <= 16:
-        p.error(f"--window: must be in 1..16 (the closed form's bound), got {args.window}")
-    _set_window(args.window)
-    ops = args.ops.split(",")
-    bad = [o for o in ops if o not in OPS]
-    if bad:
-        p.error(f"--ops: unknown {bad}; known: {', '.join(OPS)}")
-    install()
-    if not triton.__version__.startswith("3.6"):
-        print(f"note: Triton {triton.__version__}; the H200's is 3.6.0, whose counts BENCHMARKS.md quotes",
-              file=sys.stderr)
+    p.add_argument("--window", type=int, default=WINDOW, metavar="T",
+                   help=f"draft window of the verify ops (default {WINDOW}; the ring holds 4 T records, at least 16)")
+    return p
+
+
+def _launches(args: argparse.Namespace) -> list[tuple[str, str, dict, object]]:
+    """Compile the launches of one command line's ops: ``(label, kernel name, its
+    arguments, the compiled kernel)`` each, in launch order."""
     from replayssm.ops import tuning
 
+    _set_window(args.window)
+    launches = []
     with contextlib.ExitStack() as stack:
         if args.chained:
             from replayssm.ops.triton_common import chained_launches
@@ -474,26 +472,59 @@ def main() -> int:
             family, _, param = name.partition(".")
             stack.enter_context(tuning.override(family, **{param: int(value)}))
         sdt, act = getattr(torch, args.state_dtype), getattr(torch, args.act_dtype)
-        launches = []
-        for op in ops:
+        for op in args.ops.split(","):
             first = len(LAUNCHES)
             labels = run_op(op, args.batch, sdt, act, act if args.ring_keys == "act" else torch.float32)
             launches += [(label, name, kw, kernel) for (name, kw, kernel), label in zip(LAUNCHES[first:], labels)]
-        for (label, name, kw, _), c in zip(launches, compiled([kernel for *_, kernel in launches])):
-            consts = " ".join(f"{k}={v}" for k, v in kw.items()
-                              if k in ("BV", "BK", "T", "num_warps", "LOAD_AHEAD", "EARLY_TILE", "FUSE_FLUSH",
-                                       "BT", "U", "BC", "CHAINED"))
-            print(f"{label}: {name} [{consts}] {c['registers']} registers, {c['stack_bytes']} bytes of stack, "
-                  f"{c['instructions']} SASS instructions, {c['conversions']} layout conversions")
-            if c["loops"]:
-                print("    loops (instructions a trip): " + ", ".join(str(n) for n in c["loops"]))
-            for lay in c["layouts"]:
-                print(f"    layout {{{lay}}}")
-            if args.sass:
-                if c["histogram"]:
-                    print("    " + ", ".join(f"{o} {n}" for o, n in c["histogram"]))
-                for i, h in enumerate(c["loop_histograms"]):
-                    print(f"    loop {i + 1}: " + ", ".join(f"{o} {n}" for o, n in h))
+    return launches
+
+
+def _report(launches: list, found: list[dict], sass: bool) -> str:
+    """One command line's report: a line a launch, then its loops, layouts and (``sass``)
+    opcode histograms, indented."""
+    out = []
+    for (label, name, kw, _), c in zip(launches, found):
+        consts = " ".join(f"{k}={v}" for k, v in kw.items()
+                          if k in ("BV", "BK", "T", "num_warps", "LOAD_AHEAD", "EARLY_TILE", "FUSE_FLUSH",
+                                   "BT", "U", "BC", "CHAINED"))
+        out.append(f"{label}: {name} [{consts}] {c['registers']} registers, {c['stack_bytes']} bytes of stack, "
+                   f"{c['instructions']} SASS instructions, {c['conversions']} layout conversions")
+        if c["loops"]:
+            out.append("    loops (instructions a trip): " + ", ".join(str(n) for n in c["loops"]))
+        out += [f"    layout {{{lay}}}" for lay in c["layouts"]]
+        if sass:
+            if c["histogram"]:
+                out.append("    " + ", ".join(f"{o} {n}" for o, n in c["histogram"]))
+            out += [f"    loop {i + 1}: " + ", ".join(f"{o} {n}" for o, n in h)
+                    for i, h in enumerate(c["loop_histograms"])]
+    return "".join(line + "\n" for line in out)
+
+
+def reports(command_lines: list[list[str]]) -> list[str]:
+    """What :func:`main` prints for each of ``command_lines`` (argument lists), the lines
+    run one after another in this process: torch's and Triton's imports are paid once and
+    one disassembler run reads every line's kernels. A usage error in any line exits (2)
+    before anything compiles."""
+    p = _parser()
+    parsed = [p.parse_args(argv) for argv in command_lines]
+    for args in parsed:
+        if not 1 <= args.window <= 16:
+            p.error(f"--window: must be in 1..16 (the closed form's bound), got {args.window}")
+        bad = [o for o in args.ops.split(",") if o not in OPS]
+        if bad:
+            p.error(f"--ops: unknown {bad}; known: {', '.join(OPS)}")
+    install()
+    if not triton.__version__.startswith("3.6"):
+        print(f"note: Triton {triton.__version__}; the H200's is 3.6.0, whose counts BENCHMARKS.md quotes",
+              file=sys.stderr)
+    runs = [_launches(args) for args in parsed]
+    found = iter(compiled([kernel for launches in runs for *_, kernel in launches]))
+    return [_report(launches, [next(found) for _ in launches], args.sass) for launches, args in zip(runs, parsed)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the report of the command line ``argv`` (``sys.argv[1:]`` by default)."""
+    print(reports([sys.argv[1:] if argv is None else argv])[0], end="")
     return 0
 
 
