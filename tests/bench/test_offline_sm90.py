@@ -5,6 +5,7 @@ import fcntl
 import hashlib
 import importlib.util
 import inspect
+import json
 import os
 import re
 import subprocess
@@ -36,21 +37,43 @@ def _tool_can_run() -> str | None:
 pytestmark = pytest.mark.skipif(_tool_can_run() is not None, reason=str(_tool_can_run()))
 
 
+#: The engine's kernels outside the state ops, compiled in one command line.
+ENGINE_OPS = "norms,rotary,attention,normed_linear,step_inputs,argmax"
+
+#: The command lines the tests read, run in one process (``offline_sm90.reports``): a
+#: process pays seconds for its imports (torch, Triton, the engine) and for the
+#: disassembler's start before it has read a kernel. A line missing here runs alone.
+COMMAND_LINES = (
+    ("--ops", "fold", "--sass"), ("--ops", "fold", "--sass", "--tune", "exact_write.block_v=64"),
+    ("--ops", "recurrence,fold", "--state-dtype", "bfloat16"), ("--ops", "closed_form", "--window", "8"),
+    ("--ops", ENGINE_OPS),
+)
+
+#: Prints, as one JSON line, the reports of the command lines in its second argument
+#: (a JSON list of argument lists); the first is the script's folder.
+_DRIVER = ("import json, sys; sys.path.insert(0, sys.argv[1]); import offline_sm90; "
+           "print(json.dumps(offline_sm90.reports(json.loads(sys.argv[2]))))")
+
+
 @pytest.fixture(scope="module")
 def offline(tmp_path_factory):
-    """``offline(*argv)``: the script's stdout for ``argv`` (it must exit 0). A command
-    line runs once a test session, in one Triton cache: the tests that read the same
-    launches (``--ops fold``, the engine's kernels by name) read the same report, on
-    whichever test worker asks first (the others wait for it)."""
+    """``offline(*argv)``: what the script prints for ``argv`` (it must not fail). The
+    command lines run once a test session, in one Triton cache and one process (those of
+    :data:`COMMAND_LINES` together): the tests that read the same launches (``--ops fold``,
+    the engine's kernels by name) read the same report, on whichever test worker asks
+    first (the others wait for it)."""
     base = tmp_path_factory.getbasetemp()
     shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the session's, under xdist
     shared = shared / "offline_sm90"
     shared.mkdir(exist_ok=True)
 
+    def key(argv) -> str:
+        return hashlib.sha1("\0".join(argv).encode()).hexdigest()[:16]
+
     def run(*argv) -> str:
-        key = hashlib.sha1("\0".join(argv).encode()).hexdigest()[:16]
-        report = shared / f"{key}.out"
-        with open(shared / f"{key}.lock", "w") as lock:
+        lines = COMMAND_LINES if argv in COMMAND_LINES else (argv,)
+        report = shared / f"{key(argv)}.out"
+        with open(shared / f"{key(lines[0])}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not report.exists():
                 paths = [str(SCRIPT.parents[1] / "src"),
@@ -58,10 +81,11 @@ def offline(tmp_path_factory):
                 env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "TRITON_CACHE_DIR": str(shared / "cache"),
                        "OMP_NUM_THREADS": "1", "TRITON_DEFAULT_FP_FUSION": "1"}
                 env.pop("TRITON_INTERPRET", None)
-                out = subprocess.run([sys.executable, str(SCRIPT), *argv], env=env, capture_output=True, text=True,
-                                     timeout=600)
+                out = subprocess.run([sys.executable, "-c", _DRIVER, str(SCRIPT.parent), json.dumps(lines)], env=env,
+                                     capture_output=True, text=True, timeout=600)
                 assert out.returncode == 0, out.stderr[-2000:]
-                report.write_text(out.stdout)
+                for line, text in zip(lines, json.loads(out.stdout.splitlines()[-1]), strict=True):
+                    (shared / f"{key(line)}.out").write_text(text)
         return report.read_text()
 
     return run
@@ -138,11 +162,6 @@ def test_window_sets_the_verify_ops_window_and_ring(offline):
     bad = subprocess.run([sys.executable, str(SCRIPT), "--ops", "closed_form", "--window", "17"], env=env,
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "--window: must be in 1..16" in bad.stderr, bad.stderr[-2000:]
-
-
-#: The engine's kernels outside the state ops, compiled in one command line (a process
-#: and its imports a line, not an op).
-ENGINE_OPS = "norms,rotary,attention,normed_linear,step_inputs,argmax"
 
 
 def _launches(offline, kernel: str, n: int, label: str = "") -> tuple[list[int], list[int]]:
