@@ -40,13 +40,16 @@ pytestmark = pytest.mark.skipif(_tool_can_run() is not None, reason=str(_tool_ca
 #: The engine's kernels outside the state ops, compiled in one command line.
 ENGINE_OPS = "norms,rotary,attention,normed_linear,step_inputs,argmax"
 
-#: The command lines the tests read, run in one process (``offline_sm90.reports``): a
-#: process pays seconds for its imports (torch, Triton, the engine) and for the
-#: disassembler's start before it has read a kernel. A line missing here runs alone.
-COMMAND_LINES = (
-    ("--ops", "fold", "--sass"), ("--ops", "fold", "--sass", "--tune", "exact_write.block_v=64"),
-    ("--ops", "recurrence,fold", "--state-dtype", "bfloat16"), ("--ops", "closed_form", "--window", "8"),
-    ("--ops", ENGINE_OPS),
+#: The command lines the tests read, grouped by the process that runs them
+#: (``offline_sm90.reports``): a process pays seconds for its imports (torch, Triton, the
+#: engine) and for the disassembler's start before it has read a kernel, so the state
+#: kernels' lines share one. The engine's line, about as long as those together, has its
+#: own: where the test workers share this file's tests, one compiles each half instead
+#: of one waiting for the other. A line missing here runs alone.
+PROCESSES = (
+    (("--ops", "fold", "--sass"), ("--ops", "fold", "--sass", "--tune", "exact_write.block_v=64"),
+     ("--ops", "recurrence,fold", "--state-dtype", "bfloat16"), ("--ops", "closed_form", "--window", "8")),
+    (("--ops", ENGINE_OPS),),
 )
 
 #: Prints, as one JSON line, the reports of the command lines in its second argument
@@ -57,11 +60,11 @@ _DRIVER = ("import json, sys; sys.path.insert(0, sys.argv[1]); import offline_sm
 
 @pytest.fixture(scope="module")
 def offline(tmp_path_factory):
-    """``offline(*argv)``: what the script prints for ``argv`` (it must not fail). The
-    command lines run once a test session, in one Triton cache and one process (those of
-    :data:`COMMAND_LINES` together): the tests that read the same launches (``--ops fold``,
+    """``offline(*argv)``: what the script prints for ``argv`` (it must not fail). A
+    command line runs once a test session, in one Triton cache, with the others of its
+    process (:data:`PROCESSES`): the tests that read the same launches (``--ops fold``,
     the engine's kernels by name) read the same report, on whichever test worker asks
-    first (the others wait for it)."""
+    first for a line of that process (the others wait for it)."""
     base = tmp_path_factory.getbasetemp()
     shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the session's, under xdist
     shared = shared / "offline_sm90"
@@ -71,7 +74,7 @@ def offline(tmp_path_factory):
         return hashlib.sha1("\0".join(argv).encode()).hexdigest()[:16]
 
     def run(*argv) -> str:
-        lines = COMMAND_LINES if argv in COMMAND_LINES else (argv,)
+        lines = next((group for group in PROCESSES if argv in group), (argv,))
         report = shared / f"{key(argv)}.out"
         with open(shared / f"{key(lines[0])}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
