@@ -3,13 +3,13 @@
 For each launch of the chosen ops at Qwen3.5 shapes (``H=16, HV=32, K=V=128``) this
 prints the kernel, its tile constants, registers a thread and its stack frame (where
 spilled values go; both from ``cuobjdump -res-usage``), the blocked layouts Triton gave
-it, its layout conversions, its SASS instruction count (static; ``--sass`` adds its
-histogram and each loop body's) and the instructions of each loop's trip (a replay's
-per-record loop, the products' K pipeline). That is how BENCHMARKS.md's "offline sm_90"
-register and instruction counts are read, and how a table row or a kernel change can be
-checked for spills before device time is spent on it.
+it, its layout conversions, its SASS instruction count (static, from ``nvdisasm``;
+``--sass`` adds its histogram and each loop body's) and the instructions of each loop's
+trip (a replay's per-record loop, the products' K pipeline). That is how BENCHMARKS.md's
+"offline sm_90" register and instruction counts are read, and how a table row or a
+kernel change can be checked for spills before device time is spent on it.
 
-    pip install --target DIR triton==3.6.0       # the card's compiler; it ships cuobjdump
+    pip install --target DIR triton==3.6.0       # the card's compiler; it ships cuobjdump, nvdisasm
     PYTHONPATH=DIR:src python3 scripts/offline_sm90.py --ops recurrence,fold [--window 8] \\
         --state-dtype bfloat16 [--batch 256] [--tune exact_read_only.block_v=128] [--sass]
 
@@ -28,26 +28,30 @@ device decides (BENCHMARKS.md records where they disagreed).
 from __future__ import annotations
 
 import argparse
+import bisect
+import contextlib
 import inspect
+import itertools
 import os
 import re
+import struct
 import subprocess
 import sys
 import tempfile
 from collections import Counter
 
-os.environ.pop("TRITON_INTERPRET", None)  # the kernels must be defined for compiling
-
-import torch  # noqa: E402
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.runtime import driver  # noqa: E402
-from triton.runtime.jit import JITFunction  # noqa: E402
-
 OPS = ("recurrence", "fold", "ring_decode", "closed_form", "tree_recurrence", "conv_prefill", "conv_verify", "norms", "rotary",
        "attention", "argmax", "step_inputs", "normed_linear", "guards")
 H, HV, K, V, T, L = 16, 32, 128, 128, 4, 16
-BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+WINDOW = T  # --window's default (T and L change with each command line's window)
+#: Imported by :func:`install`, once the command line is read: they take seconds, and a
+#: usage error or the SASS readers below need neither.
+torch = triton = None
+
+
+def _tool(name: str) -> str:
+    """The path of one of the CUDA tools that the Triton wheel ships."""
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
 class _Sm90Driver:
@@ -60,6 +64,8 @@ class _Sm90Driver:
         return 0
 
     def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+
         return GPUTarget("cuda", 90, 32)
 
     def get_active_torch_device(self):
@@ -70,6 +76,7 @@ class _Sm90Driver:
 
 
 LAUNCHES: list[tuple[str, dict, object]] = []
+_run = None  # JITFunction.run as Triton defines it
 
 
 def _compile_only(self, *args, grid, warmup, **kwargs):
@@ -78,13 +85,20 @@ def _compile_only(self, *args, grid, warmup, **kwargs):
     return kernel
 
 
-_run = JITFunction.run
-
-
 def install() -> None:
-    """Route every launch to the compiler, and let the ops take CPU tensors."""
+    """Import torch and Triton, route every launch to the compiler, and let the ops take
+    CPU tensors. (Called again in the same process, it changes nothing more.)"""
+    global torch, triton, _run
+    os.environ.pop("TRITON_INTERPRET", None)  # the kernels must be defined for compiling
+    import torch
+    import triton
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
     driver.set_active(_Sm90Driver())
-    JITFunction.run = _compile_only
+    if _run is None:
+        _run = JITFunction.run
+        JITFunction.run = _compile_only
     # Every module with kernels, imported (so its kernels and helpers are defined for
     # compiling) before the flags below are set.
     from replayssm import ops  # noqa: F401
@@ -123,31 +137,64 @@ def install() -> None:
             mod.sm_count = lambda device: 132
 
 
-#: A SASS line's address and opcode (its predicate skipped) in a cuobjdump listing.
+#: In an nvdisasm listing (as ``cuobjdump -sass`` prints it): a SASS line's address; its
+#: address and opcode (its predicate skipped); a branch's address and target.
+_ADDRESS = r"/\*([0-9a-f]{4,})\*/"
 _OP = r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+ )?([A-Z0-9_]+)"
 _BRANCH = r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+ )?BRA (?:\S+, )?0x([0-9a-f]+)"
 
 
-def compiled(kernel, sass: bool) -> dict:
-    """Registers, stack frame (where spills go) and SASS of one compiled kernel, read off
-    the cubin the compiler made (cuobjdump)."""
+def _instructions(cubin: bytes) -> bytes:
+    """A cubin's instructions: its executable sections' bytes (an ELF64's section
+    headers read directly), in section order."""
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    size, count = struct.unpack_from("<HH", cubin, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQ", cubin, shoff + i * size) for i in range(count)]
+    return b"".join(cubin[offset:offset + n] for _, _, flags, _, offset, n in headers if flags & 0x4)  # SHF_EXECINSTR
+
+
+def _listings(cubins: list[bytes]) -> list[str]:
+    """Each cubin's SASS listing, from one disassembler run over all their instructions
+    laid end to end: ``nvdisasm`` (which ``cuobjdump -sass`` runs a cubin) takes about a
+    second to start, whatever it reads, and a run compiles tens of kernels. A listing's
+    addresses are the concatenation's, its cubin's plus a constant; what is read off them
+    (opcodes, the distance from a backward branch to its target) is the same."""
+    texts = [_instructions(c) for c in cubins]
     with tempfile.TemporaryDirectory() as d:
-        cubin = os.path.join(d, "k.cubin")
-        with open(cubin, "wb") as f:
-            f.write(kernel.asm["cubin"])
-        usage = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", cubin],
-                               capture_output=True, text=True, check=True).stdout
-        dump = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", cubin],
+        raw = os.path.join(d, "sass.bin")
+        with open(raw, "wb") as f:
+            f.write(b"".join(texts))
+        # sm_90a: what Triton compiles a capability-90 target to (the driver above names one)
+        dump = subprocess.run([_tool("nvdisasm"), "-b", "SM90a", "-novliw", raw],
                               capture_output=True, text=True, check=True).stdout
-    ops = [m.group(2) for m in re.finditer(_OP, dump)]
-    loops = _loops(dump)
-    ttgir = kernel.asm["ttgir"]
-    return dict(registers=int(re.search(r"REG:(\d+)", usage).group(1)),
-                stack_bytes=int(re.search(r"STACK:(\d+)", usage).group(1)),
-                layouts=sorted(set(re.findall(r"#ttg\.blocked<\{([^}]*)\}>", ttgir))),
-                conversions=ttgir.count("ttg.convert_layout"), instructions=len(ops), loops=loops,
-                histogram=Counter(ops).most_common(16) if sass else None,
-                loop_histograms=[h.most_common(16) for h in _loop_histograms(dump)] if sass else None)
+    ends = list(itertools.accumulate(len(t) for t in texts))
+    listings = [[] for _ in texts]
+    for line in dump.splitlines():
+        if m := re.search(_ADDRESS, line):
+            listings[bisect.bisect_right(ends, int(m.group(1), 16))].append(line)
+    return ["\n".join(lines) for lines in listings]
+
+
+def compiled(kernels: list) -> list[dict]:
+    """Registers, stack frame (where spills go) and SASS of each compiled kernel, read off
+    the cubins the compiler made (cuobjdump, nvdisasm)."""
+    reports = []
+    for kernel, dump in zip(kernels, _listings([k.asm["cubin"] for k in kernels])):
+        with tempfile.TemporaryDirectory() as d:  # (cuobjdump reads usage without the disassembler: milliseconds)
+            cubin = os.path.join(d, "k.cubin")
+            with open(cubin, "wb") as f:
+                f.write(kernel.asm["cubin"])
+            usage = subprocess.run([_tool("cuobjdump"), "-res-usage", cubin],
+                                   capture_output=True, text=True, check=True).stdout
+        ops = [m.group(2) for m in re.finditer(_OP, dump)]
+        ttgir = kernel.asm["ttgir"]
+        reports.append(dict(registers=int(re.search(r"REG:(\d+)", usage).group(1)),
+                            stack_bytes=int(re.search(r"STACK:(\d+)", usage).group(1)),
+                            layouts=sorted(set(re.findall(r"#ttg\.blocked<\{([^}]*)\}>", ttgir))),
+                            conversions=ttgir.count("ttg.convert_layout"), instructions=len(ops), loops=_loops(dump),
+                            histogram=Counter(ops).most_common(16),
+                            loop_histograms=[h.most_common(16) for h in _loop_histograms(dump)]))
+    return reports
 
 
 def _backward_branches(dump: str) -> list[tuple[int, int]]:
@@ -176,19 +223,27 @@ def _acts(n, act):
                 dt_bias=torch.randn(HV) * 0.5)
 
 
+def _states(*rows: int, dtype: torch.dtype) -> torch.Tensor:
+    """State tiles ``(*rows, HV, V, K)``, unwritten: a launch here compiles and nothing
+    reads a value, and drawing a batch of 256 states (134 M numbers) at random takes
+    seconds of a run."""
+    return torch.empty(*rows, HV, V, K, dtype=dtype)
+
+
 def _ring_case(batch, t, sdt, act, keys):
-    """Circular's buffers: random cursors and histories, about half the rows flushing;
+    """Circular's buffers: random cursors, about half the rows flushing, and histories
+    unwritten (as the states, :func:`_states`: tens of millions of values nothing reads);
     the ring's keys in ``keys`` (float32: normalised, as a pool keeps them; 16-bit: raw)."""
     from replayssm.ops import RawRecords
 
     x = _acts(batch * t, act)
-    ring = RawRecords(torch.randn(batch, L, H, K).to(keys), torch.randn(batch, L, HV, V).to(act),
+    ring = RawRecords(torch.empty(batch, L, H, K, dtype=keys), torch.empty(batch, L, HV, V, dtype=act),
                       -torch.rand(batch, L, HV) - 0.02, torch.rand(batch, L, HV))
     cursors = (torch.arange(batch, dtype=torch.int32), torch.arange(0, batch * t + 1, t, dtype=torch.int32),
                torch.randint(0, L - t + 1, (batch,), dtype=torch.int32), torch.randint(0, L, (batch,), dtype=torch.int32),
                (torch.rand(batch) < 0.5).to(torch.int32))
-    ckpt = (torch.randn(batch, HV, V, K) * 0.1).to(sdt)
-    return x, ckpt, ring, torch.randn(batch, L, HV, V), cursors
+    ckpt = _states(batch, dtype=sdt)
+    return x, ckpt, ring, torch.empty(batch, L, HV, V), cursors
 
 
 def _set_window(t: int) -> None:
@@ -199,17 +254,19 @@ def _set_window(t: int) -> None:
 
 
 def run_op(op: str, batch: int, sdt: torch.dtype, act: torch.dtype,
-           ring_keys: torch.dtype = torch.float32) -> list[str]:
+           ring_keys: torch.dtype | None = None) -> list[str]:
     """Launch ``op``'s kernels once; return a label per launch. ``ring_keys``: the dtype
-    of every ring's keys (``ops.records.keys_normalized``)."""
+    of every ring's keys (``ops.records.keys_normalized``; float32 by default)."""
     from replayssm.ops import RawRecords, gdn_chunked_window, gdn_fold
     from replayssm.ops.recurrent import gdn_recurrence_triton
     from replayssm.ops.ring_decode import gdn_ring_decode
 
+    ring_keys = torch.float32 if ring_keys is None else ring_keys
+
     labels = []
     if op == "recurrence":
         slots = torch.arange(batch, dtype=torch.int32)
-        state = torch.randn(batch, HV, V, K).to(sdt)
+        state = _states(batch, dtype=sdt)
         for mode in ("decode", "fold verify", "snapshot verify"):
             t = 1 if mode == "decode" else T
             x = _acts(batch * t, act)
@@ -224,7 +281,7 @@ def run_op(op: str, batch: int, sdt: torch.dtype, act: torch.dtype,
             labels.append(f"{mode}, T={t}")
     elif op == "fold":
         n = 3  # records folded per slot, as a fold commit of 3 accepted tokens
-        ck = torch.randn(2, batch, HV, V, K).to(sdt)
+        ck = _states(2, batch, dtype=sdt)
         gdn_fold(ck, torch.randn(2, batch, T, H, K).to(ring_keys), torch.randn(2, batch, T, HV, V).to(act),
                  -torch.rand(2, batch, T, HV), torch.rand(2, batch, T, HV), torch.arange(batch, dtype=torch.int32),
                  torch.zeros(batch, dtype=torch.int32), torch.full((batch,), n, dtype=torch.int32), backend="triton")
@@ -240,7 +297,7 @@ def run_op(op: str, batch: int, sdt: torch.dtype, act: torch.dtype,
         trees = DraftTrees.from_branching((3, 2, 1), batch=batch)
         n = trees.batch * trees.max_nodes
         x = _acts(n, act)
-        state = torch.randn(batch, HV, V, K).to(sdt)
+        state = _states(batch, dtype=sdt)
         rec = RawRecords(torch.empty(batch, trees.max_nodes, H, K, dtype=ring_keys),
                          torch.empty(batch, trees.max_nodes, HV, V, dtype=act),
                          torch.empty(batch, trees.max_nodes, HV), torch.empty(batch, trees.max_nodes, HV))
@@ -376,7 +433,8 @@ def run_op(op: str, batch: int, sdt: torch.dtype, act: torch.dtype,
     return labels
 
 
-def main() -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The command line's options."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated, from {','.join(OPS)} (default all)")
     p.add_argument("--state-dtype", choices=("float32", "bfloat16"), default="float32")
@@ -392,24 +450,18 @@ def main() -> int:
     p.add_argument("--ring-keys", choices=("float32", "act"), default="float32",
                    help="dtype of the rings' keys: float32 (default), normalised as a pool keeps them; act, raw in "
                         "the activations' dtype as an engine's own 16-bit rings (SGLang's layout)")
-    p.add_argument("--window", type=int, default=T, metavar="T",
-                   help=f"draft window of the verify ops (default {T}; the ring holds 4 T records, at least {L})")
-    args = p.parse_args()
-    if not 1 <= args.window <= 16:
-        p.error(f"--window: must be in 1..16 (the closed form's bound), got {args.window}")
-    _set_window(args.window)
-    if not triton.__version__.startswith("3.6"):
-        print(f"note: Triton {triton.__version__}; the H200's is 3.6.0, whose counts BENCHMARKS.md quotes",
-              file=sys.stderr)
-    ops = args.ops.split(",")
-    bad = [o for o in ops if o not in OPS]
-    if bad:
-        p.error(f"--ops: unknown {bad}; known: {', '.join(OPS)}")
-    install()
-    import contextlib
+    p.add_argument("--window", type=int, default=WINDOW, metavar="T",
+                   help=f"draft window of the verify ops (default {WINDOW}; the ring holds 4 T records, at least 16)")
+    return p
 
+
+def _launches(args: argparse.Namespace) -> list[tuple[str, str, dict, object]]:
+    """Compile the launches of one command line's ops: ``(label, kernel name, its
+    arguments, the compiled kernel)`` each, in launch order."""
     from replayssm.ops import tuning
 
+    _set_window(args.window)
+    launches = []
     with contextlib.ExitStack() as stack:
         if args.chained:
             from replayssm.ops.triton_common import chained_launches
@@ -420,24 +472,59 @@ def main() -> int:
             family, _, param = name.partition(".")
             stack.enter_context(tuning.override(family, **{param: int(value)}))
         sdt, act = getattr(torch, args.state_dtype), getattr(torch, args.act_dtype)
-        for op in ops:
+        for op in args.ops.split(","):
             first = len(LAUNCHES)
             labels = run_op(op, args.batch, sdt, act, act if args.ring_keys == "act" else torch.float32)
-            for (name, kw, kernel), label in zip(LAUNCHES[first:], labels):
-                c = compiled(kernel, args.sass)
-                consts = " ".join(f"{k}={v}" for k, v in kw.items()
-                                  if k in ("BV", "BK", "T", "num_warps", "LOAD_AHEAD", "EARLY_TILE", "FUSE_FLUSH",
-                                           "BT", "U", "BC", "CHAINED"))
-                print(f"{label}: {name} [{consts}] {c['registers']} registers, {c['stack_bytes']} bytes of stack, "
-                      f"{c['instructions']} SASS instructions, {c['conversions']} layout conversions")
-                if c["loops"]:
-                    print("    loops (instructions a trip): " + ", ".join(str(n) for n in c["loops"]))
-                for lay in c["layouts"]:
-                    print(f"    layout {{{lay}}}")
-                if c["histogram"]:
-                    print("    " + ", ".join(f"{o} {n}" for o, n in c["histogram"]))
-                for i, h in enumerate(c["loop_histograms"] or []):
-                    print(f"    loop {i + 1}: " + ", ".join(f"{o} {n}" for o, n in h))
+            launches += [(label, name, kw, kernel) for (name, kw, kernel), label in zip(LAUNCHES[first:], labels)]
+    return launches
+
+
+def _report(launches: list, found: list[dict], sass: bool) -> str:
+    """One command line's report: a line a launch, then its loops, layouts and (``sass``)
+    opcode histograms, indented."""
+    out = []
+    for (label, name, kw, _), c in zip(launches, found):
+        consts = " ".join(f"{k}={v}" for k, v in kw.items()
+                          if k in ("BV", "BK", "T", "num_warps", "LOAD_AHEAD", "EARLY_TILE", "FUSE_FLUSH",
+                                   "BT", "U", "BC", "CHAINED"))
+        out.append(f"{label}: {name} [{consts}] {c['registers']} registers, {c['stack_bytes']} bytes of stack, "
+                   f"{c['instructions']} SASS instructions, {c['conversions']} layout conversions")
+        if c["loops"]:
+            out.append("    loops (instructions a trip): " + ", ".join(str(n) for n in c["loops"]))
+        out += [f"    layout {{{lay}}}" for lay in c["layouts"]]
+        if sass:
+            if c["histogram"]:
+                out.append("    " + ", ".join(f"{o} {n}" for o, n in c["histogram"]))
+            out += [f"    loop {i + 1}: " + ", ".join(f"{o} {n}" for o, n in h)
+                    for i, h in enumerate(c["loop_histograms"])]
+    return "".join(line + "\n" for line in out)
+
+
+def reports(command_lines: list[list[str]]) -> list[str]:
+    """What :func:`main` prints for each of ``command_lines`` (argument lists), the lines
+    run one after another in this process: torch's and Triton's imports are paid once and
+    one disassembler run reads every line's kernels. A usage error in any line exits (2)
+    before anything compiles."""
+    p = _parser()
+    parsed = [p.parse_args(argv) for argv in command_lines]
+    for args in parsed:
+        if not 1 <= args.window <= 16:
+            p.error(f"--window: must be in 1..16 (the closed form's bound), got {args.window}")
+        bad = [o for o in args.ops.split(",") if o not in OPS]
+        if bad:
+            p.error(f"--ops: unknown {bad}; known: {', '.join(OPS)}")
+    install()
+    if not triton.__version__.startswith("3.6"):
+        print(f"note: Triton {triton.__version__}; the H200's is 3.6.0, whose counts BENCHMARKS.md quotes",
+              file=sys.stderr)
+    runs = [_launches(args) for args in parsed]
+    found = iter(compiled([kernel for launches in runs for *_, kernel in launches]))
+    return [_report(launches, [next(found) for _ in launches], args.sass) for launches, args in zip(runs, parsed)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the report of the command line ``argv`` (``sys.argv[1:]`` by default)."""
+    print(reports([sys.argv[1:] if argv is None else argv])[0], end="")
     return 0
 
 

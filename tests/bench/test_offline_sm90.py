@@ -3,7 +3,9 @@ without a GPU (the compiler's registers, stack and instructions, nothing run).""
 
 import fcntl
 import hashlib
+import importlib.util
 import inspect
+import json
 import os
 import re
 import subprocess
@@ -14,14 +16,16 @@ import pytest
 
 triton = pytest.importorskip("triton")
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "offline_sm90.py"
-CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
 def _tool_can_run() -> str | None:
     """Why the script cannot compile offline with this Triton, or None: it needs the
-    wheel's cuobjdump and the runtime hooks it stands in for a GPU driver with."""
-    if not CUOBJDUMP.exists():
-        return "this Triton wheel ships no cuobjdump"
+    wheel's cuobjdump and nvdisasm and the runtime hooks it stands in for a GPU driver
+    with."""
+    for tool in ("cuobjdump", "nvdisasm"):
+        if not (TOOLS / tool).exists():
+            return f"this Triton wheel ships no {tool}"
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
 
@@ -33,21 +37,46 @@ def _tool_can_run() -> str | None:
 pytestmark = pytest.mark.skipif(_tool_can_run() is not None, reason=str(_tool_can_run()))
 
 
+#: The engine's kernels outside the state ops, compiled in one command line.
+ENGINE_OPS = "norms,rotary,attention,normed_linear,step_inputs,argmax"
+
+#: The command lines the tests read, grouped by the process that runs them
+#: (``offline_sm90.reports``): a process pays seconds for its imports (torch, Triton, the
+#: engine) and for the disassembler's start before it has read a kernel, so the state
+#: kernels' lines share one. The engine's line, about as long as those together, has its
+#: own: where the test workers share this file's tests, one compiles each half instead
+#: of one waiting for the other. A line missing here runs alone.
+PROCESSES = (
+    (("--ops", "fold", "--sass"), ("--ops", "fold", "--sass", "--tune", "exact_write.block_v=64"),
+     ("--ops", "recurrence,fold", "--state-dtype", "bfloat16"), ("--ops", "closed_form", "--window", "8")),
+    (("--ops", ENGINE_OPS),),
+)
+
+#: Prints, as one JSON line, the reports of the command lines in its second argument
+#: (a JSON list of argument lists); the first is the script's folder.
+_DRIVER = ("import json, sys; sys.path.insert(0, sys.argv[1]); import offline_sm90; "
+           "print(json.dumps(offline_sm90.reports(json.loads(sys.argv[2]))))")
+
+
 @pytest.fixture(scope="module")
 def offline(tmp_path_factory):
-    """``offline(*argv)``: the script's stdout for ``argv`` (it must exit 0). A command
-    line runs once a test session, in one Triton cache: the tests that read the same
-    launches (``--ops fold``, the engine's kernels by name) read the same report, on
-    whichever test worker asks first (the others wait for it)."""
+    """``offline(*argv)``: what the script prints for ``argv`` (it must not fail). A
+    command line runs once a test session, in one Triton cache, with the others of its
+    process (:data:`PROCESSES`): the tests that read the same launches (``--ops fold``,
+    the engine's kernels by name) read the same report, on whichever test worker asks
+    first for a line of that process (the others wait for it)."""
     base = tmp_path_factory.getbasetemp()
     shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the session's, under xdist
     shared = shared / "offline_sm90"
     shared.mkdir(exist_ok=True)
 
+    def key(argv) -> str:
+        return hashlib.sha1("\0".join(argv).encode()).hexdigest()[:16]
+
     def run(*argv) -> str:
-        key = hashlib.sha1("\0".join(argv).encode()).hexdigest()[:16]
-        report = shared / f"{key}.out"
-        with open(shared / f"{key}.lock", "w") as lock:
+        lines = next((group for group in PROCESSES if argv in group), (argv,))
+        report = shared / f"{key(argv)}.out"
+        with open(shared / f"{key(lines[0])}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not report.exists():
                 paths = [str(SCRIPT.parents[1] / "src"),
@@ -55,10 +84,11 @@ def offline(tmp_path_factory):
                 env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "TRITON_CACHE_DIR": str(shared / "cache"),
                        "OMP_NUM_THREADS": "1", "TRITON_DEFAULT_FP_FUSION": "1"}
                 env.pop("TRITON_INTERPRET", None)
-                out = subprocess.run([sys.executable, str(SCRIPT), *argv], env=env, capture_output=True, text=True,
-                                     timeout=600)
+                out = subprocess.run([sys.executable, "-c", _DRIVER, str(SCRIPT.parent), json.dumps(lines)], env=env,
+                                     capture_output=True, text=True, timeout=600)
                 assert out.returncode == 0, out.stderr[-2000:]
-                report.write_text(out.stdout)
+                for line, text in zip(lines, json.loads(out.stdout.splitlines()[-1]), strict=True):
+                    (shared / f"{key(line)}.out").write_text(text)
         return report.read_text()
 
     return run
@@ -92,8 +122,8 @@ def test_16_bit_tiles_take_the_fp32_layout(offline):
 
 def test_loops_are_read_from_backward_branches():
     """A loop's trip is the instructions from a backward branch's target to the branch
-    (16 bytes each); forward branches are no loops. (In a process of its own: importing
-    the script drops the interpreter flag that the rest of the suite runs under.)"""
+    (16 bytes each); forward branches are no loops. (The script imports here without
+    torch or Triton: it imports them when it compiles.)"""
     dump = "\n".join([
         "        /*0100*/                   FFMA R1, R2, R3, R4 ;",
         "        /*0110*/              @!P0 BRA 0x0150 ;",
@@ -102,16 +132,13 @@ def test_loops_are_read_from_backward_branches():
         "        /*0140*/                   BRA 0x0120 ;",
         "        /*0150*/                   EXIT ;",
     ])
-    code = (f"import sys; sys.path.insert(0, {str(SCRIPT.parent)!r}); "
-            "from offline_sm90 import _loops, _loop_histograms; d = sys.stdin.read(); "
-            "print(_loops(d)); print([sorted(h.items()) for h in _loop_histograms(d)])")
-    out = subprocess.run([sys.executable, "-c", code], input=dump, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "PYTHONPATH": str(SCRIPT.parents[1] / "src")})
-    assert out.returncode == 0, out.stderr[-2000:]
-    trips, bodies = out.stdout.strip().splitlines()
-    assert trips == "[4, 3]"
+    spec = importlib.util.spec_from_file_location("offline_sm90", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script._loops(dump) == [4, 3]
     # each body's opcodes, predicates skipped: 0x100-0x130, then 0x120-0x140
-    assert bodies == "[[('BRA', 2), ('FFMA', 1), ('FMUL', 1)], [('BRA', 2), ('FMUL', 1)]]"
+    assert [sorted(h.items()) for h in script._loop_histograms(dump)] == [
+        [("BRA", 2), ("FFMA", 1), ("FMUL", 1)], [("BRA", 2), ("FMUL", 1)]]
 
 
 def test_reports_the_replay_loop(offline):
@@ -138,11 +165,6 @@ def test_window_sets_the_verify_ops_window_and_ring(offline):
     bad = subprocess.run([sys.executable, str(SCRIPT), "--ops", "closed_form", "--window", "17"], env=env,
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "--window: must be in 1..16" in bad.stderr, bad.stderr[-2000:]
-
-
-#: The engine's kernels outside the state ops, compiled in one command line (a process
-#: and its imports a line, not an op).
-ENGINE_OPS = "norms,rotary,attention,normed_linear,step_inputs,argmax"
 
 
 def _launches(offline, kernel: str, n: int, label: str = "") -> tuple[list[int], list[int]]:
