@@ -55,10 +55,10 @@ def run(batch: int, window: int, emit: int, budgets: list[int], overlap: bool | 
     prefill = [0.0]
     prefill_pass = gen._prefill_pass
 
-    def timed_pass(*args):
+    def timed_pass(*args, **kwargs):
         t = time.process_time()
         try:
-            return prefill_pass(*args)
+            return prefill_pass(*args, **kwargs)
         finally:
             prefill[0] += time.process_time() - t
 
