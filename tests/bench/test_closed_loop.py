@@ -1,6 +1,6 @@
 """``replayssm closed-loop`` on the CPU (the tiny random model, and the trained default
 for the command's outputs): the exact strategies never leave plain decoding's tokens
-over 384 greedy tokens (the command's default is 2048; 384 wrap the ring 24 times),
+over 192 greedy tokens (the command's default is 2048; 192 wrap the ring 12 times),
 their committed state stays at fp32 rounding from a float64 run of the same tokens,
 the control is a real departure from the exact fold and its divergence is reported,
 and the outputs are written."""
@@ -15,31 +15,31 @@ from replayssm.bench.closed_loop import CONTROL, OpenLoopCircular, first_diverge
 from replayssm.cli.closed_loop import config_from_args
 
 
-def test_exact_strategies_never_diverge_over_384_tokens():
+def test_exact_strategies_never_diverge_over_192_tokens():
     seed = random.randrange(10**6)
-    args = cli.parse(["closed-loop", "--model", "tiny", "--tokens", "384", "--requests", "2", "--every", "96", "--seed", str(seed),
+    args = cli.parse(["closed-loop", "--model", "tiny", "--tokens", "192", "--requests", "2", "--every", "48", "--seed", str(seed),
                       "--device", "cpu", "--quiet"])
     cli.set_cpu_threads(args)
     result = run_closed_loop(config_from_args(args), progress_enabled=False)
     v = result["variants"]
     assert list(v) == ["plain", "snapshot", "fold", "circular", CONTROL]
     plain = v["plain"]["tokens"]
-    assert [len(t) for t in plain] == [384, 384]
+    assert [len(t) for t in plain] == [192, 192]
     for name in ("snapshot", "fold"):
         assert v[name]["tokens"] == plain, (name, seed, v[name]["diverged_at"])
         assert v[name]["diverged_at"] == [None, None] and not v[name]["diverged"]
     assert result["failed"] == [] and result["exit_code"] == 0
-    # Sampled along the way (prompt at 16, then past each multiple of 96), and at fp32
+    # Sampled along the way (prompt at 16, then past each multiple of 48), and at fp32
     # rounding from the float64 run of the same tokens.
     for name in ("plain", "snapshot", "fold", "circular"):
         for per in v[name]["samples"]:
             positions = [p for p, _ in per]
-            assert positions[0] == 16 and positions[-1] >= 384 and len(positions) >= 5, (name, positions)
+            assert positions[0] == 16 and positions[-1] >= 192 and len(positions) >= 5, (name, positions)
             assert all(0 <= e < 1e-5 for _, e in per), (name, per)
     # The control's divergence is reported per request (it may or may not diverge on
     # a random model in fp32, where rounding u changes nothing).
     c = v[CONTROL]
-    assert len(c["diverged_at"]) == 2 and all(d is None or 0 <= d < 384 for d in c["diverged_at"])
+    assert len(c["diverged_at"]) == 2 and all(d is None or 0 <= d < 192 for d in c["diverged_at"])
     assert result["control_diverged"] == c["diverged"]
 
 

@@ -142,14 +142,16 @@ def test_multimodal_qwen35_checkpoint_with_mtp(tmp_path, capsys, seed):
 
 
 def test_main_job(capsys):
-    """``replayssm run`` (the main job) on 2 requests of 48 tokens, about 20 steps a
-    strategy (its defaults: 4 of 96): the exact strategies equal plain decoding, and
-    every drafter's acceptance is reported, within (1, T]."""
-    rc = cli.main(["run", "--max-new-tokens", "48", "--batch", "2"])
+    """``replayssm run`` (the main job) on 2 requests of 32 tokens, 16 steps a
+    strategy (its defaults: 4 of 96), the held-out loss over one window of 512 tokens
+    (its default: 8): the exact strategies equal plain decoding, and every drafter's
+    acceptance is reported, within (1, T]."""
+    rc = cli.main(["run", "--max-new-tokens", "32", "--batch", "2", "--heldout-windows", "1"])
     out = capsys.readouterr().out
     assert rc == 0, out
+    assert "held-out loss" in out and "(1 windows of held-out" in out
     for strategy in ("snapshot", "fold", "circular"):
-        assert f"[{strategy}] 96 tokens" in out and "EQUALS plain decoding (96/96 tokens)" in out
+        assert f"[{strategy}] 64 tokens" in out and "EQUALS plain decoding (64/64 tokens)" in out
     assert "OK: greedy speculative outputs" in out
     # the acceptance summary: one row per drafter, tokens per step within (1, T]
     for label in ("n-gram", "MTP head", "draft model"):

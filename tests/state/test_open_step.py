@@ -18,8 +18,8 @@ SHAPE = GDNShape(num_heads=2, num_value_heads=4, head_k_dim=16, head_v_dim=8)
 TOL = 1e-5
 
 
-def make(strategy, *, requests=2, slots=4, layers=2, window=4, ring_len=8, seed=0, backend="reference"):
-    pool = StatePool(SHAPE, layers, slots, strategy=strategy, window=window, ring_len=ring_len, backend=backend)
+def make(strategy, *, requests=2, slots=4, layers=2, window=4, ring_len=8, seed=0, backend="reference", shape=SHAPE):
+    pool = StatePool(shape, layers, slots, strategy=strategy, window=window, ring_len=ring_len, backend=backend)
     lc = Lifecycle(pool, num_requests=requests, padding_rows=1, generator=torch.Generator().manual_seed(seed))
     return pool, lc
 
@@ -172,11 +172,14 @@ def test_abort_with_the_triton_fold_keeps_the_oracle(small_batch):
     layers the step did not reach is the Triton fold; the float64 oracle keeps agreeing.
     ``replay``: with the small-batch path (one-launch verify, a flush at every commit).
     Four steps: aborts after 1, 2, 1 and 0 verified layers (the generator's draws), two
-    of them folding the layer the step did not reach."""
+    of them folding the layer the step did not reach. One key head shared by two value
+    heads (the interpreter runs each head's programs; more heads repeat them)."""
     if small_batch:
         with tuning.override("circular", replay_max_batch=8):
             return test_abort_with_the_triton_fold_keeps_the_oracle(False)
-    pool, lc = make("circular", requests=2, slots=3, layers=2, window=2, ring_len=4, seed=2, backend="triton")
+    shape = GDNShape(num_heads=1, num_value_heads=2, head_k_dim=16, head_v_dim=8)
+    pool, lc = make("circular", requests=2, slots=3, layers=2, window=2, ring_len=4, seed=2, backend="triton",
+                    shape=shape)
     gen = torch.Generator().manual_seed(3)
     for step in range(4):  # ring_len = 2T: a flush every other step
         r = lc.step()
