@@ -6,8 +6,20 @@ Python ints with plain modular arithmetic; bad arguments fail before any launch.
 import pytest
 import torch
 
-from replayssm.ops.counter_hash import counter_hash, counter_hash_reference, counter_hash_triton
+from replayssm.ops import guards
+from replayssm.ops.counter_hash import (
+    counter_hash,
+    counter_hash_reference,
+    counter_hash_triton,
+    hash_accept_counts,
+    hash_accept_counts_reference,
+    hash_accept_counts_triton,
+    hash_tokens,
+    hash_tokens_reference,
+    hash_tokens_triton,
+)
 from replayssm.testing.hashes import M32, counter_hash_int
+from replayssm.testing.op_count import count_ops
 
 
 def _counters(n: int, g: torch.Generator) -> torch.Tensor:
@@ -61,15 +73,6 @@ def test_triton_refuses_too_many_columns():
 
 
 # ------------------------------------------------------------- the forced drafter's draws
-from replayssm.ops.counter_hash import (  # noqa: E402
-    hash_accept_counts,
-    hash_accept_counts_reference,
-    hash_accept_counts_triton,
-    hash_tokens,
-    hash_tokens_reference,
-    hash_tokens_triton,
-)
-from replayssm.testing.op_count import count_ops  # noqa: E402
 
 
 def _slot_case(g: torch.Generator, num_slots: int, rows: int, dtype=torch.int64):
@@ -172,8 +175,6 @@ def test_slots_out_of_range_inside_a_capture_give_zeros(fns):
     """Where nothing may be read on the host (a graph capture, forced here), a row whose
     slot is outside the counters gets zeros and reads nothing; its neighbours keep
     their draws."""
-    from replayssm.ops import guards
-
     counts, tokens = fns
     g = torch.Generator().manual_seed(torch.initial_seed() % 2**31)
     request, step, _ = _slot_case(g, 6, 1)

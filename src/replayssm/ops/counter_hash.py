@@ -51,9 +51,13 @@ def mix32(x):
     return x ^ (x >> 16)
 
 
-def _check(seed, a, b, c) -> None:
+def _check_seed(seed) -> None:
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+
+
+def _check(seed, a, b, c) -> None:
+    _check_seed(seed)
     for name, x in (("a", a), ("b", b)):
         _checks.tensor(name, x, ndim=1, dtypes=(torch.int64,))
     _checks.shape("b", b, [a.shape[0]])
@@ -81,8 +85,7 @@ def counter_hash_reference(seed: int, a: torch.Tensor, b: torch.Tensor, c: torch
 
 
 def _check_slot_draws(seed, request, step, slots, count: int, name: str) -> None:
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    _check_seed(seed)
     _checks.tensor("request", request, ndim=1, dtypes=(torch.int64,))
     _checks.tensor("step", step, ndim=1, dtypes=(torch.int64,))
     _checks.shape("step", step, [request.shape[0]])
@@ -216,6 +219,14 @@ if triton is not None:
         return x ^ (x >> 16)
 
     @triton.jit
+    def _hash_rows_cols(a, b, c, seed_mixed, mask, mix1, mix2):
+        """``[R, M]`` hashes of rows' ``(a, b) [R]`` and columns' ``c [M]``, each masked
+        to 32 bits: the module's chain after the seed's own mix."""
+        h = _mix32_int64(a ^ seed_mixed, mask, mix1, mix2)
+        h = _mix32_int64(b ^ h, mask, mix1, mix2)
+        return _mix32_int64(c[None, :] ^ h[:, None], mask, mix1, mix2)
+
+    @triton.jit
     def _counter_hash_kernel(a_ptr, b_ptr, c_ptr, out_ptr, seed_mixed, mask, mix1, mix2, B, M,
                              BB: tl.constexpr, BM: tl.constexpr):
         rows = tl.program_id(0) * BB + tl.arange(0, BB)
@@ -225,11 +236,8 @@ if triton is not None:
         a = tl.load(a_ptr + rows, mask=row_ok, other=0) & mask
         b = tl.load(b_ptr + rows, mask=row_ok, other=0) & mask
         c = tl.load(c_ptr + cols, mask=col_ok, other=0) & mask
-        h = _mix32_int64(a ^ seed_mixed, mask, mix1, mix2)
-        h = _mix32_int64(b ^ h, mask, mix1, mix2)
-        h = _mix32_int64(c[None, :] ^ h[:, None], mask, mix1, mix2)
+        h = _hash_rows_cols(a, b, c, seed_mixed, mask, mix1, mix2)
         tl.store(out_ptr + rows[:, None] * M + cols[None, :], h, mask=row_ok[:, None] & col_ok[None, :])
-
 
     @triton.jit
     def _slot_draws_kernel(request_ptr, step_ptr, slots_ptr, p_ptr, out_ptr, seed_mixed, mask, mix1, mix2, B, S, M,
@@ -246,9 +254,7 @@ if triton is not None:
         cols = tl.arange(0, BM)
         col_ok = cols < M
         c = (cols.to(tl.int64) + first) & mask
-        h = _mix32_int64(a ^ seed_mixed, mask, mix1, mix2)
-        h = _mix32_int64(b ^ h, mask, mix1, mix2)
-        h = _mix32_int64(c[None, :] ^ h[:, None], mask, mix1, mix2)
+        h = _hash_rows_cols(a, b, c, seed_mixed, mask, mix1, mix2)
         if COUNT:
             # (h >> 8) has 24 bits: exact in float32, as is the power-of-two scale
             u = (h >> 8).to(tl.float32) * 5.9604644775390625e-08
